@@ -1,0 +1,30 @@
+"""ckpt: fault-tolerant checkpoints for PyTorch training."""
+
+from .api import CheckpointExistsError, async_save, load, save
+from .engine import SaveHandle, SaveResult
+from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
+                     CorruptCheckpointError, StateMismatchError, StorageError,
+                     UnsupportedValueError)
+from .manager import CheckpointManager
+from .options import SaveOptions
+from .rng import RNGState
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointLockedError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "RNGState",
+    "SaveHandle",
+    "SaveOptions",
+    "SaveResult",
+    "StateMismatchError",
+    "StorageError",
+    "UnsupportedValueError",
+    "async_save",
+    "load",
+    "save",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,117 @@
+"""One-shot save and load of a single checkpoint directory, without a manager."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+from typing import Any, MutableMapping
+
+from storage_backends import PosixStorage
+
+from .engine import BackgroundWriter, SaveHandle, SaveResult, Stager, StepPayload
+from .errors import CheckpointError
+from .integrity import check_structure, read_manifest
+from .options import SaveOptions
+from .reader import load_step
+from .state import flatten
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """The target checkpoint directory already exists."""
+
+
+def _split(path: str | os.PathLike) -> tuple[PosixStorage, str]:
+    full = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(full)
+    if not name:
+        raise ValueError(f"{path!r} does not name a checkpoint directory")
+    return PosixStorage(parent), name
+
+
+class _OneShot:
+    """The module-level writer behind :func:`async_save` (one save in flight at a time)."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._writer: BackgroundWriter | None = None
+        self._stager = Stager()
+        self._inflight: SaveHandle | None = None
+
+    def submit(self, state: MutableMapping[str, Any], path: str | os.PathLike, *, step: int,
+               copy: bool, options: SaveOptions, metadata: dict | None) -> SaveHandle:
+        import time
+
+        storage, name = _split(path)
+        if storage.exists(name):
+            raise CheckpointExistsError(
+                f"{os.fspath(path)} already exists; remove it or choose another path",
+                path=os.fspath(path))
+        with self._mutex:
+            if self._inflight is not None:
+                try:
+                    self._inflight.wait()
+                except CheckpointError:
+                    pass  # that caller owns that error; it was raised through its handle
+            if self._writer is None or self._writer.options != options:
+                if self._writer is not None:
+                    self._writer.close()
+                self._writer = BackgroundWriter(options)
+            t0 = time.perf_counter()
+            flat = flatten(state, allow_pickle=options.allow_pickle)
+            staged, ready = self._stager.stage(flat.tensors, copy=copy)
+            payload = StepPayload(step, name, staged, flat, ready, metadata)
+            self._inflight = self._writer.submit(storage, payload, time.perf_counter() - t0)
+            return self._inflight
+
+
+_ONE_SHOT = _OneShot()
+
+
+def async_save(state: MutableMapping[str, Any], path: str | os.PathLike, *, step: int = 0,
+               allow_pickle: bool = False, options: SaveOptions | None = None,
+               metadata: dict | None = None) -> SaveHandle:
+    """Save ``state`` to the new directory ``path`` in the background.
+
+    Returns once the state is copied to host memory; the handle's ``wait()`` returns the
+    :class:`SaveResult` or raises the writer's error. The directory appears complete or not
+    at all.
+    """
+    options = options or SaveOptions(allow_pickle=allow_pickle)
+    return _ONE_SHOT.submit(state, path, step=step, copy=True, options=options, metadata=metadata)
+
+
+def save(state: MutableMapping[str, Any], path: str | os.PathLike, *, step: int = 0,
+         allow_pickle: bool = False, options: SaveOptions | None = None,
+         metadata: dict | None = None) -> SaveResult:
+    """Save ``state`` to the new directory ``path``; returns when it is committed.
+
+    Raises:
+        CheckpointExistsError: ``path`` exists already.
+        UnsupportedValueError: a value is neither a tensor nor JSON (and pickle not allowed).
+        StorageError: writing failed (nothing is left at ``path``).
+    """
+    options = options or SaveOptions(allow_pickle=allow_pickle)
+    return _ONE_SHOT.submit(state, path, step=step, copy=False, options=options,
+                            metadata=metadata).wait()
+
+
+def load(state: MutableMapping[str, Any], path: str | os.PathLike, *,
+         allow_pickle: bool = False, verify: bool = True) -> int:
+    """Load the checkpoint directory ``path`` into ``state`` in place; returns its step.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` holds no committed checkpoint.
+        CorruptCheckpointError: the manifest is invalid, a file is missing or truncated, or
+            (with ``verify``) a chunk's digest does not match.
+        StateMismatchError: the checkpoint does not fit ``state``; nothing was changed.
+    """
+    full = os.path.abspath(os.fspath(path))
+    storage = PosixStorage(os.path.dirname(full), create=False)
+    name = os.path.basename(full)
+    manifest = read_manifest(storage, name)
+    check_structure(storage, name, manifest)
+    with cf.ThreadPoolExecutor(SaveOptions().write_threads) as pool:
+        load_step(storage, name, manifest, state, allow_pickle=allow_pickle, verify=verify,
+                  pool=pool)
+    return manifest.step

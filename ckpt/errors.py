@@ -1,0 +1,51 @@
+"""Every error ckpt raises derives from :class:`CheckpointError`.
+
+Subclasses also derive from the builtin they refine, so ``except FileNotFoundError`` keeps
+working for callers who do not know ckpt. Each carries the path (or key) it is about, says
+what to do in its message, and pickles across processes (the message is the only argument
+that ``BaseException.__reduce__`` replays, so extra fields are keyword-only with defaults).
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every ckpt error."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self):  # keep `path` when the error crosses a process boundary
+        return (_rebuild, (type(self), str(self), self.path))
+
+
+def _rebuild(cls: type, message: str, path: str | None) -> CheckpointError:
+    return cls(message, path=path)
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint (or no root) exists where one was asked for."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A checkpoint's manifest or data failed validation: it must not be loaded."""
+
+
+class CheckpointLockedError(CheckpointError, BlockingIOError):
+    """Another writer holds the root's lock."""
+
+
+class StateMismatchError(CheckpointError, KeyError):
+    """The checkpoint does not fit the state it is loaded into (keys, shapes, dtypes)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value in the state can be neither a tensor nor JSON (and pickle was not allowed)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed to read, write or commit (the backend's error is chained)."""

@@ -1,0 +1,72 @@
+"""Integrity primitives shared by restore and ``ckpt verify``: digests, reading and
+validating a step's manifest, and the structure check (files present, byte ranges inside them).
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+from storage_backends import Storage
+
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .format import MANIFEST_NAME, Chunk, Manifest, step_dir
+
+
+def digest(data) -> str:
+    """The chunk digest: xxh3-64 of the raw (uncompressed) bytes, 16 hex digits."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def chunk_path(location: str, chunk: Chunk) -> str:
+    """Where a chunk's file lives relative to the root: in the step at ``location``, or in
+    the earlier step it reuses the chunk from."""
+    return f"{location if chunk.step is None else step_dir(chunk.step)}/{chunk.file}"
+
+
+def read_manifest(storage: Storage, location: str, step: int | None = None) -> Manifest:
+    """Read and validate the manifest of the checkpoint at ``location`` (relative to root).
+
+    When ``step`` is given the manifest must say that step (it lies in that step's directory).
+    """
+    where = f"{storage.url}/{location}/{MANIFEST_NAME}"
+    try:
+        raw = storage.read(f"{location}/{MANIFEST_NAME}")
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint at {storage.url}/{location} (no {MANIFEST_NAME}); "
+            "list a root's steps with `ckpt ls ROOT`", path=where) from None
+    manifest = Manifest.from_json(raw, where=where)
+    if step is not None and manifest.step != step:
+        raise CorruptCheckpointError(
+            f"{where}: manifest says step {manifest.step}, but lies in {location}", path=where)
+    return manifest
+
+
+def check_structure(storage: Storage, location: str, manifest: Manifest) -> None:
+    """Every file the manifest names exists with its recorded size, and holds its chunks."""
+    sizes: dict[str, int] = {}
+    for name, expected in manifest.files.items():
+        path = f"{location}/{name}"
+        sizes[path] = _size_or_raise(storage, path, expected)
+    for key, entry in manifest.tensors.items():
+        for chunk in entry.chunks:
+            path = chunk_path(location, chunk)
+            if path not in sizes:
+                sizes[path] = _size_or_raise(storage, path, None)
+            if chunk.start + chunk.length > sizes[path]:
+                raise CorruptCheckpointError(
+                    f"{storage.url}/{path}: {sizes[path]} bytes, but {key} needs bytes "
+                    f"{chunk.start}..{chunk.start + chunk.length}; the file is truncated",
+                    path=f"{storage.url}/{path}")
+
+
+def _size_or_raise(storage: Storage, path: str, expected: int | None) -> int:
+    try:
+        size = storage.size(path)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{storage.url}/{path} is missing", path=path) from None
+    if expected is not None and size != expected:
+        raise CorruptCheckpointError(
+            f"{storage.url}/{path} is {size} bytes, the manifest recorded {expected}: "
+            "the file was truncated or changed", path=f"{storage.url}/{path}")
+    return size

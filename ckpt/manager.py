@@ -1,0 +1,310 @@
+"""CheckpointManager: saves on a schedule, keeps what the retention policy says, restores the
+newest good step (falling back past bad ones), and owns the root's writer lock."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, MutableMapping
+
+from storage_backends import LockHeldError, Storage, open_storage
+from storage_backends.locks import describe_owner
+
+from .engine import BackgroundWriter, SaveHandle, Stager, StepPayload
+from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
+                     CorruptCheckpointError)
+from .format import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
+from .integrity import check_structure, read_manifest
+from .options import SaveOptions
+from .reader import load_step
+from .state import flatten
+
+log = logging.getLogger("ckpt")
+
+
+def list_steps(storage: Storage) -> list[int]:
+    """Committed steps under a root, oldest first (a step directory with its manifest)."""
+    steps = []
+    for entry in storage.list():
+        m = STEP_DIR.match(entry.name)
+        if m and entry.is_dir and storage.exists(f"{entry.name}/{MANIFEST_NAME}"):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+class CheckpointManager:
+    """Checkpoints a training loop's state under ``root``.
+
+    Args:
+        root: a directory (created if missing) holding ``step-XXXXXXXX`` checkpoints.
+        every_steps: ``save(step, ...)`` writes when ``step % every_steps == 0``.
+        keep_last: keep only the newest N steps (None: keep all).
+        keep_every: also keep every step divisible by K, forever.
+        async_save: return from ``save`` once the state is copied to host memory and write
+            in the background (errors surface on the next save/wait/close).
+        read_only: take no lock and refuse saves (to inspect or restore another job's root).
+        allow_pickle: save and load values that are neither tensors nor JSON by pickling
+            (unsafe with checkpoints from untrusted sources).
+        save_on_preemption: on SIGTERM, the next ``save`` call saves the current step
+            whatever the schedule, waits for it, and exits with status 143.
+        handle_sigterm: install the SIGTERM handler (finishes the in-flight save first).
+        options: layout and write tunables (:class:`ckpt.SaveOptions`).
+
+    Raises:
+        CheckpointLockedError: another live writer holds the root.
+        CheckpointNotFoundError: ``read_only`` and the root does not exist.
+
+    Example::
+
+        with ckpt.CheckpointManager("/ckpt/run1", every_steps=100, keep_last=3) as mgr:
+            start = mgr.restore(state) or 0
+            for step in range(start + 1, total + 1):
+                train_step()
+                mgr.save(step, state)
+    """
+
+    def __init__(self, root: str | os.PathLike | Storage, *, every_steps: int = 1,
+                 keep_last: int | None = None, keep_every: int | None = None,
+                 async_save: bool = True, read_only: bool = False, allow_pickle: bool = False,
+                 save_on_preemption: bool = False, handle_sigterm: bool = True,
+                 options: SaveOptions | None = None) -> None:
+        for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
+                            ("keep_every", keep_every)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
+        self.every_steps = every_steps
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self.read_only = read_only
+        self.allow_pickle = allow_pickle
+        self.save_on_preemption = save_on_preemption
+        self.options = options or SaveOptions(allow_pickle=allow_pickle)
+        self.backpressure_waits = 0
+        self.skipped: list[tuple[int, str]] = []
+        self._inflight: SaveHandle | None = None
+        self._preempted: int | None = None
+        self._closed = False
+        self._lock = None
+        self._prev_sigterm = None
+        if read_only and isinstance(root, (str, os.PathLike)) and not _root_exists(root):
+            raise CheckpointNotFoundError(f"checkpoint root {os.fspath(root)} does not exist",
+                                          path=os.fspath(root))
+        self.storage = open_storage(os.fspath(root) if isinstance(root, os.PathLike) else root,
+                                    create=not read_only)
+        self.root = self.storage.url
+        if not read_only:
+            self._take_lock()
+            self._remove_leftovers()
+            self._stager = Stager()
+            self._writer = BackgroundWriter(self.options)
+            if handle_sigterm and threading.current_thread() is threading.main_thread():
+                self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # -- lock and leftovers ---------------------------------------------------------------
+    def _take_lock(self) -> None:
+        try:
+            self._lock = self.storage.lock(describe_owner())
+        except LockHeldError as e:
+            h = e.holder
+            who = (f"host {h.get('host')}, pid {h.get('pid')}, since "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['since']))}"
+                   if h.get("since") else "an unknown process")
+            raise CheckpointLockedError(
+                f"{self.root} is locked by another writer ({who}); stop that job, point this "
+                "one at another root, or open it with read_only=True to only read",
+                path=self.root) from None
+
+    def _remove_leftovers(self) -> None:
+        """Remove what crashed saves left behind: we hold the lock, so no one is writing."""
+        for name in self.storage.uncommitted():
+            log.info("ckpt.cleanup removing=%s reason=uncommitted", name)
+            self.storage.delete(name)
+
+    # -- queries ----------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return list_steps(self.storage)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def manifest(self, step: int) -> Manifest:
+        """The validated manifest of a committed step."""
+        return read_manifest(self.storage, step_dir(step), step)
+
+    @property
+    def preempted(self) -> bool:
+        """True once SIGTERM arrived: a loop may finish its step, save and stop."""
+        return self._preempted is not None
+
+    # -- saving -------------------------------------------------------------------------------
+    def save(self, step: int, state: MutableMapping[str, Any], *, force: bool = False,
+             metadata: dict | None = None) -> SaveHandle | None:
+        """Save ``state`` as ``step`` when the schedule says so (or ``force``).
+
+        Blocks only while the state is copied to host memory (async) or until the step is
+        committed (sync). Raises the error of an earlier background save, if it failed.
+
+        Returns:
+            A :class:`SaveHandle`, or None when the schedule skipped this step.
+        """
+        self._check_writable()
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        self._raise_failed_save()
+        preempted = self._preempted is not None and self.save_on_preemption
+        if not (force or preempted or step % self.every_steps == 0):
+            return None
+        if self._inflight is not None and not self._inflight.done():
+            self.backpressure_waits += 1
+            t = time.perf_counter()
+            self._inflight.wait()
+            log.info("ckpt.backpressure step=%d waited_s=%.3f", step, time.perf_counter() - t)
+        self._raise_failed_save()
+        t0 = time.perf_counter()
+        flat = flatten(state, allow_pickle=self.options.allow_pickle)
+        staged, ready = self._stager.stage(flat.tensors, copy=self.async_save)
+        blocking = time.perf_counter() - t0
+        payload = StepPayload(step, step_dir(step), staged, flat, ready, metadata)
+        handle = self._writer.submit(self.storage, payload, blocking, self._after_commit)
+        self._inflight = handle
+        if not self.async_save or preempted:
+            handle.wait()
+        if preempted:
+            log.warning("ckpt.preempted step=%d saved; exiting", step)
+            self.close()
+            raise SystemExit(128 + self._preempted)
+        return handle
+
+    def _after_commit(self, manifest: Manifest) -> None:
+        log.info("ckpt.commit step=%d root=%s", manifest.step, self.root)
+        self._apply_retention(manifest.step)
+
+    def _apply_retention(self, newest: int) -> None:
+        if self.keep_last is None:
+            return
+        steps = self.steps()
+        keep = set(steps[-self.keep_last:]) | {newest}
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        for s in steps:
+            if s not in keep:
+                log.info("ckpt.retention removing step=%d", s)
+                self.storage.delete(step_dir(s))
+
+    def _raise_failed_save(self) -> None:
+        h = self._inflight
+        if h is not None and h.failed() and not h.error_reported:
+            h.wait()
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise CheckpointError(f"{self.root} was opened read_only: saves are refused")
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed")
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight; raise its error if it failed."""
+        if self._inflight is not None:
+            h = self._inflight
+            if not h.failed() or not h.error_reported:
+                h.wait(timeout)
+
+    # -- restoring ----------------------------------------------------------------------------
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
+                strict: bool = False) -> int | None:
+        """Load the newest good checkpoint (or ``step``) into ``state`` in place.
+
+        A step that fails validation (a bad manifest, missing or truncated files, a digest
+        mismatch) is skipped with a warning and the one before it is tried; with ``strict``
+        (or an explicit ``step``) the error is raised instead.
+
+        Returns:
+            The restored step, or None when the root has no checkpoint yet.
+
+        Raises:
+            StateMismatchError: the checkpoint does not fit ``state`` (nothing is changed).
+            CorruptCheckpointError: every committed step failed validation (or ``strict``).
+        """
+        if not self.read_only and not self._closed:
+            self.wait()
+        candidates = [step] if step is not None else list(reversed(self.steps()))
+        failures = []
+        with cf.ThreadPoolExecutor(self.options.write_threads) as pool:
+            for s in candidates:
+                location = step_dir(s)
+                try:
+                    manifest = read_manifest(self.storage, location, s)
+                    check_structure(self.storage, location, manifest)
+                    load_step(self.storage, location, manifest, state,
+                              allow_pickle=self.allow_pickle, pool=pool)
+                except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+                    if strict or step is not None:
+                        raise
+                    log.warning("ckpt.restore skipping step=%d reason=%s", s, e)
+                    self.skipped.append((s, str(e)))
+                    failures.append(f"step {s}: {e}")
+                    continue
+                log.info("ckpt.restore step=%d root=%s skipped=%d", s, self.root, len(failures))
+                return s
+        if failures:
+            raise CorruptCheckpointError(
+                f"no committed step under {self.root} could be loaded; `ckpt verify --all "
+                f"{self.root}` gives details:\n  " + "\n  ".join(failures), path=self.root)
+        return None
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._preempted = signum
+        log.warning("ckpt.sigterm received; save_on_preemption=%s", self.save_on_preemption)
+        if self.save_on_preemption:
+            return  # the training loop's next save() call saves this step and exits
+        try:
+            self.close()
+        except CheckpointError:
+            log.exception("the save in flight at SIGTERM failed")
+        raise SystemExit(128 + signum)
+
+    def close(self) -> None:
+        """Finish the save in flight, release the lock; raises the save's error if any."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self.read_only:
+                h = self._inflight
+                self._writer.close()
+                if h is not None and h.failed() and not h.error_reported:
+                    h.wait()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+            if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self._prev_sigterm)
+                self._prev_sigterm = None
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and getattr(self, "_lock", None) is not None:
+            try:
+                self._lock.release()
+            except Exception:  # interpreter shutdown: the kernel drops the flock anyway
+                pass
+
+
+def _root_exists(root: str | os.PathLike) -> bool:
+    text = os.fspath(root)
+    return "://" in text and not text.startswith("file://") or os.path.isdir(
+        text.removeprefix("file://"))

@@ -1,0 +1,214 @@
+"""Turning user state into named tensors plus a JSON tree, and back.
+
+A state is a mapping of top-level items. Each item is one of:
+
+* ``stateful``: anything with ``state_dict()``/``load_state_dict()`` (modules, optimizers,
+  schedulers, samplers, :class:`ckpt.RNGState`); restored through ``load_state_dict``;
+* ``tensor``: a top-level tensor, restored by copying into the existing tensor;
+* ``value``: plain Python data (JSON-like, possibly holding tensors), replaced in the dict.
+
+Inside an item, tensors become ``{"__tensor__": key}`` leaves and the rest is JSON. Dict keys
+that are not strings (an optimizer's integer parameter ids), tuples, non-finite floats and
+bytes get small tagged objects so they come back as the same types. Anything else is refused
+unless the caller allowed pickle.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .errors import StateMismatchError, UnsupportedValueError
+
+TENSOR, TUPLE, DICT, FLOAT, BYTES, NDARRAY, PICKLE = (
+    "__tensor__", "__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__", "__pickle__")
+_TAGS = {TENSOR, TUPLE, DICT, FLOAT, BYTES, NDARRAY, PICKLE}
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None))
+
+
+@dataclass
+class FlatState:
+    """A state taken apart: tensors by key, aliases (tied tensors), and the JSON items."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    items: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.flat = FlatState()
+        self._seen: dict[tuple, str] = {}
+
+    def tensor(self, t: torch.Tensor, key: str) -> dict:
+        key = self._unique(key)
+        if t.is_sparse or t.layout != torch.strided:
+            raise UnsupportedValueError(f"{key}: only strided (dense) tensors can be saved", path=key)
+        # Two names for the same memory (tied weights) are stored once, as an alias.
+        identity = (t.device, t.dtype, t.untyped_storage().data_ptr() if t.numel() else id(t),
+                    t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if identity in self._seen:
+            self.flat.aliases[key] = self._seen[identity]
+        else:
+            self._seen[identity] = key
+            self.flat.tensors[key] = t.detach()
+        return {TENSOR: key}
+
+    def _unique(self, key: str) -> str:
+        base, n = key, 1
+        while key in self.flat.tensors or key in self.flat.aliases:
+            key, n = f"{base}~{n}", n + 1
+        return key
+
+    def encode(self, value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value, path)
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {FLOAT: repr(value)}
+        if isinstance(value, Mapping):
+            if all(isinstance(k, str) and k not in _TAGS for k in value):
+                return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
+            return {DICT: [[self.encode(k, f"{path}/key"), self.encode(v, f"{path}/{k}")]
+                           for k, v in value.items()]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            return {TUPLE: [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, (bytes, bytearray)):
+            return {BYTES: base64.b64encode(value).decode()}
+        numpy_value = _encode_numpy(self, value, path)
+        if numpy_value is not None:
+            return numpy_value
+        if self.allow_pickle:
+            return {PICKLE: base64.b64encode(pickle.dumps(value)).decode()}
+        raise UnsupportedValueError(
+            f"{path}: a {type(value).__name__} is neither a tensor nor JSON data; convert it, "
+            "give it state_dict()/load_state_dict(), or pass allow_pickle=True (unsafe for "
+            "checkpoints from untrusted sources)", path=path)
+
+
+def _encode_numpy(flattener: _Flattener, value: Any, path: str) -> Any:
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
+        return {NDARRAY: flattener.tensor(torch.from_numpy(value.copy()), path)[TENSOR]}
+    if isinstance(value, np.generic):
+        return flattener.encode(value.item(), path)
+    return None
+
+
+def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatState:
+    """Take ``state`` apart into tensors and JSON (calls ``state_dict()`` on stateful items)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict of items, not {type(state).__name__}")
+    f = _Flattener(allow_pickle)
+    for name, obj in state.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise UnsupportedValueError(f"state keys must be non-empty strings without '/': {name!r}")
+        if isinstance(obj, torch.Tensor):
+            f.flat.items[name] = {"kind": "tensor", "tree": f.tensor(obj, name)}
+        elif is_stateful(obj):
+            kind = "module" if isinstance(obj, torch.nn.Module) else "stateful"
+            f.flat.items[name] = {"kind": kind, "tree": f.encode(obj.state_dict(), name)}
+        else:
+            f.flat.items[name] = {"kind": "value", "tree": f.encode(obj, name)}
+    return f.flat
+
+
+def decode(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False) -> Any:
+    """Rebuild a value from its JSON tree; ``tensors`` supplies every ``__tensor__`` leaf."""
+    if isinstance(tree, list):
+        return [decode(v, tensors, allow_pickle=allow_pickle) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if len(tree) == 1:
+        (tag, body), = tree.items()
+        if tag == TENSOR:
+            return tensors[body]
+        if tag == NDARRAY:
+            return tensors[body].numpy()
+        if tag == TUPLE:
+            return tuple(decode(v, tensors, allow_pickle=allow_pickle) for v in body)
+        if tag == DICT:
+            return {decode(k, tensors, allow_pickle=allow_pickle):
+                    decode(v, tensors, allow_pickle=allow_pickle) for k, v in body}
+        if tag == FLOAT:
+            return float(body)
+        if tag == BYTES:
+            return base64.b64decode(body)
+        if tag == PICKLE:
+            if not allow_pickle:
+                raise UnsupportedValueError(
+                    "this checkpoint holds a pickled value; load it with allow_pickle=True "
+                    "only if you trust where it came from")
+            return pickle.loads(base64.b64decode(body))
+    return {k: decode(v, tensors, allow_pickle=allow_pickle) for k, v in tree.items()}
+
+
+def tensor_keys(tree: Any) -> list[str]:
+    """Every tensor key a JSON tree refers to."""
+    if isinstance(tree, list):
+        return [k for v in tree for k in tensor_keys(v)]
+    if not isinstance(tree, dict):
+        return []
+    if len(tree) == 1 and next(iter(tree)) in (TENSOR, NDARRAY):
+        return [next(iter(tree.values()))]
+    return [k for v in tree.values() for k in tensor_keys(v)]
+
+
+def check_compatible(current: FlatState, saved_items: Mapping[str, dict],
+                     saved_spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                     aliases: Mapping[str, str]) -> None:
+    """Raise StateMismatchError unless the saved items fit the state being restored.
+
+    Every tensor the live state has must be saved with the same shape and dtype; a module's
+    saved tensors must also all exist in the live module (strict, as load_state_dict is).
+    """
+    problems: list[str] = []
+    for name, item in current.items.items():
+        saved = saved_items.get(name)
+        if saved is None:
+            problems.append(f"'{name}' is not in the checkpoint (it has: {sorted(saved_items)})")
+            continue
+        if saved.get("kind") != item["kind"]:
+            problems.append(f"'{name}' was saved as a {saved.get('kind')}, but is a {item['kind']} now")
+            continue
+        live_keys = set(tensor_keys(item["tree"]))
+        saved_keys = set(tensor_keys(saved.get("tree")))
+        missing = sorted(live_keys - saved_keys)
+        if missing:
+            problems.append(f"'{name}': missing from the checkpoint: {_few(missing)}")
+        if item["kind"] in ("module", "tensor"):
+            unexpected = sorted(saved_keys - live_keys)
+            if unexpected:
+                problems.append(f"'{name}': unexpected in the checkpoint: {_few(unexpected)}")
+        for key in sorted(live_keys & saved_keys):
+            live = current.tensors[current.aliases.get(key, key)]
+            shape, dtype = saved_spec[aliases.get(key, key)]
+            if tuple(live.shape) != shape:
+                problems.append(f"{key}: checkpoint shape {list(shape)}, model shape {list(live.shape)}")
+            elif live.dtype != dtype:
+                problems.append(f"{key}: checkpoint dtype {dtype}, model dtype {live.dtype}")
+    if problems:
+        raise StateMismatchError(
+            "the checkpoint does not match the state to restore; nothing was loaded:\n  "
+            + "\n  ".join(problems[:50]) + (f"\n  ... and {len(problems) - 50} more"
+                                            if len(problems) > 50 else ""))
+
+
+def _few(keys: list[str], n: int = 8) -> str:
+    return ", ".join(keys[:n]) + (f" (+{len(keys) - n} more)" if len(keys) > n else "")

@@ -1,0 +1,101 @@
+"""The byte-level contract every storage backend implements.
+
+ckpt calls these methods in this order for a save (each rank writes its own files):
+
+1. ``begin(name)`` -> a staging location for step ``name`` (invisible to readers);
+2. ``write(staging/file, buffers)`` for every data file, each durable when it returns;
+3. (coordinator) ``commit(staging, name, manifest)`` publishes the step: after it returns the
+   step is visible and complete, before it nothing of it is visible;
+4. on failure, ``abort(staging)`` removes what was written.
+
+Readers use ``list``, ``exists``, ``size``, ``read`` and ``read_into`` on committed steps only.
+Paths are relative to the root and use ``/``. Nothing here knows about torch.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Protocol, Sequence, Union
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class LockHeldError(BlockingIOError):
+    """Another live writer holds the root's lock; ``holder`` describes it (host, pid, since)."""
+
+    def __init__(self, path: str, holder: dict) -> None:
+        super().__init__(f"{path} is locked by {holder or 'an unknown writer'}")
+        self.path = path
+        self.holder = holder
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.holder))
+
+
+class WriterLock(Protocol):
+    """A held writer lock. ``release`` is idempotent."""
+
+    def release(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One name directly under a listed directory."""
+
+    name: str
+    is_dir: bool
+
+
+class Storage(abc.ABC):
+    """A root under which checkpoints live. See the module docstring for the call order."""
+
+    url: str
+
+    @abc.abstractmethod
+    def list(self, path: str = "") -> list[Entry]:
+        """Entries directly under ``path`` (empty when it does not exist)."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether a file or directory exists at ``path``."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Size in bytes of the file at ``path``; raises FileNotFoundError."""
+
+    @abc.abstractmethod
+    def write(self, path: str, buffers: Sequence[Buffer]) -> int:
+        """Write the concatenation of ``buffers`` as the whole file ``path``; durable on return."""
+
+    @abc.abstractmethod
+    def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        """Read ``length`` bytes (to the end when None) of ``path`` from ``start``."""
+
+    @abc.abstractmethod
+    def read_into(self, path: str, start: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``path`` from ``start``; raises EOFError when short."""
+
+    @abc.abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove a file or a whole directory; missing paths are not an error."""
+
+    @abc.abstractmethod
+    def begin(self, name: str) -> str:
+        """Create and return an invisible staging location for the step directory ``name``."""
+
+    @abc.abstractmethod
+    def commit(self, staging: str, name: str, manifest: bytes, manifest_name: str) -> None:
+        """Publish ``staging`` as ``name`` with ``manifest`` written last. Atomic."""
+
+    @abc.abstractmethod
+    def abort(self, staging: str) -> None:
+        """Remove an uncommitted staging location."""
+
+    @abc.abstractmethod
+    def uncommitted(self) -> list[str]:
+        """Staging locations left by earlier writers (only safe to remove under the lock)."""
+
+    @abc.abstractmethod
+    def lock(self, owner: dict) -> WriterLock:
+        """Take the root's writer lock now or raise :class:`LockHeldError`."""

@@ -1,0 +1,28 @@
+# The two commands of the README. Each creates .venv and installs what it needs on a fresh
+# machine. torch is pinned to 2.13.0 here (a CPU build these machines carry on disk); the
+# package itself accepts any torch >= 2.6.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_PIN)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m trainer.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_save_load.py
+	$(PY) benchmarks/bench_async.py
+
+clean:
+	rm -rf $(VENV) demo-run bench-out

@@ -1,4 +1,4 @@
-"""The ``ckpt`` command: ``ls``, ``inspect`` and ``verify`` a checkpoint root.
+"""The ``ckpt`` command: ``ls``, ``inspect``, ``verify`` and ``gc`` a checkpoint root.
 
 Exit codes: 0 all good; 1 a check failed; 2 usage or environment error (missing root...).
 Every subcommand takes ``--json`` for machine-readable output on stdout.
@@ -148,6 +148,49 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    from storage_backends import LockHeldError, open_storage
+    from storage_backends.locks import describe_owner
+
+    from .incremental import collect
+    from .manager import list_steps, retention
+
+    storage = open_storage(args.root, create=False)
+    if not storage.exists(""):
+        raise CheckpointNotFoundError(f"checkpoint root {args.root} does not exist", path=args.root)
+    lock = None
+    if args.yes:
+        try:
+            lock = storage.lock(describe_owner())
+        except LockHeldError as e:
+            print(f"ckpt: {args.root} is in use by a writer ({e.holder}); gc needs the root "
+                  "to itself", file=sys.stderr)
+            return EXIT_FAILED
+    try:
+        steps = list_steps(storage)
+        keep = (retention(steps, args.keep_last, args.keep_every)
+                if args.keep_last is not None or args.keep_every is not None else None)
+        leftovers = storage.uncommitted()
+        report = collect(storage, keep, dry_run=not args.yes)
+        for name in leftovers:
+            if args.yes:
+                storage.delete(name)
+    finally:
+        if lock is not None:
+            lock.release()
+    if args.json:
+        print(json.dumps({**vars(report), "uncommitted": leftovers}, indent=2))
+        return EXIT_OK
+    verb = "removed" if args.yes else "would remove"
+    print(f"{verb}: {len(report.retired_steps)} steps {report.retired_steps}, "
+          f"{len(report.deleted_files)} files ({_size(report.freed_bytes)}), "
+          f"{len(leftovers)} uncommitted leftovers; kept {len(report.kept_files)} files "
+          "that kept steps still use")
+    if not args.yes:
+        print("dry run: nothing was deleted; add --yes to delete")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ckpt", description="Inspect and verify checkpoints.",
                                      epilog="exit codes: 0 ok, 1 a check failed, 2 usage error")
@@ -166,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--all", action="store_true", help="verify every committed step")
     p.add_argument("--level", choices=["structure", "digest"], default="digest")
     p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("gc", help="delete unreferenced data (dry run unless --yes)")
+    p.add_argument("root")
+    p.add_argument("--keep-last", type=int, help="also retire all but the newest N steps")
+    p.add_argument("--keep-every", type=int, help="with --keep-last, also keep every K-th step")
+    p.add_argument("--yes", action="store_true", help="really delete")
+    p.set_defaults(func=cmd_gc)
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="machine-readable output")
     return parser

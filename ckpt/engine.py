@@ -21,9 +21,11 @@ import torch
 from storage_backends import Storage
 from storage_backends.faults import fault_point
 
+from .codec import encode
 from .datafile import Piece, encode_header
 from .errors import CheckpointError, StorageError
 from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, dtype_name
+from .incremental import CHAIN_KEY, chain_length, reusable_chunk
 from .integrity import digest
 from .options import SaveOptions
 from .plan import assign_files, chunk_tensor
@@ -44,6 +46,7 @@ class SaveResult:
     step: int
     location: str
     bytes_written: int
+    bytes_reused: int
     files: int
     blocking_seconds: float
     write_seconds: float
@@ -136,7 +139,10 @@ class Stager:
 
 @dataclass
 class StepPayload:
-    """Everything the background writer needs, decoupled from the live training state."""
+    """Everything the background writer needs, decoupled from the live training state.
+
+    ``previous``: the newest committed manifest, for an incremental save (None: full save).
+    """
 
     step: int
     name: str
@@ -144,57 +150,92 @@ class StepPayload:
     flat: FlatState
     ready: object = None
     metadata: dict | None = None
+    previous: Manifest | None = None
     rank: int = 0
     world_size: int = 1
 
 
+@dataclass
+class WriteStats:
+    bytes_written: int = 0
+    bytes_reused: int = 0
+    files: int = 0
+
+
+def _plan(payload: StepPayload, options: SaveOptions) -> tuple[dict[str, list], list]:
+    """Digest every chunk; keep references to unchanged ones, return the ones to write."""
+    chunks: dict[str, list] = {}
+    to_write = []
+    for key, t in payload.tensors.items():
+        view = byte_view(t)
+        name = dtype_name(t.dtype)
+        chunks[key] = []
+        for c in chunk_tensor(key, tuple(t.shape), t.element_size(), options.chunk_bytes):
+            data = view[c.byte_start:c.byte_start + c.byte_length]
+            d = digest(data)
+            reused = reusable_chunk(payload.previous, key, name, tuple(t.shape), c.index,
+                                    c.offsets, c.shape, d)
+            chunks[key].append(reused)
+            if reused is None:
+                to_write.append((c, data, d))
+    return chunks, to_write
+
+
 def write_step(storage: Storage, payload: StepPayload, options: SaveOptions,
-               pool: cf.ThreadPoolExecutor | None) -> tuple[Manifest, int, int]:
-    """Write and commit one step; returns the manifest, bytes written and file count.
+               pool: cf.ThreadPoolExecutor | None) -> tuple[Manifest, WriteStats]:
+    """Write and commit one step; returns its manifest and what was written.
 
     On any failure the staging location is removed and nothing is committed.
     """
     if payload.ready is not None:
         payload.ready.synchronize()
     staging = storage.begin(payload.name)
+    stats = WriteStats()
     try:
         fault_point("before_data")
-        chunks = [c for key, t in payload.tensors.items()
-                  for c in chunk_tensor(key, tuple(t.shape), t.element_size(), options.chunk_bytes)]
-        groups = assign_files(chunks, options.write_threads)
+        chunks, to_write = _plan(payload, options)
+        new_bytes = sum(len(data) for _, data, _ in to_write)
+        n_files = max(options.write_threads, -(-new_bytes // options.max_file_bytes))
+        groups = assign_files([c for c, _, _ in to_write], n_files)
+        data_of = {(c.key, c.index): (data, d) for c, data, d in to_write}
 
         def write_file(index: int) -> tuple[str, int, list[tuple]]:
             name = f"data-r{payload.rank:05d}-{index:03d}.safetensors"
             pieces, meta = [], []
             for c in groups[index]:
-                t = payload.tensors[c.key]
-                view = byte_view(t)[c.byte_start:c.byte_start + c.byte_length]
-                pieces.append(Piece(f"{c.key}#{c.index}", view, t.dtype, c.shape))
-                meta.append((c, digest(view)))
+                data, d = data_of[(c.key, c.index)]
+                dtype = payload.tensors[c.key].dtype
+                codec, stored = "raw", data
+                if options.compression:
+                    codec, stored = encode(data, dtype, options.compression_level)
+                pieces.append(Piece(f"{c.key}#{c.index}", memoryview(stored), dtype, c.shape,
+                                    stored_raw=codec == "raw"))
+                meta.append((c, d, codec, len(stored)))
             header = encode_header(pieces)
             size = storage.write(f"{staging}/{name}", [header, *(p.data for p in pieces)])
             fault_point("after_file")
             records, start = [], len(header)
-            for c, d in meta:
-                records.append((c, Chunk(c.offsets, c.shape, name, start, c.byte_length, d)))
-                start += c.byte_length
+            for c, d, codec, length in meta:
+                records.append((c, Chunk(c.offsets, c.shape, name, start, length, d, codec)))
+                start += length
             return name, size, records
 
-        indices = range(len(groups)) if chunks else []
+        indices = range(len(groups)) if to_write else []
         results = list(pool.map(write_file, indices)) if pool and len(groups) > 1 else [
             write_file(i) for i in indices]
-        by_key: dict[str, list[Chunk]] = {k: [] for k in payload.tensors}
         for _, _, records in results:
             for plan, chunk in records:
-                by_key[plan.key].append(chunk)
+                chunks[plan.key][plan.index] = chunk
         tensors = {
-            key: TensorEntry(dtype_name(t.dtype), tuple(t.shape), tuple(by_key[key]))
+            key: TensorEntry(dtype_name(t.dtype), tuple(t.shape), tuple(chunks[key]))
             for key, t in payload.tensors.items()
         }
+        metadata = dict(payload.metadata or {})
+        metadata[CHAIN_KEY] = chain_length(payload.previous) + 1 if payload.previous else 0
         manifest = Manifest(
             step=payload.step, world_size=payload.world_size, created=time.time(),
             tensors=tensors, aliases=payload.flat.aliases, items=payload.flat.items,
-            files={name: size for name, size, _ in results}, metadata=payload.metadata or {})
+            files={name: size for name, size, _ in results}, metadata=metadata)
         fault_point("before_commit")
         raw = manifest.to_json()
         storage.commit(staging, payload.name, raw, MANIFEST_NAME)
@@ -205,8 +246,11 @@ def write_step(storage: Storage, payload: StepPayload, options: SaveOptions,
         except Exception:  # the original error matters more; leftovers are cleaned later
             log.warning("could not remove staging location %s", staging, exc_info=True)
         raise
-    written = sum(size for _, size, _ in results) + len(raw)
-    return manifest, written, len(results) + 1
+    stats.bytes_written = sum(size for _, size, _ in results) + len(raw)
+    stats.bytes_reused = sum(c.length for e in tensors.values() for c in e.chunks
+                             if c.step is not None)
+    stats.files = len(results) + 1
+    return manifest, stats
 
 
 class BackgroundWriter:
@@ -223,7 +267,7 @@ class BackgroundWriter:
         def job() -> SaveResult:
             t0 = time.perf_counter()
             try:
-                manifest, written, files = write_step(storage, payload, self.options, self._pool)
+                manifest, stats = write_step(storage, payload, self.options, self._pool)
             except CheckpointError:
                 raise
             except Exception as e:
@@ -232,8 +276,9 @@ class BackgroundWriter:
                     "committed and earlier steps are intact", path=storage.url) from e
             if after_commit is not None:
                 after_commit(manifest)
-            return SaveResult(payload.step, f"{storage.url}/{payload.name}", written, files,
-                              blocking_seconds, time.perf_counter() - t0)
+            return SaveResult(payload.step, f"{storage.url}/{payload.name}", stats.bytes_written,
+                              stats.bytes_reused, stats.files, blocking_seconds,
+                              time.perf_counter() - t0)
 
         return SaveHandle(payload.step, self._thread.submit(job), blocking_seconds)
 

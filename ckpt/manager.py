@@ -4,6 +4,7 @@ newest good step (falling back past bad ones), and owns the root's writer lock."
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ from .engine import BackgroundWriter, SaveHandle, Stager, StepPayload
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      CorruptCheckpointError)
 from .format import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
+from .incremental import chain_length, collect
 from .integrity import check_structure, read_manifest
 from .options import SaveOptions
 from .reader import load_step
@@ -49,6 +51,10 @@ class CheckpointManager:
         read_only: take no lock and refuse saves (to inspect or restore another job's root).
         allow_pickle: save and load values that are neither tensors nor JSON by pickling
             (unsafe with checkpoints from untrusted sources).
+        incremental: write only the chunks whose bytes changed since the base step (the step
+            this manager last saved or restored); unchanged chunks are referenced.
+        full_every: with ``incremental``, every K-th save is a full one (short chains).
+        compression: None or "zstd" (shortcut for ``options.compression``).
         save_on_preemption: on SIGTERM, the next ``save`` call saves the current step
             whatever the schedule, waits for it, and exits with status 143.
         handle_sigterm: install the SIGTERM handler (finishes the in-flight save first).
@@ -70,10 +76,11 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike | Storage, *, every_steps: int = 1,
                  keep_last: int | None = None, keep_every: int | None = None,
                  async_save: bool = True, read_only: bool = False, allow_pickle: bool = False,
-                 save_on_preemption: bool = False, handle_sigterm: bool = True,
-                 options: SaveOptions | None = None) -> None:
+                 incremental: bool = False, full_every: int = 10,
+                 compression: str | None = None, save_on_preemption: bool = False,
+                 handle_sigterm: bool = True, options: SaveOptions | None = None) -> None:
         for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
-                            ("keep_every", keep_every)):
+                            ("keep_every", keep_every), ("full_every", full_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
         self.every_steps = every_steps
@@ -83,7 +90,12 @@ class CheckpointManager:
         self.read_only = read_only
         self.allow_pickle = allow_pickle
         self.save_on_preemption = save_on_preemption
-        self.options = options or SaveOptions(allow_pickle=allow_pickle)
+        self.incremental = incremental
+        self.full_every = full_every
+        self.options = options or SaveOptions(allow_pickle=allow_pickle, compression=compression)
+        if compression is not None and self.options.compression != compression:
+            self.options = dataclasses.replace(self.options, compression=compression)
+        self._base: Manifest | None = None  # the newest step known good, for incremental saves
         self.backpressure_waits = 0
         self.skipped: list[tuple[int, str]] = []
         self._inflight: SaveHandle | None = None
@@ -120,10 +132,14 @@ class CheckpointManager:
                 path=self.root) from None
 
     def _remove_leftovers(self) -> None:
-        """Remove what crashed saves left behind: we hold the lock, so no one is writing."""
+        """Remove what crashed saves and GCs left behind: we hold the lock, no one writes."""
         for name in self.storage.uncommitted():
             log.info("ckpt.cleanup removing=%s reason=uncommitted", name)
             self.storage.delete(name)
+        try:
+            collect(self.storage)  # unreferenced files of retired steps
+        except CheckpointError as e:
+            log.warning("ckpt.cleanup skipped: %s", e)
 
     # -- queries ----------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -172,7 +188,10 @@ class CheckpointManager:
         flat = flatten(state, allow_pickle=self.options.allow_pickle)
         staged, ready = self._stager.stage(flat.tensors, copy=self.async_save)
         blocking = time.perf_counter() - t0
-        payload = StepPayload(step, step_dir(step), staged, flat, ready, metadata)
+        base = self._base if self.incremental else None
+        if base is not None and (chain_length(base) + 1 >= self.full_every or base.step >= step):
+            base = None
+        payload = StepPayload(step, step_dir(step), staged, flat, ready, metadata, base)
         handle = self._writer.submit(self.storage, payload, blocking, self._after_commit)
         self._inflight = handle
         if not self.async_save or preempted:
@@ -184,20 +203,14 @@ class CheckpointManager:
         return handle
 
     def _after_commit(self, manifest: Manifest) -> None:
+        self._base = manifest
         log.info("ckpt.commit step=%d root=%s", manifest.step, self.root)
-        self._apply_retention(manifest.step)
-
-    def _apply_retention(self, newest: int) -> None:
-        if self.keep_last is None:
-            return
-        steps = self.steps()
-        keep = set(steps[-self.keep_last:]) | {newest}
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        for s in steps:
-            if s not in keep:
-                log.info("ckpt.retention removing step=%d", s)
-                self.storage.delete(step_dir(s))
+        if self.keep_last is not None:
+            report = collect(self.storage, retention(self.steps(), self.keep_last,
+                                                     self.keep_every, manifest.step))
+            if report.retired_steps:
+                log.info("ckpt.retention retired=%s freed_bytes=%d kept_files=%d",
+                         report.retired_steps, report.freed_bytes, len(report.kept_files))
 
     def _raise_failed_save(self) -> None:
         h = self._inflight
@@ -253,6 +266,7 @@ class CheckpointManager:
                     failures.append(f"step {s}: {e}")
                     continue
                 log.info("ckpt.restore step=%d root=%s skipped=%d", s, self.root, len(failures))
+                self._base = manifest
                 return s
         if failures:
             raise CorruptCheckpointError(
@@ -302,6 +316,17 @@ class CheckpointManager:
                 self._lock.release()
             except Exception:  # interpreter shutdown: the kernel drops the flock anyway
                 pass
+
+
+def retention(steps: list[int], keep_last: int | None, keep_every: int | None,
+              newest: int | None = None) -> set[int]:
+    """The steps a keep_last/keep_every policy keeps (the newest is always kept)."""
+    keep = set(steps if keep_last is None else steps[-keep_last:])
+    if newest is not None:
+        keep.add(newest)
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return keep
 
 
 def _root_exists(root: str | os.PathLike) -> bool:

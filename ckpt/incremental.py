@@ -1,0 +1,123 @@
+"""Incremental saves and the reference-aware collector.
+
+An incremental save compares each chunk's digest with the same chunk (same tensor, same box)
+of the newest committed step and, where they are equal, records a reference to where the
+bytes already live instead of writing them again. A step that retention removes is *retired*
+first: its manifest goes (so it is no longer a step), its files stay while a kept step still
+refers to them, and only unreferenced files are deleted. Deleting the manifest first makes a
+crash at any point safe: a kept step never loses a file it uses.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from storage_backends import Storage
+
+from .errors import CheckpointError
+from .format import MANIFEST_NAME, STEP_DIR, Chunk, Manifest, step_dir
+from .integrity import read_manifest
+
+log = logging.getLogger("ckpt")
+
+# Metadata key: incremental saves since the last full one (0 for a full save).
+CHAIN_KEY = "ckpt_chain"
+
+
+def chain_length(manifest: Manifest) -> int:
+    value = manifest.metadata.get(CHAIN_KEY, 0)
+    return value if isinstance(value, int) else 0
+
+
+def reusable_chunk(previous: Manifest | None, key: str, dtype: str, shape: tuple[int, ...],
+                   index: int, offsets: tuple[int, ...], box: tuple[int, ...],
+                   digest: str) -> Chunk | None:
+    """The previous step's chunk with these exact coordinates and bytes, as a reference."""
+    if previous is None:
+        return None
+    entry = previous.tensors.get(key)
+    if entry is None or entry.dtype != dtype or entry.shape != shape or index >= len(entry.chunks):
+        return None
+    old = entry.chunks[index]
+    if old.offsets != offsets or old.shape != box or old.digest != digest:
+        return None
+    return Chunk(old.offsets, old.shape, old.file, old.start, old.length, old.digest, old.codec,
+                 previous.step if old.step is None else old.step)
+
+
+@dataclass
+class GcReport:
+    """What a collection removed (or, in a dry run, would remove)."""
+
+    retired_steps: list[int] = field(default_factory=list)
+    deleted_files: list[str] = field(default_factory=list)
+    kept_files: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+    dry_run: bool = False
+
+
+def _step_dirs(storage: Storage) -> dict[int, bool]:
+    """Every step directory -> whether it is committed (has its manifest)."""
+    out = {}
+    for entry in storage.list():
+        m = STEP_DIR.match(entry.name)
+        if m and entry.is_dir:
+            out[int(m.group(1))] = storage.exists(f"{entry.name}/{MANIFEST_NAME}")
+    return out
+
+
+def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = False) -> GcReport:
+    """Retire committed steps not in ``keep`` (None: keep all) and delete unreferenced files.
+
+    The caller must hold the root's writer lock. Files of retired steps that a kept step
+    refers to are kept.
+
+    Raises:
+        CheckpointError: a kept step's manifest cannot be read, so its references are
+            unknown; nothing is deleted.
+    """
+    report = GcReport(dry_run=dry_run)
+    dirs = _step_dirs(storage)
+    committed = sorted(s for s, has_manifest in dirs.items() if has_manifest)
+    kept = [s for s in committed if keep is None or s in keep]
+    referenced: set[tuple[int, str]] = set()
+    for s in kept:
+        try:
+            manifest = read_manifest(storage, step_dir(s), s)
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"gc stopped before deleting anything: cannot read the references of kept "
+                f"step {s} ({e}); verify or remove that step first", path=storage.url) from e
+        for entry in manifest.tensors.values():
+            for c in entry.chunks:
+                if c.step is not None:
+                    referenced.add((c.step, c.file))
+    retire = [s for s in committed if s not in kept]
+    for s in retire:
+        report.retired_steps.append(s)
+        if not dry_run:
+            # The step stops existing here; its files go below, unless still referenced.
+            storage.delete(f"{step_dir(s)}/{MANIFEST_NAME}")
+            log.info("ckpt.gc retired step=%d", s)
+    for s in sorted(s for s, has_manifest in dirs.items() if not has_manifest or s in retire):
+        location = step_dir(s)
+        remaining = 0
+        for entry in storage.list(location):
+            path = f"{location}/{entry.name}"
+            if entry.name == MANIFEST_NAME:
+                continue
+            if (s, entry.name) in referenced:
+                report.kept_files.append(path)
+                remaining += 1
+                continue
+            try:
+                report.freed_bytes += storage.size(path)
+            except (FileNotFoundError, IsADirectoryError):
+                pass
+            report.deleted_files.append(path)
+            if not dry_run:
+                storage.delete(path)
+        if not remaining and not dry_run:
+            storage.delete(location)
+    return report

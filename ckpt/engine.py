@@ -13,7 +13,8 @@ import concurrent.futures as cf
 import logging
 import math
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -153,6 +154,9 @@ class StepPayload:
     previous: Manifest | None = None
     rank: int = 0
     world_size: int = 1
+    # Unique to this save attempt (shared by its ranks): names its staging location and files,
+    # so a retried or concurrent attempt never overwrites another's objects.
+    token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
 @dataclass
@@ -189,7 +193,7 @@ def write_step(storage: Storage, payload: StepPayload, options: SaveOptions,
     """
     if payload.ready is not None:
         payload.ready.synchronize()
-    staging = storage.begin(payload.name)
+    staging = storage.begin(payload.name, payload.token)
     stats = WriteStats()
     try:
         fault_point("before_data")
@@ -200,7 +204,7 @@ def write_step(storage: Storage, payload: StepPayload, options: SaveOptions,
         data_of = {(c.key, c.index): (data, d) for c, data, d in to_write}
 
         def write_file(index: int) -> tuple[str, int, list[tuple]]:
-            name = f"data-r{payload.rank:05d}-{index:03d}.safetensors"
+            name = f"data-{payload.token}-r{payload.rank:05d}-{index:03d}.safetensors"
             pieces, meta = [], []
             for c in groups[index]:
                 data, d = data_of[(c.key, c.index)]

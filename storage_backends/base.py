@@ -2,7 +2,8 @@
 
 ckpt calls these methods in this order for a save (each rank writes its own files):
 
-1. ``begin(name)`` -> a staging location for step ``name`` (invisible to readers);
+1. ``begin(name, token)`` -> a staging location for step ``name`` (invisible to readers);
+   every rank of one save passes the same ``token`` and gets the same location;
 2. ``write(staging/file, buffers)`` for every data file, each durable when it returns;
 3. (coordinator) ``commit(staging, name, manifest)`` publishes the step: after it returns the
    step is visible and complete, before it nothing of it is visible;
@@ -81,8 +82,9 @@ class Storage(abc.ABC):
         """Remove a file or a whole directory; missing paths are not an error."""
 
     @abc.abstractmethod
-    def begin(self, name: str) -> str:
-        """Create and return an invisible staging location for the step directory ``name``."""
+    def begin(self, name: str, token: str) -> str:
+        """Create (idempotently: every rank calls it) and return an invisible staging location
+        for the step directory ``name``; ``token`` is unique to this save attempt."""
 
     @abc.abstractmethod
     def commit(self, staging: str, name: str, manifest: bytes, manifest_name: str) -> None:

@@ -100,9 +100,9 @@ class PosixStorage(Storage):
             except FileNotFoundError:
                 pass
 
-    def begin(self, name: str) -> str:
-        staging = f"{STAGING_PREFIX}{name}-{uuid.uuid4().hex[:12]}"
-        os.mkdir(self._abs(staging))
+    def begin(self, name: str, token: str) -> str:
+        staging = f"{STAGING_PREFIX}{name}-{token}"
+        os.makedirs(self._abs(staging), exist_ok=True)
         return staging
 
     def commit(self, staging: str, name: str, manifest: bytes, manifest_name: str) -> None:

@@ -9,12 +9,13 @@ from typing import Any, MutableMapping
 
 from storage_backends import PosixStorage
 
-from .engine import BackgroundWriter, SaveHandle, SaveResult, Stager, StepPayload
+from .distributed import Group
+from .engine import BackgroundWriter, SaveHandle, SaveResult, Stager
 from .errors import CheckpointError
 from .integrity import check_structure, read_manifest
 from .options import SaveOptions
 from .reader import load_step
-from .state import flatten
+from .snapshot import snapshot
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
@@ -53,14 +54,17 @@ class _OneShot:
                     self._inflight.wait()
                 except CheckpointError:
                     pass  # that caller owns that error; it was raised through its handle
-            if self._writer is None or self._writer.options != options:
+            group = Group()
+            if (self._writer is None or self._writer.options != options
+                    or self._writer.group.rank != group.rank
+                    or self._writer.group.world_size != group.world_size):
                 if self._writer is not None:
                     self._writer.close()
-                self._writer = BackgroundWriter(options)
+                self._writer = BackgroundWriter(options, group)
             t0 = time.perf_counter()
-            flat = flatten(state, allow_pickle=options.allow_pickle)
-            staged, ready = self._stager.stage(flat.tensors, copy=copy)
-            payload = StepPayload(step, name, staged, flat, ready, metadata)
+            payload = snapshot(state, step=step, name=name, group=self._writer.group,
+                               stager=self._stager, options=options, copy=copy,
+                               metadata=metadata)
             self._inflight = self._writer.submit(storage, payload, time.perf_counter() - t0)
             return self._inflight
 
@@ -100,6 +104,8 @@ def load(state: MutableMapping[str, Any], path: str | os.PathLike, *,
          allow_pickle: bool = False, verify: bool = True) -> int:
     """Load the checkpoint directory ``path`` into ``state`` in place; returns its step.
 
+    Under torch.distributed each rank loads the boxes it holds (any world size).
+
     Raises:
         CheckpointNotFoundError: ``path`` holds no committed checkpoint.
         CorruptCheckpointError: the manifest is invalid, a file is missing or truncated, or
@@ -112,6 +118,6 @@ def load(state: MutableMapping[str, Any], path: str | os.PathLike, *,
     manifest = read_manifest(storage, name)
     check_structure(storage, name, manifest)
     with cf.ThreadPoolExecutor(SaveOptions().write_threads) as pool:
-        load_step(storage, name, manifest, state, allow_pickle=allow_pickle, verify=verify,
-                  pool=pool)
+        load_step(storage, name, manifest, state, rank=Group().rank, allow_pickle=allow_pickle,
+                  verify=verify, pool=pool)
     return manifest.step

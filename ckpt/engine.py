@@ -10,11 +10,11 @@ No collectives run here, so a background save never races the training loop's ow
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
-import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -26,11 +26,11 @@ from .codec import encode
 from .datafile import Piece, encode_header
 from .errors import CheckpointError, StorageError
 from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, dtype_name
-from .incremental import CHAIN_KEY, chain_length, reusable_chunk
+from .distributed import Group
+from .incremental import CHAIN_KEY, chain_length
 from .integrity import digest
 from .options import SaveOptions
 from .plan import assign_files, chunk_tensor
-from .state import FlatState
 
 log = logging.getLogger("ckpt")
 
@@ -142,13 +142,17 @@ class Stager:
 class StepPayload:
     """Everything the background writer needs, decoupled from the live training state.
 
-    ``previous``: the newest committed manifest, for an incremental save (None: full save).
+    ``pieces`` maps each key this rank writes to (global offsets, staged local box).
+    ``tensors`` (global dtype and shape of every tensor), ``items`` and ``aliases`` matter
+    on the coordinator only. ``previous``: the base manifest of an incremental save.
     """
 
     step: int
     name: str
-    tensors: dict[str, torch.Tensor]
-    flat: FlatState
+    pieces: dict[str, tuple[tuple[int, ...], torch.Tensor]]
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    items: dict[str, dict]
+    aliases: dict[str, str]
     ready: object = None
     metadata: dict | None = None
     previous: Manifest | None = None
@@ -160,118 +164,191 @@ class StepPayload:
 
 
 @dataclass
-class WriteStats:
+class RankTable:
+    """What one rank wrote: its files and the chunk records of its boxes (JSON-able)."""
+
+    files: dict[str, int] = field(default_factory=dict)
+    chunks: list[tuple[str, Chunk]] = field(default_factory=list)
     bytes_written: int = 0
     bytes_reused: int = 0
-    files: int = 0
+
+    def to_json(self) -> dict:
+        return {"files": self.files, "written": self.bytes_written, "reused": self.bytes_reused,
+                "chunks": [[k, asdict(c)] for k, c in self.chunks]}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> RankTable:
+        chunks = [(k, Chunk(**{**c, "offsets": tuple(c["offsets"]), "shape": tuple(c["shape"])}))
+                  for k, c in doc["chunks"]]
+        return cls(doc["files"], chunks, doc["written"], doc["reused"])
 
 
-def _plan(payload: StepPayload, options: SaveOptions) -> tuple[dict[str, list], list]:
-    """Digest every chunk; keep references to unchanged ones, return the ones to write."""
-    chunks: dict[str, list] = {}
-    to_write = []
-    for key, t in payload.tensors.items():
+def _plan(payload: StepPayload, options: SaveOptions) -> tuple[list, list]:
+    """Digest every chunk of this rank's boxes; reuse unchanged ones, return the rest."""
+    previous = {}
+    if payload.previous is not None:
+        previous = {(k, c.offsets, c.shape): c for k, e in payload.previous.tensors.items()
+                    for c in e.chunks}
+    reused, to_write = [], []
+    for key, (offsets, t) in payload.pieces.items():
         view = byte_view(t)
-        name = dtype_name(t.dtype)
-        chunks[key] = []
         for c in chunk_tensor(key, tuple(t.shape), t.element_size(), options.chunk_bytes):
+            box = tuple(o + b for o, b in zip(offsets, c.offsets))
             data = view[c.byte_start:c.byte_start + c.byte_length]
             d = digest(data)
-            reused = reusable_chunk(payload.previous, key, name, tuple(t.shape), c.index,
-                                    c.offsets, c.shape, d)
-            chunks[key].append(reused)
-            if reused is None:
-                to_write.append((c, data, d))
-    return chunks, to_write
+            old = previous.get((key, box, c.shape))
+            if old is not None and old.digest == d and _same_layout(payload, key):
+                step = payload.previous.step if old.step is None else old.step
+                reused.append((key, dataclasses.replace(old, step=step)))
+            else:
+                to_write.append((dataclasses.replace(c, offsets=box), data, d))
+    return reused, to_write
 
 
-def write_step(storage: Storage, payload: StepPayload, options: SaveOptions,
-               pool: cf.ThreadPoolExecutor | None) -> tuple[Manifest, WriteStats]:
-    """Write and commit one step; returns its manifest and what was written.
+def _same_layout(payload: StepPayload, key: str) -> bool:
+    old = payload.previous.tensors.get(key)
+    dtype, shape = payload.tensors[key]
+    return old is not None and old.dtype == dtype and old.shape == shape
 
-    On any failure the staging location is removed and nothing is committed.
-    """
-    if payload.ready is not None:
-        payload.ready.synchronize()
-    staging = storage.begin(payload.name, payload.token)
-    stats = WriteStats()
+
+def write_rank(storage: Storage, staging: str, payload: StepPayload, options: SaveOptions,
+               pool: cf.ThreadPoolExecutor | None) -> RankTable:
+    """Write this rank's new chunks into ``staging``; returns its table (nothing committed)."""
+    fault_point("before_data")
+    reused, to_write = _plan(payload, options)
+    new_bytes = sum(len(data) for _, data, _ in to_write)
+    n_files = max(options.write_threads, -(-new_bytes // options.max_file_bytes))
+    groups = assign_files([c for c, _, _ in to_write], n_files)
+    data_of = {(c.key, c.index): (data, d) for c, data, d in to_write}
+
+    def write_file(index: int) -> tuple[str, int, list]:
+        name = f"data-{payload.token}-r{payload.rank:05d}-{index:03d}.safetensors"
+        pieces, meta = [], []
+        for c in groups[index]:
+            data, d = data_of[(c.key, c.index)]
+            dtype = payload.pieces[c.key][1].dtype
+            codec, stored = "raw", data
+            if options.compression:
+                codec, stored = encode(data, dtype, options.compression_level)
+            pieces.append(Piece(f"{c.key}#{list(c.offsets)}", memoryview(stored), dtype,
+                                c.shape, stored_raw=codec == "raw"))
+            meta.append((c, d, codec, len(stored)))
+        header = encode_header(pieces)
+        size = storage.write(f"{staging}/{name}", [header, *(p.data for p in pieces)])
+        fault_point("after_file")
+        records, start = [], len(header)
+        for c, d, codec, length in meta:
+            records.append((c.key, Chunk(c.offsets, c.shape, name, start, length, d, codec)))
+            start += length
+        return name, size, records
+
+    indices = range(len(groups)) if to_write else []
+    results = list(pool.map(write_file, indices)) if pool and len(groups) > 1 else [
+        write_file(i) for i in indices]
+    table = RankTable(bytes_reused=sum(c.length for _, c in reused))
+    table.chunks.extend(reused)
+    for name, size, records in results:
+        table.files[name] = size
+        table.bytes_written += size
+        table.chunks.extend(records)
+    return table
+
+
+def build_manifest(payload: StepPayload, tables: list[RankTable]) -> Manifest:
+    """The coordinator's merge of every rank's table into the step's manifest."""
+    chunks: dict[str, list[Chunk]] = {k: [] for k in payload.tensors}
+    files: dict[str, int] = {}
+    for table in tables:
+        files.update(table.files)
+        for key, chunk in table.chunks:
+            chunks[key].append(chunk)
+    tensors = {key: TensorEntry(dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.offsets)))
+               for key, (dtype, shape) in payload.tensors.items()}
+    metadata = dict(payload.metadata or {})
+    metadata[CHAIN_KEY] = chain_length(payload.previous) + 1 if payload.previous else 0
+    return Manifest(step=payload.step, world_size=payload.world_size, created=time.time(),
+                    tensors=tensors, aliases=payload.aliases, items=payload.items, files=files,
+                    metadata=metadata)
+
+
+def commit_step(storage: Storage, staging: str, payload: StepPayload,
+                tables: list[RankTable]) -> Manifest:
+    """Coordinator: write the manifest and publish the step (the commit point)."""
+    manifest = build_manifest(payload, tables)
+    fault_point("before_commit")
+    storage.commit(staging, payload.name, manifest.to_json(), MANIFEST_NAME)
+    fault_point("after_commit")
+    return manifest
+
+
+def _abort(storage: Storage, staging: str) -> None:
     try:
-        fault_point("before_data")
-        chunks, to_write = _plan(payload, options)
-        new_bytes = sum(len(data) for _, data, _ in to_write)
-        n_files = max(options.write_threads, -(-new_bytes // options.max_file_bytes))
-        groups = assign_files([c for c, _, _ in to_write], n_files)
-        data_of = {(c.key, c.index): (data, d) for c, data, d in to_write}
-
-        def write_file(index: int) -> tuple[str, int, list[tuple]]:
-            name = f"data-{payload.token}-r{payload.rank:05d}-{index:03d}.safetensors"
-            pieces, meta = [], []
-            for c in groups[index]:
-                data, d = data_of[(c.key, c.index)]
-                dtype = payload.tensors[c.key].dtype
-                codec, stored = "raw", data
-                if options.compression:
-                    codec, stored = encode(data, dtype, options.compression_level)
-                pieces.append(Piece(f"{c.key}#{c.index}", memoryview(stored), dtype, c.shape,
-                                    stored_raw=codec == "raw"))
-                meta.append((c, d, codec, len(stored)))
-            header = encode_header(pieces)
-            size = storage.write(f"{staging}/{name}", [header, *(p.data for p in pieces)])
-            fault_point("after_file")
-            records, start = [], len(header)
-            for c, d, codec, length in meta:
-                records.append((c, Chunk(c.offsets, c.shape, name, start, length, d, codec)))
-                start += length
-            return name, size, records
-
-        indices = range(len(groups)) if to_write else []
-        results = list(pool.map(write_file, indices)) if pool and len(groups) > 1 else [
-            write_file(i) for i in indices]
-        for _, _, records in results:
-            for plan, chunk in records:
-                chunks[plan.key][plan.index] = chunk
-        tensors = {
-            key: TensorEntry(dtype_name(t.dtype), tuple(t.shape), tuple(chunks[key]))
-            for key, t in payload.tensors.items()
-        }
-        metadata = dict(payload.metadata or {})
-        metadata[CHAIN_KEY] = chain_length(payload.previous) + 1 if payload.previous else 0
-        manifest = Manifest(
-            step=payload.step, world_size=payload.world_size, created=time.time(),
-            tensors=tensors, aliases=payload.flat.aliases, items=payload.flat.items,
-            files={name: size for name, size, _ in results}, metadata=metadata)
-        fault_point("before_commit")
-        raw = manifest.to_json()
-        storage.commit(staging, payload.name, raw, MANIFEST_NAME)
-        fault_point("after_commit")
-    except BaseException:
-        try:
-            storage.abort(staging)
-        except Exception:  # the original error matters more; leftovers are cleaned later
-            log.warning("could not remove staging location %s", staging, exc_info=True)
-        raise
-    stats.bytes_written = sum(size for _, size, _ in results) + len(raw)
-    stats.bytes_reused = sum(c.length for e in tensors.values() for c in e.chunks
-                             if c.step is not None)
-    stats.files = len(results) + 1
-    return manifest, stats
+        storage.abort(staging)
+    except Exception:  # the original error matters more; leftovers are cleaned later
+        log.warning("could not remove staging location %s", staging, exc_info=True)
 
 
 class BackgroundWriter:
     """One writer thread (saves run one at a time) plus a pool for the files of one save."""
 
-    def __init__(self, options: SaveOptions) -> None:
+    def __init__(self, options: SaveOptions, group: Group | None = None,
+                 commit_timeout: float = 600.0) -> None:
         self.options = options
+        self.group = group or Group()
+        self.commit_timeout = commit_timeout
         self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer")
         self._pool = (cf.ThreadPoolExecutor(options.write_threads, thread_name_prefix="ckpt-io")
                       if options.write_threads > 1 else None)
 
+    def _run(self, storage: Storage, payload: StepPayload) -> tuple[Manifest | None, RankTable]:
+        if payload.ready is not None:
+            payload.ready.synchronize()
+        staging = storage.begin(payload.name, payload.token)
+        group = self.group
+        if not group.enabled:
+            try:
+                table = write_rank(storage, staging, payload, self.options, self._pool)
+                return commit_step(storage, staging, payload, [table]), table
+            except BaseException:
+                _abort(storage, staging)
+                raise
+        # Two-phase commit: every rank reports its table (or its error) through the store;
+        # the coordinator commits only if all ranks succeeded, then announces the outcome.
+        me = f"{payload.token}/rank{group.rank}"
+        try:
+            table = write_rank(storage, staging, payload, self.options, self._pool)
+            group.publish(me, {"ok": table.to_json()})
+        except BaseException as e:
+            group.publish(me, {"error": f"rank {group.rank}: {e}"})
+            raise
+        outcome = f"{payload.token}/outcome"
+        if not group.is_coordinator:
+            result = group.collect([outcome], self.commit_timeout + 30)[0]
+            if "error" in result:
+                raise CheckpointError(f"step {payload.step} was not committed: {result['error']}")
+            return None, table
+        keys = [f"{payload.token}/rank{r}" for r in range(group.world_size)]
+        try:
+            reports = group.collect(keys, self.commit_timeout)
+            errors = [r["error"] for r in reports if "error" in r]
+            if errors:
+                raise CheckpointError("; ".join(errors))
+            manifest = commit_step(storage, staging, payload,
+                                   [RankTable.from_json(r["ok"]) for r in reports])
+        except BaseException as e:
+            _abort(storage, staging)
+            group.publish(outcome, {"error": str(e)})
+            raise
+        group.publish(outcome, {"ok": True})
+        group.forget(keys)
+        return manifest, table
+
     def submit(self, storage: Storage, payload: StepPayload, blocking_seconds: float,
-               after_commit: Callable[[Manifest], None] | None = None) -> SaveHandle:
+               after_commit: Callable[[Manifest | None], None] | None = None) -> SaveHandle:
         def job() -> SaveResult:
             t0 = time.perf_counter()
             try:
-                manifest, stats = write_step(storage, payload, self.options, self._pool)
+                manifest, table = self._run(storage, payload)
             except CheckpointError:
                 raise
             except Exception as e:
@@ -280,8 +357,8 @@ class BackgroundWriter:
                     "committed and earlier steps are intact", path=storage.url) from e
             if after_commit is not None:
                 after_commit(manifest)
-            return SaveResult(payload.step, f"{storage.url}/{payload.name}", stats.bytes_written,
-                              stats.bytes_reused, stats.files, blocking_seconds,
+            return SaveResult(payload.step, f"{storage.url}/{payload.name}", table.bytes_written,
+                              table.bytes_reused, len(table.files), blocking_seconds,
                               time.perf_counter() - t0)
 
         return SaveHandle(payload.step, self._thread.submit(job), blocking_seconds)

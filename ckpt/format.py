@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, UnsupportedValueError
 
 FORMAT_NAME = "ckpt"
 FORMAT_VERSION = 1
@@ -38,6 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
         "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
         "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
         "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+        "float8_e8m0fnu", "float4_e2m1fn_x2",
     )
     if hasattr(torch, name)
 }
@@ -54,7 +55,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
     except KeyError:
-        raise TypeError(f"tensors of dtype {dtype} cannot be checkpointed") from None
+        raise UnsupportedValueError(
+            f"tensors of dtype {dtype} cannot be checkpointed (quantized and other "
+            "non-plain dtypes): dequantize or convert them first") from None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Incremental saves and the reference-aware collector.
 
-An incremental save compares each chunk's digest with the same chunk (same tensor, same box)
-of the newest committed step and, where they are equal, records a reference to where the
-bytes already live instead of writing them again. A step that retention removes is *retired*
+An incremental save (engine._plan) compares each chunk's digest with the same chunk (same
+tensor, same box) of its base step and, where they are equal, records a reference to where
+the bytes already live instead of writing them again. A step that retention removes is *retired*
 first: its manifest goes (so it is no longer a step), its files stay while a kept step still
 refers to them, and only unreferenced files are deleted. Deleting the manifest first makes a
 crash at any point safe: a kept step never loses a file it uses.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from storage_backends import Storage
 
 from .errors import CheckpointError
-from .format import MANIFEST_NAME, STEP_DIR, Chunk, Manifest, step_dir
+from .format import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
 from .integrity import read_manifest
 
 log = logging.getLogger("ckpt")
@@ -28,22 +28,6 @@ CHAIN_KEY = "ckpt_chain"
 def chain_length(manifest: Manifest) -> int:
     value = manifest.metadata.get(CHAIN_KEY, 0)
     return value if isinstance(value, int) else 0
-
-
-def reusable_chunk(previous: Manifest | None, key: str, dtype: str, shape: tuple[int, ...],
-                   index: int, offsets: tuple[int, ...], box: tuple[int, ...],
-                   digest: str) -> Chunk | None:
-    """The previous step's chunk with these exact coordinates and bytes, as a reference."""
-    if previous is None:
-        return None
-    entry = previous.tensors.get(key)
-    if entry is None or entry.dtype != dtype or entry.shape != shape or index >= len(entry.chunks):
-        return None
-    old = entry.chunks[index]
-    if old.offsets != offsets or old.shape != box or old.digest != digest:
-        return None
-    return Chunk(old.offsets, old.shape, old.file, old.start, old.length, old.digest, old.codec,
-                 previous.step if old.step is None else old.step)
 
 
 @dataclass

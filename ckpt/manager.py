@@ -15,7 +15,8 @@ from typing import Any, MutableMapping
 from storage_backends import LockHeldError, Storage, open_storage
 from storage_backends.locks import describe_owner
 
-from .engine import BackgroundWriter, SaveHandle, Stager, StepPayload
+from .distributed import Group
+from .engine import BackgroundWriter, SaveHandle, Stager
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      CorruptCheckpointError)
 from .format import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
@@ -23,7 +24,7 @@ from .incremental import chain_length, collect
 from .integrity import check_structure, read_manifest
 from .options import SaveOptions
 from .reader import load_step
-from .state import flatten
+from .snapshot import snapshot
 
 log = logging.getLogger("ckpt")
 
@@ -59,6 +60,12 @@ class CheckpointManager:
             whatever the schedule, waits for it, and exits with status 143.
         handle_sigterm: install the SIGTERM handler (finishes the in-flight save first).
         options: layout and write tunables (:class:`ckpt.SaveOptions`).
+        process_group: the ranks that save together (default: the default group when
+            torch.distributed is initialized). Every rank writes its share; rank 0 holds
+            the lock and commits. Call ``save``/``restore`` on every rank.
+        commit_timeout: how long rank 0 waits for the other ranks' reports before it gives
+            up on a step (a rank died or hangs): the step is not committed and every rank's
+            save raises.
 
     Raises:
         CheckpointLockedError: another live writer holds the root.
@@ -78,7 +85,8 @@ class CheckpointManager:
                  async_save: bool = True, read_only: bool = False, allow_pickle: bool = False,
                  incremental: bool = False, full_every: int = 10,
                  compression: str | None = None, save_on_preemption: bool = False,
-                 handle_sigterm: bool = True, options: SaveOptions | None = None) -> None:
+                 handle_sigterm: bool = True, options: SaveOptions | None = None,
+                 process_group: Any = None, commit_timeout: float = 600.0) -> None:
         for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
                             ("keep_every", keep_every), ("full_every", full_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -106,18 +114,34 @@ class CheckpointManager:
         if read_only and isinstance(root, (str, os.PathLike)) and not _root_exists(root):
             raise CheckpointNotFoundError(f"checkpoint root {os.fspath(root)} does not exist",
                                           path=os.fspath(root))
+        self.group = Group(process_group)
         self.storage = open_storage(os.fspath(root) if isinstance(root, os.PathLike) else root,
                                     create=not read_only)
         self.root = self.storage.url
         if not read_only:
-            self._take_lock()
-            self._remove_leftovers()
+            self._take_lock_everywhere()
             self._stager = Stager()
-            self._writer = BackgroundWriter(self.options)
+            self._writer = BackgroundWriter(self.options, self.group, commit_timeout)
             if handle_sigterm and threading.current_thread() is threading.main_thread():
                 self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     # -- lock and leftovers ---------------------------------------------------------------
+    def _take_lock_everywhere(self) -> None:
+        """Rank 0 takes the lock and cleans up; every rank learns the outcome."""
+        error = None
+        if self.group.is_coordinator:
+            try:
+                self._take_lock()
+                self._remove_leftovers()
+            except CheckpointError as e:
+                error = e
+        message = self.group.broadcast(None if error is None else str(error))
+        if error is not None:
+            raise error
+        if message is not None:
+            raise CheckpointLockedError(f"rank 0 could not open {self.root}: {message}",
+                                        path=self.root)
+
     def _take_lock(self) -> None:
         try:
             self._lock = self.storage.lock(describe_owner())
@@ -185,13 +209,13 @@ class CheckpointManager:
             log.info("ckpt.backpressure step=%d waited_s=%.3f", step, time.perf_counter() - t)
         self._raise_failed_save()
         t0 = time.perf_counter()
-        flat = flatten(state, allow_pickle=self.options.allow_pickle)
-        staged, ready = self._stager.stage(flat.tensors, copy=self.async_save)
-        blocking = time.perf_counter() - t0
         base = self._base if self.incremental else None
         if base is not None and (chain_length(base) + 1 >= self.full_every or base.step >= step):
             base = None
-        payload = StepPayload(step, step_dir(step), staged, flat, ready, metadata, base)
+        payload = snapshot(state, step=step, name=step_dir(step), group=self.group,
+                           stager=self._stager, options=self.options, copy=self.async_save,
+                           metadata=metadata, previous=base)
+        blocking = time.perf_counter() - t0
         handle = self._writer.submit(self.storage, payload, blocking, self._after_commit)
         self._inflight = handle
         if not self.async_save or preempted:
@@ -202,7 +226,12 @@ class CheckpointManager:
             raise SystemExit(128 + self._preempted)
         return handle
 
-    def _after_commit(self, manifest: Manifest) -> None:
+    def _after_commit(self, manifest: Manifest | None) -> None:
+        if manifest is None:  # another rank committed: learn the new base from storage
+            if self.incremental:
+                latest = self.latest_step()
+                self._base = self.manifest(latest) if latest is not None else None
+            return
         self._base = manifest
         log.info("ckpt.commit step=%d root=%s", manifest.step, self.root)
         if self.keep_last is not None:
@@ -252,26 +281,45 @@ class CheckpointManager:
         failures = []
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool:
             for s in candidates:
-                location = step_dir(s)
-                try:
-                    manifest = read_manifest(self.storage, location, s)
-                    check_structure(self.storage, location, manifest)
-                    load_step(self.storage, location, manifest, state,
-                              allow_pickle=self.allow_pickle, pool=pool)
-                except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-                    if strict or step is not None:
-                        raise
-                    log.warning("ckpt.restore skipping step=%d reason=%s", s, e)
-                    self.skipped.append((s, str(e)))
-                    failures.append(f"step {s}: {e}")
-                    continue
-                log.info("ckpt.restore step=%d root=%s skipped=%d", s, self.root, len(failures))
-                self._base = manifest
-                return s
+                error = self._try_load(s, state, pool)
+                # Every rank must restore the same step: agree on this one's outcome first.
+                outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
+                    _describe(error)]
+                fatal = [o for o in outcomes if o and o[0] == "fatal"]
+                if fatal:
+                    if error is not None and not isinstance(error, CorruptCheckpointError):
+                        raise error
+                    raise CheckpointError(f"another rank failed to restore step {s}: "
+                                          f"{fatal[0][1]}", path=self.root)
+                bad = [o[1] for o in outcomes if o]
+                if not bad:
+                    log.info("ckpt.restore step=%d root=%s skipped=%d", s, self.root,
+                             len(failures))
+                    return s
+                if strict or step is not None:
+                    if isinstance(error, CheckpointError):
+                        raise error
+                    raise CorruptCheckpointError(bad[0], path=self.root)
+                log.warning("ckpt.restore skipping step=%d reason=%s", s, bad[0])
+                self.skipped.append((s, bad[0]))
+                failures.append(f"step {s}: {bad[0]}")
         if failures:
             raise CorruptCheckpointError(
                 f"no committed step under {self.root} could be loaded; `ckpt verify --all "
                 f"{self.root}` gives details:\n  " + "\n  ".join(failures), path=self.root)
+        return None
+
+    def _try_load(self, step: int, state: MutableMapping[str, Any],
+                  pool: cf.ThreadPoolExecutor) -> BaseException | None:
+        location = step_dir(step)
+        try:
+            manifest = read_manifest(self.storage, location, step)
+            check_structure(self.storage, location, manifest)
+            load_step(self.storage, location, manifest, state, rank=self.group.rank,
+                      allow_pickle=self.allow_pickle, pool=pool)
+        except Exception as e:  # classified by _describe; re-raised by restore
+            return e
+        self._base = manifest
         return None
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -316,6 +364,15 @@ class CheckpointManager:
                 self._lock.release()
             except Exception:  # interpreter shutdown: the kernel drops the flock anyway
                 pass
+
+
+def _describe(error: BaseException | None) -> tuple[str, str] | None:
+    """A picklable verdict on one rank's load attempt: None, ("bad", why) or ("fatal", why)."""
+    if error is None:
+        return None
+    if isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError)):
+        return ("bad", str(error))
+    return ("fatal", f"{type(error).__name__}: {error}")
 
 
 def retention(steps: list[int], keep_last: int | None, keep_every: int | None,

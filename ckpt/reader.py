@@ -1,9 +1,11 @@
-"""Loading a committed step into live state, in place.
+"""Loading a committed step into live state, in place, on any world size.
 
 Order matters for "a bad checkpoint changes nothing": the manifest is validated and compared
-with the live state (keys, shapes, dtypes) before any byte is read. Tensors are then read
-straight into the live tensors where they are CPU, contiguous and of the right type (no extra
-copy), every chunk checked against its digest; objects get ``load_state_dict`` last.
+with the live state (keys, shapes, dtypes) before any byte is read. Each rank then reads only
+the chunks that overlap the boxes it holds (the whole tensor for a plain tensor, its shard for
+a DTensor) into fresh host buffers, every chunk checked against its digest. A chunk that only partly overlaps is read whole (its digest covers
+the whole chunk) and the overlap copied; chunks are a few MiB, so that bounds the extra bytes.
+Objects get ``load_state_dict`` last.
 """
 
 from __future__ import annotations
@@ -17,17 +19,19 @@ import torch
 from storage_backends import Storage
 
 from .engine import byte_view
-from .errors import CorruptCheckpointError, StateMismatchError
+from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedValueError
 from .format import Chunk, Manifest
 from .integrity import chunk_path, digest
-from .state import FlatState, check_compatible, decode, flatten, is_stateful, tensor_keys
+from .sharding import Box, _dtensor_type, intersect, local_piece, source_rank, sub_slices
+from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
+                    item_tree, tensor_keys)
 
 
-def _live_state(state: MutableMapping[str, Any]) -> FlatState:
+def _live_state(state: MutableMapping[str, Any], rank: int) -> FlatState:
     """Flatten what the live state holds now, for validation and as read destinations."""
     live = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) or is_stateful(v)}
-    flat = flatten(live, allow_pickle=True)
-    for k, v in state.items():
+    flat = flatten(live, allow_pickle=True, rank=rank)
+    for k in state:
         if k not in live:
             flat.items[k] = {"kind": "value", "tree": None}
     return flat
@@ -56,28 +60,38 @@ def read_chunk(storage: Storage, location: str, key: str, chunk: Chunk,
             path=f"{storage.url}/{path}")
 
 
-def _is_slab(chunk: Chunk, shape: tuple[int, ...]) -> bool:
-    return not shape or (all(o == 0 for o in chunk.offsets[1:]) and chunk.shape[1:] == shape[1:])
+def _rows_of(dest_box: Box, chunk: Chunk) -> bool:
+    """Whether the chunk is a run of whole rows of the destination box (one contiguous read)."""
+    offsets, shape = dest_box
+    if not shape:
+        return True
+    return (chunk.offsets[1:] == offsets[1:] and chunk.shape[1:] == shape[1:]
+            and offsets[0] <= chunk.offsets[0]
+            and chunk.offsets[0] + chunk.shape[0] <= offsets[0] + shape[0])
 
 
-def read_tensor_into(storage: Storage, location: str, manifest: Manifest, key: str,
-                     dest: torch.Tensor,
-                     pool: cf.ThreadPoolExecutor | None, verify: bool = True) -> list[cf.Future]:
-    """Schedule (or run) the reads of every chunk of ``key`` into contiguous CPU ``dest``."""
+def read_box(storage: Storage, location: str, manifest: Manifest, key: str, dest: torch.Tensor,
+             dest_box: Box, pool: cf.ThreadPoolExecutor | None, verify: bool = True) -> list:
+    """Schedule (or run) the reads that fill contiguous CPU ``dest``, which holds
+    ``dest_box`` of tensor ``key``; returns futures to wait on (empty without a pool)."""
     entry = manifest.tensors[key]
-    row = math.prod(entry.shape[1:]) if entry.shape else 1
+    row = math.prod(dest.shape[1:])
 
     def one(chunk: Chunk) -> None:
+        overlap = intersect((chunk.offsets, chunk.shape), dest_box)
+        if overlap is None and entry.shape and chunk.numel:
+            return
         if chunk.numel == 0:
             return
-        if _is_slab(chunk, entry.shape):
-            start = chunk.offsets[0] * row if entry.shape else 0
+        if _rows_of(dest_box, chunk):
+            start = (chunk.offsets[0] - dest_box[0][0]) * row if entry.shape else 0
             out = dest.reshape(-1)[start:start + chunk.numel].view(chunk.shape)
             read_chunk(storage, location, key, chunk, out, verify)
         else:
             tmp = torch.empty(chunk.shape, dtype=dest.dtype)
             read_chunk(storage, location, key, chunk, tmp, verify)
-            dest[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.shape))].copy_(tmp)
+            dest[sub_slices(dest_box, overlap)].copy_(
+                tmp[sub_slices((chunk.offsets, chunk.shape), overlap)])
 
     if pool is None:
         for c in entry.chunks:
@@ -86,47 +100,82 @@ def read_tensor_into(storage: Storage, location: str, manifest: Manifest, key: s
     return [pool.submit(one, c) for c in entry.chunks]
 
 
-def load_step(storage: Storage, location: str, manifest: Manifest, state: MutableMapping[str, Any], *,
-              allow_pickle: bool = False, verify: bool = True,
-              pool: cf.ThreadPoolExecutor | None = None) -> None:
-    """Load ``manifest``'s step into ``state`` in place (see the module docstring)."""
-    live = _live_state(state)
+def load_step(storage: Storage, location: str, manifest: Manifest,
+              state: MutableMapping[str, Any], *, rank: int = 0, allow_pickle: bool = False,
+              verify: bool = True, pool: cf.ThreadPoolExecutor | None = None) -> None:
+    """Load ``manifest``'s step into this rank's ``state`` (see the module docstring).
+
+    Everything is read into fresh host buffers and checked first; the live state changes
+    only once every chunk passed its digest and every value decoded, through
+    ``load_state_dict`` (which copies, so the buffers cost host memory, not time).
+    """
+    src = source_rank(rank, manifest.world_size)
+    live = _live_state(state, src)
     spec = {k: (e.shape, e.torch_dtype) for k, e in manifest.tensors.items()}
-    check_compatible(live, manifest.items, spec, manifest.aliases)
-    loaded: dict[str, torch.Tensor] = {}
-    futures: list[cf.Future] = []
+    check_compatible(live, manifest.items, spec, manifest.aliases, src)
     # Items saved but absent from `state` are left alone: a caller may restore a subset.
-    needed = {manifest.resolve(k) for name in state if name in manifest.items
-              for k in tensor_keys(manifest.items[name].get("tree"))}
+    wanted = {name: item_tree(manifest.items[name], src) for name in state
+              if name in manifest.items}
+    _check_optimizers(state, wanted)
+    if not allow_pickle and any(holds_pickle(tree) for tree in wanted.values()):
+        raise UnsupportedValueError(
+            f"{storage.url}/{location} holds pickled values; load it with allow_pickle=True "
+            "only if you trust where it came from (nothing was loaded)", path=location)
+    needed = {manifest.resolve(k) for tree in wanted.values() for k in tensor_keys(tree)}
+    loaded: dict[str, torch.Tensor] = {}
+    futures: list = []
     for key in sorted(needed):
         entry = manifest.tensors[key]
         target = live.tensors.get(key)
-        if (target is not None and target.device.type == "cpu" and target.is_contiguous()
-                and target.dtype == entry.torch_dtype and tuple(target.shape) == entry.shape
-                and not target.is_conj() and not target.is_neg()):
-            dest = target
+        if target is None:
+            box: Box = ((0,) * len(entry.shape), entry.shape)
         else:
-            dest = torch.empty(entry.shape, dtype=entry.torch_dtype)
-        loaded[key] = dest
-        futures += read_tensor_into(storage, location, manifest, key, dest, pool, verify)
+            _, offsets, local = local_piece(target)
+            box = (offsets, tuple(local.shape))
+        buf = torch.empty(box[1], dtype=entry.torch_dtype)
+        loaded[key] = buf if target is None else _like(target, buf)
+        futures += read_box(storage, location, manifest, key, buf, box, pool, verify)
     for f in futures:
         f.result()
     for alias, target in manifest.aliases.items():
         if target in loaded:
             loaded[alias] = loaded[target]
-    for name, item in manifest.items.items():
-        if name not in state:
-            continue
-        value = decode(item["tree"], loaded, allow_pickle=allow_pickle)
-        kind = item["kind"]
+    values = {name: decode(tree, loaded, allow_pickle=allow_pickle) for name, tree in wanted.items()}
+    for name, value in values.items():
+        kind = manifest.items[name]["kind"]
         try:
             if kind in ("module", "stateful"):
                 state[name].load_state_dict(value)
             elif kind == "tensor":
-                if state[name] is not value:
-                    with torch.no_grad():
-                        state[name].copy_(value)
+                with torch.no_grad():
+                    state[name].copy_(value)
             else:
                 state[name] = value
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             raise StateMismatchError(f"'{name}'.load_state_dict refused the checkpoint: {e}") from e
+
+
+def _like(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's box, on the CPU) in the form of ``target``: a DTensor with the
+    same mesh and placements for a DTensor, else the plain buffer (load_state_dict moves it)."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(target, dtensor):
+        return dtensor.from_local(local.to(target.to_local().device), target.device_mesh,
+                                  target.placements, run_check=False, shape=target.shape,
+                                  stride=target.stride())
+    return local
+
+
+def _check_optimizers(state: MutableMapping[str, Any], wanted: dict[str, Any]) -> None:
+    """An optimizer refuses param groups of other sizes; find that before anything changes."""
+    for name, tree in wanted.items():
+        obj = state[name]
+        if not isinstance(obj, torch.optim.Optimizer) or not isinstance(tree, dict):
+            continue
+        saved = [len(g.get("params", [])) for g in tree.get("param_groups", [])
+                 if isinstance(g, dict)]
+        live = [len(g["params"]) for g in obj.param_groups]
+        if saved != live:
+            raise StateMismatchError(
+                f"'{name}': the checkpoint's optimizer has parameter groups of sizes {saved}, "
+                f"this optimizer {live}; nothing was loaded")

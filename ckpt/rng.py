@@ -13,7 +13,10 @@ class RNGState:
 
     Put it in the state (``{"rng": ckpt.RNGState(), ...}``): its state is read at save time
     and the generators are reset at restore, so dropout and sampling resume bit-exactly.
+    Saved per rank: on another world size rank r gets saved rank ``r % saved_world``'s state.
     """
+
+    ckpt_per_rank = True
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}

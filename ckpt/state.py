@@ -111,8 +111,37 @@ def _encode_numpy(flattener: _Flattener, value: Any, path: str) -> Any:
     return None
 
 
-def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatState:
-    """Take ``state`` apart into tensors and JSON (calls ``state_dict()`` on stateful items)."""
+def is_per_rank(obj: Any) -> bool:
+    """Items whose value differs by rank (RNG state, :class:`PerRank`) are saved per rank."""
+    return bool(getattr(obj, "ckpt_per_rank", False))
+
+
+class PerRank:
+    """Marks a stateful object whose state differs by rank (saved once per rank).
+
+    On a different world size at load, rank r gets saved rank ``r % saved_world``'s state
+    (its own when it existed).
+    """
+
+    ckpt_per_rank = True
+
+    def __init__(self, obj: Any) -> None:
+        if not is_stateful(obj):
+            raise TypeError("PerRank wraps objects with state_dict()/load_state_dict()")
+        self.obj = obj
+
+    def state_dict(self) -> Any:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.obj.load_state_dict(state)
+
+
+def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, rank: int = 0) -> FlatState:
+    """Take ``state`` apart into tensors and JSON (calls ``state_dict()`` on stateful items).
+
+    Tensors of per-rank items get keys under ``<item>@<rank>`` so ranks never collide.
+    """
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of items, not {type(state).__name__}")
     f = _Flattener(allow_pickle)
@@ -123,7 +152,11 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatStat
             f.flat.items[name] = {"kind": "tensor", "tree": f.tensor(obj, name)}
         elif is_stateful(obj):
             kind = "module" if isinstance(obj, torch.nn.Module) else "stateful"
-            f.flat.items[name] = {"kind": kind, "tree": f.encode(obj.state_dict(), name)}
+            if is_per_rank(obj):
+                tree = f.encode(obj.state_dict(), f"{name}@{rank}")
+                f.flat.items[name] = {"kind": kind, "per_rank": {str(rank): tree}}
+            else:
+                f.flat.items[name] = {"kind": kind, "tree": f.encode(obj.state_dict(), name)}
         else:
             f.flat.items[name] = {"kind": "value", "tree": f.encode(obj, name)}
     return f.flat
@@ -159,6 +192,23 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool
     return {k: decode(v, tensors, allow_pickle=allow_pickle) for k, v in tree.items()}
 
 
+def item_tree(item: Mapping[str, Any], rank: int = 0) -> Any:
+    """An item's JSON tree; for a per-rank item, the tree of saved rank ``rank``."""
+    per_rank = item.get("per_rank")
+    if isinstance(per_rank, dict):
+        return per_rank.get(str(rank))
+    return item.get("tree")
+
+
+def holds_pickle(tree: Any) -> bool:
+    """Whether a JSON tree holds a pickled value anywhere."""
+    if isinstance(tree, list):
+        return any(holds_pickle(v) for v in tree)
+    if not isinstance(tree, dict):
+        return False
+    return PICKLE in tree or any(holds_pickle(v) for v in tree.values())
+
+
 def tensor_keys(tree: Any) -> list[str]:
     """Every tensor key a JSON tree refers to."""
     if isinstance(tree, list):
@@ -172,7 +222,7 @@ def tensor_keys(tree: Any) -> list[str]:
 
 def check_compatible(current: FlatState, saved_items: Mapping[str, dict],
                      saved_spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                     aliases: Mapping[str, str]) -> None:
+                     aliases: Mapping[str, str], source_rank: int = 0) -> None:
     """Raise StateMismatchError unless the saved items fit the state being restored.
 
     Every tensor the live state has must be saved with the same shape and dtype; a module's
@@ -187,8 +237,8 @@ def check_compatible(current: FlatState, saved_items: Mapping[str, dict],
         if saved.get("kind") != item["kind"]:
             problems.append(f"'{name}' was saved as a {saved.get('kind')}, but is a {item['kind']} now")
             continue
-        live_keys = set(tensor_keys(item["tree"]))
-        saved_keys = set(tensor_keys(saved.get("tree")))
+        live_keys = set(tensor_keys(item_tree(item, source_rank)))
+        saved_keys = set(tensor_keys(item_tree(saved, source_rank)))
         missing = sorted(live_keys - saved_keys)
         if missing:
             problems.append(f"'{name}': missing from the checkpoint: {_few(missing)}")

@@ -1,4 +1,13 @@
-"""Choose a backend from a root's URL."""
+"""Choose a backend from a root's URL.
+
+=============================  ====================================================
+``/path``, ``file:///path``    :class:`~storage_backends.posix.PosixStorage`
+``tensorstore+file:///path``   :class:`~storage_backends.tensorstore_store.TensorstoreStorage`
+``tensorstore+s3://b/prefix``  the same, tensorstore's ``s3`` driver (``+gs://``: ``gcs``)
+``s3://b/prefix``, ``memory://x``, any other fsspec protocol
+                               :class:`~storage_backends.fsspec_store.FsspecStorage`
+=============================  ====================================================
+"""
 
 from __future__ import annotations
 
@@ -7,21 +16,48 @@ from urllib.parse import urlparse
 from .base import Storage
 from .posix import PosixStorage
 
+# Options that configure ckpt's object-store backends rather than fsspec or tensorstore.
+BACKEND_OPTIONS = ("lease_ttl", "allow_unsafe_commit", "retries", "retry_delay", "block_size")
 
-def open_storage(root: str, *, create: bool = True, **options) -> Storage:
-    """Open the storage behind ``root``: a path or ``file://`` URL is the POSIX backend.
+
+def open_storage(root: str | Storage, *, create: bool = True,
+                 storage_options: dict | None = None, **options) -> Storage:
+    """Open the storage behind ``root``.
+
+    Args:
+        root: a path or URL (see the module docstring), or a :class:`Storage` (returned as is).
+        create: create the root if missing (object stores: check that the bucket exists).
+        storage_options: for object stores, passed to fsspec (or merged into tensorstore's
+            kvstore spec), except the backend's own keys (``lease_ttl``,
+            ``allow_unsafe_commit``, ``retries``, ``retry_delay``, ``block_size``).
+        **options: more options, merged into ``storage_options`` (so both
+            ``open_storage(url, storage_options={...})`` and ``open_storage(url, **{...})``
+            work).
 
     Raises:
-        ValueError: for a URL scheme no installed backend serves.
+        ValueError: a URL scheme no installed backend serves, or options for a local path.
     """
     if isinstance(root, Storage):
         return root
     root = str(root)
+    merged = {**(storage_options or {}), **options}
     scheme = urlparse(root).scheme
     if scheme in ("", "file"):
-        path = root[len("file://"):] if scheme == "file" else root
-        return PosixStorage(path, create=create, **options)
-    raise ValueError(
-        f"no storage backend for {root!r}: use a local path (object storage comes with "
-        "the fsspec backend)"
-    )
+        if merged:
+            raise ValueError(f"storage options {sorted(merged)} do not apply to the local path "
+                             f"{root!r}")
+        return PosixStorage(root[len("file://"):] if scheme == "file" else root, create=create)
+    backend = {k: merged.pop(k) for k in BACKEND_OPTIONS if k in merged}
+    if scheme.startswith("tensorstore+"):
+        from .tensorstore_store import TensorstoreStorage
+
+        backend.pop("block_size", None)
+        return TensorstoreStorage(root, create=create, storage_options=merged, **backend)
+    import fsspec
+
+    if scheme not in fsspec.available_protocols():
+        raise ValueError(f"no storage backend for {root!r}: {scheme}:// is neither a local "
+                         "path, a tensorstore+ URL, nor an fsspec protocol")
+    from .fsspec_store import FsspecStorage
+
+    return FsspecStorage(root, create=create, storage_options=merged, **backend)

@@ -1,0 +1,89 @@
+"""Where each piece of a tensor lives across ranks, and who writes it.
+
+A tensor is described globally (shape, dtype) and each rank holds a box of it: the whole
+tensor for a plain (replicated) tensor, its local shard for a DTensor. Identical boxes held
+by several ranks are written once, by the holder with the fewest bytes assigned so far, so a
+DDP model's parameters are spread over all ranks instead of all landing on rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the global tensor
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+    """(global shape, global offsets of the local box, local tensor) of a tensor or DTensor."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = t.to_local()
+        shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if tuple(shape) != tuple(local.shape):
+            raise ValueError(f"DTensor local shape {tuple(local.shape)} != computed {tuple(shape)}")
+        return tuple(t.shape), tuple(int(o) for o in offsets), local
+    return tuple(t.shape), (0,) * t.dim(), t
+
+
+@dataclass(frozen=True)
+class PieceSpec:
+    """One rank's box of one tensor: what ranks exchange before a save."""
+
+    key: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def assign_writers(specs_by_rank: list[list[PieceSpec]]) -> dict[tuple[str, tuple[int, ...]], int]:
+    """(key, offsets) -> the rank that writes that box; deterministic on every rank."""
+    holders: dict[tuple[str, tuple[int, ...]], tuple[PieceSpec, list[int]]] = {}
+    for rank, specs in enumerate(specs_by_rank):
+        for s in specs:
+            entry = holders.setdefault((s.key, s.offsets), (s, []))
+            entry[1].append(rank)
+    load = [0] * len(specs_by_rank)
+    writers = {}
+    # Largest first, each to its least-loaded holder: a greedy balance good to one piece.
+    for ident, (spec, ranks) in sorted(holders.items(), key=lambda kv: (-kv[1][0].nbytes, kv[0])):
+        rank = min(ranks, key=lambda r: (load[r], r))
+        writers[ident] = rank
+        load[rank] += spec.nbytes
+    return writers
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes, or None when they share no element."""
+    offsets, shape = [], []
+    for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + as_, bo + bs)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        shape.append(hi - lo)
+    return tuple(offsets), tuple(shape)
+
+
+def sub_slices(outer: Box, inner: Box) -> tuple[slice, ...]:
+    """Index of ``inner`` within a tensor that holds exactly ``outer``."""
+    return tuple(slice(i - o, i - o + n) for o, i, n in zip(outer[0], inner[0], inner[1]))
+
+
+def source_rank(rank: int, saved_world: int) -> int:
+    """Which saved rank's per-rank values a rank gets: its own when it existed, else
+    ``rank % saved_world`` (a documented rule: no rank is left without values)."""
+    return rank if rank < saved_world else rank % saved_world

@@ -1,0 +1,388 @@
+"""Object storage through fsspec: S3 (s3fs), ``memory://`` and other fsspec file systems.
+
+The commit and the lock are the conditional-write protocol of :mod:`.lease`. On S3 the
+conditions are the store's own (``If-None-Match: *``, ``If-Match: <etag>``), and a writer first
+checks once that the store really enforces them: an S3-compatible store that ignores them
+would silently break both the commit and the lock. ``memory://`` lives inside this process,
+so there the conditions are emulated exactly under a process lock. Any other fsspec protocol
+has no conditional write ckpt can rely on: writing to it needs ``allow_unsafe_commit=True``
+(the same emulation, which does not exclude other processes); reading never does.
+
+Errors: throttling (SlowDown, 503), other 5xx and dropped connections are retried with
+exponential backoff and jitter, a bounded number of times; the last failure is raised as an
+``OSError`` with the store's error chained. ckpt turns it into a ``StorageError``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import random
+import threading
+import time
+import uuid
+from typing import Any, Callable, Sequence
+
+from .base import Buffer, Entry
+from .lease import DEFAULT_LEASE_TTL, ConditionalStorage
+
+log = logging.getLogger("ckpt.storage")
+
+NATIVE_CONDITIONS = ("s3", "s3a")
+IN_PROCESS = ("memory",)
+
+_EMULATION = threading.Lock()  # serializes emulated conditional writes in this process
+_RETRY_STATUS = (408, 429)
+_NOT_TRANSIENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                  NotADirectoryError, EOFError)
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET,
+                     errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.EREMOTEIO}
+# Connection-level errors of botocore, aiohttp and fsspec, matched by name: importing them
+# would make s3fs a hard dependency of every protocol.
+_TRANSIENT_NAMES = {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+                    "ConnectTimeoutError", "HTTPClientError", "ClientConnectionError",
+                    "ServerDisconnectedError", "ClientPayloadError", "ClientOSError",
+                    "IncompleteReadError", "ResponseParserError", "FSTimeoutError",
+                    "ProxyConnectionError", "ResponseStreamingError"}
+_PART_LIMIT = 9_000  # S3 allows 10,000 parts per object; keep a margin
+
+
+def http_status(e: BaseException) -> int | None:
+    """The HTTP status behind an exception of botocore, aiohttp or gcsfs, if any."""
+    resp = getattr(e, "response", None)
+    if isinstance(resp, dict):
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return status if isinstance(status, int) else None
+    for attr in ("status", "code"):
+        value = getattr(e, attr, None)
+        if isinstance(value, int) and 100 <= value < 600:
+            return value
+    return None
+
+
+def _error_code(e: BaseException) -> str:
+    for err in (e, e.__cause__):
+        resp = getattr(err, "response", None)
+        if isinstance(resp, dict):
+            return str(resp.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def is_transient(e: BaseException) -> bool:
+    """Throttling, a 5xx, a timeout or a dropped connection: worth another try."""
+    for _ in range(4):  # the error, and what it was raised from
+        if e is None:
+            return False
+        status = http_status(e)
+        if status is not None:
+            return status in _RETRY_STATUS or status >= 500
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
+            return True
+        if "SlowDown" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """A conditional write refused: the key exists, its version moved, or another
+    conditional write on it is in flight (S3's 409 ConditionalRequestConflict)."""
+    if isinstance(e, FileExistsError):
+        return True
+    return http_status(e.__cause__ or e) in (409, 412) or _error_code(e) in (
+        "PreconditionFailed", "ConditionalRequestConflict")
+
+
+class FsspecStorage(ConditionalStorage):
+    """A checkpoint root on an fsspec file system (``s3://bucket/prefix``, ``memory://x``...).
+
+    Args:
+        url: the root, with its protocol.
+        create: for ``memory://``, create the root; for S3, check that the bucket exists.
+        storage_options: passed to fsspec (for S3: ``client_kwargs={"endpoint_url": ...}``,
+            ``key``/``secret``...). ckpt sets S3 defaults that the options may override:
+            listings are not cached, and botocore does not retry (this class does).
+        lease_ttl: seconds a writer's lease lasts without renewal (see :mod:`.lease`).
+        allow_unsafe_commit: write to a protocol without conditional writes (not safe
+            against two writers on one root, nor against a retried request).
+        retries: attempts per operation on transient errors (throttling, 5xx, connection).
+        retry_delay: the first backoff in seconds; it doubles per attempt (capped at 10 s),
+            with random jitter.
+        block_size: bytes per part of a multipart upload (at least 5 MiB); larger objects
+            are uploaded in parts as they are written.
+    """
+
+    def __init__(self, url: str, *, create: bool = True, storage_options: dict | None = None,
+                 lease_ttl: float = DEFAULT_LEASE_TTL, allow_unsafe_commit: bool = False,
+                 retries: int = 5, retry_delay: float = 0.2, block_size: int = 32 << 20) -> None:
+        from fsspec.core import url_to_fs  # lazily: only object-store users pay for it
+
+        super().__init__(lease_ttl=lease_ttl)
+        if retries < 1:
+            raise ValueError(f"retries must be at least 1, not {retries}")
+        self.protocol = url.split("://", 1)[0] if "://" in url else "file"
+        options = dict(storage_options or {})
+        if self.protocol in NATIVE_CONDITIONS:
+            options.setdefault("use_listings_cache", False)
+            config = dict(options.get("config_kwargs") or {})
+            config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+            options["config_kwargs"] = config
+        self.fs, path = url_to_fs(url, **options)
+        self.root = path.rstrip("/")
+        self.url = url.rstrip("/")
+        self.allow_unsafe_commit = allow_unsafe_commit
+        self.retries, self.retry_delay = retries, retry_delay
+        self.block_size = max(int(block_size), 5 << 20)
+        self._checked = False
+        if create:
+            self._call("opening", "", self._create_root)
+
+    def _create_root(self) -> None:
+        if self.protocol in NATIVE_CONDITIONS:
+            bucket = self.root.split("/", 1)[0]
+            if not self.fs.exists(bucket):
+                raise FileNotFoundError(errno.ENOENT, f"bucket {bucket} does not exist (ckpt "
+                                        "does not create buckets)", bucket)
+        elif self.protocol in IN_PROCESS:
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _abs(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def _call(self, what: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn`` with bounded retries on transient errors; raise OSError at the end."""
+        where = f"{self.url}/{path}" if path else self.url
+        for attempt in range(1, self.retries + 1):
+            try:
+                return fn(*args)
+            except _NOT_TRANSIENT:
+                raise
+            except Exception as e:
+                if attempt < self.retries and is_transient(e):
+                    delay = min(10.0, self.retry_delay * 2 ** (attempt - 1))
+                    delay = random.uniform(delay / 2, delay)  # jitter: writers do not sync up
+                    log.warning("ckpt.storage %s %s failed (%s: %s); retry %d/%d in %.2fs",
+                                what, where, type(e).__name__, e, attempt, self.retries - 1,
+                                delay)
+                    time.sleep(delay)
+                    continue
+                tries = f" after {attempt} attempts" if attempt > 1 else ""
+                raise OSError(errno.EIO, f"{what} {where} failed{tries}: "
+                                         f"{type(e).__name__}: {e}") from e
+        raise AssertionError("unreachable")
+
+    # -- bytes ----------------------------------------------------------------------------------
+    def list(self, path: str = "") -> list[Entry]:
+        full = self._abs(path)
+
+        def ls() -> list[dict]:
+            try:
+                return self.fs.ls(full, detail=True, refresh=True)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+
+        entries = []
+        for info in self._call("listing", path, ls):
+            name = info["name"].rstrip("/")
+            if name.lstrip("/") == full.lstrip("/"):
+                continue  # ls of a file lists the file itself
+            entries.append(Entry(name.rsplit("/", 1)[-1], info["type"] == "directory"))
+        return entries
+
+    def exists(self, path: str) -> bool:
+        return self._call("checking", path, self.fs.exists, self._abs(path))
+
+    def size(self, path: str) -> int:
+        info = self._call("sizing", path, self.fs.info, self._abs(path))
+        if info["type"] == "directory":
+            raise IsADirectoryError(errno.EISDIR, "a directory has no size", self._abs(path))
+        return int(info["size"])
+
+    def write(self, path: str, buffers: Sequence[Buffer]) -> int:
+        views = [memoryview(b).cast("B") for b in buffers]
+        total = sum(v.nbytes for v in views)
+        self._call("writing", path, self._put, self._abs(path), views, total)
+        return total
+
+    def _put(self, full: str, views: list[memoryview], total: int) -> None:
+        # Written in slices of one part: s3fs buffers a part, uploads it, and completes the
+        # multipart upload at close (one plain PUT when the object fits in one part).
+        block = max(self.block_size, -(-total // _PART_LIMIT))
+        f = self.fs.open(full, "wb", block_size=block)
+        try:
+            for view in views:
+                for i in range(0, view.nbytes, block):
+                    f.write(view[i:i + block])
+            f.close()
+        except BaseException:
+            try:
+                f.discard()  # abort the multipart upload instead of completing a partial one
+            except Exception:
+                pass
+            f.closed = True  # and never let close() (or __del__) publish it
+            raise
+
+    def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        if length == 0:
+            return b""
+        end = None if length is None else start + length
+
+        def cat() -> bytes:
+            try:
+                return self.fs.cat_file(self._abs(path), start=start or None, end=end)
+            except OSError as e:
+                if http_status(e.__cause__ or e) == 416:  # starts past the end: like a file
+                    return b""
+                raise
+
+        return self._call("reading", path, cat)
+
+    def read_into(self, path: str, start: int, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        n = view.nbytes
+        if n == 0:
+            return
+        part = self.block_size
+        starts = list(range(start, start + n, part))
+        ends = [min(s + part, start + n) for s in starts]
+        full = self._abs(path)
+        # Ranged GETs of one part each, concurrent on an async file system (S3).
+        pieces = self._call("reading", path, self._cat_ranges, full, starts, ends)
+        for piece, s, e in zip(pieces, starts, ends):
+            view[s - start:s - start + len(piece)] = piece
+            if len(piece) < e - s:
+                raise EOFError(f"{self.url}/{path} ends before byte {e} (wanted bytes "
+                               f"{start}..{start + n})")
+
+    def _cat_ranges(self, full: str, starts: list[int], ends: list[int]) -> list[bytes]:
+        out = self.fs.cat_ranges([full] * len(starts), starts, ends, on_error="return")
+        for item in out:
+            if isinstance(item, BaseException):
+                if http_status(item.__cause__ or item) == 416:
+                    return [p if isinstance(p, bytes) else b"" for p in out]
+                raise item
+        return out
+
+    def delete(self, path: str) -> None:
+        def rm() -> None:
+            try:
+                self.fs.rm(self._abs(path), recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self._call("deleting", path, rm)
+
+    # -- conditional writes ---------------------------------------------------------------------
+    def check_conditional_writes(self) -> None:
+        if self._checked:
+            return
+        if self.protocol in NATIVE_CONDITIONS:
+            probe = f".ckpt-probe-{uuid.uuid4().hex}"
+            try:
+                first = self.create_only(probe, b"1")
+                second = self.create_only(probe, b"2")
+            finally:
+                self.delete(probe)
+            if first is None or second is not None:
+                raise OSError(errno.EOPNOTSUPP, f"{self.url}: the store ignored a create-only "
+                              "write (If-None-Match); ckpt's commit and lock need conditional "
+                              "writes (AWS S3, recent MinIO...)")
+        elif self.protocol not in IN_PROCESS and not self.allow_unsafe_commit:
+            raise OSError(errno.EOPNOTSUPP, f"{self.url}: ckpt knows no atomic create-only "
+                          f"write for {self.protocol}://, so two writers (or a retried request) "
+                          "could both commit or both hold the lock; pass "
+                          "allow_unsafe_commit=True to write anyway, or use a tensorstore+ URL")
+        self._checked = True
+
+    def read_versioned(self, path: str) -> tuple[bytes, str] | None:
+        full = self._abs(path)
+        if self.protocol in NATIVE_CONDITIONS:
+            from fsspec.asyn import sync
+
+            bucket, key, _ = self.fs.split_path(full)
+
+            async def get() -> tuple[bytes, str]:
+                resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+                try:
+                    return await resp["Body"].read(), resp["ETag"]
+                finally:
+                    resp["Body"].close()
+
+            fetch = lambda: sync(self.fs.loop, get)  # noqa: E731
+        else:
+            def fetch() -> tuple[bytes, str]:
+                data = self.fs.cat_file(full)
+                return data, hashlib.md5(data).hexdigest()
+        try:
+            return self._call("reading", path, fetch)
+        except FileNotFoundError:
+            return None
+
+    def create_only(self, path: str, data: bytes) -> str | None:
+        return self._conditional(path, data, None)
+
+    def replace_if(self, path: str, data: bytes, version: str) -> str | None:
+        return self._conditional(path, data, version)
+
+    def _conditional(self, path: str, data: bytes, version: str | None) -> str | None:
+        full = self._abs(path)
+
+        def put() -> str | None:
+            if self.protocol in NATIVE_CONDITIONS:
+                cond = {"mode": "create"} if version is None else {"IfMatch": version}
+                try:
+                    return self.fs.pipe_file(full, data, **cond)["ETag"]
+                except Exception as e:
+                    if _precondition_failed(e) or isinstance(e, FileNotFoundError):
+                        return None
+                    raise
+            with _EMULATION:
+                try:
+                    current = self.fs.cat_file(full)
+                except FileNotFoundError:
+                    current = None
+                if (current is not None) if version is None else (
+                        current is None or hashlib.md5(current).hexdigest() != version):
+                    return None
+                self.fs.pipe_file(full, data)
+                return hashlib.md5(data).hexdigest()
+
+        result = self._call("writing", path, put)
+        if result is None:
+            # Refused: but a retried request may have been refused by our own first attempt,
+            # whose answer was lost. The bytes tell (leases and manifests are unique).
+            current = self.read_versioned(path)
+            if current is not None and current[0] == data:
+                return current[1]
+        return result
+
+    def delete_if(self, path: str, version: str) -> bool:
+        full = self._abs(path)
+
+        def rm() -> bool:
+            if self.protocol in NATIVE_CONDITIONS:
+                bucket, key, _ = self.fs.split_path(full)
+                try:
+                    self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
+                    return True
+                except Exception as e:
+                    if _precondition_failed(e) or isinstance(e, FileNotFoundError):
+                        return False
+                    raise
+            with _EMULATION:
+                try:
+                    current = self.fs.cat_file(full)
+                except FileNotFoundError:
+                    return False
+                if hashlib.md5(current).hexdigest() != version:
+                    return False
+                self.fs.rm_file(full)
+                return True
+
+        return self._call("deleting", path, rm)

@@ -1,5 +1,6 @@
 """ckpt: fault-tolerant checkpoints for PyTorch training."""
 
+from .adapters import ModelOptimizer
 from .api import CheckpointExistsError, async_save, load, save
 from .engine import SaveHandle, SaveResult
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
@@ -8,6 +9,7 @@ from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundE
 from .manager import CheckpointManager
 from .options import SaveOptions
 from .rng import RNGState
+from .state import PerRank
 
 __all__ = [
     "CheckpointError",
@@ -16,6 +18,8 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "ModelOptimizer",
+    "PerRank",
     "RNGState",
     "SaveHandle",
     "SaveOptions",

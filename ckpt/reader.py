@@ -22,7 +22,7 @@ from .engine import byte_view
 from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedValueError
 from .format import Chunk, Manifest
 from .integrity import chunk_path, digest
-from .sharding import Box, _dtensor_type, intersect, local_piece, source_rank, sub_slices
+from .sharding import Box, dtensor_type, intersect, local_piece, source_rank, sub_slices
 from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
                     item_tree, tensor_keys)
 
@@ -158,7 +158,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
 def _like(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` (this rank's box, on the CPU) in the form of ``target``: a DTensor with the
     same mesh and placements for a DTensor, else the plain buffer (load_state_dict moves it)."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     if dtensor is not None and isinstance(target, dtensor):
         return dtensor.from_local(local.to(target.to_local().device), target.device_mesh,
                                   target.placements, run_check=False, shape=target.shape,

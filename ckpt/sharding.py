@@ -15,7 +15,7 @@ import torch
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the global tensor
 
 
-def _dtensor_type():
+def dtensor_type():
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
@@ -25,7 +25,7 @@ def _dtensor_type():
 
 def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
     """(global shape, global offsets of the local box, local tensor) of a tensor or DTensor."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     if dtensor is not None and isinstance(t, dtensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

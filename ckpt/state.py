@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import torch
 
 from .errors import StateMismatchError, UnsupportedValueError
+from .sharding import dtensor_type
 
 TENSOR, TUPLE, DICT, FLOAT, BYTES, NDARRAY, PICKLE = (
     "__tensor__", "__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__", "__pickle__")
@@ -55,8 +56,11 @@ class _Flattener:
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedValueError(f"{key}: only strided (dense) tensors can be saved", path=key)
         # Two names for the same memory (tied weights) are stored once, as an alias.
-        identity = (t.device, t.dtype, t.untyped_storage().data_ptr() if t.numel() else id(t),
-                    t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        dtensor = dtensor_type()
+        local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+        identity = (tuple(t.shape), local.device, local.dtype,
+                    local.untyped_storage().data_ptr() if local.numel() else id(t),
+                    local.storage_offset(), tuple(local.shape), tuple(local.stride()))
         if identity in self._seen:
             self.flat.aliases[key] = self._seen[identity]
         else:

@@ -15,13 +15,7 @@ from trainer.tiny_lm import (CONTEXT, VOCAB, TinyLM, WindowDataset, make_corpus,
                              train_step, warmup_cosine)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Bit-exact comparisons need a fixed intra-op thread count.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # bit-exact comparisons below
 
 
 def _epochs(seen: list[int], n: int) -> list[list[int]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+try:
+    import numpy as np
+except ImportError:  # RNGState only holds NumPy's state when NumPy is installed
+    np = None
 
 # Bit-exact CPU results need the same intra-op thread count in every process.
 THREADS = 1
@@ -74,7 +80,7 @@ def worker(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         for step in range(1, args.steps + 1):
             state["meta"] = {"step": step, "loss": train_step(tr)}
-            _say(f"step {step}")
+            _say(f"step {step} loss={state['meta']['loss']:.4f}")
         _say(f"loop_s={time.perf_counter() - t0:.4f}")
         ckpt.save(state, args.out)
         _say("done")
@@ -84,20 +90,20 @@ def worker(args: argparse.Namespace) -> int:
     with ckpt.CheckpointManager(root, every_steps=args.every, keep_last=KEEP_LAST) as mgr:
         start = mgr.restore(state)
         _say(f"ready start={start or 0}")
-        if start is not None:  # its writer was killed before it could report the size
+        if start is not None:  # the killed run never got to report this step's size
             _say(f"ckpt step={start} bytes={_dir_bytes(_step_path(root, start))}")
         pending: tuple[int, Any] | None = None
         for step in range((start or 0) + 1, args.steps + 1):
             state["meta"] = {"step": step, "loss": train_step(tr)}
-            _say(f"step {step}")
+            _say(f"step {step} loss={state['meta']['loss']:.4f}")
             t0 = time.perf_counter()
             handle = mgr.save(step, state)
             blocking = time.perf_counter() - t0
             if handle is None:
                 continue
             _say(f"save step={step} blocking_ms={blocking * 1e3:.2f}")
-            # Size the previous checkpoint now: it finished writing long ago, and keep_last
-            # has not pruned it yet, so waiting on it costs nothing.
+            # Size the previous checkpoint now: mgr.save let at most one save be in flight, so
+            # it is committed, and keep_last has not pruned it yet.
             if pending is not None:
                 _report_size(root, *pending)
             pending = (step, handle)
@@ -110,8 +116,10 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def _report_size(root: Path, step: int, handle: Any) -> None:
-    handle.wait()
-    _say(f"ckpt step={step} bytes={_dir_bytes(_step_path(root, step))}")
+    result = handle.wait()
+    write_s = getattr(result, "write_seconds", None)
+    _say(f"ckpt step={step} bytes={_dir_bytes(_step_path(root, step))}"
+         + ("" if write_s is None else f" write_ms={write_s * 1e3:.1f}"))
 
 
 # ---------------------------------------------------------------------------- parent
@@ -132,7 +140,11 @@ class WorkerRun:
     @property
     def last_step(self) -> int | None:
         steps = self.values("step ")
-        return int(steps[-1]) if steps else None
+        return int(steps[-1].split()[0]) if steps else None
+
+    def loss(self, which: int) -> float | None:
+        losses = [float(f["loss"]) for f in self.fields("step ")]
+        return losses[which] if losses else None
 
     @property
     def start(self) -> int | None:
@@ -140,11 +152,15 @@ class WorkerRun:
         return int(starts[0]) if starts else None
 
     def fields(self, prefix: str) -> list[dict[str, str]]:
-        """Parse ``prefix k=v k=v`` lines into dicts."""
-        return [dict(kv.split("=", 1) for kv in ln.split()) for ln in self.values(prefix)]
+        """Parse ``prefix k=v k=v`` lines into dicts (words without ``=`` are skipped)."""
+        return [dict(kv.split("=", 1) for kv in ln.split() if "=" in kv)
+                for ln in self.values(prefix)]
 
-    def tail(self, n: int = 20) -> str:
-        return "\n".join("    | " + ln for ln in self.lines[-n:])
+    def tail(self, n: int = 20, cap: int = 80) -> str:
+        """The last ``n`` lines, or from the first traceback on (its root cause is there)."""
+        first_tb = next((i for i, ln in enumerate(self.lines) if ln.startswith("Traceback")), None)
+        shown = self.lines[-n:] if first_tb is None else self.lines[first_tb:first_tb + cap]
+        return "\n".join("    | " + ln for ln in shown)
 
 
 def run_worker(extra: list[str], kill_after_s: float | None = None) -> WorkerRun:
@@ -215,6 +231,11 @@ def diff(a: Any, b: Any, path: str = "", counts: dict[str, int] | None = None) -
         same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                 and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
         return [] if same else [path or "<root>"]
+    if np is not None and (isinstance(a, np.ndarray) or isinstance(b, np.ndarray)):
+        counts["arrays"] = counts.get("arrays", 0) + 1
+        same = (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+                and a.dtype == b.dtype and np.array_equal(a, b))
+        return [] if same else [path or "<root>"]
     if isinstance(a, dict) and isinstance(b, dict):
         if set(a) != set(b):
             return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))} on one side only"]
@@ -227,13 +248,25 @@ def diff(a: Any, b: Any, path: str = "", counts: dict[str, int] | None = None) -
     return [] if type(a) is type(b) and a == b else [f"{path}: {a!r} vs {b!r}"]
 
 
-def _verify(root: Path, steps: list[int]) -> tuple[bool | None, list[str]]:
-    """Run ckpt.verify_step on every kept step; None when ckpt has no verify_step yet."""
+def _verifier() -> tuple[Any, str] | None:
+    """``ckpt.verify_step(root, step)`` if ckpt has it, else the ``ckpt verify`` command's."""
     import ckpt
 
-    verify_step = getattr(ckpt, "verify_step", None)
-    if verify_step is None:
-        return None, ["ckpt.verify_step does not exist yet: verification skipped"]
+    if callable(getattr(ckpt, "verify_step", None)):
+        return ckpt.verify_step, "ckpt.verify_step"
+    try:
+        from verify import verify
+    except ImportError:
+        return None
+    return (lambda root, step: verify(str(root), step, level="digest")), "verify.verify (digest)"
+
+
+def _verify(root: Path, steps: list[int]) -> tuple[bool | None, list[str]]:
+    """Verify every kept step; None (and a note) when no verifier exists yet."""
+    found = _verifier()
+    if found is None:
+        return None, ["neither ckpt.verify_step nor verify.verify exists yet: skipped"]
+    verify_step, name = found
     ok, notes = True, []
     for step in steps:
         try:
@@ -244,8 +277,9 @@ def _verify(root: Path, steps: list[int]) -> tuple[bool | None, list[str]]:
             continue
         good = result is not False and getattr(result, "ok", True) is not False
         ok = ok and good
-        notes.append(f"step {step}: {'ok' if good else 'FAILED'}"
-                     + ("" if result in (None, True) else f" ({result})"))
+        problems = getattr(result, "problems", None) or []
+        notes.append(f"step {step}: {'ok' if good else 'FAILED'} ({name})"
+                     + "".join(f"\n    - {p}" for p in problems))
     return ok, notes
 
 
@@ -306,30 +340,38 @@ def main_job(args: argparse.Namespace) -> int:
 
     saves = [(run_name, f) for run_name, run in (("killed", first), ("resumed", second))
              for f in run.fields("save ")]
-    sizes = {int(f["step"]): int(f["bytes"]) for run in (first, second)
-             for f in run.fields("ckpt ")}
+    written = [f for run in (first, second) for f in run.fields("ckpt ")]
+    sizes = {int(f["step"]): int(f["bytes"]) for f in written}
+    write_ms = {int(f["step"]): float(f["write_ms"]) for f in written if "write_ms" in f}
     for step in kept:
         sizes.setdefault(step, _dir_bytes(_step_path(ckpt_root, step)))
 
     _say("")
     _say("=== summary ===")
+    def fmt(loss: float | None) -> str:
+        return "-" if loss is None else f"{loss:.4f}"
+
+    _say(f"loss {fmt(ref.loss(0))} at step 1 -> {fmt(ref.loss(-1))} at step {args.steps} "
+         f"(reference); the resumed run ends at {fmt(second.loss(-1))}")
     _say(f"killed at step {killed_at}, restored from step {restored}: "
          f"{killed_at - restored} steps lost and redone")
-    _say(f"{'run':8} {'step':>6} {'blocking ms':>12} {'bytes on disk':>14}")
+    _say(f"{'run':8} {'step':>6} {'blocking ms':>12} {'write ms':>9} {'bytes on disk':>15}")
     for run_name, f in saves:
         step = int(f["step"])
         if step in sizes:
             size = f"{sizes[step]:,}"
         else:  # the kill came before this save committed, or it was pruned unsized
             size = "(not committed)" if run_name == "killed" and step > restored else "(pruned)"
-        _say(f"{run_name:8} {step:>6} {float(f['blocking_ms']):>12.2f} {size:>14}")
+        wms = f"{write_ms[step]:.1f}" if step in write_ms else "-"
+        _say(f"{run_name:8} {step:>6} {float(f['blocking_ms']):>12.2f} {wms:>9} {size:>15}")
     blocking = [float(f["blocking_ms"]) for _, f in saves]
     if blocking:
         _say(f"{len(saves)} saves; blocking ms: mean {sum(blocking) / len(blocking):.2f}, "
              f"max {max(blocking):.2f}")
     _say(f"bytes written by completed saves: {sum(sizes.values()):,}; on disk now "
          f"({len(kept)} kept: {kept}): {_dir_bytes(ckpt_root):,}")
-    _say(f"compared {counts.get('tensors', 0)} tensors and {counts.get('values', 0)} values "
+    _say(f"compared {counts.get('tensors', 0)} tensors, {counts.get('arrays', 0)} arrays and "
+         f"{counts.get('values', 0)} values "
          f"(model, optimizer, scheduler, RNG, sampler, meta)")
     if differences:
         _say(f"final state DIFFERS from the reference in {len(differences)} places:")
@@ -341,7 +383,9 @@ def main_job(args: argparse.Namespace) -> int:
         _say(f"verify: {note}")
     _say(f"demo took {time.perf_counter() - t_start:.1f}s")
     ok = not differences and verified is not False
-    _say("PASS" if ok else "FAIL")
+    _say("PASS" if ok else f"FAIL (files kept in {root})")
+    if ok and not args.root:
+        shutil.rmtree(root)  # the temp dir made above; a failed run's is kept to inspect
     return 0 if ok else 1
 
 

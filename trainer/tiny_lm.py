@@ -142,9 +142,17 @@ def make_training(seed: int, total_steps: int = 300, batch_size: int = 16, lr: f
                   warmup: int = 20, audit: bool = False) -> Training:
     """Build model, AdamW, warmup+cosine LambdaLR, dataset and sampler, all from `seed`.
 
-    Seeds the global torch RNG too: that RNG drives dropout, so it is part of the run's state.
+    Seeds the global torch RNG (it drives dropout, so it is part of the run's state), and
+    Python's and NumPy's global RNGs so that a whole-process RNG snapshot is reproducible too.
     """
     torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        np.random.seed(seed)
     model = TinyLM()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "pos"]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n == "pos"]

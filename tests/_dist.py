@@ -1,0 +1,78 @@
+"""Run a test body on N real processes joined by a gloo process group.
+
+``run_ranks(n, fn, *args)`` starts n spawned processes, initializes
+``torch.distributed`` (gloo, a FileStore rendezvous in a fresh temp dir) in each, calls
+``fn(rank, world_size, *args)`` and returns the list of per-rank return values; an exception
+in any rank fails the caller with that rank's traceback. ``fn`` must be a top-level function
+of an importable module (spawn pickles it by name).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def _entry(rank: int, world: int, store_path: str, fn: Callable, args: tuple, queue) -> None:
+    for p in (_ROOT, os.path.join(_ROOT, "tests")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                                world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0,
+              allow_exit: set[int] | None = None) -> list[Any]:
+    """Run ``fn(rank, n, *args)`` on n gloo ranks; return their results by rank.
+
+    Ranks in ``allow_exit`` may die without reporting (a test that kills one on purpose);
+    their result is None.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(r, n, store, fn, args, queue), daemon=True)
+                 for r in range(n)]
+        for p in procs:
+            p.start()
+        results: dict[int, Any] = {}
+        errors: list[str] = []
+        expected = n - len(allow_exit or ())
+        try:
+            while len(results) + len(errors) < expected:
+                rank, status, payload = queue.get(timeout=timeout)
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors.append(f"rank {rank} failed:\n{payload}")
+        finally:
+            for p in procs:
+                p.join(timeout=10 if not errors else 1)
+                if p.is_alive():
+                    p.kill()
+        if errors:
+            raise AssertionError("\n".join(errors))
+    return [results.get(r) for r in range(n)]

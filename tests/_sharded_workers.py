@@ -1,0 +1,150 @@
+"""Rank bodies for test_sharded.py (top-level functions: spawn imports them by name)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import ckpt
+from storage_backends import PosixStorage
+
+
+def global_tensors() -> dict[str, torch.Tensor]:
+    """The same global values on every rank and world size."""
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "row": torch.randn(7, 5, generator=g),                      # Shard(0), uneven
+        "col": torch.randn(6, 9, generator=g).to(torch.bfloat16),    # Shard(1), uneven
+        "rep": torch.randint(-10**12, 10**12, (4,), generator=g),     # Replicate, int64
+        "sparse_rows": torch.randn(3, 10, generator=g),              # Shard(0): empty shards at world 4
+        "grid": torch.randn(8, 6, generator=g),                      # 2-D mesh when world is 4
+    }
+
+
+def placements(world: int) -> dict[str, tuple]:
+    return {"row": (Shard(0),), "col": (Shard(1),), "rep": (Replicate(),),
+            "sparse_rows": (Shard(0),)}
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def build_state(world: int, *, zeros: bool, seed: int) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    g = global_tensors()
+    state = {}
+    for name, place in placements(world).items():
+        src = torch.zeros_like(g[name]) if zeros else g[name]
+        state[name] = distribute_tensor(src, mesh, list(place))
+    if world == 4:
+        mesh2 = init_device_mesh("cpu", (2, 2))
+        src = torch.zeros_like(g["grid"]) if zeros else g["grid"]
+        state["grid"] = distribute_tensor(src, mesh2, [Shard(0), Shard(1)])
+    else:
+        src = torch.zeros_like(g["grid"]) if zeros else g["grid"]
+        state["grid"] = distribute_tensor(src, mesh, [Shard(1)])
+    state["scalar"] = torch.tensor(0.0 if zeros else 2.5)
+    state["model"] = make_model(seed)
+    state["rng"] = ckpt.RNGState()
+    state["epoch"] = 0 if zeros else 5
+    return state
+
+
+def save_world(rank: int, world: int, root: str, step: int) -> dict:
+    torch.manual_seed(100 + rank)  # per-rank RNG differs
+    state = build_state(world, zeros=False, seed=0)
+    with ckpt.CheckpointManager(root, async_save=True) as mgr:
+        result = mgr.save(step, state, force=True).wait()
+    return {"rng_next": torch.rand(3).tolist(), "bytes": result.bytes_written}
+
+
+def load_world(rank: int, world: int, root: str) -> dict:
+    torch.manual_seed(999)
+    state = build_state(world, zeros=True, seed=7)
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        step = mgr.restore(state)
+    g = global_tensors()
+    mismatches = [k for k in g if not torch.equal(state[k].full_tensor(), g[k])]
+    ref = make_model(0)
+    mismatches += [f"model.{k}" for k, v in ref.state_dict().items()
+                   if not torch.equal(state["model"].state_dict()[k], v)]
+    if state["scalar"].item() != 2.5 or state["epoch"] != 5:
+        mismatches.append("scalar/epoch")
+    return {"step": step, "mismatches": mismatches, "rng_next": torch.rand(3).tolist()}
+
+
+def save_replicated(rank: int, world: int, root: str) -> int:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    with ckpt.CheckpointManager(root, async_save=False, options=ckpt.SaveOptions(
+            chunk_bytes=1 << 16)) as mgr:
+        mgr.save(1, {"model": model}, force=True)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class _KillOnWrite(PosixStorage):
+    """A rank that dies (SIGKILL) in the middle of writing its first data file."""
+
+    def write(self, path, buffers):
+        if "/data-" in path and "step-00000002" in path:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().write(path, buffers)
+
+
+def save_then_lose_a_rank(rank: int, world: int, root: str, victim: int) -> str:
+    model = make_model(0)
+    storage = _KillOnWrite(root) if rank == victim else PosixStorage(root)
+    mgr = ckpt.CheckpointManager(storage, async_save=True, commit_timeout=5.0)
+    mgr.save(1, {"model": model}, force=True).wait()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    dist.barrier()
+    handle = mgr.save(2, {"model": model}, force=True)  # the victim dies in here
+    try:
+        handle.wait()
+    except ckpt.CheckpointError as e:
+        return f"raised: {e}"
+    finally:
+        try:
+            mgr.close()
+        except ckpt.CheckpointError:
+            pass
+    return "committed"
+
+
+def fsdp_save_load(rank: int, world: int, root: str, mode: str) -> dict:
+    """FSDP2 model + optimizer through get_state_dict/set_state_dict wrappers."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Linear(12, 5))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if mode == "save":
+        for _ in range(3):
+            torch.manual_seed(5)
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    state = {"train": ckpt.ModelOptimizer(model, opt)}
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        if mode == "save":
+            mgr.save(3, state, force=True)
+        else:
+            mgr.restore(state)
+    torch.manual_seed(5)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {k: v.tolist() for k, v in full.items()}

@@ -1,0 +1,92 @@
+"""Sharded saves on real gloo ranks, and loads resharded onto other world sizes."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+import ckpt
+from _dist import run_ranks
+import _sharded_workers as W
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def saved_at_4(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("world4"))
+    results = run_ranks(4, W.save_world, root, 10)
+    return root, results
+
+
+@pytest.mark.parametrize("world", [3, 2, 1])
+def test_save_at_4_loads_at_fewer_ranks_element_for_element(saved_at_4, world):
+    root, saved = saved_at_4
+    results = run_ranks(world, W.load_world, root)
+    for rank, r in enumerate(results):
+        assert r["step"] == 10
+        assert r["mismatches"] == [], f"rank {rank}"
+        # Per-rank RNG: rank r continues saved rank r's stream.
+        assert r["rng_next"] == saved[rank]["rng_next"]
+
+
+def test_save_at_1_loads_at_4(tmp_path):
+    root = str(tmp_path)
+    saved = run_ranks(1, W.save_world, root, 3)
+    results = run_ranks(4, W.load_world, root)
+    for rank, r in enumerate(results):
+        assert r["step"] == 3 and r["mismatches"] == []
+        assert r["rng_next"] == saved[0]["rng_next"]  # rank r gets saved rank r % 1
+
+
+def test_single_process_reads_a_four_rank_checkpoint(saved_at_4):
+    root, _ = saved_at_4
+    g = W.global_tensors()
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        m = mgr.manifest(10)
+        assert m.world_size == 4
+        # Every rank's RNG state is saved, and shards of one tensor came from several ranks.
+        assert sorted(m.items["rng"]["per_rank"]) == ["0", "1", "2", "3"]
+        assert len({c.file for c in m.tensors["row"].chunks}) > 1
+        out = {k: torch.zeros_like(v) for k, v in g.items()}
+        mgr.restore(out)
+    for k, v in g.items():
+        assert torch.equal(out[k], v), k
+
+
+def test_replicated_tensors_are_written_once_and_spread_over_ranks(tmp_path):
+    root = str(tmp_path)
+    state_bytes = run_ranks(4, W.save_replicated, root)[0]
+    files = glob.glob(os.path.join(root, "step-00000001", "data-*"))
+    on_disk = sum(os.path.getsize(f) for f in files)
+    assert state_bytes <= on_disk <= state_bytes * 1.01
+    writers = {os.path.basename(f).split("-")[2] for f in files}
+    assert len(writers) == 4, writers  # balanced: every rank wrote a share
+
+
+def test_a_rank_killed_mid_save_commits_nothing_and_survivors_raise(tmp_path):
+    root = str(tmp_path)
+    results = run_ranks(3, W.save_then_lose_a_rank, root, 2, allow_exit={2}, timeout=90)
+    assert results[2] is None
+    for r in results[:2]:
+        assert r.startswith("raised:"), r
+    with ckpt.CheckpointManager(root) as mgr:
+        assert mgr.steps() == [1]
+        model = W.make_model(3)
+        assert mgr.restore({"model": model}) == 1
+    ref = W.make_model(0)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v)
+    assert not glob.glob(os.path.join(root, ".tmp-*"))  # the new writer cleaned up
+
+
+def test_fsdp2_model_and_optimizer_state_reshard(tmp_path):
+    root = str(tmp_path)
+    expected = run_ranks(2, W.fsdp_save_load, root, "save")
+    got = run_ranks(3, W.fsdp_save_load, root, "load")
+    # After restoring at world 3 and taking the same step, parameters equal the world-2 run's.
+    for k, v in expected[0].items():
+        assert torch.allclose(torch.tensor(got[0][k]), torch.tensor(v), atol=1e-6), k

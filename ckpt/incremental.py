@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from storage_backends import Storage
+from storage_backends.faults import fault_point
 
 from .errors import CheckpointError
 from .format import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
@@ -84,6 +85,7 @@ def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = F
             # The step stops existing here; its files go below, unless still referenced.
             storage.delete(f"{step_dir(s)}/{MANIFEST_NAME}")
             log.info("ckpt.gc retired step=%d", s)
+            fault_point("gc_retired")
     for s in sorted(s for s, has_manifest in dirs.items() if not has_manifest or s in retire):
         location = step_dir(s)
         remaining = 0
@@ -102,6 +104,7 @@ def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = F
             report.deleted_files.append(path)
             if not dry_run:
                 storage.delete(path)
+                fault_point("gc_deleted_file")
         if not remaining and not dry_run:
             storage.delete(location)
     return report

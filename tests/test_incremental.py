@@ -1,0 +1,217 @@
+"""Incremental saves, compression, and the reference-aware collector."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.cli import main as cli
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL_CHUNKS = ckpt.SaveOptions(chunk_bytes=1 << 16, write_threads=2)
+
+
+def mlp(seed: int, layers: int = 8, width: int = 128) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 1) -> None:
+    for _ in range(steps):
+        torch.manual_seed(len(opt.state))
+        model(torch.randn(4, model[0].in_features)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def save_series(root, state, model, opt, n: int, **kw) -> list[ckpt.SaveResult]:
+    results = []
+    with ckpt.CheckpointManager(root, incremental=True, full_every=100, options=SMALL_CHUNKS,
+                                **kw) as mgr:
+        for step in range(1, n + 1):
+            train(model, opt)
+            results.append(mgr.save(step, state, force=True).wait())
+    return results
+
+
+def test_frozen_half_writes_about_half(tmp_path):
+    model = mlp(0)
+    for layer in list(model)[:4]:
+        layer.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    results = save_series(tmp_path, {"model": model}, model, opt, 4)
+    full = nbytes(model.parameters())
+    trainable = nbytes(p for p in model.parameters() if p.requires_grad)
+    assert results[0].bytes_reused == 0 and results[0].bytes_written >= full
+    for r in results[1:]:
+        # Written: the trainable half (+ headers and the manifest, under 2%).
+        assert trainable <= r.bytes_written <= trainable * 1.02 + 16384
+        assert r.bytes_reused == full - trainable
+
+
+def test_adapter_only_writes_a_few_percent(tmp_path):
+    base = mlp(1, layers=6, width=256)
+    base.requires_grad_(False)
+    adapter = torch.nn.Linear(256, 8)
+    model = torch.nn.ModuleDict({"base": base, "adapter": adapter})
+    opt = torch.optim.SGD(adapter.parameters(), lr=1e-2)
+
+    def step() -> None:
+        adapter(base(torch.randn(2, 256))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with ckpt.CheckpointManager(tmp_path, incremental=True, options=SMALL_CHUNKS) as mgr:
+        sizes = []
+        for s in range(1, 4):
+            step()
+            sizes.append(mgr.save(s, {"model": model}, force=True).wait().bytes_written)
+    total = nbytes(model.parameters())
+    assert sizes[0] >= total
+    assert all(s < 0.03 * total for s in sizes[1:]), (sizes, total)
+
+
+def test_with_optimizer_bytes_follow_what_changed(tmp_path):
+    model = mlp(2)
+    for layer in list(model)[:6]:
+        layer.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    results = save_series(tmp_path, {"model": model, "optim": opt}, model, opt, 3)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    changed = nbytes(trainable) * 3 + 4 * len(trainable)  # params, exp_avg, exp_avg_sq, step
+    for r in results[1:]:
+        assert changed <= r.bytes_written <= changed * 1.03 + 32768, (r, changed)
+
+
+def test_incremental_restore_is_bit_exact_even_after_its_bases_were_retired(tmp_path):
+    model = mlp(3)
+    for layer in list(model)[:4]:
+        layer.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    state = {"model": model, "optim": opt}
+    save_series(tmp_path, state, model, opt, 5, keep_last=1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    step_dirs = sorted(p.name for p in tmp_path.glob("step-*"))
+    assert step_dirs[0] == "step-00000001"  # retired, kept for its referenced files
+    assert not (tmp_path / "step-00000001" / "manifest.json").exists()
+    fresh = mlp(99)
+    fresh_opt = torch.optim.AdamW([p for p in fresh.parameters()][8:], lr=1e-3)
+    with ckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == [5]
+        assert mgr.restore({"model": fresh, "optim": fresh_opt}) == 5
+        refs = {c.step for e in mgr.manifest(5).tensors.values() for c in e.chunks}
+        assert 1 in refs  # it really did depend on the retired step
+    for k, v in expected.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+
+
+GC_SCRIPT = """
+import sys, torch, ckpt
+sys.path.insert(0, {tests!r})
+from test_incremental import mlp, train, SMALL_CHUNKS
+model = mlp(4)
+for layer in list(model)[:4]:
+    layer.requires_grad_(False)
+opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+keep = int(sys.argv[1])
+with ckpt.CheckpointManager({root!r}, incremental=True, full_every=3, keep_last=keep,
+                            options=SMALL_CHUNKS) as mgr:
+    for step in range(1, 8):
+        train(model, opt)
+        mgr.save(step, {{"model": model}}, force=True).wait()
+        print(step, flush=True)
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("point", ["gc_retired:2", "gc_deleted_file:3"])
+def test_sigkill_during_gc_leaves_every_kept_step_loadable(tmp_path, point):
+    root = tmp_path / "root"
+    script = GC_SCRIPT.format(tests=str(ROOT / "tests"), root=str(root))
+    env = {**os.environ, "CKPT_FAULT": f"kill:{point}", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script, "2"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr  # it was killed inside the collector
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        steps = mgr.steps()
+        assert steps
+        for step in steps:
+            model = mlp(5)
+            assert mgr.restore({"model": model}, step=step) == step
+    for step in steps:
+        assert cli(["verify", str(root), "--step", str(step), "--level", "digest"]) == 0
+    # The next writer finishes the interrupted collection and everything still loads.
+    with ckpt.CheckpointManager(root) as mgr:
+        for step in mgr.steps():
+            mgr.restore({"model": mlp(6)}, step=step)
+
+
+ALL_DTYPES = [torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.complex64,
+              torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+              torch.bool] + [getattr(torch, n) for n in ("uint16", "uint32", "uint64",
+                                                        "float8_e4m3fn", "float8_e5m2")
+                             if hasattr(torch, n)]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_compressed_round_trip_of_every_dtype(tmp_path, dtype):
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (64, 33 * dtype.itemsize), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw.remainder(2)  # only 0 and 1 are bools
+    smooth = (torch.randn(64, 33, generator=g) * 0.02).to(dtype) if dtype.is_floating_point \
+        or dtype.is_complex else torch.arange(64 * 33).reshape(64, 33).remainder(7).to(dtype)
+    state = {"noise": raw.view(dtype), "smooth": smooth,
+             "strided": smooth.t()[::2], "empty": torch.empty(0, 3, dtype=dtype)}
+    ckpt.save(state, tmp_path / "c", options=ckpt.SaveOptions(compression="zstd",
+                                                               chunk_bytes=4096))
+    out = {k: torch.zeros(v.shape, dtype=dtype) for k, v in state.items()}
+    ckpt.load(out, tmp_path / "c")
+    for k, v in state.items():
+        assert torch.equal(_bytes(out[k]), _bytes(v)), k
+    codecs = {c["codec"] for e in json.loads((tmp_path / "c" / "manifest.json").read_text())[
+        "tensors"].values() for c in e["chunks"]}
+    assert codecs & {"zstd", "zstd-grouped"}  # something was actually compressed
+    assert "raw" in codecs  # random bytes do not shrink and are stored raw
+
+
+def test_byte_grouping_shrinks_bf16_weights(tmp_path):
+    w = (torch.randn(1024, 1024) * 0.02).to(torch.bfloat16)
+    r = ckpt.save({"w": w}, tmp_path / "c", options=ckpt.SaveOptions(compression="zstd"))
+    assert r.bytes_written < w.numel() * 2 / 1.3
+
+
+def test_gc_command_dry_run_then_delete(tmp_path, capsys):
+    model = mlp(7)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    save_series(tmp_path, {"model": model}, model, opt, 4)
+    (tmp_path / ".tmp-step-00000009-deadbeef0000").mkdir()
+    assert cli(["gc", str(tmp_path), "--keep-last", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dry_run"] and report["retired_steps"] == [1, 2, 3]
+    assert (tmp_path / "step-00000001" / "manifest.json").exists()  # dry run deleted nothing
+    assert cli(["gc", str(tmp_path), "--keep-last", "1", "--yes"]) == 0
+    assert "removed: 3 steps" in capsys.readouterr().out
+    assert not (tmp_path / ".tmp-step-00000009-deadbeef0000").exists()
+    with ckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.steps() == [4]
+        out = mlp(8)
+        mgr.restore({"model": out})
+    for k, v in model.state_dict().items():
+        assert torch.equal(out.state_dict()[k], v)

@@ -8,6 +8,7 @@ from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundE
                      UnsupportedValueError)
 from .manager import CheckpointManager
 from .options import SaveOptions
+from .probe import Probe
 from .rng import RNGState
 from .state import PerRank
 
@@ -20,6 +21,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ModelOptimizer",
     "PerRank",
+    "Probe",
     "RNGState",
     "SaveHandle",
     "SaveOptions",

@@ -23,6 +23,7 @@ from .format import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
 from .incremental import chain_length, collect
 from .integrity import check_structure, read_manifest
 from .options import SaveOptions
+from .probe import PROBE_ITEM, Probe
 from .reader import load_step
 from .snapshot import snapshot
 
@@ -63,6 +64,8 @@ class CheckpointManager:
         process_group: the ranks that save together (default: the default group when
             torch.distributed is initialized). Every rank writes its share; rank 0 holds
             the lock and commits. Call ``save``/``restore`` on every rank.
+        probe: a :class:`ckpt.Probe` recorded with every save (for ``ckpt verify --level
+            forward``).
         commit_timeout: how long rank 0 waits for the other ranks' reports before it gives
             up on a step (a rank died or hangs): the step is not committed and every rank's
             save raises.
@@ -86,7 +89,8 @@ class CheckpointManager:
                  incremental: bool = False, full_every: int = 10,
                  compression: str | None = None, save_on_preemption: bool = False,
                  handle_sigterm: bool = True, options: SaveOptions | None = None,
-                 process_group: Any = None, commit_timeout: float = 600.0) -> None:
+                 process_group: Any = None, commit_timeout: float = 600.0,
+                 probe: Probe | None = None) -> None:
         for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
                             ("keep_every", keep_every), ("full_every", full_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -98,6 +102,7 @@ class CheckpointManager:
         self.read_only = read_only
         self.allow_pickle = allow_pickle
         self.save_on_preemption = save_on_preemption
+        self.probe = probe
         self.incremental = incremental
         self.full_every = full_every
         self.options = options or SaveOptions(allow_pickle=allow_pickle, compression=compression)
@@ -212,6 +217,8 @@ class CheckpointManager:
         base = self._base if self.incremental else None
         if base is not None and (chain_length(base) + 1 >= self.full_every or base.step >= step):
             base = None
+        if self.probe is not None:
+            state = {**state, PROBE_ITEM: self.probe.record(state)}
         payload = snapshot(state, step=step, name=step_dir(step), group=self.group,
                            stager=self._stager, options=self.options, copy=self.async_save,
                            metadata=metadata, previous=base)

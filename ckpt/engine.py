@@ -101,7 +101,8 @@ class Stager:
         cuda_sources = []
         for key, t in tensors.items():
             if not copy and t.device.type == "cpu":
-                staged[key] = t.contiguous()
+                # resolve_*: a lazy conjugate/negative view has no plain bytes of its own
+                staged[key] = t.resolve_conj().resolve_neg().contiguous()
                 continue
             buf = self._buffers.get(key)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:

@@ -58,7 +58,7 @@ class _Flattener:
         # Two names for the same memory (tied weights) are stored once, as an alias.
         dtensor = dtensor_type()
         local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
-        identity = (tuple(t.shape), local.device, local.dtype,
+        identity = (tuple(t.shape), local.device, local.dtype, t.is_conj(), t.is_neg(),
                     local.untyped_storage().data_ptr() if local.numel() else id(t),
                     local.storage_offset(), tuple(local.shape), tuple(local.stride()))
         if identity in self._seen:

@@ -1,0 +1,28 @@
+"""Shared fixtures of the ckpt test-suite.
+
+The repository is not installed: make both it (``import ckpt``) and this directory
+(``import _workers``) importable however pytest was started.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS = Path(__file__).resolve().parent
+for _p in (str(_TESTS.parent), str(_TESTS)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+
+@pytest.fixture
+def one_thread():
+    """Bit-exact comparisons of computations need a fixed intra-op thread count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

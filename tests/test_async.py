@@ -1,0 +1,292 @@
+"""Asynchronous saves: a save is a snapshot taken when ``save()`` returns, background errors
+surface on the next call, memory stays flat, a second save waits for the first, and SIGTERM
+either saves the current step (save_on_preemption) or lets the save in flight commit."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from _workers import Worker, assert_same, preempt_state, zeroed
+from storage_backends import PosixStorage
+
+
+def staging_dirs(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".tmp-"))
+
+
+def trained(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def clone_state_dict(sd):
+    if isinstance(sd, torch.Tensor):
+        return sd.clone()
+    if isinstance(sd, dict):
+        return type(sd)((k, clone_state_dict(v)) for k, v in sd.items())
+    if isinstance(sd, list):
+        return [clone_state_dict(v) for v in sd]
+    return sd
+
+
+# -------------------------------------------------------------- a save is a snapshot
+
+
+@pytest.mark.parametrize("api", ["manager", "async_save"])
+def test_mutating_the_state_after_save_returns_does_not_change_the_checkpoint(
+        tmp_path, monkeypatch, api):
+    gate = threading.Event()
+    original_write = PosixStorage.write
+
+    def gated_write(self, path, buffers):
+        assert gate.wait(30), "the test never opened the gate"
+        return original_write(self, path, buffers)
+
+    monkeypatch.setattr(PosixStorage, "write", gated_write)
+    model, opt = trained(0)
+    expected_model = clone_state_dict(model.state_dict())
+    expected_opt = clone_state_dict(opt.state_dict())
+    state = {"model": model, "opt": opt}
+    options = ckpt.SaveOptions(write_threads=2, chunk_bytes=4096)
+
+    mgr = ckpt.CheckpointManager(tmp_path / "root", options=options) if api == "manager" else None
+    try:
+        if mgr is not None:
+            handle = mgr.save(1, state)
+        else:
+            handle = ckpt.async_save(state, tmp_path / "one", step=1, options=options)
+        assert not handle.done()  # nothing written yet: the writer waits for the gate
+        # In place, right away: parameters, optimizer moments and steps.
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-2.0).add_(0.5)
+            for s in opt.state.values():
+                for v in s.values():
+                    v.add_(3.0)
+        with pytest.raises(AssertionError):
+            assert_same(clone_state_dict(model.state_dict()), expected_model)
+        gate.set()
+        assert handle.wait().step == 1
+    finally:
+        gate.set()
+        if mgr is not None:
+            mgr.close()
+
+    model2, opt2 = trained(1)
+    target = {"model": model2, "opt": opt2}
+    if api == "manager":
+        with ckpt.CheckpointManager(tmp_path / "root") as mgr:
+            assert mgr.restore(target) == 1
+    else:
+        assert ckpt.load(target, tmp_path / "one") == 1
+    assert_same(model2.state_dict(), expected_model, "model")
+    assert_same(opt2.state_dict(), expected_opt, "opt")
+
+
+# -------------------------------------------------------------- background errors
+
+
+class FailingStorage(PosixStorage):
+    """POSIX storage whose write() raises OSError once its budget of calls is spent."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(str(root))
+        self._mutex = threading.Lock()
+        self.budget: int | None = None  # None: never fail
+        self.errors: list[OSError] = []
+
+    def write(self, path, buffers):
+        with self._mutex:
+            if self.budget is not None:
+                if self.budget == 0:
+                    err = OSError(errno.EIO, f"injected write failure on {path}")
+                    self.errors.append(err)
+                    raise err
+                self.budget -= 1
+        return super().write(path, buffers)
+
+
+def chunky(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 64, generator=g), "step": step}
+
+
+@pytest.mark.parametrize("surface", ["save", "wait", "close"])
+def test_background_storage_error_surfaces_on_the_next_call(tmp_path, surface):
+    root = tmp_path / "root"
+    storage = FailingStorage(root)
+    mgr = ckpt.CheckpointManager(storage, options=ckpt.SaveOptions(write_threads=4,
+                                                                    chunk_bytes=4096))
+    try:
+        mgr.save(1, chunky(1))
+        mgr.wait()
+        storage.budget = 1  # step 2: the first file is written, the next write fails
+        handle = mgr.save(2, chunky(2))
+        assert handle is not None  # async: the failure is not raised here
+
+        with pytest.raises(ckpt.StorageError) as e:
+            if surface == "save":
+                mgr.save(3, chunky(3))
+            elif surface == "wait":
+                mgr.wait()
+            else:
+                mgr.close()
+        err = e.value
+        assert isinstance(err, ckpt.CheckpointError) and isinstance(err, OSError)
+        assert isinstance(err.__cause__, OSError) and err.__cause__ in storage.errors
+        assert "step 2" in str(err)
+        with pytest.raises(ckpt.StorageError) as again:  # the handle re-raises it too
+            handle.wait()
+        assert again.value.__cause__ is err.__cause__
+        # Nothing of step 2 is visible or left behind; step 1 is intact.
+        assert not (root / "step-00000002").exists()
+        assert staging_dirs(root) == []
+        storage.budget = None
+        if surface == "close":
+            mgr = ckpt.CheckpointManager(root)  # the lock was released all the same
+        else:
+            mgr.wait()  # reported once: it does not raise again
+            mgr.save(4, chunky(4))
+            mgr.wait()
+        assert mgr.steps() == ([1] if surface == "close" else [1, 4])
+        template = {"w": torch.zeros(64, 64), "step": None}
+        assert mgr.restore(template, step=1) == 1
+        assert_same(template, chunky(1))
+    finally:
+        storage.budget = None
+        mgr.close()
+
+
+# -------------------------------------------------------------- memory
+
+
+def rss_bytes() -> int:
+    try:
+        import psutil
+    except ImportError:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return psutil.Process().memory_info().rss
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_over_twenty_async_saves(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(1024, 1024, generator=g) for i in range(16)}  # 64 MiB
+    with ckpt.CheckpointManager(tmp_path / "root", keep_last=2) as mgr:
+        for step in range(1, 21):
+            for t in state.values():
+                t.add_(1.0)
+            mgr.save(step, state)
+            if step in (2, 20):
+                mgr.wait()
+                gc.collect()
+                if step == 2:
+                    after_2 = rss_bytes()
+                else:
+                    after_20 = rss_bytes()
+        assert mgr.steps() == [19, 20]
+    print(f"RSS after save 2: {after_2 >> 20} MiB, after save 20: {after_20 >> 20} MiB")
+    assert after_20 <= after_2 * 1.10 + (8 << 20), (after_2 >> 20, after_20 >> 20)
+
+
+# -------------------------------------------------------------- backpressure
+
+
+class GatedStorage(PosixStorage):
+    """POSIX storage whose writes wait until ``gate`` is set: a save as slow as we like."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(str(root))
+        self.gate = threading.Event()
+
+    def write(self, path, buffers):
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().write(path, buffers)
+
+
+def test_second_save_waits_for_the_first_and_counts_it(tmp_path):
+    storage = GatedStorage(tmp_path / "root")
+    state = {"x": torch.arange(10.0)}
+    with ckpt.CheckpointManager(storage) as mgr:
+        try:
+            first = mgr.save(1, state)
+            assert not first.done()  # its writes wait for the gate
+            assert mgr.backpressure_waits == 0
+            opener = threading.Timer(0.3, storage.gate.set)
+            opener.start()
+            t0 = time.monotonic()
+            mgr.save(2, state)
+            waited = time.monotonic() - t0
+            assert first.done()  # save(2) returned only after save 1 finished
+            assert first.wait().step == 1
+            assert waited >= 0.2
+            assert mgr.backpressure_waits == 1
+            mgr.wait()
+            mgr.save(3, state)  # nothing in flight: no wait
+            assert mgr.backpressure_waits == 1
+            mgr.wait()
+            assert mgr.steps() == [1, 2, 3]
+        finally:
+            storage.gate.set()
+
+
+# -------------------------------------------------------------- SIGTERM
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_save_on_preemption_saves_the_current_step_and_exits_143(tmp_path):
+    root = tmp_path / "root"
+    worker = Worker("preempt", root)
+    worker.expect("saving 3")
+    assert not any(p.name.startswith("step-") for p in root.iterdir())  # schedule: no saves
+    os.kill(worker.pid, signal.SIGTERM)
+    assert worker.finish(60) == 143, worker.output
+    assert "loop ended" not in worker.lines
+    last = max(int(x.split()[1]) for x in worker.lines if x.startswith("saving "))
+    with ckpt.CheckpointManager(root) as mgr:
+        assert mgr.steps() == [last]
+        template = zeroed(preempt_state(last))
+        assert mgr.restore(template) == last
+    assert_same(template, preempt_state(last))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_sigterm_lets_the_save_in_flight_commit_before_exiting(tmp_path):
+    root, gate = tmp_path / "root", tmp_path / "go"
+    worker = Worker("inflight", root, gate)
+    worker.expect("inflight")
+    assert not (root / "step-00000001").exists()  # its writes wait for the gate
+    os.kill(worker.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert worker.proc.poll() is None, worker.output  # still finishing the save
+    assert not (root / "step-00000001").exists()
+    gate.touch()
+    assert worker.finish(60) == 143, worker.output
+    assert "idle loop ended" not in worker.lines
+    with ckpt.CheckpointManager(root) as mgr:
+        assert mgr.steps() == [1]
+        template = zeroed(preempt_state(1))
+        assert mgr.restore(template) == 1
+    assert_same(template, preempt_state(1))
+    assert staging_dirs(root) == []

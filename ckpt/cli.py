@@ -1,7 +1,9 @@
-"""The ``ckpt`` command: ``ls``, ``inspect``, ``verify`` and ``gc`` a checkpoint root.
+"""The ``ckpt`` command: ``ls``, ``inspect``, ``verify``, ``diff``, ``export`` and ``gc``.
 
 Exit codes: 0 all good; 1 a check failed; 2 usage or environment error (missing root...).
-Every subcommand takes ``--json`` for machine-readable output on stdout.
+Every subcommand takes ``--json`` for machine-readable output on stdout. This module parses
+arguments and prints; the checks, comparisons, exports and their renderings live in the
+``verify`` package (usable as a library).
 """
 
 from __future__ import annotations
@@ -10,49 +12,14 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Sequence
+from typing import Sequence
+
+import verify
+from verify.report import EXIT_FAILED, EXIT_OK, EXIT_USAGE, size, table
 
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format import step_dir
 from .manager import CheckpointManager
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
-
-
-class _Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.done, self.label = max(total, 1), 0, label
-        self.enabled = sys.stderr.isatty()
-        self._last = 0.0
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
-            self._last = now
-            frac = min(1.0, self.done / self.total)
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac:6.1%} {_size(self.done)}")
-            if self.done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 def _open(root: str) -> CheckpointManager:
@@ -77,9 +44,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"{mgr.root}: no committed steps")
         return EXIT_OK
-    print(_table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "STATUS"], [
+    print(table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "STATUS"], [
         [r["step"], time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"]))
-         if r["created"] else "-", _size(r["bytes"]) if r["bytes"] is not None else "-",
+         if r["created"] else "-", size(r["bytes"]) if r["bytes"] is not None else "-",
          r["files"] or "-", r["tensors"] or "-", r["world_size"] or "-",
          r["status"][:60]] for r in rows]))
     return EXIT_OK
@@ -103,10 +70,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                           "metadata": m.metadata}, indent=2))
         return EXIT_OK
     print(f"{mgr.root}/{step_dir(step)}  step {m.step}  world size {m.world_size}  "
-          f"{len(tensors)} tensors  {_size(sum(t['bytes'] for t in tensors))}")
-    print(_table(["TENSOR", "DTYPE", "SHAPE", "CHUNKS", "SIZE"],
+          f"{len(tensors)} tensors  {size(sum(t['bytes'] for t in tensors))}")
+    print(table(["TENSOR", "DTYPE", "SHAPE", "CHUNKS", "SIZE"],
                  [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar",
-                   t["chunks"], _size(t["bytes"])] for t in tensors]))
+                   t["chunks"], size(t["bytes"])] for t in tensors]))
     for alias, target in m.aliases.items():
         print(f"{alias} -> {target} (same storage)")
     values = {k: v["tree"] for k, v in m.items.items() if v["kind"] == "value"}
@@ -115,37 +82,66 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    import verify  # the command is the one place in ckpt that reaches verify/
+def _steps(mgr: CheckpointManager, args: argparse.Namespace) -> list[int]:
+    """The steps a command asks for: ``--all``, ``--step N`` or the newest."""
+    if getattr(args, "all", False):
+        steps = mgr.steps()
+    elif args.step is not None:
+        if args.step not in mgr.steps():
+            raise CheckpointNotFoundError(
+                f"{mgr.root} has no committed step {args.step}; it has {mgr.steps()}",
+                path=mgr.root)
+        steps = [args.step]
+    else:
+        latest = mgr.latest_step()
+        steps = [] if latest is None else [latest]
+    if not steps:
+        raise CheckpointNotFoundError(f"{mgr.root} holds no committed step", path=mgr.root)
+    return steps
 
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    if args.level != "forward" and (args.model or args.loss or args.rtol is not None
+                                    or args.atol is not None):
+        raise verify.UsageError("--model, --loss, --rtol and --atol are for --level forward")
+    reports = []
     with _open(args.root) as mgr:
-        steps = mgr.steps() if args.all else [args.step if args.step is not None
-                                              else mgr.latest_step()]
-        if steps == [None] or not steps:
-            raise CheckpointNotFoundError(f"{mgr.root} holds no committed step", path=mgr.root)
-        reports = []
-        for step in steps:
-            total = 0
-            if args.level == "digest":
+        for step in _steps(mgr, args):
+            progress = None
+            if args.level != "structure" and not args.json:
                 try:
                     total = sum(c.length for e in mgr.manifest(step).tensors.values()
                                 for c in e.chunks)
+                    progress = verify.ProgressBar(total, f"step {step}")
                 except CheckpointError:
-                    pass
-            progress = _Progress(total, f"step {step}") if total else None
-            reports.append(verify.verify_step(mgr, step, args.level, progress))
-    ok = all(r.ok for r in reports)
-    if args.json:
-        print(json.dumps({"root": mgr.root, "ok": ok, "steps": [vars(r) for r in reports]},
-                         indent=2))
-    else:
-        for r in reports:
-            status = "OK" if r.ok else "FAILED"
-            print(f"step {r.step}: {status} ({r.level}; {r.tensors} tensors, {_size(r.bytes)}, "
-                  f"{r.seconds:.2f}s)")
-            for p in r.problems:
-                print(f"  - {p}")
-    return EXIT_OK if ok else EXIT_FAILED
+                    pass  # the verifier reports it
+            reports.append(verify.verify_step(
+                mgr, step, args.level, progress, model=args.model, loss=args.loss,
+                rtol=args.rtol, atol=args.atol, threads=args.threads))
+        report = verify.Report(mgr.root, reports)
+    print(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
+    return report.exit_code
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    with _open(args.root) as mgr:
+        for step in (args.a, args.b):
+            if step not in mgr.steps():
+                raise CheckpointNotFoundError(
+                    f"{mgr.root} has no committed step {step}; it has {mgr.steps()}",
+                    path=mgr.root)
+        result = verify.diff_steps(mgr, args.a, args.b, threads=args.threads)
+    print(verify.to_json(result.to_dict()) if args.json else verify.render_diff(result))
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    with _open(args.root) as mgr:
+        step = _steps(mgr, args)[0]
+        result = verify.export_step(mgr, step, args.to, args.file, item=args.item,
+                                    force=args.force, threads=args.threads)
+    print(verify.to_json(vars(result)) if args.json else verify.render_export(result))
+    return EXIT_OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -183,7 +179,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return EXIT_OK
     verb = "removed" if args.yes else "would remove"
     print(f"{verb}: {len(report.retired_steps)} steps {report.retired_steps}, "
-          f"{len(report.deleted_files)} files ({_size(report.freed_bytes)}), "
+          f"{len(report.deleted_files)} files ({size(report.freed_bytes)}), "
           f"{len(leftovers)} uncommitted leftovers; kept {len(report.kept_files)} files "
           "that kept steps still use")
     if not args.yes:
@@ -191,45 +187,110 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+EPILOG = """\
+exit status:
+  0  success: every check passed (verify), or the command did what was asked
+  1  a check failed: a damaged or inconsistent checkpoint (the message names the file
+     and the check: manifest, structure, header, digest, weights, output, loss)
+  2  usage or environment error: a missing root or step, no probe recorded for
+     --level forward, a model factory that cannot be imported, bad arguments
+
+examples:
+  ckpt ls /ckpt/run1
+  ckpt inspect /ckpt/run1 --step 500
+  ckpt verify /ckpt/run1                               # newest step, digest level
+  ckpt verify /ckpt/run1 --all --level structure --json
+  ckpt verify /ckpt/run1 --level forward --model mypkg.models:build
+  ckpt diff /ckpt/run1 400 500
+  ckpt export /ckpt/run1 --step 500 --to safetensors model.safetensors --item model
+  ckpt gc /ckpt/run1 --keep-last 3 --yes
+
+With --json every subcommand prints one JSON document on stdout, errors included
+({"ok": false, "exit_code": 2, "error": "..."}).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckpt", description="Inspect and verify checkpoints.",
-                                     epilog="exit codes: 0 ok, 1 a check failed, 2 usage error")
+    parser = argparse.ArgumentParser(
+        prog="ckpt", description="List, inspect, verify, compare, export and collect "
+        "checkpoints.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+
     p = sub.add_parser("ls", help="list committed steps")
     p.add_argument("root")
     p.set_defaults(func=cmd_ls)
+
     p = sub.add_parser("inspect", help="tensors, shapes, dtypes and values of a step")
     p.add_argument("root")
-    p.add_argument("--step", type=int)
+    p.add_argument("--step", type=int, help="default: the newest")
     p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("verify", help="check a step's integrity (newest by default)")
+
+    p = sub.add_parser("verify", help="check a step's integrity (newest by default)",
+                       description="Each level includes the ones before it. structure: "
+                       "manifest, files, sizes, safetensors headers. digest: every chunk's "
+                       "xxh3 digest. forward: load into a fresh model, weights finite, "
+                       "rerun the recorded probe and compare.")
     p.add_argument("root")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--step", type=int)
     group.add_argument("--all", action="store_true", help="verify every committed step")
-    p.add_argument("--level", choices=["structure", "digest"], default="digest")
+    p.add_argument("--level", choices=verify.LEVELS, default="digest",
+                   help="default: digest")
+    p.add_argument("--model", metavar="MOD:FACTORY",
+                   help="forward: builds a fresh model (default: the probe's recorded factory)")
+    p.add_argument("--loss", metavar="MOD:FN",
+                   help="forward: loss_fn(output, inputs), to recheck a recorded loss")
+    p.add_argument("--rtol", type=float, help="forward: relative tolerance (default by dtype)")
+    p.add_argument("--atol", type=float, help="forward: absolute tolerance (default by dtype)")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("diff", help="which tensors and values changed between two steps")
+    p.add_argument("root")
+    p.add_argument("a", type=int, help="the older step")
+    p.add_argument("b", type=int, help="the newer step")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("export", help="write a step as one safetensors or torch file")
+    p.add_argument("root")
+    p.add_argument("--step", type=int, help="default: the newest")
+    p.add_argument("--to", choices=verify.FORMATS, required=True)
+    p.add_argument("file", help="the file to write")
+    p.add_argument("--item", help="only this item's tensors, named as inside it "
+                   "(a module's state_dict names)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("gc", help="delete unreferenced data (dry run unless --yes)")
     p.add_argument("root")
     p.add_argument("--keep-last", type=int, help="also retire all but the newest N steps")
     p.add_argument("--keep-every", type=int, help="with --keep-last, also keep every K-th step")
     p.add_argument("--yes", action="store_true", help="really delete")
     p.set_defaults(func=cmd_gc)
-    for p in sub.choices.values():
-        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    for name, p in sub.choices.items():
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        if name in ("verify", "diff", "export"):
+            p.add_argument("--threads", type=int, default=4, help="parallel reads (default 4)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; returns the exit status (see the epilog)."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except CheckpointNotFoundError as e:
-        print(f"ckpt: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    except (CheckpointNotFoundError, verify.UsageError) as e:
+        return _error(args, e, EXIT_USAGE)
     except CheckpointError as e:
-        print(f"ckpt: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return _error(args, e, EXIT_FAILED)
+
+
+def _error(args: argparse.Namespace, error: Exception, code: int) -> int:
+    print(f"ckpt {args.command}: {error}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(verify.to_json({"ok": False, "exit_code": code, "error": str(error),
+                              "path": getattr(error, "path", None)}))
+    return code
 
 
 if __name__ == "__main__":

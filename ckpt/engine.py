@@ -83,6 +83,14 @@ class SaveHandle:
     def failed(self) -> bool:
         return self._future.done() and self._future.exception() is not None
 
+    def exception(self) -> BaseException | None:
+        """The writer's error once done (None while running or on success); not raising."""
+        return self._future.exception() if self._future.done() else None
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        """Call ``fn(handle)`` when the save finishes (on the writer thread)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
 
 class Stager:
     """Host buffers reused across saves (one set: at most one save is in flight)."""

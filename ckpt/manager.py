@@ -22,6 +22,7 @@ from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundE
 from .format import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
 from .incremental import chain_length, collect
 from .integrity import check_structure, read_manifest
+from .metrics import CheckpointMetrics, default_labels
 from .options import SaveOptions
 from .probe import PROBE_ITEM, Probe
 from .reader import load_step
@@ -66,6 +67,9 @@ class CheckpointManager:
             the lock and commits. Call ``save``/``restore`` on every rank.
         probe: a :class:`ckpt.Probe` recorded with every save (for ``ckpt verify --level
             forward``).
+        metrics, metrics_port, metrics_textfile: counters and timings of saves, kept in
+            ``mgr.metrics`` (in memory) and, with prometheus_client installed, served on a
+            port or written to a node_exporter textfile.
         commit_timeout: how long rank 0 waits for the other ranks' reports before it gives
             up on a step (a rank died or hangs): the step is not committed and every rank's
             save raises.
@@ -90,7 +94,9 @@ class CheckpointManager:
                  compression: str | None = None, save_on_preemption: bool = False,
                  handle_sigterm: bool = True, options: SaveOptions | None = None,
                  process_group: Any = None, commit_timeout: float = 600.0,
-                 probe: Probe | None = None) -> None:
+                 probe: Probe | None = None, metrics: bool = True,
+                 metrics_port: int | None = None,
+                 metrics_textfile: str | None = None) -> None:
         for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
                             ("keep_every", keep_every), ("full_every", full_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -103,6 +109,9 @@ class CheckpointManager:
         self.allow_pickle = allow_pickle
         self.save_on_preemption = save_on_preemption
         self.probe = probe
+        self.metrics = CheckpointMetrics(port=metrics_port, textfile=metrics_textfile,
+                                         labels=default_labels()) if (
+            metrics or metrics_port or metrics_textfile) else None
         self.incremental = incremental
         self.full_every = full_every
         self.options = options or SaveOptions(allow_pickle=allow_pickle, compression=compression)
@@ -209,6 +218,8 @@ class CheckpointManager:
             return None
         if self._inflight is not None and not self._inflight.done():
             self.backpressure_waits += 1
+            if self.metrics:
+                self.metrics.backpressure()
             t = time.perf_counter()
             self._inflight.wait()
             log.info("ckpt.backpressure step=%d waited_s=%.3f", step, time.perf_counter() - t)
@@ -224,6 +235,9 @@ class CheckpointManager:
                            metadata=metadata, previous=base)
         blocking = time.perf_counter() - t0
         handle = self._writer.submit(self.storage, payload, blocking, self._after_commit)
+        handle.add_done_callback(self._record)
+        log.info("ckpt.save step=%d blocking_s=%.4f async=%s incremental=%s", step, blocking,
+                 self.async_save, base is not None)
         self._inflight = handle
         if not self.async_save or preempted:
             handle.wait()
@@ -232,6 +246,22 @@ class CheckpointManager:
             self.close()
             raise SystemExit(128 + self._preempted)
         return handle
+
+    def _record(self, handle: SaveHandle) -> None:
+        """Metrics and a structured log line for every finished save (runs in the writer)."""
+        error = handle.exception()
+        if error is not None:
+            log.error("ckpt.save_failed step=%d error=%s", handle.step, error)
+            if self.metrics:
+                self.metrics.failed()
+            return
+        r = handle.wait()
+        log.info("ckpt.saved step=%d bytes_written=%d bytes_reused=%d write_s=%.3f "
+                 "blocking_s=%.4f", r.step, r.bytes_written, r.bytes_reused, r.write_seconds,
+                 r.blocking_seconds)
+        if self.metrics:
+            self.metrics.saved(step=r.step, blocking=r.blocking_seconds, write=r.write_seconds,
+                               written=r.bytes_written, reused=r.bytes_reused)
 
     def _after_commit(self, manifest: Manifest | None) -> None:
         if manifest is None:  # another rank committed: learn the new base from storage
@@ -302,6 +332,8 @@ class CheckpointManager:
                 if not bad:
                     log.info("ckpt.restore step=%d root=%s skipped=%d", s, self.root,
                              len(failures))
+                    if self.metrics:
+                        self.metrics.restored(len(failures))
                     return s
                 if strict or step is not None:
                     if isinstance(error, CheckpointError):

@@ -8,6 +8,7 @@ DDP model's parameters are spread over all ranks instead of all landing on rank 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -16,11 +17,13 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the global 
 
 
 def dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
+    """The DTensor class, or None when no DTensor can exist in this process.
+
+    Importing torch.distributed.tensor takes about a second; a process that never imported
+    it has no DTensors, so the first save of a plain model does not pay for it.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:

@@ -1,0 +1,155 @@
+"""Checkpoint metrics: always kept in memory (``mgr.metrics.snapshot()``), and exported
+through prometheus_client when it is installed (the ``ckpt[metrics]`` extra) — on an HTTP port
+or to a node_exporter textfile. Names follow Prometheus conventions with a ``ckpt_`` prefix.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class CheckpointMetrics:
+    """Counters and timings of one manager's saves and restores.
+
+    Args:
+        port: serve ``/metrics`` on this port (prometheus_client required).
+        textfile: write the metrics to this file after every commit (atomically), for
+            node_exporter's textfile collector (prometheus_client required).
+        labels: constant labels on every series (e.g. ``{"job": "llm", "rank": "0"}``).
+    """
+
+    def __init__(self, *, port: int | None = None, textfile: str | None = None,
+                 labels: dict[str, str] | None = None) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, float] = {
+            "saves_total": 0, "save_failures_total": 0, "bytes_written_total": 0,
+            "bytes_reused_total": 0, "backpressure_waits_total": 0, "restores_total": 0,
+            "restore_skipped_steps_total": 0, "last_commit_timestamp_seconds": 0,
+            "last_save_blocking_seconds": 0, "last_save_write_seconds": 0,
+            "last_committed_step": -1,
+        }
+        self.textfile = textfile
+        self._prom = _Prometheus(labels or {}, self) if (port or textfile) else None
+        if port is not None and self._prom is not None:
+            self._prom.serve(port)
+
+    def _add(self, **values: float) -> None:
+        with self._lock:
+            for k, v in values.items():
+                self.values[k] += v
+
+    def _set(self, **values: float) -> None:
+        with self._lock:
+            self.values.update(values)
+
+    def saved(self, *, step: int, blocking: float, write: float, written: int,
+              reused: int) -> None:
+        self._add(saves_total=1, bytes_written_total=written, bytes_reused_total=reused)
+        self._set(last_commit_timestamp_seconds=time.time(), last_save_blocking_seconds=blocking,
+                  last_save_write_seconds=write, last_committed_step=step)
+        if self._prom is not None:
+            self._prom.observe(blocking, write)
+            if self.textfile:
+                self._prom.write_textfile(self.textfile)
+
+    def failed(self) -> None:
+        self._add(save_failures_total=1)
+
+    def backpressure(self) -> None:
+        self._add(backpressure_waits_total=1)
+
+    def restored(self, skipped: int) -> None:
+        self._add(restores_total=1, restore_skipped_steps_total=skipped)
+
+    def age_seconds(self) -> float:
+        """Seconds since the newest commit (infinity before the first)."""
+        last = self.values["last_commit_timestamp_seconds"]
+        return time.time() - last if last else float("inf")
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            out = dict(self.values)
+        out["newest_commit_age_seconds"] = self.age_seconds()
+        return out
+
+
+class _Prometheus:
+    """The prometheus_client side: a private registry, so two managers never collide."""
+
+    def __init__(self, labels: dict[str, str], metrics: CheckpointMetrics) -> None:
+        try:
+            import prometheus_client as pc
+        except ImportError as e:
+            raise ImportError("metrics_port/metrics_textfile need prometheus_client: "
+                              "pip install 'ckpt[metrics]'") from e
+        self.pc = pc
+        self.registry = pc.CollectorRegistry()
+        names = list(labels)
+        values = [labels[n] for n in names]
+        self.blocking = self._histogram("ckpt_save_blocking_seconds",
+                                        "Time save() blocked the training loop", labels)
+        self.write = self._histogram("ckpt_save_write_seconds",
+                                     "Background write+commit time of a save", labels)
+        self.registry.register(_Collector(metrics, names, values))
+
+    def _histogram(self, name: str, doc: str, labels: dict[str, str]) -> Any:
+        h = self.pc.Histogram(name, doc, list(labels), registry=self.registry, buckets=_BUCKETS)
+        return h.labels(**labels) if labels else h
+
+    def observe(self, blocking: float, write: float) -> None:
+        self.blocking.observe(blocking)
+        self.write.observe(write)
+
+    def serve(self, port: int) -> None:
+        self.pc.start_http_server(port, registry=self.registry)
+
+    def write_textfile(self, path: str) -> None:
+        self.pc.write_to_textfile(path, self.registry)  # writes a temp file, then renames
+
+
+class _Collector:
+    """Reads the in-memory values at scrape time (so ages are current)."""
+
+    COUNTERS = {
+        "saves_total": "Committed saves",
+        "save_failures_total": "Saves that failed (nothing committed)",
+        "bytes_written_total": "Bytes written by saves (new data)",
+        "bytes_reused_total": "Bytes referenced from earlier steps instead of written",
+        "backpressure_waits_total": "Saves that waited for the previous one",
+        "restores_total": "Successful restores",
+        "restore_skipped_steps_total": "Steps skipped by restore as corrupt",
+    }
+    GAUGES = {
+        "last_commit_timestamp_seconds": "Unix time of the newest commit",
+        "newest_commit_age_seconds": "Seconds since the newest commit",
+        "last_committed_step": "Step of the newest commit",
+    }
+
+    def __init__(self, metrics: CheckpointMetrics, names: list[str], values: list[str]) -> None:
+        self.metrics, self.names, self.values = metrics, names, values
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snap = self.metrics.snapshot()
+        for key, doc in self.COUNTERS.items():
+            family = CounterMetricFamily(f"ckpt_{key.removesuffix('_total')}", doc,
+                                         labels=self.names)
+            family.add_metric(self.values, snap[key])
+            yield family
+        for key, doc in self.GAUGES.items():
+            family = GaugeMetricFamily(f"ckpt_{key}", doc, labels=self.names)
+            value = snap[key]
+            family.add_metric(self.values, value if value != float("inf") else float("nan"))
+            yield family
+
+
+def default_labels() -> dict[str, str]:
+    """rank label from torchrun's environment, when present."""
+    rank = os.environ.get("RANK")
+    return {"rank": rank} if rank is not None else {}

@@ -1,0 +1,75 @@
+"""Checkpoint metrics: in memory, over HTTP (scraped like Prometheus does), in a textfile."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import urllib.request
+
+import pytest
+import torch
+
+import ckpt
+from storage_backends import PosixStorage
+
+pytest.importorskip("prometheus_client")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("ckpt_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_scraped_over_http_match_the_saves(tmp_path):
+    port = free_port()
+    model = torch.nn.Linear(64, 64)
+    state = {"model": model}
+    with ckpt.CheckpointManager(tmp_path / "root", incremental=True, metrics_port=port,
+                                metrics_textfile=str(tmp_path / "ckpt.prom")) as mgr:
+        results = [mgr.save(s, state, force=True).wait() for s in (1, 2, 3)]
+        with torch.no_grad():
+            model.weight.add_(1)
+        results.append(mgr.save(4, state, force=True).wait())
+        scraped = parse(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                               timeout=10).read().decode())
+    assert scraped["ckpt_saves_total"] == 4
+    assert scraped["ckpt_save_failures_total"] == 0
+    assert scraped["ckpt_bytes_written_total"] == sum(r.bytes_written for r in results)
+    assert scraped["ckpt_bytes_reused_total"] == sum(r.bytes_reused for r in results) > 0
+    assert scraped["ckpt_last_committed_step"] == 4
+    assert scraped["ckpt_save_blocking_seconds_count"] == 4
+    assert 0 <= scraped["ckpt_newest_commit_age_seconds"] < 60
+    textfile = parse((tmp_path / "ckpt.prom").read_text())
+    assert textfile["ckpt_saves_total"] == 4
+
+
+class FailingStorage(PosixStorage):
+    def write(self, path, buffers):
+        raise OSError(5, "injected")
+
+
+def test_failures_and_restores_are_counted_and_logged(tmp_path, caplog):
+    model = torch.nn.Linear(4, 4)
+    with ckpt.CheckpointManager(tmp_path / "ok") as mgr:
+        mgr.save(1, {"model": model})
+    with ckpt.CheckpointManager(tmp_path / "ok") as mgr:
+        assert mgr.restore({"model": model}) == 1
+        assert mgr.metrics.snapshot()["restores_total"] == 1
+    caplog.set_level(logging.INFO, logger="ckpt")
+    mgr = ckpt.CheckpointManager(FailingStorage(str(tmp_path / "bad")))
+    handle = mgr.save(1, {"model": model})
+    with pytest.raises(ckpt.StorageError):
+        handle.wait()
+    mgr.close()
+    assert mgr.metrics.snapshot()["save_failures_total"] == 1
+    assert any("ckpt.save_failed step=1" in r.getMessage() for r in caplog.records)

@@ -17,7 +17,7 @@ from typing import Sequence
 import verify
 from verify.report import EXIT_FAILED, EXIT_OK, EXIT_USAGE, size, table
 
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
 from .format import step_dir
 from .manager import CheckpointManager
 
@@ -54,9 +54,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     with _open(args.root) as mgr:
-        step = args.step if args.step is not None else mgr.latest_step()
-        if step is None:
-            raise CheckpointNotFoundError(f"{mgr.root} holds no committed step", path=mgr.root)
+        step = _steps(mgr, args)[0]
         m = mgr.manifest(step)
     tensors = [{"key": k, "dtype": e.dtype, "shape": list(e.shape), "chunks": len(e.chunks),
                 "bytes": e.nbytes, "files": sorted({c.file for c in e.chunks})}
@@ -87,10 +85,7 @@ def _steps(mgr: CheckpointManager, args: argparse.Namespace) -> list[int]:
     if getattr(args, "all", False):
         steps = mgr.steps()
     elif args.step is not None:
-        if args.step not in mgr.steps():
-            raise CheckpointNotFoundError(
-                f"{mgr.root} has no committed step {args.step}; it has {mgr.steps()}",
-                path=mgr.root)
+        _check_step(mgr, args.step)
         steps = [args.step]
     else:
         latest = mgr.latest_step()
@@ -98,6 +93,15 @@ def _steps(mgr: CheckpointManager, args: argparse.Namespace) -> list[int]:
     if not steps:
         raise CheckpointNotFoundError(f"{mgr.root} holds no committed step", path=mgr.root)
     return steps
+
+
+def _check_step(mgr: CheckpointManager, step: int) -> None:
+    steps = mgr.steps()
+    if step not in steps:
+        have = steps if len(steps) <= 8 else [*steps[:3], "...", *steps[-3:]]
+        raise CheckpointNotFoundError(
+            f"{mgr.root} has no committed step {step}; it has {have} (see `ckpt ls`)",
+            path=mgr.root)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -108,7 +112,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with _open(args.root) as mgr:
         for step in _steps(mgr, args):
             progress = None
-            if args.level != "structure" and not args.json:
+            if args.level != "structure":  # drawn only when stderr is a terminal
                 try:
                     total = sum(c.length for e in mgr.manifest(step).tensors.values()
                                 for c in e.chunks)
@@ -126,10 +130,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_diff(args: argparse.Namespace) -> int:
     with _open(args.root) as mgr:
         for step in (args.a, args.b):
-            if step not in mgr.steps():
-                raise CheckpointNotFoundError(
-                    f"{mgr.root} has no committed step {step}; it has {mgr.steps()}",
-                    path=mgr.root)
+            _check_step(mgr, step)
         result = verify.diff_steps(mgr, args.a, args.b, threads=args.threads)
     print(verify.to_json(result.to_dict()) if args.json else verify.render_diff(result))
     return EXIT_OK
@@ -159,9 +160,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         try:
             lock = storage.lock(describe_owner())
         except LockHeldError as e:
-            print(f"ckpt: {args.root} is in use by a writer ({e.holder}); gc needs the root "
-                  "to itself", file=sys.stderr)
-            return EXIT_FAILED
+            raise CheckpointLockedError(f"{args.root} is in use by a writer ({e.holder}); "
+                                        "gc --yes needs the root to itself",
+                                        path=args.root) from None
     try:
         steps = list_steps(storage)
         keep = (retention(steps, args.keep_last, args.keep_every)
@@ -193,7 +194,8 @@ exit status:
   1  a check failed: a damaged or inconsistent checkpoint (the message names the file
      and the check: manifest, structure, header, digest, weights, output, loss)
   2  usage or environment error: a missing root or step, no probe recorded for
-     --level forward, a model factory that cannot be imported, bad arguments
+     --level forward, a model factory that cannot be imported or does not fit,
+     a root locked by a writer (gc --yes), bad arguments
 
 examples:
   ckpt ls /ckpt/run1
@@ -208,6 +210,13 @@ examples:
 With --json every subcommand prints one JSON document on stdout, errors included
 ({"ok": false, "exit_code": 2, "error": "..."}).
 """
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, p in sub.choices.items():
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         if name in ("verify", "diff", "export"):
-            p.add_argument("--threads", type=int, default=4, help="parallel reads (default 4)")
+            p.add_argument("--threads", type=_positive, default=4,
+                           help="parallel reads (default 4)")
     return parser
 
 
@@ -279,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CheckpointNotFoundError, verify.UsageError) as e:
+    except (CheckpointNotFoundError, CheckpointLockedError, verify.UsageError) as e:
         return _error(args, e, EXIT_USAGE)
     except CheckpointError as e:
         return _error(args, e, EXIT_FAILED)

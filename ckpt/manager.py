@@ -18,7 +18,7 @@ from storage_backends.locks import describe_owner
 from .distributed import Group
 from .engine import BackgroundWriter, SaveHandle, Stager
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
-                     CorruptCheckpointError)
+                     CorruptCheckpointError, StorageError)
 from .format import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
 from .incremental import chain_length, collect
 from .integrity import check_structure, read_manifest
@@ -70,6 +70,9 @@ class CheckpointManager:
         metrics, metrics_port, metrics_textfile: counters and timings of saves, kept in
             ``mgr.metrics`` (in memory) and, with prometheus_client installed, served on a
             port or written to a node_exporter textfile.
+        storage_options: for object-store roots (``s3://``, ``tensorstore+…``): passed to
+            fsspec / tensorstore, plus ``lease_ttl``, ``retries``, ``retry_delay``,
+            ``block_size``, ``allow_unsafe_commit`` (docs/storage.md).
         commit_timeout: how long rank 0 waits for the other ranks' reports before it gives
             up on a step (a rank died or hangs): the step is not committed and every rank's
             save raises.
@@ -96,7 +99,8 @@ class CheckpointManager:
                  process_group: Any = None, commit_timeout: float = 600.0,
                  probe: Probe | None = None, metrics: bool = True,
                  metrics_port: int | None = None,
-                 metrics_textfile: str | None = None) -> None:
+                 metrics_textfile: str | None = None,
+                 storage_options: dict | None = None) -> None:
         for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
                             ("keep_every", keep_every), ("full_every", full_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -130,7 +134,7 @@ class CheckpointManager:
                                           path=os.fspath(root))
         self.group = Group(process_group)
         self.storage = open_storage(os.fspath(root) if isinstance(root, os.PathLike) else root,
-                                    create=not read_only)
+                                    create=not read_only, storage_options=storage_options)
         self.root = self.storage.url
         if not read_only:
             self._take_lock_everywhere()
@@ -224,6 +228,13 @@ class CheckpointManager:
             self._inflight.wait()
             log.info("ckpt.backpressure step=%d waited_s=%.3f", step, time.perf_counter() - t)
         self._raise_failed_save()
+        if (self.group.is_coordinator
+                and not self.storage.replaces_committed_steps
+                and self.storage.exists(f"{step_dir(step)}/{MANIFEST_NAME}")):
+            # Saving a step that exists (after falling back past it): an object store cannot
+            # replace it at commit as POSIX does, so retire it now; files that kept steps
+            # still reference stay.
+            collect(self.storage, set(self.steps()) - {step})
         t0 = time.perf_counter()
         base = self._base if self.incremental else None
         if base is not None and (chain_length(base) + 1 >= self.full_every or base.step >= step):
@@ -314,7 +325,11 @@ class CheckpointManager:
         """
         if not self.read_only and not self._closed:
             self.wait()
-        candidates = [step] if step is not None else list(reversed(self.steps()))
+        try:
+            candidates = [step] if step is not None else list(reversed(self.steps()))
+        except OSError as e:  # the storage failed (after its retries): not a missing root
+            raise StorageError(f"listing the steps of {self.root} failed: {e}",
+                               path=self.root) from e
         failures = []
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool:
             for s in candidates:
@@ -324,6 +339,9 @@ class CheckpointManager:
                     _describe(error)]
                 fatal = [o for o in outcomes if o and o[0] == "fatal"]
                 if fatal:
+                    if isinstance(error, OSError) and not isinstance(error, CheckpointError):
+                        raise StorageError(f"restoring step {s} from {self.root} failed: "
+                                           f"{error}", path=self.root) from error
                     if error is not None and not isinstance(error, CorruptCheckpointError):
                         raise error
                     raise CheckpointError(f"another rank failed to restore step {s}: "

@@ -52,6 +52,9 @@ class Storage(abc.ABC):
     """A root under which checkpoints live. See the module docstring for the call order."""
 
     url: str
+    # POSIX commits a re-saved step by moving the old one aside; object stores refuse (their
+    # commit is a create-only manifest), so the caller must retire the old step first.
+    replaces_committed_steps: bool = True
 
     @abc.abstractmethod
     def list(self, path: str = "") -> list[Entry]:

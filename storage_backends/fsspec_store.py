@@ -22,6 +22,7 @@ import random
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 from .base import Buffer, Entry
@@ -46,6 +47,12 @@ _TRANSIENT_NAMES = {"EndpointConnectionError", "ConnectionClosedError", "ReadTim
                     "IncompleteReadError", "ResponseParserError", "FSTimeoutError",
                     "ProxyConnectionError", "ResponseStreamingError"}
 _PART_LIMIT = 9_000  # S3 allows 10,000 parts per object; keep a margin
+# Reads smaller than a block go through a small cache of whole blocks: a restore reads every
+# chunk of a file, and small tensors make small chunks, so this turns hundreds of ranged GETs
+# (tens of ms each on S3) into a few. Data objects are immutable (their names carry the save's
+# token); this instance forgets what it writes or deletes itself.
+READ_BLOCK = 8 << 20
+READ_CACHE_BYTES = 64 << 20
 
 
 def http_status(e: BaseException) -> int | None:
@@ -98,6 +105,51 @@ def _precondition_failed(e: BaseException) -> bool:
         "PreconditionFailed", "ConditionalRequestConflict")
 
 
+class _BlockCache:
+    """Recently read blocks of objects, least recently used out first; a block that several
+    threads want at once is fetched once."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._size = 0
+        self._inflight: dict[tuple[str, int], threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, int], fetch: Callable[[], bytes]) -> bytes:
+        with self._lock:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                return self._blocks[key]
+            event = self._inflight.get(key)
+            mine = event is None
+            if mine:
+                event = self._inflight[key] = threading.Event()
+        if not mine:
+            event.wait()
+            with self._lock:
+                data = self._blocks.get(key)
+            return data if data is not None else fetch()  # the fetching thread failed
+        try:
+            data = fetch()
+            with self._lock:
+                self._blocks[key] = data
+                self._size += len(data)
+                while self._size > self.capacity and len(self._blocks) > 1:
+                    self._size -= len(self._blocks.popitem(last=False)[1])
+            return data
+        finally:
+            with self._lock:
+                del self._inflight[key]
+            event.set()
+
+    def forget(self, path: str) -> None:
+        """Drop the blocks of ``path`` and of everything under it."""
+        with self._lock:
+            for key in [k for k in self._blocks if k[0] == path or k[0].startswith(path + "/")]:
+                self._size -= len(self._blocks.pop(key))
+
+
 class FsspecStorage(ConditionalStorage):
     """A checkpoint root on an fsspec file system (``s3://bucket/prefix``, ``memory://x``...).
 
@@ -139,15 +191,18 @@ class FsspecStorage(ConditionalStorage):
         self.retries, self.retry_delay = retries, retry_delay
         self.block_size = max(int(block_size), 5 << 20)
         self._checked = False
+        self._cache = _BlockCache(READ_CACHE_BYTES)
         if create:
             self._call("opening", "", self._create_root)
 
     def _create_root(self) -> None:
         if self.protocol in NATIVE_CONDITIONS:
             bucket = self.root.split("/", 1)[0]
-            if not self.fs.exists(bucket):
+            try:  # not fs.exists: for a bucket it answers False when the server is down
+                self.fs.call_s3("head_bucket", Bucket=bucket)
+            except FileNotFoundError:
                 raise FileNotFoundError(errno.ENOENT, f"bucket {bucket} does not exist (ckpt "
-                                        "does not create buckets)", bucket)
+                                        "does not create buckets)", bucket) from None
         elif self.protocol in IN_PROCESS:
             self.fs.makedirs(self.root, exist_ok=True)
 
@@ -207,6 +262,7 @@ class FsspecStorage(ConditionalStorage):
     def write(self, path: str, buffers: Sequence[Buffer]) -> int:
         views = [memoryview(b).cast("B") for b in buffers]
         total = sum(v.nbytes for v in views)
+        self._cache.forget(self._abs(path))
         self._call("writing", path, self._put, self._abs(path), views, total)
         return total
 
@@ -223,42 +279,62 @@ class FsspecStorage(ConditionalStorage):
         except BaseException:
             try:
                 f.discard()  # abort the multipart upload instead of completing a partial one
-            except Exception:
+            except Exception:  # no discard (memory://), or the store is unreachable
                 pass
-            f.closed = True  # and never let close() (or __del__) publish it
+            try:
+                f.closed = True  # and never let close() (or __del__) publish a partial object
+            except AttributeError:  # a read-only attribute (memory://: a BytesIO)
+                pass
+            raise
+
+    def _range(self, full: str, start: int, end: int | None) -> bytes:
+        try:
+            return self.fs.cat_file(full, start=start or None, end=end)
+        except OSError as e:
+            if http_status(e.__cause__ or e) == 416:  # starts past the end: like a file
+                return b""
             raise
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         if length == 0:
             return b""
         end = None if length is None else start + length
-
-        def cat() -> bytes:
-            try:
-                return self.fs.cat_file(self._abs(path), start=start or None, end=end)
-            except OSError as e:
-                if http_status(e.__cause__ or e) == 416:  # starts past the end: like a file
-                    return b""
-                raise
-
-        return self._call("reading", path, cat)
+        return self._call("reading", path, self._range, self._abs(path), start, end)
 
     def read_into(self, path: str, start: int, out: memoryview) -> None:
         view = memoryview(out).cast("B")
         n = view.nbytes
         if n == 0:
             return
-        part = self.block_size
-        starts = list(range(start, start + n, part))
-        ends = [min(s + part, start + n) for s in starts]
         full = self._abs(path)
-        # Ranged GETs of one part each, concurrent on an async file system (S3).
-        pieces = self._call("reading", path, self._cat_ranges, full, starts, ends)
-        for piece, s, e in zip(pieces, starts, ends):
-            view[s - start:s - start + len(piece)] = piece
-            if len(piece) < e - s:
-                raise EOFError(f"{self.url}/{path} ends before byte {e} (wanted bytes "
-                               f"{start}..{start + n})")
+        if n < READ_BLOCK:
+            got = self._read_cached(path, full, start, view)
+        else:
+            # Ranged GETs of one block each, concurrent on an async file system (S3).
+            starts = list(range(start, start + n, READ_BLOCK))
+            ends = [min(s + READ_BLOCK, start + n) for s in starts]
+            got = 0
+            for piece in self._call("reading", path, self._cat_ranges, full, starts, ends):
+                view[got:got + len(piece)] = piece
+                got += len(piece)
+                if got < n and len(piece) < READ_BLOCK:
+                    break
+        if got < n:
+            raise EOFError(f"{self.url}/{path} ends before byte {start + n} (wanted bytes "
+                           f"{start}..{start + n})")
+
+    def _read_cached(self, path: str, full: str, start: int, view: memoryview) -> int:
+        got, n = 0, view.nbytes
+        for block in range(start // READ_BLOCK, (start + n - 1) // READ_BLOCK + 1):
+            base = block * READ_BLOCK
+            data = self._cache.get((full, block), lambda: self._call(
+                "reading", path, self._range, full, base, base + READ_BLOCK))
+            piece = data[max(start, base) - base:min(start + n, base + READ_BLOCK) - base]
+            view[got:got + len(piece)] = piece
+            got += len(piece)
+            if len(data) < READ_BLOCK:
+                break  # the object ends in this block
+        return got
 
     def _cat_ranges(self, full: str, starts: list[int], ends: list[int]) -> list[bytes]:
         out = self.fs.cat_ranges([full] * len(starts), starts, ends, on_error="return")
@@ -270,6 +346,8 @@ class FsspecStorage(ConditionalStorage):
         return out
 
     def delete(self, path: str) -> None:
+        self._cache.forget(self._abs(path))
+
         def rm() -> None:
             try:
                 self.fs.rm(self._abs(path), recursive=True)

@@ -23,6 +23,7 @@ the lease the faster one had just created, and both would think they held it.)
 from __future__ import annotations
 
 import abc
+import atexit
 import errno
 import json
 import logging
@@ -31,6 +32,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 
 from .base import Entry, LockHeldError, Storage
 
@@ -38,6 +40,15 @@ log = logging.getLogger("ckpt.storage")
 
 LEASE_NAME = ".lock"
 DEFAULT_LEASE_TTL = 60.0
+_HELD: weakref.WeakSet[LeaseLock] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    # A process that ends no longer writes; and a renewal thread still inside a storage
+    # client (tensorstore's C++) while the interpreter finalizes would abort the process.
+    for lease in list(_HELD):
+        lease.release()
 
 
 def _this_machine() -> dict:
@@ -108,6 +119,7 @@ class LeaseLock:
         self._version, self.expires = self._acquire()
         self._thread = threading.Thread(target=self._renew_loop, name="ckpt-lease", daemon=True)
         self._thread.start()
+        _HELD.add(self)
 
     def _body(self) -> tuple[bytes, float]:
         expires = time.time() + self.ttl
@@ -133,6 +145,10 @@ class LeaseLock:
                             self._store.url)
                 return version, expires
         raise LockHeldError(self._store.url, holder)
+
+    @property
+    def released(self) -> bool:
+        return self._released
 
     def valid(self) -> bool:
         """Held, not lost to a takeover, and not past its expiry on this clock."""
@@ -167,6 +183,7 @@ class LeaseLock:
         if self._released:
             return
         self._released = True
+        _HELD.discard(self)
         self._stop.set()
         with self._renewing:  # let a renewal in flight finish, so our version is current
             pass
@@ -188,6 +205,10 @@ class ConditionalStorage(Storage):
     (each returns None, or False, when its condition does not hold, and raises ``OSError`` on
     a storage failure).
     """
+
+    # A committed step is never replaced (POSIX renames the old one aside): a writer must
+    # retire it (delete its manifest) before saving that step again.
+    replaces_committed_steps = False
 
     def __init__(self, *, lease_ttl: float = DEFAULT_LEASE_TTL) -> None:
         self.lease_ttl = lease_ttl
@@ -228,7 +249,7 @@ class ConditionalStorage(Storage):
             raise ValueError(f"{self.url}: {staging!r} is not the staging location of {name!r}")
         self.check_conditional_writes()
         lease = self._lease
-        if lease is not None and not lease.valid():
+        if lease is not None and not lease.released and not lease.valid():
             raise OSError(errno.ENOLCK, f"{self.url}: this writer's lease on the root was lost "
                           f"(expired or taken over by another writer); {name} is not committed")
         with self._mutex:

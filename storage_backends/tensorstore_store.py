@@ -4,7 +4,7 @@ URLs: ``tensorstore+file:///path`` (driver ``file``), ``tensorstore+s3://bucket/
 (driver ``s3``) and ``tensorstore+gs://bucket/prefix`` (driver ``gcs``, untested here).
 ``storage_options`` are merged into the kvstore spec (``endpoint``, ``aws_region``,
 ``aws_credentials``...); ``client_kwargs.endpoint_url`` is understood too, so one options dict
-serves both object-store backends.
+serves both object-store backends, and so is ``AWS_ENDPOINT_URL`` in the environment.
 
 The commit and the lock are the conditional-write protocol of :mod:`.lease`, on tensorstore's
 storage generations: create-only is ``write(key, value, if_equal=<no value>)``, a replace is
@@ -89,6 +89,9 @@ class TensorstoreStorage(ConditionalStorage):
                      "max_delay": "10s"}
             spec[f"{self.driver}_request_retries"] = retry
             if self.driver == "s3":
+                # Like boto3/s3fs, the endpoint may come from the environment (the CLI).
+                endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3",
+                                                      os.environ.get("AWS_ENDPOINT_URL"))
                 if endpoint:
                     spec["endpoint"] = endpoint
                 spec["aws_region"] = os.environ.get("AWS_REGION",
@@ -184,12 +187,21 @@ class TensorstoreStorage(ConditionalStorage):
         view[:] = data
 
     def delete(self, path: str) -> None:
+        local = os.path.join(self.local_root, path) if self.local_root is not None else None
+
         def rm() -> None:
-            if path:
+            if path and not (local is not None and os.path.isdir(local)):
                 self.kv.write(path, None).result()
             self.kv.delete_range(_range(path)).result()
 
         self._call("deleting", path, rm)
+        if local is not None and path and os.path.isdir(local):
+            # The file driver leaves the emptied directories behind: remove those (only).
+            for d, _, _ in sorted(os.walk(local), key=lambda w: -len(w[0])):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
 
     # -- conditional writes ---------------------------------------------------------------------
     def check_conditional_writes(self) -> None:

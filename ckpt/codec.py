@@ -42,7 +42,13 @@ def encode(data: memoryview, dtype: torch.dtype, level: int = 1) -> tuple[str, b
 
 def decode_into(codec: str, stored: bytes, out: memoryview, dtype: torch.dtype) -> None:
     """Decompress ``stored`` into ``out`` (exactly the chunk's raw size)."""
-    raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=len(out))
+    try:
+        size = zstandard.frame_content_size(stored)
+        if size not in (len(out), zstandard.CONTENTSIZE_UNKNOWN):
+            raise ValueError(f"zstd frame says {size} bytes, the chunk holds {len(out)}")
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=len(out))
+    except zstandard.ZstdError as e:  # a damaged frame is corruption, not a crash
+        raise ValueError(f"zstd: {e}") from e
     if len(raw) != len(out):
         raise ValueError(f"chunk decompressed to {len(raw)} bytes, expected {len(out)}")
     target = np.frombuffer(out, np.uint8)

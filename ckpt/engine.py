@@ -25,7 +25,7 @@ from storage_backends.faults import fault_point
 from .codec import encode
 from .datafile import Piece, encode_header
 from .errors import CheckpointError, StorageError
-from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, dtype_name
+from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry
 from .distributed import Group
 from .incremental import CHAIN_KEY, chain_length
 from .integrity import digest

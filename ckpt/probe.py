@@ -41,6 +41,7 @@ class Probe:
         output, loss = run_forward(model, self.inputs, self.loss_fn)
         return {"model_key": self.model_key, "inputs": _cpu(self.inputs),
                 "output": output, "loss": loss, "factory": self.factory,
+                "loss_fn": _qualified_name(self.loss_fn),
                 "finite": bool(torch.isfinite(output.float()).all())}
 
 
@@ -66,6 +67,13 @@ def run_forward(model: torch.nn.Module, inputs: Any,
     if loss is not None and not math.isfinite(loss):
         loss = None if math.isnan(loss) else loss
     return out.detach().to("cpu").clone(), loss
+
+
+def _qualified_name(fn: Callable | None) -> str | None:
+    """``module:qualname`` of a module-level function (so verify can re-import it)."""
+    if fn is None or "<" in getattr(fn, "__qualname__", "<"):
+        return None
+    return f"{fn.__module__}:{fn.__qualname__}"
 
 
 def _cpu(value: Any) -> Any:

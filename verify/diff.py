@@ -1,0 +1,240 @@
+"""``ckpt diff ROOT A B``: which tensors and values changed between two steps, and how much.
+
+Tensors are compared chunk by chunk when both steps cut them the same way (the usual case:
+same model, same world size): a chunk whose digest is the same in both steps holds the same
+bytes (xxh3-64: a collision has probability 2**-64) and B's copy is not read; A's is read
+only when the tensor changed elsewhere, for the norm below. Memory stays at two chunks.
+Tensors cut differently (another world size) are read whole, one tensor at a time. Every
+chunk read is checked against its digest.
+
+Per tensor: ``equal``; ``changed`` with the largest absolute difference, the relative L2
+norm ``||B - A|| / ||A||`` and the number of elements that differ (NaN = NaN here), or with
+the old and new shape/dtype; ``added`` or ``removed``. Plain values (every non-tensor leaf
+of every item: epoch, learning rates, sampler positions, the probe's loss...) are compared
+too, and listed by path when they differ.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import ckpt
+from ckpt.format import Chunk, Manifest, TensorEntry, step_dir
+from ckpt.state import TENSOR
+
+from .reading import read_checked, read_tensor
+
+
+@dataclass
+class TensorDiff:
+    """How one tensor differs between step A and step B (shape/dtype are B's)."""
+
+    key: str
+    status: str  # equal | changed | added | removed
+    shape: list[int] | None = None
+    dtype: str | None = None
+    old_shape: list[int] | None = None
+    old_dtype: str | None = None
+    numel: int | None = None
+    changed_elements: int | None = None
+    max_abs_diff: float | None = None
+    rel_l2: float | None = None
+
+
+@dataclass
+class ValueDiff:
+    """A plain value that differs (``a``/``b``: None when absent on that side)."""
+
+    path: str
+    a: Any
+    b: Any
+
+
+@dataclass
+class StepDiff:
+    """Everything that differs between two steps of one root."""
+
+    root: str
+    a: int
+    b: int
+    tensors: list[TensorDiff] = field(default_factory=list)
+    values: list[ValueDiff] = field(default_factory=list)
+    aliases: list[dict[str, Any]] = field(default_factory=list)
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    def counts(self) -> dict[str, int]:
+        out = {"equal": 0, "changed": 0, "added": 0, "removed": 0}
+        for t in self.tensors:
+            out[t.status] += 1
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["summary"] = {**self.counts(), "values": len(self.values)}
+        return doc
+
+
+class _Stats:
+    """Running difference statistics over the pieces of one tensor."""
+
+    def __init__(self) -> None:
+        self.changed = 0
+        self.max_abs = 0.0
+        self.sq_diff = 0.0
+        self.sq_a = 0.0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor | None) -> None:
+        """``b`` None: the piece is equal (only A's norm grows)."""
+        wide = torch.complex128 if a.is_complex() else torch.float64
+        a64 = a.reshape(-1).to(wide)
+        self.sq_a += float(a64.abs().square().sum())
+        if b is None:
+            return
+        b64 = b.reshape(-1).to(wide)
+        diff = (b64 - a64).abs()
+        try:
+            differs = a.reshape(-1) != b.reshape(-1)
+        except (RuntimeError, TypeError):  # dtypes without comparison kernels (float8)
+            differs = a64 != b64
+        if a.is_floating_point() or a.is_complex():
+            same_nan = torch.isnan(a64) & torch.isnan(b64)
+            differs &= ~same_nan
+            diff = torch.nan_to_num(diff.masked_fill(same_nan, 0.0), nan=math.inf)
+        self.changed += int(differs.sum())
+        if diff.numel():
+            self.max_abs = max(self.max_abs, float(diff.max()))
+            self.sq_diff += float(diff.square().sum())
+
+    def rel_l2(self) -> float:
+        if self.sq_diff == 0:
+            return 0.0
+        return math.sqrt(self.sq_diff) / math.sqrt(self.sq_a) if self.sq_a else math.inf
+
+
+def diff_steps(mgr: ckpt.CheckpointManager, a: int, b: int, *, threads: int = 4) -> StepDiff:
+    """Compare step ``a`` with step ``b`` of an open (read-only) manager.
+
+    Raises:
+        CheckpointNotFoundError: a step does not exist.
+        CorruptCheckpointError: a manifest is invalid or a chunk read fails its digest.
+    """
+    t0 = time.perf_counter()
+    ma, mb = mgr.manifest(a), mgr.manifest(b)
+    result = StepDiff(mgr.root, a, b)
+    reader = _Reader(mgr, ma, mb, threads)
+    for key in sorted(set(ma.tensors) | set(mb.tensors)):
+        result.tensors.append(_tensor_diff(key, ma.tensors.get(key), mb.tensors.get(key), reader))
+    for key in sorted(set(ma.aliases) | set(mb.aliases)):
+        if ma.aliases.get(key) != mb.aliases.get(key):
+            result.aliases.append({"key": key, "a": ma.aliases.get(key), "b": mb.aliases.get(key)})
+    result.values = diff_values(ma, mb)
+    result.bytes_read = reader.bytes_read
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+class _Reader:
+    """Reads chunks and whole tensors of the two steps, counting the bytes."""
+
+    def __init__(self, mgr: ckpt.CheckpointManager, ma: Manifest, mb: Manifest,
+                 threads: int) -> None:
+        self.mgr, self.threads, self.bytes_read = mgr, threads, 0
+        self.sides = {"a": (step_dir(ma.step), ma), "b": (step_dir(mb.step), mb)}
+
+    def chunk(self, side: str, key: str, chunk: Chunk) -> torch.Tensor:
+        location, manifest = self.sides[side]
+        out = torch.empty(chunk.shape, dtype=manifest.tensors[key].torch_dtype)
+        read_checked(self.mgr.storage, location, key, chunk, out)
+        self.bytes_read += chunk.length
+        return out
+
+    def whole(self, side: str, key: str) -> torch.Tensor:
+        import concurrent.futures as cf
+
+        location, manifest = self.sides[side]
+        with cf.ThreadPoolExecutor(self.threads) as pool:
+            out = read_tensor(self.mgr.storage, location, manifest, key, pool)
+        self.bytes_read += sum(c.length for c in manifest.tensors[key].chunks)
+        return out
+
+
+def _tensor_diff(key: str, ea: TensorEntry | None, eb: TensorEntry | None,
+                 reader: _Reader) -> TensorDiff:
+    if ea is None or eb is None:
+        e = eb or ea
+        return TensorDiff(key, "added" if ea is None else "removed", list(e.shape), e.dtype,
+                          numel=math.prod(e.shape))
+    d = TensorDiff(key, "equal", list(eb.shape), eb.dtype, numel=math.prod(eb.shape))
+    if ea.shape != eb.shape or ea.dtype != eb.dtype:
+        d.status, d.old_shape, d.old_dtype = "changed", list(ea.shape), ea.dtype
+        return d
+    stats = _Stats()
+    boxes_a = [(c.offsets, c.shape) for c in ea.chunks]
+    if boxes_a == [(c.offsets, c.shape) for c in eb.chunks]:
+        if all(ca.digest == cb.digest for ca, cb in zip(ea.chunks, eb.chunks)):
+            d.changed_elements, d.max_abs_diff, d.rel_l2 = 0, 0.0, 0.0
+            return d
+        for ca, cb in zip(ea.chunks, eb.chunks):
+            same = ca.digest == cb.digest
+            stats.add(reader.chunk("a", key, ca), None if same else reader.chunk("b", key, cb))
+    else:
+        stats.add(reader.whole("a", key), reader.whole("b", key))
+    d.changed_elements, d.max_abs_diff, d.rel_l2 = stats.changed, stats.max_abs, stats.rel_l2()
+    if stats.changed or stats.max_abs:  # -0.0 vs 0.0: bytes differ, values do not
+        d.status = "changed"
+    return d
+
+
+def diff_values(ma: Manifest, mb: Manifest) -> list[ValueDiff]:
+    """Plain values that differ: every non-tensor leaf of every item, and user metadata."""
+    out: list[ValueDiff] = []
+    for name in sorted(set(ma.items) | set(mb.items)):
+        ia, ib = ma.items.get(name), mb.items.get(name)
+        if ia is None or ib is None:
+            out.append(ValueDiff(name, _kind(ia), _kind(ib)))
+        elif ia.get("kind") != ib.get("kind"):
+            out.append(ValueDiff(f"{name} (kind)", ia.get("kind"), ib.get("kind")))
+        else:
+            body_a = ia.get("per_rank", ia.get("tree"))
+            body_b = ib.get("per_rank", ib.get("tree"))
+            _walk(body_a, body_b, name, out)
+    meta_a = {k: v for k, v in ma.metadata.items() if not k.startswith("ckpt_")}
+    meta_b = {k: v for k, v in mb.metadata.items() if not k.startswith("ckpt_")}
+    _walk(meta_a, meta_b, "metadata", out)
+    return out
+
+
+def _kind(item: dict | None) -> Any:
+    """An item present on one side only: a value item's value, else its kind."""
+    if item is None:
+        return None
+    return item.get("tree") if item.get("kind") == "value" else f"<{item.get('kind')} item>"
+
+
+def _walk(a: Any, b: Any, path: str, out: list[ValueDiff]) -> None:
+    if _is_tensor(a) and _is_tensor(b):
+        return  # compared as tensors
+    if isinstance(a, dict) and isinstance(b, dict) and not _is_tensor(a) and not _is_tensor(b):
+        for k in list(a) + [k for k in b if k not in a]:
+            if k not in b or k not in a:
+                out.append(ValueDiff(f"{path}/{k}", a.get(k), b.get(k)))
+            else:
+                _walk(a[k], b[k], f"{path}/{k}", out)
+        return
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _walk(x, y, f"{path}/{i}", out)
+        return
+    if type(a) is not type(b) or a != b:
+        out.append(ValueDiff(path, a, b))
+
+
+def _is_tensor(tree: Any) -> bool:
+    return isinstance(tree, dict) and len(tree) == 1 and TENSOR in tree
+

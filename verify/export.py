@@ -1,0 +1,183 @@
+"""``ckpt export``: one step as a single consolidated file of full tensors, whatever world
+size saved it, in safetensors or torch format.
+
+Keys are the checkpoint's tensor keys (``model/embed.weight``), or with ``item`` the names
+inside that item (``embed.weight``: a module's state_dict names, loadable with
+``load_state_dict``). Every chunk read is checked against its digest.
+
+Aliases (tied weights: two names, one storage) are resolved. safetensors refuses tensors
+that share storage, so there each is stored once, under its stored name, and the alias is
+recorded in the header's metadata as ``ckpt_aliases`` (a JSON object alias -> stored name).
+The torch format holds both names, sharing one tensor (``torch.save`` keeps the sharing).
+
+The safetensors file is written tensor by tensor (memory: the largest tensor); the torch
+format goes through ``torch.save`` of a plain dict, so the whole step is in memory once.
+Both are written to a temporary file next to the target and renamed into place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import torch
+
+import ckpt
+from ckpt.datafile import SAFETENSORS_DTYPES
+from ckpt.engine import byte_view
+from ckpt.format import Manifest, step_dir
+from ckpt.integrity import check_structure
+from ckpt.state import DICT, TENSOR, TUPLE, item_tree
+
+from .reading import read_tensor
+from .report import UsageError
+
+FORMATS = ("safetensors", "torch")
+
+
+@dataclass
+class ExportResult:
+    """What ``export_step`` wrote."""
+
+    path: str
+    format: str
+    step: int
+    tensors: int
+    bytes: int
+    aliases: dict[str, str] = field(default_factory=dict)
+    item: str | None = None
+    seconds: float = 0.0
+
+
+def select(manifest: Manifest, item: str | None = None) -> dict[str, str]:
+    """Output name -> tensor key (possibly an alias) of every tensor to export."""
+    if item is None:
+        return {k: k for k in [*manifest.tensors, *manifest.aliases]}
+    saved = manifest.items.get(item)
+    if saved is None:
+        raise UsageError(f"step {manifest.step} has no item {item!r}; it has "
+                         f"{sorted(manifest.items)}")
+    if "per_rank" in saved:
+        raise UsageError(f"item {item!r} was saved per rank; export it without --item")
+    names: dict[str, str] = {}
+    _leaves(item_tree(saved), "", names)
+    if not names:
+        raise UsageError(f"item {item!r} holds no tensors")
+    if list(names) == [""]:  # a top-level tensor item
+        names = {item: names[""]}
+    return names
+
+
+def _leaves(tree: Any, path: str, out: dict[str, str]) -> None:
+    join = (lambda k: f"{path}/{k}" if path else str(k))  # noqa: E731
+    if isinstance(tree, dict) and len(tree) == 1 and TENSOR in tree:
+        out[path] = tree[TENSOR]
+    elif isinstance(tree, dict) and len(tree) == 1 and TUPLE in tree:
+        for i, v in enumerate(tree[TUPLE]):
+            _leaves(v, join(i), out)
+    elif isinstance(tree, dict) and len(tree) == 1 and DICT in tree:
+        for k, v in tree[DICT]:
+            _leaves(v, join(k if isinstance(k, (str, int, float, bool)) else json.dumps(k)), out)
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            _leaves(v, join(k), out)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            _leaves(v, join(i), out)
+
+
+def plan(manifest: Manifest, names: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Split output names into stored ones (name -> stored tensor key) and aliases
+    (name -> the stored output name holding the same tensor)."""
+    stored: dict[str, str] = {}
+    by_key: dict[str, str] = {}
+    aliased = []
+    for name, key in names.items():
+        if key in manifest.aliases:
+            aliased.append(name)
+        else:
+            stored[name], by_key[key] = key, name
+    aliases: dict[str, str] = {}
+    for name in aliased:
+        target = manifest.resolve(names[name])
+        if target in by_key:
+            aliases[name] = by_key[target]
+        else:  # the alias is exported, its target is not: store it under the alias
+            stored[name], by_key[target] = target, name
+    return stored, aliases
+
+
+def export_step(mgr: ckpt.CheckpointManager, step: int, fmt: str, path: str, *,
+                item: str | None = None, force: bool = False, threads: int = 4) -> ExportResult:
+    """Write ``step`` of an open manager to ``path`` as one ``fmt`` file.
+
+    Raises:
+        UsageError: unknown format, ``path`` exists (without ``force``), a dtype safetensors
+            cannot hold, an unknown ``item``.
+        CheckpointNotFoundError: no such step.
+        CorruptCheckpointError: the step is damaged (nothing is left at ``path``).
+    """
+    t0 = time.perf_counter()
+    if fmt not in FORMATS:
+        raise UsageError(f"format must be one of {FORMATS}, not {fmt!r}")
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not force:
+        raise UsageError(f"{path} exists; pass --force to overwrite it")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise UsageError(f"{os.path.dirname(path)} is not a directory")
+    manifest = mgr.manifest(step)
+    location = step_dir(step)
+    check_structure(mgr.storage, location, manifest)
+    stored, aliases = plan(manifest, select(manifest, item))
+    if fmt == "safetensors":
+        bad = {n: manifest.tensors[k].dtype for n, k in stored.items()
+               if manifest.tensors[k].torch_dtype not in SAFETENSORS_DTYPES}
+        if bad:
+            raise UsageError(f"safetensors cannot hold the dtypes of {bad}; use --to torch")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    nbytes = sum(manifest.tensors[k].nbytes for k in stored.values())
+    try:
+        with open(tmp, "wb") as f, cf.ThreadPoolExecutor(threads) as pool:
+            def read(key: str) -> torch.Tensor:
+                return read_tensor(mgr.storage, location, manifest, key, pool)
+
+            if fmt == "safetensors":
+                metadata = {"format": "pt", "ckpt_step": str(step), "ckpt_root": mgr.root,
+                            "ckpt_aliases": json.dumps(aliases, sort_keys=True)}
+                _write_safetensors(f, manifest, stored, metadata, read)
+            else:
+                tensors = {name: read(key) for name, key in sorted(stored.items())}
+                tensors.update({name: tensors[target] for name, target in aliases.items()})
+                torch.save(tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return ExportResult(path, fmt, step, len(stored) + len(aliases), nbytes, aliases, item,
+                        time.perf_counter() - t0)
+
+
+def _write_safetensors(f: BinaryIO, manifest: Manifest, stored: dict[str, str],
+                       metadata: dict[str, str], read: Any) -> None:
+    """The safetensors layout: 8-byte little-endian header length, the JSON header (padded
+    with spaces to 8 bytes), then each tensor's bytes back to back in header order."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    order = sorted(stored)
+    for name in order:
+        entry = manifest.tensors[stored[name]]
+        header[name] = {"dtype": SAFETENSORS_DTYPES[entry.torch_dtype],
+                        "shape": list(entry.shape), "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    f.write(len(body).to_bytes(8, "little"))
+    f.write(body)
+    for name in order:
+        f.write(byte_view(read(stored[name])))

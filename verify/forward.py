@@ -1,0 +1,280 @@
+"""The ``forward`` level of ``ckpt verify``: load the step into a fresh model and rerun the
+probe recorded at save time (:class:`ckpt.Probe`).
+
+1. Build a fresh model with the factory: ``--model module.path:callable`` or the factory the
+   probe recorded. The module is imported with the current directory on ``sys.path`` (as
+   ``python -m`` does). Importing and calling it runs code: use the recorded factory only
+   for checkpoints you trust, as with pickle.
+2. Load the probe's model item into it through the public API
+   (``CheckpointManager.restore(..., step=N, strict=True)``); the probe's recorded inputs,
+   output and loss come back with it.
+3. Every floating-point weight must be finite; a NaN or Inf is reported naming the tensor
+   and the data file of the chunk that holds it.
+4. Rerun the forward (``ckpt.probe.run_forward``) and compare with the recorded output:
+   ``|new - recorded| <= atol + rtol * |recorded|`` element-wise (``torch.allclose``), with
+   the tolerance of the output's dtype (:data:`TOLERANCES`); NaN or Inf in the new output is
+   a failure. The loss is compared the same way when the probe recorded one and a loss
+   function is known (``--loss module:callable``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+
+import ckpt
+from ckpt.format import Manifest, step_dir
+from ckpt.probe import PROBE_ITEM, run_forward
+from ckpt.state import TENSOR, item_tree
+
+from .report import Problem, UsageError
+
+# (rtol, atol) by the dtype of the probe's output. The rerun uses the same weights and
+# inputs, but maybe another machine, thread count or kernel, so sums are reduced in another
+# order: a few ulps per operation, compounding over layers. Any real loading fault (a wrong
+# or missing tensor, transposed weights, a wrong dtype) moves outputs by O(1) relative.
+# fp32: 1e-4 relative is ~800 ulps (eps 1.2e-7), far above reordering noise, far below faults.
+# fp16 (eps 9.8e-4) and bf16 (eps 7.8e-3): one rounding flip moves a value by an ulp, so the
+# bounds are a few ulps of those formats.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-4, 1e-5),
+    torch.complex128: (1e-7, 1e-9),
+    torch.complex64: (1e-4, 1e-5),
+    torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (5e-2, 1e-2),
+}
+
+_SPEC = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
+NO_PROBE_HINT = (
+    "record one by saving with a probe: ckpt.CheckpointManager(root, probe=ckpt.Probe("
+    "model_key='model', inputs=<a small batch>, factory='mypkg.models:build')); "
+    "the structure and digest levels need no probe")
+
+
+def tolerance_for(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for comparing outputs of ``dtype``; exact for integer outputs."""
+    return TOLERANCES.get(dtype, (0.0, 0.0))
+
+
+@contextlib.contextmanager
+def _cwd_on_path() -> Iterator[None]:
+    """The current directory first on ``sys.path`` while the factory is imported and run."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def resolve(spec: str, what: str = "--model") -> Callable[..., Any]:
+    """``"pkg.module:name"`` (``name`` may be dotted) -> the callable it names.
+
+    Raises:
+        UsageError: a malformed spec, a module that cannot be imported, a missing name.
+    """
+    m = _SPEC.match(spec) if isinstance(spec, str) else None
+    if m is None:
+        raise UsageError(f"{what} {spec!r} is not of the form module.path:callable")
+    with _cwd_on_path():
+        try:
+            obj: Any = importlib.import_module(m.group(1))
+        except Exception as e:
+            raise UsageError(
+                f"cannot import {m.group(1)!r} for {what} {spec!r}: {type(e).__name__}: {e}; "
+                "run from the directory that holds it or add it to PYTHONPATH") from e
+    for attr in m.group(2).split("."):
+        try:
+            obj = getattr(obj, attr)
+        except AttributeError:
+            raise UsageError(f"{what} {spec!r}: {m.group(1)} has no {m.group(2)!r}") from None
+    if not callable(obj):
+        raise UsageError(f"{what} {spec!r} is not callable")
+    return obj
+
+
+def build_model(model: Any, recorded: str | None) -> tuple[torch.nn.Module, str]:
+    """A fresh model from ``model`` (spec, callable or module) or the recorded factory."""
+    if model is None:
+        if recorded is None:
+            raise UsageError("the probe recorded no factory: pass --model module.path:callable "
+                             "(a function returning a fresh model of the saved architecture)")
+        model = recorded
+    if isinstance(model, torch.nn.Module):
+        return model, type(model).__qualname__
+    name = model if isinstance(model, str) else getattr(model, "__qualname__", repr(model))
+    factory = resolve(model) if isinstance(model, str) else model
+    with _cwd_on_path():
+        try:
+            built = factory()
+        except Exception as e:
+            raise UsageError(f"the model factory {name} raised {type(e).__name__}: {e}") from e
+    if not isinstance(built, torch.nn.Module):
+        raise UsageError(f"the model factory {name} returned a {type(built).__name__}, "
+                         "not a torch.nn.Module")
+    return built, name
+
+
+def check_forward(mgr: ckpt.CheckpointManager, step: int, manifest: Manifest, *,
+                  model: Any = None, loss: Any = None, rtol: float | None = None,
+                  atol: float | None = None) -> tuple[list[Problem], dict[str, Any]]:
+    """Run the forward level on ``step``; returns (problems, figures).
+
+    Raises:
+        UsageError: no probe in the step, no usable factory, or a model that does not fit.
+    """
+    t0 = time.perf_counter()
+    where = f"{mgr.root}/{step_dir(step)}"
+    item = manifest.items.get(PROBE_ITEM)
+    tree = item_tree(item) if item is not None else None
+    if not isinstance(tree, dict) or not isinstance(tree.get("model_key"), str):
+        raise UsageError(f"step {step} has no probe, so the forward level cannot run: "
+                         + NO_PROBE_HINT)
+    model_key = tree["model_key"]
+    net, factory = build_model(model, tree.get("factory"))
+    state: dict[str, Any] = {model_key: net, PROBE_ITEM: None}
+    try:
+        mgr.restore(state, step=step, strict=True)
+    except ckpt.StateMismatchError as e:
+        raise UsageError(f"the model built by {factory} does not fit step {step}: {e}") from e
+    except ckpt.CorruptCheckpointError as e:
+        return [Problem("weights", str(e), e.path)], {"factory": factory}
+    probe = state[PROBE_ITEM]
+    problems = nonfinite_weights(net, manifest, model_key, where)
+    loss_fn = _loss_function(loss, probe.get("loss_fn"))
+    try:
+        output, loss_now = run_forward(net, probe["inputs"], loss_fn)
+    except Exception as e:  # the user's model or loss code, not the checkpoint's bytes
+        raise UsageError(f"the forward pass of the model built by {factory} on the probe's "
+                         f"inputs raised {type(e).__name__}: {e}") from e
+    recorded = probe["output"]
+    r, a = tolerance_for(recorded.dtype)
+    r, a = (r if rtol is None else rtol), (a if atol is None else atol)
+    figures: dict[str, Any] = {
+        "factory": factory, "model_key": model_key, "output_shape": list(output.shape),
+        "output_dtype": str(output.dtype).removeprefix("torch."), "rtol": r, "atol": a,
+        "max_abs_diff": None, "max_rel_diff": None, "mismatched": None,
+        "loss_recorded": probe.get("loss"), "loss_now": loss_now}
+    problems += compare_output(output, recorded, r, a, where, figures)
+    if loss_fn is not None:
+        problems += _compare_loss(probe.get("loss"), loss_now, r, a, where)
+    figures["seconds"] = time.perf_counter() - t0
+    return problems, figures
+
+
+def nonfinite_weights(net: torch.nn.Module, manifest: Manifest, model_key: str,
+                      where: str) -> list[Problem]:
+    """One problem per stored tensor of the model holding NaN or Inf, naming the tensor and
+    the data file of each chunk that holds a non-finite value."""
+    tree = item_tree(manifest.items.get(model_key, {}))
+    names_of: dict[str, list[str]] = {}
+    values: dict[str, torch.Tensor] = {}
+    for name, value in net.state_dict().items():
+        if not isinstance(value, torch.Tensor) or not (value.is_floating_point()
+                                                       or value.is_complex()):
+            continue
+        leaf = tree.get(name) if isinstance(tree, dict) else None
+        key = leaf.get(TENSOR) if isinstance(leaf, dict) else None
+        key = manifest.resolve(key) if key else f"{model_key}/{name}"
+        names_of.setdefault(key, []).append(name)
+        values[key] = value
+    problems = []
+    for key, value in values.items():
+        bad = ~torch.isfinite(value)
+        if not bad.any():
+            continue
+        nan, total = int(torch.isnan(value).sum()), int(bad.sum())
+        first = [int(i) for i in torch.nonzero(bad)[0]] if value.dim() else []
+        files = _files_holding(manifest, key, bad, where)
+        names = " = ".join(names_of[key])
+        problems.append(Problem(
+            "weights", f"{files[0] if files else where}: weight {key} ({names}) has {nan} NaN "
+            f"and {total - nan} Inf of {value.numel()} values (first at index {first})"
+            + (f"; also in {', '.join(files[1:])}" if len(files) > 1 else ""),
+            files[0] if files else where))
+    return problems
+
+
+def _files_holding(manifest: Manifest, key: str, bad: torch.Tensor, where: str) -> list[str]:
+    entry = manifest.tensors.get(key)
+    if entry is None:
+        return []
+    root = where.rsplit("/", 1)[0]
+    files = []
+    for c in entry.chunks:
+        box = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.shape))
+        if c.numel and bool(bad[box].any()):
+            path = f"{root}/{step_dir(c.step)}/{c.file}" if c.step is not None else (
+                f"{where}/{c.file}")
+            if path not in files:
+                files.append(path)
+    return files
+
+
+def compare_output(output: torch.Tensor, recorded: torch.Tensor, rtol: float, atol: float,
+                   where: str, figures: dict[str, Any]) -> list[Problem]:
+    """The rerun's output against the recorded one; fills the figures it measures."""
+    if output.shape != recorded.shape:
+        return [Problem("output", f"{where}: the forward output has shape "
+                        f"{list(output.shape)}, the recorded one {list(recorded.shape)}: "
+                        "the model does not match the one that was saved", where)]
+    problems = []
+    bad = ~torch.isfinite(output) if output.is_floating_point() or output.is_complex() else None
+    if bad is not None and bool(bad.any()):
+        problems.append(Problem("output", f"{where}: the forward output on the probe's inputs "
+                                f"has {int(bad.sum())} NaN/Inf of {output.numel()} values",
+                                where))
+    new = output.to(torch.complex128 if output.is_complex() else torch.float64)
+    old = recorded.to(new.dtype)
+    diff = (new - old).abs()
+    both_nan = torch.isnan(new) & torch.isnan(old) if new.is_floating_point() else None
+    if both_nan is not None:
+        diff = diff.masked_fill(both_nan, 0.0)
+    diff = torch.nan_to_num(diff, nan=math.inf)
+    limit = atol + rtol * old.abs()
+    outside = diff > torch.nan_to_num(limit, nan=0.0)
+    figures["max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
+    scale = old.abs()
+    rel = torch.where(scale > atol, diff / scale.clamp_min(atol or 1e-300), 0.0)
+    figures["max_rel_diff"] = float(rel.max()) if rel.numel() else 0.0  # where |old| > atol
+    figures["mismatched"] = int(outside.sum())
+    if bool(outside.any()):
+        index = [int(i) for i in torch.nonzero(outside)[0]] if outside.dim() else []
+        problems.append(Problem(
+            "output", f"{where}: the forward output differs from the one recorded at save "
+            f"time in {int(outside.sum())} of {output.numel()} values: max |diff| "
+            f"{figures['max_abs_diff']:.3g} (first outside at index {index}), tolerance "
+            f"rtol={rtol:g} atol={atol:g} for {figures['output_dtype']}", where))
+    return problems
+
+
+def _loss_function(loss: Any, recorded: Any) -> Callable | None:
+    spec = loss if loss is not None else recorded
+    if spec is None:
+        return None
+    return resolve(spec, "--loss") if isinstance(spec, str) else spec
+
+
+def _compare_loss(recorded: Any, now: float | None, rtol: float, atol: float,
+                  where: str) -> list[Problem]:
+    if recorded is None:
+        return []
+    if now is None or not math.isfinite(now):  # run_forward reports a NaN loss as None
+        return [Problem("loss", f"{where}: the probe's loss is {'nan' if now is None else now}"
+                        f" now, {recorded:.6g} was recorded", where)]
+    if not math.isclose(now, float(recorded), rel_tol=rtol, abs_tol=atol):
+        return [Problem("loss", f"{where}: the probe's loss is {now:.6g}, {recorded:.6g} was "
+                        f"recorded (rtol={rtol:g} atol={atol:g})", where)]
+    return []

@@ -23,6 +23,10 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_save_load.py
 	$(PY) benchmarks/bench_async.py
+	$(PY) benchmarks/bench_incremental.py
+	$(PY) benchmarks/bench_storage.py
+	$(PY) benchmarks/bench_verify.py
+	$(PY) benchmarks/bench_elastic.py
 
 clean:
 	rm -rf $(VENV) demo-run bench-out

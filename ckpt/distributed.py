@@ -22,7 +22,11 @@ class Group:
         if self.enabled:
             self.rank = dist.get_rank(process_group)
             self.world_size = dist.get_world_size(process_group)
-            self._store = dist.distributed_c10d._get_default_store()
+            base = dist.distributed_c10d._get_default_store()
+            try:
+                self._store = base.clone()  # own connection: the commit wait blocks no one
+            except Exception:  # stores without clone(): share the connection
+                self._store = base
         else:
             self.rank, self.world_size, self._store = 0, 1, None
         self.enabled = self.enabled and self.world_size > 1

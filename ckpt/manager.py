@@ -59,7 +59,11 @@ class CheckpointManager:
         full_every: with ``incremental``, every K-th save is a full one (short chains).
         compression: None or "zstd" (shortcut for ``options.compression``).
         save_on_preemption: on SIGTERM, the next ``save`` call saves the current step
-            whatever the schedule, waits for it, and exits with status 143.
+            whatever the schedule, waits for it, and exits with status 143. With a process
+            group, ranks receive SIGTERM at different steps: agree on it in the loop (an
+            all-reduce) and call ``save(step, state, force=True)`` on every rank, as
+            ``trainer.ElasticTrainer`` does; a per-rank forced save mismatches the save's
+            collective.
         handle_sigterm: install the SIGTERM handler (finishes the in-flight save first).
         options: layout and write tunables (:class:`ckpt.SaveOptions`).
         process_group: the ranks that save together (default: the default group when

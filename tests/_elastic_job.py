@@ -1,0 +1,278 @@
+"""The training script the elastic tests run under torchrun (and once as a plain process).
+
+    torchrun ... tests/_elastic_job.py --root R --run-dir D --audit-dir A --steps 40 ...
+
+Trains the tiny LM on a small corpus with ``trainer.ElasticTrainer``. ``--sample-sleep``
+adds a sleep per sample to each micro batch (simulated compute that scales with the share of
+the global batch a rank gets, without burning the two CPU cores). Rank 0 prints the summary
+as ``ELASTIC_SUMMARY <json>`` and in words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from trainer.elastic import ElasticTrainer  # noqa: E402
+from trainer.tiny_lm import TinyLM, WindowDataset, make_corpus, warmup_cosine  # noqa: E402
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--run-dir")
+    p.add_argument("--audit-dir")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--sentences", type=int, default=60)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample-sleep", type=float, default=0.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--collective-timeout", type=float, default=10.0)
+    p.add_argument("--fsdp", action="store_true")
+    # Holds make the scenarios independent of how fast agents start on a loaded machine: the
+    # workers wait (heartbeats going, no collective in flight) until torchrun SIGTERMs them
+    # because another node arrived, then checkpoint the step and exit for the restart.
+    p.add_argument("--hold-until-world", type=int, default=0,
+                   help="first attempt only: at world sizes below this, wait for SIGTERM")
+    p.add_argument("--hold-at", type=int, default=0,
+                   help="at the start of this step, wait for SIGTERM")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s.%(msecs)03d [pid {os.getpid()} rank {rank}] "
+                               "%(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    dataset = WindowDataset(make_corpus(args.seed, args.sentences))
+
+    held = []
+
+    def maybe_hold() -> None:
+        if held:
+            return
+        t = trainer
+        if ((args.hold_until_world and t.attempt == 0 and t.world_size < args.hold_until_world)
+                or (args.hold_at and t.step == args.hold_at - 1)):
+            held.append(t.step)
+            logging.getLogger("elastic_job").info("holding before step %d until SIGTERM",
+                                                  t.step + 1)
+            deadline = time.time() + 120
+            while not t.preempted and time.time() < deadline:
+                time.sleep(0.05)
+
+    def step_fn(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+        maybe_hold()
+        x, y = batch
+        if args.sample_sleep:
+            time.sleep(args.sample_sleep * len(x))
+        logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def optimizer_fn(params):
+        return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def scheduler_fn(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(5, args.steps))
+
+    trainer = ElasticTrainer(
+        TinyLM, optimizer_fn, dataset, step_fn, checkpoint_root=args.root,
+        checkpoint_every=args.every, global_batch_size=args.global_batch,
+        micro_batch_size=args.micro_batch, scheduler_fn=scheduler_fn,
+        heartbeat_timeout=args.heartbeat_timeout, collective_timeout=args.collective_timeout,
+        checkpoint_options={"keep_last": 2}, seed=args.seed, max_grad_norm=1.0,
+        audit_dir=args.audit_dir, run_dir=args.run_dir, fsdp=args.fsdp)
+    summary = trainer.fit(args.steps)
+    if trainer.rank == 0:
+        print("ELASTIC_SUMMARY " + json.dumps(summary.to_dict()), flush=True)
+        print(summary.format(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# ------------------------------------------------------------------ harness for tests/benchmarks
+#
+# Everything below is for the *launching* side (tests/test_elastic.py, benchmarks/
+# bench_elastic.py): several torchrun agents on this machine, each one "node", joined by a c10d
+# rendezvous whose store the harness hosts itself (an agent hosting it would take the job down
+# with it when killed). See ../shared/FINDINGS.md, "Elastic training with torchrun".
+
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+
+SCRIPT = str(Path(__file__).resolve())
+REPO = str(Path(__file__).resolve().parent.parent)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts workers in their own session, so a
+    process-group kill of the agent misses them)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            kids = []
+        out.extend(kids)
+        todo.extend(kids)
+    return out
+
+
+class Node:
+    """One torchrun agent (a "node") and the workers below it."""
+
+    def __init__(self, name: str, proc: subprocess.Popen, log_path: Path, started: float):
+        self.name, self.proc, self.log_path, self.started = name, proc, log_path, started
+        self.killed_at: float | None = None
+
+    def tree(self) -> list[int]:
+        return [self.proc.pid, *descendants(self.proc.pid)]
+
+    def owns(self, pid: int) -> bool:
+        return pid in descendants(self.proc.pid)
+
+    def kill(self, sig: int = signal.SIGKILL) -> float:
+        """Signal the agent and every process below it, all at once; returns the time."""
+        pids = self.tree()
+        self.killed_at = time.time()
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        return self.killed_at
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+class LocalCluster:
+    """Up to ``max_nodes`` torchrun agents on localhost training ``_elastic_job.py``."""
+
+    def __init__(self, workdir: Path, job_args: list[str], *, nnodes: str = "2:3",
+                 max_restarts: int = 3, last_call_timeout: int = 3, keep_alive_interval: int = 1,
+                 keep_alive_max_attempt: int = 4, monitor_interval: float = 0.5,
+                 extra_env: dict[str, str] | None = None) -> None:
+        import torch.distributed as dist
+
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.job_args = job_args
+        # Hosted here, not by an agent: killing any node must leave the rendezvous alive.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   multi_tenant=True)
+        self.port = self.store.port
+        self.nnodes = nnodes
+        self.max_restarts = max_restarts
+        self.rdzv_conf = (f"is_host=false,last_call_timeout={last_call_timeout},"
+                          f"keep_alive_interval={keep_alive_interval},"
+                          f"keep_alive_max_attempt={keep_alive_max_attempt},join_timeout=120")
+        # torchrun's agents refresh their keep-alive only once it is older than the interval,
+        # on a timer of that interval: a live node's keep-alive can be almost two intervals
+        # old. keep_alive_max_attempt=2 therefore evicts live nodes now and then; 4 leaves a
+        # margin and still drops a dead node about 4 s after its last keep-alive.
+        self.monitor_interval = monitor_interval
+        self.env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+                        MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                        PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get(
+                            "PYTHONPATH")) if p), **(extra_env or {}))
+        self.nodes: list[Node] = []
+
+    def add_node(self) -> Node:
+        name = f"node{len(self.nodes)}"
+        log_path = self.workdir / f"{name}.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}",
+               "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
+               f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=elastic-test",
+               f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1", SCRIPT,
+               *self.job_args]
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        node = Node(name, proc, log_path, time.time())
+        self.nodes.append(node)
+        return node
+
+    def node_of(self, pid: int) -> Node:
+        for n in self.nodes:
+            if n.owns(pid):
+                return n
+        raise LookupError(f"no node runs pid {pid}")
+
+    def wait(self, timeout: float) -> dict[str, int | None]:
+        """Wait for every agent not killed by us; returns exit codes (None: still running)."""
+        deadline = time.time() + timeout
+        for n in self.nodes:
+            if n.killed_at is None:
+                try:
+                    n.proc.wait(timeout=max(0.1, deadline - time.time()))
+                except subprocess.TimeoutExpired:
+                    pass
+        return {n.name: n.proc.poll() for n in self.nodes}
+
+    def close(self) -> None:
+        for n in self.nodes:
+            if n.proc.poll() is None or descendants(n.proc.pid):
+                n.kill(signal.SIGKILL)
+            try:
+                n.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def logs(self) -> str:
+        return "\n".join(f"===== {n.name} =====\n{n.log()}" for n in self.nodes)
+
+
+def progress(run_dir: Path) -> dict[int, dict]:
+    """The newest state of each attempt: {attempt: {"world", "pids": {rank: pid}, "step"}}."""
+    from trainer.elastic import read_jsonl
+
+    out: dict[int, dict] = {}
+    for adir in sorted(Path(run_dir).glob("attempt-*")):
+        a = int(adir.name.split("-")[1])
+        info = out[a] = {"world": None, "pids": {}, "step": 0, "events": []}
+        for p in adir.glob("rank-*.jsonl"):
+            for r in read_jsonl(p):
+                info["events"].append(r)
+                if r["event"] == "start":
+                    info["world"] = r["world"]
+                    info["pids"][r["rank"]] = r["pid"]
+                elif r["event"] == "step":
+                    info["step"] = max(info["step"], r["step"])
+    return out
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.1, cluster=None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}"
+                       + (f"\n{cluster.logs()[-20000:]}" if cluster is not None else ""))

@@ -1,0 +1,398 @@
+"""ElasticTrainer under real torchrun agents: nodes killed, a rank hung, a node joining.
+
+Each "node" is one torchrun agent with one worker on this machine, joined by a c10d
+rendezvous whose store the test hosts (see tests/_elastic_job.py, LocalCluster). The job
+trains the tiny LM for 60 steps at a global batch of 12 (micro batches of 2: 3 accumulation
+steps at world size 2, 2 at world size 3), checkpointing every 10 steps.
+
+What is checked after each disruption:
+- the job reaches its final step and every surviving agent exits 0;
+- the failure was detected within the heartbeat timeout (5 s here);
+- the global batch stayed 12 at every step, in micro batches of 2 (audit log);
+- the samples trained, keeping per step the record of the newest attempt (a step redone
+  after a restore replaces the lost one), are exactly the no-failure run's order: every
+  sample once per epoch (the 128-sample corpus gives 5+ epochs in 60 steps);
+- the loss curve continues: the mean loss of the last 10 steps is within 15% of an
+  uninterrupted single-process run at the same global batch;
+- the summary's restarts, world sizes and steps lost match what happened (printed; run
+  pytest with -s to see the recovery timelines).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import _elastic_job as job
+from trainer import ResumableSampler
+from trainer.elastic import (ElasticSummary, ElasticTrainer, check_world_size, read_audit,
+                             read_jsonl, valid_world_sizes)
+from trainer.heartbeat import Heartbeat
+from trainer.tiny_lm import WindowDataset, make_corpus
+
+STEPS, EVERY, GLOBAL, MICRO, SENTENCES, SEED = 60, 10, 12, 2, 60, 0
+HEARTBEAT_TIMEOUT, COLLECTIVE_TIMEOUT = 5.0, 10.0
+SAMPLE_SLEEP = 0.01  # simulated compute per sample: ~0.1 s steps, room to act mid-training
+KILL_AT = 22         # act once the job passed this step (a checkpoint at 20 is committed)
+LOSS_TOLERANCE = 0.15
+JOB_TIMEOUT = 120.0
+
+
+def job_args(tmp: Path, *, sleep: float = SAMPLE_SLEEP, hold: tuple = ()) -> list[str]:
+    return [*hold, "--root", str(tmp / "ckpt"), "--run-dir", str(tmp / "run"), "--audit-dir",
+            str(tmp / "audit"), "--steps", str(STEPS), "--every", str(EVERY),
+            "--global-batch", str(GLOBAL), "--micro-batch", str(MICRO), "--sentences",
+            str(SENTENCES), "--seed", str(SEED), "--sample-sleep", str(sleep),
+            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--collective-timeout",
+            str(COLLECTIVE_TIMEOUT)]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step, the newest attempt's value for a step trained twice."""
+    out: dict[int, tuple[int, float]] = {}
+    for adir in sorted(run_dir.glob("attempt-*")):
+        a = int(adir.name.split("-")[1])
+        for p in adir.glob("rank-*.jsonl"):
+            for r in read_jsonl(p):
+                if r["event"] == "step" and (r["step"] not in out or out[r["step"]][0] <= a):
+                    out[r["step"]] = (a, r["loss"])
+    return {s: v for s, (_, v) in sorted(out.items())}
+
+
+def check_audit(audit_dir: Path, steps: int = STEPS) -> dict[int, dict]:
+    """Constant global batch, micro batches of MICRO, and the no-failure sample order."""
+    records = read_audit(audit_dir)
+    assert sorted(records) == list(range(1, steps + 1)), "a step is missing from the audit"
+    n = len(WindowDataset(make_corpus(SEED, SENTENCES)))
+    expected = ResumableSampler(n, seed=SEED)
+    seen: list[int] = []
+    for step, rec in records.items():
+        world = rec["world"]
+        assert sorted(rec["ranks"]) == list(range(world)), (step, rec["ranks"].keys())
+        batch = [i for r in range(world) for i in rec["ranks"][r]]
+        assert len(batch) == GLOBAL, f"step {step}: global batch {len(batch)} at world {world}"
+        assert all(m == MICRO for ms in rec["micro"].values() for m in ms), rec["micro"]
+        assert len(rec["micro"][0]) == GLOBAL // (MICRO * world)
+        assert batch == expected.next_indices(GLOBAL), f"step {step}: not the no-failure order"
+        seen.extend(batch)
+    for e in range(0, len(seen), n):  # exactly once per epoch
+        epoch = seen[e:e + n]
+        assert len(set(epoch)) == len(epoch) and (len(epoch) < n or set(epoch) == set(range(n)))
+    return records
+
+
+def summary_of(tmp: Path) -> ElasticSummary:
+    return ElasticSummary.from_dict(json.loads((tmp / "run" / "summary.json").read_text()))
+
+
+def check_loss(tmp: Path, reference: dict[int, float]) -> tuple[float, float]:
+    got = losses(tmp / "run")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    tail = sum(got[s] for s in range(STEPS - 9, STEPS + 1)) / 10
+    ref = sum(reference[s] for s in range(STEPS - 9, STEPS + 1)) / 10
+    assert abs(tail - ref) <= LOSS_TOLERANCE * ref, (
+        f"mean loss of the last 10 steps {tail:.4f} vs uninterrupted {ref:.4f}")
+    assert tail < got[1] * 0.7, "the model did not learn"
+    return tail, ref
+
+
+def failure_records(tmp: Path, attempt: int) -> list[dict]:
+    adir = tmp / "run" / f"attempt-{attempt:04d}"
+    return [r for p in adir.glob("rank-*.jsonl") for r in read_jsonl(p)
+            if r["event"] == "failure"]
+
+
+def at_step(run_dir: Path, world: int, step: int):
+    """The newest attempt once it runs at ``world`` ranks and passed ``step``."""
+    def check():
+        p = job.progress(run_dir)
+        if not p:
+            return None
+        a = max(p)
+        ok = p[a]["world"] == world and p[a]["step"] >= step and len(p[a]["pids"]) == world
+        return (a, p[a]) if ok else None
+    return check
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """An uninterrupted run as a plain single process (no torchrun, world size 1)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=job.REPO)
+    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, job.SCRIPT, *job_args(tmp, sleep=0.0)], env=env,
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    s = summary_of(tmp)
+    assert (s.final_step, s.world_sizes, s.steps_lost, s.restarts) == (STEPS, [1], 0, 0)
+    check_audit(tmp / "audit")
+    assert all(m == GLOBAL // MICRO for m in
+               [len(r["micro"][0]) for r in read_audit(tmp / "audit").values()])
+    return losses(tmp / "run")
+
+
+@pytest.fixture
+def cluster(tmp_path, request):
+    """Local torchrun agents. By default the first attempt waits for the third node if it
+    formed with two (an agent slow to start on a loaded machine); ``hold`` overrides."""
+    hold = getattr(request, "param", ("--hold-until-world", "3"))
+    c = job.LocalCluster(tmp_path, job_args(tmp_path, hold=hold))
+    yield c
+    c.close()
+
+
+def finish(c: job.LocalCluster, survivors: list[job.Node], tmp: Path) -> ElasticSummary:
+    deadline = time.time() + JOB_TIMEOUT
+    for n in survivors:
+        try:
+            n.proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{n.name} still running after {JOB_TIMEOUT:.0f}s\n{c.logs()[-20000:]}")
+    codes = {n.name: n.proc.returncode for n in survivors}
+    assert set(codes.values()) == {0}, f"agent exit codes {codes}\n{c.logs()[-20000:]}"
+    s = summary_of(tmp)
+    print("\n" + s.format())
+    assert s.final_step == STEPS
+    return s
+
+
+# ------------------------------------------------------------------------- quick unit checks
+
+
+def test_world_sizes_that_do_not_split_the_global_batch_are_refused(monkeypatch, tmp_path):
+    assert valid_world_sizes(12, 2) == [1, 2, 3, 6]
+    assert check_world_size(12, 2, 3) == 2
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"world sizes that work: 1, 2, 3, 6"):
+        ElasticTrainer(lambda: None, lambda p: None, [0] * 10, lambda m, b: None,
+                       checkpoint_root=tmp_path, checkpoint_every=1, global_batch_size=12,
+                       micro_batch_size=2)
+    with pytest.raises(ValueError, match="none"):
+        check_world_size(12, 5, 1)
+
+
+def test_heartbeat_names_a_silent_peer_and_a_dead_store():
+    """Three heartbeats on one store: one stops beating (a hung rank) -> the others name it
+    within the timeout; then the store's host dies -> reported as a store failure fast."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def client(rank):
+        s = dist.TCPStore("127.0.0.1", master.port, is_master=False,
+                          timeout=datetime.timedelta(seconds=5))
+        return dist.PrefixStore("hb", s)
+
+    lost: dict[int, list] = {0: [], 1: [], 2: []}
+    beats = [Heartbeat(client(r), r, 3, timeout=1.5, interval=0.25,
+                       on_lost=lost[r].append).start() for r in range(3)]
+    for b in beats:
+        b.update(7)
+    time.sleep(1.0)
+    assert not any(lost.values()), lost
+    # rank 2 hangs: its threads stop, its key stops changing (nothing marks it stopped)
+    beats[2]._stopping.set()
+    t0 = time.monotonic()
+    while not (lost[0] and lost[1]) and time.monotonic() - t0 < 5:
+        time.sleep(0.05)
+    took = time.monotonic() - t0
+    assert lost[0] and lost[1], "the hung rank was not noticed"
+    # silence counts from the last change seen, up to two beats (0.5 s) before the stop
+    assert 1.0 <= took <= 1.5 + 1.5, took
+    for r in (0, 1):
+        assert lost[r][0].lost == [2] and lost[r][0].reason == "heartbeat"
+        assert lost[r][0].last_steps == {2: 7}
+
+    # a fresh pair whose store host goes away: refused connections, reported within ~2 beats
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    got: list = []
+    hb = Heartbeat(dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                                 timeout=datetime.timedelta(seconds=5)), 1, 2, timeout=3.0,
+                   interval=0.25, on_lost=got.append).start()
+    peer = Heartbeat(dist.TCPStore("127.0.0.1", host.port, is_master=False,
+                                   timeout=datetime.timedelta(seconds=5)), 0, 2, timeout=3.0,
+                     interval=0.25).start()
+    time.sleep(0.6)
+    peer._stopping.set()
+    del host  # the server goes with its last reference
+    t0 = time.monotonic()
+    while not got and time.monotonic() - t0 < 6:
+        time.sleep(0.05)
+    assert got and got[0].reason == "store" and got[0].lost == [0], got
+    assert time.monotonic() - t0 < 3.0
+    for b in (*beats, hb):
+        b.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_heartbeat_notices_a_hung_store_host():
+    """The process hosting the store is stopped (rank 0 hangs): store calls block, yet the
+    watchdog (which never calls the store) reports it after the timeout."""
+    code = ("import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, "
+            "is_master=True, wait_for_workers=False); print(s.port, flush=True); "
+            "time.sleep(120)")
+    host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        got: list = []
+        hb = Heartbeat(dist.TCPStore("127.0.0.1", port, is_master=False,
+                                     timeout=datetime.timedelta(seconds=30)), 1, 2,
+                       timeout=2.0, interval=0.25, on_lost=got.append).start()
+        peer = Heartbeat(dist.TCPStore("127.0.0.1", port, is_master=False,
+                                       timeout=datetime.timedelta(seconds=30)), 0, 2,
+                         timeout=2.0, interval=0.25).start()
+        time.sleep(0.6)
+        assert not got
+        os.kill(host.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while not got and time.monotonic() - t0 < 8:
+            time.sleep(0.05)
+        assert got and got[0].reason == "store" and got[0].lost == [0], got
+        assert time.monotonic() - t0 <= 2.0 + 1.0
+        assert "has not answered" in got[0].detail
+    finally:
+        host.kill()
+        host.wait()
+    peer._stopping.set()
+    hb._stopping.set()
+
+
+def test_stopped_ranks_are_not_reported():
+    """A rank that finished (stop() marks it) is not a lost rank."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    got: list = []
+    a = Heartbeat(dist.PrefixStore("x", master), 0, 2, timeout=0.8, interval=0.2,
+                  on_lost=got.append).start()
+    b = Heartbeat(dist.PrefixStore("x", master), 1, 2, timeout=0.8, interval=0.2).start()
+    time.sleep(0.5)
+    b.stop(final_state="done")
+    time.sleep(1.5)
+    assert not got
+    a.stop()
+
+
+# ------------------------------------------------------------------------- torchrun scenarios
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1-node-killed", "rank0-node-killed"])
+def test_node_killed_survivors_resume_at_world_2(cluster, tmp_path, reference, victim):
+    nodes = [cluster.add_node() for _ in range(3)]
+    attempt, info = job.wait_for(at_step(tmp_path / "run", 3, KILL_AT), JOB_TIMEOUT,
+                                 "training at world size 3", cluster=cluster)
+    dead = cluster.node_of(info["pids"][victim])
+    killed_at = dead.kill(signal.SIGKILL)  # the agent and its worker: a whole node
+    s = finish(cluster, [n for n in nodes if n is not dead], tmp_path)
+
+    assert s.world_sizes[-1] == 2 and 3 in s.world_sizes, s.world_sizes
+    assert s.restarts >= 1
+    rec = s.recoveries[-1]
+    assert rec.world_before == 3 and rec.world_after == 2
+    assert rec.lost_ranks == [victim], rec
+    # detected: the survivors recorded the failure within the heartbeat timeout
+    fails = failure_records(tmp_path, attempt)
+    assert len(fails) == 2, fails
+    detect = max(f["time"] for f in fails) - killed_at
+    assert 0 <= detect <= HEARTBEAT_TIMEOUT + 1.0, detect
+    # resumed from the newest checkpoint before the failure; the steps after it were redone
+    assert rec.restored_step is not None and rec.restored_step % EVERY == 0
+    assert KILL_AT - 2 * EVERY <= rec.restored_step <= rec.last_step
+    assert rec.steps_lost == rec.last_step - rec.restored_step == s.steps_lost
+    check_audit(tmp_path / "audit")
+    tail, ref = check_loss(tmp_path, reference)
+    print(f"killed rank {victim}'s node at step {info['step']}; survivors detected it "
+          f"{detect:.2f}s later; mean loss of the last 10 steps {tail:.4f} (uninterrupted "
+          f"{ref:.4f})")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_hung_rank_is_detected_by_heartbeat(cluster, tmp_path, reference):
+    nodes = [cluster.add_node() for _ in range(3)]
+    attempt, info = job.wait_for(at_step(tmp_path / "run", 3, KILL_AT), JOB_TIMEOUT,
+                                 "training at world size 3", cluster=cluster)
+    pid = info["pids"][1]
+    os.kill(pid, signal.SIGSTOP)  # the worker hangs; its agent sees a live process
+    stopped_at = time.time()
+    job.wait_for(lambda: len(failure_records(tmp_path, attempt)) == 2,
+                 HEARTBEAT_TIMEOUT + 5, "both survivors to report the hung rank",
+                 cluster=cluster)
+    fails = sorted(failure_records(tmp_path, attempt), key=lambda f: f["time"])
+    # The first to notice names rank 1 from its heartbeat. The other may instead see the
+    # first one leave (a failed collective, or the store gone with rank 0's process).
+    assert fails[0]["reason"] == "lost ranks (heartbeat)" and fails[0]["lost"] == [1], fails
+    assert fails[0]["time"] - stopped_at <= HEARTBEAT_TIMEOUT + 1.0, fails
+    assert fails[-1]["time"] - stopped_at <= HEARTBEAT_TIMEOUT + 2.0, fails
+    detect = max(f["time"] for f in fails) - stopped_at
+    # The survivors exited for a restart. The hung node's agent keeps its place in the
+    # finished rendezvous round until its worker is gone, and it kills the stopped worker
+    # only after torchrun's 30 s SIGTERM grace; then all three nodes form the next round.
+    s = finish(cluster, nodes, tmp_path)
+    assert s.restarts >= 1 and s.world_sizes[0] == 3
+    rec = s.recoveries[-1]
+    assert rec.lost_ranks == [1] and "lost ranks (heartbeat)" in rec.reason, rec
+    assert rec.steps_lost == rec.last_step - rec.restored_step
+    check_audit(tmp_path / "audit")
+    check_loss(tmp_path, reference)
+    print(f"hung rank 1 at step {info['step']}: survivors exited {detect:.2f}s later "
+          f"(heartbeat timeout {HEARTBEAT_TIMEOUT:.0f}s)")
+
+
+JOIN_AT = KILL_AT + 3
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("cluster", [("--hold-at", str(JOIN_AT))], indirect=True,
+                         ids=["hold-at-step-25"])
+def test_node_joins_and_training_continues_at_world_3(cluster, tmp_path, reference):
+    """Two nodes train; a third starts. The workers wait at step 25 for the agents to notice
+    it (a slow agent start must not let the job finish first); the agents SIGTERM them."""
+    nodes = [cluster.add_node() for _ in range(2)]
+    attempt, info = job.wait_for(at_step(tmp_path / "run", 2, KILL_AT), JOB_TIMEOUT,
+                                 "training at world size 2", cluster=cluster)
+    nodes.append(cluster.add_node())  # waits at the rendezvous; the agents restart the group
+    s = finish(cluster, nodes, tmp_path)
+    assert s.world_sizes == [2, 3], s.world_sizes
+    rec = s.recoveries[-1]
+    assert rec.reason.startswith("SIGTERM") and rec.lost_ranks == []
+    # SIGTERM from the agents became a checkpoint of the current step: nothing redone
+    assert rec.steps_lost == 0 and rec.restored_step == rec.last_step == JOIN_AT
+    assert s.restarts == 0  # membership changes do not use up torchrun's --max-restarts
+    check_audit(tmp_path / "audit")
+    check_loss(tmp_path, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp2_model_trains_and_resumes_on_another_world_size(tmp_path):
+    """fsdp=True: the model is sharded with fully_shard and checkpointed through
+    ckpt.ModelOptimizer; the job trained on 3 ranks continues as one plain process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=job.REPO)
+    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    args = job_args(tmp_path, sleep=0.0) + ["--fsdp"]
+    args[args.index("--every") + 1] = "4"
+    for launcher, steps in ((["-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node=3"], 8), ([], 12)):
+        cmd = [sys.executable, *launcher, job.SCRIPT, *args]
+        cmd[cmd.index("--steps") + 1] = str(steps)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    s = summary_of(tmp_path)
+    print("\n" + s.format())
+    assert (s.final_step, s.world_sizes, s.restores, s.steps_lost) == (12, [3, 1], [0, 8], 0)
+    check_audit(tmp_path / "audit", steps=12)
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())
+    assert "train" in manifest["items"] and "model" not in manifest["items"]
+    assert manifest["world_size"] == 3

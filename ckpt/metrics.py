@@ -34,9 +34,17 @@ class CheckpointMetrics:
             "last_committed_step": -1,
         }
         self.textfile = textfile
-        self._prom = _Prometheus(labels or {}, self) if (port or textfile) else None
+        self._labels = labels or {}
+        self._prom = _Prometheus(self._labels, self) if (port or textfile) else None
         if port is not None and self._prom is not None:
             self._prom.serve(port)
+
+    def prometheus_registry(self) -> Any:
+        """The prometheus_client registry holding these series, created on first use without
+        a server or textfile: for a caller that exports it beside its own series."""
+        if self._prom is None:
+            self._prom = _Prometheus(self._labels, self)
+        return self._prom.registry
 
     def _add(self, **values: float) -> None:
         with self._lock:

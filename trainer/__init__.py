@@ -3,13 +3,18 @@ elastic trainer for torchrun."""
 
 from trainer.data import ResumableSampler
 from trainer.elastic import ElasticSummary, ElasticTrainer, Recovery
+from trainer.health import HealthGuard, TrainingHealthError
 from trainer.heartbeat import Heartbeat, PeerLoss
+from trainer.metrics import TrainerMetrics
 
 __all__ = [
     "ElasticSummary",
     "ElasticTrainer",
+    "HealthGuard",
     "Heartbeat",
     "PeerLoss",
     "Recovery",
     "ResumableSampler",
+    "TrainerMetrics",
+    "TrainingHealthError",
 ]

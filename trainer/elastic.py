@@ -16,15 +16,22 @@ that contract hold:
 What happened is written to a small run directory (one JSON-lines file per rank and attempt)
 from which :meth:`ElasticTrainer.fit` derives an :class:`ElasticSummary`: world sizes,
 restarts, steps lost and the recovery timeline. See docs/elastic.md.
+
+Observability (docs/observability.md): metrics in ``trainer.metrics`` (exported with the
+checkpoint metrics on ``metrics_port``/``metrics_textfile``), one-line events on the
+``ckpt.trainer`` logger, and health guards (:mod:`trainer.health`) that roll back to the
+newest good checkpoint and skip the batch when a step's loss or gradient goes bad.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -40,10 +47,15 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
 import ckpt
+from ckpt.metrics import default_labels
 from trainer.data import ResumableSampler
+from trainer.health import HealthGuard, TrainingHealthError, Verdict
 from trainer.heartbeat import Heartbeat, PeerLoss
+from trainer.metrics import TrainerMetrics, format_event
 
 log = logging.getLogger("trainer.elastic")
+#: One ``event key=value ...`` line per event (docs/observability.md lists them).
+events = logging.getLogger("ckpt.trainer")
 
 #: Exit status of a worker that gave up on its process group (a peer was lost, a collective
 #: failed or timed out): any non-zero status makes torchrun restart the group.
@@ -153,6 +165,8 @@ class ElasticSummary:
     step_s: float | None             # median time of one step (this attempt)
     final_loss: float | None
     run_dir: str | None = None
+    rollbacks: int = 0               # health-guard rollbacks, all attempts
+    skipped_batches: int = 0         # distinct global batches skipped by them
 
     @property
     def lost_fraction(self) -> float:
@@ -191,7 +205,9 @@ class ElasticSummary:
                  f"({100 * self.lost_fraction:.1f}%)"
                  + (f", step {self.step_s * 1e3:.0f} ms" if self.step_s else "")
                  + (f", final loss {self.final_loss:.4f}" if self.final_loss is not None
-                    else "")]
+                    else "")
+                 + (f", {self.rollbacks} rollback(s), {self.skipped_batches} batch(es) "
+                    "skipped" if self.rollbacks or self.skipped_batches else "")]
         for r in self.recoveries:
             lines.append(
                 f"  attempt {r.attempt} ended ({r.reason}; lost ranks {r.lost_ranks}) at "
@@ -315,6 +331,20 @@ class _JsonLines:
             self._f.close()
 
 
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one record to a JSON-lines file (opened and closed for it: rare events)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def _json_float(value: float | None) -> float | str | None:
+    """A float for JSON: NaN and infinities as the strings "nan", "inf", "-inf"."""
+    if value is None or math.isfinite(value):
+        return value
+    return str(float(value))
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Records of a JSON-lines file; a torn last line (the writer was killed) is skipped."""
     out = []
@@ -333,11 +363,14 @@ def read_audit(audit_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
     A step trained again after a failure (it came after the checkpoint the job resumed
     from) appears in several attempts; the newest attempt's records are the ones whose
     state survived. Returns ``{step: {"attempt", "world", "ranks": {rank: indices},
-    "micro": {rank: [sizes]}}}``.
+    "micro": {rank: [sizes]}}}``. Batches skipped by the health guards are not in it (see
+    :func:`read_skips`).
     """
     best: dict[int, dict[str, Any]] = {}
     for path in sorted(Path(audit_dir).glob("audit-*.jsonl")):
         for r in read_jsonl(path):
+            if r.get("skipped"):
+                continue
             step, attempt = r["step"], r["attempt"]
             cur = best.get(step)
             if cur is None or attempt > cur["attempt"]:
@@ -347,6 +380,15 @@ def read_audit(audit_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
                 cur["ranks"][r["rank"]] = r["indices"]
                 cur["micro"][r["rank"]] = r["micro"]
     return dict(sorted(best.items()))
+
+
+def read_skips(audit_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The audit log's records of skipped batches: ``{"step", "attempt", "rank", "world",
+    "offset", "indices", "skipped": True}``, one per rank and skip, oldest first."""
+    out = []
+    for path in sorted(Path(audit_dir).glob("audit-*.jsonl")):
+        out.extend(r for r in read_jsonl(path) if r.get("skipped"))
+    return sorted(out, key=lambda r: (r["attempt"], r["step"], r["rank"]))
 
 
 # ------------------------------------------------------------------------------- the trainer
@@ -394,6 +436,25 @@ class ElasticTrainer:
             a clean shutdown can hang); a plain single process raises.
         device: the device to train on (default: ``cuda:LOCAL_RANK`` when CUDA is
             available, else CPU).
+        grad_scaler: a ``torch.amp.GradScaler`` for mixed precision: the loss is scaled
+            for ``backward``, the gradients are unscaled (``scaler.unscale_``) before they
+            are measured and clipped, and ``scaler.step``/``update`` replace
+            ``optimizer.step``. Its state is checkpointed (item ``"scaler"``).
+        health: the training-health guard: True (default) for a
+            :class:`trainer.health.HealthGuard` with its defaults, a configured
+            ``HealthGuard``, or False/None for none. On a bad step (a non-finite loss or
+            gradient norm, or a loss spike) every rank rolls back to the newest good
+            checkpoint, the offending global batch is skipped, and training continues;
+            past the guard's ``max_rollbacks`` it raises
+            :class:`trainer.health.TrainingHealthError`. With a guard, a fresh run saves
+            step 0 first (something to roll back to before the first checkpoint).
+        metrics_port, metrics_textfile: export ``trainer.metrics`` and the checkpoint
+            manager's metrics through prometheus_client, on this HTTP port and/or to this
+            node_exporter textfile. Rank 0 only (its values are the job's: the loss is
+            the global mean). The in-memory values (``trainer.metrics.snapshot()``) exist
+            on every rank. The HTTP server stays up until :meth:`close`.
+        log_every: log a ``train.step`` summary line every N steps on rank 0 (and write
+            the textfile); None: no step lines.
     """
 
     def __init__(self, model_fn: Callable[[], torch.nn.Module],
@@ -408,10 +469,15 @@ class ElasticTrainer:
                  collate_fn: Callable[[list[Any]], Any] | None = None,
                  max_grad_norm: float | None = None, audit_dir: str | os.PathLike | None = None,
                  run_dir: str | os.PathLike | None = None, heartbeat_interval: float = 1.0,
-                 hard_exit: bool | None = None, device: str | torch.device | None = None
-                 ) -> None:
+                 hard_exit: bool | None = None, device: str | torch.device | None = None,
+                 grad_scaler: torch.amp.GradScaler | None = None,
+                 health: HealthGuard | bool | None = True, metrics_port: int | None = None,
+                 metrics_textfile: str | os.PathLike | None = None,
+                 log_every: int | None = 10) -> None:
         if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be a positive int, not {checkpoint_every!r}")
+        if log_every is not None and (not isinstance(log_every, int) or log_every < 1):
+            raise ValueError(f"log_every must be a positive int or None, not {log_every!r}")
         options = dict(checkpoint_options or {})
         reserved = _RESERVED_OPTIONS & options.keys()
         if reserved:
@@ -457,6 +523,17 @@ class ElasticTrainer:
         self._audit: _JsonLines | None = None
         self._step = 0
         self._manager: ckpt.CheckpointManager | None = None
+        self.grad_scaler = grad_scaler
+        self.health: HealthGuard | None = (HealthGuard() if health is True
+                                           else health if isinstance(health, HealthGuard)
+                                           else None)
+        self.metrics_port = metrics_port
+        self.metrics_textfile = None if metrics_textfile is None else os.fspath(metrics_textfile)
+        self.log_every = log_every
+        self.metrics = TrainerMetrics(labels=default_labels())
+        self._skips: set[int] = set()      # data offsets of global batches to pass over
+        self._skipped_batches = 0          # of them, those behind the current data position
+        self._skips_counted: set[int] = set()  # of them, those this process passed over
 
     # -- configuration -------------------------------------------------------------------------
     def _default_run_dir(self, run_dir: str | os.PathLike | None) -> Path | None:
@@ -569,6 +646,11 @@ class ElasticTrainer:
 
     def _give_up(self, reason: str, loss: PeerLoss | None, error: BaseException | None) -> None:
         lost = loss.lost if loss else []
+        events.error(format_event(
+            "train.detect", rank=self.rank, step=self._step, reason=reason, lost=lost,
+            last_steps=[loss.last_steps.get(r) for r in lost] if loss else [],
+            error=f"{type(error).__name__}: {error}".splitlines()[0][:200] if error else None,
+            exit_status=EXIT_PEER_LOST))
         log.error("rank %d: giving up on the process group at step %d: %s%s; exiting with "
                   "status %d so torchrun restarts the workers", self.rank, self._step, reason,
                   f" - {loss.describe()}" if loss else " - no peer identified as lost",
@@ -604,6 +686,7 @@ class ElasticTrainer:
         log.info("rank %d/%d: attempt %d (torchrun restart %d), %d accumulation steps of %d",
                  self.rank, self.world_size, self.attempt, restart, self.accumulation,
                  self.micro_batch_size)
+        self._start_observing(restart)
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -615,14 +698,17 @@ class ElasticTrainer:
         except SystemExit:
             raise
         except BaseException as e:
+            reason = "unhealthy" if isinstance(e, TrainingHealthError) else "error"
             if not self.hard_exit or isinstance(e, KeyboardInterrupt) and not self.elastic:
-                self._record("failure", step=self._step, reason="error", lost=[],
+                self._record("failure", step=self._step, reason=reason, lost=[],
                              detail=f"{type(e).__name__}: {e}"[:500])
+                if self.world_size == 1:
+                    self._release()  # the root's lock: a retry in this process can open it
                 raise
             log.error("rank %d: step %d failed:\n%s", self.rank, self._step,
                       traceback.format_exc())
             if not _is_distributed_error(e):
-                self._record("failure", step=self._step, reason="error", lost=[],
+                self._record("failure", step=self._step, reason=reason, lost=[],
                              detail=f"{type(e).__name__}: {e}"[:500])
                 _flush_streams()
                 os._exit(1)  # a bug, not a lost peer; torchrun still restarts (max-restarts)
@@ -638,6 +724,33 @@ class ElasticTrainer:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
+    def _release(self) -> None:
+        """After an error in a plain process: close the manager (finishing the save in
+        flight, releasing the root's lock) and the record files; errors are ignored."""
+        if self._manager is not None:
+            with contextlib.suppress(Exception):
+                self._manager.close()
+        for f in (self._progress, self._audit):
+            if f is not None:
+                f.close()
+        with contextlib.suppress(Exception):
+            self.metrics.write_textfile()
+
+    def _start_observing(self, restart: int) -> None:
+        """Metrics export (rank 0), the start/restart events, a fresh health guard."""
+        self.metrics.started(world_size=self.world_size, attempt=self.attempt,
+                             restarts=restart)
+        if self.rank == 0:
+            self.metrics.export(port=self.metrics_port, textfile=self.metrics_textfile)
+        if self.health is not None:
+            self.health.reset()
+        fields = {"rank": self.rank, "world": self.world_size, "attempt": self.attempt,
+                  "restart_count": restart, "accumulation": self.accumulation,
+                  "micro_batch": self.micro_batch_size, "pid": os.getpid()}
+        events.info(format_event("train.start", **fields))
+        if self.attempt > 0:  # the worker group runs again: a failure, a membership change,
+            events.warning(format_event("train.restart", **fields))  # or a rerun
+
     def _start_heartbeat(self) -> None:
         if not self.distributed or self.heartbeat_timeout is None or self.world_size == 1:
             return
@@ -651,6 +764,7 @@ class ElasticTrainer:
                                     timeout=self.heartbeat_timeout,
                                     interval=self.heartbeat_interval, on_lost=self._peer_lost
                                     if self.hard_exit else None).start()
+        self.metrics.heartbeat = self._heartbeat
 
     def _build(self) -> None:
         t0 = time.time()
@@ -695,32 +809,53 @@ class ElasticTrainer:
             self.state["optim"] = self.optimizer
         if self.scheduler is not None:
             self.state["sched"] = self.scheduler
+        if self.grad_scaler is not None:
+            self.state["scaler"] = self.grad_scaler
         options = {"keep_last": 3, "commit_timeout": self.collective_timeout,
                    **self.checkpoint_options}
         self._manager = ckpt.CheckpointManager(
             self.checkpoint_root, every_steps=self.checkpoint_every, handle_sigterm=False,
             save_on_preemption=False, **options)
+        self.metrics.attach_checkpoint(self._manager.metrics)
 
     def _restore(self) -> int:
         assert self._manager is not None
         t0 = time.time()
         restored = self._manager.restore(self.state)
         start = restored or 0
+        self._skipped_batches = 0
         if restored is not None:
             meta = self.state.get("meta") or {}
-            seen = self.sampler.epoch * self.sampler.num_samples + self.sampler.consumed
-            if seen != start * self.global_batch_size:
+            self._skipped_batches = int(meta.get("skipped_batches", 0))
+            if self._data_offset() != (start + self._skipped_batches) * self.global_batch_size:
                 log.warning("rank %d: checkpoint step %d has %d samples consumed, expected "
-                            "%d x %d: was it written with another global batch size?",
-                            self.rank, start, seen, start, self.global_batch_size)
+                            "(%d + %d skipped) x %d: was it written with another global batch "
+                            "size?", self.rank, start, self._data_offset(), start,
+                            self._skipped_batches, self.global_batch_size)
             log.info("rank %d: resumed from step %d (written by attempt %s at world size %s) "
                      "in %.2fs", self.rank, start, meta.get("attempt"), meta.get("world"),
                      time.time() - t0)
+        elif self.health is not None:
+            # A rollback before the first scheduled checkpoint needs a step to go back to.
+            self.state["meta"] = self._meta(0, None)
+            self._manager.save(0, self.state, force=True)
+        self._skips = set(self._broadcast(self._recorded_skips() if self.rank == 0 else None))
         self._step = start
         self._record("restored", step=start, fresh=restored is None, seconds=time.time() - t0)
+        events.info(format_event("train.resume", rank=self.rank, step=start,
+                                 fresh=restored is None, seconds=round(time.time() - t0, 3),
+                                 known_bad_batches=len(self._skips)))
         if self._heartbeat is not None:
             self._heartbeat.update(start)
         return start
+
+    def _meta(self, step: int, loss: float | None) -> dict[str, Any]:
+        return {"step": step, "attempt": self.attempt, "world": self.world_size, "loss": loss,
+                "skipped_batches": self._skipped_batches}
+
+    def _data_offset(self) -> int:
+        """Position in the job's sample stream: samples drawn by all ranks, all epochs."""
+        return self.sampler.epoch * self.sampler.num_samples + self.sampler.consumed
 
     def _micro_batches(self, indices: list[int]) -> list[list[int]]:
         m = self.micro_batch_size
@@ -740,47 +875,52 @@ class ElasticTrainer:
         step_times: list[float] = []
         loss_value: float | None = None
         handle = None
-        for step in range(start + 1, total_steps + 1):
+        step = start
+        while step < total_steps:
+            step += 1
             t0 = time.perf_counter()
+            self._skip_known_bad(step)
+            offset = self._data_offset()
             global_indices = self.sampler.next_indices(self.global_batch_size)
             mine = ResumableSampler.rank_slice(global_indices, self.rank, self.world_size)
             micro = self._micro_batches(mine)
-            self.model.train()
-            self.optimizer.zero_grad(set_to_none=True)
-            total = torch.zeros((), device=self.device)
-            for i, idx in enumerate(micro):
-                batch = _to_device(self.collate_fn([self.dataset[j] for j in idx]), self.device)
-                with self._sync_context(i == len(micro) - 1):
-                    loss = self.step_fn(self.model, batch)
-                    (loss / len(micro)).backward()
-                total += loss.detach().float()
-            if self.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            # One small all-reduce per step: the global mean loss, and whether any rank got
-            # SIGTERM (so that all ranks take the preemption checkpoint at the same step).
-            agree = torch.stack([total / len(micro),
-                                 torch.tensor(float(self._sigterm), device=self.device)])
+            loss_sum, grad_norm = self._forward_backward(micro)
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            # One small all-reduce per step, before the update: the global mean loss, whether
+            # any rank got SIGTERM (so that all ranks take the preemption checkpoint at the
+            # same step) and the gradient norm. Every rank judges the step's health from
+            # these same agreed numbers, so all of them roll back, or none.
+            agree = torch.stack([loss_sum / len(micro),
+                                 torch.tensor(float(self._sigterm), device=self.device),
+                                 grad_norm])
             if self.distributed and self.world_size > 1:
                 dist.all_reduce(agree)
-            loss_value = float(agree[0]) / self.world_size
-            preempt = bool(agree[1] > 0)
+            loss_total, sigterms, norm_total = agree.tolist()
+            loss_value = loss_total / self.world_size
+            norm_value = norm_total / self.world_size  # the same on every rank: mean = it
+            preempt = sigterms > 0
+            verdict = self._judge(step, loss_value, norm_value)
+            if verdict is not None and not verdict.ok:
+                step = self._rollback(verdict, offset, global_indices)
+                continue
+            self._optimizer_step()
             self._step = step
-            self.state["meta"] = {"step": step, "attempt": self.attempt,
-                                  "world": self.world_size, "loss": loss_value}
+            self.state["meta"] = self._meta(step, loss_value)
             if self._audit is not None:
                 self._audit.write({"step": step, "attempt": self.attempt, "rank": self.rank,
                                    "world": self.world_size, "indices": mine,
                                    "micro": [len(m) for m in micro]})
-            self._record("step", step=step, loss=loss_value)
+            self._record("step", step=step, loss=loss_value, grad_norm=_json_float(norm_value))
             if self._heartbeat is not None:
                 self._heartbeat.update(step)
             handle = mgr.save(step, self.state)
             if handle is not None:
                 self._record("save", step=step)
             step_times.append(time.perf_counter() - t0)
+            self.metrics.step_done(step=step, seconds=step_times[-1], loss=loss_value,
+                                   grad_norm=norm_value, learning_rate=lr)
+            if self.log_every and (step % self.log_every == 0 or step == total_steps):
+                self._log_step(step, step_times, loss_value, norm_value, lr)
             if preempt:
                 self._preempted(step, handle)
         if handle is None and start < total_steps:
@@ -789,6 +929,145 @@ class ElasticTrainer:
         mgr.wait()
         self._record("done", step=max(start, self._step), loss=loss_value)
         return self._finish(total_steps, step_times, loss_value)
+
+    def _forward_backward(self, micro: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of one step (accumulated over the micro batches, synchronized on the
+        last); returns this rank's summed micro-batch losses and the total gradient norm
+        (unscaled first with a GradScaler, measured before clipping, clipped if asked)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        scaler = self.grad_scaler
+        total = torch.zeros((), device=self.device)
+        for i, idx in enumerate(micro):
+            batch = _to_device(self.collate_fn([self.dataset[j] for j in idx]), self.device)
+            with self._sync_context(i == len(micro) - 1):
+                loss = self.step_fn(self.model, batch)
+                part = loss / len(micro)
+                (scaler.scale(part) if scaler is not None else part).backward()
+            total += loss.detach().float()
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)  # measure and clip the true gradient
+        params = list(self.model.parameters())
+        if self.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        else:
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if hasattr(norm, "full_tensor"):  # a DTensor (FSDP2): the global norm, on every rank
+            norm = norm.full_tensor()
+        return total, norm.detach().float().to(self.device)
+
+    def _optimizer_step(self) -> None:
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self.optimizer)  # skipped when the gradient overflowed
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _judge(self, step: int, loss: float, grad_norm: float) -> Verdict | None:
+        """The health guard's verdict on the agreed loss and gradient norm (None: no guard)."""
+        if self.health is None:
+            return None
+        norm: float | None = grad_norm
+        if (self.grad_scaler is not None and self.grad_scaler.is_enabled()
+                and not math.isfinite(grad_norm)):
+            norm = None  # an overflowed scaled gradient: the scaler skips the update itself
+        return self.health.observe(step, loss, norm)
+
+    def _rollback(self, verdict: Verdict, offset: int, global_indices: list[int]) -> int:
+        """A bad step, agreed by every rank: restore the newest good checkpoint, mark the
+        step's global batch (at data ``offset``) to be skipped, return the restored step.
+
+        Raises TrainingHealthError past the guard's ``max_rollbacks``.
+        """
+        assert self.health is not None and self._manager is not None
+        t0 = time.time()
+        events.warning(format_event(
+            "train.anomaly", rank=self.rank, step=verdict.step, reason=verdict.reason,
+            loss=verdict.loss, grad_norm=verdict.grad_norm, median=verdict.median,
+            threshold=verdict.threshold))
+        try:
+            count = self.health.rollback(verdict)
+        except TrainingHealthError:
+            events.error(format_event(
+                "train.give_up", rank=self.rank, step=verdict.step, reason=verdict.reason,
+                rollbacks=len(self.health.rollbacks), max_rollbacks=self.health.max_rollbacks))
+            raise
+        if self.grad_scaler is not None:
+            self.grad_scaler.update()  # end the scaler's step (unscale_ ran); restored below
+        self.optimizer.zero_grad(set_to_none=True)
+        restored = self._manager.restore(self.state)
+        if restored is None or restored >= verdict.step:
+            raise TrainingHealthError(
+                f"{verdict.describe()}: no checkpoint before step {verdict.step} to roll "
+                f"back to (found {restored})", [*self.health.rollbacks])
+        meta = self.state.get("meta") or {}
+        self._skipped_batches = int(meta.get("skipped_batches", 0))
+        self._skips.add(offset)
+        self.health.rewind(restored)
+        self.metrics.rolled_back(restored)
+        self._step = restored
+        if self._heartbeat is not None:
+            self._heartbeat.update(restored)
+        fields = {"step": verdict.step, "reason": verdict.reason, "restored_step": restored,
+                  "rollbacks": count, "max_rollbacks": self.health.max_rollbacks,
+                  "skip_offset": offset, "skip_indices": global_indices}
+        events.warning(format_event("train.rollback", rank=self.rank, **fields,
+                                    seconds=round(time.time() - t0, 3)))
+        self._record("rollback", **fields, loss=_json_float(verdict.loss),
+                     grad_norm=_json_float(verdict.grad_norm),
+                     global_batch=self.global_batch_size, seconds=time.time() - t0)
+        if self.rank == 0 and self.run_dir is not None:
+            _append_jsonl(self.run_dir / "skips.jsonl",
+                          {"offset": offset, "global_batch": self.global_batch_size,
+                           "step": verdict.step, "attempt": self.attempt,
+                           "reason": verdict.reason, "indices": global_indices})
+        self.metrics.write_textfile()
+        return restored
+
+    def _skip_known_bad(self, step: int) -> None:
+        """Pass over the global batches marked bad (by a rollback of this or an earlier
+        attempt) that are next in the data order; ``step`` then trains the next one."""
+        while self._skips and self._data_offset() in self._skips:
+            offset = self._data_offset()
+            skipped = self.sampler.next_indices(self.global_batch_size)
+            mine = ResumableSampler.rank_slice(skipped, self.rank, self.world_size)
+            self._skipped_batches += 1
+            if offset not in self._skips_counted:  # passed over again after a rollback: once
+                self._skips_counted.add(offset)
+                self.metrics.skipped(1)
+            events.warning(format_event("train.skip", rank=self.rank, step=step, offset=offset,
+                                        indices=skipped))
+            self._record("skip", step=step, offset=offset, indices=skipped)
+            if self._audit is not None:
+                self._audit.write({"step": step, "attempt": self.attempt, "rank": self.rank,
+                                   "world": self.world_size, "offset": offset,
+                                   "indices": mine, "skipped": True})
+
+    def _recorded_skips(self) -> list[int]:
+        """Data offsets of the batches earlier rollbacks of this job skipped (run_dir)."""
+        path = None if self.run_dir is None else self.run_dir / "skips.jsonl"
+        if path is None or not path.is_file():
+            return []
+        return sorted({int(r["offset"]) for r in read_jsonl(path)
+                       if r.get("global_batch") == self.global_batch_size})
+
+    def _log_step(self, step: int, step_times: list[float], loss: float, grad_norm: float,
+                  lr: float) -> None:
+        """A ``train.step`` summary (rank 0), and the metrics textfile."""
+        if self.rank != 0:
+            return
+        recent = step_times[-self.log_every:] if self.log_every else step_times[-1:]
+        snap = self.metrics.snapshot()
+        events.info(format_event(
+            "train.step", step=step, loss=loss, grad_norm=grad_norm, lr=lr,
+            step_s=sum(recent) / len(recent), world=self.world_size,
+            heartbeat_age_s=snap["heartbeat_age_seconds"],
+            rollbacks=int(snap["rollbacks_total"]),
+            skipped_batches=int(snap["skipped_batches_total"])))
+        self.metrics.write_textfile()
 
     def _preempted(self, step: int, handle: Any) -> None:
         """Every rank agreed that one of them got SIGTERM: checkpoint this step and leave."""
@@ -803,6 +1082,10 @@ class ElasticTrainer:
         log.warning("rank %d: preemption checkpoint of step %d committed in %.2fs; exiting "
                     "with status %d", self.rank, step, time.time() - t0, EXIT_PREEMPTED)
         self._record("preempted", step=step, signalled=self._sigterm, seconds=time.time() - t0)
+        events.warning(format_event("train.preempted", rank=self.rank, step=step,
+                                    signalled=self._sigterm, seconds=round(time.time() - t0, 3),
+                                    exit_status=EXIT_PREEMPTED))
+        self.metrics.write_textfile()
         # A rank whose agent has not signalled it yet waits a little for its SIGTERM: an exit
         # before it would count as a failure (a restart used up) instead of a membership change.
         deadline = time.time() + min(10.0, self.collective_timeout)
@@ -832,6 +1115,11 @@ class ElasticTrainer:
             log.info("%s", summary.format())
         summary = self._broadcast(summary.to_dict() if summary else None)
         self.summary = ElasticSummary.from_dict(summary)
+        snap = self.metrics.snapshot()
+        events.info(format_event("train.done", rank=self.rank, step=self._step,
+                                 loss=loss_value, rollbacks=int(snap["rollbacks_total"]),
+                                 skipped_batches=int(snap["skipped_batches_total"])))
+        self.metrics.write_textfile()
         # Stop beating before anyone leaves: rank 0's process may host the store.
         if self._heartbeat is not None:
             self._heartbeat.stop(final_state="done")
@@ -846,6 +1134,11 @@ class ElasticTrainer:
             dist.destroy_process_group()
             self._owns_group = False
         return self.summary
+
+    def close(self) -> None:
+        """Stop the metrics HTTP server (it outlives :meth:`fit` so that the final values
+        can still be scraped). The in-memory metrics stay."""
+        self.metrics.close()
 
 
 # ------------------------------------------------------------------------------- the summary
@@ -869,6 +1162,8 @@ def build_summary(run_dir: str | os.PathLike | None, *, total_steps: int, final_
     for a, b in zip(attempts, attempts[1:]):
         recoveries.append(_recovery(a, b))
     steps_lost = sum(r.steps_lost or 0 for r in recoveries)
+    rollbacks = sum(a.get("rollbacks", 0) for a in attempts)
+    skipped = len(set().union(*(a.get("skipped_offsets", set()) for a in attempts)))
     start = min(a["start"] for a in attempts if a["start"] is not None)
     wall = time.time() - start
     step_time = step_s or 0.0
@@ -879,7 +1174,8 @@ def build_summary(run_dir: str | os.PathLike | None, *, total_steps: int, final_
         restores=[a["restored"] for a in attempts if a["restored"] is not None],
         steps_lost=steps_lost, recoveries=recoveries, wall_s=round(wall, 3),
         lost_s=round(lost, 3), step_s=step_s, final_loss=final_loss,
-        run_dir=None if run_dir is None else os.fspath(run_dir))
+        run_dir=None if run_dir is None else os.fspath(run_dir), rollbacks=rollbacks,
+        skipped_batches=skipped)
 
 
 def _attempt_facts(number: int, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -892,6 +1188,11 @@ def _attempt_facts(number: int, records: list[dict[str, Any]]) -> dict[str, Any]
     restored_step = restored[0]["step"] if restored else None
     first = [r["time"] for r in steps if restored_step is not None
              and r["step"] == restored_step + 1]
+
+    def most_of_one_rank(event: str) -> int:  # every rank records rollbacks and skips
+        return max(collections.Counter(r["rank"] for r in by.get(event, [])).values(),
+                   default=0)
+
     return {
         "attempt": number,
         "world": starts[0]["world"] if starts else None,
@@ -909,6 +1210,8 @@ def _attempt_facts(number: int, records: list[dict[str, Any]]) -> dict[str, Any]
         "preempted": by.get("preempted", []),
         "done": bool(by.get("done")),
         "end": max((r["time"] for r in records), default=None),
+        "rollbacks": most_of_one_rank("rollback"),
+        "skipped_offsets": {r["offset"] for r in by.get("skip", [])},
     }
 
 
@@ -951,5 +1254,5 @@ def _recovery(a: dict[str, Any], b: dict[str, Any]) -> Recovery:
 
 
 __all__ = ["EXIT_PEER_LOST", "EXIT_PREEMPTED", "ElasticSummary", "ElasticTrainer", "Recovery",
-           "build_summary", "check_world_size", "read_audit", "read_jsonl",
-           "valid_world_sizes"]
+           "TrainingHealthError", "build_summary", "check_world_size", "read_audit",
+           "read_jsonl", "read_skips", "valid_world_sizes"]

@@ -141,6 +141,13 @@ class Heartbeat:
         """Tell the peers this rank finished ``step`` (read by the next beat)."""
         self._step = step
 
+    def peer_ages(self) -> dict[int, float]:
+        """Seconds since each watched, live peer's beat last changed (this rank's clock)."""
+        now = time.monotonic()
+        with self._lock:
+            return {r: now - t for r, t in self._peer_change.items()
+                    if self._peer_info.get(r, {}).get("state", "alive") == "alive"}
+
     def stop(self, *, final_state: str = "stopped") -> None:
         """Stop both threads; peers then see ``final_state`` and stop watching this rank."""
         if self._stopping.is_set():

@@ -1,0 +1,495 @@
+"""Training-health guards, trainer metrics and structured logs (single process, CPU, fast).
+
+The trainer runs a small MLP classifier on a synthetic dataset (400 samples, global batch 8
+in micro batches of 4, checkpoint every 5 steps, 40 steps: one epoch, so every sample is
+drawn once). A sample index is "marked" in the global batch of step 13; the tests make it
+poison its batch:
+
+- NaN: the step's loss is multiplied by NaN when its micro batch holds the marked index;
+- spike: the marked sample's inputs are scaled by 1e3 and its label changed (a corrupted
+  sample: a huge but finite loss).
+
+Expected: the guard sees step 13 go bad, every rank (here the one) rolls back to step 10,
+the batch of step 13 is skipped, steps 11-12 are trained again on the same data, and the
+job reaches step 40 on the no-failure data order minus that one batch; the rollback is in
+the logs, in the metrics (scraped over HTTP or read from the textfile) and in the audit log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer import ResumableSampler
+from trainer.elastic import ElasticTrainer, read_audit, read_jsonl, read_skips
+from trainer.health import (LOSS_SPIKE, NONFINITE_GRAD_NORM, NONFINITE_LOSS, OK, HealthGuard,
+                            TrainingHealthError)
+from trainer.metrics import format_event, metric_names, parse_event
+
+N, GLOBAL, MICRO, EVERY, STEPS, SEED = 400, 8, 4, 5, 40, 0
+BAD_STEP = 13
+DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def no_failure_order(steps: int) -> list[list[int]]:
+    sampler = ResumableSampler(N, seed=SEED)
+    return [sampler.next_indices(GLOBAL) for _ in range(steps)]
+
+
+BAD_BATCH = no_failure_order(BAD_STEP)[-1]
+MARKED = BAD_BATCH[5]
+
+
+class Blobs(torch.utils.data.Dataset):
+    """(x, label, index): 8 features, 4 classes given by a fixed random linear map."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(123)
+        self.x = torch.randn(N, 8, generator=g)
+        self.y = (self.x @ torch.randn(8, 4, generator=g)).argmax(1)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+def model_fn() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def make_step_fn(mode: str | None, marked: int = MARKED):
+    def step_fn(model: torch.nn.Module, batch) -> torch.Tensor:
+        x, y, idx = batch
+        hit = idx == marked
+        if mode == "spike" and hit.any():  # a corrupted sample: scaled input, wrong label
+            x, y = x.clone(), y.clone()
+            x[hit] *= 1e3
+            y[hit] = (y[hit] + 1) % 4
+        loss = F.cross_entropy(model(x), y)
+        if mode == "nan" and hit.any():
+            loss = loss * float("nan")
+        return loss
+    return step_fn
+
+
+def trainer(tmp_path: Path, step_fn, **kw) -> ElasticTrainer:
+    options = {"checkpoint_root": tmp_path / "ckpt", "checkpoint_every": EVERY,
+               "global_batch_size": GLOBAL, "micro_batch_size": MICRO,
+               "audit_dir": tmp_path / "audit", "log_every": 5,
+               "health": HealthGuard(window=20, min_history=5)}
+    options.update(kw)
+    return ElasticTrainer(model_fn, lambda p: torch.optim.SGD(p, lr=0.1), Blobs(), step_fn,
+                          **options)
+
+
+@pytest.fixture(autouse=True)
+def plain_process(monkeypatch):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "CKPT_ELASTIC_AUDIT_DIR",
+              "CKPT_ELASTIC_RUN_DIR"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("ckpt_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return parse_metrics(r.read().decode())
+
+
+def event_lines(caplog, event: str) -> list[dict[str, str]]:
+    out = []
+    for r in caplog.records:
+        if r.name == "ckpt.trainer" and r.getMessage().startswith(event + " "):
+            out.append(parse_event(r.getMessage())[1])
+    return out
+
+
+def check_trained_order(tmp_path: Path, skipped_steps: list[int]) -> None:
+    """Steps 1..STEPS trained the no-failure batches in order, minus the skipped ones."""
+    records = read_audit(tmp_path / "audit")
+    assert sorted(records) == list(range(1, STEPS + 1))
+    order = no_failure_order(STEPS + len(skipped_steps))
+    expected = [b for k, b in enumerate(order, 1) if k not in skipped_steps]
+    assert [[i for r in sorted(rec["ranks"]) for i in rec["ranks"][r]]
+            for rec in records.values()] == expected
+
+
+# ------------------------------------------------------------------------------- the guard
+
+
+def test_guard_flags_nonfinite_loss_and_gradient():
+    g = HealthGuard(min_history=1)
+    assert g.observe(1, 2.0, 1.0).ok
+    assert g.observe(2, float("nan"), 1.0).reason == NONFINITE_LOSS
+    assert g.observe(3, float("inf"), None).reason == NONFINITE_LOSS
+    assert g.observe(4, 2.0, float("inf")).reason == NONFINITE_GRAD_NORM
+    assert g.observe(5, 2.0, None).reason == OK                  # no norm: not judged
+    assert HealthGuard(check_grad_norm=False).observe(1, 2.0, float("nan")).ok
+    assert g.median() == 2.0                                     # bad steps never join
+
+
+def test_guard_spike_is_a_multiple_of_the_recent_median():
+    g = HealthGuard(spike_factor=3.0, window=4, min_history=3)
+    for step, loss in enumerate([10.0, 1.0, 1.2], 1):
+        assert g.observe(step, loss).ok                          # too few to judge a spike
+    v = g.observe(4, 3.7)                                        # median(10, 1, 1.2) = 1.2
+    assert not v.ok and v.reason == LOSS_SPIKE
+    assert (v.median, v.threshold) == (1.2, pytest.approx(3.6))
+    assert "loss_spike" in v.describe() and "3.7" in v.describe()
+    assert g.observe(4, 3.5).ok                                  # below 3 x 1.2
+    for step in (5, 6, 7):                                       # the window (4) slides
+        assert g.observe(step, 1.0).ok
+    assert g.median() == 1.0 and g.observe(8, 3.2).reason == LOSS_SPIKE
+    assert HealthGuard(spike_factor=None, min_history=1).observe(9, 1e9).ok
+
+
+def test_guard_rewinds_history_and_counts_rollbacks():
+    g = HealthGuard(window=10, min_history=2, max_rollbacks=2)
+    for step, loss in enumerate([1.0, 1.0, 3.0, 3.0, 3.0], 1):
+        assert g.observe(step, loss).ok
+    assert g.median() == 3.0
+    g.rewind(2)                                                  # back to step 2
+    assert g.median() == 1.0
+    bad = g.observe(3, float("nan"))
+    assert g.rollback(bad) == 1 and g.rollback(bad) == 2
+    with pytest.raises(TrainingHealthError, match="max_rollbacks=2") as err:
+        g.rollback(bad)
+    assert len(err.value.verdicts) == 3 and not isinstance(err.value, RuntimeError)
+    g.reset()
+    assert g.rollbacks == [] and g.median() is None
+
+
+@pytest.mark.parametrize("kw", [{"spike_factor": 1.0}, {"window": 0},
+                                {"window": 5, "min_history": 6}, {"max_rollbacks": -1}])
+def test_guard_refuses_bad_settings(kw):
+    with pytest.raises(ValueError):
+        HealthGuard(**kw)
+
+
+def test_event_lines_round_trip():
+    line = format_event("train.rollback", step=13, loss=float("nan"), median=1.234567891,
+                        skip_indices=[3, 17], note="two words", none=None, ok=True)
+    assert line == ('train.rollback step=13 loss=nan median=1.23457 skip_indices=3,17 '
+                    'note="two words" none=- ok=true')
+    assert parse_event(line) == ("train.rollback", {
+        "step": "13", "loss": "nan", "median": "1.23457", "skip_indices": "3,17",
+        "note": "two words", "none": "-", "ok": "true"})
+
+
+# ------------------------------------------------------------------------------- the trainer
+
+
+def test_nan_batch_rolls_back_skips_it_and_finishes(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ckpt.trainer")
+    port = free_port()
+    t = trainer(tmp_path, make_step_fn("nan"), metrics_port=port)
+    try:
+        summary = t.fit(STEPS)
+        scraped = scrape(port)
+    finally:
+        t.close()
+    assert summary.final_step == STEPS and math.isfinite(summary.final_loss)
+    assert (summary.rollbacks, summary.skipped_batches) == (1, 1)
+
+    [anomaly] = event_lines(caplog, "train.anomaly")
+    assert (anomaly["step"], anomaly["reason"], anomaly["loss"]) == ("13", NONFINITE_LOSS, "nan")
+    [rollback] = event_lines(caplog, "train.rollback")
+    assert (rollback["step"], rollback["restored_step"], rollback["rollbacks"]) == ("13", "10", "1")
+    assert rollback["skip_indices"] == ",".join(map(str, BAD_BATCH))
+    [skip] = event_lines(caplog, "train.skip")
+    assert skip["step"] == "13" and str(MARKED) in skip["indices"].split(",")
+    steps = event_lines(caplog, "train.step")
+    assert [s["step"] for s in steps][-1] == str(STEPS) and steps[-1]["rollbacks"] == "1"
+
+    assert scraped["ckpt_train_rollbacks_total"] == 1
+    assert scraped["ckpt_train_skipped_batches_total"] == 1
+    assert scraped["ckpt_train_step"] == STEPS
+    assert scraped["ckpt_train_steps_total"] == STEPS + 2            # 11 and 12 twice
+    assert math.isfinite(scraped["ckpt_train_loss"])
+    assert scraped["ckpt_train_step_seconds_count"] == STEPS + 2
+    assert scraped["ckpt_restores_total"] == 1                       # the rollback's
+    assert scraped["ckpt_last_committed_step"] == STEPS              # same port, ckpt_*
+
+    check_trained_order(tmp_path, skipped_steps=[BAD_STEP])
+    [audit_skip] = read_skips(tmp_path / "audit")
+    assert audit_skip["step"] == BAD_STEP and audit_skip["indices"] == BAD_BATCH
+    assert all(MARKED not in r["ranks"][0] for r in read_audit(tmp_path / "audit").values())
+    [record] = [r for r in read_jsonl(tmp_path / "ckpt" / ".elastic" / "attempt-0000" /
+                                      "rank-00000.jsonl") if r["event"] == "rollback"]
+    assert record["restored_step"] == 10 and record["loss"] == "nan"
+
+
+def test_loss_spike_from_a_corrupted_batch_takes_the_same_path(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ckpt.trainer")
+    textfile = tmp_path / "train.prom"
+    t = trainer(tmp_path, make_step_fn("spike"), metrics_textfile=textfile)
+    summary = t.fit(STEPS)
+    [anomaly] = event_lines(caplog, "train.anomaly")
+    assert (anomaly["step"], anomaly["reason"]) == ("13", LOSS_SPIKE)
+    assert float(anomaly["threshold"]) == pytest.approx(5 * float(anomaly["median"]), rel=1e-5)
+    assert float(anomaly["loss"]) > float(anomaly["threshold"])
+    assert math.isfinite(float(anomaly["grad_norm"]))
+    [rollback] = event_lines(caplog, "train.rollback")
+    assert rollback["restored_step"] == "10" and rollback["reason"] == LOSS_SPIKE
+    assert summary.final_step == STEPS and summary.final_loss < 5 * float(anomaly["median"])
+    written = parse_metrics(textfile.read_text())
+    assert written["ckpt_train_rollbacks_total"] == 1
+    assert written["ckpt_train_skipped_batches_total"] == 1
+    assert written["ckpt_train_step"] == STEPS
+    assert written["ckpt_saves_total"] >= 1
+    check_trained_order(tmp_path, skipped_steps=[BAD_STEP])
+
+
+def test_a_healthy_run_triggers_nothing(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ckpt.trainer")
+    port = free_port()
+    t = trainer(tmp_path, make_step_fn(None), metrics_port=port)
+    try:
+        summary = t.fit(STEPS)
+        scraped = scrape(port)
+    finally:
+        t.close()
+    assert summary.final_step == STEPS and (summary.rollbacks, summary.skipped_batches) == (0, 0)
+    for event in ("train.anomaly", "train.rollback", "train.skip", "train.give_up"):
+        assert not event_lines(caplog, event), event
+    assert [s["step"] for s in event_lines(caplog, "train.step")] == [
+        str(s) for s in range(5, STEPS + 1, 5)]
+    assert scraped["ckpt_train_rollbacks_total"] == 0
+    assert scraped["ckpt_train_skipped_batches_total"] == 0
+    assert scraped["ckpt_train_steps_total"] == STEPS
+    assert scraped["ckpt_train_world_size"] == 1
+    assert scraped["ckpt_train_restarts_total"] == 0
+    assert scraped["ckpt_train_heartbeat_age_seconds"] == 0         # no peers
+    assert scraped["ckpt_train_learning_rate"] == pytest.approx(0.1)
+    assert scraped["ckpt_train_grad_norm"] == pytest.approx(t.metrics.snapshot()["grad_norm"])
+    assert scraped["ckpt_saves_total"] == STEPS // EVERY + 1        # with step 0
+    check_trained_order(tmp_path, skipped_steps=[])
+    assert read_skips(tmp_path / "audit") == []
+
+    # Every series the example dashboard queries is one this run exported.
+    exprs = [target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"]
+             for target in panel.get("targets", [])]
+    used = {m for e in exprs for m in re.findall(r"\bckpt_[a-z_]+\b", e)}
+    exported = {n.split("{", 1)[0] for n in scraped}
+    assert len(used) >= 15 and used <= exported, used - exported
+    assert set(metric_names()) <= exported
+
+
+def test_persistent_failure_gives_up_after_max_rollbacks(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="ckpt.trainer")
+    holder: list[ElasticTrainer] = []
+
+    def diverged(model, batch):  # from step 7 on every batch fails: not a bad batch
+        loss = make_step_fn(None)(model, batch)
+        return loss * float("nan") if holder[0].step >= 6 else loss
+
+    t = trainer(tmp_path, diverged, health=HealthGuard(max_rollbacks=2))
+    holder.append(t)
+    with pytest.raises(TrainingHealthError, match=r"more than max_rollbacks=2") as err:
+        t.fit(STEPS)
+    assert "step 7: nonfinite_loss" in str(err.value)
+    assert len(event_lines(caplog, "train.rollback")) == 2
+    # Two different batches were marked bad; the second rollback passes over both again.
+    offsets = [int(e["offset"]) for e in event_lines(caplog, "train.skip")]
+    assert offsets == [48, 48, 56] == [6 * GLOBAL, 6 * GLOBAL, 7 * GLOBAL]
+    assert t.metrics.snapshot()["skipped_batches_total"] == 2
+    [give_up] = event_lines(caplog, "train.give_up")
+    assert give_up["rollbacks"] == "2" and give_up["max_rollbacks"] == "2"
+    assert t.metrics.snapshot()["rollbacks_total"] == 2
+    failures = [r for r in read_jsonl(tmp_path / "ckpt" / ".elastic" / "attempt-0000" /
+                                      "rank-00000.jsonl") if r["event"] == "failure"]
+    assert [f["reason"] for f in failures] == ["unhealthy"]
+
+
+def test_a_restart_skips_the_batches_earlier_rollbacks_skipped(tmp_path, caplog):
+    """A crash after the rollback, before the next checkpoint: the next run resumes from the
+    checkpoint before the bad batch and passes over it without a new rollback."""
+    caplog.set_level(logging.INFO, logger="ckpt.trainer")
+    holder: list[ElasticTrainer] = []
+    nan_step = make_step_fn("nan")
+
+    def crash_at_14(model, batch):
+        if holder and holder[0].step == BAD_STEP:
+            raise ValueError("the node went away")
+        return nan_step(model, batch)
+
+    first = trainer(tmp_path, crash_at_14)
+    holder.append(first)
+    with pytest.raises(ValueError, match="went away"):
+        first.fit(STEPS)
+    assert first.metrics.snapshot()["rollbacks_total"] == 1
+    caplog.clear()
+    second = trainer(tmp_path, nan_step)
+    summary = second.fit(STEPS)
+    assert summary.restores == [0, 10] and summary.final_step == STEPS
+    [resume] = event_lines(caplog, "train.resume")
+    assert (resume["step"], resume["known_bad_batches"]) == ("10", "1")
+    assert not event_lines(caplog, "train.rollback")
+    assert [s["step"] for s in event_lines(caplog, "train.skip")] == [str(BAD_STEP)]
+    assert second.metrics.snapshot()["skipped_batches_total"] == 1
+    check_trained_order(tmp_path, skipped_steps=[BAD_STEP])
+
+
+def test_grad_scaler_gradients_are_unscaled_before_clipping(tmp_path):
+    """With a GradScaler the measured (and clipped) norm is the true one: the same run with
+    and without a scaler (a power-of-two scale: exact) takes the same steps."""
+    norms = {}
+    for name, scaler in (("plain", None), ("scaled", torch.amp.GradScaler(
+            "cpu", init_scale=2.0 ** 12))):
+        t = trainer(tmp_path / name, make_step_fn(None), grad_scaler=scaler,
+                    max_grad_norm=0.5, run_dir=tmp_path / name / "run")
+        summary = t.fit(10)
+        norms[name] = [r["grad_norm"] for r in read_jsonl(
+            tmp_path / name / "run" / "attempt-0000" / "rank-00000.jsonl")
+            if r["event"] == "step"]
+        norms[name + " loss"] = summary.final_loss
+    assert len(norms["plain"]) == 10 and max(norms["plain"]) > 0.5  # clipping was active
+    assert norms["scaled"] == pytest.approx(norms["plain"], rel=1e-5)
+    assert norms["scaled loss"] == pytest.approx(norms["plain loss"], rel=1e-5)
+    manifest = json.loads((tmp_path / "scaled" / "ckpt" / "step-00000010" /
+                           "manifest.json").read_text())
+    assert "scaler" in manifest["items"]
+
+
+def test_heartbeat_age_is_the_slowest_live_peers_silence():
+    """ckpt_train_heartbeat_age_seconds: small while peers beat (a peer that finished
+    cleanly does not count), growing once one goes silent (hung)."""
+    import time
+
+    import torch.distributed as dist
+
+    from trainer.heartbeat import Heartbeat
+    from trainer.metrics import TrainerMetrics, slowest_peer_age
+
+    assert slowest_peer_age(None) == 0.0
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    beats = [Heartbeat(dist.PrefixStore("hb", store), r, 3, timeout=5.0, interval=0.05).start()
+             for r in range(3)]
+    metrics = TrainerMetrics()
+    metrics.heartbeat = beats[0]
+    try:
+        time.sleep(0.4)
+        assert metrics.snapshot()["heartbeat_age_seconds"] < 0.6
+        beats[2].stop(final_state="done")     # rank 2 finished: not a lost peer
+        time.sleep(0.6)
+        assert metrics.snapshot()["heartbeat_age_seconds"] < 0.6
+        beats[1]._stopping.set()              # rank 1 hangs: its beat stops changing
+        time.sleep(1.5)                       # (it may still send the beat in progress)
+        assert 1.0 <= metrics.snapshot()["heartbeat_age_seconds"] < 5.0
+    finally:
+        for b in beats:
+            b.stop()
+
+
+def test_rollback_with_a_grad_scaler(tmp_path):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    t = trainer(tmp_path, make_step_fn("nan"), grad_scaler=scaler)
+    summary = t.fit(20)
+    assert (summary.final_step, summary.rollbacks, summary.skipped_batches) == (20, 1, 1)
+    assert math.isfinite(summary.final_loss) and scaler.get_scale() == 2.0 ** 10
+
+
+def test_overflowing_scaled_gradients_are_left_to_the_scaler(tmp_path, caplog):
+    """In the first 3 steps a term adds 1e35 to every gradient (the loss is unchanged):
+    scaled by 2**16 it overflows. The scaler skips those updates and backs off to 2**13;
+    that is the scaler's business, not a reason to roll back."""
+    caplog.set_level(logging.INFO, logger="ckpt.trainer")
+    holder: list[ElasticTrainer] = []
+    plain = make_step_fn(None)
+
+    def overflowing(model, batch):
+        loss = plain(model, batch)
+        if holder[0].step < 3:
+            w = model[0].weight
+            loss = loss + 1e35 * (w.sum() - w.sum().detach())
+        return loss
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    t = trainer(tmp_path, overflowing, grad_scaler=scaler, run_dir=tmp_path / "run")
+    holder.append(t)
+    summary = t.fit(10)
+    norms = [r["grad_norm"] for r in read_jsonl(tmp_path / "run" / "attempt-0000" /
+                                                "rank-00000.jsonl") if r["event"] == "step"]
+    assert all(n in ("inf", "nan") for n in norms[:3]), norms
+    assert all(isinstance(n, float) and n < 100 for n in norms[3:]), norms
+    assert summary.rollbacks == 0 and not event_lines(caplog, "train.anomaly")
+    assert summary.final_step == 10 and scaler.get_scale() == 2.0 ** 13
+
+
+# ------------------------------------------------------------------------------- two ranks
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan(tmp_path, wrap):
+    """torchrun, 2 ranks: the marked sample is in rank 1's half of the batch, so only rank 1
+    computes a NaN loss. Both ranks roll back to step 10 and skip the same batch."""
+    assert BAD_BATCH.index(MARKED) >= GLOBAL // 2  # rank 1's share
+    repo = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
+    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", __file__, str(tmp_path), wrap]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    summary = json.loads(next(line for line in proc.stdout.splitlines()
+                              if line.startswith("SUMMARY "))[len("SUMMARY "):])
+    assert (summary["final_step"], summary["rollbacks"], summary["skipped_batches"]) == (
+        STEPS, 1, 1)
+    assert summary["world_sizes"] == [2] and math.isfinite(summary["final_loss"])
+    for rank in (0, 1):
+        [rb] = [r for r in read_jsonl(tmp_path / "ckpt" / ".elastic" / "attempt-0000" /
+                                      f"rank-{rank:05d}.jsonl") if r["event"] == "rollback"]
+        assert (rb["step"], rb["restored_step"], rb["skip_indices"]) == (13, 10, BAD_BATCH)
+    assert {r["rank"] for r in read_skips(tmp_path / "audit")} == {0, 1}
+    check_trained_order(tmp_path, skipped_steps=[BAD_STEP])
+
+
+def _worker(argv: list[str]) -> None:
+    """The torchrun worker of the two-rank test: ``test_health.py TMP ddp|fsdp``."""
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"[rank {os.environ.get('RANK')}] %(name)s %(message)s")
+    t = trainer(Path(argv[0]), make_step_fn("nan"), fsdp=argv[1] == "fsdp",
+                heartbeat_timeout=10.0, collective_timeout=30.0)
+    summary = t.fit(STEPS)
+    if t.rank == 0:
+        print("SUMMARY " + json.dumps(summary.to_dict()), flush=True)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

@@ -1,0 +1,224 @@
+"""Run the benchmark scripts and write docs/benchmarks.md with their tables and PNG plots.
+
+Each script prints markdown tables; this keeps each script's output verbatim (saved under
+bench-out/results/ so ``--reuse`` re-renders without re-running), parses the tables it
+plots, and draws with matplotlib (a benchmark-only dependency, the ``bench`` extra):
+
+* blocking time vs state size: ckpt ``save()`` (async), DCP ``async_save`` and the copy
+  floor from bench_async, beside ``torch.save`` (which blocks for the whole save) from
+  bench_save_load;
+* bytes written per save, full vs incremental, from bench_incremental;
+* the recovery timeline of the elastic kill test, from bench_elastic.
+
+Run from the repository root::
+
+    python benchmarks/report.py [--quick] [--reuse] [--only async,incremental]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+RESULTS = os.path.join(common.REPO_ROOT, "bench-out", "results")
+DOC = os.path.join(common.REPO_ROOT, "docs", "benchmarks.md")
+IMG = os.path.join(common.REPO_ROOT, "docs", "img")
+
+# name -> (script, arguments for a full run, arguments for --quick)
+SCRIPTS = {
+    "save_load": ("bench_save_load.py", ["--reps", "3"], ["--sizes", "256M", "--reps", "2"]),
+    "async": ("bench_async.py", ["--reps", "4"], ["--sizes", "256M", "--shapes", "many",
+                                                   "--reps", "2"]),
+    "sharded": ("bench_sharded.py", ["--sizes", "256M", "--reps", "3"],
+                ["--sizes", "128M", "--reps", "1"]),
+    "incremental": ("bench_incremental.py", ["--reps", "3"], ["--reps", "1"]),
+    "storage": ("bench_storage.py", [], ["--reps", "1"]),
+    "verify": ("bench_verify.py", [], []),
+    "elastic": ("bench_elastic.py", [], []),
+}
+TITLES = {
+    "save_load": "Save and load throughput (Foundation issue)",
+    "async": "Asynchronous save: blocking time, memory, step slowdown (Async issue)",
+    "sharded": "Sharded save/load and resharding (Sharded issue)",
+    "incremental": "Incremental saves and compression (Incremental issue)",
+    "storage": "Storage backends: S3 (moto) against DCP, tensorstore against POSIX",
+    "verify": "Verification throughput (Verification issue)",
+    "elastic": "Elastic recovery timeline (Elastic issue)",
+}
+
+
+def run(name: str, quick: bool) -> str:
+    script, full, short = SCRIPTS[name]
+    cmd = [sys.executable, os.path.join(common.REPO_ROOT, "benchmarks", script)]
+    cmd += short if quick else full
+    print(f"running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    t0 = time.time()
+    out = subprocess.run(cmd, cwd=common.REPO_ROOT, capture_output=True, text=True)
+    text = out.stdout
+    if out.returncode != 0:
+        text += f"\n\n(exited {out.returncode}; stderr tail)\n\n```\n{out.stderr[-3000:]}\n```\n"
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
+        f.write(text)
+    print(f"  {name}: {time.time() - t0:.0f} s", file=sys.stderr)
+    return text
+
+
+def tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(nearest heading above, header cells, rows) of every markdown table in ``text``."""
+    found, heading, lines = [], "", text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        if line.startswith("|") and i + 1 < len(lines) and re.match(r"^\|[-| ]+\|$",
+                                                                   lines[i + 1]):
+            header = [c.strip() for c in line.strip("|").split("|")]
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append([c.strip() for c in lines[i].strip("|").split("|")])
+                i += 1
+            found.append((heading, header, rows))
+            continue
+        i += 1
+    return found
+
+
+def _mib(heading: str) -> float | None:
+    m = re.search(r"([\d.]+) (MiB|GiB)", heading)
+    return float(m.group(1)) * (1024 if m.group(2) == "GiB" else 1) if m else None
+
+
+def plot_blocking(async_text: str, save_text: str) -> str | None:
+    """Blocking ms vs state size, log-log, one line per method."""
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[float, float]] = {}
+    for heading, header, rows in tables(async_text):
+        if not heading.startswith("Blocking time") or "steady median ms" not in header:
+            continue
+        size, col = _mib(heading), header.index("steady median ms")
+        for r in rows:
+            series.setdefault(r[0], {})[size] = float(r[col])
+    for heading, header, rows in tables(save_text):
+        if heading.startswith("Save:") and "median s" in header:
+            for r in rows:
+                if r[0].startswith("torch.save"):
+                    series.setdefault("torch.save (sync: blocks throughout)", {})[
+                        _mib(heading)] = float(r[header.index("median s")]) * 1e3
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, points in sorted(series.items()):
+        xs = sorted(k for k in points if k)
+        ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+    ax.set(xscale="log", yscale="log", xlabel="state size (MiB)",
+           ylabel="time save() blocks training (ms)", title="Blocking time vs state size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, "blocking.png")
+
+
+def plot_incremental(text: str) -> str | None:
+    import matplotlib.pyplot as plt
+
+    for heading, header, rows in tables(text):
+        if heading.startswith("Incremental") and "MiB written" in header:
+            col = header.index("MiB written")
+            labels = sorted({r[0] for r in rows}, key=lambda s: float(s.rstrip("%")))
+            full = [float(next(r[col] for r in rows if r[0] == u and r[1] == "full"))
+                    for u in labels]
+            inc = [float(next(r[col] for r in rows if r[0] == u and r[1] == "incremental"))
+                   for u in labels]
+            fig, ax = plt.subplots(figsize=(6, 3.8))
+            xs = range(len(labels))
+            ax.bar([x - 0.2 for x in xs], full, 0.4, label="full save")
+            ax.bar([x + 0.2 for x in xs], inc, 0.4, label="incremental save")
+            ax.set_xticks(list(xs), [f"{u} unchanged" for u in labels])
+            ax.set(ylabel="MiB written per save", title=heading, ylim=(0, max(full) * 1.3))
+            ax.legend(loc="upper center", ncol=2, fontsize=8)
+            return _save(fig, "incremental.png")
+    return None
+
+
+def plot_recovery(text: str) -> str | None:
+    import matplotlib.pyplot as plt
+
+    events = []
+    capture = False
+    for line in text.splitlines():
+        if line.startswith("recovery timeline"):
+            capture = True
+            continue
+        if capture:
+            m = re.match(r"^\s+(.+?)\s{2,}([\d.]+)", line)
+            if not m:
+                break
+            events.append((m.group(1), float(m.group(2))))
+    if not events:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    names = [e[0] for e in events][::-1]
+    ax.barh(names, [e[1] for e in events][::-1])
+    ax.set(xlabel="seconds after the node was killed", title="Elastic recovery timeline")
+    ax.tick_params(axis="y", labelsize=8)
+    return _save(fig, "recovery.png")
+
+
+def _save(fig, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    os.makedirs(IMG, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(os.path.join(IMG, name), dpi=110)
+    plt.close(fig)
+    return f"img/{name}"
+
+
+def main() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser.add_argument("--reuse", action="store_true",
+                        help="re-render from bench-out/results/ without running")
+    parser.add_argument("--only", default="", help="comma-separated subset of scripts to run")
+    args = parser.parse_args()
+    only = [n for n in args.only.split(",") if n] or list(SCRIPTS)
+    outputs = {}
+    for name in SCRIPTS:
+        saved = os.path.join(RESULTS, f"{name}.md")
+        if name in only and not args.reuse:
+            outputs[name] = run(name, args.quick)
+        elif os.path.exists(saved):
+            with open(saved) as f:
+                outputs[name] = f.read()
+    plots = [p for p in (
+        plot_blocking(outputs.get("async", ""), outputs.get("save_load", "")),
+        plot_incremental(outputs.get("incremental", "")),
+        plot_recovery(outputs.get("elastic", ""))) if p]
+    parts = ["# Benchmarks", "",
+             "Written by `python benchmarks/report.py` (which runs every `benchmarks/bench_*.py`).",
+             f"Machine: {common.machine_description()}. Disk and CPUs are shared and noisy:",
+             "compare ratios measured side by side in one run, not numbers across sections.",
+             "See docs/benchmark-notes.md for the reading of each goal.", ""]
+    parts += [f"![{p}]({p})" for p in plots] + [""]
+    for name, text in outputs.items():
+        parts += [f"## {TITLES[name]}", "", text.strip(), ""]
+    with open(DOC, "w") as f:
+        f.write("\n".join(parts) + "\n")
+    print(f"wrote {DOC} with {len(plots)} plots", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -212,55 +212,6 @@ class _Export:
         self.checkpoint.source = cm.prometheus_registry()
 
     def write_textfile(self) -> None:
-        """Write the textfile now (atomically: a temporary file, then a rename)."""
-        if self._export is not None and self._export.textfile:
-            self._export.write_textfile()
-
-    def close(self) -> None:
-        """Stop the HTTP server, if any (the in-memory values stay)."""
-        if self._export is not None:
-            self._export.close()
-
-
-class _Export:
-    """The prometheus_client side: one private registry for the trainer's and the
-    checkpoint manager's series."""
-
-    def __init__(self, metrics: TrainerMetrics, textfile: str | None) -> None:
-        try:
-            import prometheus_client as pc
-        except ImportError as e:
-            raise ImportError("metrics_port/metrics_textfile need prometheus_client: "
-                              "pip install 'ckpt[metrics]'") from e
-        self.pc = pc
-        self.textfile = textfile
-        self.registry = pc.CollectorRegistry()
-        labels = metrics.labels
-        hist = pc.Histogram("ckpt_train_step_seconds", "Wall time of one training step",
-                            list(labels), registry=self.registry, buckets=STEP_BUCKETS)
-        self.step_seconds = hist.labels(**labels) if labels else hist
-        self.registry.register(_TrainCollector(metrics))
-        self.checkpoint = _Forward()
-        self.registry.register(self.checkpoint)
-        self._server: Any = None
-
-    def serve(self, port: int) -> None:
-        self._server, _ = self.pc.start_http_server(port, registry=self.registry)
-
-    def attach_checkpoint(self, cm: Any) -> None:
-        # ckpt.metrics.CheckpointMetrics builds its prometheus side (histograms and a
-        # collector, in a registry of its own) only when given a port or textfile. Build it
-        # here if needed, so that its save histograms are observed from now on, and forward
-        # that registry's series into ours. (A public way to do this in ckpt/metrics.py is
-        # described in docs/observability.md, "Sharing one registry".)
-        prom = getattr(cm, "_prom", None)
-        if prom is None:
-            from ckpt.metrics import _Prometheus, default_labels
-
-            prom = cm._prom = _Prometheus(default_labels(), cm)
-        self.checkpoint.source = prom.registry
-
-    def write_textfile(self) -> None:
         assert self.textfile
         self.pc.write_to_textfile(self.textfile, self.registry)
 

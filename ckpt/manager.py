@@ -320,6 +320,12 @@ class CheckpointManager:
         mismatch) is skipped with a warning and the one before it is tried; with ``strict``
         (or an explicit ``step``) the error is raised instead.
 
+        CPU tensors are read straight into the live tensors (no second copy) when a failure
+        would fall back to another step, which overwrites them again; so only when every
+        step fails can a digest mismatch have left tensors partly overwritten (the error
+        is raised). With ``strict`` or an explicit ``step`` the load is atomic: fresh
+        buffers first, and a failed load changes nothing.
+
         Returns:
             The restored step, or None when the root has no checkpoint yet.
 
@@ -337,7 +343,9 @@ class CheckpointManager:
         failures = []
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool:
             for s in candidates:
-                error = self._try_load(s, state, pool)
+                # In place when a failure falls back to another step (which overwrites what a
+                # half-read step left); atomic (fresh buffers) when it would be raised.
+                error = self._try_load(s, state, pool, in_place=not strict and step is None)
                 # Every rank must restore the same step: agree on this one's outcome first.
                 outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
                     _describe(error)]
@@ -371,13 +379,13 @@ class CheckpointManager:
         return None
 
     def _try_load(self, step: int, state: MutableMapping[str, Any],
-                  pool: cf.ThreadPoolExecutor) -> BaseException | None:
+                  pool: cf.ThreadPoolExecutor, *, in_place: bool) -> BaseException | None:
         location = step_dir(step)
         try:
             manifest = read_manifest(self.storage, location, step)
             check_structure(self.storage, location, manifest)
             load_step(self.storage, location, manifest, state, rank=self.group.rank,
-                      allow_pickle=self.allow_pickle, pool=pool)
+                      allow_pickle=self.allow_pickle, pool=pool, in_place=in_place)
         except Exception as e:  # classified by _describe; re-raised by restore
             return e
         self._base = manifest

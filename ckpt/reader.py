@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
-from typing import Any, MutableMapping
+from typing import Any, Callable, MutableMapping
 
 import torch
 
@@ -30,7 +30,7 @@ from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, 
 def _live_state(state: MutableMapping[str, Any], rank: int) -> FlatState:
     """Flatten what the live state holds now, for validation and as read destinations."""
     live = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) or is_stateful(v)}
-    flat = flatten(live, allow_pickle=True, rank=rank)
+    flat = flatten(live, allow_pickle=True, rank=rank, keep_vars=True)
     for k in state:
         if k not in live:
             flat.items[k] = {"kind": "value", "tree": None}
@@ -70,19 +70,17 @@ def _rows_of(dest_box: Box, chunk: Chunk) -> bool:
             and chunk.offsets[0] + chunk.shape[0] <= offsets[0] + shape[0])
 
 
-def read_box(storage: Storage, location: str, manifest: Manifest, key: str, dest: torch.Tensor,
-             dest_box: Box, pool: cf.ThreadPoolExecutor | None, verify: bool = True) -> list:
-    """Schedule (or run) the reads that fill contiguous CPU ``dest``, which holds
-    ``dest_box`` of tensor ``key``; returns futures to wait on (empty without a pool)."""
+ReadJob = tuple[str, int, Callable[[], None]]  # (file path, start, read that fills dest)
+
+
+def box_reads(storage: Storage, location: str, manifest: Manifest, key: str,
+              dest: torch.Tensor, dest_box: Box, verify: bool = True) -> list[ReadJob]:
+    """The reads that fill contiguous CPU ``dest``, which holds ``dest_box`` of ``key``:
+    one per overlapping chunk, tagged with its file and offset so a caller can order them."""
     entry = manifest.tensors[key]
     row = math.prod(dest.shape[1:])
 
-    def one(chunk: Chunk) -> None:
-        overlap = intersect((chunk.offsets, chunk.shape), dest_box)
-        if overlap is None and entry.shape and chunk.numel:
-            return
-        if chunk.numel == 0:
-            return
+    def one(chunk: Chunk, overlap: Box) -> None:
         if _rows_of(dest_box, chunk):
             start = (chunk.offsets[0] - dest_box[0][0]) * row if entry.shape else 0
             out = dest.reshape(-1)[start:start + chunk.numel].view(chunk.shape)
@@ -93,21 +91,49 @@ def read_box(storage: Storage, location: str, manifest: Manifest, key: str, dest
             dest[sub_slices(dest_box, overlap)].copy_(
                 tmp[sub_slices((chunk.offsets, chunk.shape), overlap)])
 
-    if pool is None:
-        for c in entry.chunks:
-            one(c)
-        return []
-    return [pool.submit(one, c) for c in entry.chunks]
+    jobs = []
+    for chunk in entry.chunks:
+        overlap = intersect((chunk.offsets, chunk.shape), dest_box) if entry.shape else (
+            (), ())
+        if chunk.numel and overlap is not None:
+            jobs.append((chunk_path(location, chunk), chunk.start,
+                         lambda c=chunk, o=overlap: one(c, o)))
+    return jobs
+
+
+def run_reads(jobs: list[ReadJob], pool: cf.ThreadPoolExecutor | None) -> None:
+    """Run reads file by file, each file's in offset order (sequential reads, which the
+    kernel's readahead serves best), files in parallel on ``pool``."""
+    by_file: dict[str, list[ReadJob]] = {}
+    for job in jobs:
+        by_file.setdefault(job[0], []).append(job)
+
+    def read_file(file_jobs: list[ReadJob]) -> None:
+        for _, _, read in sorted(file_jobs, key=lambda j: j[1]):
+            read()
+
+    if pool is None or len(by_file) < 2:
+        for file_jobs in by_file.values():
+            read_file(file_jobs)
+        return
+    for future in [pool.submit(read_file, f) for f in by_file.values()]:
+        future.result()
 
 
 def load_step(storage: Storage, location: str, manifest: Manifest,
               state: MutableMapping[str, Any], *, rank: int = 0, allow_pickle: bool = False,
-              verify: bool = True, pool: cf.ThreadPoolExecutor | None = None) -> None:
+              verify: bool = True, pool: cf.ThreadPoolExecutor | None = None,
+              in_place: bool = False) -> None:
     """Load ``manifest``'s step into this rank's ``state`` (see the module docstring).
 
-    Everything is read into fresh host buffers and checked first; the live state changes
-    only once every chunk passed its digest and every value decoded, through
-    ``load_state_dict`` (which copies, so the buffers cost host memory, not time).
+    By default everything is read into fresh host buffers and checked first; the live state
+    changes only once every chunk passed its digest and every value decoded, through
+    ``load_state_dict``. With ``in_place``, tensors that are CPU, contiguous and of the
+    saved dtype and shape are read straight into their memory (no second copy, no second
+    buffer): a digest mismatch then leaves them partly overwritten — right for a restore
+    that falls back to another step (which overwrites them again), not for a one-off load.
+    Everything that can be checked without the data (manifest, files, keys, shapes, dtypes,
+    parameter groups, pickle) is still checked before the first byte is read.
     """
     src = source_rank(rank, manifest.world_size)
     live = _live_state(state, src)
@@ -123,7 +149,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
             "only if you trust where it came from (nothing was loaded)", path=location)
     needed = {manifest.resolve(k) for tree in wanted.values() for k in tensor_keys(tree)}
     loaded: dict[str, torch.Tensor] = {}
-    futures: list = []
+    jobs: list[ReadJob] = []
     for key in sorted(needed):
         entry = manifest.tensors[key]
         target = live.tensors.get(key)
@@ -132,11 +158,14 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
         else:
             _, offsets, local = local_piece(target)
             box = (offsets, tuple(local.shape))
-        buf = torch.empty(box[1], dtype=entry.torch_dtype)
-        loaded[key] = buf if target is None else _like(target, buf)
-        futures += read_box(storage, location, manifest, key, buf, box, pool, verify)
-    for f in futures:
-        f.result()
+        if in_place and target is not None and _readable_in_place(target, entry):
+            buf = target
+            loaded[key] = live.originals[key]  # load_state_dict's copy_ onto itself skips
+        else:
+            buf = torch.empty(box[1], dtype=entry.torch_dtype)
+            loaded[key] = buf if target is None else _like(target, buf)
+        jobs += box_reads(storage, location, manifest, key, buf, box, verify)
+    run_reads(jobs, pool)
     for alias, target in manifest.aliases.items():
         if target in loaded:
             loaded[alias] = loaded[target]
@@ -153,6 +182,13 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
                 state[name] = value
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             raise StateMismatchError(f"'{name}'.load_state_dict refused the checkpoint: {e}") from e
+
+
+def _readable_in_place(t: torch.Tensor, entry: Any) -> bool:
+    dtensor = dtensor_type()
+    return (not (dtensor is not None and isinstance(t, dtensor)) and t.device.type == "cpu"
+            and t.is_contiguous() and t.dtype == entry.torch_dtype
+            and tuple(t.shape) == entry.shape and not t.is_conj() and not t.is_neg())
 
 
 def _like(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,9 @@ class FlatState:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     items: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The objects state_dict() returned (a module's own Parameters with keep_vars=True),
+    # so an in-place load can hand them back to load_state_dict, whose copy_ then skips.
+    originals: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class _Flattener:
@@ -66,6 +69,7 @@ class _Flattener:
         else:
             self._seen[identity] = key
             self.flat.tensors[key] = t.detach()
+            self.flat.originals[key] = t
         return {TENSOR: key}
 
     def _unique(self, key: str) -> str:
@@ -141,10 +145,12 @@ class PerRank:
         self.obj.load_state_dict(state)
 
 
-def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, rank: int = 0) -> FlatState:
+def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, rank: int = 0,
+            keep_vars: bool = False) -> FlatState:
     """Take ``state`` apart into tensors and JSON (calls ``state_dict()`` on stateful items).
 
     Tensors of per-rank items get keys under ``<item>@<rank>`` so ranks never collide.
+    ``keep_vars``: modules give their Parameters themselves, not detached views.
     """
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of items, not {type(state).__name__}")
@@ -156,11 +162,13 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, rank: int =
             f.flat.items[name] = {"kind": "tensor", "tree": f.tensor(obj, name)}
         elif is_stateful(obj):
             kind = "module" if isinstance(obj, torch.nn.Module) else "stateful"
+            sd = obj.state_dict(keep_vars=True) if keep_vars and kind == "module" else \
+                obj.state_dict()
             if is_per_rank(obj):
-                tree = f.encode(obj.state_dict(), f"{name}@{rank}")
+                tree = f.encode(sd, f"{name}@{rank}")
                 f.flat.items[name] = {"kind": kind, "per_rank": {str(rank): tree}}
             else:
-                f.flat.items[name] = {"kind": kind, "tree": f.encode(obj.state_dict(), name)}
+                f.flat.items[name] = {"kind": kind, "tree": f.encode(sd, name)}
         else:
             f.flat.items[name] = {"kind": "value", "tree": f.encode(obj, name)}
     return f.flat

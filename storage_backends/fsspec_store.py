@@ -21,7 +21,6 @@ import logging
 import random
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
@@ -361,16 +360,7 @@ class FsspecStorage(ConditionalStorage):
         if self._checked:
             return
         if self.protocol in NATIVE_CONDITIONS:
-            probe = f".ckpt-probe-{uuid.uuid4().hex}"
-            try:
-                first = self.create_only(probe, b"1")
-                second = self.create_only(probe, b"2")
-            finally:
-                self.delete(probe)
-            if first is None or second is not None:
-                raise OSError(errno.EOPNOTSUPP, f"{self.url}: the store ignored a create-only "
-                              "write (If-None-Match); ckpt's commit and lock need conditional "
-                              "writes (AWS S3, recent MinIO...)")
+            self._probe_create_only(" (If-None-Match: use AWS S3, recent MinIO...)")
         elif self.protocol not in IN_PROCESS and not self.allow_unsafe_commit:
             raise OSError(errno.EOPNOTSUPP, f"{self.url}: ckpt knows no atomic create-only "
                           f"write for {self.protocol}://, so two writers (or a retried request) "

@@ -217,6 +217,19 @@ class ConditionalStorage(Storage):
         self._committing: dict[str, str] = {}      # step -> manifest name, once commit began
         self._lease: LeaseLock | None = None
 
+    def _probe_create_only(self, hint: str) -> None:
+        """Create one object twice: a store that accepts the second create ignores the
+        condition, and ckpt's commit and lock would not be safe on it."""
+        probe = f".ckpt-probe-{uuid.uuid4().hex}"
+        try:
+            first = self.create_only(probe, b"1")
+            second = self.create_only(probe, b"2")
+        finally:
+            self.delete(probe)
+        if first is None or second is not None:
+            raise OSError(errno.EOPNOTSUPP, f"{self.url}: the store ignored a create-only "
+                          f"write{hint}; ckpt's commit and lock need conditional writes")
+
     # -- the conditional primitives -------------------------------------------------------
     @abc.abstractmethod
     def read_versioned(self, path: str) -> tuple[bytes, str] | None:

@@ -212,15 +212,7 @@ class TensorstoreStorage(ConditionalStorage):
                           "create-only writes are a HEAD then a PUT that two writers can both "
                           "pass; pass allow_unsafe_commit=True to write anyway")
         if self.local_root is None and self.conditional:
-            probe = f".ckpt-probe-{uuid.uuid4().hex}"
-            try:
-                first = self.create_only(probe, b"1")
-                second = self.create_only(probe, b"2")
-            finally:
-                self.delete(probe)
-            if first is None or second is not None:
-                raise OSError(errno.EOPNOTSUPP, f"{self.url}: the store ignored a create-only "
-                              "write; ckpt's commit and lock need conditional writes")
+            self._probe_create_only("")
         self._checked = True
 
     def _no_value_generation(self) -> bytes:

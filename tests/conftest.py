@@ -26,3 +26,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def storage_reads(monkeypatch):
+    """Every path the POSIX storage stats or reads, in order."""
+    from storage_backends import PosixStorage
+
+    seen: list[str] = []
+    for name in ("read", "read_into", "size"):
+        original = getattr(PosixStorage, name)
+
+        def spy(self, path, *args, _original=original, **kwargs):
+            seen.append(path)
+            return _original(self, path, *args, **kwargs)
+
+        monkeypatch.setattr(PosixStorage, name, spy)
+    return seen

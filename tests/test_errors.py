@@ -16,7 +16,6 @@ import torch
 
 import ckpt
 from _workers import Worker, assert_same
-from storage_backends import PosixStorage
 
 APIS = ["oneshot", "manager"]
 
@@ -214,19 +213,6 @@ def damage_manifest(step_dir: Path, kind: str) -> None:
     path.write_text(json.dumps(doc))
 
 
-@pytest.fixture
-def storage_reads(monkeypatch):
-    """Every path the POSIX storage stats or reads, in order."""
-    seen: list[str] = []
-    for name in ("read", "read_into", "size"):
-        original = getattr(PosixStorage, name)
-
-        def spy(self, path, *args, _original=original, **kwargs):
-            seen.append(path)
-            return _original(self, path, *args, **kwargs)
-
-        monkeypatch.setattr(PosixStorage, name, spy)
-    return seen
 
 
 @pytest.mark.parametrize("kind", list(MANIFEST_DAMAGE))

@@ -21,7 +21,6 @@ import ckpt
 import verify
 from _verify_workers import Net
 from ckpt.cli import main as cli_main
-from storage_backends import PosixStorage
 
 OPTIONS = ckpt.SaveOptions(chunk_bytes=4096, write_threads=2)  # several chunks and files
 FACTORY = "_verify_workers:build_net"
@@ -226,19 +225,6 @@ REJECTED = {"wrong_shape": _wrong_shape, "wrong_offset": _wrong_offset, "overlap
             "absurd_length": _absurd_length, "absurd_shape": _absurd_shape}
 
 
-@pytest.fixture
-def storage_reads(monkeypatch):
-    """Every path the POSIX storage stats or reads."""
-    seen: list[str] = []
-    for name in ("read", "read_into", "size"):
-        original = getattr(PosixStorage, name)
-
-        def spy(self, path, *args, _original=original, **kwargs):
-            seen.append(path)
-            return _original(self, path, *args, **kwargs)
-
-        monkeypatch.setattr(PosixStorage, name, spy)
-    return seen
 
 
 @pytest.mark.parametrize("kind", list(REJECTED))

@@ -200,7 +200,7 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool
                 raise UnsupportedValueError(
                     "this checkpoint holds a pickled value; load it with allow_pickle=True "
                     "only if you trust where it came from")
-            return pickle.loads(base64.b64decode(body))
+            return pickle.loads(base64.b64decode(body))  # only past the allow_pickle check
     return {k: decode(v, tensors, allow_pickle=allow_pickle) for k, v in tree.items()}
 
 

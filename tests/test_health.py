@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -32,6 +31,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _prom import free_port, parse_metrics
 from trainer import ResumableSampler
 from trainer.elastic import ElasticTrainer, read_audit, read_jsonl, read_skips
 from trainer.health import (LOSS_SPIKE, NONFINITE_GRAD_NORM, NONFINITE_LOSS, OK, HealthGuard,
@@ -107,19 +107,6 @@ def plain_process(monkeypatch):
         monkeypatch.delenv(k, raising=False)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("ckpt_") and " " in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -3,31 +3,18 @@
 from __future__ import annotations
 
 import logging
-import socket
 import urllib.request
 
 import pytest
 import torch
 
 import ckpt
+from _prom import free_port, parse_metrics
 from storage_backends import PosixStorage
 
 pytest.importorskip("prometheus_client")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def parse(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("ckpt_") and " " in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def test_metrics_scraped_over_http_match_the_saves(tmp_path):
@@ -40,7 +27,7 @@ def test_metrics_scraped_over_http_match_the_saves(tmp_path):
         with torch.no_grad():
             model.weight.add_(1)
         results.append(mgr.save(4, state, force=True).wait())
-        scraped = parse(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+        scraped = parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
                                                timeout=10).read().decode())
     assert scraped["ckpt_saves_total"] == 4
     assert scraped["ckpt_save_failures_total"] == 0
@@ -49,7 +36,7 @@ def test_metrics_scraped_over_http_match_the_saves(tmp_path):
     assert scraped["ckpt_last_committed_step"] == 4
     assert scraped["ckpt_save_blocking_seconds_count"] == 4
     assert 0 <= scraped["ckpt_newest_commit_age_seconds"] < 60
-    textfile = parse((tmp_path / "ckpt.prom").read_text())
+    textfile = parse_metrics((tmp_path / "ckpt.prom").read_text())
     assert textfile["ckpt_saves_total"] == 4
 
 

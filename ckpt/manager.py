@@ -262,6 +262,15 @@ class CheckpointManager:
             raise SystemExit(128 + self._preempted)
         return handle
 
+    def prepare(self, state: MutableMapping[str, Any]) -> None:
+        """Allocate the host staging buffers for ``state`` now (pinned for CUDA tensors), so
+        the first ``save`` blocks no longer than later ones. Writes nothing. With a process
+        group, call it on every rank (it agrees on who writes what, like a save)."""
+        self._check_writable()
+        self.wait()
+        snapshot(state, step=0, name="prepare", group=self.group, stager=self._stager,
+                 options=self.options, copy=self.async_save)
+
     def _record(self, handle: SaveHandle) -> None:
         """Metrics and a structured log line for every finished save (runs in the writer)."""
         error = handle.exception()

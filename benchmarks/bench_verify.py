@@ -3,9 +3,8 @@ forward level on the demo model.
 
 Digest: one step of ``--size`` bytes (fp32, 8 MiB chunks, two data files) is verified
 ``--reps`` times, interleaved with raw reads of the very same data files (8 MiB blocks into
-a reused buffer: one thread, and ``--threads`` threads each reading a contiguous run) and
-with ``ckpt.integrity.check_digests``, which ``ckpt verify`` used before (a fresh buffer per
-chunk; its threads read neighbouring chunks). Before every run the page cache
+a reused buffer: one thread, and ``--threads`` threads each reading a contiguous run).
+Before every run the page cache
 is dropped when this process may (root): then it is a cold read from the disk; otherwise,
 or with ``--warm``, the cache is warm and the table says so. Goal (reported, not asserted): digest >= 0.8x the
 faster raw read.
@@ -37,7 +36,6 @@ import torch  # noqa: E402
 import ckpt  # noqa: E402
 import verify  # noqa: E402
 from ckpt.format import step_dir  # noqa: E402
-from ckpt.integrity import check_digests as old_check_digests  # noqa: E402
 
 BLOCK = 8 << 20
 
@@ -95,15 +93,11 @@ def digest_rows(args: argparse.Namespace, root: str) -> tuple[list[common.Row], 
             assert report.ok, report.problems
         return fn
 
-    def former() -> None:
-        assert not old_check_digests(mgr.storage, step_dir(1), manifest)
-
     cases = [
         ("raw read, 1 thread", case(lambda: raw_read(paths, 1))),
         (f"raw read, {args.threads} threads", case(lambda: raw_read(paths, args.threads))),
         (f"verify digest, {args.threads} threads", case(ckpt_digest(args.threads))),
         ("verify digest, 1 thread", case(ckpt_digest(1))),
-        ("ckpt.integrity.check_digests, 4 threads", case(former)),
         ("verify structure", case(lambda: verify.verify_step(mgr, 1, "structure"))),
     ]
     timings = common.run_interleaved(cases, args.reps, progress="digest")

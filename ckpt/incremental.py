@@ -42,7 +42,7 @@ class GcReport:
     dry_run: bool = False
 
 
-def _step_dirs(storage: Storage) -> dict[int, bool]:
+def step_dirs(storage: Storage) -> dict[int, bool]:
     """Every step directory -> whether it is committed (has its manifest)."""
     out = {}
     for entry in storage.list():
@@ -63,7 +63,7 @@ def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = F
             unknown; nothing is deleted.
     """
     report = GcReport(dry_run=dry_run)
-    dirs = _step_dirs(storage)
+    dirs = step_dirs(storage)
     committed = sorted(s for s, has_manifest in dirs.items() if has_manifest)
     kept = [s for s in committed if keep is None or s in keep]
     referenced: set[tuple[int, str]] = set()

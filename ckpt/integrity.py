@@ -71,30 +71,3 @@ def _size_or_raise(storage: Storage, path: str, expected: int | None) -> int:
             "the file was truncated or changed", path=f"{storage.url}/{path}")
     return size
 
-
-def check_digests(storage: Storage, location: str, manifest: Manifest, *,
-                  threads: int = 4, progress=None) -> list[str]:
-    """Re-read every chunk and compare its digest; returns one message per bad chunk.
-
-    ``progress(nbytes)`` is called as chunks are checked (for a progress bar).
-    """
-    import concurrent.futures as cf
-
-    import torch
-
-    from .reader import read_chunk
-
-    def one(key: str, chunk: Chunk) -> str | None:
-        out = torch.empty(chunk.shape, dtype=manifest.tensors[key].torch_dtype)
-        try:
-            read_chunk(storage, location, key, chunk, out, verify=True)
-        except CorruptCheckpointError as e:
-            return str(e)
-        finally:
-            if progress is not None:
-                progress(chunk.length)
-        return None
-
-    jobs = [(k, c) for k, e in manifest.tensors.items() for c in e.chunks]
-    with cf.ThreadPoolExecutor(threads) as pool:
-        return [p for p in pool.map(lambda job: one(*job), jobs) if p]

@@ -19,8 +19,8 @@ from .distributed import Group
 from .engine import BackgroundWriter, SaveHandle, Stager
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      CorruptCheckpointError, StorageError)
-from .format import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
-from .incremental import chain_length, collect
+from .format import MANIFEST_NAME, Manifest, step_dir
+from .incremental import chain_length, collect, step_dirs
 from .integrity import check_structure, read_manifest
 from .metrics import CheckpointMetrics, default_labels
 from .options import SaveOptions
@@ -33,12 +33,7 @@ log = logging.getLogger("ckpt")
 
 def list_steps(storage: Storage) -> list[int]:
     """Committed steps under a root, oldest first (a step directory with its manifest)."""
-    steps = []
-    for entry in storage.list():
-        m = STEP_DIR.match(entry.name)
-        if m and entry.is_dir and storage.exists(f"{entry.name}/{MANIFEST_NAME}"):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return sorted(step for step, committed in step_dirs(storage).items() if committed)
 
 
 class CheckpointManager:

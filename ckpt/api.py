@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
+import time
 from typing import Any, MutableMapping
 
 from storage_backends import PosixStorage
@@ -41,8 +42,6 @@ class _OneShot:
 
     def submit(self, state: MutableMapping[str, Any], path: str | os.PathLike, *, step: int,
                copy: bool, options: SaveOptions, metadata: dict | None) -> SaveHandle:
-        import time
-
         storage, name = _split(path)
         if storage.exists(name):
             raise CheckpointExistsError(

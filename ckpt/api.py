@@ -13,6 +13,7 @@ from storage_backends import PosixStorage
 from .distributed import Group
 from .engine import BackgroundWriter, SaveHandle, SaveResult, Stager
 from .errors import CheckpointError
+from .gate import Gate, verify_level
 from .integrity import check_structure, read_manifest
 from .options import SaveOptions
 from .reader import load_step
@@ -100,25 +101,38 @@ def save(state: MutableMapping[str, Any], path: str | os.PathLike, *, step: int 
 
 
 def load(state: MutableMapping[str, Any], path: str | os.PathLike, *,
-         allow_pickle: bool = False, verify: bool = True, atomic: bool = True) -> int:
+         allow_pickle: bool = False, verify: bool | str = True, atomic: bool = True) -> int:
     """Load the checkpoint directory ``path`` into ``state`` in place; returns its step.
 
     Under torch.distributed each rank loads the boxes it holds (any world size).
     ``atomic=False`` reads CPU tensors straight into the live ones (half the memory traffic
     and no second buffer), at the price that a digest mismatch leaves them partly overwritten.
+    ``verify`` is ``"structure"`` (False), ``"digest"`` (True, the default) or ``"forward"``:
+    see :meth:`CheckpointManager.restore`; a failed forward check puts the models back.
 
     Raises:
         CheckpointNotFoundError: ``path`` holds no committed checkpoint.
         CorruptCheckpointError: the manifest is invalid, a file is missing or truncated, or
             (with ``verify``) a chunk's digest does not match.
+        ForwardCheckError: (``verify="forward"``) the probe's rerun failed.
         StateMismatchError: the checkpoint does not fit ``state``; nothing was changed.
     """
     full = os.path.abspath(os.fspath(path))
     storage = PosixStorage(os.path.dirname(full), create=False)
     name = os.path.basename(full)
+    gate = Gate(verify_level(verify), state)
     manifest = read_manifest(storage, name)
     check_structure(storage, name, manifest)
-    with cf.ThreadPoolExecutor(SaveOptions().write_threads) as pool:
-        load_step(storage, name, manifest, state, rank=Group().rank, allow_pickle=allow_pickle,
-                  verify=verify, pool=pool, in_place=not atomic)
+    group = Group()
+    with cf.ThreadPoolExecutor(SaveOptions().write_threads) as pool, gate:
+        try:
+            load_step(storage, name, manifest, gate.target(manifest), rank=group.rank,
+                      allow_pickle=allow_pickle, verify=gate.digests, pool=pool,
+                      in_place=not atomic)
+        except Exception:
+            gate.agree(group, False)  # ranks run the forward check all or none
+            raise
+        error = gate.check(None, manifest, group, full)
+        if error is not None:
+            raise error
     return manifest.step

@@ -6,7 +6,7 @@ import concurrent.futures as cf
 import os
 import threading
 import time
-from typing import Any, MutableMapping
+from typing import Any, MutableMapping, overload
 
 from storage_backends import PosixStorage
 
@@ -17,6 +17,7 @@ from .integrity import check_structure, read_manifest
 from .options import SaveOptions
 from .reader import load_step
 from .snapshot import snapshot
+from .structure import MapLocation, read_structure
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
@@ -99,9 +100,22 @@ def save(state: MutableMapping[str, Any], path: str | os.PathLike, *, step: int 
                             metadata=metadata).wait()
 
 
+@overload
+def load(path: str | os.PathLike, *, map_location: MapLocation = None,
+         allow_pickle: bool = False, verify: bool = True) -> dict[str, Any]: ...
+@overload
 def load(state: MutableMapping[str, Any], path: str | os.PathLike, *,
-         allow_pickle: bool = False, verify: bool = True, atomic: bool = True) -> int:
+         allow_pickle: bool = False, verify: bool = True, atomic: bool = True) -> int: ...
+
+
+def load(state: Any, path: Any = None, *, allow_pickle: bool = False, verify: bool = True,
+         atomic: bool = True, map_location: MapLocation = None) -> Any:
     """Load the checkpoint directory ``path`` into ``state`` in place; returns its step.
+
+    ``load(path)`` without a state returns the saved structure instead, like ``torch.load``:
+    a dict of the saved items, each a tensor, the value its ``state_dict()`` returned, or the
+    plain value (tensors on the CPU, or moved with ``map_location``; tied tensors stay one
+    object). Example: ``sd = ckpt.load("ckpt/one")["model"]``.
 
     Under torch.distributed each rank loads the boxes it holds (any world size).
     ``atomic=False`` reads CPU tensors straight into the live ones (half the memory traffic
@@ -112,13 +126,26 @@ def load(state: MutableMapping[str, Any], path: str | os.PathLike, *,
         CorruptCheckpointError: the manifest is invalid, a file is missing or truncated, or
             (with ``verify``) a chunk's digest does not match.
         StateMismatchError: the checkpoint does not fit ``state``; nothing was changed.
+        UnsupportedValueError: it holds pickled values and ``allow_pickle`` is False.
     """
+    template_free = path is None
+    if template_free:
+        if not isinstance(state, (str, os.PathLike)):
+            raise TypeError("ckpt.load(path) or ckpt.load(state, path): no path was given")
+        state, path = None, state
+    elif map_location is not None:
+        raise TypeError("map_location= applies to load(path) without a state; a state's "
+                        "tensors keep their own devices")
     full = os.path.abspath(os.fspath(path))
     storage = PosixStorage(os.path.dirname(full), create=False)
     name = os.path.basename(full)
     manifest = read_manifest(storage, name)
     check_structure(storage, name, manifest)
     with cf.ThreadPoolExecutor(SaveOptions().write_threads) as pool:
+        if template_free:
+            return read_structure(storage, name, manifest, rank=Group().rank,
+                                  allow_pickle=allow_pickle, verify=verify, pool=pool,
+                                  map_location=map_location)
         load_step(storage, name, manifest, state, rank=Group().rank, allow_pickle=allow_pickle,
                   verify=verify, pool=pool, in_place=not atomic)
     return manifest.step

@@ -28,6 +28,7 @@ from .options import SaveOptions
 from .probe import PROBE_ITEM, Probe
 from .reader import load_step
 from .snapshot import snapshot
+from .structure import MapLocation, read_structure
 
 log = logging.getLogger("ckpt")
 
@@ -124,6 +125,7 @@ class CheckpointManager:
         self._base: Manifest | None = None  # the newest step known good, for incremental saves
         self.backpressure_waits = 0
         self.skipped: list[tuple[int, str]] = []
+        self.loaded_step: int | None = None  # the step the last load() returned
         self._inflight: SaveHandle | None = None
         self._preempted: int | None = None
         self._closed = False
@@ -415,6 +417,59 @@ class CheckpointManager:
         if forward_error is not None:
             return forward_error
         self._base = manifest
+        return None
+
+    def load(self, step: int | None = None, *,
+             map_location: MapLocation = None) -> dict[str, Any] | None:
+        """The newest good step (or ``step``) without a template, like ``torch.load``: a
+        dict of the saved items (see :func:`ckpt.load`); ``mgr.loaded_step`` says which step.
+
+        Falls back past steps that fail validation as :meth:`restore` does (each skipped with
+        a warning, recorded in ``mgr.skipped``); an explicit ``step`` raises instead.
+
+        Returns:
+            The saved items, or None when the root has no checkpoint yet.
+
+        Raises:
+            CorruptCheckpointError: every committed step failed validation.
+            UnsupportedValueError: the step holds pickled values and the manager was not
+                opened with ``allow_pickle``.
+        """
+        if not self.read_only and not self._closed:
+            self.wait()
+        failures = []
+        with cf.ThreadPoolExecutor(self.options.write_threads) as pool:
+            for s in [step] if step is not None else list(reversed(self.steps())):
+                location, error, value = step_dir(s), None, None
+                try:
+                    manifest = read_manifest(self.storage, location, s)
+                    check_structure(self.storage, location, manifest)
+                    value = read_structure(self.storage, location, manifest,
+                                           rank=self.group.rank, allow_pickle=self.allow_pickle,
+                                           pool=pool, map_location=map_location,
+                                           skip=frozenset({PROBE_ITEM}))
+                except Exception as e:  # classified as restore does; every rank agrees
+                    error = e
+                outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
+                    _describe(error)]
+                fatal = [o[1] for o in outcomes if o and o[0] == "fatal"]
+                if error is not None and (step is not None or _describe(error)[0] == "fatal"):
+                    raise error
+                if fatal:
+                    raise CheckpointError(f"another rank failed to load step {s}: {fatal[0]}",
+                                          path=self.root)
+                bad = [o[1] for o in outcomes if o]
+                if not bad:
+                    self._base, self.loaded_step = manifest, s
+                    log.info("ckpt.load step=%d root=%s skipped=%d", s, self.root, len(failures))
+                    return value
+                log.warning("ckpt.load skipping step=%d reason=%s", s, bad[0])
+                self.skipped.append((s, bad[0]))
+                failures.append(f"step {s}: {bad[0]}")
+        if failures:
+            raise CorruptCheckpointError(
+                f"no committed step under {self.root} could be loaded; `ckpt verify --all "
+                f"{self.root}` gives details:\n  " + "\n  ".join(failures), path=self.root)
         return None
 
     # -- lifetime -----------------------------------------------------------------------------

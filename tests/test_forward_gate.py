@@ -239,3 +239,5 @@ def test_verify_takes_only_the_three_levels(tmp_path):
             mgr.restore(make_state(1), verify="full")
     with pytest.raises(ValueError, match="verify must be one of"):
         ckpt.load(make_state(1), tmp_path / "root" / "step-00000001", verify="fast")
+    with pytest.raises(ValueError, match="needs the model"):  # load(path) has no model
+        ckpt.load(tmp_path / "root" / "step-00000001", verify="forward")

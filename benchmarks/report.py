@@ -42,6 +42,7 @@ SCRIPTS = {
     "incremental": ("bench_incremental.py", ["--reps", "3"], ["--reps", "1"]),
     "storage": ("bench_storage.py", [], ["--reps", "1"]),
     "verify": ("bench_verify.py", [], []),
+    "forward_gate": ("bench_forward_gate.py", [], ["--reps", "3", "--only", "demo"]),
     "elastic": ("bench_elastic.py", [], []),
 }
 TITLES = {
@@ -51,6 +52,7 @@ TITLES = {
     "incremental": "Incremental saves and compression (Incremental issue)",
     "storage": "Storage backends: S3 (moto) against DCP, tensorstore against POSIX",
     "verify": "Verification throughput (Verification issue)",
+    "forward_gate": "Verified resume: restore verify=\"forward\" against \"digest\" (issue 19)",
     "elastic": "Elastic recovery timeline (Elastic issue)",
 }
 

@@ -466,12 +466,16 @@ def test_environment_errors_are_one_line_and_exit_2(tmp_path, capsys, monkeypatc
     # an S3 endpoint nobody listens on (the port of a socket bound but never listening)
     import socket
 
+    s3fs = pytest.importorskip("s3fs")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{s.getsockname()[1]}")
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
-        code, out, err = cli(capsys, "gc", "s3://bucket/run", "--yes")
+        try:
+            code, out, err = cli(capsys, "gc", "s3://bucket/run", "--yes")
+        finally:  # fsspec caches the file system, endpoint included: later tests need theirs
+            s3fs.S3FileSystem.clear_instance_cache()
     one_line_exit_2(code, err, "gc", "Could not connect to the endpoint URL")
 
 

@@ -191,7 +191,8 @@ def test_explorer_finds_the_manifest_written_after_the_rename(tmp_path, monkeypa
 
 
 # -- object storage: every prefix of a save's requests, each request failed or repeated ------
-@pytest.mark.parametrize("retire", [False, True], ids=["save", "save-with-retention"])
+@pytest.mark.parametrize("retire", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["save", "save-with-retention"])
 def test_object_store_save_requests_prefixes_and_faults(retire):
     from crashsim import objstore
 

@@ -103,15 +103,20 @@ def load(state: MutableMapping[str, Any], path: str | os.PathLike, *,
          allow_pickle: bool = False, verify: bool = True, atomic: bool = True) -> int:
     """Load the checkpoint directory ``path`` into ``state`` in place; returns its step.
 
-    Under torch.distributed each rank loads the boxes it holds (any world size).
-    ``atomic=False`` reads CPU tensors straight into the live ones (half the memory traffic
-    and no second buffer), at the price that a digest mismatch leaves them partly overwritten.
+    Under torch.distributed each rank loads the boxes it holds (any world size). Every
+    chunk is verified before the first live tensor is written, through a few chunk-sized
+    buffers (the extra memory does not grow with the state); the files are then read again,
+    from the page cache, straight into the tensors. ``atomic=False`` reads once, verifying
+    each chunk where it lands: a digest mismatch then raises :class:`PartialLoadError`,
+    which names the tensors it overwrote.
 
     Raises:
         CheckpointNotFoundError: ``path`` holds no committed checkpoint.
         CorruptCheckpointError: the manifest is invalid, a file is missing or truncated, or
             (with ``verify``) a chunk's digest does not match.
         StateMismatchError: the checkpoint does not fit ``state``; nothing was changed.
+        PartialLoadError: reading failed after live tensors were written (``atomic=False``,
+            or a file removed between the two reads); the message says which.
     """
     full = os.path.abspath(os.fspath(path))
     storage = PosixStorage(os.path.dirname(full), create=False)

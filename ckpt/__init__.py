@@ -4,7 +4,8 @@ from .adapters import ModelOptimizer
 from .api import CheckpointExistsError, async_save, load, save
 from .engine import SaveHandle, SaveResult
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
-                     CorruptCheckpointError, PartialLoadError, StateMismatchError,
+                     CorruptCheckpointError, ForwardCheckError, PartialLoadError,
+                     StateMismatchError,
                      StorageError, UnsupportedValueError)
 from .manager import CheckpointManager
 from .options import SaveOptions
@@ -19,6 +20,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "ForwardCheckError",
     "ModelOptimizer",
     "PartialLoadError",
     "PerRank",

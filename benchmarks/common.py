@@ -441,15 +441,19 @@ def load_average() -> str:
         return "unknown"
 
 
+CODE_DIRS = ("ckpt", "storage_backends", "benchmarks", "trainer", "verify")
+
+
 def code_version() -> str:
-    """The commit of the ckpt code measured, and whether ckpt/ or storage_backends/ differ
-    from it (so a table can be tied to the code that produced it)."""
+    """The commit of the code measured, and whether the code (CODE_DIRS) differs from it
+    (so a table can be tied to the code that produced it)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                               capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ckpt", "storage_backends"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                *CODE_DIRS],
                                cwd=REPO_ROOT, capture_output=True, text=True,
                                check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
-    return f"{head}{' + uncommitted changes in ckpt/ or storage_backends/' if dirty else ''}"
+    return f"{head}{' + uncommitted changes in ' + ', '.join(CODE_DIRS) if dirty else ''}"

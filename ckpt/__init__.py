@@ -1,5 +1,6 @@
 """ckpt: fault-tolerant checkpoints for PyTorch training."""
 
+from . import inspect
 from .adapters import ModelOptimizer
 from .api import CheckpointExistsError, async_save, load, save
 from .engine import SaveHandle, SaveResult
@@ -33,6 +34,7 @@ __all__ = [
     "StorageError",
     "UnsupportedValueError",
     "async_save",
+    "inspect",
     "load",
     "save",
 ]

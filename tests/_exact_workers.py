@@ -111,5 +111,43 @@ def main(mode: str, root: str, out: str) -> None:
     print("done", flush=True)
 
 
+SCHEDULE_STEPS, SCHEDULE_SECONDS = 30, 4
+
+
+def val_loss(step: int) -> float:
+    """Rises with the step (overfitting): the newest step is never among the best."""
+    return 0.5 + 0.01 * step
+
+
+def schedule(root: str) -> None:
+    """Save by time (a clock of one second per step) with best-2 retention by val_loss.
+
+    Prints ``start S`` after the restore and ``committed N`` once save N returned (saves are
+    synchronous: committed and retention applied).
+    """
+    import torch
+
+    import ckpt
+
+    state = {"w": torch.zeros(64), "progress": {"step": 0}}
+    mgr = ckpt.CheckpointManager(root, every_seconds=SCHEDULE_SECONDS, keep_best=2,
+                                 best_metric="val_loss", async_save=False)
+    step = mgr.restore(state) or 0
+    print(f"start {step}", flush=True)
+    mgr._clock = lambda: float(step)  # one "second" per step: no sleeps, same steps each run
+    mgr._last_save_time = float(step)
+    while step < SCHEDULE_STEPS:
+        step += 1
+        state["w"] += 1
+        state["progress"] = {"step": step}
+        if mgr.save(step, state, metrics={"val_loss": val_loss(step)}) is not None:
+            print(f"committed {step}", flush=True)
+    mgr.close()
+    print("done", flush=True)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "schedule":
+        schedule(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])

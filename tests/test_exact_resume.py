@@ -281,3 +281,43 @@ def test_keep_best_keeps_the_best_n_and_the_newest_and_stores_the_metrics(tmp_pa
             mgr.save(1, {"x": torch.tensor([1])}, metrics={"val_loss": "low"})
         mgr.save(2, {"x": torch.tensor([1])}, metrics={"val_loss": float("nan")})
         assert mgr.manifest(2).metadata["metrics"] == {"val_loss": "nan"}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_compiled_loop_killed_right_after_a_save_resumes_bit_exact(tmp_path):
+    # One kill (not three): each run of the compiled loop pays dynamo and inductor again.
+    seed = random.randrange(1 << 30)
+    points = [("saved", random.Random(seed).randint(3, 12))]
+    want = _reference(tmp_path, "compiled")  # first: it fills the inductor cache
+    got = _killed_and_resumed(tmp_path, "compiled", points)
+    assert_same(got, want, f"seed={seed} points={points}")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_every_seconds_and_best_n_under_sigkill_keep_the_newest_good_step(tmp_path):
+    from _exact_workers import SCHEDULE_SECONDS, SCHEDULE_STEPS, val_loss
+
+    saves = list(range(SCHEDULE_SECONDS, SCHEDULE_STEPS + 1, SCHEDULE_SECONDS))
+    r = random.Random(seed := random.randrange(1 << 30))
+    newest = 0
+    for _ in range(3):
+        run = Worker("schedule", tmp_path, script=EXACT_WORKER)
+        start = int(run.expect("start ").split()[1])
+        assert start >= newest, f"seed={seed}: restored {start}, but {newest} was committed"
+        ahead = [s for s in saves if s > start][:3]
+        if not ahead:
+            break
+        kill_at = r.choice(ahead)
+        while newest < kill_at:
+            newest = int(run.expect("committed ").split()[1])
+        run.kill()                                 # right after a save, or in the next one
+        assert run.proc.returncode == -signal.SIGKILL
+    run = Worker("schedule", tmp_path, script=EXACT_WORKER)
+    assert int(run.expect("start ").split()[1]) >= newest
+    assert run.finish() == 0, run.output
+    best = sorted(saves, key=val_loss)[:2]
+    with ckpt.CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.steps() == sorted({*best, saves[-1]}), f"seed={seed}"
+        assert mgr.manifest(saves[-1]).metadata["metrics"] == {"val_loss": val_loss(saves[-1])}

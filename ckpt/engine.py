@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,7 +26,7 @@ from storage_backends.faults import fault_point
 from .codec import encode
 from .datafile import Piece, encode_header
 from .errors import CheckpointError, StorageError
-from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry
+from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, chunk_doc
 from .distributed import Group
 from .incremental import CHAIN_KEY, chain_length
 from .integrity import digest
@@ -231,7 +231,7 @@ class RankTable:
 
     def to_json(self) -> dict:
         return {"files": self.files, "written": self.bytes_written, "reused": self.bytes_reused,
-                "chunks": [[k, asdict(c)] for k, c in self.chunks]}
+                "chunks": [[k, chunk_doc(c)] for k, c in self.chunks]}
 
     @classmethod
     def from_json(cls, doc: dict) -> RankTable:

@@ -274,7 +274,9 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
     fault_point("before_data")
     reused, to_write = _plan(payload, options)
     new_bytes = sum(len(data) for _, data, _ in to_write)
-    n_files = max(options.write_threads, -(-new_bytes // options.max_file_bytes))
+    # Compressed: several files per thread, so one file's compression overlaps another's write.
+    per_thread = 4 if options.compression else 1
+    n_files = max(options.write_threads * per_thread, -(-new_bytes // options.max_file_bytes))
     groups = assign_files([c for c, _, _ in to_write], n_files)
     data_of = {(c.key, c.index): (data, d) for c, data, d in to_write}
 

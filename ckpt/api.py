@@ -24,7 +24,7 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 
 def _split(path: str | os.PathLike) -> tuple[PosixStorage, str]:
-    full = os.path.abspath(os.fspath(path))
+    full = os.path.realpath(os.fspath(path))  # a link the caller names is followed
     parent, name = os.path.split(full)
     if not name:
         raise ValueError(f"{path!r} does not name a checkpoint directory")
@@ -113,7 +113,7 @@ def load(state: MutableMapping[str, Any], path: str | os.PathLike, *,
             (with ``verify``) a chunk's digest does not match.
         StateMismatchError: the checkpoint does not fit ``state``; nothing was changed.
     """
-    full = os.path.abspath(os.fspath(path))
+    full = os.path.realpath(os.fspath(path))  # a link the caller names is followed
     storage = PosixStorage(os.path.dirname(full), create=False)
     name = os.path.basename(full)
     manifest = read_manifest(storage, name)

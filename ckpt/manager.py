@@ -132,8 +132,13 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"checkpoint root {os.fspath(root)} does not exist",
                                           path=os.fspath(root))
         self.group = Group(process_group)
-        self.storage = open_storage(os.fspath(root) if isinstance(root, os.PathLike) else root,
-                                    create=not read_only, storage_options=storage_options)
+        try:
+            self.storage = open_storage(
+                os.fspath(root) if isinstance(root, os.PathLike) else root,
+                create=not read_only, storage_options=storage_options)
+        except OSError as e:  # e.g. a root that cannot be created (read-only parent, full disk)
+            raise _unwritable(os.fspath(root) if not isinstance(root, Storage) else root.url,
+                              e) from e
         self.root = self.storage.url
         if not read_only:
             self._take_lock_everywhere()
@@ -171,6 +176,8 @@ class CheckpointManager:
                 f"{self.root} is locked by another writer ({who}); stop that job, point this "
                 "one at another root, or open it with read_only=True to only read",
                 path=self.root) from None
+        except OSError as e:
+            raise _unwritable(self.root, e) from e
 
     def _remove_leftovers(self) -> None:
         """Remove what crashed saves and GCs left behind: we hold the lock, no one writes."""
@@ -213,8 +220,11 @@ class CheckpointManager:
             A :class:`SaveHandle`, or None when the schedule skipped this step.
         """
         self._check_writable()
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"save(step=...): step must be an int, not {type(step).__name__} "
+                            f"{step!r}")
+        if step < 0:
+            raise ValueError(f"save(step=...): step must be non-negative, not {step!r}")
         self._raise_failed_save()
         preempted = self._preempted is not None and self.save_on_preemption
         if not (force or preempted or step % self.every_steps == 0):
@@ -457,6 +467,14 @@ def retention(steps: list[int], keep_last: int | None, keep_every: int | None,
     if keep_every:
         keep |= {s for s in steps if s % keep_every == 0}
     return keep
+
+
+def _unwritable(root: str, error: OSError) -> StorageError:
+    """A root this writer cannot use (read-only, full, or a link where the lock goes)."""
+    return StorageError(
+        f"cannot open {root} for writing: {error}; check that it is writable, has free space "
+        "and holds no symbolic link named .lock, or open it with read_only=True to only read",
+        path=root)
 
 
 def _root_exists(root: str | os.PathLike) -> bool:

@@ -263,3 +263,106 @@ print(json.dumps(out))
     assert out["read_only"].startswith("CheckpointError:") and "/ro" in out["read_only"], out
     assert "writable" in out["read_only"] and "read_only=True" in out["read_only"], out
     assert out["read"] == "ok" and out["restored"], out
+
+
+# ------------------------------------------------------------ malformed manifests and trees
+class Holder:
+    """A stateful item whose state holds tagged values (tuple, inf, bytes, an array)."""
+
+    def __init__(self) -> None:
+        self.state = {"t": (1, 2), "f": float("inf"), "raw": b"\x00\x01", "arr": None}
+
+    def state_dict(self) -> dict:
+        import numpy as np
+
+        return {**self.state, "arr": np.arange(4.0)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = sd
+
+
+def tagged_state(seed: int) -> dict:
+    return {**state_of(seed), "holder": Holder(), "big": 0}
+
+
+def edit(doc: dict, how: str) -> dict | str:
+    items = doc["items"]
+    tree = items["holder"]["tree"]
+    if how == "dtype_list":
+        doc["tensors"]["a"]["dtype"] = ["float32"]
+    elif how == "deep_metadata":
+        text = json.dumps(doc)
+        return text.replace('"metadata": {', '"metadata": {"x": ' + "[" * 100_000 + "]" * 100_000
+                            + ", ", 1)
+    elif how == "deep_tree":
+        items["holder"]["tree"]["t"] = json.loads("[" * 500 + "]" * 500)
+    elif how == "huge_zstd":
+        first = doc["tensors"]["a"]["chunks"][0]
+        doc["tensors"]["big"] = {"dtype": "float32", "shape": [1 << 42], "chunks": [
+            {**first, "offsets": [0], "shape": [1 << 42], "length": 13, "codec": "zstd"}]}
+        items["big"] = {"kind": "value", "tree": {"__tensor__": "big"}}
+    elif how == "missing_tensor":
+        items["big"] = {"kind": "value", "tree": {"__tensor__": "nowhere"}}
+    elif how == "bad_float":
+        tree["f"] = {"__float__": "not a float"}
+    elif how == "bad_float_type":
+        tree["f"] = {"__float__": [1]}
+    elif how == "bad_ndarray":
+        tree["arr"] = {"__ndarray__": ["a"]}
+    elif how == "bad_bytes":
+        tree["raw"] = {"__bytes__": "%%%"}
+    elif how == "bad_dict_pairs":
+        tree["t"] = {"__dict__": [[1]]}
+    elif how == "unhashable_key":
+        tree["t"] = {"__dict__": [[[1, 2], 3]]}
+    elif how == "no_kind":
+        del items["holder"]["kind"]
+    elif how == "unknown_kind":
+        items["holder"]["kind"] = ["module"]
+    elif how == "no_tree":
+        del items["holder"]["tree"]
+    elif how == "alias_list":
+        doc["aliases"] = {"c": ["a"]}
+    elif how == "nan_created":
+        return json.dumps(doc).replace(f'"created": {json.dumps(doc["created"])}',
+                                       '"created": NaN')
+    return doc
+
+
+EDITS = ["dtype_list", "deep_metadata", "deep_tree", "huge_zstd", "missing_tensor", "bad_float",
+         "bad_float_type", "bad_ndarray", "bad_bytes", "bad_dict_pairs", "unhashable_key",
+         "no_kind", "unknown_kind", "no_tree", "alias_list", "nan_created"]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A root with steps 1 and 2 (to copy and damage); compressed, so chunks are zstd."""
+    root = tmp_path_factory.mktemp("two") / "root"
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(compression="zstd")) as mgr:
+        for step in (1, 2):
+            mgr.save(step, tagged_state(step))
+    return root
+
+
+@pytest.mark.parametrize("how", EDITS)
+def test_malformed_manifest_is_corrupt_restore_falls_back_and_verify_rejects(
+        tmp_path, two_steps, how, capsys):
+    root = tmp_path / "root"
+    shutil.copytree(two_steps, root)
+    path = root / "step-00000002" / "manifest.json"
+    doc = edit(json.loads(path.read_text()), how)
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        with pytest.raises(ckpt.CorruptCheckpointError):
+            mgr.manifest(2)
+        live = tagged_state(7)
+        with pytest.raises(ckpt.CorruptCheckpointError):
+            mgr.restore(live, step=2)
+        assert_equal(live, state_of(7))  # nothing was written into the live state
+        assert mgr.restore(live) == 1  # the fallback past step 2
+        assert_equal(live, state_of(1))
+    capsys.readouterr()
+    code = cli(["verify", str(root), "--step", "2", "--level", "structure"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in out + err

@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, MutableMapping
+from typing import Any, Iterable, MutableMapping
 
 from storage_backends import LockHeldError, Storage, open_storage
 from storage_backends.locks import describe_owner
@@ -20,7 +20,7 @@ from .engine import BackgroundWriter, SaveHandle, Stager
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      CorruptCheckpointError, StorageError)
 from .format import MANIFEST_NAME, Manifest, step_dir
-from .incremental import chain_length, collect, step_dirs
+from .incremental import GcReport, chain_length, collect, step_dirs
 from .integrity import check_structure, read_manifest
 from .metrics import CheckpointMetrics, default_labels
 from .options import SaveOptions
@@ -275,6 +275,21 @@ class CheckpointManager:
         self.wait()
         snapshot(state, step=0, name="prepare", group=self.group, stager=self._stager,
                  options=self.options, copy=self.async_save)
+
+    def retire(self, steps: Iterable[int]) -> GcReport:
+        """Retire committed ``steps`` now, e.g. the old timeline's after a rollback; files
+        that kept steps still use stay. Waits for the save in flight first.
+
+        Example (after ``restore(state, step=100)``, make the new timeline win)::
+
+            mgr.retire(s for s in mgr.steps() if s > 100)
+        """
+        self._check_writable()
+        self.wait()
+        report = collect(self.storage, set(self.steps()) - set(steps))
+        log.info("ckpt.retire retired=%s freed_bytes=%d", report.retired_steps,
+                 report.freed_bytes)
+        return report
 
     def _record(self, handle: SaveHandle) -> None:
         """Metrics and a structured log line for every finished save (runs in the writer)."""

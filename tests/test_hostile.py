@@ -172,6 +172,9 @@ def test_rollback_resave_keeps_every_later_step_loadable(tmp_path, url):
 
     check([1, 2, 3])
     check([1, 2, 3])
+    with mgr() as m:  # the rollback's new timeline wins: retire the old one's later steps
+        assert m.retire(s for s in m.steps() if s > 2).retired_steps == [3]
+    check([1, 2])
     with mgr(keep_last=1) as m:  # retire 1..3 except the newest; then old files may go
         m.save(4, state)
         saved[4] = {k: v.clone() for k, v in state.items()}
@@ -366,3 +369,99 @@ def test_malformed_manifest_is_corrupt_restore_falls_back_and_verify_rejects(
     code = cli(["verify", str(root), "--step", "2", "--level", "structure"])
     out, err = capsys.readouterr()
     assert code == 1 and "Traceback" not in out + err
+
+
+# ------------------------------------------------------- the commit protocol's durable order
+class RecordingOs:
+    """``os`` for storage_backends.posix, recording opens, writes, fsyncs and renames."""
+
+    def __init__(self, log: list) -> None:
+        self._log = log
+        self._paths: dict[int, str] = {}
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def open(self, path, flags, mode=0o777, **kw):
+        fd = os.open(path, flags, mode, **kw)
+        self._paths[fd] = os.fspath(path)
+        if flags & os.O_CREAT:
+            self._log.append(("create", os.fspath(path)))
+        return fd
+
+    def write(self, fd, data):
+        self._log.append(("write", self._paths.get(fd)))
+        return os.write(fd, data)
+
+    def fsync(self, fd):
+        self._log.append(("fsync", self._paths.get(fd)))
+        return os.fsync(fd)
+
+    def rename(self, src, dst):
+        self._log.append(("rename", os.fspath(src), os.fspath(dst)))
+        return os.rename(src, dst)
+
+
+@pytest.fixture
+def os_calls(monkeypatch):
+    import storage_backends.posix as posix
+
+    log: list = []
+    monkeypatch.setattr(posix, "os", RecordingOs(log))
+    return log
+
+
+def _first(log: list, pred) -> int:
+    found = [i for i, e in enumerate(log) if pred(e)]
+    assert found, f"a call the commit protocol needs was never made; calls: {log}"
+    return found[0]
+
+
+def _last(log: list, pred) -> int:
+    found = [i for i, e in enumerate(log) if pred(e)]
+    assert found, f"a call the commit protocol needs was never made; calls: {log}"
+    return found[-1]
+
+
+def test_save_makes_data_then_manifest_then_rename_durable_in_that_order(tmp_path, os_calls):
+    root = str(tmp_path / "root")
+    with ckpt.CheckpointManager(root, async_save=False, options=SMALL_CHUNKS) as mgr:
+        os_calls.clear()
+        mgr.save(1, state_of(1))
+    final = f"{root}/step-00000001"
+    commit = _first(os_calls, lambda e: e[0] == "rename" and e[2] == final)
+    staging = os_calls[commit][1]
+    assert os.path.basename(staging).startswith(".tmp-step-00000001")
+    data = {e[1] for e in os_calls if e[0] == "create" and "/data-" in e[1]}
+    manifest = f"{staging}/manifest.json"
+    assert data and all(os.path.dirname(p) == staging for p in data)
+    manifest_created = _first(os_calls, lambda e: e == ("create", manifest))
+    for path in data:  # every data file is durable before the manifest exists
+        assert _last(os_calls, lambda e: e[0] == "write" and e[1] == path) < _first(
+            os_calls, lambda e: e == ("fsync", path)) < manifest_created, path
+    # The manifest is written and fsynced, then the staging directory, then renamed.
+    manifest_synced = _first(os_calls, lambda e: e == ("fsync", manifest))
+    assert manifest_created < _last(os_calls, lambda e: e == ("write", manifest)) < \
+        manifest_synced < _first(os_calls, lambda e: e == ("fsync", staging)) < commit
+    # The rename is made durable by the root's fsync.
+    assert commit < _first(os_calls, lambda e: e == ("fsync", root))
+
+
+def test_resaved_step_moves_data_in_durably_before_its_manifest(tmp_path, os_calls):
+    root = str(tmp_path / "root")
+    with ckpt.CheckpointManager(root, async_save=False, options=SMALL_CHUNKS) as mgr:
+        mgr.save(1, state_of(1))
+        os_calls.clear()
+        mgr.save(1, state_of(2))  # the step number again (a rollback)
+        out = fresh()
+        assert mgr.restore(out, step=1) == 1
+        assert_equal(out, state_of(2))
+    final = f"{root}/step-00000001"
+    moved = [e for e in os_calls if e[0] == "rename" and "/data-" in e[2]]
+    commit = _first(os_calls, lambda e: e[0] == "rename" and e[2] == f"{final}/manifest.json")
+    staging = os.path.dirname(os_calls[commit][1])
+    assert moved and all(os.path.dirname(e[2]) == final for e in moved)
+    assert _first(os_calls, lambda e: e == ("fsync", f"{staging}/manifest.json")) < commit
+    last_move = _last(os_calls, lambda e: e in moved)
+    assert last_move < _first(os_calls, lambda e: e == ("fsync", final)) < commit
+    assert commit < _last(os_calls, lambda e: e == ("fsync", final))

@@ -6,11 +6,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import math
 import os
 import signal
 import threading
 import time
 from typing import Any, Iterable, MutableMapping
+
+import torch
 
 from storage_backends import LockHeldError, Storage, open_storage
 from storage_backends.locks import describe_owner
@@ -20,13 +23,15 @@ from .engine import BackgroundWriter, SaveHandle, Stager
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      CorruptCheckpointError, StorageError)
 from .format import MANIFEST_NAME, Manifest, step_dir
+from .gate import Gate, verify_level
 from .incremental import GcReport, chain_length, collect, step_dirs
 from .integrity import check_structure, read_manifest
 from .metrics import CheckpointMetrics, default_labels
-from .options import SaveOptions
+from .options import KeepBest, SaveOptions
 from .probe import PROBE_ITEM, Probe
 from .reader import load_step
 from .snapshot import snapshot
+from .structure import MapLocation, read_structure
 
 log = logging.getLogger("ckpt")
 
@@ -41,9 +46,17 @@ class CheckpointManager:
 
     Args:
         root: a directory (created if missing) holding ``step-XXXXXXXX`` checkpoints.
-        every_steps: ``save(step, ...)`` writes when ``step % every_steps == 0``.
-        keep_last: keep only the newest N steps (None: keep all).
+        every_steps: ``save(step, ...)`` writes when ``step % every_steps == 0`` (default 1,
+            or only by time when ``every_seconds`` is given alone).
+        every_seconds: ``save(step, ...)`` also writes when this many seconds (wall clock)
+            passed since the last save. Rank 0 decides and tells the other ranks (one small
+            broadcast per ``save`` call), so every rank saves the same steps.
+        keep_last: keep only the newest N steps (None: keep all, unless ``keep_best``).
         keep_every: also keep every step divisible by K, forever.
+        keep_best, best_metric, best_mode: also keep the N steps with the best value of the
+            metric ``best_metric`` passed as ``save(..., metrics={best_metric: value})``,
+            lowest (``"min"``) or highest (``"max"``). Alone (no ``keep_last``) it keeps the
+            best N and the newest step. The newest committed step is always kept.
         async_save: return from ``save`` once the state is copied to host memory and write
             in the background (errors surface on the next save/wait/close).
         read_only: take no lock and refuse saves (to inspect or restore another job's root).
@@ -89,8 +102,11 @@ class CheckpointManager:
                 mgr.save(step, state)
     """
 
-    def __init__(self, root: str | os.PathLike | Storage, *, every_steps: int = 1,
+    def __init__(self, root: str | os.PathLike | Storage, *, every_steps: int | None = None,
+                 every_seconds: float | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
+                 keep_best: int | None = None, best_metric: str | None = None,
+                 best_mode: str = "min",
                  async_save: bool = True, read_only: bool = False, allow_pickle: bool = False,
                  incremental: bool = False, full_every: int = 10,
                  compression: str | None = None, save_on_preemption: bool = False,
@@ -104,7 +120,18 @@ class CheckpointManager:
                             ("keep_every", keep_every), ("full_every", full_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
-        self.every_steps = every_steps
+        if every_seconds is not None and not (isinstance(every_seconds, (int, float))
+                                              and every_seconds > 0):
+            raise ValueError(f"every_seconds must be a positive number or None, not "
+                             f"{every_seconds!r}")
+        self.every_steps = every_steps if every_steps or every_seconds else 1
+        self.every_seconds = every_seconds
+        self._clock = time.monotonic  # rank 0's clock decides every_seconds
+        self._last_save_time = self._clock()
+        if best_metric is not None and keep_best is None:
+            raise ValueError("best_metric= needs keep_best=N (how many best steps to keep)")
+        self.keep_best = KeepBest(keep_best, best_metric or "", best_mode) \
+            if keep_best is not None else None
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
@@ -123,6 +150,7 @@ class CheckpointManager:
         self._base: Manifest | None = None  # the newest step known good, for incremental saves
         self.backpressure_waits = 0
         self.skipped: list[tuple[int, str]] = []
+        self.loaded_step: int | None = None  # the step the last load() returned
         self._inflight: SaveHandle | None = None
         self._preempted: int | None = None
         self._closed = False
@@ -210,11 +238,14 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: MutableMapping[str, Any], *, force: bool = False,
-             metadata: dict | None = None) -> SaveHandle | None:
+             metadata: dict | None = None,
+             metrics: dict[str, float] | None = None) -> SaveHandle | None:
         """Save ``state`` as ``step`` when the schedule says so (or ``force``).
 
         Blocks only while the state is copied to host memory (async) or until the step is
         committed (sync). Raises the error of an earlier background save, if it failed.
+        ``metrics`` (name -> number, e.g. ``{"val_loss": 0.31}``) are stored in the
+        manifest's metadata under ``"metrics"``; ``keep_best`` ranks steps by them.
 
         Returns:
             A :class:`SaveHandle`, or None when the schedule skipped this step.
@@ -227,8 +258,15 @@ class CheckpointManager:
             raise ValueError(f"save(step=...): step must be non-negative, not {step!r}")
         self._raise_failed_save()
         preempted = self._preempted is not None and self.save_on_preemption
-        if not (force or preempted or step % self.every_steps == 0):
+        due = force or bool(self.every_steps and step % self.every_steps == 0)
+        if not due and self.every_seconds is not None:
+            due = self._time_due()
+        if not (due or preempted):
             return None
+        if self.group.is_coordinator:
+            self._last_save_time = self._clock()
+        if metrics is not None:
+            metadata = {**(metadata or {}), "metrics": _checked_metrics(metrics)}
         if self._inflight is not None and not self._inflight.done():
             self.backpressure_waits += 1
             if self.metrics:
@@ -315,12 +353,38 @@ class CheckpointManager:
             return
         self._base = manifest
         log.info("ckpt.commit step=%d root=%s", manifest.step, self.root)
-        if self.keep_last is not None:
-            report = collect(self.storage, retention(self.steps(), self.keep_last,
-                                                     self.keep_every, manifest.step))
+        if self.keep_last is not None or self.keep_best is not None:
+            report = collect(self.storage, self._retained(manifest.step))
             if report.retired_steps:
                 log.info("ckpt.retention retired=%s freed_bytes=%d kept_files=%d",
                          report.retired_steps, report.freed_bytes, len(report.kept_files))
+
+    def _time_due(self) -> bool:
+        """Whether every_seconds passed since the last save: rank 0's clock decides for all."""
+        due = self._clock() - self._last_save_time >= self.every_seconds
+        return bool(self.group.broadcast(due))
+
+    def _retained(self, newest: int) -> set[int]:
+        """The steps the retention policy keeps once ``newest`` is committed."""
+        steps = self.steps()
+        if self.keep_best is None:
+            return retention(steps, self.keep_last, self.keep_every, newest)
+        keep = {newest} | self.keep_best.select(
+            {s: self._metric(s, self.keep_best.metric) for s in steps})
+        if self.keep_last is not None:
+            keep |= set(steps[-self.keep_last:])
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        return keep
+
+    def _metric(self, step: int, name: str) -> float | None:
+        """A metric saved with ``step``, or None (none saved, or the manifest is bad)."""
+        try:
+            value = self.manifest(step).metadata.get("metrics", {}).get(name)
+        except (CheckpointError, OSError, AttributeError) as e:
+            log.warning("ckpt.retention step=%d has no readable metrics: %s", step, e)
+            return None
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     def _raise_failed_save(self) -> None:
         h = self._inflight
@@ -342,7 +406,7 @@ class CheckpointManager:
 
     # -- restoring ----------------------------------------------------------------------------
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
-                strict: bool = False) -> int | None:
+                strict: bool = False, verify: str = "digest") -> int | None:
         """Load the newest good checkpoint (or ``step``) into ``state`` in place.
 
         A step that fails validation (a bad manifest, missing or truncated files, a digest
@@ -355,13 +419,25 @@ class CheckpointManager:
         is raised). With ``strict`` or an explicit ``step`` the load is atomic: fresh
         buffers first, and a failed load changes nothing.
 
+        ``verify`` chooses what a step must pass (ckpt/gate.py): ``"structure"`` (manifest
+        and file sizes; chunk digests not computed, so a flipped bit is loaded as it is),
+        ``"digest"`` (also every chunk's digest; the default) or ``"forward"`` (also the
+        probe recorded at save time, rerun through the restored model, must give finite
+        outputs that agree with the recorded ones; a step without a probe passes with a
+        logged warning). A step failing its forward check is skipped like a digest
+        mismatch; when ``restore`` raises at that level, the state's models are put back as
+        they were.
+
         Returns:
             The restored step, or None when the root has no checkpoint yet.
 
         Raises:
             StateMismatchError: the checkpoint does not fit ``state`` (nothing is changed).
             CorruptCheckpointError: every committed step failed validation (or ``strict``).
+            ForwardCheckError: every step failed its forward check; the message lists each
+                step's reason (and says so when the model's code changed).
         """
+        gate = Gate(verify_level(verify), state)
         if not self.read_only and not self._closed:
             self.wait()
         try:
@@ -370,11 +446,12 @@ class CheckpointManager:
             raise StorageError(f"listing the steps of {self.root} failed: {e}",
                                path=self.root) from e
         failures = []
-        with cf.ThreadPoolExecutor(self.options.write_threads) as pool:
+        with cf.ThreadPoolExecutor(self.options.write_threads) as pool, gate:
             for s in candidates:
                 # In place when a failure falls back to another step (which overwrites what a
                 # half-read step left); atomic (fresh buffers) when it would be raised.
-                error = self._try_load(s, state, pool, in_place=not strict and step is None)
+                error = self._try_load(s, state, pool, in_place=not strict and step is None,
+                                       gate=gate)
                 # Every rank must restore the same step: agree on this one's outcome first.
                 outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
                     _describe(error)]
@@ -402,22 +479,83 @@ class CheckpointManager:
                 self.skipped.append((s, bad[0]))
                 failures.append(f"step {s}: {bad[0]}")
         if failures:
+            gate.all_failed(self.root, failures)
             raise CorruptCheckpointError(
                 f"no committed step under {self.root} could be loaded; `ckpt verify --all "
                 f"{self.root}` gives details:\n  " + "\n  ".join(failures), path=self.root)
         return None
 
     def _try_load(self, step: int, state: MutableMapping[str, Any],
-                  pool: cf.ThreadPoolExecutor, *, in_place: bool) -> BaseException | None:
+                  pool: cf.ThreadPoolExecutor, *, in_place: bool,
+                  gate: Gate | None = None) -> BaseException | None:
         location = step_dir(step)
+        gate = gate or Gate("digest", state)
         try:
             manifest = read_manifest(self.storage, location, step)
             check_structure(self.storage, location, manifest)
-            load_step(self.storage, location, manifest, state, rank=self.group.rank,
-                      allow_pickle=self.allow_pickle, pool=pool, in_place=in_place)
+            load_step(self.storage, location, manifest, gate.target(manifest),
+                      rank=self.group.rank, allow_pickle=self.allow_pickle, pool=pool,
+                      in_place=in_place, verify=gate.digests)
         except Exception as e:  # classified by _describe; re-raised by restore
+            gate.agree(self.group, False)  # ranks run the forward check all or none
             return e
+        forward_error = gate.check(step, manifest, self.group, f"{self.root}/{location}")
+        if forward_error is not None:
+            return forward_error
         self._base = manifest
+        return None
+
+    def load(self, step: int | None = None, *,
+             map_location: MapLocation = None) -> dict[str, Any] | None:
+        """The newest good step (or ``step``) without a template, like ``torch.load``: a
+        dict of the saved items (see :func:`ckpt.load`); ``mgr.loaded_step`` says which step.
+
+        Falls back past steps that fail validation as :meth:`restore` does (each skipped with
+        a warning, recorded in ``mgr.skipped``); an explicit ``step`` raises instead.
+
+        Returns:
+            The saved items, or None when the root has no checkpoint yet.
+
+        Raises:
+            CorruptCheckpointError: every committed step failed validation.
+            UnsupportedValueError: the step holds pickled values and the manager was not
+                opened with ``allow_pickle``.
+        """
+        if not self.read_only and not self._closed:
+            self.wait()
+        failures = []
+        with cf.ThreadPoolExecutor(self.options.write_threads) as pool:
+            for s in [step] if step is not None else list(reversed(self.steps())):
+                location, error, value = step_dir(s), None, None
+                try:
+                    manifest = read_manifest(self.storage, location, s)
+                    check_structure(self.storage, location, manifest)
+                    value = read_structure(self.storage, location, manifest,
+                                           rank=self.group.rank, allow_pickle=self.allow_pickle,
+                                           pool=pool, map_location=map_location,
+                                           skip=frozenset({PROBE_ITEM}))
+                except Exception as e:  # classified as restore does; every rank agrees
+                    error = e
+                outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
+                    _describe(error)]
+                fatal = [o[1] for o in outcomes if o and o[0] == "fatal"]
+                if error is not None and (step is not None or _describe(error)[0] == "fatal"):
+                    raise error
+                if fatal:
+                    raise CheckpointError(f"another rank failed to load step {s}: {fatal[0]}",
+                                          path=self.root)
+                bad = [o[1] for o in outcomes if o]
+                if not bad:
+                    self._base, self.loaded_step = manifest, s
+                    log.info("ckpt.load step=%d root=%s skipped=%d", s, self.root, len(failures))
+                    return value
+                log.warning("ckpt.load skipping step=%d reason=%s", s, bad[0])
+                self.skipped.append((s, bad[0]))
+                failures.append(f"step {s}: {bad[0]}")
+        if failures:
+            raise CorruptCheckpointError(
+                f"no committed step under {self.root} could be loaded; `ckpt verify --all "
+                f"{self.root}` gives details:\n  " + "\n  ".join(failures), path=self.root)
         return None
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -471,6 +609,23 @@ def _describe(error: BaseException | None) -> tuple[str, str] | None:
     if isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError)):
         return ("bad", str(error))
     return ("fatal", f"{type(error).__name__}: {error}")
+
+
+def _checked_metrics(metrics: dict[str, float]) -> dict[str, float | str]:
+    """Metrics as JSON: real numbers by name; a non-finite one is kept as text ("nan")."""
+    if not isinstance(metrics, dict):
+        raise TypeError(f"metrics must be a dict of name -> number, not {type(metrics).__name__}")
+    out: dict[str, float | str] = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(
+                value, (int, float)):
+            raise TypeError(f"metrics[{name!r}] must be a number under a str name, not "
+                            f"{type(value).__name__}")
+        value = float(value)
+        out[name] = value if math.isfinite(value) else repr(value)
+    return out
 
 
 def retention(steps: list[int], keep_last: int | None, keep_every: int | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -48,3 +49,35 @@ class SaveOptions:
     def max_file_bytes(self) -> int:
         """Compressed files are assembled in memory before writing: keep each one small."""
         return 64 << 20 if self.compression else 1 << 62
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """Retention by a metric passed at save time (``mgr.save(step, state, metrics={...})``).
+
+    Args:
+        n: how many of the best steps to keep.
+        metric: the name of the metric, e.g. ``"val_loss"``.
+        mode: ``"min"`` (lower is better) or ``"max"``.
+    """
+
+    n: int
+    metric: str
+    mode: str = "min"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"keep_best must be a positive integer, not {self.n!r}")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError("keep_best needs best_metric=, the name of a metric passed to "
+                             "save(..., metrics={name: value})")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', not {self.mode!r}")
+
+    def select(self, values: dict[int, float | None]) -> set[int]:
+        """The ``n`` steps with the best values (a missing or non-finite value never ranks;
+        on a tie the newer step wins)."""
+        sign = 1.0 if self.mode == "min" else -1.0
+        ranked = sorted((sign * v, -step) for step, v in values.items()
+                        if isinstance(v, (int, float)) and math.isfinite(v))
+        return {-neg_step for _, neg_step in ranked[:self.n]}

@@ -1,0 +1,65 @@
+"""Loading a committed step without a template: the nested structure as it was saved.
+
+What ``torch.load`` gives for a ``torch.save``d dict: each top-level item comes back as the
+value its ``state_dict()`` returned (a module's or optimizer's state dict, a scheduler's,
+an RNG state), a top-level tensor as a tensor, and plain values as plain values. Tensors are
+read into fresh CPU buffers, every chunk checked against its digest, then moved with
+``map_location``. Tied tensors (one storage under two names) come back as one tensor object.
+A DTensor comes back whole (its global tensor), whatever world size saved it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Any
+
+import torch
+
+from storage_backends import Storage
+
+from .errors import UnsupportedValueError
+from .format import Manifest
+from .reader import box_reads, run_reads
+from .sharding import source_rank
+from .state import decode, holds_pickle, item_tree, tensor_keys
+
+MapLocation = str | torch.device | None
+
+
+def read_structure(storage: Storage, location: str, manifest: Manifest, *, rank: int = 0,
+                   allow_pickle: bool = False, verify: bool = True,
+                   pool: cf.ThreadPoolExecutor | None = None,
+                   map_location: MapLocation = None,
+                   skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The step at ``location`` as a dict of its items (see the module docstring).
+
+    Per-rank items (RNG state, :class:`ckpt.PerRank`) give saved rank ``rank``'s value (rank
+    ``rank % saved_world`` on another world size). Items named in ``skip`` are left out.
+
+    Raises:
+        UnsupportedValueError: the step holds pickled values and ``allow_pickle`` is False
+            (checked before any tensor is read).
+        CorruptCheckpointError: a chunk is missing, truncated or fails its digest.
+    """
+    src = source_rank(rank, manifest.world_size)
+    trees = {name: item_tree(item, src) for name, item in manifest.items.items()
+             if name not in skip}
+    if not allow_pickle and any(holds_pickle(tree) for tree in trees.values()):
+        raise UnsupportedValueError(
+            f"{storage.url}/{location} holds pickled values; load it with allow_pickle=True "
+            "only if you trust where it came from (nothing was loaded)", path=location)
+    needed = {manifest.resolve(k) for tree in trees.values() for k in tensor_keys(tree)}
+    loaded: dict[str, torch.Tensor] = {}
+    jobs = []
+    for key in sorted(needed):
+        entry = manifest.tensors[key]
+        loaded[key] = torch.empty(entry.shape, dtype=entry.torch_dtype)
+        jobs += box_reads(storage, location, manifest, key, loaded[key],
+                          ((0,) * len(entry.shape), entry.shape), verify)
+    run_reads(jobs, pool)
+    if map_location is not None:
+        loaded = {k: t.to(map_location) for k, t in loaded.items()}
+    for alias, target in manifest.aliases.items():
+        if target in loaded:
+            loaded[alias] = loaded[target]  # the same object: ties survive the load
+    return {name: decode(tree, loaded, allow_pickle=allow_pickle) for name, tree in trees.items()}

@@ -200,10 +200,13 @@ class PosixStorage(Storage):
         for entry in os.listdir(source):
             if entry != manifest_name:
                 os.rename(os.path.join(source, entry), os.path.join(final, entry))
+        # A rename is durable once both of its directories are.
         _fsync_dir(final)
+        _fsync_dir(source)
         # The commit point of a re-saved step: the manifest names only the new files.
         os.rename(os.path.join(source, manifest_name), os.path.join(final, manifest_name))
         _fsync_dir(final)
+        _fsync_dir(source)
         shutil.rmtree(source, ignore_errors=True)
 
     def abort(self, staging: str) -> None:

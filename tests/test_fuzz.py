@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckpt
+import ckpt.inspect
 from ckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from ckpt.format import (MAX_ZSTD_RATIO, STEP_DIR, Chunk, Manifest, _check_tiling, _Invalid,
                          check_tree)
@@ -354,7 +355,7 @@ def test_safetensors_headers_are_reported_never_crash(real_step, header, declare
     data = length.to_bytes(8, "little") + header + b"\0" * 64
     (work / "step-00000001").mkdir(parents=True, exist_ok=True)
     (work / "step-00000001" / name).write_bytes(data)
-    storage = PosixStorage(str(work), create=False)
-    problems = check_header(storage, f"step-00000001/{name}", len(data), chunks, dtypes,
+    cps = ckpt.inspect.Checkpoints(PosixStorage(str(work), create=False))
+    problems = check_header(cps, f"step-00000001/{name}", len(data), chunks, dtypes,
                             exact=True)
     assert all(p.check == "header" for p in problems)

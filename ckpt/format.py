@@ -195,8 +195,9 @@ def _parse(doc: Any) -> Manifest:
     step = _int(doc.get("step"), "step", hi=2**62)
     world = _int(doc.get("world_size"), "world_size", lo=1, hi=2**24)
     created = doc.get("created")
-    _check(isinstance(created, (int, float)) and not isinstance(created, bool)
-           and math.isfinite(created), "created must be a finite number")
+    # Not required finite: it only labels the step (`ckpt ls` shows a bad one as invalid).
+    _check(isinstance(created, (int, float)) and not isinstance(created, bool),
+           "created must be a number")
     files_doc = doc.get("files")
     _check(isinstance(files_doc, dict), "files must be an object")
     files = {file_name(k): _int(v, f"size of {k}") for k, v in files_doc.items()}

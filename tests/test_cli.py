@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import ckpt
+from tests.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
 USER_MODELS = '''
@@ -519,3 +520,23 @@ def test_ls_shows_an_absurd_creation_time_instead_of_crashing(tmp_path, capsys, 
     assert "invalid" in out.splitlines()[2]
     code, out, err = cli(capsys, "ls", root, "--json")
     assert code == 0 and json.loads(out)["steps"][0]["status"] == "committed"
+
+
+@pytest.mark.s3
+def test_a_step_directory_on_s3_is_one_checkpoint_too(request, capsys, monkeypatch):
+    endpoint = request.getfixturevalue("s3")
+    with ckpt.CheckpointManager(endpoint.root("run"), async_save=False,
+                                storage_options=endpoint.storage_options) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((8,), float(step)), "step": step})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint.url)
+    step_1 = f"{endpoint.root('run')}/step-00000001"
+    code, out, err = cli(capsys, "ls", step_1, "--json")
+    assert code == 0 and [s["step"] for s in json.loads(out)["steps"]] == [1], err
+    code, out, err = cli(capsys, "verify", step_1)
+    assert code == 0 and out.startswith("step 1: OK"), err
+    code, out, err = cli(capsys, "diff", step_1, endpoint.root("run"), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert (doc["a"], doc["b"]) == (1, 2)  # the directory's step against the root's newest
+    assert {v["path"]: (v["a"], v["b"]) for v in doc["values"]} == {"step": (1, 2)}

@@ -228,16 +228,21 @@ class CrashState:
     after_return: bool   # the whole trace ran: the operation had returned
 
 
+def states_at(a: Analysis, k: int) -> Iterator[dict[str, bytes | None]]:
+    """The crash states once ``k`` ops were issued (repeats included)."""
+    undecided = [i for i in range(k) if a.ops[i].choices and a.ops[i].durable_at >= k]
+    for choice in _family(undecided, [a.ops[i].choices for i in undecided]):
+        yield replay(a, k, choice)
+
+
 def crash_states(a: Analysis) -> tuple[list[CrashState], int]:
     """Distinct crash states of every prefix, and how many were enumerated (with repeats)."""
     seen: set[bytes] = set()
     states, enumerated = [], 0
     n = len(a.ops)
     for k in range(n + 1):
-        undecided = [i for i in range(k) if a.ops[i].choices and a.ops[i].durable_at >= k]
-        for choice in _family(undecided, [a.ops[i].choices for i in undecided]):
+        for tree in states_at(a, k):
             enumerated += 1
-            tree = replay(a, k, choice)
             key = fingerprint(tree)
             if key in seen and k < n:
                 continue

@@ -5,13 +5,16 @@
 * every visible step (one with a manifest) verifies at the digest level, so a reader never
   meets a torn step; each one that verifies restores to exactly what was saved as that step;
   no step appears that was never saved; a step kept by the operation is never lost;
-* verify agrees with restore: the newest step that verifies is the step restore returned;
+* verify agrees with restore: the newest step that verifies is the step restore returned,
+  and ``ckpt verify --all`` exits 0 exactly when every visible step verifies;
 * opening a writer on the crashed root (which removes leftovers and unreferenced files)
   changes none of that.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,6 +22,7 @@ import torch
 
 import ckpt
 import verify
+from ckpt.cli import main as cli
 
 
 @dataclass
@@ -62,6 +66,12 @@ def _restore(root: str, expect: Expect, step: int | None = None) -> tuple[Any, d
             return mgr.restore(state, step=step), state
     except Exception as e:  # noqa: BLE001 (a finding, reported by the caller)
         return e, state
+
+
+def _cli_verify_all(root: str) -> int:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        return cli(["verify", root, "--all", "--level", "digest"])
 
 
 def check(root: str, expect: Expect, *, after_return: bool, recover: bool = True) -> list[str]:
@@ -110,6 +120,10 @@ def _check_once(root: str, expect: Expect, after_return: bool) -> list[str]:
         if loaded != s or not expect.matches(s, state):
             problems.append(f"step {s} verifies but restore(step={s}) gave {loaded!r} / "
                             "other values")
+    code = _cli_verify_all(root)
+    want = 0 if good and len(good) == len(visible) else (2 if not visible else 1)
+    if code != want:
+        problems.append(f"`ckpt verify --all` exited {code}; the steps' own verdicts say {want}")
     newest_good = max(good, default=None)
     if not isinstance(got, Exception) and newest_good != got:
         problems.append(f"verify's newest good step is {newest_good}, restore returned {got}")

@@ -5,7 +5,8 @@ from .adapters import ModelOptimizer
 from .api import CheckpointExistsError, async_save, load, save
 from .engine import SaveHandle, SaveResult
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
-                     CorruptCheckpointError, ForwardCheckError, StateMismatchError,
+                     CorruptCheckpointError, ForwardCheckError, PartialLoadError,
+                     StateMismatchError,
                      StorageError, UnsupportedValueError)
 from .manager import CheckpointManager
 from .options import SaveOptions
@@ -22,6 +23,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ForwardCheckError",
     "ModelOptimizer",
+    "PartialLoadError",
     "PerRank",
     "Probe",
     "RNGState",

@@ -48,10 +48,9 @@ from .reader import read_chunk as _read_chunk
 from .state import BYTES, DICT, FLOAT, NDARRAY, PICKLE, TENSOR, TUPLE, item_tree
 
 __all__ = [
-    "PROBE_ITEM", "SAFETENSORS_DTYPES", "TOLERANCES", "Checkpoints", "Chunk", "Manifest", "TensorEntry",
-    "byte_view", "digest", "is_tensor_leaf", "item_tree", "named_tensors", "open",
-    "parameter_names", "plain_values",
-    "run_forward", "tensor_leaves", "tolerance_for",
+    "PROBE_ITEM", "SAFETENSORS_DTYPES", "TOLERANCES", "Checkpoints", "Chunk", "Manifest",
+    "TensorEntry", "byte_view", "digest", "is_tensor_leaf", "item_tree", "named_tensors",
+    "open", "parameter_names", "plain_values", "run_forward", "tensor_leaves", "tolerance_for",
 ]
 
 
@@ -258,7 +257,7 @@ class Checkpoints:
         load_step(self.storage, location, manifest, state, in_place=False)
 
 
-def open(path: str | os.PathLike | Storage | Any, *,  # noqa: A001 (ckpt.inspect.open reads well)
+def open(path: str | os.PathLike | Storage | Any, *,  # noqa: A001 (reads well as ckpt.inspect.open)
          storage_options: dict | None = None) -> Checkpoints:
     """Open a root, a step directory or a ``ckpt.save`` directory, read-only.
 
@@ -350,6 +349,9 @@ def _walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
     join = (lambda k: f"{path}/{k}" if path else str(k))  # noqa: E731
     if isinstance(tree, dict) and len(tree) == 1 and TUPLE in tree and isinstance(
             tree[TUPLE], list):
+        if not any(isinstance(v, (dict, list)) for v in tree[TUPLE]):
+            yield path, tree[TUPLE]  # a tuple of plain values (betas) is one value
+            return
         for i, v in enumerate(tree[TUPLE]):
             yield from _walk(v, join(i))
     elif isinstance(tree, dict) and len(tree) == 1 and DICT in tree and isinstance(

@@ -78,7 +78,7 @@ class CheckpointManager:
             torch.distributed is initialized). Every rank writes its share; rank 0 holds
             the lock and commits. Call ``save``/``restore`` on every rank.
         probe: a :class:`ckpt.Probe` recorded with every save (for ``ckpt verify --level
-            forward``).
+            forward`` and ``restore(state, verify="forward")``).
         metrics, metrics_port, metrics_textfile: counters and timings of saves, kept in
             ``mgr.metrics`` (in memory) and, with prometheus_client installed, served on a
             port or written to a node_exporter textfile.
@@ -413,11 +413,9 @@ class CheckpointManager:
         mismatch) is skipped with a warning and the one before it is tried; with ``strict``
         (or an explicit ``step``) the error is raised instead.
 
-        CPU tensors are read straight into the live tensors (no second copy) when a failure
-        would fall back to another step, which overwrites them again; so only when every
-        step fails can a digest mismatch have left tensors partly overwritten (the error
-        is raised). With ``strict`` or an explicit ``step`` the load is atomic: fresh
-        buffers first, and a failed load changes nothing.
+        Every chunk of a step is verified before the first live tensor is written, so a
+        step that fails changes nothing and the next one is tried on an untouched state
+        (the bytes are read twice, the second time from the page cache; see docs/design.md).
 
         ``verify`` chooses what a step must pass (ckpt/gate.py): ``"structure"`` (manifest
         and file sizes; chunk digests not computed, so a flipped bit is loaded as it is),
@@ -448,10 +446,9 @@ class CheckpointManager:
         failures = []
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool, gate:
             for s in candidates:
-                # In place when a failure falls back to another step (which overwrites what a
-                # half-read step left); atomic (fresh buffers) when it would be raised.
-                error = self._try_load(s, state, pool, in_place=not strict and step is None,
-                                       gate=gate)
+                # Never in place: a step that fails must leave nothing behind, also when the
+                # step fallen back to then does not fit the state (issue #15, defect 3).
+                error = self._try_load(s, state, pool, in_place=False, gate=gate)
                 # Every rank must restore the same step: agree on this one's outcome first.
                 outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
                     _describe(error)]

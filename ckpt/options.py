@@ -27,6 +27,13 @@ class SaveOptions:
         allow_pickle: store values that are neither tensors nor JSON by pickling them.
         compression: None, or "zstd" (floating-point chunks byte-grouped first).
         compression_level: the zstd level; 1 is as small as 3 on weights and much faster.
+        compression_threads: zstd worker threads per file being written (0: compress on
+            the writer thread itself); benchmarks/bench_compression.py measures the choice.
+        overlap_device_copy: copy the CUDA tensors that only ``optimizer.step()`` changes
+            (parameters and state of the optimizers in the saved state) during the next
+            forward and backward; their optimizer's step waits for the copy. False: training
+            waits for every copy, as before (for code that changes parameters in place
+            other than through ``optimizer.step()``).
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -34,6 +41,8 @@ class SaveOptions:
     allow_pickle: bool = False
     compression: str | None = None
     compression_level: int = 1
+    compression_threads: int = 0
+    overlap_device_copy: bool = True
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096:
@@ -42,6 +51,8 @@ class SaveOptions:
             raise ValueError(f"write_threads must be at least 1, not {self.write_threads}")
         if self.compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', not {self.compression!r}")
+        if self.compression_threads < 0:
+            raise ValueError(f"compression_threads must be >= 0, not {self.compression_threads}")
         if not -7 <= self.compression_level <= 22:
             raise ValueError(f"compression_level must be in [-7, 22], not {self.compression_level}")
 

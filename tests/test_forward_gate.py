@@ -163,6 +163,15 @@ def test_a_step_without_a_probe_passes_the_forward_level_with_a_logged_note(tmp_
     assert "step 1" in notes[0].getMessage()
 
 
+def test_a_restore_of_a_subset_without_the_probes_model_passes_with_a_logged_note(
+        tmp_path, caplog):
+    save_two_steps(tmp_path / "root")
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        with manager(tmp_path / "root", read_only=True) as mgr:
+            assert mgr.restore({"epoch": None}, verify="forward") == 2
+    assert any("is not an nn.Module of the state" in r.getMessage() for r in caplog.records)
+
+
 def flip_a_data_bit(root: Path, step: int) -> None:
     """Flip one bit in the middle of the step's largest data file (tensor bytes)."""
     files = [p for p in (root / f"step-{step:08d}").iterdir() if p.name != "manifest.json"]
@@ -190,6 +199,24 @@ def test_the_structure_level_loads_a_flipped_bit_the_digest_level_falls_back(tmp
         assert len(changed) == 1  # the flipped value, loaded without a word
         assert mgr.restore(make_state(1), verify="digest") == 1
         assert "digest mismatch" in mgr.skipped[-1][1]
+
+
+def test_when_every_step_fails_for_different_reasons_each_is_listed(tmp_path):
+    """Step 2 fails its forward check, step 1 its digest: a CorruptCheckpointError names
+    both, and the model is put back."""
+    root = tmp_path / "root"
+    save_two_steps(root, nan_before_step_2=True)
+    flip_a_data_bit(root, 1)
+    state = make_state(1)
+    before = snapshot(state)
+    with manager(root, read_only=True) as mgr:
+        with pytest.raises(ckpt.CorruptCheckpointError) as raised:
+            mgr.restore(state, verify="forward")
+    assert not isinstance(raised.value, ckpt.ForwardCheckError)
+    message = str(raised.value)
+    assert "step 2:" in message and "hold NaN/Inf" in message
+    assert "step 1:" in message and "digest mismatch" in message
+    assert torch.equal(state["model"].fc1.weight, before["model.fc1.weight"])
 
 
 def test_the_structure_level_still_falls_back_past_a_truncated_file(tmp_path):
@@ -241,3 +268,31 @@ def test_verify_takes_only_the_three_levels(tmp_path):
         ckpt.load(make_state(1), tmp_path / "root" / "step-00000001", verify="fast")
     with pytest.raises(ValueError, match="needs the model"):  # load(path) has no model
         ckpt.load(tmp_path / "root" / "step-00000001", verify="forward")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_every_rank_restores_the_same_step_past_nan_weights_and_one_ranks_corrupt_chunk(
+        tmp_path):
+    """Ranks run the forward check all or none: step 3 fails on rank 1 only (its own chunk's
+    digest), step 2 on every rank (NaN weights); both ranks restore step 1."""
+    from _dist import run_ranks
+    from _forward_gate_workers import restore_past_bad_steps
+
+    results = run_ranks(2, restore_past_bad_steps, str(tmp_path / "root"), timeout=90)
+    assert results == [(1, [3, 2], True), (1, [3, 2], True)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_forward_check_runs_on_the_models_cuda_device(tmp_path):
+    step1 = save_two_steps(tmp_path / "root", nan_before_step_2=True)
+    model = make_state(1)["model"].cuda()
+    with manager(tmp_path / "root", read_only=True) as mgr:
+        assert mgr.restore({"model": model}, verify="forward") == 1
+        assert all(p.is_cuda for p in model.parameters())
+        assert torch.equal(model.fc1.weight.cpu(), step1["model.fc1.weight"])
+        changed = make_state(1, GeluNet)["model"].cuda()
+        before = changed.fc1.weight.clone()
+        with pytest.raises(ckpt.ForwardCheckError, match="model's code has changed"):
+            mgr.restore({"model": changed}, verify="forward")
+        assert torch.equal(changed.fc1.weight, before)

@@ -4,8 +4,8 @@ from .adapters import ModelOptimizer
 from .api import CheckpointExistsError, async_save, load, save
 from .engine import SaveHandle, SaveResult
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
-                     CorruptCheckpointError, StateMismatchError, StorageError,
-                     UnsupportedValueError)
+                     CorruptCheckpointError, ForwardCheckError, StateMismatchError,
+                     StorageError, UnsupportedValueError)
 from .manager import CheckpointManager
 from .options import SaveOptions
 from .probe import Probe
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "ForwardCheckError",
     "ModelOptimizer",
     "PerRank",
     "Probe",

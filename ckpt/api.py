@@ -13,6 +13,7 @@ from storage_backends import PosixStorage
 from .distributed import Group
 from .engine import BackgroundWriter, SaveHandle, SaveResult, Stager
 from .errors import CheckpointError
+from .gate import Gate, verify_level
 from .integrity import check_structure, read_manifest
 from .options import SaveOptions
 from .reader import load_step
@@ -102,14 +103,16 @@ def save(state: MutableMapping[str, Any], path: str | os.PathLike, *, step: int 
 
 @overload
 def load(path: str | os.PathLike, *, map_location: MapLocation = None,
-         allow_pickle: bool = False, verify: bool = True) -> dict[str, Any]: ...
+         allow_pickle: bool = False, verify: bool | str = True) -> dict[str, Any]: ...
 @overload
 def load(state: MutableMapping[str, Any], path: str | os.PathLike, *,
-         allow_pickle: bool = False, verify: bool = True, atomic: bool = True) -> int: ...
+         allow_pickle: bool = False, verify: bool | str = True,
+         atomic: bool = True) -> int: ...
 
 
-def load(state: Any, path: Any = None, *, allow_pickle: bool = False, verify: bool = True,
-         atomic: bool = True, map_location: MapLocation = None) -> Any:
+def load(state: Any, path: Any = None, *, allow_pickle: bool = False,
+         verify: bool | str = True, atomic: bool = True,
+         map_location: MapLocation = None) -> Any:
     """Load the checkpoint directory ``path`` into ``state`` in place; returns its step.
 
     ``load(path)`` without a state returns the saved structure instead, like ``torch.load``:
@@ -120,11 +123,14 @@ def load(state: Any, path: Any = None, *, allow_pickle: bool = False, verify: bo
     Under torch.distributed each rank loads the boxes it holds (any world size).
     ``atomic=False`` reads CPU tensors straight into the live ones (half the memory traffic
     and no second buffer), at the price that a digest mismatch leaves them partly overwritten.
+    ``verify`` is ``"structure"`` (False), ``"digest"`` (True, the default) or ``"forward"``:
+    see :meth:`CheckpointManager.restore`; a failed forward check puts the models back.
 
     Raises:
         CheckpointNotFoundError: ``path`` holds no committed checkpoint.
         CorruptCheckpointError: the manifest is invalid, a file is missing or truncated, or
             (with ``verify``) a chunk's digest does not match.
+        ForwardCheckError: (``verify="forward"``) the probe's rerun failed.
         StateMismatchError: the checkpoint does not fit ``state``; nothing was changed.
         UnsupportedValueError: it holds pickled values and ``allow_pickle`` is False.
     """
@@ -136,16 +142,29 @@ def load(state: Any, path: Any = None, *, allow_pickle: bool = False, verify: bo
     elif map_location is not None:
         raise TypeError("map_location= applies to load(path) without a state; a state's "
                         "tensors keep their own devices")
+    gate = Gate(verify_level(verify), {} if template_free else state)
+    if template_free and gate.forward:
+        raise ValueError('verify="forward" needs the model to run the probe through: use '
+                         'ckpt.load(state, path, verify="forward")')
     full = os.path.abspath(os.fspath(path))
     storage = PosixStorage(os.path.dirname(full), create=False)
     name = os.path.basename(full)
     manifest = read_manifest(storage, name)
     check_structure(storage, name, manifest)
-    with cf.ThreadPoolExecutor(SaveOptions().write_threads) as pool:
+    group = Group()
+    with cf.ThreadPoolExecutor(SaveOptions().write_threads) as pool, gate:
         if template_free:
-            return read_structure(storage, name, manifest, rank=Group().rank,
-                                  allow_pickle=allow_pickle, verify=verify, pool=pool,
+            return read_structure(storage, name, manifest, rank=group.rank,
+                                  allow_pickle=allow_pickle, verify=gate.digests, pool=pool,
                                   map_location=map_location)
-        load_step(storage, name, manifest, state, rank=Group().rank, allow_pickle=allow_pickle,
-                  verify=verify, pool=pool, in_place=not atomic)
+        try:
+            load_step(storage, name, manifest, gate.target(manifest), rank=group.rank,
+                      allow_pickle=allow_pickle, verify=gate.digests, pool=pool,
+                      in_place=not atomic)
+        except Exception:
+            gate.agree(group, False)  # ranks run the forward check all or none
+            raise
+        error = gate.check(None, manifest, group, full)
+        if error is not None:
+            raise error
     return manifest.step

@@ -49,3 +49,8 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 class StorageError(CheckpointError, OSError):
     """The storage backend failed to read, write or commit (the backend's error is chained)."""
+
+
+class ForwardCheckError(CorruptCheckpointError):
+    """A restored step failed its forward check (``verify="forward"``): NaN/Inf weights or
+    outputs, or an output that differs from the one recorded at save time."""

@@ -20,6 +20,7 @@ from .engine import BackgroundWriter, SaveHandle, Stager
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      CorruptCheckpointError, StorageError)
 from .format import MANIFEST_NAME, Manifest, step_dir
+from .gate import Gate, verify_level
 from .incremental import chain_length, collect, step_dirs
 from .integrity import check_structure, read_manifest
 from .metrics import CheckpointMetrics, default_labels
@@ -319,7 +320,7 @@ class CheckpointManager:
 
     # -- restoring ----------------------------------------------------------------------------
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
-                strict: bool = False) -> int | None:
+                strict: bool = False, verify: str = "digest") -> int | None:
         """Load the newest good checkpoint (or ``step``) into ``state`` in place.
 
         A step that fails validation (a bad manifest, missing or truncated files, a digest
@@ -332,13 +333,25 @@ class CheckpointManager:
         is raised). With ``strict`` or an explicit ``step`` the load is atomic: fresh
         buffers first, and a failed load changes nothing.
 
+        ``verify`` chooses what a step must pass (ckpt/gate.py): ``"structure"`` (manifest
+        and file sizes; chunk digests not computed, so a flipped bit is loaded as it is),
+        ``"digest"`` (also every chunk's digest; the default) or ``"forward"`` (also the
+        probe recorded at save time, rerun through the restored model, must give finite
+        outputs that agree with the recorded ones; a step without a probe passes with a
+        logged warning). A step failing its forward check is skipped like a digest
+        mismatch; when ``restore`` raises at that level, the state's models are put back as
+        they were.
+
         Returns:
             The restored step, or None when the root has no checkpoint yet.
 
         Raises:
             StateMismatchError: the checkpoint does not fit ``state`` (nothing is changed).
             CorruptCheckpointError: every committed step failed validation (or ``strict``).
+            ForwardCheckError: every step failed its forward check; the message lists each
+                step's reason (and says so when the model's code changed).
         """
+        gate = Gate(verify_level(verify), state)
         if not self.read_only and not self._closed:
             self.wait()
         try:
@@ -347,11 +360,12 @@ class CheckpointManager:
             raise StorageError(f"listing the steps of {self.root} failed: {e}",
                                path=self.root) from e
         failures = []
-        with cf.ThreadPoolExecutor(self.options.write_threads) as pool:
+        with cf.ThreadPoolExecutor(self.options.write_threads) as pool, gate:
             for s in candidates:
                 # In place when a failure falls back to another step (which overwrites what a
                 # half-read step left); atomic (fresh buffers) when it would be raised.
-                error = self._try_load(s, state, pool, in_place=not strict and step is None)
+                error = self._try_load(s, state, pool, in_place=not strict and step is None,
+                                       gate=gate)
                 # Every rank must restore the same step: agree on this one's outcome first.
                 outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
                     _describe(error)]
@@ -379,21 +393,29 @@ class CheckpointManager:
                 self.skipped.append((s, bad[0]))
                 failures.append(f"step {s}: {bad[0]}")
         if failures:
+            gate.all_failed(self.root, failures)
             raise CorruptCheckpointError(
                 f"no committed step under {self.root} could be loaded; `ckpt verify --all "
                 f"{self.root}` gives details:\n  " + "\n  ".join(failures), path=self.root)
         return None
 
     def _try_load(self, step: int, state: MutableMapping[str, Any],
-                  pool: cf.ThreadPoolExecutor, *, in_place: bool) -> BaseException | None:
+                  pool: cf.ThreadPoolExecutor, *, in_place: bool,
+                  gate: Gate | None = None) -> BaseException | None:
         location = step_dir(step)
+        gate = gate or Gate("digest", state)
         try:
             manifest = read_manifest(self.storage, location, step)
             check_structure(self.storage, location, manifest)
-            load_step(self.storage, location, manifest, state, rank=self.group.rank,
-                      allow_pickle=self.allow_pickle, pool=pool, in_place=in_place)
+            load_step(self.storage, location, manifest, gate.target(manifest),
+                      rank=self.group.rank, allow_pickle=self.allow_pickle, pool=pool,
+                      in_place=in_place, verify=gate.digests)
         except Exception as e:  # classified by _describe; re-raised by restore
+            gate.agree(self.group, False)  # ranks run the forward check all or none
             return e
+        forward_error = gate.check(step, manifest, self.group, f"{self.root}/{location}")
+        if forward_error is not None:
+            return forward_error
         self._base = manifest
         return None
 

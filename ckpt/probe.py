@@ -1,5 +1,6 @@
 """Probe: a small fixed input run through the model at save time, so that a checkpoint can
-later be checked by loading it into a fresh model and running the same input again."""
+later be checked by loading it into a model and running the same input again (``ckpt verify
+--level forward`` in a fresh model; ``restore(..., verify="forward")`` in the live one)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,27 @@ from typing import Any, Callable
 import torch
 
 PROBE_ITEM = "__probe__"
+
+# (rtol, atol) by the dtype of the probe's output. The rerun uses the same weights and
+# inputs, but maybe another machine, thread count or kernel, so sums are reduced in another
+# order: a few ulps per operation, compounding over layers. Any real loading fault (a wrong
+# or missing tensor, transposed weights, a wrong dtype) moves outputs by O(1) relative.
+# fp32: 1e-4 relative is ~800 ulps (eps 1.2e-7), far above reordering noise, far below faults.
+# fp16 (eps 9.8e-4) and bf16 (eps 7.8e-3): one rounding flip moves a value by an ulp, so the
+# bounds are a few ulps of those formats. docs/cli.md explains them.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-4, 1e-5),
+    torch.complex128: (1e-7, 1e-9),
+    torch.complex64: (1e-4, 1e-5),
+    torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (5e-2, 1e-2),
+}
+
+
+def tolerance_for(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for comparing outputs of ``dtype``; exact for integer outputs."""
+    return TOLERANCES.get(dtype, (0.0, 0.0))
 
 
 @dataclass(frozen=True)
@@ -51,7 +73,8 @@ def run_forward(model: torch.nn.Module, inputs: Any,
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-    was_training = model.training
+    # Each submodule's own mode comes back (a frozen BatchNorm kept in eval stays in eval).
+    modes = [(m, m.training) for m in model.modules()]
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         model.eval()
@@ -59,7 +82,8 @@ def run_forward(model: torch.nn.Module, inputs: Any,
             out = model(*args)
             loss = float(loss_fn(out, inputs)) if loss_fn is not None else None
         finally:
-            model.train(was_training)
+            for m, training in modes:
+                m.training = training
     if isinstance(out, (tuple, list)):
         out = out[0]
     if isinstance(out, dict):
@@ -67,6 +91,85 @@ def run_forward(model: torch.nn.Module, inputs: Any,
     if loss is not None and not math.isfinite(loss):
         loss = None if math.isnan(loss) else loss
     return out.detach().to("cpu").clone(), loss
+
+
+@dataclass(frozen=True)
+class ProbeFailure:
+    """Why a restored model failed its probe.
+
+    ``mismatch`` is True when weights and output are finite but the output differs from the
+    recorded one (or has another shape): the mark of a model whose code changed since the
+    save. ``max_abs_diff`` is the largest element-wise difference then (None for shapes).
+    """
+
+    reason: str
+    mismatch: bool = False
+    max_abs_diff: float | None = None
+
+
+def check_model(model: torch.nn.Module, probe: dict) -> ProbeFailure | None:
+    """Rerun a recorded probe (the ``__probe__`` value) through ``model`` and judge it.
+
+    Passes when every floating-point weight is finite, the output is finite, and it agrees
+    with the recorded output element-wise, ``|new - recorded| <= atol + rtol * |recorded|``
+    with the tolerance of its dtype (:data:`TOLERANCES`). The forward runs before anything is
+    judged, so under a process group every rank runs it (a model's forward may hold
+    collectives). The loss is not rechecked (the loss function is not in the checkpoint).
+    """
+    try:
+        output, _ = run_forward(model, probe["inputs"])
+    except Exception as e:  # the model's code (or the device), not the checkpoint's bytes
+        return ProbeFailure(f"running the probe's inputs through the model raised "
+                            f"{type(e).__name__}: {e}")
+    recorded = probe["output"]
+    diverged = ("; the output recorded at save time was not finite either: training had "
+                "diverged before this step was saved" if probe.get("finite") is False else "")
+    bad = nonfinite_weights(model)
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        return ProbeFailure(f"weight {bad[0]}{more} of the model hold NaN/Inf{diverged}")
+    if (output.is_floating_point() or output.is_complex()) and not bool(
+            torch.isfinite(output).all()):
+        n = int((~torch.isfinite(output)).sum())
+        return ProbeFailure(f"the probe's output has {n} NaN/Inf of {output.numel()} "
+                            f"values{diverged}")
+    if output.shape != recorded.shape:
+        return ProbeFailure(f"the probe's output has shape {list(output.shape)}, the one "
+                            f"recorded at save time {list(recorded.shape)}", mismatch=True)
+    rtol, atol = tolerance_for(recorded.dtype)
+    wide = torch.complex128 if output.is_complex() else torch.float64
+    new, old = output.to(wide), recorded.to(wide)
+    diff = torch.nan_to_num((new - old).abs(), nan=math.inf)  # a NaN recorded never agrees
+    outside = diff > atol + rtol * old.abs()
+    if not bool(outside.any()):
+        return None
+    worst = float(diff.max())
+    return ProbeFailure(
+        f"the probe's output differs from the one recorded at save time in "
+        f"{int(outside.sum())} of {output.numel()} values (max |diff| {worst:.3g}; tolerance "
+        f"rtol={rtol:g} atol={atol:g} for {str(recorded.dtype).removeprefix('torch.')})",
+        mismatch=True, max_abs_diff=worst)
+
+
+def nonfinite_weights(model: torch.nn.Module) -> list[str]:
+    """Names of the model's floating-point parameters and buffers holding NaN or Inf (the
+    local shard of a DTensor). One ``aminmax`` pass each: it propagates NaN and shows Inf."""
+    bad, seen = [], set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+            continue
+        if id(t) in seen:  # a tied weight, under its second name
+            continue
+        seen.add(id(t))
+        local = t.detach().to_local() if hasattr(t, "to_local") else t.detach()
+        if local.numel() == 0:
+            continue
+        if local.is_complex():
+            local = torch.view_as_real(local)
+        low, high = torch.aminmax(local)
+        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+            bad.append(name)
+    return bad
 
 
 def _qualified_name(fn: Callable | None) -> str | None:

@@ -24,7 +24,7 @@ from .format import Chunk, Manifest
 from .integrity import chunk_path, digest
 from .sharding import Box, dtensor_type, intersect, local_piece, source_rank, sub_slices
 from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
-                    item_tree, tensor_keys)
+                    item_tree, load_stateful, tensor_keys)
 
 
 def _live_state(state: MutableMapping[str, Any], rank: int) -> FlatState:
@@ -174,7 +174,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
         kind = manifest.items[name]["kind"]
         try:
             if kind in ("module", "stateful"):
-                state[name].load_state_dict(value)
+                load_stateful(state[name], value)
             elif kind == "tensor":
                 with torch.no_grad():
                     state[name].copy_(value)

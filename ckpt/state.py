@@ -18,10 +18,12 @@ from __future__ import annotations
 import base64
 import math
 import pickle
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
+import torch.utils.data
 
 from .errors import StateMismatchError, UnsupportedValueError
 from .sharding import dtensor_type
@@ -29,6 +31,36 @@ from .sharding import dtensor_type
 TENSOR, TUPLE, DICT, FLOAT, BYTES, NDARRAY, PICKLE = (
     "__tensor__", "__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__", "__pickle__")
 _TAGS = {TENSOR, TUPLE, DICT, FLOAT, BYTES, NDARRAY, PICKLE}
+
+
+COMPILED_PREFIX = "_orig_mod"  # torch.compile's wrapper module holds the model under this name
+
+
+def plain_name(key: str) -> str:
+    """A module key without torch.compile's ``_orig_mod`` segments (``_orig_mod.fc.weight``
+    and ``fc.weight`` name the same parameter)."""
+    if COMPILED_PREFIX not in key:
+        return key
+    return ".".join(p for p in key.split(".") if p != COMPILED_PREFIX)
+
+
+def module_state_dict(module: torch.nn.Module, keep_vars: bool = False) -> dict[str, Any]:
+    """``module.state_dict()`` under plain names, whether the module (or a submodule) was
+    compiled with ``torch.compile`` or not, so compiled and plain models share checkpoints."""
+    sd = module.state_dict(keep_vars=keep_vars)
+    if not any(COMPILED_PREFIX in k for k in sd):
+        return sd
+    return type(sd)((plain_name(k), v) for k, v in sd.items())
+
+
+def load_stateful(obj: Any, value: Any) -> None:
+    """``obj.load_state_dict(value)``; a module gets plain names mapped back to its own
+    (``_orig_mod.`` names when it is compiled)."""
+    if isinstance(obj, torch.nn.Module) and isinstance(value, Mapping):
+        own = {plain_name(k): k for k in obj.state_dict(keep_vars=True)}
+        if any(own_key != plain for plain, own_key in own.items()):
+            value = type(value)((own.get(k, k), v) for k, v in value.items())
+    obj.load_state_dict(value)
 
 
 def is_stateful(obj: Any) -> bool:
@@ -99,6 +131,11 @@ class _Flattener:
         numpy_value = _encode_numpy(self, value, path)
         if numpy_value is not None:
             return numpy_value
+        if isinstance(value, torch.utils.data.DataLoader):
+            raise UnsupportedValueError(
+                f"{path}: a torch DataLoader has no saved position; use torchdata's "
+                "StatefulDataLoader, or trainer.ResumableLoader over a trainer.ResumableSampler "
+                "(docs/guide.md, 'Exact resume')", path=path)
         if self.allow_pickle:
             return {PICKLE: base64.b64encode(pickle.dumps(value)).decode()}
         raise UnsupportedValueError(
@@ -154,6 +191,7 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, rank: int =
     """
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of items, not {type(state).__name__}")
+    _warn_global_rng_loaders(state)
     f = _Flattener(allow_pickle)
     for name, obj in state.items():
         if not isinstance(name, str) or not name or "/" in name:
@@ -162,8 +200,7 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, rank: int =
             f.flat.items[name] = {"kind": "tensor", "tree": f.tensor(obj, name)}
         elif is_stateful(obj):
             kind = "module" if isinstance(obj, torch.nn.Module) else "stateful"
-            sd = obj.state_dict(keep_vars=True) if keep_vars and kind == "module" else \
-                obj.state_dict()
+            sd = module_state_dict(obj, keep_vars) if kind == "module" else obj.state_dict()
             if is_per_rank(obj):
                 tree = f.encode(sd, f"{name}@{rank}")
                 f.flat.items[name] = {"kind": kind, "per_rank": {str(rank): tree}}
@@ -172,6 +209,25 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, rank: int =
         else:
             f.flat.items[name] = {"kind": "value", "tree": f.encode(obj, name)}
     return f.flat
+
+
+def _warn_global_rng_loaders(state: Mapping[str, Any]) -> None:
+    """Warn about a saved DataLoader that seeds its iterators from the global torch RNG
+    while the state also restores that RNG: ``iter(loader)`` after ``restore()`` then draws
+    from the restored stream, and the model's random stream shifts."""
+    from .rng import RNGState
+
+    if not any(isinstance(obj, RNGState) for obj in state.values()):
+        return
+    for name, obj in state.items():
+        if isinstance(obj, torch.utils.data.DataLoader) and is_stateful(obj) and \
+                getattr(obj, "generator", False) is None:
+            warnings.warn(
+                f"'{name}': this DataLoader has no generator=, so each iter() draws a seed "
+                "from the global torch RNG that ckpt.RNGState restores: after a resume the "
+                "random stream (dropout, sampling) differs from an uninterrupted run. Pass "
+                "generator=torch.Generator().manual_seed(SEED) (docs/guide.md, 'Exact "
+                "resume')", RuntimeWarning, stacklevel=4)
 
 
 def decode(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False) -> Any:

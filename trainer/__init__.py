@@ -1,7 +1,7 @@
 """Training-side helpers used with ckpt: resumable data sampling, a tiny demo model, and an
 elastic trainer for torchrun."""
 
-from trainer.data import ResumableSampler
+from trainer.data import ResumableLoader, ResumableSampler
 from trainer.elastic import ElasticSummary, ElasticTrainer, Recovery
 from trainer.health import HealthGuard, TrainingHealthError
 from trainer.heartbeat import Heartbeat, PeerLoss
@@ -14,6 +14,7 @@ __all__ = [
     "Heartbeat",
     "PeerLoss",
     "Recovery",
+    "ResumableLoader",
     "ResumableSampler",
     "TrainerMetrics",
     "TrainingHealthError",

@@ -12,7 +12,8 @@ probe recorded at save time (:class:`ckpt.Probe`).
    and the data file of the chunk that holds it.
 4. Rerun the forward (``ckpt.probe.run_forward``) and compare with the recorded output:
    ``|new - recorded| <= atol + rtol * |recorded|`` element-wise (``torch.allclose``), with
-   the tolerance of the output's dtype (:data:`TOLERANCES`); NaN or Inf in the new output is
+   the tolerance of the output's dtype (:data:`ckpt.probe.TOLERANCES`, shared with
+   ``restore(..., verify="forward")``); NaN or Inf in the new output is
    a failure. The loss is compared the same way when the probe recorded one and a loss
    function is known (``--loss module:callable``).
 """
@@ -32,37 +33,17 @@ import torch
 
 import ckpt
 from ckpt.format import Manifest, step_dir
-from ckpt.probe import PROBE_ITEM, run_forward
+# TOLERANCES is re-exported by verify/__init__.py (its table lives in ckpt.probe, for restore)
+from ckpt.probe import PROBE_ITEM, TOLERANCES, run_forward, tolerance_for  # noqa: F401
 from ckpt.state import TENSOR, item_tree
 
 from .report import Problem, UsageError
-
-# (rtol, atol) by the dtype of the probe's output. The rerun uses the same weights and
-# inputs, but maybe another machine, thread count or kernel, so sums are reduced in another
-# order: a few ulps per operation, compounding over layers. Any real loading fault (a wrong
-# or missing tensor, transposed weights, a wrong dtype) moves outputs by O(1) relative.
-# fp32: 1e-4 relative is ~800 ulps (eps 1.2e-7), far above reordering noise, far below faults.
-# fp16 (eps 9.8e-4) and bf16 (eps 7.8e-3): one rounding flip moves a value by an ulp, so the
-# bounds are a few ulps of those formats.
-TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-7, 1e-9),
-    torch.float32: (1e-4, 1e-5),
-    torch.complex128: (1e-7, 1e-9),
-    torch.complex64: (1e-4, 1e-5),
-    torch.float16: (1e-2, 1e-3),
-    torch.bfloat16: (5e-2, 1e-2),
-}
 
 _SPEC = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
 NO_PROBE_HINT = (
     "record one by saving with a probe: ckpt.CheckpointManager(root, probe=ckpt.Probe("
     "model_key='model', inputs=<a small batch>, factory='mypkg.models:build')); "
     "the structure and digest levels need no probe")
-
-
-def tolerance_for(dtype: torch.dtype) -> tuple[float, float]:
-    """(rtol, atol) for comparing outputs of ``dtype``; exact for integer outputs."""
-    return TOLERANCES.get(dtype, (0.0, 0.0))
 
 
 @contextlib.contextmanager

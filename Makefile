@@ -26,7 +26,11 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_incremental.py
 	$(PY) benchmarks/bench_storage.py
 	$(PY) benchmarks/bench_verify.py
+	$(PY) benchmarks/bench_forward_gate.py
 	$(PY) benchmarks/bench_elastic.py
+	$(PY) benchmarks/bench_sharded.py
+	$(PY) benchmarks/bench_compression.py
+	$(PY) benchmarks/bench_cuda.py
 
 clean:
 	rm -rf $(VENV) demo-run bench-out

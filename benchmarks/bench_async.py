@@ -308,7 +308,7 @@ def main() -> None:
     workdir = common.fresh_dir(os.path.join(args.dir, "async"))
     default_threads = torch.get_num_threads()
     print(f"Machine: {common.machine_description()}")
-    print(f"Data directory: {workdir}")
+    print(f"Data directory: {common.describe_dir(workdir)}")
     print(f"ckpt code: commit {common.code_version()}")
     print(f"ckpt SaveOptions: {ckpt.SaveOptions()}")
     print("Ratios are time ratios (below 1 is faster).")

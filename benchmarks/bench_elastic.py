@@ -187,7 +187,8 @@ def main() -> int:
     print(f"tiny LM, {a.steps} steps, global batch 12, checkpoint every {a.every}, 3 nodes "
           f"-> kill rank {a.victim}'s node at step {kill_at}; heartbeat timeout "
           f"{a.heartbeat_timeout:.0f}s, collective timeout {a.collective_timeout:.0f}s, "
-          f"last_call_timeout {a.last_call_timeout}s; work dir {work}", flush=True)
+          f"last_call_timeout {a.last_call_timeout}s; work dir "
+          f"{'given with --dir' if a.dir else 'a temporary directory'}", flush=True)
 
     base = None
     if not a.no_baseline:

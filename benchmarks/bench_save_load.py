@@ -14,11 +14,13 @@ raw, ckpt and DCP read in place; torch.load and safetensors return new tensors, 
 then copied into the destinations (the copy ``load_state_dict`` would do) inside the timing.
 
 Goals (reported, not asserted): ckpt save >= 0.9x raw write+fsync and faster than DCP;
-ckpt load >= 0.9x raw read.
+ckpt load >= 0.9x raw read, with extra memory <= max(256 MiB, 5% of the state). A third table
+gives each load's extra memory: how far the process's peak resident memory rose during it.
 
 Run from the repository root::
 
     python benchmarks/bench_save_load.py [--sizes 256M,1G] [--shapes many,few] [--reps 3]
+        [--methods raw,ckpt]   # only these rows (raw is always run: it is the anchor)
 """
 
 from __future__ import annotations
@@ -111,12 +113,13 @@ METHODS: list[tuple[str, Callable[[State, str], None], Callable[[State, str], No
     ("safetensors", safetensors_save, safetensors_load),
     ("DCP", dcp_save, dcp_load),
 ]
-CKPT_IN_PLACE = "ckpt load, atomic=False (as restore)"
+CKPT_IN_PLACE = "ckpt load, atomic=False (one pass)"
 
 
 def make_case(name: str, save: Callable[[State, str], None], load: Callable[[State, str], None],
               state: State, dest: State, path: str, cold: bool) -> Callable[[int], dict[str, float]]:
-    """One repetition of one method: save (timed), load (timed), check, remove the files."""
+    """One repetition of one method: save (timed), load (timed, with its peak extra
+    memory), check, remove the files."""
 
     def case(rep: int) -> dict[str, float]:
         common.remove(path)
@@ -128,62 +131,83 @@ def make_case(name: str, save: Callable[[State, str], None], load: Callable[[Sta
             t.zero_()
         if cold:
             common.drop_page_cache()
-        with common.Stopwatch() as sw_load:
+        with common.PeakMemory() as mem, common.Stopwatch() as sw_load:
             load(dest, path)
         if rep == 0 and not common.same_values(state, dest):
             raise AssertionError(f"{name}: loaded values differ from the saved ones")
         result = {"save": sw_save.seconds, "save_cpu": sw_save.cpu_seconds,
-                  "load": sw_load.seconds, "load_cpu": sw_load.cpu_seconds}
+                  "load": sw_load.seconds, "load_cpu": sw_load.cpu_seconds,
+                  "load_extra": mem.extra_bytes or 0}
         if name == "ckpt":  # the same files again, read straight into the destinations
             for t in dest.values():
                 t.zero_()
             if cold:
                 common.drop_page_cache()
-            with common.Stopwatch() as sw:
+            with common.PeakMemory() as mem, common.Stopwatch() as sw:
                 ckpt_load_in_place(dest, path)
             if rep == 0 and not common.same_values(state, dest):
                 raise AssertionError("ckpt in-place load: loaded values differ")
             result["load_in_place"] = sw.seconds
             result["load_in_place_cpu"] = sw.cpu_seconds
+            result["load_in_place_extra"] = mem.extra_bytes or 0
         common.remove(path)
         return result
 
     return case
 
 
-def bench_one(size: int, shape: str, reps: int, workdir: str, cold: bool) -> str:
-    """Run every method on one state; return the two markdown tables."""
+def bench_one(size: int, shape: str, reps: int, workdir: str, cold: bool,
+              methods: list[str] | None = None) -> str:
+    """Run every method (or those named in ``methods``) on one state; return the tables."""
     state = common.make_state(size, shape)
     dest = common.empty_like_state(state)
     nbytes = common.state_bytes(state)
+    chosen = [m for m in METHODS if methods is None or m[0] in methods or m is METHODS[0]]
     cases = [(name, make_case(name, save, load, state, dest,
                               os.path.join(workdir, f"m{i}"), cold))
-             for i, (name, save, load) in enumerate(METHODS)]
+             for i, (name, save, load) in enumerate(chosen)]
     label = f"{common.format_size(size)}, {shape}"
     timings = common.run_interleaved(cases, reps, progress=label)
 
-    raw, ckpt_row, dcp_row = METHODS[0][0], "ckpt", METHODS[-1][0]
-    save_rows = [common.Row(n, timings[n]["save"], timings[n]["save_cpu"]) for n, _, _ in METHODS]
-    load_rows = [common.Row(n, timings[n]["load"], timings[n]["load_cpu"]) for n, _, _ in METHODS]
-    load_rows.insert(3, common.Row(CKPT_IN_PLACE, timings[ckpt_row]["load_in_place"],
-                                   timings[ckpt_row]["load_in_place_cpu"]))
+    names = [n for n, _, _ in chosen]
+    raw = METHODS[0][0]
+    anchors = [a for a in (raw, RAW_PARALLEL) if a in names]
+    save_rows = [common.Row(n, timings[n]["save"], timings[n]["save_cpu"]) for n in names]
+    load_rows = [common.Row(n, timings[n]["load"], timings[n]["load_cpu"]) for n in names]
+    extra = {n: timings[n]["load_extra"] for n in names}
+    if "ckpt" in names:
+        at = names.index("ckpt") + 1
+        load_rows.insert(at, common.Row(CKPT_IN_PLACE, timings["ckpt"]["load_in_place"],
+                                        timings["ckpt"]["load_in_place_cpu"]))
+        extra[CKPT_IN_PLACE] = timings["ckpt"]["load_in_place_extra"]
     count = len(state)
     title = (f"{common.format_size(nbytes)} in {count} fp32 tensors "
              f"({common.format_size(nbytes // count)} each), {reps} reps")
+    memory = common.markdown_table(
+        ["method", "median extra MiB", "max extra MiB", "% of state"],
+        [[r.name, f"{common.median(extra[r.name]) / common.MiB:.0f}",
+          f"{max(extra[r.name]) / common.MiB:.0f}", f"{100 * max(extra[r.name]) / nbytes:.0f}"]
+         for r in load_rows])
     return "\n".join([
         f"### Save: {title}", "",
-        common.throughput_table(save_rows, nbytes, anchors=[raw, RAW_PARALLEL, dcp_row]), "",
+        common.throughput_table(save_rows, nbytes,
+                                anchors=anchors + (["DCP"] if "DCP" in names else [])), "",
         f"### Load ({'cold' if cold else 'warm'} page cache): {title}", "",
-        common.throughput_table(load_rows, nbytes, anchors=[raw, RAW_PARALLEL]), "",
+        common.throughput_table(load_rows, nbytes, anchors=anchors), "",
+        f"### Load memory (peak resident memory above the start): {title}", "",
+        memory, "",
     ])
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0], default_reps=3)
+    args = common.parse_args(__doc__.splitlines()[0], default_reps=3, extra=lambda p: p.add_argument(
+        "--methods", default="", help="comma-separated rows to run (default: all): "
+        + ", ".join(n for n, _, _ in METHODS)))
+    methods = [m for m in args.methods.split(",") if m] or None
     workdir = common.fresh_dir(os.path.join(args.dir, "save_load"))
     cold = common.drop_page_cache()
     print(f"Machine: {common.machine_description()}")
-    print(f"Data directory: {workdir}")
+    print(f"Data directory: {common.describe_dir(workdir)}")
     print(f"Loads are {'COLD (page cache dropped before each save and load)' if cold else 'WARM (cannot drop the page cache: not root?)'}")
     print(f"ckpt code: commit {common.code_version()}")
     print(f"ckpt SaveOptions: {ckpt.SaveOptions()}")
@@ -193,7 +217,7 @@ def main() -> None:
     print()
     for size in args.sizes:
         for shape in args.shapes:
-            print(bench_one(size, shape, args.reps, workdir, cold), flush=True)
+            print(bench_one(size, shape, args.reps, workdir, cold, methods), flush=True)
     print(f"Load average at end: {common.load_average()}")
     print(common.GATE.summary())
     common.remove(workdir)

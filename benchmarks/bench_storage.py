@@ -165,7 +165,7 @@ def main() -> None:
                         + paired("ckpt tensorstore+file",
                                  *ckpt_cases(ts_root, state, dest, cold)),
                         args.reps, progress=f"disk {common.format_size(size)} {shape}")
-                report(f"local disk ({args.dir}, {'cold' if cold else 'warm'} loads), {label}",
+                report(f"local disk ({common.describe_dir(args.dir)}, {'cold' if cold else 'warm'} loads), {label}",
                        timings, nbytes, "ckpt posix")
     finally:
         server.stop()

@@ -213,6 +213,35 @@ def raw_load_parallel(dest: dict[str, torch.Tensor], path: str, threads: int = 2
         list(pool.map(raw_load, groups, [os.path.join(path, str(i)) for i in range(len(groups))]))
 
 
+class PeakMemory:
+    """``with PeakMemory() as m: ...`` then ``m.extra_bytes``: how far this process's peak
+    resident memory rose above what it held at the start (Linux: the peak is reset by
+    writing 5 to /proc/self/clear_refs; None where that is not possible). Page cache is not
+    resident memory of the process, so a load's extra buffers are what this counts."""
+
+    def __enter__(self) -> PeakMemory:
+        self.extra_bytes: int | None = None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5\n")
+            self._start = _status_kib("VmRSS")
+        except OSError:
+            self._start = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._start is not None:
+            self.extra_bytes = max(0, _status_kib("VmHWM") - self._start) * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
+
+
 # -- timing -----------------------------------------------------------------------------------
 
 Timings = dict[str, dict[str, list[float]]]  # case -> metric -> seconds, one per repetition
@@ -385,6 +414,24 @@ def machine_description() -> str:
             f"({torch.get_num_threads()} intra-op threads), Python {platform.python_version()}")
 
 
+def describe_dir(path: str) -> str:
+    """Where data goes, without this machine's paths: the file system type and whether it
+    is the repository's own bench-out/ (the default) or a directory given with --dir."""
+    where = "bench-out/ in the repository" if os.path.abspath(path).startswith(
+        os.path.abspath(DEFAULT_DIR)) else "a directory given with --dir"
+    fstype = "unknown"
+    try:
+        best = ""
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if os.path.abspath(path).startswith(parts[1]) and len(parts[1]) > len(best):
+                    best, fstype = parts[1], parts[2]
+    except OSError:
+        pass
+    return f"{where} (file system: {fstype})"
+
+
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages (other processes compete for CPU and disk)."""
     try:
@@ -394,15 +441,19 @@ def load_average() -> str:
         return "unknown"
 
 
+CODE_DIRS = ("ckpt", "storage_backends", "benchmarks", "trainer", "verify")
+
+
 def code_version() -> str:
-    """The commit of the ckpt code measured, and whether ckpt/ or storage_backends/ differ
-    from it (so a table can be tied to the code that produced it)."""
+    """The commit of the code measured, and whether the code (CODE_DIRS) differs from it
+    (so a table can be tied to the code that produced it)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                               capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ckpt", "storage_backends"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                *CODE_DIRS],
                                cwd=REPO_ROOT, capture_output=True, text=True,
                                check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
-    return f"{head}{' + uncommitted changes in ckpt/ or storage_backends/' if dirty else ''}"
+    return f"{head}{' + uncommitted changes in ' + ', '.join(CODE_DIRS) if dirty else ''}"

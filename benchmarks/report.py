@@ -10,6 +10,12 @@ plots, and draws with matplotlib (a benchmark-only dependency, the ``bench`` ext
 * bytes written per save, full vs incremental, from bench_incremental;
 * the recovery timeline of the elastic kill test, from bench_elastic.
 
+Only committed code is measured: it refuses to run while ckpt/, storage_backends/,
+benchmarks/, trainer/ or verify/ differ from the last commit, every table's heading names
+the commit it ran on, ``--reuse`` takes only results recorded at the current commit, and
+paths of the machine it ran on (the repository, temporary directories, home) are replaced
+by placeholders.
+
 Run from the repository root::
 
     python benchmarks/report.py [--quick] [--reuse] [--only async,incremental]
@@ -22,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +49,11 @@ SCRIPTS = {
     "incremental": ("bench_incremental.py", ["--reps", "3"], ["--reps", "1"]),
     "storage": ("bench_storage.py", [], ["--reps", "1"]),
     "verify": ("bench_verify.py", [], []),
+    "forward_gate": ("bench_forward_gate.py", [], ["--reps", "3", "--only", "demo"]),
     "elastic": ("bench_elastic.py", [], []),
+    "compression": ("bench_compression.py", ["--sizes", "256M", "--reps", "3"],
+                    ["--sizes", "64M", "--reps", "1", "--rates", "0.5"]),
+    "cuda": ("bench_cuda.py", ["--sizes", "1G,2G", "--reps", "3"], ["--sizes", "256M", "--reps", "1"]),
 }
 TITLES = {
     "save_load": "Save and load throughput (Foundation issue)",
@@ -51,8 +62,12 @@ TITLES = {
     "incremental": "Incremental saves and compression (Incremental issue)",
     "storage": "Storage backends: S3 (moto) against DCP, tensorstore against POSIX",
     "verify": "Verification throughput (Verification issue)",
+    "forward_gate": "Verified resume: restore verify=\"forward\" against \"digest\" (issue 19)",
     "elastic": "Elastic recovery timeline (Elastic issue)",
+    "compression": "Compression that keeps up: zstd levels, threads, throttled storage",
+    "cuda": "GPU: overlapped save, restore onto the device, against DCP",
 }
+COMMIT_TAG = "<!-- measured at commit {} -->"
 
 
 def run(name: str, quick: bool) -> str:
@@ -67,9 +82,28 @@ def run(name: str, quick: bool) -> str:
         text += f"\n\n(exited {out.returncode}; stderr tail)\n\n```\n{out.stderr[-3000:]}\n```\n"
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write(text)
+        f.write(COMMIT_TAG.format(common.code_version()) + "\n" + text)
     print(f"  {name}: {time.time() - t0:.0f} s", file=sys.stderr)
     return text
+
+
+def scrub(text: str) -> str:
+    """Replace this machine's paths (repository, temporary directories, home) by placeholders."""
+    for path, name in ((common.REPO_ROOT, "<repo>"), (tempfile.gettempdir(), "<tmp>"),
+                       (os.path.expanduser("~"), "<home>")):
+        if path and path != "/":
+            text = text.replace(path, name)
+    return text
+
+
+def tag_tables(text: str, commit: str) -> str:
+    """Every table heading names the commit it ran on."""
+    return re.sub(r"^(###? .*)$", lambda m: f"{m.group(1)} (commit {commit})", text, flags=re.M)
+
+
+def recorded_commit(text: str) -> str | None:
+    m = re.match(re.escape(COMMIT_TAG).replace(r"\{\}", "(.*)"), text)
+    return m.group(1) if m else None
 
 
 def tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -194,27 +228,38 @@ def main() -> None:
                         help="re-render from bench-out/results/ without running")
     parser.add_argument("--only", default="", help="comma-separated subset of scripts to run")
     args = parser.parse_args()
+    commit = common.code_version()
+    if "+" in commit or commit.startswith("unknown"):
+        sys.exit(f"report.py measures committed code only: commit first ({commit})")
     only = [n for n in args.only.split(",") if n] or list(SCRIPTS)
     outputs = {}
     for name in SCRIPTS:
         saved = os.path.join(RESULTS, f"{name}.md")
         if name in only and not args.reuse:
-            outputs[name] = run(name, args.quick)
+            text = run(name, args.quick)
         elif os.path.exists(saved):
             with open(saved) as f:
-                outputs[name] = f.read()
+                text = f.read()
+            if recorded_commit(text) != commit:
+                print(f"  {name}: skipped, its saved result was measured at "
+                      f"{recorded_commit(text)}, not {commit}", file=sys.stderr)
+                continue
+        else:
+            continue
+        outputs[name] = scrub(tag_tables(text.split("\n", 1)[1], commit))
     plots = [p for p in (
         plot_blocking(outputs.get("async", ""), outputs.get("save_load", "")),
         plot_incremental(outputs.get("incremental", "")),
         plot_recovery(outputs.get("elastic", ""))) if p]
     parts = ["# Benchmarks", "",
-             "Written by `python benchmarks/report.py` (which runs every `benchmarks/bench_*.py`).",
+             "Written by `python benchmarks/report.py` (which runs every `benchmarks/bench_*.py`)",
+             f"at commit {commit}; each table's heading names the commit it ran on.",
              f"Machine: {common.machine_description()}. Disk and CPUs are shared and noisy:",
              "compare ratios measured side by side in one run, not numbers across sections.",
              "See docs/benchmark-notes.md for the reading of each goal.", ""]
     parts += [f"![{p}]({p})" for p in plots] + [""]
     for name, text in outputs.items():
-        parts += [f"## {TITLES[name]}", "", text.strip(), ""]
+        parts += [f"## {TITLES[name]} (commit {commit})", "", text.strip(), ""]
     with open(DOC, "w") as f:
         f.write("\n".join(parts) + "\n")
     print(f"wrote {DOC} with {len(plots)} plots", file=sys.stderr)

@@ -1,10 +1,12 @@
 """ckpt: fault-tolerant checkpoints for PyTorch training."""
 
+from . import inspect
 from .adapters import ModelOptimizer
 from .api import CheckpointExistsError, async_save, load, save
 from .engine import SaveHandle, SaveResult
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
-                     CorruptCheckpointError, ForwardCheckError, StateMismatchError,
+                     CorruptCheckpointError, ForwardCheckError, PartialLoadError,
+                     StateMismatchError,
                      StorageError, UnsupportedValueError)
 from .manager import CheckpointManager
 from .options import SaveOptions
@@ -21,6 +23,7 @@ __all__ = [
     "CorruptCheckpointError",
     "ForwardCheckError",
     "ModelOptimizer",
+    "PartialLoadError",
     "PerRank",
     "Probe",
     "RNGState",
@@ -31,6 +34,7 @@ __all__ = [
     "StorageError",
     "UnsupportedValueError",
     "async_save",
+    "inspect",
     "load",
     "save",
 ]

@@ -120,9 +120,12 @@ def load(state: Any, path: Any = None, *, allow_pickle: bool = False,
     plain value (tensors on the CPU, or moved with ``map_location``; tied tensors stay one
     object). Example: ``sd = ckpt.load("ckpt/one")["model"]``.
 
-    Under torch.distributed each rank loads the boxes it holds (any world size).
-    ``atomic=False`` reads CPU tensors straight into the live ones (half the memory traffic
-    and no second buffer), at the price that a digest mismatch leaves them partly overwritten.
+    Under torch.distributed each rank loads the boxes it holds (any world size). Every
+    chunk is verified before the first live tensor is written, through a few chunk-sized
+    buffers (the extra memory does not grow with the state); the files are then read again,
+    from the page cache, straight into the tensors. ``atomic=False`` reads once, verifying
+    each chunk where it lands: a digest mismatch then raises :class:`PartialLoadError`,
+    which names the tensors it overwrote.
     ``verify`` is ``"structure"`` (False), ``"digest"`` (True, the default) or ``"forward"``:
     see :meth:`CheckpointManager.restore`; a failed forward check puts the models back.
 
@@ -133,6 +136,8 @@ def load(state: Any, path: Any = None, *, allow_pickle: bool = False,
         ForwardCheckError: (``verify="forward"``) the probe's rerun failed.
         StateMismatchError: the checkpoint does not fit ``state``; nothing was changed.
         UnsupportedValueError: it holds pickled values and ``allow_pickle`` is False.
+        PartialLoadError: reading failed after live tensors were written (``atomic=False``,
+            or a file removed between the two reads); the message says which.
     """
     template_free = path is None
     if template_free:

@@ -1,107 +1,146 @@
 """The ``ckpt`` command: ``ls``, ``inspect``, ``verify``, ``diff``, ``export`` and ``gc``.
 
 Exit codes: 0 all good; 1 a check failed; 2 usage or environment error (missing root...).
-Every subcommand takes ``--json`` for machine-readable output on stdout. This module parses
-arguments and prints; the checks, comparisons, exports and their renderings live in the
-``verify`` package (usable as a library).
+Every subcommand takes ``--json`` for machine-readable output on stdout, and a root or one
+checkpoint directory (a step directory, or what ``ckpt.save`` wrote). This module parses
+arguments, prints, and runs ``gc``; checkpoints are read through :mod:`ckpt.inspect` only,
+and the checks, comparisons, exports and their renderings live in the ``verify`` package
+(usable as a library).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
-from typing import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
 
 import verify
 from verify.report import EXIT_FAILED, EXIT_OK, EXIT_USAGE, size, table
 
-from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
-from .format import step_dir
-from .manager import CheckpointManager
+from . import inspect
+from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
+                     StorageError)
+from .inspect import Checkpoints
 
-
-def _open(root: str) -> CheckpointManager:
-    return CheckpointManager(root, read_only=True)
+MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with _open(args.root) as mgr:
-        rows = []
-        for step in mgr.steps():
-            try:
-                m = mgr.manifest(step)
-                rows.append({"step": step, "created": m.created, "bytes": sum(m.files.values()),
-                             "files": len(m.files), "tensors": len(m.tensors),
-                             "world_size": m.world_size, "status": "committed"})
-            except CheckpointError as e:
-                rows.append({"step": step, "created": None, "bytes": None, "files": None,
-                             "tensors": None, "world_size": None, "status": f"bad: {e}"})
+    cps = inspect.open(args.root)
+    rows = []
+    for step in cps.steps():
+        try:
+            m = cps.manifest(step)
+            rows.append({"step": step, "created": m.created, "bytes": sum(m.files.values()),
+                         "files": len(m.files), "tensors": len(m.tensors),
+                         "world_size": m.world_size, "status": "committed"})
+        except CheckpointError as e:
+            rows.append({"step": step, "created": None, "bytes": None, "files": None,
+                         "tensors": None, "world_size": None, "status": f"bad: {e}"})
     if args.json:
-        print(json.dumps({"root": mgr.root, "steps": rows}, indent=2))
+        print(verify.to_json({"root": cps.url, "steps": rows}))
         return EXIT_OK
     if not rows:
-        print(f"{mgr.root}: no committed steps")
+        print(f"{cps.url}: no committed steps")
         return EXIT_OK
     print(table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "STATUS"], [
-        [r["step"], time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"]))
-         if r["created"] else "-", size(r["bytes"]) if r["bytes"] is not None else "-",
+        [r["step"], _when(r["created"]), size(r["bytes"]) if r["bytes"] is not None else "-",
          r["files"] or "-", r["tensors"] or "-", r["world_size"] or "-",
          r["status"][:60]] for r in rows]))
     return EXIT_OK
 
 
+def _when(created: float | None) -> str:
+    """A manifest's creation time for a table; a hand-edited one may be NaN or 1e300."""
+    if created is None:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+    except (ValueError, OverflowError, OSError):
+        return f"invalid ({created:g})"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    with _open(args.root) as mgr:
-        step = _steps(mgr, args)[0]
-        m = mgr.manifest(step)
+    cps = inspect.open(args.root)
+    step = _steps(cps, args)[0]
+    m = cps.manifest(step)
     tensors = [{"key": k, "dtype": e.dtype, "shape": list(e.shape), "chunks": len(e.chunks),
                 "bytes": e.nbytes, "files": sorted({c.file for c in e.chunks})}
                for k, e in m.tensors.items()]
+    values = {k: inspect.item_tree(v) for k, v in m.items.items() if v.get("kind") == "value"}
+    saved = saved_values(m)
     if args.json:
-        print(json.dumps({"step": m.step, "world_size": m.world_size, "created": m.created,
-                          "tensors": tensors, "aliases": m.aliases,
-                          "items": {k: v["kind"] for k, v in m.items.items()},
-                          "values": {k: v["tree"] for k, v in m.items.items()
-                                     if v["kind"] == "value"},
-                          "metadata": m.metadata}, indent=2))
+        print(verify.to_json({
+            "path": cps.step_url(step), "step": m.step, "world_size": m.world_size,
+            "created": m.created, "tensors": tensors, "aliases": m.aliases,
+            "items": {k: v.get("kind") for k, v in m.items.items()}, "values": values,
+            "state": saved, "parameter_names": inspect.parameter_names(m),
+            "metadata": m.metadata}))
         return EXIT_OK
-    print(f"{mgr.root}/{step_dir(step)}  step {m.step}  world size {m.world_size}  "
+    print(f"{cps.step_url(step)}  step {m.step}  world size {m.world_size}  "
           f"{len(tensors)} tensors  {size(sum(t['bytes'] for t in tensors))}")
     print(table(["TENSOR", "DTYPE", "SHAPE", "CHUNKS", "SIZE"],
                  [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar",
                    t["chunks"], size(t["bytes"])] for t in tensors]))
     for alias, target in m.aliases.items():
         print(f"{alias} -> {target} (same storage)")
-    values = {k: v["tree"] for k, v in m.items.items() if v["kind"] == "value"}
-    if values:
-        print("values:", json.dumps(values)[:2000])
+    lines = [f"  {path}: {_short(value)}" for path, value in
+             inspect.plain_values(values).items()]
+    lines += [f"  {item}/{path}: {_short(value)}" for item, found in saved.items()
+              for path, value in found.items()]
+    if lines:
+        print("saved values:")
+        print("\n".join(lines[:MAX_VALUE_LINES]))
+        if len(lines) > MAX_VALUE_LINES:
+            print(f"  ... and {len(lines) - MAX_VALUE_LINES} more (see --json)")
     return EXIT_OK
 
 
-def _steps(mgr: CheckpointManager, args: argparse.Namespace) -> list[int]:
+def saved_values(manifest: inspect.Manifest) -> dict[str, dict[str, Any]]:
+    """The plain values inside each stateful item (an optimizer's learning rates, a
+    scheduler's step, a sampler's position, a scaler's scale) and module (extra state):
+    item -> {path: value}. Items of a single value are listed as values, not here."""
+    out = {}
+    for name, item in manifest.items.items():
+        if item.get("kind") not in ("stateful", "module"):
+            continue
+        found = {}
+        per_rank = item.get("per_rank")
+        if isinstance(per_rank, dict):
+            for rank, tree in per_rank.items():
+                found.update(inspect.plain_values(tree, f"rank{rank}"))
+        else:
+            found = inspect.plain_values(item.get("tree"))
+        found = {p: v for p, v in found.items() if v != {} and v != []}
+        if found:
+            out[name] = found
+    return out
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    text = verify.to_json(value).replace("\n", "").replace("  ", "") if isinstance(
+        value, (dict, list)) else json.dumps(value) if not isinstance(value, float) or (
+        math.isfinite(value)) else str(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _steps(cps: Checkpoints, args: argparse.Namespace) -> list[int]:
     """The steps a command asks for: ``--all``, ``--step N`` or the newest."""
     if getattr(args, "all", False):
-        steps = mgr.steps()
-    elif args.step is not None:
-        _check_step(mgr, args.step)
+        steps = cps.steps()
+    elif getattr(args, "step", None) is not None:
+        cps.require(args.step)
         steps = [args.step]
     else:
-        latest = mgr.latest_step()
+        latest = cps.latest_step()
         steps = [] if latest is None else [latest]
     if not steps:
-        raise CheckpointNotFoundError(f"{mgr.root} holds no committed step", path=mgr.root)
+        raise CheckpointNotFoundError(f"{cps.url} holds no committed step", path=cps.url)
     return steps
-
-
-def _check_step(mgr: CheckpointManager, step: int) -> None:
-    steps = mgr.steps()
-    if step not in steps:
-        have = steps if len(steps) <= 8 else [*steps[:3], "...", *steps[-3:]]
-        raise CheckpointNotFoundError(
-            f"{mgr.root} has no committed step {step}; it has {have} (see `ckpt ls`)",
-            path=mgr.root)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -109,40 +148,64 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                     or args.atol is not None):
         raise verify.UsageError("--model, --loss, --rtol and --atol are for --level forward")
     reports = []
-    with _open(args.root) as mgr:
-        for step in _steps(mgr, args):
-            progress = None
-            if args.level != "structure":  # drawn only when stderr is a terminal
-                try:
-                    total = sum(c.length for e in mgr.manifest(step).tensors.values()
-                                for c in e.chunks)
-                    progress = verify.ProgressBar(total, f"step {step}")
-                except CheckpointError:
-                    pass  # the verifier reports it
-            reports.append(verify.verify_step(
-                mgr, step, args.level, progress, model=args.model, loss=args.loss,
-                rtol=args.rtol, atol=args.atol, threads=args.threads))
-        report = verify.Report(mgr.root, reports)
+    cps = inspect.open(args.root)
+    for step in _steps(cps, args):
+        progress = None
+        if args.level != "structure":  # drawn only when stderr is a terminal
+            try:
+                total = sum(c.length for e in cps.manifest(step).tensors.values()
+                            for c in e.chunks)
+                progress = verify.ProgressBar(total, f"step {step}")
+            except CheckpointError:
+                pass  # the verifier reports it
+        reports.append(verify.verify_step(
+            cps, step, args.level, progress, model=args.model, loss=args.loss,
+            rtol=args.rtol, atol=args.atol, threads=args.threads))
+    report = verify.Report(cps.url, reports)
     print(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
     return report.exit_code
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    with _open(args.root) as mgr:
-        for step in (args.a, args.b):
-            _check_step(mgr, step)
-        result = verify.diff_steps(mgr, args.a, args.b, threads=args.threads)
+    operands = args.operands
+    if len(operands) == 3:  # ROOT A B: two steps of one root
+        if args.step_a is not None or args.step_b is not None:
+            raise verify.UsageError("--step-a/--step-b are for comparing two paths "
+                                    "(ckpt diff PATH_A PATH_B); here the steps are given")
+        try:
+            a, b = int(operands[1]), int(operands[2])
+        except ValueError:
+            raise verify.UsageError(f"ckpt diff ROOT A B takes two step numbers, not "
+                                    f"{operands[1]!r} {operands[2]!r}") from None
+        side_a = side_b = inspect.open(operands[0])
+    elif len(operands) == 2:  # PATH_A PATH_B: two runs or two checkpoint directories
+        side_a, side_b = inspect.open(operands[0]), inspect.open(operands[1])
+        a = _step_of(side_a, args.step_a)
+        b = _step_of(side_b, args.step_b)
+    else:
+        raise verify.UsageError("ckpt diff takes ROOT A B (two steps of one root) or PATH_A "
+                                "PATH_B (two roots or checkpoint directories)")
+    result = verify.diff_steps(side_a, a, b, threads=args.threads,
+                               other=None if side_b is side_a else side_b,
+                               filters=args.filter or ())
     print(verify.to_json(result.to_dict()) if args.json else verify.render_diff(result))
     return EXIT_OK
+
+
+def _step_of(cps: Checkpoints, step: int | None) -> int:
+    if step is not None:
+        cps.require(step)
+        return step
+    return _steps(cps, argparse.Namespace())[0]
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     if args.to == "hf":
         return _export_hf(args)
-    with _open(args.root) as mgr:
-        step = _steps(mgr, args)[0]
-        result = verify.export_step(mgr, step, args.to, args.file, item=args.item,
-                                    force=args.force, threads=args.threads)
+    cps = inspect.open(args.root)
+    step = _steps(cps, args)[0]
+    result = verify.export_step(cps, step, args.to, args.file, item=args.item,
+                                force=args.force, threads=args.threads)
     print(verify.to_json(vars(result)) if args.json else verify.render_export(result))
     return EXIT_OK
 
@@ -151,72 +214,165 @@ def _export_hf(args: argparse.Namespace) -> int:
     from verify.export_hf import DEFAULT_SHARD_BYTES, export_hf, parse_size, render_hf_export
 
     shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_SHARD_BYTES
-    with _open(args.root) as mgr:
-        result = export_hf(mgr, _steps(mgr, args)[0], args.file, item=args.item,
-                           force=args.force, max_shard_bytes=shard, threads=args.threads)
+    cps = inspect.open(args.root)
+    result = export_hf(cps, _steps(cps, args)[0], args.file, item=args.item,
+                       force=args.force, max_shard_bytes=shard, threads=args.threads)
     print(verify.to_json(vars(result)) if args.json else render_hf_export(result))
     return EXIT_OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from storage_backends import LockHeldError, open_storage
+    cps = inspect.open(args.root)
+    if not cps.is_root:
+        raise verify.UsageError(
+            f"{cps.url} is one checkpoint directory, not a root: gc collects the steps of a "
+            "root (the directory holding step-XXXXXXXX directories)")
+    result = collect_root(cps, keep_last=args.keep_last, keep_every=args.keep_every,
+                          delete=args.yes, threads=args.threads)
+    print(verify.to_json(result.to_dict()) if args.json else result.render())
+    return result.exit_code
+
+
+@dataclass
+class GcResult:
+    """What ``ckpt gc`` did (or, in a dry run, would do)."""
+
+    root: str
+    dry_run: bool
+    retired_steps: list[int] = field(default_factory=list)
+    deleted_files: list[str] = field(default_factory=list)
+    kept_files: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+    uncommitted: list[str] = field(default_factory=list)
+    newest_good: int | None = None  # kept whatever the options (None: not checked / none)
+    failed: dict[int, str] = field(default_factory=dict)  # steps that did not verify
+    note: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_FAILED if self.note is not None and self.newest_good is None else EXIT_OK
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.exit_code == EXIT_OK, "exit_code": self.exit_code}
+
+    def render(self) -> str:
+        verb = "would remove" if self.dry_run else "removed"
+        lines = [f"step {s} does not verify: {why}" for s, why in self.failed.items()]
+        if self.note:
+            lines.append(self.note)
+        lines.append(f"{verb}: {len(self.retired_steps)} steps {self.retired_steps}, "
+                     f"{len(self.deleted_files)} files ({size(self.freed_bytes)}), "
+                     f"{len(self.uncommitted)} uncommitted leftovers; kept "
+                     f"{len(self.kept_files)} files that kept steps still use")
+        if self.dry_run:
+            lines.append("dry run: nothing was deleted; add --yes to delete")
+        return "\n".join(lines)
+
+
+def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
+                 keep_every: int | None = None, delete: bool = False,
+                 threads: int = 4) -> GcResult:
+    """Retire the steps a keep_last/keep_every policy drops and delete unreferenced files
+    (only with ``delete``; otherwise report what would go).
+
+    Whatever the policy, the newest step that passes the digest check is kept: steps are
+    verified from the newest down, before anything is deleted, until one passes. When none
+    does, no step is retired (exit status 1). Without a policy no committed step is retired
+    and nothing is verified. With ``delete`` the root's writer lock is held throughout.
+
+    Raises:
+        CheckpointLockedError: ``delete`` and a writer holds the root.
+        StorageError: the root cannot be written (read-only, permissions) or listed.
+    """
+    from storage_backends import LockHeldError
     from storage_backends.locks import describe_owner
 
     from .incremental import collect
-    from .manager import list_steps, retention
 
-    storage = open_storage(args.root, create=False)
-    if not storage.exists(""):
-        raise CheckpointNotFoundError(f"checkpoint root {args.root} does not exist", path=args.root)
+    storage, root = cps.storage, cps.url
     lock = None
-    if args.yes:
+    if delete:
         try:
             lock = storage.lock(describe_owner())
         except LockHeldError as e:
-            raise CheckpointLockedError(f"{args.root} is in use by a writer ({e.holder}); "
-                                        "gc --yes needs the root to itself",
-                                        path=args.root) from None
+            raise CheckpointLockedError(f"{root} is in use by a writer ({e.holder}); "
+                                        "gc --yes needs the root to itself", path=root) from None
+        except OSError as e:
+            raise StorageError(f"cannot take the writer lock of {root}: {e}; gc --yes needs "
+                               "write access to the root", path=root) from e
+    result = GcResult(root, dry_run=not delete)
     try:
-        steps = list_steps(storage)
-        keep = (retention(steps, args.keep_last, args.keep_every)
-                if args.keep_last is not None or args.keep_every is not None else None)
-        leftovers = storage.uncommitted()
-        report = collect(storage, keep, dry_run=not args.yes)
-        for name in leftovers:
-            if args.yes:
+        steps = cps.steps()
+        keep = _policy(steps, keep_last, keep_every)
+        if keep is not None:
+            for step in reversed(steps):
+                checked = verify.verify_step(cps, step, "digest", threads=threads)
+                if checked.ok:
+                    result.newest_good = step
+                    break
+                result.failed[step] = "; ".join(
+                    [str(p) for p in checked.problems] + [checked.error or ""]).strip("; ")
+            if result.newest_good is None:
+                keep = None
+                if steps:
+                    result.note = ("no committed step verifies, so none was retired: "
+                                   "`ckpt verify --all` gives details")
+            elif result.newest_good not in keep:
+                keep.add(result.newest_good)
+                result.note = (f"kept step {result.newest_good} too: the newest step that "
+                               "verifies (gc always keeps one)")
+        result.uncommitted = storage.uncommitted()
+        report = collect(storage, keep, dry_run=not delete)
+        for name in result.uncommitted:
+            if delete:
                 storage.delete(name)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise StorageError(f"gc of {root} failed: {type(e).__name__}: {e}", path=root) from e
     finally:
         if lock is not None:
             lock.release()
-    if args.json:
-        print(json.dumps({**vars(report), "uncommitted": leftovers}, indent=2))
-        return EXIT_OK
-    verb = "removed" if args.yes else "would remove"
-    print(f"{verb}: {len(report.retired_steps)} steps {report.retired_steps}, "
-          f"{len(report.deleted_files)} files ({size(report.freed_bytes)}), "
-          f"{len(leftovers)} uncommitted leftovers; kept {len(report.kept_files)} files "
-          "that kept steps still use")
-    if not args.yes:
-        print("dry run: nothing was deleted; add --yes to delete")
-    return EXIT_OK
+    result.retired_steps, result.deleted_files = report.retired_steps, report.deleted_files
+    result.kept_files, result.freed_bytes = report.kept_files, report.freed_bytes
+    return result
+
+
+def _policy(steps: list[int], keep_last: int | None, keep_every: int | None) -> set[int] | None:
+    """The steps a policy keeps (None: no policy, keep all). ``keep_last`` 0 keeps none by
+    count; ``keep_every`` alone keeps everything (it only adds to ``keep_last``)."""
+    if keep_last is None:
+        return None
+    keep = set(steps[len(steps) - keep_last:]) if keep_last else set()
+    if keep_every:
+        keep |= {s for s in steps if s % keep_every == 0}
+    return keep
 
 
 EPILOG = """\
+PATH is a checkpoint root (the directory holding step-XXXXXXXX directories), one step
+directory of a root, or one checkpoint directory written by ckpt.save.
+
 exit status:
   0  success: every check passed (verify), or the command did what was asked
   1  a check failed: a damaged or inconsistent checkpoint (the message names the file
-     and the check: manifest, structure, header, digest, weights, output, loss)
+     and the check: manifest, structure, header, digest, weights, output, loss); gc
+     found no step that verifies, so it retired none
   2  usage or environment error: a missing root or step, no probe recorded for
      --level forward, a model factory that cannot be imported or does not fit,
-     a root locked by a writer (gc --yes), bad arguments
+     a root locked by a writer (gc --yes), storage that cannot be opened or written
+     (a file, a read-only root, an unknown protocol, a missing backend library, an
+     unreachable endpoint), bad arguments
 
 examples:
   ckpt ls /ckpt/run1
-  ckpt inspect /ckpt/run1 --step 500
+  ckpt inspect /ckpt/run1 --step 500                   # tensors and saved values (LR...)
   ckpt verify /ckpt/run1                               # newest step, digest level
   ckpt verify /ckpt/run1 --all --level structure --json
   ckpt verify /ckpt/run1 --level forward --model mypkg.models:build
+  ckpt verify out/ckpt0                                # what ckpt.save wrote
   ckpt diff /ckpt/run1 400 500
+  ckpt diff /ckpt/run1 /ckpt/run2 --filter 'optim/*'   # two runs, newest steps
   ckpt export /ckpt/run1 --step 500 --to safetensors model.safetensors --item model
   ckpt gc /ckpt/run1 --keep-last 3 --yes
 
@@ -232,18 +388,26 @@ def _positive(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckpt", description="List, inspect, verify, compare, export and collect "
         "checkpoints.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    path_help = "a root, a step directory, or a ckpt.save directory"
 
     p = sub.add_parser("ls", help="list committed steps")
-    p.add_argument("root")
+    p.add_argument("root", metavar="PATH", help=path_help)
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("inspect", help="tensors, shapes, dtypes and values of a step")
-    p.add_argument("root")
+    p = sub.add_parser("inspect", help="tensors, shapes, dtypes and saved values of a step")
+    p.add_argument("root", metavar="PATH", help=path_help)
     p.add_argument("--step", type=int, help="default: the newest")
     p.set_defaults(func=cmd_inspect)
 
@@ -252,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "manifest, files, sizes, safetensors headers. digest: every chunk's "
                        "xxh3 digest. forward: load into a fresh model, weights finite, "
                        "rerun the recorded probe and compare.")
-    p.add_argument("root")
+    p.add_argument("root", metavar="PATH", help=path_help)
     group = p.add_mutually_exclusive_group()
     group.add_argument("--step", type=int)
     group.add_argument("--all", action="store_true", help="verify every committed step")
@@ -266,14 +430,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, help="forward: absolute tolerance (default by dtype)")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("diff", help="which tensors and values changed between two steps")
-    p.add_argument("root")
-    p.add_argument("a", type=int, help="the older step")
-    p.add_argument("b", type=int, help="the newer step")
+    p = sub.add_parser(
+        "diff", help="which tensors and values changed between two steps or two runs",
+        usage="ckpt diff ROOT A B | ckpt diff PATH_A PATH_B [--step-a N] [--step-b N] "
+        "[--filter PATTERN] [--json] [--threads N]",
+        description="ROOT A B: step A against step B of one root. PATH_A PATH_B: two roots "
+        "or checkpoint directories (two runs), the newest step of each unless --step-a/"
+        "--step-b say otherwise.")
+    p.add_argument("operands", nargs="+", metavar="ROOT A B | PATH_A PATH_B")
+    p.add_argument("--step-a", type=int, help="with two paths: the step of PATH_A")
+    p.add_argument("--step-b", type=int, help="with two paths: the step of PATH_B")
+    p.add_argument("--filter", action="append", metavar="PATTERN",
+                   help="only tensors (key, or optimizer state by parameter name) and values "
+                   "matching this shell-style pattern, e.g. 'model/*' or '*exp_avg*' "
+                   "(repeatable)")
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("export", help="write a step as one safetensors or torch file")
-    p.add_argument("root")
+    p.add_argument("root", metavar="PATH", help=path_help)
     p.add_argument("--step", type=int, help="default: the newest")
     p.add_argument("--to", choices=(*verify.FORMATS, "hf"), required=True,
                    help="hf: a from_pretrained folder (sharded safetensors, index, config)")
@@ -284,16 +458,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("gc", help="delete unreferenced data (dry run unless --yes)")
-    p.add_argument("root")
-    p.add_argument("--keep-last", type=int, help="also retire all but the newest N steps")
-    p.add_argument("--keep-every", type=int, help="with --keep-last, also keep every K-th step")
+    p = sub.add_parser("gc", help="retire old steps, delete unreferenced data (dry run unless "
+                       "--yes)", description="Deletes what crashed saves left and the files "
+                       "of retired steps that no kept step uses. With --keep-last, also "
+                       "retires older steps; the newest step that verifies (digest level) is "
+                       "always kept, so steps are verified newest first before anything is "
+                       "deleted.")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("--keep-last", type=_count, metavar="N",
+                   help="retire all but the newest N steps (0: keep none by count; the newest "
+                   "step that verifies stays)")
+    p.add_argument("--keep-every", type=_positive, metavar="K",
+                   help="with --keep-last, also keep every step divisible by K")
     p.add_argument("--yes", action="store_true", help="really delete")
     p.set_defaults(func=cmd_gc)
 
     for name, p in sub.choices.items():
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-        if name in ("verify", "diff", "export"):
+        if name in ("verify", "diff", "export", "gc"):
             p.add_argument("--threads", type=_positive, default=4,
                            help="parallel reads (default 4)")
     return parser
@@ -303,14 +485,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (see the epilog)."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "gc" and args.keep_every is not None and args.keep_last is None:
+            raise verify.UsageError("--keep-every only adds to --keep-last: give both")
         return args.func(args)
-    except (CheckpointNotFoundError, CheckpointLockedError, verify.UsageError) as e:
+    except (CheckpointNotFoundError, CheckpointLockedError, StorageError,
+            verify.UsageError) as e:
         return _error(args, e, EXIT_USAGE)
     except CheckpointError as e:
         return _error(args, e, EXIT_FAILED)
+    except (OSError, ImportError) as e:  # the environment: permissions, a missing library
+        return _error(args, f"{type(e).__name__}: {e}", EXIT_USAGE)
 
 
-def _error(args: argparse.Namespace, error: Exception, code: int) -> int:
+def _error(args: argparse.Namespace, error: Exception | str, code: int) -> int:
     print(f"ckpt {args.command}: {error}", file=sys.stderr)
     if getattr(args, "json", False):
         print(verify.to_json({"ok": False, "exit_code": code, "error": str(error),

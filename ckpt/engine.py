@@ -14,8 +14,9 @@ import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
-from typing import Callable
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -25,7 +26,7 @@ from storage_backends.faults import fault_point
 from .codec import encode
 from .datafile import Piece, encode_header
 from .errors import CheckpointError, StorageError
-from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry
+from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, chunk_doc
 from .distributed import Group
 from .incremental import CHAIN_KEY, chain_length
 from .integrity import digest
@@ -33,6 +34,27 @@ from .options import SaveOptions
 from .plan import assign_files, chunk_tensor
 
 log = logging.getLogger("ckpt")
+
+
+def _optimizer_storages(optimizers: Sequence[torch.optim.Optimizer]) -> set[int]:
+    """Storage addresses of every CUDA tensor that only these optimizers' step changes."""
+    out = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            out.update(p.untyped_storage().data_ptr() for p in group["params"] if p.is_cuda)
+        for per_param in opt.state.values():
+            out.update(v.untyped_storage().data_ptr() for v in per_param.values()
+                       if isinstance(v, torch.Tensor) and v.is_cuda)
+    return out
+
+
+def _wait_before_step(stager_ref: Callable[[], Stager | None]) -> Callable:
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        stager = stager_ref()
+        if stager is not None and stager._pending is not None:
+            # the step's kernels wait on the GPU for the save's copies; the CPU does not
+            torch.cuda.current_stream().wait_event(stager._pending)
+    return hook
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -93,20 +115,32 @@ class SaveHandle:
 
 
 class Stager:
-    """Host buffers reused across saves (one set: at most one save is in flight)."""
+    """Host buffers reused across saves (one set: at most one save is in flight).
+
+    CUDA tensors are copied on a side stream into pinned buffers. Training's stream waits
+    only for the copies of tensors a forward pass may change (batch-norm statistics and
+    anything else not guarded); the copies of tensors that only ``optimizer.step()`` changes
+    (the parameters and the state of the optimizers passed as ``guards``) run during the
+    next forward and backward, and each guard's step pre-hook makes its stream wait for them.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._stream = None
+        self._pending = None  # the event the guarded optimizers' next step waits for
+        self._hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def stage(self, tensors: dict[str, torch.Tensor], copy: bool) -> tuple[dict[str, torch.Tensor], object]:
+    def stage(self, tensors: dict[str, torch.Tensor], copy: bool,
+              guards: Sequence[torch.optim.Optimizer] = ()) -> tuple[dict[str, torch.Tensor], object]:
         """Host-memory, contiguous copies of ``tensors`` and an event to wait on (CUDA) or None.
 
         With ``copy=False`` (a synchronous save: training waits anyway) CPU tensors that are
         already contiguous are used as they are.
         """
         staged: dict[str, torch.Tensor] = {}
-        cuda_sources = []
+        cuda_sources: list = []
+        guarded = _optimizer_storages(guards) if guards else set()
+        deferred: list = []
         for key, t in tensors.items():
             if not copy and t.device.type == "cpu":
                 # resolve_*: a lazy conjugate/negative view has no plain bytes of its own
@@ -118,29 +152,43 @@ class Stager:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
                 self._buffers[key] = buf
             if t.device.type == "cuda":
-                cuda_sources.append((buf, t))
+                later = t.numel() and t.untyped_storage().data_ptr() in guarded
+                (deferred if later else cuda_sources).append((buf, t))
             else:
                 buf.copy_(t)
             staged[key] = buf
         for key in list(self._buffers):
             if key not in tensors:
                 del self._buffers[key]
-        return staged, self._copy_from_cuda(cuda_sources)
+        return staged, self._copy_from_cuda(cuda_sources, deferred, guards)
 
-    def _copy_from_cuda(self, pairs: list) -> object:
-        if not pairs:
+    def _copy_from_cuda(self, first: list, deferred: list,
+                        guards: Sequence[torch.optim.Optimizer]) -> object:
+        if not first and not deferred:
             return None
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         main = torch.cuda.current_stream()
         self._stream.wait_stream(main)  # copy what training has computed so far
         with torch.cuda.stream(self._stream):
-            for buf, t in pairs:
+            for buf, t in first + deferred:
                 buf.copy_(t, non_blocking=True)
                 t.record_stream(self._stream)  # keep t's memory alive until the copy ran
+                if first and (buf, t) is first[-1]:
+                    # later in-place updates of these (a forward pass) wait for the copy
+                    main.wait_event(self._record())
+        event = self._record()
+        if deferred:
+            self._pending = event
+            for optimizer in guards:
+                if optimizer not in self._hooked:
+                    self._hooked[optimizer] = optimizer.register_step_pre_hook(
+                        _wait_before_step(weakref.ref(self)))
+        return event
+
+    def _record(self) -> object:
         event = torch.cuda.Event()
         event.record(self._stream)
-        main.wait_stream(self._stream)  # later in-place updates wait for the copy, not the CPU
         return event
 
     def nbytes(self) -> int:
@@ -183,7 +231,7 @@ class RankTable:
 
     def to_json(self) -> dict:
         return {"files": self.files, "written": self.bytes_written, "reused": self.bytes_reused,
-                "chunks": [[k, asdict(c)] for k, c in self.chunks]}
+                "chunks": [[k, chunk_doc(c)] for k, c in self.chunks]}
 
     @classmethod
     def from_json(cls, doc: dict) -> RankTable:
@@ -238,7 +286,8 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
             dtype = payload.pieces[c.key][1].dtype
             codec, stored = "raw", data
             if options.compression:
-                codec, stored = encode(data, dtype, options.compression_level)
+                codec, stored = encode(data, dtype, options.compression_level,
+                                       options.compression_threads)
             pieces.append(Piece(f"{c.key}#{list(c.offsets)}", memoryview(stored), dtype,
                                 c.shape, stored_raw=codec == "raw"))
             meta.append((c, d, codec, len(stored)))

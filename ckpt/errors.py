@@ -43,6 +43,11 @@ class StateMismatchError(CheckpointError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class PartialLoadError(CheckpointError):
+    """A load failed after it had begun to write live tensors; the message names which
+    tensors hold the new values, which are partly written and which are unchanged."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """A value in the state can be neither a tensor nor JSON (and pickle was not allowed)."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -115,11 +115,12 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> bytes:
-        doc = asdict(self)
-        for entry in doc["tensors"].values():
-            for chunk in entry["chunks"]:
-                if chunk["step"] is None:
-                    del chunk["step"]
+        # Built by hand: dataclasses.asdict deep-copies every field of millions of chunks and
+        # was the slowest part of a large job's commit (benchmarks/bench_scale.py).
+        doc = {f.name: getattr(self, f.name) for f in fields(self)}
+        doc["tensors"] = {key: {"dtype": e.dtype, "shape": list(e.shape),
+                                "chunks": [chunk_doc(c) for c in e.chunks]}
+                          for key, e in self.tensors.items()}
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
@@ -144,6 +145,15 @@ class Manifest:
     def resolve(self, key: str) -> str:
         """The stored tensor behind ``key`` (following an alias)."""
         return self.aliases.get(key, key)
+
+
+def chunk_doc(c: Chunk) -> dict[str, Any]:
+    """A chunk as the manifest stores it (``step`` only for a chunk of an earlier step)."""
+    doc = {"offsets": list(c.offsets), "shape": list(c.shape), "file": c.file,
+           "start": c.start, "length": c.length, "digest": c.digest, "codec": c.codec}
+    if c.step is not None:
+        doc["step"] = c.step
+    return doc
 
 
 class _Invalid(Exception):

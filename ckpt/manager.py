@@ -6,11 +6,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import math
 import os
 import signal
 import threading
 import time
 from typing import Any, Iterable, MutableMapping
+
+import torch
 
 from storage_backends import LockHeldError, Storage, open_storage
 from storage_backends.locks import describe_owner
@@ -24,7 +27,7 @@ from .gate import Gate, verify_level
 from .incremental import chain_length, collect, step_dirs
 from .integrity import check_structure, read_manifest
 from .metrics import CheckpointMetrics, default_labels
-from .options import SaveOptions
+from .options import KeepBest, SaveOptions
 from .probe import PROBE_ITEM, Probe
 from .reader import load_step
 from .snapshot import snapshot
@@ -43,9 +46,17 @@ class CheckpointManager:
 
     Args:
         root: a directory (created if missing) holding ``step-XXXXXXXX`` checkpoints.
-        every_steps: ``save(step, ...)`` writes when ``step % every_steps == 0``.
-        keep_last: keep only the newest N steps (None: keep all).
+        every_steps: ``save(step, ...)`` writes when ``step % every_steps == 0`` (default 1,
+            or only by time when ``every_seconds`` is given alone).
+        every_seconds: ``save(step, ...)`` also writes when this many seconds (wall clock)
+            passed since the last save. Rank 0 decides and tells the other ranks (one small
+            broadcast per ``save`` call), so every rank saves the same steps.
+        keep_last: keep only the newest N steps (None: keep all, unless ``keep_best``).
         keep_every: also keep every step divisible by K, forever.
+        keep_best, best_metric, best_mode: also keep the N steps with the best value of the
+            metric ``best_metric`` passed as ``save(..., metrics={best_metric: value})``,
+            lowest (``"min"``) or highest (``"max"``). Alone (no ``keep_last``) it keeps the
+            best N and the newest step. The newest committed step is always kept.
         async_save: return from ``save`` once the state is copied to host memory and write
             in the background (errors surface on the next save/wait/close).
         read_only: take no lock and refuse saves (to inspect or restore another job's root).
@@ -91,8 +102,11 @@ class CheckpointManager:
                 mgr.save(step, state)
     """
 
-    def __init__(self, root: str | os.PathLike | Storage, *, every_steps: int = 1,
+    def __init__(self, root: str | os.PathLike | Storage, *, every_steps: int | None = None,
+                 every_seconds: float | None = None,
                  keep_last: int | None = None, keep_every: int | None = None,
+                 keep_best: int | None = None, best_metric: str | None = None,
+                 best_mode: str = "min",
                  async_save: bool = True, read_only: bool = False, allow_pickle: bool = False,
                  incremental: bool = False, full_every: int = 10,
                  compression: str | None = None, save_on_preemption: bool = False,
@@ -106,7 +120,18 @@ class CheckpointManager:
                             ("keep_every", keep_every), ("full_every", full_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
-        self.every_steps = every_steps
+        if every_seconds is not None and not (isinstance(every_seconds, (int, float))
+                                              and every_seconds > 0):
+            raise ValueError(f"every_seconds must be a positive number or None, not "
+                             f"{every_seconds!r}")
+        self.every_steps = every_steps if every_steps or every_seconds else 1
+        self.every_seconds = every_seconds
+        self._clock = time.monotonic  # rank 0's clock decides every_seconds
+        self._last_save_time = self._clock()
+        if best_metric is not None and keep_best is None:
+            raise ValueError("best_metric= needs keep_best=N (how many best steps to keep)")
+        self.keep_best = KeepBest(keep_best, best_metric or "", best_mode) \
+            if keep_best is not None else None
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
@@ -206,11 +231,14 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: MutableMapping[str, Any], *, force: bool = False,
-             metadata: dict | None = None) -> SaveHandle | None:
+             metadata: dict | None = None,
+             metrics: dict[str, float] | None = None) -> SaveHandle | None:
         """Save ``state`` as ``step`` when the schedule says so (or ``force``).
 
         Blocks only while the state is copied to host memory (async) or until the step is
         committed (sync). Raises the error of an earlier background save, if it failed.
+        ``metrics`` (name -> number, e.g. ``{"val_loss": 0.31}``) are stored in the
+        manifest's metadata under ``"metrics"``; ``keep_best`` ranks steps by them.
 
         Returns:
             A :class:`SaveHandle`, or None when the schedule skipped this step.
@@ -220,8 +248,15 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, not {step!r}")
         self._raise_failed_save()
         preempted = self._preempted is not None and self.save_on_preemption
-        if not (force or preempted or step % self.every_steps == 0):
+        due = force or bool(self.every_steps and step % self.every_steps == 0)
+        if not due and self.every_seconds is not None:
+            due = self._time_due()
+        if not (due or preempted):
             return None
+        if self.group.is_coordinator:
+            self._last_save_time = self._clock()
+        if metrics is not None:
+            metadata = {**(metadata or {}), "metrics": _checked_metrics(metrics)}
         if self._inflight is not None and not self._inflight.done():
             self.backpressure_waits += 1
             if self.metrics:
@@ -293,12 +328,38 @@ class CheckpointManager:
             return
         self._base = manifest
         log.info("ckpt.commit step=%d root=%s", manifest.step, self.root)
-        if self.keep_last is not None:
-            report = collect(self.storage, retention(self.steps(), self.keep_last,
-                                                     self.keep_every, manifest.step))
+        if self.keep_last is not None or self.keep_best is not None:
+            report = collect(self.storage, self._retained(manifest.step))
             if report.retired_steps:
                 log.info("ckpt.retention retired=%s freed_bytes=%d kept_files=%d",
                          report.retired_steps, report.freed_bytes, len(report.kept_files))
+
+    def _time_due(self) -> bool:
+        """Whether every_seconds passed since the last save: rank 0's clock decides for all."""
+        due = self._clock() - self._last_save_time >= self.every_seconds
+        return bool(self.group.broadcast(due))
+
+    def _retained(self, newest: int) -> set[int]:
+        """The steps the retention policy keeps once ``newest`` is committed."""
+        steps = self.steps()
+        if self.keep_best is None:
+            return retention(steps, self.keep_last, self.keep_every, newest)
+        keep = {newest} | self.keep_best.select(
+            {s: self._metric(s, self.keep_best.metric) for s in steps})
+        if self.keep_last is not None:
+            keep |= set(steps[-self.keep_last:])
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        return keep
+
+    def _metric(self, step: int, name: str) -> float | None:
+        """A metric saved with ``step``, or None (none saved, or the manifest is bad)."""
+        try:
+            value = self.manifest(step).metadata.get("metrics", {}).get(name)
+        except (CheckpointError, OSError, AttributeError) as e:
+            log.warning("ckpt.retention step=%d has no readable metrics: %s", step, e)
+            return None
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     def _raise_failed_save(self) -> None:
         h = self._inflight
@@ -327,11 +388,9 @@ class CheckpointManager:
         mismatch) is skipped with a warning and the one before it is tried; with ``strict``
         (or an explicit ``step``) the error is raised instead.
 
-        CPU tensors are read straight into the live tensors (no second copy) when a failure
-        would fall back to another step, which overwrites them again; so only when every
-        step fails can a digest mismatch have left tensors partly overwritten (the error
-        is raised). With ``strict`` or an explicit ``step`` the load is atomic: fresh
-        buffers first, and a failed load changes nothing.
+        Every chunk of a step is verified before the first live tensor is written, so a
+        step that fails changes nothing and the next one is tried on an untouched state
+        (the bytes are read twice, the second time from the page cache; see docs/design.md).
 
         ``verify`` chooses what a step must pass (ckpt/gate.py): ``"structure"`` (manifest
         and file sizes; chunk digests not computed, so a flipped bit is loaded as it is),
@@ -362,10 +421,9 @@ class CheckpointManager:
         failures = []
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool, gate:
             for s in candidates:
-                # In place when a failure falls back to another step (which overwrites what a
-                # half-read step left); atomic (fresh buffers) when it would be raised.
-                error = self._try_load(s, state, pool, in_place=not strict and step is None,
-                                       gate=gate)
+                # Never in place: a step that fails must leave nothing behind, also when the
+                # step fallen back to then does not fit the state (issue #15, defect 3).
+                error = self._try_load(s, state, pool, in_place=False, gate=gate)
                 # Every rank must restore the same step: agree on this one's outcome first.
                 outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
                     _describe(error)]
@@ -545,6 +603,23 @@ class _AllBut:
 
     def __contains__(self, step: object) -> bool:
         return step not in self.doomed
+
+
+def _checked_metrics(metrics: dict[str, float]) -> dict[str, float | str]:
+    """Metrics as JSON: real numbers by name; a non-finite one is kept as text ("nan")."""
+    if not isinstance(metrics, dict):
+        raise TypeError(f"metrics must be a dict of name -> number, not {type(metrics).__name__}")
+    out: dict[str, float | str] = {}
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(
+                value, (int, float)):
+            raise TypeError(f"metrics[{name!r}] must be a number under a str name, not "
+                            f"{type(value).__name__}")
+        value = float(value)
+        out[name] = value if math.isfinite(value) else repr(value)
+    return out
 
 
 def retention(steps: list[int], keep_last: int | None, keep_every: int | None,

@@ -1,17 +1,31 @@
-"""Loading a committed step into live state, in place, on any world size.
+"""Loading a committed step into live state, in place, on any world size, in bounded memory.
 
-Order matters for "a bad checkpoint changes nothing": the manifest is validated and compared
-with the live state (keys, shapes, dtypes) before any byte is read. Each rank then reads only
-the chunks that overlap the boxes it holds (the whole tensor for a plain tensor, its shard for
-a DTensor) into fresh host buffers, every chunk checked against its digest. A chunk that only partly overlaps is read whole (its digest covers
-the whole chunk) and the overlap copied; chunks are a few MiB, so that bounds the extra bytes.
-Objects get ``load_state_dict`` last.
+Order matters for "a failed load changes nothing":
+
+1. The manifest is validated and compared with the live state (keys, shapes, dtypes,
+   optimizer parameter groups, pickle) and every value is decoded before any byte is read.
+2. Verify pass: every chunk this rank needs is read through one small reused buffer per
+   reading thread and checked against its digest. Nothing live changes.
+3. Apply pass: the same chunks are read again straight into the live tensors (CPU, contiguous,
+   whole rows), or through a few reused bounce buffers (pinned, copied on a side stream, for
+   CUDA tensors; also for non-contiguous tensors and chunks that only partly overlap a box).
+   The verify pass has just brought the files into the page cache, so this second read is a
+   memory copy while the step fits in free memory.
+4. Objects get ``load_state_dict`` last.
+
+The extra memory is a few chunk-sized buffers per reading thread, whatever the state's size
+(docs/design.md, "Loading", has the measurements behind this choice). Should the apply pass
+fail all the same (a file removed or a read error between the passes), the error names the
+tensors that hold the new values, those partly written and those untouched.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import math
+import threading
+from dataclasses import dataclass
 from typing import Any, Callable, MutableMapping
 
 import torch
@@ -19,7 +33,8 @@ import torch
 from storage_backends import Storage
 
 from .engine import byte_view
-from .errors import CorruptCheckpointError, StateMismatchError, UnsupportedValueError
+from .errors import (CorruptCheckpointError, PartialLoadError, StateMismatchError,
+                     UnsupportedValueError)
 from .format import Chunk, Manifest
 from .integrity import chunk_path, digest
 from .sharding import Box, dtensor_type, intersect, local_piece, source_rank, sub_slices
@@ -70,53 +85,171 @@ def _rows_of(dest_box: Box, chunk: Chunk) -> bool:
             and chunk.offsets[0] + chunk.shape[0] <= offsets[0] + shape[0])
 
 
+class _Scratch:
+    """Chunk-sized host buffers reused by each reading thread (the load's bounded memory).
+
+    ``take`` hands out two buffers per thread in turn; a pinned one is reused only once the
+    host-to-device copy recorded on it has finished, so one chunk's read overlaps the
+    previous chunk's copy.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def take(self, chunk: Chunk, dtype: torch.dtype, pinned: bool = False) -> torch.Tensor:
+        slots = getattr(self._local, "slots", None)
+        if slots is None:
+            slots = self._local.slots = {False: [[None, None], [None, None]],
+                                         True: [[None, None], [None, None]]}
+            self._local.turn = 0
+        self._local.turn ^= 1
+        slot = slots[pinned][self._local.turn]
+        nbytes = chunk.numel * dtype.itemsize
+        if slot[1] is not None:
+            slot[1].synchronize()  # the copy out of this buffer must be done before reuse
+            slot[1] = None
+        if slot[0] is None or slot[0].numel() < nbytes:
+            slot[0] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        return slot[0][:nbytes].view(dtype).view(chunk.shape)
+
+    def copied(self, pinned: bool, event: Any) -> None:
+        """The last buffer taken is being copied out until ``event`` completes."""
+        self._local.slots[pinned][self._local.turn][1] = event
+
+
+@dataclass
+class _Read:
+    """One chunk to read for one destination box."""
+
+    key: str
+    chunk: Chunk
+    overlap: Box
+    dest: torch.Tensor  # holds dest_box of the tensor: a live tensor, its local shard, or new
+    dest_box: Box
+
+
 ReadJob = tuple[str, int, Callable[[], None]]  # (file path, start, read that fills dest)
 
 
-def box_reads(storage: Storage, location: str, manifest: Manifest, key: str,
-              dest: torch.Tensor, dest_box: Box, verify: bool = True) -> list[ReadJob]:
-    """The reads that fill contiguous CPU ``dest``, which holds ``dest_box`` of ``key``:
-    one per overlapping chunk, tagged with its file and offset so a caller can order them."""
+def _reads_for(manifest: Manifest, key: str, dest: torch.Tensor, dest_box: Box) -> list[_Read]:
     entry = manifest.tensors[key]
-    row = math.prod(dest.shape[1:])
-
-    def one(chunk: Chunk, overlap: Box) -> None:
-        if _rows_of(dest_box, chunk):
-            start = (chunk.offsets[0] - dest_box[0][0]) * row if entry.shape else 0
-            out = dest.reshape(-1)[start:start + chunk.numel].view(chunk.shape)
-            read_chunk(storage, location, key, chunk, out, verify)
-        else:
-            tmp = torch.empty(chunk.shape, dtype=dest.dtype)
-            read_chunk(storage, location, key, chunk, tmp, verify)
-            dest[sub_slices(dest_box, overlap)].copy_(
-                tmp[sub_slices((chunk.offsets, chunk.shape), overlap)])
-
-    jobs = []
+    reads = []
     for chunk in entry.chunks:
         overlap = intersect((chunk.offsets, chunk.shape), dest_box) if entry.shape else (
             (), ())
         if chunk.numel and overlap is not None:
-            jobs.append((chunk_path(location, chunk), chunk.start,
-                         lambda c=chunk, o=overlap: one(c, o)))
-    return jobs
+            reads.append(_Read(key, chunk, overlap, dest, dest_box))
+    return reads
+
+
+def _direct(r: _Read) -> torch.Tensor | None:
+    """The slice of ``r.dest`` the chunk can be read straight into, or None (bounce)."""
+    d = r.dest
+    if (d.device.type != "cpu" or not d.is_contiguous() or d.is_conj() or d.is_neg()
+            or not _rows_of(r.dest_box, r.chunk)):
+        return None
+    row = math.prod(d.shape[1:])
+    start = (r.chunk.offsets[0] - r.dest_box[0][0]) * row if d.dim() else 0
+    return d.reshape(-1)[start:start + r.chunk.numel].view(r.chunk.shape)
+
+
+class _Applier:
+    """The apply pass: fills destinations, keeps count of what changed for error messages."""
+
+    def __init__(self, storage: Storage, location: str, scratch: _Scratch, verify: bool) -> None:
+        self.storage, self.location, self.scratch = storage, location, scratch
+        self.verify = verify  # one-pass load: check each chunk where it landed
+        self._lock = threading.Lock()
+        self._streams: dict[torch.device, Any] = {}
+        self.started: set[str] = set()
+        self.finished: dict[str, int] = {}
+
+    def stream(self, device: torch.device) -> Any:
+        with self._lock:
+            s = self._streams.get(device)
+            if s is None:
+                s = self._streams[device] = torch.cuda.Stream(device=device)
+                # what training queued on the tensors runs before the copies overwrite them
+                s.wait_stream(torch.cuda.current_stream(device))
+            return s
+
+    def __call__(self, r: _Read) -> None:
+        with self._lock:
+            self.started.add(r.key)
+        out = _direct(r)
+        if out is not None:
+            read_chunk(self.storage, self.location, r.key, r.chunk, out, self.verify)
+        else:
+            cuda = r.dest.device.type == "cuda"
+            tmp = self.scratch.take(r.chunk, r.dest.dtype, pinned=cuda)
+            read_chunk(self.storage, self.location, r.key, r.chunk, tmp, self.verify)
+            src = tmp[sub_slices((r.chunk.offsets, r.chunk.shape), r.overlap)]
+            dst = r.dest[sub_slices(r.dest_box, r.overlap)]
+            if cuda:
+                stream = self.stream(r.dest.device)
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                self.scratch.copied(True, event)
+            else:
+                dst.copy_(src)
+        with self._lock:
+            self.finished[r.key] = self.finished.get(r.key, 0) + 1
+
+    def wait(self) -> None:
+        """Every host-to-device copy issued has completed."""
+        for s in self._streams.values():
+            s.synchronize()
+
+
+def box_reads(storage: Storage, location: str, manifest: Manifest, key: str,
+              dest: torch.Tensor, dest_box: Box, verify: bool = True) -> list[ReadJob]:
+    """The reads that fill CPU ``dest``, which holds ``dest_box`` of ``key``: one per
+    overlapping chunk, tagged with its file and offset so a caller can order them."""
+    def one(r: _Read) -> None:
+        out = _direct(r)
+        if out is not None:
+            read_chunk(storage, location, key, r.chunk, out, verify)
+            return
+        tmp = torch.empty(r.chunk.shape, dtype=dest.dtype)
+        read_chunk(storage, location, key, r.chunk, tmp, verify)
+        dest[sub_slices(dest_box, r.overlap)].copy_(
+            tmp[sub_slices((r.chunk.offsets, r.chunk.shape), r.overlap)])
+
+    return [(chunk_path(location, r.chunk), r.chunk.start, lambda r=r: one(r))
+            for r in _reads_for(manifest, key, dest, dest_box)]
 
 
 def run_reads(jobs: list[ReadJob], pool: cf.ThreadPoolExecutor | None) -> None:
     """Run reads file by file, each file's in offset order (sequential reads, which the
-    kernel's readahead serves best), files in parallel on ``pool``."""
+    kernel's readahead serves best), files in parallel on ``pool``.
+
+    After a failure no further read starts, and the error is raised only once every read
+    already running has returned, so nothing changes behind the caller's back.
+    """
     by_file: dict[str, list[ReadJob]] = {}
     for job in jobs:
         by_file.setdefault(job[0], []).append(job)
+    stop = threading.Event()
 
     def read_file(file_jobs: list[ReadJob]) -> None:
         for _, _, read in sorted(file_jobs, key=lambda j: j[1]):
-            read()
+            if stop.is_set():
+                return
+            try:
+                read()
+            except BaseException:
+                stop.set()
+                raise
 
     if pool is None or len(by_file) < 2:
         for file_jobs in by_file.values():
             read_file(file_jobs)
         return
-    for future in [pool.submit(read_file, f) for f in by_file.values()]:
+    futures = [pool.submit(read_file, f) for f in by_file.values()]
+    cf.wait(futures)
+    for future in futures:
         future.result()
 
 
@@ -126,14 +259,18 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
               in_place: bool = False) -> None:
     """Load ``manifest``'s step into this rank's ``state`` (see the module docstring).
 
-    By default everything is read into fresh host buffers and checked first; the live state
-    changes only once every chunk passed its digest and every value decoded, through
-    ``load_state_dict``. With ``in_place``, tensors that are CPU, contiguous and of the
-    saved dtype and shape are read straight into their memory (no second copy, no second
-    buffer): a digest mismatch then leaves them partly overwritten — right for a restore
-    that falls back to another step (which overwrites them again), not for a one-off load.
-    Everything that can be checked without the data (manifest, files, keys, shapes, dtypes,
-    parameter groups, pickle) is still checked before the first byte is read.
+    By default (and always with ``verify``) a chunk that fails its digest changes nothing:
+    every chunk is verified before the first live byte is written. ``in_place`` skips the
+    verify pass (one read instead of two): a digest mismatch then leaves tensors partly
+    overwritten, and the error says which. Without ``verify`` nothing is checked against
+    digests. Everything that can be checked without the data (manifest, files, keys, shapes,
+    dtypes, parameter groups, pickle, value tags) is checked before the first byte is read.
+
+    Raises:
+        CorruptCheckpointError: a chunk is unreadable or fails its digest (nothing changed,
+            unless the message says which tensors were written).
+        StateMismatchError: the checkpoint does not fit ``state`` (nothing changed, unless
+            the message says otherwise).
     """
     src = source_rank(rank, manifest.world_size)
     live = _live_state(state, src)
@@ -149,27 +286,51 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
             "only if you trust where it came from (nothing was loaded)", path=location)
     needed = {manifest.resolve(k) for tree in wanted.values() for k in tensor_keys(tree)}
     loaded: dict[str, torch.Tensor] = {}
-    jobs: list[ReadJob] = []
+    reads: list[_Read] = []
+    written: list[str] = []  # live tensors the apply pass writes into
     for key in sorted(needed):
         entry = manifest.tensors[key]
         target = live.tensors.get(key)
-        if target is None:
-            box: Box = ((0,) * len(entry.shape), entry.shape)
-        else:
+        if (target is not None and tuple(target.shape) == entry.shape
+                and target.dtype == entry.torch_dtype):
             _, offsets, local = local_piece(target)
-            box = (offsets, tuple(local.shape))
-        if in_place and target is not None and _readable_in_place(target, entry):
-            buf = target
+            reads += _reads_for(manifest, key, local, (offsets, tuple(local.shape)))
             loaded[key] = live.originals[key]  # load_state_dict's copy_ onto itself skips
+            written.append(key)
         else:
+            box: Box = ((0,) * len(entry.shape), entry.shape)
+            if target is not None:
+                _, offsets, local = local_piece(target)
+                box = (offsets, tuple(local.shape))
             buf = torch.empty(box[1], dtype=entry.torch_dtype)
+            reads += _reads_for(manifest, key, buf, box)
             loaded[key] = buf if target is None else _like(target, buf)
-        jobs += box_reads(storage, location, manifest, key, buf, box, verify)
-    run_reads(jobs, pool)
     for alias, target in manifest.aliases.items():
         if target in loaded:
             loaded[alias] = loaded[target]
-    values = {name: decode(tree, loaded, allow_pickle=allow_pickle) for name, tree in wanted.items()}
+    try:
+        values = {name: decode(tree, loaded, allow_pickle=allow_pickle)
+                  for name, tree in wanted.items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{storage.url}/{location}: a saved value cannot be "
+                                     f"decoded ({e!r}); nothing was loaded", path=location) from e
+    scratch = _Scratch()
+    if verify and not in_place:
+        def check(r: _Read) -> None:
+            read_chunk(storage, location, r.key, r.chunk, scratch.take(r.chunk, r.dest.dtype))
+        run_reads([(chunk_path(location, r.chunk), r.chunk.start, lambda r=r: check(r))
+                   for r in reads], pool)
+    apply = _Applier(storage, location, scratch, verify=verify and in_place)
+    try:
+        try:
+            run_reads([(chunk_path(location, r.chunk), r.chunk.start, lambda r=r: apply(r))
+                       for r in reads], pool)
+        finally:
+            apply.wait()
+    except Exception as e:
+        if any(k in apply.started for k in written):
+            raise _partial(e, manifest.step, written, reads, apply) from e
+        raise  # no live tensor was touched
     for name, value in values.items():
         kind = manifest.items[name]["kind"]
         try:
@@ -181,14 +342,30 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
             else:
                 state[name] = value
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            raise StateMismatchError(f"'{name}'.load_state_dict refused the checkpoint: {e}") from e
+            names = list(values)
+            done = names[:names.index(name)]
+            raise StateMismatchError(
+                f"'{name}'.load_state_dict refused the checkpoint: {e}. The live tensors "
+                f"already hold step {manifest.step}'s values; items loaded before it: "
+                f"{done or 'none'}; '{name}' and the items after it were not loaded") from e
 
 
-def _readable_in_place(t: torch.Tensor, entry: Any) -> bool:
-    dtensor = dtensor_type()
-    return (not (dtensor is not None and isinstance(t, dtensor)) and t.device.type == "cpu"
-            and t.is_contiguous() and t.dtype == entry.torch_dtype
-            and tuple(t.shape) == entry.shape and not t.is_conj() and not t.is_neg())
+def _partial(error: Exception, step: int, written: list[str], reads: list[_Read],
+             apply: _Applier) -> PartialLoadError:
+    """The apply pass failed: say exactly which live tensors changed."""
+    total = collections.Counter(r.key for r in reads)
+    full = [k for k in written if apply.finished.get(k, 0) == total[k]]
+    part = [k for k in written if k in apply.started and k not in full]
+    untouched = [k for k in written if k not in apply.started]
+    return PartialLoadError(
+        f"{error}; loading step {step} stopped part-way, so the live state is mixed: "
+        f"{len(full)} tensors hold step {step}'s values ({_few(full)}), {len(part)} are partly "
+        f"overwritten ({_few(part)}), {len(untouched)} are unchanged ({_few(untouched)}). "
+        "Load a good step again before training on", path=getattr(error, "path", None))
+
+
+def _few(keys: list[str], n: int = 6) -> str:
+    return ", ".join(keys[:n]) + (f", +{len(keys) - n} more" if len(keys) > n else "") or "none"
 
 
 def _like(target: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ DDP model's parameters are spread over all ranks instead of all landing on rank 
 
 from __future__ import annotations
 
+import bisect
 import sys
 from dataclasses import dataclass
 
@@ -90,3 +91,40 @@ def source_rank(rank: int, saved_world: int) -> int:
     """Which saved rank's per-rank values a rank gets: its own when it existed, else
     ``rank % saved_world`` (a documented rule: no rank is left without values)."""
     return rank if rank < saved_world else rank % saved_world
+
+
+def overlapping(entry, box: Box) -> list[tuple[object, Box]]:
+    """The chunks of a manifest ``entry`` (a TensorEntry) that overlap ``box``, each with the
+    overlap; empty chunks are skipped. A 0-d tensor's single chunk overlaps its empty box.
+
+    Found by bisection on the chunks' first offsets (chunks tile the tensor, so only those
+    starting less than the longest chunk's extent before the box can reach into it): a
+    rank's read plan costs O(log chunks) per tensor plus the chunks it reads, not a scan of
+    every chunk that every rank of a large job wrote.
+    """
+    chunks = entry.chunks
+    if not entry.shape:
+        return [(c, ((), ())) for c in chunks if c.numel]
+    starts, reach, order = _dim0_index(entry)
+    lo = bisect.bisect_left(starts, box[0][0] - reach + 1)
+    hi = bisect.bisect_left(starts, box[0][0] + box[1][0])
+    out = []
+    for i in order[lo:hi]:
+        c = chunks[i]
+        overlap = intersect((c.offsets, c.shape), box) if c.numel else None
+        if overlap is not None:
+            out.append((c, overlap))
+    return out
+
+
+def _dim0_index(entry) -> tuple[list[int], int, list[int]]:
+    """(sorted first offsets, longest first-dim extent, chunk order) of an entry, cached on
+    it (manifests are immutable once parsed)."""
+    cached = entry.__dict__.get("_dim0_index")
+    if cached is None:
+        order = sorted(range(len(entry.chunks)), key=lambda i: entry.chunks[i].offsets[0])
+        starts = [entry.chunks[i].offsets[0] for i in order]
+        reach = max((c.shape[0] for c in entry.chunks), default=1)
+        cached = (starts, max(1, reach), order)
+        object.__setattr__(entry, "_dim0_index", cached)  # a frozen dataclass's private cache
+    return cached

@@ -37,7 +37,8 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
                      "token": token}]
     writers = assign_writers([g["specs"] for g in gathered])
     mine = {s.key: locals_[s.key] for s in specs if writers[(s.key, s.offsets)] == group.rank}
-    staged, ready = stager.stage({k: t for k, (_, t) in mine.items()}, copy=copy)
+    guards = optimizers_in(state) if options.overlap_device_copy else []
+    staged, ready = stager.stage({k: t for k, (_, t) in mine.items()}, copy=copy, guards=guards)
     tensors = {s.key: (s.dtype, s.global_shape) for g in gathered for s in g["specs"]}
     return StepPayload(
         step=step, name=name,
@@ -45,6 +46,19 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
         tensors=tensors, items=_merge_items([g["items"] for g in gathered]),
         aliases=gathered[0]["aliases"], ready=ready, metadata=metadata, previous=previous,
         rank=group.rank, world_size=group.world_size, token=gathered[0]["token"])
+
+
+def optimizers_in(state: Mapping[str, Any]) -> list:
+    """The optimizers among the state's values (also inside a ModelOptimizer)."""
+    import torch
+
+    found = []
+    for value in state.values():
+        if isinstance(value, torch.optim.Optimizer):
+            found.append(value)
+        found.extend(o for o in getattr(value, "optimizers", ())
+                     if isinstance(o, torch.optim.Optimizer))
+    return found
 
 
 def _merge_items(items_by_rank: list[dict[str, dict]]) -> dict[str, dict]:

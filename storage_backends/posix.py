@@ -93,12 +93,17 @@ class PosixStorage(Storage):
             # Rename first so a crash mid-delete never leaves a half-deleted visible step.
             trash = self._abs(f"{TRASH_PREFIX}{uuid.uuid4().hex}")
             os.rename(target, trash)
+            # Durable before its files go: else a crash could keep the name, lose the files.
+            _fsync_dir(os.path.dirname(target))
             shutil.rmtree(trash, ignore_errors=True)
         else:
             try:
                 os.unlink(target)
             except FileNotFoundError:
-                pass
+                return
+            # A retired step's manifest must be gone for good before its files are deleted
+            # (tests/test_crash_states.py found a torn step visible after a crash otherwise).
+            _fsync_dir(os.path.dirname(target))
 
     def begin(self, name: str, token: str) -> str:
         staging = f"{STAGING_PREFIX}{name}-{token}"

@@ -42,10 +42,10 @@ def worker_env(fault: str | None = None) -> dict[str, str]:
 class Worker:
     """A running worker process; its stdout and stderr are collected line by line."""
 
-    def __init__(self, *args: Any, fault: str | None = None) -> None:
+    def __init__(self, *args: Any, fault: str | None = None, script: Path = WORKER_SCRIPT) -> None:
         self.args = [str(a) for a in args]
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER_SCRIPT), *self.args], cwd=str(REPO_ROOT),
+            [sys.executable, str(script), *self.args], cwd=str(REPO_ROOT),
             env=worker_env(fault), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()

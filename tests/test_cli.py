@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import ckpt
+from tests.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
 USER_MODELS = '''
@@ -263,3 +264,279 @@ def test_the_digest_progress_bar_is_drawn_on_a_terminal(tmp_path):
     assert p.returncode == 0, p.stdout
     assert b"step 2 [" in drawn and b"100.0%" in drawn, drawn
     assert "[" not in p.stdout.splitlines()[0].split("(")[0]  # the report stays clean
+
+
+# ------------------------------------------- any checkpoint: a root, a step dir, a ckpt.save dir
+
+
+class Position:
+    """A sampler-like stateful object: how many batches were consumed."""
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def training_state(seed: int = 0, steps: int = 3, lr: float = 1e-3) -> dict:
+    """A model with its AdamW, a LambdaLR scheduler, a CPU GradScaler and a data position,
+    after ``steps`` optimizer steps."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5 ** e)
+    for _ in range(steps):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return {"model": model, "optim": opt, "sched": sched, "data": Position(17 * steps),
+            "scaler": torch.amp.GradScaler("cpu", init_scale=1024.0), "epoch": 1}
+
+
+def test_ls_inspect_verify_and_export_take_a_ckpt_save_directory(tmp_path, capsys):
+    ckpt.save(training_state(), tmp_path / "out", step=7)
+    out_dir = tmp_path / "out"
+    code, out, err = cli(capsys, "ls", out_dir)
+    assert code == 0, err
+    rows = out.splitlines()[2:]
+    assert len(rows) == 1 and rows[0].split()[0] == "7" and rows[0].endswith("committed")
+
+    code, out, err = cli(capsys, "inspect", out_dir)
+    assert code == 0, err
+    assert "step 7" in out.splitlines()[0]
+    # the saved values of the stateful items: learning rate, scheduler step, data position,
+    # scaler scale (AdamW's lr after 3 LambdaLR steps: 1e-3 * 0.5**3)
+    assert "  optim/param_groups/0/lr: 0.000125" in out.splitlines()
+    assert "  sched/last_epoch: 3" in out.splitlines()
+    assert "  data/position: 51" in out.splitlines()
+    assert "  scaler/scale: 1024.0" in out.splitlines()
+    assert "  epoch: 1" in out.splitlines()
+    code, out, _ = cli(capsys, "inspect", out_dir, "--json")
+    doc = json.loads(out)
+    assert doc["state"]["sched"]["_step_count"] == 4
+    assert doc["state"]["optim"]["param_groups/0/lr"] == pytest.approx(1.25e-4)
+    assert doc["parameter_names"]["optim"] == {"0": "0.weight", "1": "0.bias",
+                                               "2": "2.weight", "3": "2.bias"}
+
+    code, out, err = cli(capsys, "verify", out_dir)
+    assert code == 0 and out.startswith("step 7: OK (digest:"), (out, err)
+    code, out, err = cli(capsys, "export", out_dir, "--to", "torch", tmp_path / "m.pt",
+                         "--item", "model")
+    assert code == 0, err
+    assert sorted(torch.load(tmp_path / "m.pt", weights_only=True)) == [
+        "0.bias", "0.weight", "2.bias", "2.weight"]
+    code, out, err = cli(capsys, "gc", out_dir)  # a root's command: says so
+    assert code == 2 and "one checkpoint directory, not a root" in err
+
+
+def test_verify_and_inspect_take_one_step_directory_of_a_root(tmp_path, capsys):
+    make_root(tmp_path)
+    flip_a_bit_of(tmp_path)  # step 2 is damaged, step 1 is not
+    code, out, _ = cli(capsys, "verify", tmp_path / "root/step-00000001")
+    assert code == 0 and out.startswith("step 1: OK")
+    code, out, _ = cli(capsys, "verify", tmp_path / "root/step-00000002")
+    assert code == 1 and out.startswith("step 2: FAILED")
+    code, out, err = cli(capsys, "inspect", tmp_path / "root/step-00000001", "--step", 2)
+    assert code == 2 and "has no committed step 2; it has [1]" in err
+    code, out, _ = cli(capsys, "ls", tmp_path / "root/step-00000001", "--json")
+    assert [s["step"] for s in json.loads(out)["steps"]] == [1]
+
+
+def two_runs(tmp_path: Path) -> tuple[Path, Path]:
+    """Two roots (two runs from one seed, the second with a higher learning rate)."""
+    for name, lr in (("run1", 1e-3), ("run2", 2e-3)):
+        state = training_state(lr=lr)
+        with ckpt.CheckpointManager(tmp_path / name, async_save=False) as mgr:
+            mgr.save(3, state)
+    return tmp_path / "run1", tmp_path / "run2"
+
+
+def test_diff_of_two_roots_names_optimizer_state_by_parameter_and_filters(tmp_path, capsys):
+    run1, run2 = two_runs(tmp_path)
+    code, out, err = cli(capsys, "diff", run1, run2, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert (doc["root"], doc["other"], doc["a"], doc["b"]) == (str(run1), str(run2), 3, 3)
+    tensors = {t["key"]: t for t in doc["tensors"]}
+    assert tensors["model/0.weight"]["status"] == "changed"  # another lr: other weights
+    assert tensors["optim/state/0/exp_avg"]["name"] == "optim/state/0.weight/exp_avg"
+    assert tensors["optim/state/3/exp_avg_sq"]["name"] == "optim/state/2.bias/exp_avg_sq"
+    values = {v["path"]: (v["a"], v["b"]) for v in doc["values"]}
+    assert values["optim/param_groups/0/lr"] == (pytest.approx(1.25e-4), pytest.approx(2.5e-4))
+
+    code, out, err = cli(capsys, "diff", run1, run2, "--filter", "*/2.weight/*")
+    assert code == 0, err
+    rows = [ln.split()[0] for ln in out.splitlines() if ln.startswith("optim/")]
+    assert rows == ["optim/state/2.weight/exp_avg", "optim/state/2.weight/exp_avg_sq"]
+    assert "model/" not in out and "lr" not in out  # filtered out
+    assert "3 tensors: 1 equal, 2 changed" in out  # exp_avg, exp_avg_sq; step is equal
+    code, out, _ = cli(capsys, "diff", run1, run2, "--filter", "model/*", "--json")
+    assert {t["key"] for t in json.loads(out)["tensors"]} == {
+        "model/0.weight", "model/0.bias", "model/2.weight", "model/2.bias"}
+    code, out, err = cli(capsys, "diff", run1, run2, "--step-a", 9)
+    assert code == 2 and "no committed step 9" in err
+
+
+# ---------------------------------------------------------------------------------- gc
+
+
+def root_of_steps(tmp_path: Path, steps=(1, 2, 3, 4)) -> Path:
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        for step in steps:
+            mgr.save(step, {"w": torch.full((64,), float(step)), "step": step})
+    return root
+
+
+def committed(root: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in root.glob("step-*/manifest.json"))
+
+
+def test_gc_rejects_a_negative_keep_last_and_keep_last_0_keeps_only_the_newest_good_step(
+        tmp_path, capsys):
+    root = root_of_steps(tmp_path)
+    code, out, err = cli(capsys, "gc", root, "--keep-last", "-2", "--yes")
+    assert code == 2 and "--keep-last: must be 0 or more, not -2" in err
+    assert committed(root) == [1, 2, 3, 4]
+    code, out, err = cli(capsys, "gc", root, "--keep-every", "2", "--yes")
+    assert code == 2 and "give both" in err
+    code, out, err = cli(capsys, "gc", root, "--keep-last", "0", "--keep-every", "2", "--yes")
+    assert code == 0, err
+    assert committed(root) == [2, 4]  # every 2nd step, and the newest that verifies
+    code, out, err = cli(capsys, "gc", root, "--keep-last", "0", "--yes")
+    assert code == 0 and committed(root) == [4]
+
+
+def flip_chunk_of(root: Path, step: int, key: str = "w") -> None:
+    step_dir = root / f"step-{step:08d}"
+    chunk = json.loads((step_dir / "manifest.json").read_bytes())["tensors"][key]["chunks"][0]
+    path = step_dir / chunk["file"]
+    raw = bytearray(path.read_bytes())
+    raw[chunk["start"] + 5] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_gc_keeps_the_newest_step_that_verifies_when_the_newest_is_corrupt(tmp_path, capsys):
+    root = root_of_steps(tmp_path)
+    flip_chunk_of(root, 4)
+    code, out, err = cli(capsys, "gc", root, "--keep-last", "1")  # dry run
+    assert code == 0, err
+    assert "step 4 does not verify: digest:" in out
+    assert "would remove: 2 steps [1, 2]" in out and "kept step 3 too" in out
+    code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["retired_steps"] == [1, 2] and doc["newest_good"] == 3
+    assert committed(root) == [3, 4]
+    state = {"w": torch.zeros(64), "step": None}
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.restore(state) == 3  # something good is left to fall back to
+    assert torch.equal(state["w"], torch.full((64,), 3.0))
+
+    flip_chunk_of(root, 3)  # now no step verifies: nothing is retired
+    code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes")
+    assert code == 1 and "no committed step verifies, so none was retired" in out
+    assert committed(root) == [3, 4]
+
+
+def one_line_exit_2(code: int, err: str, command: str, needle: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"ckpt {command}: "), err
+    assert needle in err.strip().splitlines()[-1], err
+
+
+def test_environment_errors_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a checkpoint")
+    code, out, err = cli(capsys, "gc", a_file, "--yes")
+    one_line_exit_2(code, err, "gc", "is not a directory")
+    code, out, err = cli(capsys, "gc", a_file)  # the dry run too
+    one_line_exit_2(code, err, "gc", "is not a directory")
+    assert a_file.read_text() == "not a checkpoint"
+    code, out, err = cli(capsys, "ls", "nosuch://bucket/run")
+    one_line_exit_2(code, err, "ls", "no storage backend for 'nosuch://bucket/run'")
+    code, out, err = cli(capsys, "verify", "gs://bucket/run", "--json")
+    one_line_exit_2(code, err, "verify", "gcsfs")
+    assert json.loads(out)["exit_code"] == 2
+    # an S3 endpoint nobody listens on (the port of a socket bound but never listening)
+    import socket
+
+    s3fs = pytest.importorskip("s3fs")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{s.getsockname()[1]}")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+        try:
+            code, out, err = cli(capsys, "gc", "s3://bucket/run", "--yes")
+        finally:  # fsspec caches the file system, endpoint included: later tests need theirs
+            s3fs.S3FileSystem.clear_instance_cache()
+    one_line_exit_2(code, err, "gc", "Could not connect to the endpoint URL")
+
+
+def test_gc_on_a_read_only_root_is_one_line_and_exit_2(tmp_path, capsys):
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="ckpt-ro-"))  # readable by another user
+    try:
+        base.chmod(0o755)
+        root = root_of_steps(base, steps=(1, 2))
+        root.chmod(0o555)
+        if os.geteuid() == 0:  # root ignores permissions: act as nobody for the command
+            os.setegid(65534)
+            os.seteuid(65534)
+        try:
+            code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes")
+            dry = cli(capsys, "gc", root, "--keep-last", "1")
+        finally:
+            if os.getuid() == 0:
+                os.seteuid(0)
+                os.setegid(0)
+        one_line_exit_2(code, err, "gc", "needs write access")
+        assert dry[0] == 0 and "would remove: 1 steps [1]" in dry[1]  # reading is fine
+        assert committed(root) == [1, 2]
+    finally:
+        root.chmod(0o755)
+        import shutil
+
+        shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("created", ["NaN", "1e300", "-1e300"])
+def test_ls_shows_an_absurd_creation_time_instead_of_crashing(tmp_path, capsys, created):
+    root = root_of_steps(tmp_path, steps=(1,))
+    manifest = root / "step-00000001/manifest.json"
+    manifest.write_text(manifest.read_text().replace(
+        f'"created":{json.loads(manifest.read_text())["created"]!r}', f'"created":{created}'))
+    assert created in manifest.read_text()
+    code, out, err = cli(capsys, "ls", root)
+    assert code == 0, err
+    assert "invalid" in out.splitlines()[2]
+    code, out, err = cli(capsys, "ls", root, "--json")
+    assert code == 0 and json.loads(out)["steps"][0]["status"] == "committed"
+
+
+@pytest.mark.s3
+def test_a_step_directory_on_s3_is_one_checkpoint_too(request, capsys, monkeypatch):
+    endpoint = request.getfixturevalue("s3")
+    with ckpt.CheckpointManager(endpoint.root("run"), async_save=False,
+                                storage_options=endpoint.storage_options) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((8,), float(step)), "step": step})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint.url)
+    step_1 = f"{endpoint.root('run')}/step-00000001"
+    code, out, err = cli(capsys, "ls", step_1, "--json")
+    assert code == 0 and [s["step"] for s in json.loads(out)["steps"]] == [1], err
+    code, out, err = cli(capsys, "verify", step_1)
+    assert code == 0 and out.startswith("step 1: OK"), err
+    code, out, err = cli(capsys, "diff", step_1, endpoint.root("run"), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert (doc["a"], doc["b"]) == (1, 2)  # the directory's step against the root's newest
+    assert {v["path"]: (v["a"], v["b"]) for v in doc["values"]} == {"step": (1, 2)}

@@ -5,14 +5,17 @@ schedules by wall-clock time and best-N retention; the whole loop SIGKILLed and 
 
 from __future__ import annotations
 
+import random
+import signal
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import ckpt
 import trainer
-from _workers import assert_same
+from _workers import Worker, assert_same
 
 
 def _net() -> torch.nn.Module:
@@ -138,3 +141,183 @@ def test_stateful_dataloader_without_generator_warns_next_to_rng_state(tmp_path)
         warnings.simplefilter("error", RuntimeWarning)
         ckpt.save({"data": seeded, "rng": ckpt.RNGState()}, tmp_path / "b")
         ckpt.load({"data": seeded, "rng": ckpt.RNGState()}, tmp_path / "b")
+
+
+# ------------------------------------------------------------------------ the whole loop, SIGKILLed
+
+EXACT_WORKER = Path(__file__).resolve().parent / "_exact_workers.py"
+
+
+def _loop(mode: str, root: Path, out: Path) -> Worker:
+    return Worker(mode, root, out, script=EXACT_WORKER)
+
+
+def _killed_and_resumed(tmp_path: Path, mode: str, points: list[tuple[str, int]]) -> dict:
+    """Run the loop, SIGKILL it at each point (``("step", n)``: once step n is done;
+    ``("saved", n)``: right after the first save at or after step n), resume; return the
+    final state the last run wrote."""
+    root, out = tmp_path / "root", tmp_path / "out.pt"
+    for what, n in points:
+        run = _loop(mode, root, out)
+        start = int(run.expect("start ", timeout=180).split()[1])
+        while True:
+            line = run.expect(what + " ", timeout=180)
+            if int(line.split()[1]) >= n:
+                break
+        run.kill()
+        assert run.proc.returncode == -signal.SIGKILL, run.output
+        assert start < n, f"restarted at {start}, past the next kill point {n}"
+    run = _loop(mode, root, out)
+    assert run.finish(300) == 0, run.output
+    return torch.load(out, weights_only=True)
+
+
+def _reference(tmp_path: Path, mode: str) -> dict:
+    run = _loop(mode, tmp_path / "ref-root", tmp_path / "ref.pt")
+    assert run.finish(300) == 0, run.output
+    return torch.load(tmp_path / "ref.pt", weights_only=True)
+
+
+def _kill_points(seed: int, count: int = 3) -> list[tuple[str, int]]:
+    """``count`` increasing random kill points in the 15 steps; the second right after a save."""
+    r = random.Random(seed)
+    a = r.randint(2, 5)
+    b = r.randint(a + 1, 9)
+    c = r.randint(b + 1, 13)
+    return [("step", a), ("saved", b), ("step", c)][:count]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["stateful", "plain"])
+def test_loop_killed_three_times_resumes_bit_exact(tmp_path, mode):
+    seed = random.randrange(1 << 30)
+    points = _kill_points(seed)
+    got = _killed_and_resumed(tmp_path, mode, points)
+    want = _reference(tmp_path, mode)
+    assert_same(got, want, f"seed={seed} points={points}")
+
+
+# ------------------------------------------------------------------------ schedules and retention
+
+
+class _Clock:
+    """A clock the test moves (the manager reads rank 0's clock for every_seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_every_seconds_saves_when_the_interval_passed(tmp_path):
+    with ckpt.CheckpointManager(tmp_path, every_seconds=10, async_save=False) as mgr:
+        clock = mgr._clock = _Clock()
+        mgr._last_save_time = 0.0
+        saved = []
+        for step in range(1, 13):
+            clock.now = 4.0 * step                # 4 s per step: due every third step
+            if mgr.save(step, {"x": torch.tensor([step])}) is not None:
+                saved.append(step)
+        assert saved == mgr.steps() == [3, 6, 9, 12]
+    with ckpt.CheckpointManager(tmp_path / "b", every_steps=5, every_seconds=10,
+                                async_save=False) as mgr:
+        clock = mgr._clock = _Clock()
+        mgr._last_save_time = 0.0
+        for step in range(1, 8):
+            clock.now = 3.0 * step
+            mgr.save(step, {"x": torch.tensor([step])})
+        assert mgr.steps() == [4, 5]              # 12 s at step 4; step 5 by every_steps
+    with pytest.raises(ValueError, match="every_seconds"):
+        ckpt.CheckpointManager(tmp_path / "c", every_seconds=0)
+
+
+def _rank_clocks(rank: int, world: int, root: str) -> list[int]:
+    # Rank 1's clock always says "due", rank 0's only from step 3 on: rank 0 decides for both.
+    import torch
+
+    import ckpt
+
+    with ckpt.CheckpointManager(root, every_seconds=10, async_save=False) as mgr:
+        mgr._last_save_time = 0.0
+        clock = mgr._clock = _Clock()
+        saved = []
+        for step in range(1, 5):
+            clock.now = 100.0 if rank == 1 else 5.0 * step
+            if mgr.save(step, {"x": torch.tensor([rank])}) is not None:
+                saved.append(step)
+        return saved
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_every_seconds_is_decided_by_rank_0_for_every_rank(tmp_path):
+    from _dist import run_ranks
+
+    assert run_ranks(2, _rank_clocks, str(tmp_path)) == [[2, 4], [2, 4]]
+
+
+def test_keep_best_keeps_the_best_n_and_the_newest_and_stores_the_metrics(tmp_path):
+    losses = {1: 0.9, 2: 0.5, 3: 0.7, 4: 0.2, 5: float("nan"), 6: 0.8}
+    with ckpt.CheckpointManager(tmp_path, keep_best=2, best_metric="val_loss",
+                                async_save=False) as mgr:
+        for step, loss in losses.items():
+            mgr.save(step, {"x": torch.tensor([step])}, metrics={"val_loss": loss})
+        assert mgr.steps() == [2, 4, 6]           # best two (0.2, 0.5) and the newest
+        assert mgr.manifest(4).metadata["metrics"] == {"val_loss": 0.2}
+        assert mgr.manifest(6).metadata["metrics"] == {"val_loss": 0.8}
+    with ckpt.CheckpointManager(tmp_path / "max", keep_best=1, best_metric="acc",
+                                best_mode="max", keep_last=2, async_save=False) as mgr:
+        for step, acc in {1: 0.3, 2: 0.9, 3: 0.4, 4: 0.5, 5: 0.1}.items():
+            mgr.save(step, {"x": torch.tensor([step])}, metrics={"acc": acc})
+        assert mgr.steps() == [2, 4, 5]           # best one, and the last two
+    with pytest.raises(ValueError, match="keep_best"):
+        ckpt.CheckpointManager(tmp_path / "bad", best_metric="acc")
+    with pytest.raises(ValueError, match="best_mode"):
+        ckpt.CheckpointManager(tmp_path / "bad", keep_best=1, best_metric="acc", best_mode="up")
+    with ckpt.CheckpointManager(tmp_path / "m", async_save=False) as mgr:
+        with pytest.raises(TypeError, match="number"):
+            mgr.save(1, {"x": torch.tensor([1])}, metrics={"val_loss": "low"})
+        mgr.save(2, {"x": torch.tensor([1])}, metrics={"val_loss": float("nan")})
+        assert mgr.manifest(2).metadata["metrics"] == {"val_loss": "nan"}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_compiled_loop_killed_right_after_a_save_resumes_bit_exact(tmp_path):
+    # One kill (not three): each run of the compiled loop pays dynamo and inductor again.
+    seed = random.randrange(1 << 30)
+    points = [("saved", random.Random(seed).randint(3, 12))]
+    want = _reference(tmp_path, "compiled")  # first: it fills the inductor cache
+    got = _killed_and_resumed(tmp_path, "compiled", points)
+    assert_same(got, want, f"seed={seed} points={points}")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_every_seconds_and_best_n_under_sigkill_keep_the_newest_good_step(tmp_path):
+    from _exact_workers import SCHEDULE_SECONDS, SCHEDULE_STEPS, val_loss
+
+    saves = list(range(SCHEDULE_SECONDS, SCHEDULE_STEPS + 1, SCHEDULE_SECONDS))
+    r = random.Random(seed := random.randrange(1 << 30))
+    newest = 0
+    for _ in range(3):
+        run = Worker("schedule", tmp_path, script=EXACT_WORKER)
+        start = int(run.expect("start ").split()[1])
+        assert start >= newest, f"seed={seed}: restored {start}, but {newest} was committed"
+        ahead = [s for s in saves if s > start][:3]
+        if not ahead:
+            break
+        kill_at = r.choice(ahead)
+        while newest < kill_at:
+            newest = int(run.expect("committed ").split()[1])
+        run.kill()                                 # right after a save, or in the next one
+        assert run.proc.returncode == -signal.SIGKILL
+    run = Worker("schedule", tmp_path, script=EXACT_WORKER)
+    assert int(run.expect("start ").split()[1]) >= newest
+    assert run.finish() == 0, run.output
+    best = sorted(saves, key=val_loss)[:2]
+    with ckpt.CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.steps() == sorted({*best, saves[-1]}), f"seed={seed}"
+        assert mgr.manifest(saves[-1]).metadata["metrics"] == {"val_loss": val_loss(saves[-1])}

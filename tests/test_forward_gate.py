@@ -241,3 +241,31 @@ def test_verify_takes_only_the_three_levels(tmp_path):
         ckpt.load(make_state(1), tmp_path / "root" / "step-00000001", verify="fast")
     with pytest.raises(ValueError, match="needs the model"):  # load(path) has no model
         ckpt.load(tmp_path / "root" / "step-00000001", verify="forward")
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_every_rank_restores_the_same_step_past_nan_weights_and_one_ranks_corrupt_chunk(
+        tmp_path):
+    """Ranks run the forward check all or none: step 3 fails on rank 1 only (its own chunk's
+    digest), step 2 on every rank (NaN weights); both ranks restore step 1."""
+    from _dist import run_ranks
+    from _forward_gate_workers import restore_past_bad_steps
+
+    results = run_ranks(2, restore_past_bad_steps, str(tmp_path / "root"), timeout=90)
+    assert results == [(1, [3, 2], True), (1, [3, 2], True)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_forward_check_runs_on_the_models_cuda_device(tmp_path):
+    step1 = save_two_steps(tmp_path / "root", nan_before_step_2=True)
+    model = make_state(1)["model"].cuda()
+    with manager(tmp_path / "root", read_only=True) as mgr:
+        assert mgr.restore({"model": model}, verify="forward") == 1
+        assert all(p.is_cuda for p in model.parameters())
+        assert torch.equal(model.fc1.weight.cpu(), step1["model.fc1.weight"])
+        changed = make_state(1, GeluNet)["model"].cuda()
+        before = changed.fc1.weight.clone()
+        with pytest.raises(ckpt.ForwardCheckError, match="model's code has changed"):
+            mgr.restore({"model": changed}, verify="forward")
+        assert torch.equal(changed.fc1.weight, before)

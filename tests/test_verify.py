@@ -595,3 +595,49 @@ def test_restore_falls_back_past_a_damaged_compressed_chunk(tmp_path):
              "ids": torch.zeros(300, dtype=torch.int64), "epoch": 0}
     with ckpt.CheckpointManager(root, options=OPTIONS) as mgr:
         assert mgr.restore(state) == 1
+
+
+def test_verify_reads_checkpoints_only_through_ckpt_inspect():
+    """verify/ imports ckpt's public names and ckpt.inspect, never storage_backends or
+    ckpt's internals (docs/design.md: which layer may import which)."""
+    import ast
+
+    allowed = {"ckpt", "ckpt.inspect"}
+    for path in sorted((Path(__file__).resolve().parent.parent / "verify").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0
+                     else [])
+            for name in names:
+                top = name.split(".")[0]
+                assert top != "storage_backends", f"{path.name} imports {name}"
+                if top == "ckpt":
+                    assert name in allowed, f"{path.name} imports {name}"
+
+
+def test_inspect_names_optimizer_state_only_when_a_module_fits(tmp_path):
+    torch.manual_seed(0)
+    tied = torch.nn.Sequential(torch.nn.Embedding(10, 6), torch.nn.Tanh(),
+                               torch.nn.Linear(6, 10, bias=False), torch.nn.Linear(10, 3))
+    tied[2].weight = tied[0].weight
+    bn = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    state = {"model": tied, "optim": torch.optim.Adam(tied.parameters()),
+             "bn": bn, "bn_optim": torch.optim.SGD(bn.parameters(), lr=0.1, momentum=0.9)}
+    for model, opt, x in ((tied, state["optim"], torch.randint(0, 10, (2, 4))),
+                          (bn, state["bn_optim"], torch.randn(2, 3))):
+        model(x).sum().backward()
+        opt.step()
+    ckpt.save(state, tmp_path / "c")
+    cps = ckpt.inspect.open(tmp_path / "c")
+    m = cps.manifest(0)
+    names = ckpt.inspect.parameter_names(m)
+    # the tied weight counts once, as in tied.parameters()
+    assert names["optim"] == {i: n for i, (n, _) in enumerate(tied.named_parameters())}
+    # a module with float buffers (BatchNorm's running stats) does not fit: no names
+    # rather than wrong ones (bn has 4 parameters and 6 float tensors)
+    assert "bn_optim" not in names
+    # the layer reads one tensor whole and checks one chunk's digest
+    key = next(k for k in m.tensors if k.startswith("model/"))
+    assert torch.equal(cps.read_tensor(0, key), tied.state_dict()[key.split("/", 1)[1]])
+    entry = m.tensors[key]
+    cps.check_chunk(0, key, entry.chunks[0], entry.torch_dtype)

@@ -22,11 +22,15 @@ checkpoint metrics on ``metrics_port``/``metrics_textfile``), one-line events on
 ``ckpt.trainer`` logger, and health guards (:mod:`trainer.health`) that roll back to the
 newest good checkpoint and skip the batch when a step's loss or gradient goes bad.
 
-This module holds the trainer's configuration, the training loop and its end; the rest of
-its parts live in :mod:`trainer.launch` (process group, model, restore: an attempt's
-setup), :mod:`trainer.step` (one step's gradients), :mod:`trainer.rollback` (health-guard
-rollbacks), :mod:`trainer.exits` (lost peers, errors, SIGTERM), :mod:`trainer.progress`
-(the run directory and the summary) and :mod:`trainer.audit` (the audit log).
+The trainer is composed of parts, each owning its state (docs/design.md, "Trainer parts"):
+the attempt (:class:`trainer.launch.Attempt`: process group, rank, world, device), the run
+records (:class:`trainer.records.RunRecords`), the exit policy
+(:class:`trainer.exits.ExitPolicy`: lost peers, errors, SIGTERM), the batch stream
+(:class:`trainer.batches.GlobalBatches`), the step (:class:`trainer.step.StepRunner`:
+accumulation, clipping, scaler), the checkpoints (:class:`trainer.checkpointing.Checkpoints`)
+and the health rollbacks (:class:`trainer.rollback.Rollbacks`). This module holds the
+configuration, wires the parts for each attempt and runs the loop and its end;
+:mod:`trainer.progress` builds the summary from the run directory.
 """
 
 from __future__ import annotations
@@ -40,25 +44,27 @@ import time
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
-import ckpt
 from ckpt.metrics import default_labels
-from trainer.audit import AUDIT_DIR_ENV, open_audit, read_audit, read_skips
+from trainer.audit import AUDIT_DIR_ENV, read_audit, read_skips
+from trainer.batches import GlobalBatches, StepBatch, dataset_fetch
+from trainer.checkpointing import Checkpoints, checkpointed_items
 from trainer.data import ResumableSampler
-from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED, WorkerExits
+from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED, ExitPolicy
 from trainer.health import HealthGuard, TrainingHealthError
 from trainer.heartbeat import Heartbeat
-from trainer.launch import (AttemptSetup, check_world_size, expected_world_size,
-                            process_start_time, restart_count, valid_world_sizes, warm_imports)
+from trainer.launch import (Attempt, check_world_size, expected_world_size,
+                            process_start_time, restart_count, start_heartbeat,
+                            valid_world_sizes, warm_imports, wrap_model)
 from trainer.metrics import TrainerMetrics, format_event
 from trainer.progress import RUN_DIR_ENV  # noqa: F401 (importable from here, as before)
-from trainer.progress import (ElasticSummary, JsonLines, Recovery, build_summary,
-                              default_run_dir, json_float, next_attempt, open_progress,
-                              read_jsonl, write_summary)
-from trainer.rollback import HealthRollbacks
-from trainer.step import StepMechanics
+from trainer.progress import (ElasticSummary, Recovery, build_summary, default_run_dir,
+                              json_float, next_attempt, read_jsonl, recorded_skips,
+                              write_summary)
+from trainer.records import RunRecords
+from trainer.rollback import Rollbacks
+from trainer.step import StepRunner
 
 log = logging.getLogger("trainer.elastic")
 #: One ``event key=value ...`` line per event (docs/observability.md lists them).
@@ -85,7 +91,7 @@ def _checked_options(checkpoint_every: int, log_every: int | None,
 # ------------------------------------------------------------------------------- the trainer
 
 
-class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
+class ElasticTrainer:
     """Data-parallel training that torchrun can shrink, grow and restart.
 
     Launch the script with torchrun (``--nnodes=MIN:MAX --max-restarts=N``, c10d
@@ -192,9 +198,8 @@ class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
             raise ValueError(f"heartbeat_timeout {heartbeat_timeout}s must be at least two "
                              f"heartbeat intervals ({2 * heartbeat_interval}s)")
         # Fail at start, before any process group: on every rank, with the sizes that work.
-        self.world_size = expected_world_size()
-        self.accumulation = check_world_size(self.global_batch_size, self.micro_batch_size,
-                                             self.world_size)
+        self._expected_world = expected_world_size()
+        check_world_size(self.global_batch_size, self.micro_batch_size, self._expected_world)
         warm_imports()
         self.grad_scaler = grad_scaler
         self.health: HealthGuard | None = (HealthGuard() if health is True
@@ -207,21 +212,21 @@ class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
         self._init_runtime_state()
 
     def _init_runtime_state(self) -> None:
-        self.rank = 0
-        self.attempt = 0
         self.summary: ElasticSummary | None = None
-        self._sigterm = False
-        self._owns_group = False
-        self._heartbeat: Heartbeat | None = None
-        self._progress: JsonLines | None = None
-        self._audit: JsonLines | None = None
         self._step = 0
-        self._manager: ckpt.CheckpointManager | None = None
-        self._skips: set[int] = set()      # data offsets of global batches to pass over
-        self._skipped_batches = 0          # of them, those behind the current data position
-        self._skips_counted: set[int] = set()  # of them, those this process passed over
+        # The parts of the attempt under way (None before the first fit).
+        self._attempt: Attempt | None = None
+        self._records: RunRecords | None = None
+        self._exits: ExitPolicy | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._batches: GlobalBatches | None = None
+        self._steps: StepRunner | None = None
+        self._checkpoints: Checkpoints | None = None
+        self._rollbacks: Rollbacks | None = None
+        self._skips_counted: set[int] = set()  # offsets of skipped batches in the metrics
+        self.module: torch.nn.Module | None = None
 
-    # -- configuration -------------------------------------------------------------------------
+    # -- configuration and the attempt's state -------------------------------------------------
     @property
     def elastic(self) -> bool:
         """True when a torchrun agent runs this process (it will restart us)."""
@@ -235,7 +240,33 @@ class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
     @property
     def preempted(self) -> bool:
         """True once this process received SIGTERM (a checkpoint follows this step)."""
-        return self._sigterm
+        return self._exits is not None and self._exits.sigterm
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 before :meth:`fit` joined the process group)."""
+        return self._attempt.rank if self._attempt else 0
+
+    @property
+    def world_size(self) -> int:
+        """The world size: of the process group once joined, else the one announced."""
+        return self._attempt.world_size if self._attempt else self._expected_world
+
+    @property
+    def accumulation(self) -> int:
+        """Micro batches per rank and step at this world size."""
+        return (self._attempt.accumulation if self._attempt else
+                check_world_size(self.global_batch_size, self.micro_batch_size,
+                                 self._expected_world))
+
+    @property
+    def attempt(self) -> int:
+        """This attempt's number in the run directory (0: the first)."""
+        return self._attempt.number if self._attempt else 0
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._attempt.device if self._attempt else None
 
     @property
     def hard_exit(self) -> bool:
@@ -243,27 +274,28 @@ class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
             return self._hard_exit_arg
         return self.elastic or self.world_size > 1
 
-    # -- bookkeeping ---------------------------------------------------------------------------
-    def _record(self, event: str, **fields: Any) -> None:
-        if self._progress is not None:
-            self._progress.write({"event": event, "time": time.time(), "rank": self.rank,
-                                  **fields})
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model as trained (wrapped in DDP or sharded by FSDP2); None before fit."""
+        return self._steps.model if self._steps else None
 
-    def _audit_write(self, step: int, **fields: Any) -> None:
-        if self._audit is not None:
-            self._audit.write({"step": step, "attempt": self.attempt, "rank": self.rank,
-                               "world": self.world_size, **fields})
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._steps.optimizer if self._steps else None
 
-    def _open_records(self) -> None:
-        if self.run_dir is not None:
-            self._progress = open_progress(self.run_dir, self.attempt, self.rank)
-        if self.audit_dir:
-            self._audit = open_audit(self.audit_dir, self.attempt, self.rank)
+    @property
+    def scheduler(self) -> Any:
+        return self._steps.scheduler if self._steps else None
 
-    def _close_records(self) -> None:
-        for f in (self._progress, self._audit):
-            if f is not None:
-                f.close()
+    @property
+    def sampler(self) -> ResumableSampler | None:
+        """The global sampler: the data position that checkpoints hold."""
+        return self._batches.sampler if self._batches else None
+
+    @property
+    def state(self) -> dict[str, Any] | None:
+        """The checkpointed state (None before fit)."""
+        return self._checkpoints.state if self._checkpoints else None
 
     # -- the job -------------------------------------------------------------------------------
     def fit(self, total_steps: int) -> ElasticSummary:
@@ -277,41 +309,56 @@ class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
             raise ValueError(f"total_steps must be a positive int, not {total_steps!r}")
         restart = self._begin_attempt()
         self._start_observing(restart)
+        exits = self._exits
+        assert exits is not None
         previous = None
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            previous = signal.signal(signal.SIGTERM, exits.on_sigterm)
         try:
-            self._start_heartbeat()
+            self._heartbeat = start_heartbeat(
+                self._attempt, self.heartbeat_timeout, self.heartbeat_interval,
+                exits.peer_lost if self.hard_exit else None)
+            if self._heartbeat is not None:
+                exits.attach(heartbeat=self._heartbeat)
+                self.metrics.heartbeat = self._heartbeat
             self._build()
             start = self._restore()
             return self._train(start, total_steps)
         except SystemExit:
             raise
         except BaseException as e:
-            self._handle_error(e)  # exits the process, or returns for this to raise
+            exits.handle_error(e)  # exits the process, or returns for this to raise
             raise
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
 
     def _begin_attempt(self) -> int:
-        """Join the process group, number this attempt, open its records and record its
-        start; returns torchrun's restart count."""
-        self._init_distributed()
-        self._group_ready_at = time.time()
-        self.attempt = self._broadcast(next_attempt(self.run_dir) if self.rank == 0 else None)
-        self._open_records()
+        """Join the process group, number this attempt, open its records, record its start
+        and set up its exit policy; returns torchrun's restart count."""
+        self._heartbeat = self._batches = self._steps = None
+        self._checkpoints = self._rollbacks = None
+        attempt = self._attempt = Attempt.join(self._device_arg, self.collective_timeout,
+                                               self.global_batch_size, self.micro_batch_size)
+        attempt.number = attempt.broadcast(next_attempt(self.run_dir) if attempt.rank == 0
+                                           else None)
+        records = self._records = RunRecords(self.run_dir, self.audit_dir,
+                                             attempt=attempt.number, rank=attempt.rank,
+                                             world_size=attempt.world_size)
+        self._exits = ExitPolicy(records, self.metrics, current_step=lambda: self._step,
+                                 hard_exit=self.hard_exit, elastic=self.elastic,
+                                 collective_timeout=self.collective_timeout,
+                                 diagnose_grace=self.diagnose_grace)
         restart = restart_count()
-        self._record("start", attempt=self.attempt, world=self.world_size, pid=os.getpid(),
-                     host=socket.gethostname(), restart_count=restart,
-                     group_rank=os.environ.get("GROUP_RANK"),
-                     process_start=self._process_start, created=self._created_at,
-                     group_ready=self._group_ready_at)
+        records.record("start", attempt=attempt.number, world=attempt.world_size,
+                       pid=os.getpid(), host=socket.gethostname(), restart_count=restart,
+                       group_rank=os.environ.get("GROUP_RANK"),
+                       process_start=self._process_start, created=self._created_at,
+                       group_ready=attempt.group_ready_at)
         log.info("rank %d/%d: attempt %d (torchrun restart %d), %d accumulation steps of %d",
-                 self.rank, self.world_size, self.attempt, restart, self.accumulation,
-                 self.micro_batch_size)
+                 attempt.rank, attempt.world_size, attempt.number, restart,
+                 attempt.accumulation, self.micro_batch_size)
         return restart
-
     def _start_observing(self, restart: int) -> None:
         """Metrics export (rank 0), the start/restart events, a fresh health guard."""
         self.metrics.started(world_size=self.world_size, attempt=self.attempt,
@@ -327,18 +374,90 @@ class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
         if self.attempt > 0:  # the worker group runs again: a failure, a membership change,
             events.warning(format_event("train.restart", **fields))  # or a rerun
 
-    def _meta(self, step: int, loss: float | None) -> dict[str, Any]:
-        return {"step": step, "attempt": self.attempt, "world": self.world_size, "loss": loss,
-                "skipped_batches": self._skipped_batches}
+    def _build(self) -> None:
+        """The model (same initial weights on every rank), wrapped; optimizer, scheduler,
+        the batch stream, the step, and the checkpointed state with its manager."""
+        attempt, records, exits = self._attempt, self._records, self._exits
+        assert attempt is not None and records is not None and exits is not None
+        t0 = time.time()
+        torch.manual_seed(self.seed)  # the same initial weights on every rank
+        module = self.module = self.model_fn().to(attempt.device)
+        t_model = time.time()
+        model = wrap_model(module, attempt.device, self.fsdp, attempt.distributed,
+                           attempt.world_size)
+        optimizer = self.optimizer_fn(model.parameters())
+        records.record("built", seconds=time.time() - attempt.group_ready_at,
+                       model_s=t_model - t0, wrap_s=time.time() - t_model)
+        scheduler = self.scheduler_fn(optimizer) if self.scheduler_fn else None
+        sampler = ResumableSampler(len(self.dataset), seed=self.seed)
+        torch.manual_seed(self.seed + 1 + attempt.rank)  # dropout differs by rank
+        self._batches = GlobalBatches(sampler, global_batch_size=self.global_batch_size,
+                                      micro_batch_size=self.micro_batch_size,
+                                      rank=attempt.rank, world_size=attempt.world_size)
+        self._steps = StepRunner(attempt, model, optimizer, scheduler, self.grad_scaler,
+                                 self.step_fn, max_grad_norm=self.max_grad_norm,
+                                 fsdp=bool(self.fsdp))
+        self._checkpoints = Checkpoints(
+            self.checkpoint_root, every=self.checkpoint_every,
+            items=checkpointed_items(sampler=sampler, module=module, model=model,
+                                     optimizer=optimizer, scheduler=scheduler,
+                                     grad_scaler=self.grad_scaler, fsdp=bool(self.fsdp)),
+            collective_timeout=self.collective_timeout, options=self.checkpoint_options)
+        exits.attach(checkpoints=self._checkpoints)
+        self.metrics.attach_checkpoint(self._checkpoints.manager.metrics)
 
-    def _data_offset(self) -> int:
-        """Position in the job's sample stream: samples drawn by all ranks, all epochs."""
-        return self.sampler.epoch * self.sampler.num_samples + self.sampler.consumed
+    def _meta(self, step: int, loss: float | None) -> dict[str, Any]:
+        skipped = self._rollbacks.skipped_batches if self._rollbacks else 0
+        return {"step": step, "attempt": self.attempt, "world": self.world_size, "loss": loss,
+                "skipped_batches": skipped}
+
+    def _restore(self) -> int:
+        """Load the newest checkpoint (a fresh run with a health guard saves step 0 instead)
+        and the batches earlier rollbacks marked bad; returns the step to continue after."""
+        attempt, checkpoints, batches = self._attempt, self._checkpoints, self._batches
+        assert attempt is not None and checkpoints is not None and batches is not None
+        assert self._records is not None and self._steps is not None
+        t0 = time.time()
+        restored = checkpoints.restore()
+        start = restored or 0
+        skipped = 0
+        if restored is not None:
+            meta = checkpoints.meta
+            skipped = int(meta.get("skipped_batches", 0))
+            if batches.offset() != (start + skipped) * self.global_batch_size:
+                log.warning("rank %d: checkpoint step %d has %d samples consumed, expected "
+                            "(%d + %d skipped) x %d: was it written with another global batch "
+                            "size?", attempt.rank, start, batches.offset(), start, skipped,
+                            self.global_batch_size)
+            log.info("rank %d: resumed from step %d (written by attempt %s at world size %s) "
+                     "in %.2fs", attempt.rank, start, meta.get("attempt"), meta.get("world"),
+                     time.time() - t0)
+        elif self.health is not None:
+            # A rollback before the first scheduled checkpoint needs a step to go back to.
+            checkpoints.save(0, self._meta(0, None), force=True)
+        known = recorded_skips(self.run_dir, self.global_batch_size) if attempt.rank == 0 \
+            else None
+        self._rollbacks = Rollbacks(self.health, steps=self._steps, checkpoints=checkpoints,
+                                    records=self._records, metrics=self.metrics,
+                                    known_bad=attempt.broadcast(known),
+                                    skipped_batches=skipped, counted=self._skips_counted)
+        self._step = start
+        self._records.record("restored", step=start, fresh=restored is None,
+                             seconds=time.time() - t0)
+        events.info(format_event("train.resume", rank=attempt.rank, step=start,
+                                 fresh=restored is None, seconds=round(time.time() - t0, 3),
+                                 known_bad_batches=len(self._rollbacks.bad)))
+        if self._heartbeat is not None:
+            self._heartbeat.update(start)
+        return start
 
     # -- the training loop ---------------------------------------------------------------------
     def _train(self, start: int, total_steps: int) -> ElasticSummary:
-        mgr = self._manager
-        assert mgr is not None
+        batches, steps, rollbacks = self._batches, self._steps, self._rollbacks
+        checkpoints, exits = self._checkpoints, self._exits
+        assert batches is not None and steps is not None and rollbacks is not None
+        assert checkpoints is not None and exits is not None and self._records is not None
+        fetch = dataset_fetch(self.dataset, self.collate_fn)
         step_times: list[float] = []
         loss_value: float | None = None
         handle = None
@@ -346,48 +465,49 @@ class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
         while step < total_steps:
             step += 1
             t0 = time.perf_counter()
-            self._skip_known_bad(step)
-            offset = self._data_offset()
-            global_indices = self.sampler.next_indices(self.global_batch_size)
-            mine = ResumableSampler.rank_slice(global_indices, self.rank, self.world_size)
-            micro = self._micro_batches(mine)
-            loss_sum, grad_norm = self._forward_backward(micro)
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            loss_value, norm_value, preempt = self._agree(loss_sum / len(micro), grad_norm)
-            verdict = self._judge(step, loss_value, norm_value)
+            rollbacks.pass_known_bad(step, batches)
+            batch = batches.take()
+            loss_sum, grad_norm = steps.forward_backward(batch.micro, fetch)
+            lr = steps.learning_rate()
+            loss_value, norm_value, preempt = steps.agree(loss_sum / len(batch.micro),
+                                                          grad_norm, exits.sigterm)
+            verdict = rollbacks.judge(step, loss_value, norm_value)
             if verdict is not None and not verdict.ok:
-                step = self._rollback(verdict, offset, global_indices)
+                step = rollbacks.rollback(verdict, batch)
+                self._step = step
+                if self._heartbeat is not None:
+                    self._heartbeat.update(step)
                 continue
-            self._optimizer_step()
-            handle = self._commit_step(step, loss_value, norm_value, mine, micro)
+            steps.update()
+            handle = self._commit_step(step, loss_value, norm_value, batch)
             step_times.append(time.perf_counter() - t0)
             self.metrics.step_done(step=step, seconds=step_times[-1], loss=loss_value,
                                    grad_norm=norm_value, learning_rate=lr)
             if self.log_every and (step % self.log_every == 0 or step == total_steps):
                 self._log_step(step, step_times, loss_value, norm_value, lr)
             if preempt:
-                self._preempted(step, handle)
+                exits.preempted(step, handle)
         if handle is None and start < total_steps:
-            mgr.save(total_steps, self.state, force=True)  # the final state, whatever the schedule
-            self._record("save", step=total_steps)
-        mgr.wait()
-        self._record("done", step=max(start, self._step), loss=loss_value)
+            # the final state, whatever the schedule
+            checkpoints.save(total_steps, checkpoints.meta, force=True)
+            self._records.record("save", step=total_steps)
+        checkpoints.wait()
+        self._records.record("done", step=max(start, self._step), loss=loss_value)
         return self._finish(total_steps, step_times, loss_value)
 
-    def _commit_step(self, step: int, loss: float, grad_norm: float, mine: list[int],
-                     micro: list[list[int]]) -> Any:
+    def _commit_step(self, step: int, loss: float, grad_norm: float, batch: StepBatch) -> Any:
         """``step`` is done: its metadata, audit and progress records, heartbeat, and the
         checkpoint when one is due (returns the manager's save handle, None if none)."""
-        assert self._manager is not None
+        assert self._checkpoints is not None and self._records is not None
         self._step = step
-        self.state["meta"] = self._meta(step, loss)
-        self._audit_write(step, indices=mine, micro=[len(m) for m in micro])
-        self._record("step", step=step, loss=loss, grad_norm=json_float(grad_norm))
+        meta = self._meta(step, loss)
+        self._records.audit(step, indices=batch.mine, micro=[len(m) for m in batch.micro])
+        self._records.record("step", step=step, loss=loss, grad_norm=json_float(grad_norm))
         if self._heartbeat is not None:
             self._heartbeat.update(step)
-        handle = self._manager.save(step, self.state)
+        handle = self._checkpoints.save(step, meta)
         if handle is not None:
-            self._record("save", step=step)
+            self._records.record("save", step=step)
         return handle
 
     def _log_step(self, step: int, step_times: list[float], loss: float, grad_norm: float,
@@ -408,7 +528,9 @@ class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
     # -- the end -------------------------------------------------------------------------------
     def _finish(self, total_steps: int, step_times: list[float],
                 loss_value: float | None) -> ElasticSummary:
-        restarts = max(self._gather(restart_count()))
+        attempt, checkpoints, records = self._attempt, self._checkpoints, self._records
+        assert attempt is not None and checkpoints is not None and records is not None
+        restarts = max(attempt.gather(restart_count()))
         summary = None
         if self.rank == 0:
             step_s = sorted(step_times)[len(step_times) // 2] if step_times else None
@@ -419,7 +541,7 @@ class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
             if self.run_dir is not None:
                 write_summary(self.run_dir, summary)
             log.info("%s", summary.format())
-        summary = self._broadcast(summary.to_dict() if summary else None)
+        summary = attempt.broadcast(summary.to_dict() if summary else None)
         self.summary = ElasticSummary.from_dict(summary)
         snap = self.metrics.snapshot()
         events.info(format_event("train.done", rank=self.rank, step=self._step,
@@ -429,14 +551,10 @@ class ElasticTrainer(AttemptSetup, StepMechanics, HealthRollbacks, WorkerExits):
         # Stop beating before anyone leaves: rank 0's process may host the store.
         if self._heartbeat is not None:
             self._heartbeat.stop(final_state="done")
-        if self.distributed and self.world_size > 1:
-            dist.barrier()
-        assert self._manager is not None
-        self._manager.close()
-        self._close_records()
-        if self._owns_group:
-            dist.destroy_process_group()
-            self._owns_group = False
+        attempt.barrier()
+        checkpoints.close()
+        records.close()
+        attempt.leave()
         return self.summary
 
     def close(self) -> None:

@@ -8,7 +8,7 @@
 - SIGTERM (preemption, or torchrun restarting the workers because a node joined): all
   ranks checkpoint the same step, then exit with :data:`EXIT_PREEMPTED`.
 
-:class:`WorkerExits` holds these paths for :class:`trainer.elastic.ElasticTrainer`.
+:class:`ExitPolicy` takes these paths for :class:`trainer.elastic.ElasticTrainer`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,16 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
+from trainer.checkpointing import Checkpoints
 from trainer.health import TrainingHealthError
-from trainer.heartbeat import PeerLoss
-from trainer.metrics import format_event
+from trainer.heartbeat import Heartbeat, PeerLoss
+from trainer.metrics import TrainerMetrics, format_event
+from trainer.records import RunRecords
 
 log = logging.getLogger("trainer.elastic")
 events = logging.getLogger("ckpt.trainer")
@@ -62,43 +65,79 @@ def flush_streams() -> None:
             stream.flush()
 
 
-class WorkerExits:
-    """The early ends of :class:`trainer.elastic.ElasticTrainer` (a mixin: it uses the
-    trainer's rank, step, heartbeat, manager, state, metrics and records)."""
+class ExitPolicy:
+    """How one attempt of :class:`trainer.elastic.ElasticTrainer` ends early: on SIGTERM,
+    on a lost peer, on an error. It holds the SIGTERM flag (set by :meth:`on_sigterm`, the
+    signal handler) and, once attached, the heartbeat and the checkpoints it needs.
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._sigterm = True
+    Args:
+        records, metrics: where the end is written down.
+        current_step: the last step finished (or restored), for the records.
+        hard_exit: leave with ``os._exit`` (see the trainer's ``hard_exit``).
+        elastic: whether a torchrun agent runs this process.
+        collective_timeout: bounds the wait for a late SIGTERM after a preemption.
+        diagnose_grace: seconds to wait for the heartbeat to name a lost peer.
+    """
+
+    def __init__(self, records: RunRecords, metrics: TrainerMetrics, *,
+                 current_step: Callable[[], int], hard_exit: bool, elastic: bool,
+                 collective_timeout: float, diagnose_grace: float = 0.0) -> None:
+        self.records, self.metrics = records, metrics
+        self.rank = records.rank
+        self.world_size = records.world_size
+        self._current_step = current_step
+        self.hard_exit, self.elastic = hard_exit, elastic
+        self.collective_timeout = collective_timeout
+        self.diagnose_grace = diagnose_grace
+        self.sigterm = False
+        self.heartbeat: Heartbeat | None = None
+        self.checkpoints: Checkpoints | None = None
+
+    def attach(self, *, heartbeat: Heartbeat | None = None,
+               checkpoints: Checkpoints | None = None) -> None:
+        """The parts built after this one: the heartbeat to ask for a culprit and to stop,
+        the checkpoints to save on SIGTERM and to close after an error."""
+        if heartbeat is not None:
+            self.heartbeat = heartbeat
+        if checkpoints is not None:
+            self.checkpoints = checkpoints
+
+    def on_sigterm(self, signum: int, frame: Any) -> None:
+        """The SIGTERM handler: checkpoint at the end of this step (see :meth:`preempted`)."""
+        self.sigterm = True
         log.warning("rank %d: SIGTERM at step %d: checkpointing at the end of this step",
-                    self.rank, self._step)
+                    self.rank, self._current_step())
 
-    def _peer_lost(self, loss: PeerLoss) -> None:
+    def peer_lost(self, loss: PeerLoss) -> None:
         """Heartbeat watchdog verdict (watchdog thread): record it and leave."""
         self._give_up(f"lost ranks ({loss.reason})", loss, None)
 
     def _give_up(self, reason: str, loss: PeerLoss | None, error: BaseException | None) -> None:
+        step = self._current_step()
         lost = loss.lost if loss else []
         events.error(format_event(
-            "train.detect", rank=self.rank, step=self._step, reason=reason, lost=lost,
+            "train.detect", rank=self.rank, step=step, reason=reason, lost=lost,
             last_steps=[loss.last_steps.get(r) for r in lost] if loss else [],
             error=f"{type(error).__name__}: {error}".splitlines()[0][:200] if error else None,
             exit_status=EXIT_PEER_LOST))
         log.error("rank %d: giving up on the process group at step %d: %s%s; exiting with "
-                  "status %d so torchrun restarts the workers", self.rank, self._step, reason,
+                  "status %d so torchrun restarts the workers", self.rank, step, reason,
                   f" - {loss.describe()}" if loss else " - no peer identified as lost",
                   EXIT_PEER_LOST)
-        self._record("failure", step=self._step, reason=reason, lost=lost,
-                     last_steps={str(k): v for k, v in (loss.last_steps if loss else {}).items()},
-                     last_seen={str(k): v for k, v in (loss.last_seen if loss else {}).items()},
-                     detail=(loss.detail if loss else "")
-                     + (f" {type(error).__name__}: {error}"[:500] if error else ""))
+        self.records.record(
+            "failure", step=step, reason=reason, lost=lost,
+            last_steps={str(k): v for k, v in (loss.last_steps if loss else {}).items()},
+            last_seen={str(k): v for k, v in (loss.last_seen if loss else {}).items()},
+            detail=(loss.detail if loss else "")
+            + (f" {type(error).__name__}: {error}"[:500] if error else ""))
         flush_streams()
         os._exit(EXIT_PEER_LOST)
 
     def _record_error(self, reason: str, e: BaseException) -> None:
-        self._record("failure", step=self._step, reason=reason, lost=[],
-                     detail=f"{type(e).__name__}: {e}"[:500])
+        self.records.record("failure", step=self._current_step(), reason=reason, lost=[],
+                            detail=f"{type(e).__name__}: {e}"[:500])
 
-    def _handle_error(self, e: BaseException) -> None:
+    def handle_error(self, e: BaseException) -> None:
         """``e`` ended the training: record it, then exit the process with the status that
         fits (see the module docstring), or return for the caller to raise it."""
         reason = "unhealthy" if isinstance(e, TrainingHealthError) else "error"
@@ -107,7 +146,7 @@ class WorkerExits:
             if self.world_size == 1:
                 self._release()  # the root's lock: a retry in this process can open it
             return
-        log.error("rank %d: step %d failed:\n%s", self.rank, self._step,
+        log.error("rank %d: step %d failed:\n%s", self.rank, self._current_step(),
                   traceback.format_exc())
         if not is_distributed_error(e):
             self._record_error(reason, e)
@@ -117,49 +156,51 @@ class WorkerExits:
         # miss beats would delay the restart by seconds. The summary later names the
         # ranks that left no record of their own (they died without a word).
         loss = None
-        if self._heartbeat is not None:
-            loss = self._heartbeat.diagnose(self.diagnose_grace)
+        if self.heartbeat is not None:
+            loss = self.heartbeat.diagnose(self.diagnose_grace)
         self._give_up("collective failed", loss, e)
 
     def _release(self) -> None:
         """After an error in a plain process: close the manager (finishing the save in
         flight, releasing the root's lock) and the record files; errors are ignored."""
-        if self._manager is not None:
+        if self.checkpoints is not None:
             with contextlib.suppress(Exception):
-                self._manager.close()
-        self._close_records()
+                self.checkpoints.close()
+        self.records.close()
         with contextlib.suppress(Exception):
             self.metrics.write_textfile()
 
-    def _preempted(self, step: int, handle: Any) -> None:
-        """Every rank agreed that one of them got SIGTERM: checkpoint this step and leave."""
-        mgr = self._manager
-        assert mgr is not None
-        if self._heartbeat is not None:
-            self._heartbeat.stop(final_state="preempted")
+    def preempted(self, step: int, handle: Any) -> None:
+        """Every rank agreed that one of them got SIGTERM: checkpoint ``step`` (unless
+        ``handle``, the save of it, is in flight) and leave."""
+        checkpoints = self.checkpoints
+        assert checkpoints is not None
+        if self.heartbeat is not None:
+            self.heartbeat.stop(final_state="preempted")
         t0 = time.time()
         if handle is None:
-            mgr.save(step, self.state, force=True)
-        mgr.wait()
+            checkpoints.save(step, checkpoints.meta, force=True)
+        checkpoints.wait()
         log.warning("rank %d: preemption checkpoint of step %d committed in %.2fs; exiting "
                     "with status %d", self.rank, step, time.time() - t0, EXIT_PREEMPTED)
-        self._record("preempted", step=step, signalled=self._sigterm, seconds=time.time() - t0)
+        self.records.record("preempted", step=step, signalled=self.sigterm,
+                            seconds=time.time() - t0)
         events.warning(format_event("train.preempted", rank=self.rank, step=step,
-                                    signalled=self._sigterm, seconds=round(time.time() - t0, 3),
+                                    signalled=self.sigterm, seconds=round(time.time() - t0, 3),
                                     exit_status=EXIT_PREEMPTED))
         self.metrics.write_textfile()
         # A rank whose agent has not signalled it yet waits a little for its SIGTERM: an exit
         # before it would count as a failure (a restart used up) instead of a membership change.
         deadline = time.time() + min(10.0, self.collective_timeout)
-        while self.elastic and not self._sigterm and time.time() < deadline:
+        while self.elastic and not self.sigterm and time.time() < deadline:
             time.sleep(0.05)
         with contextlib.suppress(Exception):
-            mgr.close()
+            checkpoints.close()
         flush_streams()
         if self.hard_exit:
             os._exit(EXIT_PREEMPTED)
         raise SystemExit(EXIT_PREEMPTED)
 
 
-__all__ = ["EXIT_PEER_LOST", "EXIT_PREEMPTED", "WorkerExits", "flush_streams",
+__all__ = ["EXIT_PEER_LOST", "EXIT_PREEMPTED", "ExitPolicy", "flush_streams",
            "is_distributed_error"]

@@ -3,15 +3,15 @@
 The world-size arithmetic that keeps the global batch constant, the device and process
 group of this worker (from torchrun's ``WORLD_SIZE``/``MASTER_ADDR``/``LOCAL_RANK``), the
 heartbeat's connection to the c10d store, and the model wrapped for data parallelism
-(DDP, or FSDP2's ``fully_shard``). :class:`AttemptSetup` puts them together for
-:class:`trainer.elastic.ElasticTrainer`: everything an attempt does before its first step.
+(DDP, or FSDP2's ``fully_shard``). :class:`Attempt` holds one attempt's device, rank,
+world size and collectives for the parts of :class:`trainer.elastic.ElasticTrainer`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
-import logging
 import os
 import threading
 import time
@@ -21,14 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import ckpt
-from trainer.data import ResumableSampler
 from trainer.heartbeat import Heartbeat
-from trainer.metrics import format_event
-from trainer.progress import recorded_skips
-
-log = logging.getLogger("trainer.elastic")
-events = logging.getLogger("ckpt.trainer")
 
 
 def valid_world_sizes(global_batch_size: int, micro_batch_size: int,
@@ -155,128 +148,86 @@ def wrap_model(model: torch.nn.Module, device: torch.device,
     return model
 
 
-class AttemptSetup:
-    """What an attempt of :class:`trainer.elastic.ElasticTrainer` does before its first
-    step: join the process group, start the heartbeat, build the model, optimizer and
-    checkpointed state, and restore the newest checkpoint (a mixin: it uses the trainer's
-    configuration, records and metrics).
-    """
+@dataclasses.dataclass
+class Attempt:
+    """Where one attempt of the job runs: its device, its place in the process group, and
+    the collectives the trainer's parts share. Built by :meth:`join`; ``number`` is the
+    attempt's number in the run directory (0 for the first), agreed by every rank."""
 
-    def _init_distributed(self) -> None:
-        self.device = pick_device(self._device_arg)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if dist.is_available() and dist.is_initialized():
-            self._owns_group = False
-        elif wants_process_group():
-            start_process_group(self.device, self.collective_timeout)
-            self._owns_group = True
-        self.distributed = dist.is_available() and dist.is_initialized()
-        if self.distributed:
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        else:
-            self.rank, self.world_size = 0, 1
-        self.accumulation = check_world_size(self.global_batch_size, self.micro_batch_size,
-                                             self.world_size)
+    device: torch.device
+    rank: int
+    world_size: int
+    distributed: bool
+    owns_group: bool
+    accumulation: int
+    group_ready_at: float
+    number: int = 0
 
-    def _broadcast(self, obj: Any) -> Any:
-        if not self.distributed or self.world_size == 1:
+    @classmethod
+    def join(cls, device: str | torch.device | None, collective_timeout: float,
+             global_batch_size: int, micro_batch_size: int) -> Attempt:
+        """Pick the device and join torchrun's process group (if there is one and it is
+        not joined yet). ValueError when the world size does not split the global batch."""
+        dev = pick_device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        owns = False
+        if not (dist.is_available() and dist.is_initialized()) and wants_process_group():
+            start_process_group(dev, collective_timeout)
+            owns = True
+        distributed = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        accumulation = check_world_size(global_batch_size, micro_batch_size, world)
+        return cls(dev, rank, world, distributed, owns, accumulation, time.time())
+
+    @property
+    def collective(self) -> bool:
+        """Whether collectives go anywhere (a process group of more than one rank)."""
+        return self.distributed and self.world_size > 1
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.collective:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _gather(self, obj: Any) -> list[Any]:
-        if not self.distributed or self.world_size == 1:
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank."""
+        if not self.collective:
             return [obj]
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
 
-    def _start_heartbeat(self) -> None:
-        if not self.distributed or self.heartbeat_timeout is None or self.world_size == 1:
-            return
-        self._heartbeat = Heartbeat(heartbeat_store(self.attempt), self.rank, self.world_size,
-                                    timeout=self.heartbeat_timeout,
-                                    interval=self.heartbeat_interval, on_lost=self._peer_lost
-                                    if self.hard_exit else None).start()
-        self.metrics.heartbeat = self._heartbeat
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place; returns it."""
+        if self.collective:
+            dist.all_reduce(tensor)
+        return tensor
 
-    def _build(self) -> None:
-        """The model (same initial weights on every rank), wrapped; optimizer, scheduler,
-        sampler, the checkpointed state and its checkpoint manager."""
-        t0 = time.time()
-        torch.manual_seed(self.seed)  # the same initial weights on every rank
-        model = self.model_fn().to(self.device)
-        self.module = model
-        t_model = time.time()
-        self.model = wrap_model(model, self.device, self.fsdp, self.distributed,
-                                self.world_size)
-        self.optimizer = self.optimizer_fn(self.model.parameters())
-        self._record("built", seconds=time.time() - self._group_ready_at,
-                     model_s=t_model - t0, wrap_s=time.time() - t_model)
-        self.scheduler = self.scheduler_fn(self.optimizer) if self.scheduler_fn else None
-        self.sampler = ResumableSampler(len(self.dataset), seed=self.seed)
-        torch.manual_seed(self.seed + 1 + self.rank)  # dropout differs by rank
-        self.state: dict[str, Any] = self._checkpointed_state()
-        options = {"keep_last": 3, "commit_timeout": self.collective_timeout,
-                   **self.checkpoint_options}
-        self._manager = ckpt.CheckpointManager(
-            self.checkpoint_root, every_steps=self.checkpoint_every, handle_sigterm=False,
-            save_on_preemption=False, **options)
-        self.metrics.attach_checkpoint(self._manager.metrics)
+    def barrier(self) -> None:
+        if self.collective:
+            dist.barrier()
 
-    def _checkpointed_state(self) -> dict[str, Any]:
-        """The items every checkpoint holds (the model and optimizer through
-        ``ckpt.ModelOptimizer`` with FSDP, so that any world size can load them)."""
-        state: dict[str, Any] = {"rng": ckpt.RNGState(), "data": self.sampler,
-                                 "meta": {"step": 0}}
-        if self.fsdp:
-            state["train"] = ckpt.ModelOptimizer(self.model, self.optimizer)
-        else:
-            state["model"] = self.module
-            state["optim"] = self.optimizer
-        if self.scheduler is not None:
-            state["sched"] = self.scheduler
-        if self.grad_scaler is not None:
-            state["scaler"] = self.grad_scaler
-        return state
-
-    def _restore(self) -> int:
-        """Load the newest checkpoint (a fresh run with a health guard saves step 0 instead)
-        and the batches earlier rollbacks marked bad; returns the step to continue after."""
-        assert self._manager is not None
-        t0 = time.time()
-        restored = self._manager.restore(self.state)
-        start = restored or 0
-        self._skipped_batches = 0
-        if restored is not None:
-            meta = self.state.get("meta") or {}
-            self._skipped_batches = int(meta.get("skipped_batches", 0))
-            if self._data_offset() != (start + self._skipped_batches) * self.global_batch_size:
-                log.warning("rank %d: checkpoint step %d has %d samples consumed, expected "
-                            "(%d + %d skipped) x %d: was it written with another global batch "
-                            "size?", self.rank, start, self._data_offset(), start,
-                            self._skipped_batches, self.global_batch_size)
-            log.info("rank %d: resumed from step %d (written by attempt %s at world size %s) "
-                     "in %.2fs", self.rank, start, meta.get("attempt"), meta.get("world"),
-                     time.time() - t0)
-        elif self.health is not None:
-            # A rollback before the first scheduled checkpoint needs a step to go back to.
-            self.state["meta"] = self._meta(0, None)
-            self._manager.save(0, self.state, force=True)
-        skips = recorded_skips(self.run_dir, self.global_batch_size) if self.rank == 0 else None
-        self._skips = set(self._broadcast(skips))
-        self._step = start
-        self._record("restored", step=start, fresh=restored is None, seconds=time.time() - t0)
-        events.info(format_event("train.resume", rank=self.rank, step=start,
-                                 fresh=restored is None, seconds=round(time.time() - t0, 3),
-                                 known_bad_batches=len(self._skips)))
-        if self._heartbeat is not None:
-            self._heartbeat.update(start)
-        return start
+    def leave(self) -> None:
+        """Destroy the process group if this attempt created it."""
+        if self.owns_group:
+            dist.destroy_process_group()
+            self.owns_group = False
 
 
-__all__ = ["AttemptSetup", "check_world_size", "expected_world_size", "heartbeat_store",
-           "pick_device", "process_start_time", "restart_count", "start_process_group",
-           "valid_world_sizes", "wants_process_group", "warm_imports", "wrap_model"]
+def start_heartbeat(attempt: Attempt, timeout: float | None, interval: float,
+                    on_lost: Callable[[Any], None] | None) -> Heartbeat | None:
+    """The heartbeat of this rank (None: no peers to watch, or no timeout asked)."""
+    if not attempt.distributed or timeout is None or attempt.world_size == 1:
+        return None
+    return Heartbeat(heartbeat_store(attempt.number), attempt.rank, attempt.world_size,
+                     timeout=timeout, interval=interval, on_lost=on_lost).start()
+
+
+__all__ = ["Attempt", "check_world_size", "expected_world_size", "heartbeat_store",
+           "pick_device", "process_start_time", "restart_count", "start_heartbeat",
+           "start_process_group", "valid_world_sizes", "wants_process_group", "warm_imports",
+           "wrap_model"]

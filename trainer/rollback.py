@@ -4,8 +4,7 @@ Every rank judges a step from the same agreed loss and gradient norm
 (:class:`trainer.health.HealthGuard`), so on a bad step all of them roll back to the newest
 good checkpoint together. The step's global batch is then marked bad (by its data offset,
 in the run directory's ``skips.jsonl``) and passed over from then on, in this attempt and
-the ones after it. :class:`HealthRollbacks` holds this for
-:class:`trainer.elastic.ElasticTrainer`.
+the ones after it. :class:`Rollbacks` does this for :class:`trainer.elastic.ElasticTrainer`.
 """
 
 from __future__ import annotations
@@ -13,106 +12,130 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 
-from trainer.data import ResumableSampler
-from trainer.health import TrainingHealthError, Verdict
-from trainer.metrics import format_event
+from trainer.batches import GlobalBatches, StepBatch
+from trainer.checkpointing import Checkpoints
+from trainer.health import HealthGuard, TrainingHealthError, Verdict
+from trainer.metrics import TrainerMetrics, format_event
 from trainer.progress import json_float, record_skip
+from trainer.records import RunRecords
+from trainer.step import StepRunner
 
 events = logging.getLogger("ckpt.trainer")
 
 
-class HealthRollbacks:
-    """Verdicts, rollbacks and skipped batches of :class:`trainer.elastic.ElasticTrainer`
-    (a mixin: it uses the trainer's health guard, sampler, manager, state and records)."""
+class Rollbacks:
+    """The health guard's verdicts, the rollbacks they call for, and the batches marked bad.
 
-    def _judge(self, step: int, loss: float, grad_norm: float) -> Verdict | None:
+    Args:
+        guard: the health guard (None: every step is accepted).
+        steps: whose gradients a rollback drops (and whose GradScaler it settles).
+        checkpoints: what a rollback restores.
+        records, metrics: where rollbacks and skips are written down.
+        known_bad: data offsets of the global batches earlier attempts marked bad.
+        skipped_batches: of the bad batches, how many lie behind the restored position.
+        counted: offsets already counted in ``metrics`` as skipped (shared across the
+            fits of one trainer, so that a batch passed over again counts once).
+    """
+
+    def __init__(self, guard: HealthGuard | None, *, steps: StepRunner,
+                 checkpoints: Checkpoints, records: RunRecords, metrics: TrainerMetrics,
+                 known_bad: Iterable[int], skipped_batches: int, counted: set[int]) -> None:
+        self.guard = guard
+        self.steps, self.checkpoints = steps, checkpoints
+        self.records, self.metrics = records, metrics
+        self.bad: set[int] = set(known_bad)
+        self.skipped_batches = skipped_batches
+        self._counted = counted
+
+    def judge(self, step: int, loss: float, grad_norm: float) -> Verdict | None:
         """The health guard's verdict on the agreed loss and gradient norm (None: no guard)."""
-        if self.health is None:
+        if self.guard is None:
             return None
         norm: float | None = grad_norm
-        if (self.grad_scaler is not None and self.grad_scaler.is_enabled()
-                and not math.isfinite(grad_norm)):
+        scaler = self.steps.grad_scaler
+        if scaler is not None and scaler.is_enabled() and not math.isfinite(grad_norm):
             norm = None  # an overflowed scaled gradient: the scaler skips the update itself
-        return self.health.observe(step, loss, norm)
+        return self.guard.observe(step, loss, norm)
 
-    def _rollback(self, verdict: Verdict, offset: int, global_indices: list[int]) -> int:
+    def rollback(self, verdict: Verdict, batch: StepBatch) -> int:
         """A bad step, agreed by every rank: restore the newest good checkpoint, mark the
-        step's global batch (at data ``offset``) to be skipped, return the restored step.
+        step's global ``batch`` to be skipped, return the restored step.
 
         Raises TrainingHealthError past the guard's ``max_rollbacks``.
         """
-        assert self.health is not None and self._manager is not None
+        assert self.guard is not None
+        rank = self.records.rank
         t0 = time.time()
         events.warning(format_event(
-            "train.anomaly", rank=self.rank, step=verdict.step, reason=verdict.reason,
+            "train.anomaly", rank=rank, step=verdict.step, reason=verdict.reason,
             loss=verdict.loss, grad_norm=verdict.grad_norm, median=verdict.median,
             threshold=verdict.threshold))
         try:
-            count = self.health.rollback(verdict)
+            count = self.guard.rollback(verdict)
         except TrainingHealthError:
             events.error(format_event(
-                "train.give_up", rank=self.rank, step=verdict.step, reason=verdict.reason,
-                rollbacks=len(self.health.rollbacks), max_rollbacks=self.health.max_rollbacks))
+                "train.give_up", rank=rank, step=verdict.step, reason=verdict.reason,
+                rollbacks=len(self.guard.rollbacks), max_rollbacks=self.guard.max_rollbacks))
             raise
-        restored = self._restore_good(verdict, offset)
-        self._note_rollback(verdict, offset, global_indices, restored, count, t0)
+        restored = self._restore_good(verdict, batch.offset)
+        self._note(verdict, batch, restored, count, t0)
         return restored
 
     def _restore_good(self, verdict: Verdict, offset: int) -> int:
         """Restore the newest checkpoint before ``verdict.step`` and mark the batch at data
         ``offset`` bad; returns the restored step."""
-        if self.grad_scaler is not None:
-            self.grad_scaler.update()  # end the scaler's step (unscale_ ran); restored below
-        self.optimizer.zero_grad(set_to_none=True)
-        restored = self._manager.restore(self.state)
+        assert self.guard is not None
+        self.steps.abandon()
+        restored = self.checkpoints.restore()
         if restored is None or restored >= verdict.step:
             raise TrainingHealthError(
                 f"{verdict.describe()}: no checkpoint before step {verdict.step} to roll "
-                f"back to (found {restored})", [*self.health.rollbacks])
-        meta = self.state.get("meta") or {}
-        self._skipped_batches = int(meta.get("skipped_batches", 0))
-        self._skips.add(offset)
-        self.health.rewind(restored)
+                f"back to (found {restored})", [*self.guard.rollbacks])
+        self.skipped_batches = int(self.checkpoints.meta.get("skipped_batches", 0))
+        self.bad.add(offset)
+        self.guard.rewind(restored)
         self.metrics.rolled_back(restored)
-        self._step = restored
-        if self._heartbeat is not None:
-            self._heartbeat.update(restored)
         return restored
 
-    def _note_rollback(self, verdict: Verdict, offset: int, global_indices: list[int],
-                       restored: int, count: int, t0: float) -> None:
+    def _note(self, verdict: Verdict, batch: StepBatch, restored: int, count: int,
+              t0: float) -> None:
         """The rollback's event, progress record, ``skips.jsonl`` entry (rank 0) and metrics."""
+        assert self.guard is not None
+        global_batch_size = len(batch.global_indices)
         fields = {"step": verdict.step, "reason": verdict.reason, "restored_step": restored,
-                  "rollbacks": count, "max_rollbacks": self.health.max_rollbacks,
-                  "skip_offset": offset, "skip_indices": global_indices}
-        events.warning(format_event("train.rollback", rank=self.rank, **fields,
+                  "rollbacks": count, "max_rollbacks": self.guard.max_rollbacks,
+                  "skip_offset": batch.offset, "skip_indices": batch.global_indices}
+        events.warning(format_event("train.rollback", rank=self.records.rank, **fields,
                                     seconds=round(time.time() - t0, 3)))
-        self._record("rollback", **fields, loss=json_float(verdict.loss),
-                     grad_norm=json_float(verdict.grad_norm),
-                     global_batch=self.global_batch_size, seconds=time.time() - t0)
-        if self.rank == 0 and self.run_dir is not None:
-            record_skip(self.run_dir,
-                        {"offset": offset, "global_batch": self.global_batch_size,
-                         "step": verdict.step, "attempt": self.attempt,
-                         "reason": verdict.reason, "indices": global_indices})
+        self.records.record("rollback", **fields, loss=json_float(verdict.loss),
+                            grad_norm=json_float(verdict.grad_norm),
+                            global_batch=global_batch_size, seconds=time.time() - t0)
+        run_dir = self.records.run_dir
+        if self.records.rank == 0 and run_dir is not None:
+            record_skip(run_dir,
+                        {"offset": batch.offset, "global_batch": global_batch_size,
+                         "step": verdict.step, "attempt": self.records.attempt,
+                         "reason": verdict.reason, "indices": batch.global_indices})
         self.metrics.write_textfile()
 
-    def _skip_known_bad(self, step: int) -> None:
+    def pass_known_bad(self, step: int, batches: GlobalBatches) -> None:
         """Pass over the global batches marked bad (by a rollback of this or an earlier
         attempt) that are next in the data order; ``step`` then trains the next one."""
-        while self._skips and self._data_offset() in self._skips:
-            offset = self._data_offset()
-            skipped = self.sampler.next_indices(self.global_batch_size)
-            mine = ResumableSampler.rank_slice(skipped, self.rank, self.world_size)
-            self._skipped_batches += 1
-            if offset not in self._skips_counted:  # passed over again after a rollback: once
-                self._skips_counted.add(offset)
+        while self.bad and batches.offset() in self.bad:
+            skipped = batches.take()
+            self.skipped_batches += 1
+            if skipped.offset not in self._counted:  # passed over again after a rollback
+                self._counted.add(skipped.offset)
                 self.metrics.skipped(1)
-            events.warning(format_event("train.skip", rank=self.rank, step=step, offset=offset,
-                                        indices=skipped))
-            self._record("skip", step=step, offset=offset, indices=skipped)
-            self._audit_write(step, offset=offset, indices=mine, skipped=True)
+            events.warning(format_event("train.skip", rank=self.records.rank, step=step,
+                                        offset=skipped.offset,
+                                        indices=skipped.global_indices))
+            self.records.record("skip", step=step, offset=skipped.offset,
+                                indices=skipped.global_indices)
+            self.records.audit(step, offset=skipped.offset, indices=skipped.mine,
+                               skipped=True)
 
 
-__all__ = ["HealthRollbacks"]
+__all__ = ["Rollbacks"]

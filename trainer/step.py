@@ -4,16 +4,20 @@ The rank's share of the global batch is split into micro batches whose gradients
 accumulated (synchronized across ranks on the last one only), the gradient norm is
 measured (and clipped), one small all-reduce agrees on the loss, the norm and any SIGTERM,
 and the optimizer (through a ``GradScaler`` with mixed precision) and scheduler step.
-:class:`StepMechanics` holds this for :class:`trainer.elastic.ElasticTrainer`.
+:class:`StepRunner` does this for :class:`trainer.elastic.ElasticTrainer`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
+
+from trainer.launch import Attempt
+
+T = TypeVar("T")
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -28,13 +32,31 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-class StepMechanics:
-    """The computation of one step of :class:`trainer.elastic.ElasticTrainer` (a mixin: it
-    uses the trainer's model, optimizer, scheduler, grad scaler, dataset and device)."""
+class StepRunner:
+    """One optimizer step's computation: gradients accumulated over micro batches (synced
+    across ranks on the last one), the gradient norm (unscaled with a GradScaler, clipped
+    if asked), the agreement on loss, norm and SIGTERM, then the update.
 
-    def _micro_batches(self, indices: list[int]) -> list[list[int]]:
-        m = self.micro_batch_size
-        return [indices[i:i + m] for i in range(0, len(indices), m)]
+    Args:
+        attempt: the attempt's device and collectives.
+        model: the model as trained (wrapped in DDP, or sharded by FSDP2).
+        optimizer, scheduler, grad_scaler: stepped once per step (scheduler and scaler
+            may be None).
+        step_fn: ``(model, batch) -> loss`` of one micro batch.
+        max_grad_norm: clip the gradient norm to this (None: measure only).
+        fsdp: whether ``model`` is sharded with FSDP2 (gradient sync is switched on it).
+    """
+
+    def __init__(self, attempt: Attempt, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any | None,
+                 grad_scaler: torch.amp.GradScaler | None,
+                 step_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *,
+                 max_grad_norm: float | None, fsdp: bool) -> None:
+        self.attempt = attempt
+        self.device = attempt.device
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.grad_scaler, self.step_fn = grad_scaler, step_fn
+        self.max_grad_norm, self.fsdp = max_grad_norm, fsdp
 
     def _sync_context(self, last: bool) -> Any:
         if self.fsdp and hasattr(self.model, "set_requires_gradient_sync"):
@@ -44,16 +66,22 @@ class StepMechanics:
             return contextlib.nullcontext()
         return self.model.no_sync()
 
-    def _forward_backward(self, micro: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradients of one step (accumulated over the micro batches, synchronized on the
-        last); returns this rank's summed micro-batch losses and the total gradient norm
+    def learning_rate(self) -> float:
+        """The first parameter group's learning rate (the one this step uses)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def forward_backward(self, micro: Sequence[T], fetch: Callable[[T], Any]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of one step over the micro batches ``fetch(m)`` for ``m`` in ``micro``
+        (each fetched just before its forward), accumulated and synchronized on the last;
+        returns this rank's summed micro-batch losses and the total gradient norm
         (unscaled first with a GradScaler, measured before clipping, clipped if asked)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
-        for i, idx in enumerate(micro):
-            batch = _to_device(self.collate_fn([self.dataset[j] for j in idx]), self.device)
+        for i, m in enumerate(micro):
+            batch = _to_device(fetch(m), self.device)
             with self._sync_context(i == len(micro) - 1):
                 loss = self.step_fn(self.model, batch)
                 part = loss / len(micro)
@@ -71,21 +99,23 @@ class StepMechanics:
             norm = norm.full_tensor()
         return total, norm.detach().float().to(self.device)
 
-    def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float, bool]:
+    def agree(self, loss: torch.Tensor, grad_norm: torch.Tensor,
+              sigterm: bool) -> tuple[float, float, bool]:
         """One small all-reduce per step, before the update: the global mean loss, whether
         any rank got SIGTERM (so that all ranks take the preemption checkpoint at the same
         step) and the gradient norm. Every rank judges the step's health from these same
         agreed numbers, so all of them roll back, or none."""
-        agree = torch.stack([loss, torch.tensor(float(self._sigterm), device=self.device),
+        agree = torch.stack([loss, torch.tensor(float(sigterm), device=self.device),
                              grad_norm])
-        if self.distributed and self.world_size > 1:
-            dist.all_reduce(agree)
+        self.attempt.all_reduce(agree)
         loss_total, sigterms, norm_total = agree.tolist()
-        loss_value = loss_total / self.world_size
-        norm_value = norm_total / self.world_size  # the same on every rank: mean = it
+        world = self.attempt.world_size
+        loss_value = loss_total / world
+        norm_value = norm_total / world  # the same on every rank: mean = it
         return loss_value, norm_value, sigterms > 0
 
-    def _optimizer_step(self) -> None:
+    def update(self) -> None:
+        """The optimizer step (through the GradScaler, if any), then the scheduler's."""
         if self.grad_scaler is not None:
             self.grad_scaler.step(self.optimizer)  # skipped when the gradient overflowed
             self.grad_scaler.update()
@@ -94,5 +124,12 @@ class StepMechanics:
         if self.scheduler is not None:
             self.scheduler.step()
 
+    def abandon(self) -> None:
+        """Drop this step's gradients instead of an update (before a rollback restores the
+        state): end the scaler's step (``unscale_`` ran) and clear the gradients."""
+        if self.grad_scaler is not None:
+            self.grad_scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
 
-__all__ = ["StepMechanics"]
+
+__all__ = ["StepRunner"]

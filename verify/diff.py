@@ -1,4 +1,5 @@
-"""``ckpt diff ROOT A B``: which tensors and values changed between two steps, and how much.
+"""``ckpt diff``: which tensors and values changed between two steps, of one root or of two
+(two runs, two ``ckpt.save`` directories), and how much.
 
 Tensors are compared chunk by chunk when both steps cut them the same way (the usual case:
 same model, same world size): a chunk whose digest is the same in both steps holds the same
@@ -11,23 +12,24 @@ Per tensor: ``equal``; ``changed`` with the largest absolute difference, the rel
 norm ``||B - A|| / ||A||`` and the number of elements that differ (NaN = NaN here), or with
 the old and new shape/dtype; ``added`` or ``removed``. Plain values (every non-tensor leaf
 of every item: epoch, learning rates, sampler positions, the probe's loss...) are compared
-too, and listed by path when they differ.
+too, and listed by path when they differ. Optimizer state is also named by parameter
+(``optim/state/mix.weight/exp_avg``) where a module of the same step has the optimizer's
+parameters (:func:`ckpt.inspect.parameter_names`). A filter (shell-style patterns, matched
+against tensor keys, those names and value paths) limits what is compared.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 import ckpt
-from ckpt.format import Chunk, Manifest, TensorEntry, step_dir
-from ckpt.state import TENSOR
-
-from .reading import read_checked, read_tensor
+from ckpt.inspect import Checkpoints, Chunk, Manifest, TensorEntry, is_tensor_leaf, named_tensors
 
 
 @dataclass
@@ -44,6 +46,7 @@ class TensorDiff:
     changed_elements: int | None = None
     max_abs_diff: float | None = None
     rel_l2: float | None = None
+    name: str | None = None  # optimizer state named by parameter, when it can be
 
 
 @dataclass
@@ -57,7 +60,8 @@ class ValueDiff:
 
 @dataclass
 class StepDiff:
-    """Everything that differs between two steps of one root."""
+    """Everything that differs between step ``a`` of ``root`` and step ``b`` of ``other``
+    (``other`` is ``root`` when both steps are of one root)."""
 
     root: str
     a: int
@@ -67,6 +71,8 @@ class StepDiff:
     aliases: list[dict[str, Any]] = field(default_factory=list)
     bytes_read: int = 0
     seconds: float = 0.0
+    other: str | None = None
+    filters: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         out = {"equal": 0, "changed": 0, "added": 0, "removed": 0}
@@ -117,49 +123,74 @@ class _Stats:
         return math.sqrt(self.sq_diff) / math.sqrt(self.sq_a) if self.sq_a else math.inf
 
 
-def diff_steps(mgr: ckpt.CheckpointManager, a: int, b: int, *, threads: int = 4) -> StepDiff:
-    """Compare step ``a`` with step ``b`` of an open (read-only) manager.
+def diff_steps(source: Checkpoints | ckpt.CheckpointManager, a: int, b: int, *,
+               threads: int = 4, other: Checkpoints | ckpt.CheckpointManager | None = None,
+               filters: Sequence[str] = ()) -> StepDiff:
+    """Compare step ``a`` of ``source`` with step ``b`` of ``other`` (default: ``source``).
+
+    ``source``/``other``: checkpoints opened with :func:`ckpt.inspect.open` (a root or one
+    checkpoint directory) or open managers. ``filters``: shell-style patterns (``model/*``,
+    ``*exp_avg*``); when given, only tensors whose key or name matches one, and values
+    whose path matches one, are compared.
 
     Raises:
         CheckpointNotFoundError: a step does not exist.
         CorruptCheckpointError: a manifest is invalid or a chunk read fails its digest.
     """
     t0 = time.perf_counter()
-    ma, mb = mgr.manifest(a), mgr.manifest(b)
-    result = StepDiff(mgr.root, a, b)
-    reader = _Reader(mgr, ma, mb, threads)
+    side_a = _open(source)
+    side_b = side_a if other is None else _open(other)
+    side_a.require(a)
+    side_b.require(b)
+    ma, mb = side_a.manifest(a), side_b.manifest(b)
+    result = StepDiff(side_a.url, a, b, other=None if other is None else side_b.url,
+                      filters=list(filters))
+    names = {**named_tensors(ma), **named_tensors(mb)}
+
+    def wanted(*texts: str | None) -> bool:
+        return not filters or any(t is not None and fnmatch.fnmatchcase(t, f)
+                                  for t in texts for f in filters)
+
+    reader = _Reader(side_a, a, ma, side_b, b, mb, threads)
     for key in sorted(set(ma.tensors) | set(mb.tensors)):
-        result.tensors.append(_tensor_diff(key, ma.tensors.get(key), mb.tensors.get(key), reader))
+        if wanted(key, names.get(key)):
+            d = _tensor_diff(key, ma.tensors.get(key), mb.tensors.get(key), reader)
+            d.name = names.get(key)
+            result.tensors.append(d)
     for key in sorted(set(ma.aliases) | set(mb.aliases)):
-        if ma.aliases.get(key) != mb.aliases.get(key):
+        if ma.aliases.get(key) != mb.aliases.get(key) and wanted(key):
             result.aliases.append({"key": key, "a": ma.aliases.get(key), "b": mb.aliases.get(key)})
-    result.values = diff_values(ma, mb)
+    result.values = [v for v in diff_values(ma, mb) if wanted(v.path)]
     result.bytes_read = reader.bytes_read
     result.seconds = time.perf_counter() - t0
     return result
 
 
+def _open(source: Checkpoints | ckpt.CheckpointManager) -> Checkpoints:
+    return source if isinstance(source, Checkpoints) else ckpt.inspect.open(source)
+
+
 class _Reader:
     """Reads chunks and whole tensors of the two steps, counting the bytes."""
 
-    def __init__(self, mgr: ckpt.CheckpointManager, ma: Manifest, mb: Manifest,
-                 threads: int) -> None:
-        self.mgr, self.threads, self.bytes_read = mgr, threads, 0
-        self.sides = {"a": (step_dir(ma.step), ma), "b": (step_dir(mb.step), mb)}
+    def __init__(self, cps_a: Checkpoints, a: int, ma: Manifest, cps_b: Checkpoints, b: int,
+                 mb: Manifest, threads: int) -> None:
+        self.threads, self.bytes_read = threads, 0
+        self.sides = {"a": (cps_a, a, ma), "b": (cps_b, b, mb)}
 
     def chunk(self, side: str, key: str, chunk: Chunk) -> torch.Tensor:
-        location, manifest = self.sides[side]
+        cps, step, manifest = self.sides[side]
         out = torch.empty(chunk.shape, dtype=manifest.tensors[key].torch_dtype)
-        read_checked(self.mgr.storage, location, key, chunk, out)
+        cps.read_chunk(step, key, chunk, out)
         self.bytes_read += chunk.length
         return out
 
     def whole(self, side: str, key: str) -> torch.Tensor:
         import concurrent.futures as cf
 
-        location, manifest = self.sides[side]
+        cps, step, manifest = self.sides[side]
         with cf.ThreadPoolExecutor(self.threads) as pool:
-            out = read_tensor(self.mgr.storage, location, manifest, key, pool)
+            out = cps.read_tensor(step, key, manifest, pool)
         self.bytes_read += sum(c.length for c in manifest.tensors[key].chunks)
         return out
 
@@ -236,5 +267,5 @@ def _walk(a: Any, b: Any, path: str, out: list[ValueDiff]) -> None:
 
 
 def _is_tensor(tree: Any) -> bool:
-    return isinstance(tree, dict) and len(tree) == 1 and TENSOR in tree
+    return is_tensor_leaf(tree)
 

@@ -27,13 +27,9 @@ from typing import Any, BinaryIO
 import torch
 
 import ckpt
-from ckpt.datafile import SAFETENSORS_DTYPES
-from ckpt.engine import byte_view
-from ckpt.format import Manifest, step_dir
-from ckpt.integrity import check_structure
-from ckpt.state import DICT, TENSOR, TUPLE, item_tree
+from ckpt.inspect import (SAFETENSORS_DTYPES, Checkpoints, Manifest, byte_view, item_tree,
+                          tensor_leaves)
 
-from .reading import read_tensor
 from .report import UsageError
 
 FORMATS = ("safetensors", "torch")
@@ -63,31 +59,12 @@ def select(manifest: Manifest, item: str | None = None) -> dict[str, str]:
                          f"{sorted(manifest.items)}")
     if "per_rank" in saved:
         raise UsageError(f"item {item!r} was saved per rank; export it without --item")
-    names: dict[str, str] = {}
-    _leaves(item_tree(saved), "", names)
+    names = tensor_leaves(item_tree(saved))
     if not names:
         raise UsageError(f"item {item!r} holds no tensors")
     if list(names) == [""]:  # a top-level tensor item
         names = {item: names[""]}
     return names
-
-
-def _leaves(tree: Any, path: str, out: dict[str, str]) -> None:
-    join = (lambda k: f"{path}/{k}" if path else str(k))  # noqa: E731
-    if isinstance(tree, dict) and len(tree) == 1 and TENSOR in tree:
-        out[path] = tree[TENSOR]
-    elif isinstance(tree, dict) and len(tree) == 1 and TUPLE in tree:
-        for i, v in enumerate(tree[TUPLE]):
-            _leaves(v, join(i), out)
-    elif isinstance(tree, dict) and len(tree) == 1 and DICT in tree:
-        for k, v in tree[DICT]:
-            _leaves(v, join(k if isinstance(k, (str, int, float, bool)) else json.dumps(k)), out)
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            _leaves(v, join(k), out)
-    elif isinstance(tree, list):
-        for i, v in enumerate(tree):
-            _leaves(v, join(i), out)
 
 
 def plan(manifest: Manifest, names: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
@@ -111,9 +88,11 @@ def plan(manifest: Manifest, names: dict[str, str]) -> tuple[dict[str, str], dic
     return stored, aliases
 
 
-def export_step(mgr: ckpt.CheckpointManager, step: int, fmt: str, path: str, *,
-                item: str | None = None, force: bool = False, threads: int = 4) -> ExportResult:
-    """Write ``step`` of an open manager to ``path`` as one ``fmt`` file.
+def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: str, path: str,
+                *, item: str | None = None, force: bool = False,
+                threads: int = 4) -> ExportResult:
+    """Write ``step`` to ``path`` as one ``fmt`` file. ``source``: checkpoints opened with
+    :func:`ckpt.inspect.open` (a root or one checkpoint directory) or an open manager.
 
     Raises:
         UsageError: unknown format, ``path`` exists (without ``force``), a dtype safetensors
@@ -129,9 +108,9 @@ def export_step(mgr: ckpt.CheckpointManager, step: int, fmt: str, path: str, *,
         raise UsageError(f"{path} exists; pass --force to overwrite it")
     if not os.path.isdir(os.path.dirname(path)):
         raise UsageError(f"{os.path.dirname(path)} is not a directory")
-    manifest = mgr.manifest(step)
-    location = step_dir(step)
-    check_structure(mgr.storage, location, manifest)
+    cps = source if isinstance(source, Checkpoints) else ckpt.inspect.open(source)
+    manifest = cps.manifest(step)
+    cps.check_structure(step, manifest)
     stored, aliases = plan(manifest, select(manifest, item))
     if fmt == "safetensors":
         bad = {n: manifest.tensors[k].dtype for n, k in stored.items()
@@ -143,10 +122,10 @@ def export_step(mgr: ckpt.CheckpointManager, step: int, fmt: str, path: str, *,
     try:
         with open(tmp, "wb") as f, cf.ThreadPoolExecutor(threads) as pool:
             def read(key: str) -> torch.Tensor:
-                return read_tensor(mgr.storage, location, manifest, key, pool)
+                return cps.read_tensor(step, key, manifest, pool)
 
             if fmt == "safetensors":
-                metadata = {"format": "pt", "ckpt_step": str(step), "ckpt_root": mgr.root,
+                metadata = {"format": "pt", "ckpt_step": str(step), "ckpt_root": cps.url,
                             "ckpt_aliases": json.dumps(aliases, sort_keys=True)}
                 _write_safetensors(f, manifest, stored, metadata, read)
             else:

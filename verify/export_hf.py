@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 import ckpt
+import ckpt.inspect
 from ckpt.datafile import SAFETENSORS_DTYPES
-from ckpt.format import Manifest, step_dir
-from ckpt.integrity import check_structure
+from ckpt.format import Manifest
+from ckpt.inspect import Checkpoints
 
 from .export import _write_safetensors, plan, select
-from .reading import read_tensor
 from .report import UsageError, size
 
 CONFIG_KEY = "hf_config"
@@ -74,10 +74,11 @@ def _model_item(manifest: Manifest, item: str | None) -> str:
                      f"({modules}); name the model with --item")
 
 
-def export_hf(mgr: ckpt.CheckpointManager, step: int, path: str, *, item: str | None = None,
-              force: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              threads: int = 4) -> HfExportResult:
+def export_hf(source: Checkpoints | ckpt.CheckpointManager, step: int, path: str, *,
+              item: str | None = None, force: bool = False,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, threads: int = 4) -> HfExportResult:
     """Write ``step``'s model (``item``, default ``"model"``) to the folder ``path``.
+    ``source``: checkpoints opened with :func:`ckpt.inspect.open` or an open manager.
 
     Raises:
         UsageError: ``path`` exists (without ``force``; with it, it must be a folder, whose
@@ -93,9 +94,9 @@ def export_hf(mgr: ckpt.CheckpointManager, step: int, path: str, *, item: str | 
                          if not force else f"{path} exists and is not a folder")
     if not os.path.isdir(os.path.dirname(path)):
         raise UsageError(f"{os.path.dirname(path)} is not a directory")
-    manifest = mgr.manifest(step)
-    location = step_dir(step)
-    check_structure(mgr.storage, location, manifest)
+    cps = source if isinstance(source, Checkpoints) else ckpt.inspect.open(source)
+    manifest = cps.manifest(step)
+    cps.check_structure(step, manifest)
     item = _model_item(manifest, item)
     stored, tied = plan(manifest, select(manifest, item))
     bad = {n: manifest.tensors[k].dtype for n, k in stored.items()
@@ -111,7 +112,7 @@ def export_hf(mgr: ckpt.CheckpointManager, step: int, path: str, *, item: str | 
     try:
         with cf.ThreadPoolExecutor(threads) as pool:
             def read(key: str) -> torch.Tensor:
-                return read_tensor(mgr.storage, location, manifest, key, pool)
+                return cps.read_tensor(step, key, manifest, pool)
 
             for name, shard in zip(names, shards):
                 with open(os.path.join(tmp, name), "wb") as f:

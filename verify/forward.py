@@ -5,14 +5,13 @@ probe recorded at save time (:class:`ckpt.Probe`).
    probe recorded. The module is imported with the current directory on ``sys.path`` (as
    ``python -m`` does). Importing and calling it runs code: use the recorded factory only
    for checkpoints you trust, as with pickle.
-2. Load the probe's model item into it through the public API
-   (``CheckpointManager.restore(..., step=N, strict=True)``); the probe's recorded inputs,
-   output and loss come back with it.
+2. Load the probe's model item into it (``ckpt.inspect.Checkpoints.load``: atomic, digests
+   checked, no pickle); the probe's recorded inputs, output and loss come back with it.
 3. Every floating-point weight must be finite; a NaN or Inf is reported naming the tensor
    and the data file of the chunk that holds it.
-4. Rerun the forward (``ckpt.probe.run_forward``) and compare with the recorded output:
+4. Rerun the forward (``ckpt.inspect.run_forward``) and compare with the recorded output:
    ``|new - recorded| <= atol + rtol * |recorded|`` element-wise (``torch.allclose``), with
-   the tolerance of the output's dtype (:data:`ckpt.probe.TOLERANCES`, shared with
+   the tolerance of the output's dtype (:data:`ckpt.inspect.TOLERANCES`, shared with
    ``restore(..., verify="forward")``); NaN or Inf in the new output is
    a failure. The loss is compared the same way when the probe recorded one and a loss
    function is known (``--loss module:callable``).
@@ -32,10 +31,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 import ckpt
-from ckpt.format import Manifest, step_dir
 # TOLERANCES is re-exported by verify/__init__.py (its table lives in ckpt.probe, for restore)
-from ckpt.probe import PROBE_ITEM, TOLERANCES, run_forward, tolerance_for  # noqa: F401
-from ckpt.state import TENSOR, item_tree
+from ckpt.inspect import (PROBE_ITEM, TOLERANCES, Checkpoints, Manifest,  # noqa: F401
+                          item_tree, run_forward, tensor_leaves, tolerance_for)
 
 from .report import Problem, UsageError
 
@@ -108,7 +106,7 @@ def build_model(model: Any, recorded: str | None) -> tuple[torch.nn.Module, str]
     return built, name
 
 
-def check_forward(mgr: ckpt.CheckpointManager, step: int, manifest: Manifest, *,
+def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
                   model: Any = None, loss: Any = None, rtol: float | None = None,
                   atol: float | None = None) -> tuple[list[Problem], dict[str, Any]]:
     """Run the forward level on ``step``; returns (problems, figures).
@@ -117,7 +115,7 @@ def check_forward(mgr: ckpt.CheckpointManager, step: int, manifest: Manifest, *,
         UsageError: no probe in the step, no usable factory, or a model that does not fit.
     """
     t0 = time.perf_counter()
-    where = f"{mgr.root}/{step_dir(step)}"
+    where = cps.step_url(step)
     item = manifest.items.get(PROBE_ITEM)
     tree = item_tree(item) if item is not None else None
     if not isinstance(tree, dict) or not isinstance(tree.get("model_key"), str):
@@ -127,13 +125,13 @@ def check_forward(mgr: ckpt.CheckpointManager, step: int, manifest: Manifest, *,
     net, factory = build_model(model, tree.get("factory"))
     state: dict[str, Any] = {model_key: net, PROBE_ITEM: None}
     try:
-        mgr.restore(state, step=step, strict=True)
+        cps.load(state, step)
     except ckpt.StateMismatchError as e:
         raise UsageError(f"the model built by {factory} does not fit step {step}: {e}") from e
     except ckpt.CorruptCheckpointError as e:
         return [Problem("weights", str(e), e.path)], {"factory": factory}
     probe = state[PROBE_ITEM]
-    problems = nonfinite_weights(net, manifest, model_key, where)
+    problems = nonfinite_weights(cps, step, net, manifest, model_key)
     loss_fn = _loss_function(loss, probe.get("loss_fn"))
     try:
         output, loss_now = run_forward(net, probe["inputs"], loss_fn)
@@ -155,19 +153,19 @@ def check_forward(mgr: ckpt.CheckpointManager, step: int, manifest: Manifest, *,
     return problems, figures
 
 
-def nonfinite_weights(net: torch.nn.Module, manifest: Manifest, model_key: str,
-                      where: str) -> list[Problem]:
+def nonfinite_weights(cps: Checkpoints, step: int, net: torch.nn.Module, manifest: Manifest,
+                      model_key: str) -> list[Problem]:
     """One problem per stored tensor of the model holding NaN or Inf, naming the tensor and
     the data file of each chunk that holds a non-finite value."""
-    tree = item_tree(manifest.items.get(model_key, {}))
+    where = cps.step_url(step)
+    leaves = tensor_leaves(item_tree(manifest.items.get(model_key, {})))
     names_of: dict[str, list[str]] = {}
     values: dict[str, torch.Tensor] = {}
     for name, value in net.state_dict().items():
         if not isinstance(value, torch.Tensor) or not (value.is_floating_point()
                                                        or value.is_complex()):
             continue
-        leaf = tree.get(name) if isinstance(tree, dict) else None
-        key = leaf.get(TENSOR) if isinstance(leaf, dict) else None
+        key = leaves.get(name)
         key = manifest.resolve(key) if key else f"{model_key}/{name}"
         names_of.setdefault(key, []).append(name)
         values[key] = value
@@ -178,7 +176,7 @@ def nonfinite_weights(net: torch.nn.Module, manifest: Manifest, model_key: str,
             continue
         nan, total = int(torch.isnan(value).sum()), int(bad.sum())
         first = [int(i) for i in torch.nonzero(bad)[0]] if value.dim() else []
-        files = _files_holding(manifest, key, bad, where)
+        files = _files_holding(cps, step, manifest, key, bad)
         names = " = ".join(names_of[key])
         problems.append(Problem(
             "weights", f"{files[0] if files else where}: weight {key} ({names}) has {nan} NaN "
@@ -188,17 +186,16 @@ def nonfinite_weights(net: torch.nn.Module, manifest: Manifest, model_key: str,
     return problems
 
 
-def _files_holding(manifest: Manifest, key: str, bad: torch.Tensor, where: str) -> list[str]:
+def _files_holding(cps: Checkpoints, step: int, manifest: Manifest, key: str,
+                   bad: torch.Tensor) -> list[str]:
     entry = manifest.tensors.get(key)
     if entry is None:
         return []
-    root = where.rsplit("/", 1)[0]
     files = []
     for c in entry.chunks:
         box = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.shape))
         if c.numel and bool(bad[box].any()):
-            path = f"{root}/{step_dir(c.step)}/{c.file}" if c.step is not None else (
-                f"{where}/{c.file}")
+            path = cps.url_of(cps.chunk_path(step, c))
             if path not in files:
                 files.append(path)
     return files

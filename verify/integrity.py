@@ -11,8 +11,9 @@ Levels include the ones before them:
 * ``digest``: every chunk is read (in parallel) and its xxh3 digest compared.
 * ``forward``: see :mod:`verify.forward`.
 
-Unlike ``ckpt.integrity.check_structure`` (which restore uses, and which stops at the first
-problem), these checks collect every problem they find, so one run reports them all.
+Unlike ``Checkpoints.check_structure`` (what a restore checks, stopping at the first
+problem), these checks collect every problem they find, so one run reports them all. All
+reads go through :mod:`ckpt.inspect`.
 """
 
 from __future__ import annotations
@@ -26,12 +27,8 @@ from typing import Any, Callable
 import torch
 
 import ckpt
-from ckpt.datafile import SAFETENSORS_DTYPES
-from ckpt.format import Chunk, Manifest, step_dir
-from ckpt.integrity import chunk_path, read_manifest
-from storage_backends import Storage
+from ckpt.inspect import SAFETENSORS_DTYPES, Checkpoints, Chunk, Manifest
 
-from .reading import read_checked
 from .report import Problem, StepReport, UsageError
 
 LEVELS = ("structure", "digest", "forward")
@@ -39,24 +36,16 @@ MAX_HEADER_BYTES = 100 << 20  # what the safetensors library itself accepts
 PROBLEMS_PER_FILE = 5  # header mismatches listed per file before "and N more"
 
 
-def _files_of(location: str, manifest: Manifest) -> dict[str, list[tuple[str, Chunk]]]:
-    """Every file the step uses (relative to the root) -> the chunks it holds."""
-    files: dict[str, list[tuple[str, Chunk]]] = {f"{location}/{n}": [] for n in manifest.files}
-    for key, entry in manifest.tensors.items():
-        for chunk in entry.chunks:
-            files.setdefault(chunk_path(location, chunk), []).append((key, chunk))
-    return files
-
-
-def check_structure(storage: Storage, location: str, manifest: Manifest) -> list[Problem]:
+def check_structure(cps: Checkpoints, step: int, manifest: Manifest) -> list[Problem]:
     """Files present with their recorded sizes, chunks inside them, headers agreeing."""
     problems: list[Problem] = []
+    location = cps.location(step)
     own = {f"{location}/{n}": size for n, size in manifest.files.items()}
     dtypes = {k: e.torch_dtype for k, e in manifest.tensors.items()}
-    for path, chunks in _files_of(location, manifest).items():
-        url = f"{storage.url}/{path}"
+    for path, chunks in cps.files(step, manifest).items():
+        url = cps.url_of(path)
         try:
-            actual = storage.size(path)
+            actual = cps.file_size(path)
         except FileNotFoundError:
             problems.append(Problem("structure", f"{url} is missing", url))
             continue
@@ -72,7 +61,7 @@ def check_structure(storage: Storage, location: str, manifest: Manifest) -> list
             problems.append(Problem("structure", f"{url} is {actual} bytes, but {key} needs "
                                     f"bytes up to {end}: the file is truncated", url))
             continue
-        problems += check_header(storage, path, actual, chunks, dtypes, exact=path in own)
+        problems += check_header(cps, path, actual, chunks, dtypes, exact=path in own)
     return problems
 
 
@@ -86,7 +75,7 @@ def expected_entry(key: str, chunk: Chunk, dtype: torch.dtype, data_start: int
         "data_offsets": [begin, begin + chunk.length]}
 
 
-def check_header(storage: Storage, path: str, file_size: int,
+def check_header(cps: Checkpoints, path: str, file_size: int,
                  chunks: list[tuple[str, Chunk]], dtypes: dict[str, torch.dtype],
                  exact: bool) -> list[Problem]:
     """The data file's safetensors header against the manifest's chunks in that file
@@ -95,18 +84,18 @@ def check_header(storage: Storage, path: str, file_size: int,
     ``exact``: the file belongs to this step, so its header must list exactly these chunks
     (a file reused from an earlier step may also hold chunks this step no longer uses).
     """
-    url = f"{storage.url}/{path}"
+    url = cps.url_of(path)
 
     def bad(why: str) -> list[Problem]:
         return [Problem("header", f"{url}: safetensors header {why}", url)]
 
     if file_size < 8:
         return bad(f"missing: the file has {file_size} bytes")
-    length = int.from_bytes(storage.read(path, 0, 8), "little")
+    length = int.from_bytes(cps.read_bytes(path, 0, 8), "little")
     if length > min(MAX_HEADER_BYTES, file_size - 8):
         return bad(f"length {length} does not fit the file ({file_size} bytes)")
     try:
-        header = json.loads(storage.read(path, 8, length).decode("utf-8"),
+        header = json.loads(cps.read_bytes(path, 8, length).decode("utf-8"),
                             object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as e:
         return bad(f"is not valid JSON ({e})")
@@ -140,14 +129,14 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return doc
 
 
-def check_digests(storage: Storage, location: str, manifest: Manifest, *, threads: int = 4,
+def check_digests(cps: Checkpoints, step: int, manifest: Manifest, *, threads: int = 4,
                   progress: Callable[[int], None] | None = None) -> list[Problem]:
     """Read every chunk (``threads`` at a time) and compare its digest.
 
     Each thread reuses one buffer, so the cost is the read and the hash, not page faults
     of fresh allocations. ``progress(nbytes)`` is called from this thread as chunks finish.
     """
-    jobs = sorted(((chunk_path(location, c), c.start, key, c)
+    jobs = sorted(((cps.chunk_path(step, c), c.start, key, c)
                    for key, entry in manifest.tensors.items() for c in entry.chunks),
                   key=lambda j: (j[0], j[1]))
     local = threading.local()
@@ -159,11 +148,7 @@ def check_digests(storage: Storage, location: str, manifest: Manifest, *, thread
         if buf is None or buf.numel() < nbytes:
             buf = local.buf = torch.empty(max(nbytes, 8), dtype=torch.uint8)
         try:
-            out = buf[:nbytes].view(dtype)
-        except RuntimeError:  # a dtype that cannot view bytes: a fresh buffer then
-            out = torch.empty(chunk.numel, dtype=dtype)
-        try:
-            read_checked(storage, location, key, chunk, out)
+            cps.check_chunk(step, key, chunk, dtype, buf)
         except ckpt.CorruptCheckpointError as e:
             return Problem("digest", str(e), e.path)
         except PermissionError as e:
@@ -203,15 +188,16 @@ def _interleave(jobs: list, n: int) -> list:
     return out
 
 
-def verify_step(mgr: ckpt.CheckpointManager, step: int, level: str = "structure",
-                progress: Callable[[int], None] | None = None, *, model: Any = None,
-                loss: Any = None, rtol: float | None = None, atol: float | None = None,
-                threads: int = 4) -> StepReport:
-    """Verify one committed step of an open manager at ``level`` (and the levels before).
+def verify_step(source: Checkpoints | ckpt.CheckpointManager, step: int,
+                level: str = "structure", progress: Callable[[int], None] | None = None, *,
+                model: Any = None, loss: Any = None, rtol: float | None = None,
+                atol: float | None = None, threads: int = 4) -> StepReport:
+    """Verify one committed step at ``level`` (and the levels before).
 
-    ``model``/``loss``/``rtol``/``atol`` are for the forward level (see
-    :func:`verify.forward.check_forward`). A later level runs only when the earlier ones
-    passed.
+    ``source``: checkpoints opened with :func:`ckpt.inspect.open` (a root or one checkpoint
+    directory) or an open :class:`ckpt.CheckpointManager`. ``model``/``loss``/``rtol``/
+    ``atol`` are for the forward level (see :func:`verify.forward.check_forward`). A later
+    level runs only when the earlier ones passed.
 
     Raises:
         ValueError: an unknown level.
@@ -220,10 +206,10 @@ def verify_step(mgr: ckpt.CheckpointManager, step: int, level: str = "structure"
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, not {level!r}")
     t0 = time.perf_counter()
-    location = step_dir(step)
-    report = StepReport(step, level, location=f"{mgr.root}/{location}")
+    cps = source if isinstance(source, Checkpoints) else ckpt.inspect.open(source)
+    report = StepReport(step, level, location=cps.step_url(step))
     try:
-        _run_levels(mgr, step, location, level, report, progress, model=model, loss=loss,
+        _run_levels(cps, step, level, report, progress, model=model, loss=loss,
                     rtol=rtol, atol=atol, threads=threads)
     except UsageError as e:
         report.error = str(e)
@@ -232,52 +218,54 @@ def verify_step(mgr: ckpt.CheckpointManager, step: int, level: str = "structure"
     return report
 
 
-def _run_levels(mgr: ckpt.CheckpointManager, step: int, location: str, level: str,
-                report: StepReport, progress: Callable[[int], None] | None, *,
-                threads: int, **forward_args: Any) -> None:
+def _run_levels(cps: Checkpoints, step: int, level: str, report: StepReport,
+                progress: Callable[[int], None] | None, *, threads: int,
+                **forward_args: Any) -> None:
     try:
-        manifest = read_manifest(mgr.storage, location, step)
+        manifest = cps.manifest(step)
     except ckpt.CorruptCheckpointError as e:  # a missing step (NotFound) propagates
         report.checks.append("manifest")
         report.problems.append(Problem("manifest", str(e), e.path))
         return
     report.checks.append("manifest")
     report.tensors = len(manifest.tensors)
-    report.files = len(_files_of(location, manifest))
+    report.files = len(cps.files(step, manifest))
     report.bytes = sum(c.length for e in manifest.tensors.values() for c in e.chunks)
     report.checks += ["structure", "header"]
-    report.problems += check_structure(mgr.storage, location, manifest)
+    report.problems += check_structure(cps, step, manifest)
     if report.problems or level == "structure":
         return
     report.checks.append("digest")
-    report.problems += check_digests(mgr.storage, location, manifest, threads=threads,
-                                     progress=progress)
+    report.problems += check_digests(cps, step, manifest, threads=threads, progress=progress)
     if report.problems or level == "digest":
         return
     from .forward import check_forward
 
-    problems, report.forward = check_forward(mgr, step, manifest, **forward_args)
+    problems, report.forward = check_forward(cps, step, manifest, **forward_args)
     report.checks += ["weights", "output"] + (
         ["loss"] if report.forward.get("loss_now") is not None else [])
     report.problems += problems
 
 
-def verify(root: str, step: int | None = None, level: str = "structure", model: Any = None,
+def verify(path: str, step: int | None = None, level: str = "structure", model: Any = None,
            **options: Any) -> StepReport:
-    """Verify ``step`` (the newest when None) of the checkpoints under ``root``.
+    """Verify ``step`` (the newest when None) of the checkpoints at ``path``: a root, a
+    step directory or a ``ckpt.save`` directory.
 
     ``model`` (forward level): a ``"module:callable"`` factory, a callable returning a fresh
     ``nn.Module``, or a fresh module; None uses the factory recorded by the probe.
     ``options``: ``loss``, ``rtol``, ``atol``, ``threads``, ``progress``.
 
     Raises:
-        CheckpointNotFoundError: the root does not exist, holds no committed step, or not
+        CheckpointNotFoundError: ``path`` does not exist, holds no committed step, or not
             ``step``.
     """
-    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+    cps = ckpt.inspect.open(path)
+    if step is None:
+        step = cps.latest_step()
         if step is None:
-            step = mgr.latest_step()
-            if step is None:
-                raise ckpt.CheckpointNotFoundError(f"{root} holds no committed step", path=root)
-        progress = options.pop("progress", None)
-        return verify_step(mgr, step, level, progress, model=model, **options)
+            raise ckpt.CheckpointNotFoundError(f"{path} holds no committed step", path=path)
+    else:
+        cps.require(step)
+    progress = options.pop("progress", None)
+    return verify_step(cps, step, level, progress, model=model, **options)

@@ -204,7 +204,10 @@ def _forward_line(f: dict[str, Any]) -> str:
 
 def render_diff(d: Any) -> str:
     """``ckpt diff`` for a terminal (``d`` is a :class:`verify.diff.StepDiff`)."""
-    lines = [f"{d.root}: step {d.a} -> step {d.b}"]
+    lines = [f"{d.root}: step {d.a} -> step {d.b}" if d.other is None else
+             f"{d.root} step {d.a} -> {d.other} step {d.b}"]
+    if d.filters:
+        lines.append(f"only {', '.join(d.filters)}")
     rows = []
     for t in d.tensors:
         if t.status == "equal":
@@ -214,7 +217,7 @@ def render_diff(d: Any) -> str:
         dtype = t.dtype if t.old_dtype is None or t.old_dtype == t.dtype else (
             f"{t.old_dtype} -> {t.dtype}")
         changed = "-" if t.changed_elements is None else f"{t.changed_elements}/{t.numel}"
-        rows.append([t.key, t.status, shape, dtype, number(t.max_abs_diff),
+        rows.append([t.name or t.key, t.status, shape, dtype, number(t.max_abs_diff),
                      number(t.rel_l2), changed])
     if rows:
         lines.append(table(["TENSOR", "STATUS", "SHAPE", "DTYPE", "MAX|DIFF|", "REL L2",

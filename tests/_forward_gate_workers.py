@@ -1,0 +1,52 @@
+"""Rank bodies for tests/test_forward_gate.py's multi-rank test (spawned by name)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import ckpt
+from ckpt.format import step_dir
+
+
+class Noise(torch.nn.Module):
+    """A per-rank item (saved once per rank): a rank-1-only chunk to corrupt."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.register_buffer("values", torch.full((64,), float(rank)))
+
+
+def restore_past_bad_steps(rank: int, world: int, root: str) -> tuple[int, list[int], bool]:
+    """Steps 1-3 of a replicated model with a probe; step 2's weights are NaN, step 3's
+    rank-1 item is corrupt on disk. Every rank restores step 1 with verify="forward"."""
+    torch.manual_seed(0)  # the same replicated model on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    state = {"model": model, "noise": ckpt.PerRank(Noise(rank))}
+    probe = ckpt.Probe(inputs=torch.randn(4, 8, generator=torch.Generator().manual_seed(1)))
+    with ckpt.CheckpointManager(root, async_save=False, probe=probe) as mgr:
+        mgr.save(1, state)
+        step1 = [p.clone() for p in model.parameters()]
+        with torch.no_grad():
+            model[0].weight[0, 0] = float("nan")
+        mgr.save(2, state)
+        with torch.no_grad():
+            model[0].weight.copy_(step1[0] + 1.0)
+        mgr.save(3, state)
+        if rank == 0:  # flip a byte of rank 1's own chunk in step 3: only rank 1 reads it
+            manifest = mgr.manifest(3)
+            key = next(k for k in manifest.tensors if k.startswith("noise@1"))
+            chunk = manifest.tensors[key].chunks[0]
+            path = f"{root}/{step_dir(3)}/{chunk.file}"
+            with open(path, "r+b") as f:
+                f.seek(chunk.start + 5)
+                byte = f.read(1)
+                f.seek(chunk.start + 5)
+                f.write(bytes([byte[0] ^ 0xFF]))
+        dist.barrier()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        restored = mgr.restore(state, verify="forward")
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), step1))
+        return restored, [s for s, _ in mgr.skipped], same

@@ -1,0 +1,152 @@
+"""Saves from and loads onto a CUDA device (skipped without one).
+
+Covers pinned staging, the device-to-host copy that overlaps the next forward and backward
+(and the optimizer step that waits for it), a mutation right after ``save()`` returns,
+restore onto CUDA tensors through pinned bounce buffers, the CUDA RNG, and a corrupt last
+chunk that must leave every CUDA tensor unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import CheckpointManager, CorruptCheckpointError, SaveOptions
+from ckpt.engine import Stager
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SMALL = SaveOptions(chunk_bytes=1 << 16, write_threads=2)
+
+
+def make_training(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.BatchNorm1d(512),
+                                torch.nn.ReLU(), torch.nn.Linear(512, 256)).cuda()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, optimizer
+
+
+def train_step(model, optimizer, batch) -> None:
+    optimizer.zero_grad()
+    model(batch).square().mean().backward()
+    optimizer.step()
+
+
+def cpu_copy(module_or_opt) -> dict:
+    sd = module_or_opt.state_dict()
+    if "state" in sd:  # an optimizer
+        return {f"{i}.{k}": v.detach().cpu().clone() for i, s in sd["state"].items()
+                for k, v in s.items() if isinstance(v, torch.Tensor)}
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}
+
+
+def manager(root, **kwargs) -> CheckpointManager:
+    return CheckpointManager(root, handle_sigterm=False, metrics=False, **kwargs)
+
+
+def test_staging_buffers_are_pinned():
+    stager = Stager()
+    t = torch.randn(1024, device="cuda")
+    staged, ready = stager.stage({"t": t}, copy=True)
+    ready.synchronize()
+    assert staged["t"].is_pinned()
+    assert torch.equal(staged["t"], t.cpu())
+
+
+def test_save_overlaps_and_a_step_right_after_save_returns_is_not_seen(tmp_path):
+    """The must-show: the optimizer updates the parameters in place right after save()
+    returns; the saved content is bit-exact the state at save()."""
+    model, optimizer = make_training()
+    batch = torch.randn(64, 256, device="cuda")
+    for _ in range(3):
+        train_step(model, optimizer, batch)
+    expected_model, expected_optim = cpu_copy(model), cpu_copy(optimizer)
+    with manager(tmp_path, options=SMALL) as mgr:
+        mgr.save(3, {"model": model, "optim": optimizer})
+        for _ in range(3):  # mutates parameters, optimizer state and batch-norm buffers
+            train_step(model, optimizer, batch)
+        mgr.wait()
+    fresh_model, fresh_optim = make_training(seed=1)
+    with manager(tmp_path, read_only=True) as mgr:
+        assert mgr.restore({"model": fresh_model, "optim": fresh_optim}, step=3) == 3
+    got_model, got_optim = cpu_copy(fresh_model), cpu_copy(fresh_optim)
+    assert all(torch.equal(got_model[k], expected_model[k]) for k in expected_model)
+    assert all(torch.equal(got_optim[k], expected_optim[k]) for k in expected_optim)
+
+
+def test_the_optimizer_step_waits_for_the_deferred_copy():
+    """With overlap, the parameters' copy is not awaited by training's stream at once, but
+    the optimizer's step pre-hook makes it wait before changing them."""
+    model, optimizer = make_training()
+    stager = Stager()
+    params = {f"p{i}": p for i, p in enumerate(model.parameters())}
+    torch.cuda.synchronize()
+    staged, ready = stager.stage(params, copy=True, guards=[optimizer])
+    before = {k: v.detach().cpu().clone() for k, v in params.items()}
+    train_step(model, optimizer, torch.randn(64, 256, device="cuda"))
+    ready.synchronize()
+    assert optimizer._optimizer_step_pre_hooks, "no step pre-hook was registered"
+    assert all(torch.equal(staged[k], before[k]) for k in params)
+
+
+def test_without_overlap_training_waits_for_every_copy(tmp_path):
+    model, optimizer = make_training()
+    options = SaveOptions(chunk_bytes=1 << 16, overlap_device_copy=False)
+    with manager(tmp_path, options=options) as mgr:
+        mgr.save(1, {"model": model, "optim": optimizer})
+        assert not optimizer._optimizer_step_pre_hooks
+        expected = cpu_copy(model)
+        train_step(model, optimizer, torch.randn(64, 256, device="cuda"))
+        mgr.wait()
+    fresh, _ = make_training(seed=1)
+    ckpt.load({"model": fresh}, tmp_path / "step-00000001")
+    assert all(torch.equal(v, expected[k]) for k, v in cpu_copy(fresh).items())
+
+
+def test_restore_onto_cuda_tensors(tmp_path):
+    model, optimizer = make_training()
+    train_step(model, optimizer, torch.randn(64, 256, device="cuda"))
+    ckpt.save({"model": model, "optim": optimizer}, tmp_path / "c", options=SMALL)
+    fresh_model, fresh_optim = make_training(seed=1)
+    train_step(fresh_model, fresh_optim, torch.randn(64, 256, device="cuda"))
+    ckpt.load({"model": fresh_model, "optim": fresh_optim}, tmp_path / "c")
+    assert all(p.is_cuda for p in fresh_model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(cpu_copy(fresh_model).values(),
+                                                 cpu_copy(model).values()))
+    assert all(torch.equal(a, b) for a, b in zip(cpu_copy(fresh_optim).values(),
+                                                 cpu_copy(optimizer).values()))
+
+
+def test_cuda_rng_state_round_trips(tmp_path):
+    torch.zeros(1, device="cuda")  # RNGState saves the CUDA generators once CUDA is in use
+    torch.cuda.manual_seed(123)
+    rng = ckpt.RNGState()
+    ckpt.save({"rng": rng}, tmp_path / "c")
+    expected = torch.rand(4, device="cuda")
+    torch.cuda.manual_seed(999)
+    ckpt.load({"rng": ckpt.RNGState()}, tmp_path / "c")
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+def test_corrupt_last_chunk_leaves_every_cuda_tensor_unchanged(tmp_path):
+    model, optimizer = make_training()
+    ckpt.save({"model": model}, tmp_path / "c", options=SaveOptions(chunk_bytes=4096,
+                                                                     write_threads=1))
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    chunks = [c for e in manifest["tensors"].values() for c in e["chunks"]]
+    last = max(chunks, key=lambda c: (c["file"], c["start"]))
+    path: Path = tmp_path / "c" / last["file"]
+    data = bytearray(path.read_bytes())
+    data[last["start"] + last["length"] - 1] ^= 0x40
+    path.write_bytes(bytes(data))
+    live, _ = make_training(seed=1)
+    before = cpu_copy(live)
+    with pytest.raises(CorruptCheckpointError, match="digest mismatch"):
+        ckpt.load({"model": live}, tmp_path / "c")
+    torch.cuda.synchronize()
+    assert all(torch.equal(v, before[k]) for k, v in cpu_copy(live).items())

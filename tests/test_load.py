@@ -1,0 +1,155 @@
+"""Loads change nothing when they fail, in bounded memory (issue #16; issue #15, defect 3).
+
+A chunk's digest is checked before the first live tensor is written, so a corrupt *last*
+chunk is the hard case: a one-pass load would already have overwritten everything before it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import CheckpointManager, CorruptCheckpointError, PartialLoadError, SaveOptions
+from ckpt.errors import StateMismatchError
+
+# Small chunks and one writer thread: every tensor spans several chunks of one data file,
+# so "the last chunk" is the last one read.
+OPTIONS = SaveOptions(chunk_bytes=4096, write_threads=1)
+
+
+def make_state(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return {"model": model, "extra": torch.randn(48, 32, generator=gen), "epoch": seed}
+
+
+def snapshot(state: dict) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.detach().clone() for k, v in state["model"].state_dict().items()}
+    out["extra"] = state["extra"].clone()
+    return out
+
+
+def assert_unchanged(state: dict, before: dict[str, torch.Tensor]) -> None:
+    now = snapshot(state)
+    changed = [k for k in before if not torch.equal(before[k], now[k])]
+    assert changed == [], f"a failed load changed {changed}"
+
+
+def last_chunk(step_dir: Path) -> tuple[Path, int]:
+    """The data file and byte offset of the chunk stored last."""
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    chunks = [c for e in manifest["tensors"].values() for c in e["chunks"]]
+    last = max(chunks, key=lambda c: (c["file"], c["start"]))
+    return step_dir / last["file"], last["start"] + last["length"] - 1
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def save_step(root: Path, step: int, state: dict) -> None:
+    with CheckpointManager(root, async_save=False, options=OPTIONS, handle_sigterm=False,
+                           metrics=False) as mgr:
+        mgr.save(step, state)
+
+
+def test_corrupt_last_chunk_of_an_explicit_step_changes_nothing(tmp_path):
+    save_step(tmp_path, 1, make_state(1))
+    flip_byte(*last_chunk(tmp_path / "step-00000001"))
+    live = make_state(2)
+    before = snapshot(live)
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        with pytest.raises(CorruptCheckpointError, match="digest mismatch"):
+            mgr.restore(live, step=1)
+    assert_unchanged(live, before)
+    assert live["epoch"] == 2
+
+
+def test_corrupt_last_chunk_under_ckpt_load_changes_nothing(tmp_path):
+    ckpt.save(make_state(1), tmp_path / "c", options=OPTIONS)
+    flip_byte(*last_chunk(tmp_path / "c"))
+    live = make_state(2)
+    before = snapshot(live)
+    with pytest.raises(CorruptCheckpointError, match="digest mismatch"):
+        ckpt.load(live, tmp_path / "c")
+    assert_unchanged(live, before)
+
+
+def test_fallback_past_a_corrupt_step_to_a_mismatched_one_changes_nothing(tmp_path):
+    """Issue #15, defect 3: step 2 has a flipped byte, step 1 lacks an item. The error says
+    nothing was loaded, and that must be true."""
+    old = make_state(1)
+    save_step(tmp_path, 1, {"model": old["model"], "epoch": 1})  # no "extra"
+    save_step(tmp_path, 2, make_state(2))
+    flip_byte(*last_chunk(tmp_path / "step-00000002"))
+    live = make_state(3)
+    before = snapshot(live)
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        with pytest.raises(StateMismatchError, match="nothing was loaded"):
+            mgr.restore(live)
+        assert [s for s, _ in mgr.skipped] == [2]
+    assert_unchanged(live, before)
+
+
+def test_a_one_pass_load_that_fails_names_what_it_overwrote(tmp_path):
+    saved = make_state(1)
+    ckpt.save(saved, tmp_path / "c", options=OPTIONS)
+    flip_byte(*last_chunk(tmp_path / "c"))
+    live = make_state(2)
+    before, new = snapshot(live), snapshot(saved)
+    with pytest.raises(PartialLoadError) as info:
+        ckpt.load(live, tmp_path / "c", atomic=False)
+    message = str(info.value)
+    assert "digest mismatch" in message
+    now = snapshot(live)
+    full = [k for k in now if torch.equal(now[k], new[k])]
+    untouched = [k for k in now if torch.equal(now[k], before[k])]
+    assert full and len(full) + len(untouched) < len(now)  # one tensor is half written
+    assert f"{len(full)} tensors hold step 0's values" in message
+    assert f"{len(now) - len(full) - len(untouched)} are partly overwritten" in message
+
+
+def test_load_allocates_a_few_chunks_not_a_second_copy(tmp_path, monkeypatch):
+    """The extra memory of a load into an existing state is a few chunk-sized buffers."""
+    state = {f"t{i}": torch.randn(256, 1024) for i in range(16)}  # 16 MiB in 1 MiB tensors
+    options = SaveOptions(chunk_bytes=256 << 10, write_threads=2)
+    ckpt.save(state, tmp_path / "c", options=options)
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    allocated = []
+    real_empty = torch.empty
+
+    def counting_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        allocated.append(t.numel() * t.element_size())
+        return t
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    ckpt.load(live, tmp_path / "c")
+    monkeypatch.undo()
+    assert all(torch.equal(live[k], state[k]) for k in state)
+    # two buffers per reading thread (main + 2 pool threads), each one chunk
+    assert sum(allocated) <= 6 * (256 << 10), f"{sum(allocated)} bytes allocated"
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_non_contiguous_and_fresh_destinations_load_exactly(tmp_path, compression):
+    gen = torch.Generator().manual_seed(0)
+    state = {"t": torch.randn(96, 80, generator=gen), "vals": {"w": torch.arange(10.0)}}
+    ckpt.save(state, tmp_path / "c",
+              options=SaveOptions(chunk_bytes=4096, compression=compression))
+    live = {"t": torch.zeros(80, 96).t(), "vals": None}  # a transposed view: bounce path
+    assert not live["t"].is_contiguous()
+    ckpt.load(live, tmp_path / "c")
+    assert torch.equal(live["t"], state["t"])
+    assert torch.equal(live["vals"]["w"], state["vals"]["w"])

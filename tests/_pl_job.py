@@ -4,6 +4,8 @@
     python _pl_job.py resume WORK    # resumes WORK/pl and WORK/pl_bad through ckpt, runs the
                                      # same job through Lightning's own IO resumed from steps
                                      # 6 and 4; final weights go to WORK/out/*.pt
+    python _pl_job.py ddp WORK       # DDP on 2 CPU processes: train to 6 and resume to 12,
+                                     # through ckpt and through Lightning's own IO
 """
 
 from __future__ import annotations
@@ -72,12 +74,13 @@ class StartStep(Callback):
 
 
 def fit(dirpath: Path, *, ckpt_io: bool, max_steps: int = MAX_STEPS, resume: bool = False,
-        extra: list | None = None) -> tuple[Net, int | None]:
+        extra: list | None = None, devices: int = 1) -> tuple[Net, int | None]:
     L.seed_everything(0, verbose=False)
     model = Net()
     start = StartStep()
     trainer = L.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, logger=False,
+        max_steps=max_steps, accelerator="cpu", devices=devices, logger=False,
+        strategy="ddp" if devices > 1 else "auto",
         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
         plugins=[CkptCheckpointIO()] if ckpt_io else None,
         callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=2,
@@ -95,6 +98,17 @@ def main() -> None:
         raise SystemExit("not killed")
     out = work / "out"
     out.mkdir(exist_ok=True)
+    if mode == "ddp":
+        starts = {}
+        for name, ckpt_io in (("ckpt", True), ("torch", False)):
+            fit(work / f"ddp_{name}", ckpt_io=ckpt_io, max_steps=6, devices=2)
+            model, starts[name] = fit(work / f"ddp_{name}", ckpt_io=ckpt_io, resume=True,
+                                      devices=2)
+            if model.global_rank == 0:
+                torch.save(model.state_dict(), out / f"ddp_{name}.pt")
+        if model.global_rank == 0:
+            (out / "ddp_starts.json").write_text(json.dumps(starts))
+        return
     starts = {}
     for name, ckpt_io, dirpath, stop in (("ckpt", True, work / "pl", None),
                                          ("ckpt_bad", True, work / "pl_bad", None),

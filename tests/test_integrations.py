@@ -76,6 +76,17 @@ def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path):
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000012"]
 
 
+def test_lightning_ddp_on_two_cpu_processes_saves_from_rank_0_and_resumes(tmp_path):
+    pytest.importorskip("lightning")
+    run_job("_pl_job.py", "ddp", str(tmp_path))
+    out = tmp_path / "out"
+    assert json.loads((out / "ddp_starts.json").read_text()) == {"ckpt": 6, "torch": 6}
+    assert same_weights(out / "ddp_ckpt.pt", out / "ddp_torch.pt")
+    root = tmp_path / "ddp_ckpt"
+    assert json.loads((root / "last.ckpt").read_text())["step"] == 12
+    assert (root / "step-00000012/manifest.json").exists()
+
+
 def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path):
     pytest.importorskip("transformers")
     run_job("_hf_job.py", "kill", str(tmp_path), killed=True)
@@ -102,8 +113,8 @@ def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path):
     index = json.loads((export / "model.safetensors.index.json").read_text())
     assert report["step"] == 12 and report["config"] and (export / "config.json").exists()
     assert sorted(p.name for p in export.glob("*.safetensors")) == report["shards"]
-    assert len(report["shards"]) > 1 and report["shards"][0].endswith("-of-%05d.safetensors"
-                                                                      % len(report["shards"]))
+    count = len(report["shards"])
+    assert count > 1 and report["shards"][0] == f"model-00001-of-{count:05d}.safetensors"
     assert len(index["weight_map"]) == report["tensors"]
     assert set(index["weight_map"].values()) == set(report["shards"])
     assert "lm_head.weight" not in index["weight_map"]  # tied: written once

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from typing import Any, Mapping
 
 import torch
@@ -81,6 +82,7 @@ class StepStore:
         self.mgr = ckpt.CheckpointManager(root, process_group=group, **manager_options)
         self._handle: ckpt.SaveHandle | None = None
         self._doomed: set[int] = set()
+        self._mutex = threading.Lock()
         self._last: tuple[int, frozenset] | None = None
 
     @staticmethod
@@ -96,37 +98,44 @@ class StepStore:
         """Save ``state`` as ``step`` (in the background). Returns False when this process
         has just saved that same step with the same items (the framework saving one step
         under two names): nothing is written again."""
-        self._flush()
         key = (step, frozenset(state))
         if self._last == key:
             return False
+        with self._mutex:
+            self._doomed.discard(step)
         self._handle = self.mgr.save(step, state, force=True, metadata=metadata)
         self._last = key
-        self._doomed.discard(step)
+        # Deletions wait for this save; then they run on the writer thread, not the loop's.
+        self._handle.add_done_callback(lambda handle: self._flush_quietly())
         return True
 
     def retire(self, steps: set[int]) -> None:
         """Delete these steps once no save is in flight (never the newest committed one)."""
-        self._doomed |= steps
-        self._flush()
+        with self._mutex:
+            self._doomed |= steps
+        if self._handle is None or self._handle.done():
+            self._flush()
 
-    def _flush(self, wait: bool = False) -> None:
-        if not self._doomed:
-            return
-        if self._handle is not None and not self._handle.done():
-            if not wait:
+    def _flush_quietly(self) -> None:
+        try:
+            self._flush()
+        except ckpt.CheckpointError as e:  # retried at the next save or close
+            log.warning("ckpt: deleting dropped steps under %s failed: %s", self.root, e)
+
+    def _flush(self) -> None:
+        with self._mutex:
+            if not self._doomed or self.mgr.read_only:
                 return
-            self.mgr.wait()
-        steps = self.mgr.steps()
-        doomed = {s for s in self._doomed if s in steps and s != steps[-1]}
-        self.mgr.delete(doomed)
-        self._doomed -= doomed | {s for s in self._doomed if s not in steps}
+            steps = self.mgr.steps()
+            doomed = {s for s in self._doomed if s in steps and s != steps[-1]}
+            self.mgr.delete(doomed)
+            self._doomed -= doomed | {s for s in self._doomed if s not in steps}
 
     def close(self) -> None:
         """Finish the save in flight, delete what was dropped, release the lock."""
         try:
             self.mgr.wait()
-            self._flush(wait=True)
+            self._flush()
         finally:
             self.mgr.close()
 

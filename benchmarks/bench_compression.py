@@ -5,6 +5,8 @@ with and without zstd's own worker threads, on weights as training leaves them (
 std 0.02) in fp32 and bf16. Then whole saves (synchronous, fsynced) to storage throttled to a
 given write bandwidth, the uncompressed save as the anchor, interleaved. The goal (reported,
 not asserted): a compressed save >= 0.8x the uncompressed one when storage writes <= 0.5 GB/s.
+The throttled storage lives in memory (/dev/shm where it exists, else --dir), so the throttle,
+not this machine's own disk, is the storage's speed.
 
 Run from the repository root::
 
@@ -110,7 +112,8 @@ def save_table(size: int, rate: float, reps: int, workdir: str, configs) -> str:
 def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0], default_reps=3, extra=lambda p: p.add_argument(
         "--rates", default="0.5,0.25", help="throttled write bandwidths in GB/s"))
-    workdir = common.fresh_dir(os.path.join(args.dir, "compression"))
+    base_dir = "/dev/shm" if os.path.isdir("/dev/shm") else args.dir
+    workdir = common.fresh_dir(os.path.join(base_dir, f"ckpt-bench-compression-{os.getpid()}"))
     cpus = os.cpu_count() or 1
     base = ckpt.SaveOptions()
     configs = [("uncompressed", base)]
@@ -120,7 +123,7 @@ def main() -> None:
                             ckpt.SaveOptions(compression="zstd", compression_level=level,
                                              compression_threads=t)))
     print(f"Machine: {common.machine_description()}")
-    print(f"Data directory: {common.describe_dir(workdir)}")
+    print(f"Throttled storage in: {common.describe_dir(workdir)}")
     print(f"ckpt code: commit {common.code_version()}")
     print(f"Load average at start: {common.load_average()}\n")
     print("### zstd on one 8 MiB chunk of weights (normal, std 0.02), median of "

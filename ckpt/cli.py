@@ -277,8 +277,9 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
 
     Whatever the policy, the newest step that passes the digest check is kept: steps are
     verified from the newest down, before anything is deleted, until one passes. When none
-    does, no step is retired (exit status 1). Without a policy no committed step is retired
-    and nothing is verified. With ``delete`` the root's writer lock is held throughout.
+    does, no step is retired (exit status 1). When the policy retires no committed step
+    (or there is none) nothing is verified. With ``delete`` the root's writer lock is held
+    throughout.
 
     Raises:
         CheckpointLockedError: ``delete`` and a writer holds the root.
@@ -304,7 +305,7 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
     try:
         steps = cps.steps()
         keep = _policy(steps, keep_last, keep_every)
-        if keep is not None:
+        if keep is not None and set(steps) - keep:  # a step would be retired: check first
             for step in reversed(steps):
                 checked = verify.verify_step(cps, step, "digest", threads=threads)
                 if checked.ok:

@@ -41,11 +41,17 @@ def _optimizer_storages(optimizers: Sequence[torch.optim.Optimizer]) -> set[int]
     out = set()
     for opt in optimizers:
         for group in opt.param_groups:
-            out.update(p.untyped_storage().data_ptr() for p in group["params"] if p.is_cuda)
+            out.update(_storage_ptr(p) for p in group["params"] if p.is_cuda)
         for per_param in opt.state.values():
-            out.update(v.untyped_storage().data_ptr() for v in per_param.values()
+            out.update(_storage_ptr(v) for v in per_param.values()
                        if isinstance(v, torch.Tensor) and v.is_cuda)
     return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Where a tensor's memory starts (a DTensor's: its local shard's)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr()
 
 
 def _wait_before_step(stager_ref: Callable[[], Stager | None]) -> Callable:
@@ -152,7 +158,7 @@ class Stager:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
                 self._buffers[key] = buf
             if t.device.type == "cuda":
-                later = t.numel() and t.untyped_storage().data_ptr() in guarded
+                later = t.numel() and _storage_ptr(t) in guarded
                 (deferred if later else cuda_sources).append((buf, t))
             else:
                 buf.copy_(t)
@@ -274,7 +280,9 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
     fault_point("before_data")
     reused, to_write = _plan(payload, options)
     new_bytes = sum(len(data) for _, data, _ in to_write)
-    n_files = max(options.write_threads, -(-new_bytes // options.max_file_bytes))
+    # Compressed: several files per thread, so one file's compression overlaps another's write.
+    per_thread = 4 if options.compression else 1
+    n_files = max(options.write_threads * per_thread, -(-new_bytes // options.max_file_bytes))
     groups = assign_files([c for c, _, _ in to_write], n_files)
     data_of = {(c.key, c.index): (data, d) for c, data, d in to_write}
 

@@ -349,6 +349,9 @@ def _walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
     join = (lambda k: f"{path}/{k}" if path else str(k))  # noqa: E731
     if isinstance(tree, dict) and len(tree) == 1 and TUPLE in tree and isinstance(
             tree[TUPLE], list):
+        if not any(isinstance(v, (dict, list)) for v in tree[TUPLE]):
+            yield path, tree[TUPLE]  # a tuple of plain values (betas) is one value
+            return
         for i, v in enumerate(tree[TUPLE]):
             yield from _walk(v, join(i))
     elif isinstance(tree, dict) and len(tree) == 1 and DICT in tree and isinstance(

@@ -11,6 +11,7 @@ as ``ELASTIC_SUMMARY <json>`` and in words.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from trainer.elastic import ElasticTrainer  # noqa: E402
+from trainer.progress import JsonLines  # noqa: E402
 from trainer.tiny_lm import TinyLM, WindowDataset, make_corpus, warmup_cosine  # noqa: E402
 
 
@@ -50,7 +52,104 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="first attempt only: at world sizes below this, wait for SIGTERM")
     p.add_argument("--hold-at", type=int, default=0,
                    help="at the start of this step, wait for SIGTERM")
+    # A user's own DataLoader (workers, collate_fn), hooks and extra checkpointed items.
+    p.add_argument("--loader-workers", type=int, default=None,
+                   help="load through a DataLoader factory with this many workers")
+    p.add_argument("--hooks-log", help="keep an EMA and a counter in hooks; log to this dir "
+                   "what the hooks saw and which samples step_fn trained")
+    p.add_argument("--eval-every", type=int, default=4)
     return p.parse_args(argv)
+
+
+class IndexedWindows(torch.utils.data.Dataset):
+    """The windows of the corpus with their index: (x, y, index)."""
+
+    def __init__(self, windows: WindowDataset) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int):
+        x, y = self.windows[i]
+        return x, y, i
+
+
+def collate_indexed(samples):
+    """A user's own collate_fn."""
+    xs, ys, ids = zip(*samples)
+    return torch.stack(xs), torch.stack(ys), torch.tensor(ids)
+
+
+class Counter:
+    """A user's counter checkpointed with the model."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = int(state["n"])
+
+
+def digest(module: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for v in module.state_dict().values():
+        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def user_extras(args: argparse.Namespace, get_trainer, dataset) -> dict:
+    """The data loader factory, hooks and extra state of ``--loader-workers/--hooks-log``:
+    every call writes a line to ``hooks-a<attempt>-r<rank>.jsonl``."""
+    from trainer import Hooks
+
+    extras: dict = {}
+    if args.loader_workers is not None:
+        def data_loader(batch_sampler):
+            return torch.utils.data.DataLoader(dataset, batch_sampler=batch_sampler,
+                                               num_workers=args.loader_workers,
+                                               collate_fn=collate_indexed)
+        extras["data_loader"] = data_loader
+    if not args.hooks_log:
+        return extras
+    ema, counter, logs = {}, Counter(), {}
+
+    def note(kind: str, step: int, **fields) -> None:
+        t = get_trainer()
+        key = (t.attempt, t.rank)
+        if key not in logs:
+            logs[key] = JsonLines(Path(args.hooks_log) / f"hooks-a{t.attempt}-r{t.rank}.jsonl")
+        logs[key].write({"kind": kind, "step": step, "attempt": t.attempt, "rank": t.rank,
+                         "world": t.world_size, **fields})
+
+    def extra_state(model):
+        ema["model"] = torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        return {"ema": ema["model"], "counter": counter}
+
+    def after_step(t, step):
+        m = ema["model"]
+        note("step", step, counter=counter.n, ema_updates=int(m.n_averaged),
+             ema_before=digest(m))
+        m.update_parameters(t.module)
+        counter.n += 1
+        note("ema", step, ema_after=digest(m))
+
+    def evaluate(t, step):
+        x, y, _ = collate_indexed([dataset[i] for i in range(4)])
+        logits = t.module(x)
+        note("eval", step, loss=float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                      y.reshape(-1))))
+
+    extras["extra_state"] = extra_state
+    extras["hooks"] = Hooks(after_step=after_step, evaluate=evaluate,
+                            eval_every=args.eval_every,
+                            after_checkpoint=lambda t, step: note("ckpt", step))
+    extras["note"] = note
+    return extras
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s.%(msecs)03d [pid {os.getpid()} rank {rank}] "
                                "%(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     dataset = WindowDataset(make_corpus(args.seed, args.sentences))
+    if args.loader_workers is not None or args.hooks_log:
+        dataset = IndexedWindows(dataset)
+    extras = user_extras(args, lambda: trainer, dataset)
+    note = extras.pop("note", None)
 
     held = []
 
@@ -79,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def step_fn(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         maybe_hold()
-        x, y = batch
+        x, y = batch[:2]
+        if note is not None:  # the samples really trained
+            note("seen", trainer.step + 1, ids=batch[2].tolist())
         if args.sample_sleep:
             time.sleep(args.sample_sleep * len(x))
         logits = model(x)
@@ -97,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch_size=args.micro_batch, scheduler_fn=scheduler_fn,
         heartbeat_timeout=args.heartbeat_timeout, collective_timeout=args.collective_timeout,
         checkpoint_options={"keep_last": 2}, seed=args.seed, max_grad_norm=1.0,
-        audit_dir=args.audit_dir, run_dir=args.run_dir, fsdp=args.fsdp)
+        audit_dir=args.audit_dir, run_dir=args.run_dir, fsdp=args.fsdp, **extras)
     summary = trainer.fit(args.steps)
     if trainer.rank == 0:
         print("ELASTIC_SUMMARY " + json.dumps(summary.to_dict()), flush=True)

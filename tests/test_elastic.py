@@ -396,3 +396,83 @@ def test_fsdp2_model_trains_and_resumes_on_another_world_size(tmp_path):
     manifest = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())
     assert "train" in manifest["items"] and "model" not in manifest["items"]
     assert manifest["world_size"] == 3
+
+
+LOADER_STEPS, LOADER_EVERY, LOADER_KILL_AT, EVAL_EVERY = 30, 5, 12, 4
+
+
+def hook_records(hooks_dir: Path) -> dict[int, dict[str, list[dict]]]:
+    """The hooks' records per step, of the newest attempt that ran the step (the records
+    of a step redone after the restore replace the lost try): {step: {kind: [records]}}."""
+    newest: dict[int, int] = {}
+    records = [r for p in sorted(hooks_dir.glob("hooks-*.jsonl")) for r in read_jsonl(p)]
+    for r in records:
+        if r["kind"] in ("seen", "step"):
+            newest[r["step"]] = max(newest.get(r["step"], -1), r["attempt"])
+    out: dict[int, dict[str, list[dict]]] = {}
+    for r in records:
+        if r["kind"] != "ckpt" and r["attempt"] == newest.get(r["step"]):
+            out.setdefault(r["step"], {}).setdefault(r["kind"], []).append(r)
+    return dict(sorted(out.items()))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_users_data_loader_hooks_and_ema_survive_a_killed_node(tmp_path):
+    """ElasticTrainer with a user's DataLoader factory (2 workers, its own collate_fn),
+    hooks and extra checkpointed items (an EMA of the model, a counter), on two torchrun
+    nodes; rank 1's node is SIGKILLed, the survivor resumes alone. The samples step_fn
+    really received, per step of the surviving history, are the no-failure order: none
+    skipped, none repeated, although the workers had fetched past the checkpoint. The
+    hooks ran for every step (evaluation every 4); the EMA and the counter continued from
+    the checkpoint; after_checkpoint came for the resumed run's checkpoints."""
+    args = job_args(tmp_path)
+    for flag, value in (("--steps", LOADER_STEPS), ("--every", LOADER_EVERY)):
+        args[args.index(flag) + 1] = str(value)
+    args += ["--hold-until-world", "2", "--loader-workers", "2", "--hooks-log",
+             str(tmp_path / "hooks"), "--eval-every", str(EVAL_EVERY)]
+    c = job.LocalCluster(tmp_path, args, nnodes="1:2")
+    try:
+        nodes = [c.add_node() for _ in range(2)]
+        attempt, info = job.wait_for(at_step(tmp_path / "run", 2, LOADER_KILL_AT),
+                                     JOB_TIMEOUT, "training at world size 2", cluster=c)
+        dead = c.node_of(info["pids"][1])
+        dead.kill(signal.SIGKILL)
+        [survivor] = [n for n in nodes if n is not dead]
+        try:
+            survivor.proc.wait(timeout=JOB_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running after {JOB_TIMEOUT:.0f}s\n{c.logs()[-20000:]}")
+        assert survivor.proc.returncode == 0, c.logs()[-20000:]
+    finally:
+        c.close()
+    s = summary_of(tmp_path)
+    print("\n" + s.format())
+    assert s.final_step == LOADER_STEPS and 2 in s.world_sizes and s.world_sizes[-1] == 1
+    restored = s.recoveries[-1].restored_step
+    assert restored is not None and restored % LOADER_EVERY == 0 and restored >= LOADER_EVERY
+
+    # The samples trained: the trainer's audit, and what step_fn really got from the loader.
+    audit = check_audit(tmp_path / "audit", steps=LOADER_STEPS)
+    hooks = hook_records(tmp_path / "hooks")
+    assert sorted(hooks) == list(range(1, LOADER_STEPS + 1))
+    for step, rec in audit.items():
+        got = sorted(hooks[step]["seen"], key=lambda r: r["rank"])  # micro batches in order
+        assert [i for r in got for i in r["ids"]] == [
+            i for r in sorted(rec["ranks"]) for i in rec["ranks"][r]], step
+        assert {r["attempt"] for r in got} == {rec["attempt"]}
+
+    # Hooks: after_step on every rank at every step, evaluation every EVAL_EVERY steps.
+    for step, rec in hooks.items():
+        world = rec["step"][0]["world"]
+        assert len(rec["step"]) == world and len(rec["ema"]) == world, (step, rec)
+        assert len(rec.get("eval", [])) == (world if step % EVAL_EVERY == 0 else 0), step
+        # the EMA and the counter continue across the restore: one update per step so far
+        assert all(r["counter"] == r["ema_updates"] == step - 1 for r in rec["step"]), rec
+    first = hooks[restored + 1]["step"][0]
+    assert first["attempt"] > hooks[restored]["ema"][0]["attempt"]  # trained before the kill
+    assert first["ema_before"] == hooks[restored]["ema"][0]["ema_after"]
+    resumed = [r for p in (tmp_path / "hooks").glob(f"hooks-a{first['attempt']}-*.jsonl")
+               for r in read_jsonl(p) if r["kind"] == "ckpt"]
+    assert [r["step"] for r in resumed] == list(range(restored + LOADER_EVERY,
+                                                      LOADER_STEPS + 1, LOADER_EVERY))

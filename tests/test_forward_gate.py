@@ -163,6 +163,15 @@ def test_a_step_without_a_probe_passes_the_forward_level_with_a_logged_note(tmp_
     assert "step 1" in notes[0].getMessage()
 
 
+def test_a_restore_of_a_subset_without_the_probes_model_passes_with_a_logged_note(
+        tmp_path, caplog):
+    save_two_steps(tmp_path / "root")
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        with manager(tmp_path / "root", read_only=True) as mgr:
+            assert mgr.restore({"epoch": None}, verify="forward") == 2
+    assert any("is not an nn.Module of the state" in r.getMessage() for r in caplog.records)
+
+
 def flip_a_data_bit(root: Path, step: int) -> None:
     """Flip one bit in the middle of the step's largest data file (tensor bytes)."""
     files = [p for p in (root / f"step-{step:08d}").iterdir() if p.name != "manifest.json"]
@@ -190,6 +199,24 @@ def test_the_structure_level_loads_a_flipped_bit_the_digest_level_falls_back(tmp
         assert len(changed) == 1  # the flipped value, loaded without a word
         assert mgr.restore(make_state(1), verify="digest") == 1
         assert "digest mismatch" in mgr.skipped[-1][1]
+
+
+def test_when_every_step_fails_for_different_reasons_each_is_listed(tmp_path):
+    """Step 2 fails its forward check, step 1 its digest: a CorruptCheckpointError names
+    both, and the model is put back."""
+    root = tmp_path / "root"
+    save_two_steps(root, nan_before_step_2=True)
+    flip_a_data_bit(root, 1)
+    state = make_state(1)
+    before = snapshot(state)
+    with manager(root, read_only=True) as mgr:
+        with pytest.raises(ckpt.CorruptCheckpointError) as raised:
+            mgr.restore(state, verify="forward")
+    assert not isinstance(raised.value, ckpt.ForwardCheckError)
+    message = str(raised.value)
+    assert "step 2:" in message and "hold NaN/Inf" in message
+    assert "step 1:" in message and "digest mismatch" in message
+    assert torch.equal(state["model"].fc1.weight, before["model.fc1.weight"])
 
 
 def test_the_structure_level_still_falls_back_past_a_truncated_file(tmp_path):

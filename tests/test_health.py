@@ -434,6 +434,194 @@ def test_overflowing_scaled_gradients_are_left_to_the_scaler(tmp_path, caplog):
     assert summary.final_step == 10 and scaler.get_scale() == 2.0 ** 13
 
 
+# ------------------------------------------- a user's DataLoader, hooks, extra state, seeds
+
+
+def collate_with_ids(samples):
+    """A user's own collate_fn: (x, label, index) samples into three tensors."""
+    xs, ys, ids = zip(*samples)
+    return torch.stack(xs), torch.stack(ys), torch.tensor(ids)
+
+
+def loader_factory(batch_sampler):
+    return torch.utils.data.DataLoader(Blobs(), batch_sampler=batch_sampler, num_workers=2,
+                                       collate_fn=collate_with_ids, pin_memory=False)
+
+
+class Seen:
+    """The sample indices each step trained, as ``step_fn`` received them; a step trained
+    again (after a rollback or a restart) replaces the earlier try."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, list[list[int]]] = {}
+        self.trainer: ElasticTrainer | None = None
+
+    def wrap(self, step_fn):
+        def wrapped(model, batch):
+            loss = step_fn(model, batch)  # raises before anything is noted, if it does
+            step = self.trainer.step + 1
+            for later in [s for s in self.steps if s > step]:  # rewound: later steps undone
+                del self.steps[later]
+            micro = self.steps.setdefault(step, [])
+            if len(micro) == GLOBAL // MICRO:  # a new try of this step
+                micro.clear()
+            micro.append(batch[2].tolist())
+            return loss
+        return wrapped
+
+    def order(self) -> list[list[int]]:
+        return [[i for m in self.steps[s] for i in m] for s in sorted(self.steps)]
+
+
+def test_a_users_data_loader_trains_exactly_the_trainers_batches(tmp_path):
+    """data_loader=factory (2 workers, the user's collate_fn): the same samples in the same
+    order as the trainer's own reading, with bit-identical results, across the NaN
+    rollback (the loader restarts at the restored position) and across a crash after
+    the workers fetched ahead of the checkpoint: the saved position is the loop's."""
+    nan = make_step_fn("nan")
+    own = Seen()
+    own.trainer = trainer(tmp_path / "own", own.wrap(nan))
+    own_summary = own.trainer.fit(20)
+
+    seen, crash = Seen(), [True]
+
+    def crash_at_17(model, batch):
+        if crash[0] and seen.trainer.step == 16:
+            raise ValueError("the node went away")
+        return nan(model, batch)
+
+    seen.trainer = trainer(tmp_path / "loader", seen.wrap(crash_at_17),
+                           data_loader=loader_factory)
+    with pytest.raises(ValueError, match="went away"):
+        seen.trainer.fit(20)
+    crash[0] = False
+    seen.trainer = trainer(tmp_path / "loader", seen.wrap(crash_at_17),
+                           data_loader=loader_factory)
+    summary = seen.trainer.fit(20)
+    assert summary.restores == [0, 15] and own_summary.rollbacks == 1
+    assert seen.order() == own.order() == [
+        b for k, b in enumerate(no_failure_order(21), 1) if k != BAD_STEP]
+    assert ({s: (r["ranks"], r["micro"]) for s, r in read_audit(tmp_path / "loader" /
+                                                               "audit").items()}
+            == {s: (r["ranks"], r["micro"]) for s, r in read_audit(tmp_path / "own" /
+                                                                  "audit").items()})
+    assert summary.final_loss == own_summary.final_loss
+    for k, v in seen.trainer.module.state_dict().items():
+        assert torch.equal(v, own.trainer.module.state_dict()[k]), k
+
+
+class Counter:
+    """A user's counter saved with the checkpoints (a stateful object)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = int(state["n"])
+
+
+def test_hooks_and_extra_state_survive_a_restart(tmp_path):
+    """after_step keeps an EMA of the weights and a counter, both saved with each checkpoint
+    (extra_state); evaluate runs every 4 steps without touching training's RNG; after a
+    crash the resumed run continues the EMA and the counter from the checkpoint and ends
+    bit-identical to an uninterrupted run."""
+    calls: list[tuple] = []
+
+    def run(name: str, crash_at: int | None = None):
+        ema, counter = {}, Counter()
+
+        def extra(model):
+            ema["model"] = torch.optim.swa_utils.AveragedModel(
+                model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+            return {"ema": ema["model"], "counter": counter}
+
+        def after_step(t, step):
+            if step == crash_at:
+                raise ValueError("the node went away")
+            calls.append(("step", step, counter.n, int(ema["model"].n_averaged)))
+            ema["model"].update_parameters(t.module)
+            counter.n += 1
+
+        def evaluate(t, step):
+            assert not t.module.training and not torch.is_grad_enabled()
+            torch.rand(100)  # an evaluation that draws random numbers
+            calls.append(("eval", step))
+
+        hooks = trainer_hooks(after_step=after_step, evaluate=evaluate, eval_every=4,
+                              after_checkpoint=lambda t, step: calls.append(("ckpt", step)))
+        t = trainer(tmp_path / name, make_step_fn(None), hooks=hooks, extra_state=extra,
+                    health=None, checkpoint_options={"keep_last": 5})
+        return t, ema, counter
+
+    def kind(k: str, after: int = 0) -> list[tuple]:
+        return [c for c in calls if c[0] == k and c[1] > after]
+
+    reference, ref_ema, ref_counter = run("reference")
+    reference.fit(12)
+    assert [c[1] for c in kind("ckpt")] == [5, 10, 12]
+    assert [c[1] for c in kind("eval")] == [4, 8, 12]
+    reference_calls, calls[:] = calls[:], []
+    first, _, _ = run("resumed", crash_at=8)
+    with pytest.raises(ValueError, match="went away"):
+        first.fit(12)
+    assert kind("ckpt") == [("ckpt", 5)]
+    calls.clear()
+    second, ema, counter = run("resumed")
+    assert second.fit(12).restores == [0, 5]
+    # From step 5's EMA and counter on, the same calls as the uninterrupted run.
+    assert kind("step")[0] == ("step", 6, 5, 5) and counter.n == ref_counter.n == 12
+    for k in ("step", "eval", "ckpt"):
+        assert kind(k) == [c for c in reference_calls if c[0] == k and c[1] > 5], k
+    for k, v in ema["model"].state_dict().items():
+        assert torch.equal(v, ref_ema["model"].state_dict()[k]), k
+    for k, v in second.module.state_dict().items():
+        assert torch.equal(v, reference.module.state_dict()[k]), k
+
+
+def trainer_hooks(**kw):
+    from trainer import Hooks
+    return Hooks(**kw)
+
+
+def test_extra_state_may_not_take_the_trainers_item_names(tmp_path):
+    t = trainer(tmp_path, make_step_fn(None), extra_state=lambda m: {"model": m})
+    with pytest.raises(ValueError, match=r"may not use the item names \['model'\]"):
+        t.fit(1)
+
+
+def test_seed_seeds_numpy_and_a_resume_continues_its_stream(tmp_path):
+    import numpy as np
+
+    draws: dict[str, dict[int, list[float]]] = {"reference": {}, "resumed": {}}
+    holder: list = []
+
+    def step_fn(run: str, crash_at: int | None = None):
+        def fn(model, batch):
+            step = holder[-1].step + 1
+            if step == crash_at:
+                raise ValueError("the node went away")
+            if len(draws[run].get(step, [])) == GLOBAL // MICRO:
+                draws[run][step] = []  # trained again
+            draws[run].setdefault(step, []).append(float(np.random.random()))
+            return make_step_fn(None)(model, batch)
+        return fn
+
+    holder.append(trainer(tmp_path / "reference", step_fn("reference"), health=None))
+    holder[-1].fit(8)
+    np.random.seed(SEED + 1)  # rank 0's streams after the model is built
+    assert draws["reference"][1] == [np.random.random(), np.random.random()]
+    holder.append(trainer(tmp_path / "resumed", step_fn("resumed", crash_at=7), health=None))
+    with pytest.raises(ValueError):
+        holder[-1].fit(8)
+    np.random.seed(12345)  # whatever the process did meanwhile
+    holder.append(trainer(tmp_path / "resumed", step_fn("resumed"), health=None))
+    holder[-1].fit(8)
+    assert draws["resumed"] == draws["reference"]
+
+
 # ------------------------------------------------------------------------------- two ranks
 
 

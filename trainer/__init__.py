@@ -5,6 +5,7 @@ from trainer.data import ResumableLoader, ResumableSampler
 from trainer.elastic import ElasticSummary, ElasticTrainer, Recovery
 from trainer.health import HealthGuard, TrainingHealthError
 from trainer.heartbeat import Heartbeat, PeerLoss
+from trainer.hooks import Hooks
 from trainer.metrics import TrainerMetrics
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "ElasticTrainer",
     "HealthGuard",
     "Heartbeat",
+    "Hooks",
     "PeerLoss",
     "Recovery",
     "ResumableLoader",

@@ -2,7 +2,8 @@
 
 Every checkpoint holds the RNG streams, the data position (the global sampler), the step's
 metadata, the model and optimizer (through ``ckpt.ModelOptimizer`` with FSDP, so that any
-world size can load them), and the scheduler and grad scaler when there are any.
+world size can load them), the scheduler and grad scaler when there are any, and the
+user's extra items (an EMA copy of the model, a counter: anything ``ckpt`` saves).
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ import torch
 import ckpt
 
 
+#: Item names the trainer uses itself; extra items may not take them.
+RESERVED_ITEMS = frozenset({"rng", "data", "meta", "model", "optim", "train", "sched",
+                            "scaler"})
+
+
 def checkpointed_items(*, sampler: Any, module: torch.nn.Module, model: torch.nn.Module,
                        optimizer: torch.optim.Optimizer, scheduler: Any | None,
-                       grad_scaler: torch.amp.GradScaler | None, fsdp: bool
-                       ) -> dict[str, Any]:
-    """The items of every checkpoint (``"meta"``: the metadata of its step)."""
+                       grad_scaler: torch.amp.GradScaler | None, fsdp: bool,
+                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The items of every checkpoint (``"meta"``: the metadata of its step), then the
+    user's ``extra`` items (ValueError for a name the trainer uses)."""
     items: dict[str, Any] = {"rng": ckpt.RNGState(), "data": sampler, "meta": {"step": 0}}
     if fsdp:
         items["train"] = ckpt.ModelOptimizer(model, optimizer)
@@ -30,7 +37,12 @@ def checkpointed_items(*, sampler: Any, module: torch.nn.Module, model: torch.nn
         items["sched"] = scheduler
     if grad_scaler is not None:
         items["scaler"] = grad_scaler
-    return items
+    extra = dict(extra or {})
+    taken = sorted(RESERVED_ITEMS & extra.keys())
+    if taken:
+        raise ValueError(f"extra_state may not use the item names {taken}: the trainer "
+                         f"saves its own items under {sorted(RESERVED_ITEMS)}; rename yours")
+    return {**items, **extra}
 
 
 class Checkpoints:
@@ -77,4 +89,4 @@ class Checkpoints:
         self.manager.close()
 
 
-__all__ = ["Checkpoints", "checkpointed_items"]
+__all__ = ["RESERVED_ITEMS", "Checkpoints", "checkpointed_items"]

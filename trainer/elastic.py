@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import threading
@@ -44,16 +45,22 @@ import time
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+try:
+    import numpy as np
+except ImportError:  # ckpt.RNGState holds NumPy's state only when NumPy is installed
+    np = None
 
 from ckpt.metrics import default_labels
 from trainer.audit import AUDIT_DIR_ENV, read_audit, read_skips
-from trainer.batches import GlobalBatches, StepBatch, dataset_fetch
+from trainer.batches import DatasetFeed, GlobalBatches, LoaderFeed, StepBatch
 from trainer.checkpointing import Checkpoints, checkpointed_items
 from trainer.data import ResumableSampler
 from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED, ExitPolicy
 from trainer.health import HealthGuard, TrainingHealthError
 from trainer.heartbeat import Heartbeat
+from trainer.hooks import HookRunner, Hooks
 from trainer.launch import (Attempt, check_world_size, expected_world_size,
                             process_start_time, restart_count, start_heartbeat,
                             valid_world_sizes, warm_imports, wrap_model)
@@ -69,6 +76,14 @@ from trainer.step import StepRunner
 log = logging.getLogger("trainer.elastic")
 #: One ``event key=value ...`` line per event (docs/observability.md lists them).
 events = logging.getLogger("ckpt.trainer")
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (every device), NumPy (when installed) and Python's ``random``."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if np is not None:
+        np.random.seed(seed % 2 ** 32)
+
 
 _RESERVED_OPTIONS = {"every_steps", "process_group", "handle_sigterm", "save_on_preemption"}
 
@@ -114,13 +129,30 @@ class ElasticTrainer:
             and of the checkpoint commit vote.
         checkpoint_options: more ``CheckpointManager`` keywords (``keep_last`` defaults to 3).
         seed: seeds the model init (same on every rank), the sampler's shuffle and each
-            rank's dropout RNG.
+            rank's random streams after it (torch, NumPy and Python's ``random``; their
+            states are checkpointed with ``ckpt.RNGState``).
         fsdp: shard the model with FSDP2 (``fully_shard``) instead of DDP; True shards
             each layer of every ``nn.ModuleList`` (transformer blocks) and then the root,
             or pass a callable ``(model, mesh) -> model`` to shard it your way.
             Checkpointed through ``ckpt.ModelOptimizer`` (as a plain single process too,
             unsharded, so such a run resumes an FSDP job's checkpoint and vice versa).
-        collate_fn: ``(list of samples) -> batch`` (default ``default_collate``).
+        collate_fn: ``(list of samples) -> batch`` (default ``default_collate``), when
+            the trainer reads the dataset itself (no ``data_loader``).
+        data_loader: a DataLoader factory ``(batch_sampler) -> DataLoader``, to load with
+            your own ``num_workers``, ``collate_fn``, ``pin_memory``, ...: return
+            ``DataLoader(dataset, batch_sampler=batch_sampler, ...)``. The batch sampler
+            yields this rank's micro batches in the trainer's order; the checkpointed
+            position counts the batches the loop consumed, not those the workers fetched
+            ahead, so a resume neither skips nor repeats a sample. Unless the loader has a
+            ``generator``, it gets one seeded from ``seed``, the position and the rank, so
+            creating it draws nothing from the global RNG.
+        hooks: :class:`trainer.hooks.Hooks`: code to call after each step, every N steps
+            (evaluation) and after each checkpoint.
+        extra_state: ``(model) -> {name: item}``, called once per attempt with the built
+            (unwrapped) model: more items saved with every checkpoint and restored before
+            training resumes, e.g. ``{"ema": ema_model, "counter": counter}``. Objects
+            with ``state_dict``/``load_state_dict`` and tensors are restored in place;
+            plain values are replaced in :attr:`state`.
         max_grad_norm: clip the gradient norm before each step (None: no clipping).
         audit_dir: write each rank's sample indices per step to
             ``audit-a<attempt>-r<rank>.jsonl`` there (default: env ``CKPT_ELASTIC_AUDIT_DIR``).
@@ -164,6 +196,9 @@ class ElasticTrainer:
                  checkpoint_options: dict[str, Any] | None = None, seed: int = 0,
                  fsdp: bool | Callable[..., torch.nn.Module] = False,
                  collate_fn: Callable[[list[Any]], Any] | None = None,
+                 data_loader: Callable[[Sampler[list[int]]], DataLoader] | None = None,
+                 hooks: Hooks | None = None,
+                 extra_state: Callable[[torch.nn.Module], dict[str, Any]] | None = None,
                  max_grad_norm: float | None = None, audit_dir: str | os.PathLike | None = None,
                  run_dir: str | os.PathLike | None = None, heartbeat_interval: float = 1.0,
                  hard_exit: bool | None = None, device: str | torch.device | None = None,
@@ -185,7 +220,13 @@ class ElasticTrainer:
         self.checkpoint_options = options
         self.seed = seed
         self.fsdp = fsdp
+        if data_loader is not None and collate_fn is not None:
+            raise TypeError("collate_fn is for the trainer's own reading of the dataset; with "
+                            "data_loader, give it to your DataLoader")
         self.collate_fn = collate_fn or default_collate
+        self.data_loader = data_loader
+        self.hooks = hooks
+        self.extra_state = extra_state
         self.max_grad_norm = max_grad_norm
         self.audit_dir = audit_dir if audit_dir is not None else os.environ.get(AUDIT_DIR_ENV)
         self.run_dir = default_run_dir(run_dir, checkpoint_root)
@@ -223,6 +264,8 @@ class ElasticTrainer:
         self._steps: StepRunner | None = None
         self._checkpoints: Checkpoints | None = None
         self._rollbacks: Rollbacks | None = None
+        self._feed: DatasetFeed | LoaderFeed | None = None
+        self._hook_runner: HookRunner | None = None
         self._skips_counted: set[int] = set()  # offsets of skipped batches in the metrics
         self.module: torch.nn.Module | None = None
 
@@ -327,6 +370,8 @@ class ElasticTrainer:
         except SystemExit:
             raise
         except BaseException as e:
+            if self._feed is not None and not self.hard_exit:
+                self._feed.stop()  # the loader's workers, before a retry in this process
             exits.handle_error(e)  # exits the process, or returns for this to raise
             raise
         finally:
@@ -337,7 +382,7 @@ class ElasticTrainer:
         """Join the process group, number this attempt, open its records, record its start
         and set up its exit policy; returns torchrun's restart count."""
         self._heartbeat = self._batches = self._steps = None
-        self._checkpoints = self._rollbacks = None
+        self._checkpoints = self._rollbacks = self._feed = self._hook_runner = None
         attempt = self._attempt = Attempt.join(self._device_arg, self.collective_timeout,
                                                self.global_batch_size, self.micro_batch_size)
         attempt.number = attempt.broadcast(next_attempt(self.run_dir) if attempt.rank == 0
@@ -380,7 +425,7 @@ class ElasticTrainer:
         attempt, records, exits = self._attempt, self._records, self._exits
         assert attempt is not None and records is not None and exits is not None
         t0 = time.time()
-        torch.manual_seed(self.seed)  # the same initial weights on every rank
+        seed_everything(self.seed)  # the same initial weights on every rank
         module = self.module = self.model_fn().to(attempt.device)
         t_model = time.time()
         model = wrap_model(module, attempt.device, self.fsdp, attempt.distributed,
@@ -390,7 +435,8 @@ class ElasticTrainer:
                        model_s=t_model - t0, wrap_s=time.time() - t_model)
         scheduler = self.scheduler_fn(optimizer) if self.scheduler_fn else None
         sampler = ResumableSampler(len(self.dataset), seed=self.seed)
-        torch.manual_seed(self.seed + 1 + attempt.rank)  # dropout differs by rank
+        extra = self.extra_state(module) if self.extra_state is not None else None
+        seed_everything(self.seed + 1 + attempt.rank)  # dropout differs by rank
         self._batches = GlobalBatches(sampler, global_batch_size=self.global_batch_size,
                                       micro_batch_size=self.micro_batch_size,
                                       rank=attempt.rank, world_size=attempt.world_size)
@@ -401,10 +447,15 @@ class ElasticTrainer:
             self.checkpoint_root, every=self.checkpoint_every,
             items=checkpointed_items(sampler=sampler, module=module, model=model,
                                      optimizer=optimizer, scheduler=scheduler,
-                                     grad_scaler=self.grad_scaler, fsdp=bool(self.fsdp)),
+                                     grad_scaler=self.grad_scaler, fsdp=bool(self.fsdp),
+                                     extra=extra),
             collective_timeout=self.collective_timeout, options=self.checkpoint_options)
         exits.attach(checkpoints=self._checkpoints)
         self.metrics.attach_checkpoint(self._checkpoints.manager.metrics)
+        self._feed = (LoaderFeed(self.data_loader, self.seed) if self.data_loader is not None
+                      else DatasetFeed(self.dataset, self.collate_fn))
+        if self.hooks is not None:
+            self._hook_runner = HookRunner(self.hooks, self, module)
 
     def _meta(self, step: int, loss: float | None) -> dict[str, Any]:
         skipped = self._rollbacks.skipped_batches if self._rollbacks else 0
@@ -454,10 +505,12 @@ class ElasticTrainer:
     # -- the training loop ---------------------------------------------------------------------
     def _train(self, start: int, total_steps: int) -> ElasticSummary:
         batches, steps, rollbacks = self._batches, self._steps, self._rollbacks
-        checkpoints, exits = self._checkpoints, self._exits
+        checkpoints, exits, feed = self._checkpoints, self._exits, self._feed
         assert batches is not None and steps is not None and rollbacks is not None
         assert checkpoints is not None and exits is not None and self._records is not None
-        fetch = dataset_fetch(self.dataset, self.collate_fn)
+        assert feed is not None
+        hooks = self._hook_runner
+        feed.start(batches, rollbacks.bad, total_steps - start)
         step_times: list[float] = []
         loss_value: float | None = None
         handle = None
@@ -465,9 +518,11 @@ class ElasticTrainer:
         while step < total_steps:
             step += 1
             t0 = time.perf_counter()
+            if hooks is not None:
+                hooks.poll()
             rollbacks.pass_known_bad(step, batches)
             batch = batches.take()
-            loss_sum, grad_norm = steps.forward_backward(batch.micro, fetch)
+            loss_sum, grad_norm = steps.forward_backward(batch.micro, feed.fetch)
             lr = steps.learning_rate()
             loss_value, norm_value, preempt = steps.agree(loss_sum / len(batch.micro),
                                                           grad_norm, exits.sigterm)
@@ -477,21 +532,34 @@ class ElasticTrainer:
                 self._step = step
                 if self._heartbeat is not None:
                     self._heartbeat.update(step)
+                feed.start(batches, rollbacks.bad, total_steps - step)  # the position jumped
                 continue
             steps.update()
+            self._step = step
+            if hooks is not None:
+                hooks.step_done(step)
             handle = self._commit_step(step, loss_value, norm_value, batch)
+            if hooks is not None:
+                hooks.checkpoint_taken(step, handle)
             step_times.append(time.perf_counter() - t0)
             self.metrics.step_done(step=step, seconds=step_times[-1], loss=loss_value,
                                    grad_norm=norm_value, learning_rate=lr)
             if self.log_every and (step % self.log_every == 0 or step == total_steps):
                 self._log_step(step, step_times, loss_value, norm_value, lr)
             if preempt:
-                exits.preempted(step, handle)
+                feed.stop()
+                exits.preempted(step, handle, None if hooks is None else
+                                lambda taken: hooks.preempted(step, taken))
+        feed.stop()
         if handle is None and start < total_steps:
             # the final state, whatever the schedule
-            checkpoints.save(total_steps, checkpoints.meta, force=True)
+            handle = checkpoints.save(total_steps, checkpoints.meta, force=True)
             self._records.record("save", step=total_steps)
+            if hooks is not None:
+                hooks.checkpoint_taken(total_steps, handle)
         checkpoints.wait()
+        if hooks is not None:
+            hooks.poll()
         self._records.record("done", step=max(start, self._step), loss=loss_value)
         return self._finish(total_steps, step_times, loss_value)
 

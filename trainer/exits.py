@@ -170,17 +170,23 @@ class ExitPolicy:
         with contextlib.suppress(Exception):
             self.metrics.write_textfile()
 
-    def preempted(self, step: int, handle: Any) -> None:
+    def preempted(self, step: int, handle: Any,
+                  committed: Callable[[Any], None] | None = None) -> None:
         """Every rank agreed that one of them got SIGTERM: checkpoint ``step`` (unless
-        ``handle``, the save of it, is in flight) and leave."""
+        ``handle``, the save of it, is in flight) and leave. ``committed`` is called once
+        the checkpoint is committed, with the handle of the save taken here (None when
+        ``handle`` was the save)."""
         checkpoints = self.checkpoints
         assert checkpoints is not None
         if self.heartbeat is not None:
             self.heartbeat.stop(final_state="preempted")
         t0 = time.time()
+        taken = None
         if handle is None:
-            checkpoints.save(step, checkpoints.meta, force=True)
+            taken = checkpoints.save(step, checkpoints.meta, force=True)
         checkpoints.wait()
+        if committed is not None:
+            committed(taken)
         log.warning("rank %d: preemption checkpoint of step %d committed in %.2fs; exiting "
                     "with status %d", self.rank, step, time.time() - t0, EXIT_PREEMPTED)
         self.records.record("preempted", step=step, signalled=self.sigterm,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os as _os
 import shutil as _shutil
+import stat
 import threading
 import time
 from typing import Iterator
@@ -46,6 +47,11 @@ class Trace:
 
     def rel(self, path: str | bytes) -> str:
         full = _os.path.abspath(_os.fsdecode(path))
+        if full != self.root and not full.startswith(self.root + "/"):
+            # A path read back from /proc (dir_fd calls) has the root's symlinks resolved.
+            real = _os.path.realpath(self.root)
+            if full == real or full.startswith(real + "/"):
+                full = self.root + full[len(real):]
         if full == self.root:
             return ""
         if not full.startswith(self.root + "/"):
@@ -72,16 +78,24 @@ class RecordingOS:
     def __getattr__(self, name: str):
         return getattr(_os, name)
 
+    @staticmethod
+    def _at(path, dir_fd) -> str:
+        """The path a call with ``dir_fd`` means (what the descriptor names, then ``path``)."""
+        if dir_fd is None:
+            return _os.fsdecode(path)
+        return _os.path.join(_os.readlink(f"/proc/self/fd/{dir_fd}"), _os.fsdecode(path))
+
     def open(self, path, flags, mode=0o777, *, dir_fd=None):
         with self._t.lock:
-            fd = _os.open(path, flags, mode)
-            if flags & _os.O_DIRECTORY:
-                self._dirs[fd] = self._t.rel(path)
+            fd = _os.open(path, flags, mode, dir_fd=dir_fd)
+            full = self._at(path, dir_fd)
+            if stat.S_ISDIR(_os.fstat(fd).st_mode):
+                self._dirs[fd] = self._t.rel(full)
             elif flags & _os.O_CREAT:
                 if not flags & _os.O_TRUNC:
                     raise AssertionError("the model only knows files created with O_TRUNC")
                 fid = self._t.new_fid()
-                self._t.add("creat", self._t.rel(path), fid)
+                self._t.add("creat", self._t.rel(full), fid)
                 self._files[fd] = [fid, 0]
             return fd
 
@@ -108,29 +122,32 @@ class RecordingOS:
             self._dirs.pop(fd, None)
             _os.close(fd)
 
-    def rename(self, src, dst):
+    def rename(self, src, dst, *, src_dir_fd=None, dst_dir_fd=None):
         with self._t.lock:
-            _os.rename(src, dst)
-            self._t.add("rename", self._t.rel(src), self._t.rel(dst))
+            _os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+            self._t.add("rename", self._t.rel(self._at(src, src_dir_fd)),
+                        self._t.rel(self._at(dst, dst_dir_fd)))
 
     replace = rename
 
-    def unlink(self, path):
+    def unlink(self, path, *, dir_fd=None):
         with self._t.lock:
-            _os.unlink(path)
-            self._t.add("unlink", self._t.rel(path))
+            full = self._at(path, dir_fd)
+            _os.unlink(path, dir_fd=dir_fd)
+            self._t.add("unlink", self._t.rel(full))
 
     remove = unlink
 
-    def rmdir(self, path):
+    def rmdir(self, path, *, dir_fd=None):
         with self._t.lock:
-            _os.rmdir(path)
-            self._t.add("rmdir", self._t.rel(path))
+            full = self._at(path, dir_fd)
+            _os.rmdir(path, dir_fd=dir_fd)
+            self._t.add("rmdir", self._t.rel(full))
 
-    def mkdir(self, path, mode=0o777):
+    def mkdir(self, path, mode=0o777, *, dir_fd=None):
         with self._t.lock:
-            _os.mkdir(path, mode)
-            self._t.add("mkdir", self._t.rel(path))
+            _os.mkdir(path, mode, dir_fd=dir_fd)
+            self._t.add("mkdir", self._t.rel(self._at(path, dir_fd)))
 
     def makedirs(self, path, mode=0o777, exist_ok=False):
         with self._t.lock:

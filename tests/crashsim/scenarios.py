@@ -16,7 +16,7 @@ def values(step: int, *, changed: tuple[str, ...] = ("a", "b", "c")) -> dict[str
     """The state saved as ``step``; tensors not in ``changed`` keep their step-1 values."""
     out: dict[str, Any] = {}
     for key, n in (("a", 2000), ("b", 1200)):
-        g = torch.Generator().manual_seed(1000 * (step if key in changed else 1) + len(key + "x") * n)
+        g = torch.Generator().manual_seed(1000 * (step if key in changed else 1) + n)
         out[key] = torch.randn(n, generator=g)
     out["c"] = torch.arange(50, dtype=torch.int64) * (step if "c" in changed else 1)
     out["epoch"] = step

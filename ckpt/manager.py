@@ -78,7 +78,7 @@ class CheckpointManager:
             torch.distributed is initialized). Every rank writes its share; rank 0 holds
             the lock and commits. Call ``save``/``restore`` on every rank.
         probe: a :class:`ckpt.Probe` recorded with every save (for ``ckpt verify --level
-            forward``).
+            forward`` and ``restore(state, verify="forward")``).
         metrics, metrics_port, metrics_textfile: counters and timings of saves, kept in
             ``mgr.metrics`` (in memory) and, with prometheus_client installed, served on a
             port or written to a node_exporter textfile.

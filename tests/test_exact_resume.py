@@ -101,6 +101,10 @@ def test_resumable_loader_with_drop_last_and_breaking_out_continues():
             break
     got += _firsts(loader)                        # a new iter() continues there
     assert got == whole and loader.epoch == 1
+    # the same with batch_sampler=BatchSampler(ResumableSampler(...), ...)
+    batches = torch.utils.data.BatchSampler(trainer.ResumableSampler(22, seed=3), 4, True)
+    assert _firsts(trainer.ResumableLoader(torch.utils.data.DataLoader(
+        _Squares(), batch_sampler=batches))) == whole
 
 
 def test_resumable_loader_iter_draws_nothing_from_the_global_rng():

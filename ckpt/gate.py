@@ -25,7 +25,7 @@ import torch
 from .distributed import Group
 from .errors import ForwardCheckError
 from .format import Manifest
-from .probe import PROBE_ITEM, ProbeFailure, check_model
+from .probe import PROBE_ITEM, ProbeFailure, check_model, model_of
 from .sharding import dtensor_type
 from .state import item_tree
 
@@ -103,8 +103,8 @@ class Gate:
             return None
         model_key = probe.get("model_key") or item_tree(manifest.items[PROBE_ITEM]).get(
             "model_key")
-        model = self._state.get(model_key)
-        if not isinstance(model, torch.nn.Module):
+        model = model_of(self._state.get(model_key))
+        if model is None:
             log.warning("ckpt.restore %s: the probe's model %r is not an nn.Module of the "
                         "state being restored: the forward check was skipped", name, model_key)
             return None
@@ -156,9 +156,10 @@ def _copy_modules(state: MutableMapping[str, Any]) -> list[tuple[torch.Tensor, t
     seen: set[int] = set()
     copies = []
     for value in list(state.values()):
-        if not isinstance(value, torch.nn.Module):
+        module = model_of(value)
+        if module is None:
             continue
-        for t in [*value.parameters(), *value.buffers()]:
+        for t in [*module.parameters(), *module.buffers()]:
             if id(t) in seen:
                 continue
             seen.add(id(t))

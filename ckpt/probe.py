@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import torch
 
+from .adapters import ModelOptimizer
+
 PROBE_ITEM = "__probe__"
 
 # (rtol, atol) by the dtype of the probe's output. The rerun uses the same weights and
@@ -56,15 +58,23 @@ class Probe:
 
     def record(self, state: dict) -> dict:
         """Run the probe on the live model; returns the value saved as ``__probe__``."""
-        model = state.get(self.model_key)
-        if not isinstance(model, torch.nn.Module):
+        model = model_of(state.get(self.model_key))
+        if model is None:
             raise TypeError(f"Probe.model_key {self.model_key!r} does not name an nn.Module "
-                            "in the state")
+                            "(or a ckpt.ModelOptimizer) in the state")
         output, loss = run_forward(model, self.inputs, self.loss_fn)
         return {"model_key": self.model_key, "inputs": _cpu(self.inputs),
                 "output": output, "loss": loss, "factory": self.factory,
                 "loss_fn": _qualified_name(self.loss_fn),
                 "finite": bool(torch.isfinite(output.float()).all())}
+
+
+def model_of(value: Any) -> torch.nn.Module | None:
+    """The module a probe runs through: ``value`` itself, or a ``ckpt.ModelOptimizer``'s
+    model (FSDP2 states hold their model that way); None for anything else."""
+    if isinstance(value, ModelOptimizer):
+        value = value.model
+    return value if isinstance(value, torch.nn.Module) else None
 
 
 def run_forward(model: torch.nn.Module, inputs: Any,

@@ -316,3 +316,17 @@ def test_the_forward_check_runs_on_the_models_cuda_device(tmp_path):
         with pytest.raises(ckpt.ForwardCheckError, match="model's code has changed"):
             mgr.restore({"model": changed}, verify="forward")
         assert torch.equal(changed.fc1.weight, before)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_an_fsdp2_model_is_gated_on_every_rank_and_put_back_when_every_step_fails(tmp_path):
+    from _dist import run_ranks
+    from _forward_gate_workers import fsdp_forward_gate
+
+    results = run_ranks(2, fsdp_forward_gate, str(tmp_path / "root"), timeout=120)
+    for restored, same, message, kept in results:
+        assert (restored, same, kept) == (1, True, True)
+        assert "passed the forward check" in message, message
+        assert "step 2: weight 0.weight of the model hold NaN/Inf" in message
+        assert "step 1: the probe's output differs" in message

@@ -64,12 +64,12 @@ class Sigmoid(torch.nn.Module):
         return torch.sigmoid(x)
 
 
-def fsdp_model(act: type) -> torch.nn.Module:
+def fsdp_model(act: type, seed: int) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), act(), torch.nn.Linear(16, 4))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
@@ -85,7 +85,7 @@ def fsdp_forward_gate(rank: int, world: int, root: str) -> tuple[int, bool, str,
     at steps 1 and 2 (NaN weights before 2): restore(verify="forward") gives step 1 on every
     rank; the model rebuilt with another activation fails every step (step 2 still on its NaN
     weights) and keeps its shards."""
-    model = fsdp_model(Tanh)
+    model = fsdp_model(Tanh, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"train": ckpt.ModelOptimizer(model, opt)}
     probe = ckpt.Probe(model_key="train",
@@ -98,7 +98,7 @@ def fsdp_forward_gate(rank: int, world: int, root: str) -> tuple[int, bool, str,
         mgr.save(2, state)
         restored = mgr.restore(state, verify="forward")
         same = all(torch.equal(a, b) for a, b in zip(local_shards(model), step1))
-    changed = fsdp_model(Sigmoid)
+    changed = fsdp_model(Sigmoid, seed=1)  # other weights than any step's
     before = local_shards(changed)
     state = {"train": ckpt.ModelOptimizer(changed, torch.optim.SGD(changed.parameters(), lr=0.1))}
     with ckpt.CheckpointManager(root, read_only=True) as mgr:

@@ -180,20 +180,24 @@ def _check(cond: bool, message: str) -> None:
 
 
 def _int(value: Any, what: str, lo: int = 0, hi: int = MAX_BYTES) -> int:
-    _check(type(value) is int and lo <= value <= hi, f"{what} must be an integer in [{lo}, {hi}]")
-    return value
+    if type(value) is int and lo <= value <= hi:
+        return value
+    raise _Invalid(f"{what} must be an integer in [{lo}, {hi}]")
 
 
 def _dims(value: Any, what: str) -> tuple[int, ...]:
-    _check(isinstance(value, list) and len(value) <= MAX_DIMS, f"{what} must be a list of ints")
-    return tuple(_int(v, what) for v in value)
+    if not (isinstance(value, list) and len(value) <= MAX_DIMS):
+        raise _Invalid(f"{what} must be a list of at most {MAX_DIMS} ints")
+    if all(type(v) is int and 0 <= v <= MAX_BYTES for v in value):
+        return tuple(value)
+    raise _Invalid(f"{what} must be a list of integers in [0, {MAX_BYTES}]")
 
 
 def file_name(value: Any, what: str = "file") -> str:
     """A validated plain file name: no directories, no '..', bounded length."""
-    _check(isinstance(value, str) and bool(_FILE_NAME.match(value)) and ".." not in value,
-           f"{what} {value!r} is not a plain file name")
-    return value
+    if isinstance(value, str) and _FILE_NAME.match(value) and ".." not in value:
+        return value
+    raise _Invalid(f"{what} {value!r} is not a plain file name")
 
 
 def _parse(doc: Any) -> Manifest:
@@ -241,41 +245,50 @@ def _parse_tensor(key: str, doc: Any, step: int, files: dict[str, int]) -> Tenso
     _check(isinstance(chunks_doc, list), f"chunks of {key!r} must be a list")
     chunks = []
     for i, c in enumerate(chunks_doc):
-        what = f"chunk {i} of {key!r}"
-        _check(isinstance(c, dict), f"{what} must be an object")
-        offsets = _dims(c.get("offsets"), f"offsets of {what}")
-        box = _dims(c.get("shape"), f"shape of {what}")
-        _check(len(offsets) == len(shape) == len(box), f"{what} has the wrong rank")
-        _check(all(o + b <= s for o, b, s in zip(offsets, box, shape)),
-               f"{what} lies outside the tensor's shape {list(shape)}")
-        codec = c.get("codec", "raw")
-        _check(isinstance(codec, str) and codec in CODECS, f"{what} has unknown codec {codec!r}")
-        length = _int(c.get("length"), f"length of {what}")
-        raw_len = math.prod(box) * itemsize
-        if codec == "raw":
-            _check(length == raw_len, f"{what} has length {length} but its box holds "
-                   f"{raw_len} bytes")
-        else:
-            _check(length <= raw_len + 1024 and raw_len <= (length + 64) * MAX_ZSTD_RATIO,
-                   f"{what} claims {raw_len} bytes compressed into {length}: no zstd frame "
-                   "expands that much")
-        start = _int(c.get("start"), f"start of {what}")
-        ref = c.get("step")
-        if ref is None:
-            fname = file_name(c.get("file"), f"file of {what}")
-            _check(fname in files, f"{what} names {fname!r}, which is not among files")
-            _check(start + length <= files[fname],
-                   f"{what} ends at byte {start + length}, past the end of {fname!r}")
-        else:
-            _check(type(ref) is int and 0 <= ref < step,
-                   f"{what} refers to step {ref!r}, which is not an earlier step")
-            fname = file_name(c.get("file"), f"file of {what}")
-        digest = c.get("digest")
-        _check(isinstance(digest, str) and bool(_DIGEST.match(digest)),
-               f"{what} has a malformed digest")
-        chunks.append(Chunk(offsets, box, fname, start, length, digest, codec, ref))
+        try:
+            chunks.append(_parse_chunk(c, shape, itemsize, step, files))
+        except _Invalid as e:
+            raise _Invalid(f"chunk {i} of {key!r} {e}") from None
     _check_tiling(key, shape, chunks)
     return TensorEntry(dtype, shape, tuple(chunks))
+
+
+def _parse_chunk(c: Any, shape: tuple[int, ...], itemsize: int, step: int,
+                 files: dict[str, int]) -> Chunk:
+    """One chunk of a tensor; messages are built only on failure (manifests of large jobs
+    hold millions of chunks) and are prefixed with the chunk by the caller."""
+    _check(isinstance(c, dict), "must be an object")
+    offsets = _dims(c.get("offsets"), "offsets")
+    box = _dims(c.get("shape"), "shape")
+    if not len(offsets) == len(shape) == len(box):
+        raise _Invalid("has the wrong rank")
+    if not all(o + b <= s for o, b, s in zip(offsets, box, shape)):
+        raise _Invalid(f"lies outside the tensor's shape {list(shape)}")
+    codec = c.get("codec", "raw")
+    if not (isinstance(codec, str) and codec in CODECS):
+        raise _Invalid(f"has unknown codec {codec!r}")
+    length = _int(c.get("length"), "length")
+    raw_len = math.prod(box) * itemsize
+    if codec == "raw":
+        if length != raw_len:
+            raise _Invalid(f"has length {length} but its box holds {raw_len} bytes")
+    elif not (length <= raw_len + 1024 and raw_len <= (length + 64) * MAX_ZSTD_RATIO):
+        raise _Invalid(f"claims {raw_len} bytes compressed into {length}: no zstd frame "
+                       "expands that much")
+    start = _int(c.get("start"), "start")
+    ref = c.get("step")
+    fname = file_name(c.get("file"), "file")
+    if ref is None:
+        if fname not in files:
+            raise _Invalid(f"names {fname!r}, which is not among files")
+        if start + length > files[fname]:
+            raise _Invalid(f"ends at byte {start + length}, past the end of {fname!r}")
+    elif not (type(ref) is int and 0 <= ref < step):
+        raise _Invalid(f"refers to step {ref!r}, which is not an earlier step")
+    digest = c.get("digest")
+    if not (isinstance(digest, str) and _DIGEST.match(digest)):
+        raise _Invalid("has a malformed digest")
+    return Chunk(offsets, box, fname, start, length, digest, codec, ref)
 
 
 def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk]) -> None:

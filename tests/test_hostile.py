@@ -225,6 +225,7 @@ def attempt(name, fn):
 """
 
 
+@pytest.mark.slow  # a subprocess that imports torch inside a private mount namespace
 def test_writer_on_a_full_disk_or_a_read_only_root_raises_a_checkpoint_error():
     out = _in_private_mount(SCRIPT_HEAD + """
 os.makedirs(root)

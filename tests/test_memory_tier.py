@@ -221,3 +221,14 @@ def test_segments_of_dead_jobs_are_removed_by_gc_and_later_runs(tmp_path, job):
         for j in (dead, other, f"{job}later"):
             for s in segments(j):
                 subprocess.run(["rm", "-rf", s], check=False)
+
+
+def test_cli_gc_memory_removes_dead_segments_only_with_yes(tmp_path, job, capsys):
+    from ckpt.cli import main
+
+    save_steps(tmp_path / "dead", job, [1], persist=100)  # closed: no live owner
+    [seg] = segments(job)
+    assert main(["gc", "--memory", "--job", job]) == 0
+    assert seg in capsys.readouterr().out and os.path.exists(seg)  # dry run
+    assert main(["gc", "--memory", "--job", job, "--yes"]) == 0
+    assert not os.path.exists(seg)

@@ -31,6 +31,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_sharded.py
 	$(PY) benchmarks/bench_compression.py
 	$(PY) benchmarks/bench_cuda.py
+	$(PY) benchmarks/bench_integrations.py
 
 clean:
 	rm -rf $(VENV) demo-run bench-out

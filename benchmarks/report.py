@@ -54,6 +54,8 @@ SCRIPTS = {
     "compression": ("bench_compression.py", ["--sizes", "256M", "--reps", "3"],
                     ["--sizes", "64M", "--reps", "1", "--rates", "0.5"]),
     "cuda": ("bench_cuda.py", ["--sizes", "1G,2G", "--reps", "3"], ["--sizes", "256M", "--reps", "1"]),
+    "integrations": ("bench_integrations.py", ["--reps", "2"],
+                     ["--reps", "1", "--layers", "2", "--width", "128"]),
 }
 TITLES = {
     "save_load": "Save and load throughput (Foundation issue)",
@@ -66,6 +68,7 @@ TITLES = {
     "elastic": "Elastic recovery timeline (Elastic issue)",
     "compression": "Compression that keeps up: zstd levels, threads, throttled storage",
     "cuda": "GPU: overlapped save, restore onto the device, against DCP",
+    "integrations": "Lightning, HF Trainer, Accelerate: blocking per checkpoint and bytes",
 }
 COMMIT_TAG = "<!-- measured at commit {} -->"
 

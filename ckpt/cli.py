@@ -200,11 +200,24 @@ def _step_of(cps: Checkpoints, step: int | None) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.to == "hf":
+        return _export_hf(args)
     cps = inspect.open(args.root)
     step = _steps(cps, args)[0]
     result = verify.export_step(cps, step, args.to, args.file, item=args.item,
                                 force=args.force, threads=args.threads)
     print(verify.to_json(vars(result)) if args.json else verify.render_export(result))
+    return EXIT_OK
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from verify.export_hf import DEFAULT_SHARD_BYTES, export_hf, parse_size, render_hf_export
+
+    shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_SHARD_BYTES
+    cps = inspect.open(args.root)
+    result = export_hf(cps, _steps(cps, args)[0], args.file, item=args.item,
+                       force=args.force, max_shard_bytes=shard, threads=args.threads)
+    print(verify.to_json(vars(result)) if args.json else render_hf_export(result))
     return EXIT_OK
 
 
@@ -437,8 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a step as one safetensors or torch file")
     p.add_argument("root", metavar="PATH", help=path_help)
     p.add_argument("--step", type=int, help="default: the newest")
-    p.add_argument("--to", choices=verify.FORMATS, required=True)
-    p.add_argument("file", help="the file to write")
+    p.add_argument("--to", choices=(*verify.FORMATS, "hf"), required=True,
+                   help="hf: a from_pretrained folder (sharded safetensors, index, config)")
+    p.add_argument("file", help="the file (the folder, for hf) to write")
+    p.add_argument("--max-shard-size", help="hf: the largest shard (default 5GB)")
     p.add_argument("--item", help="only this item's tensors, named as inside it "
                    "(a module's state_dict names)")
     p.add_argument("--force", action="store_true", help="overwrite an existing file")

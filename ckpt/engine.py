@@ -31,7 +31,7 @@ from .distributed import Group
 from .incremental import CHAIN_KEY, chain_length
 from .integrity import digest
 from .options import SaveOptions
-from .plan import assign_files, chunk_tensor
+from .plan import assign_files, chunk_tensor, data_file_name
 
 log = logging.getLogger("ckpt")
 
@@ -41,11 +41,17 @@ def _optimizer_storages(optimizers: Sequence[torch.optim.Optimizer]) -> set[int]
     out = set()
     for opt in optimizers:
         for group in opt.param_groups:
-            out.update(p.untyped_storage().data_ptr() for p in group["params"] if p.is_cuda)
+            out.update(_storage_ptr(p) for p in group["params"] if p.is_cuda)
         for per_param in opt.state.values():
-            out.update(v.untyped_storage().data_ptr() for v in per_param.values()
+            out.update(_storage_ptr(v) for v in per_param.values()
                        if isinstance(v, torch.Tensor) and v.is_cuda)
     return out
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Where a tensor's memory starts (a DTensor's: its local shard's)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().data_ptr()
 
 
 def _wait_before_step(stager_ref: Callable[[], Stager | None]) -> Callable:
@@ -152,7 +158,7 @@ class Stager:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
                 self._buffers[key] = buf
             if t.device.type == "cuda":
-                later = t.numel() and t.untyped_storage().data_ptr() in guarded
+                later = t.numel() and _storage_ptr(t) in guarded
                 (deferred if later else cuda_sources).append((buf, t))
             else:
                 buf.copy_(t)
@@ -281,7 +287,7 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
     data_of = {(c.key, c.index): (data, d) for c, data, d in to_write}
 
     def write_file(index: int) -> tuple[str, int, list]:
-        name = f"data-{payload.token}-r{payload.rank:05d}-{index:03d}.safetensors"
+        name = data_file_name(payload.token, payload.rank, index)
         pieces, meta = [], []
         for c in groups[index]:
             data, d = data_of[(c.key, c.index)]

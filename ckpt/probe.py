@@ -70,6 +70,9 @@ class Probe:
 def run_forward(model: torch.nn.Module, inputs: Any,
                 loss_fn: Callable | None = None) -> tuple[torch.Tensor, float | None]:
     """Output (detached, on the CPU) and optional loss of ``model`` on ``inputs``."""
+    # A torch.compile'd model runs the module it wraps: same weights, and no compilation of
+    # an eval-mode graph at save or restore time (seconds each, in a fresh process).
+    model = getattr(model, "_orig_mod", model)
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
@@ -153,8 +156,11 @@ def check_model(model: torch.nn.Module, probe: dict) -> ProbeFailure | None:
 
 def nonfinite_weights(model: torch.nn.Module) -> list[str]:
     """Names of the model's floating-point parameters and buffers holding NaN or Inf (the
-    local shard of a DTensor). One ``aminmax`` pass each: it propagates NaN and shows Inf."""
-    bad, seen = [], set()
+    local shard of a DTensor). One ``aminmax`` pass each (it propagates NaN and shows Inf),
+    and one device-to-host transfer per device for all the verdicts."""
+    names: dict[torch.device, list[str]] = {}
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    seen: set[int] = set()
     for name, t in model.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
             continue
@@ -167,9 +173,10 @@ def nonfinite_weights(model: torch.nn.Module) -> list[str]:
         if local.is_complex():
             local = torch.view_as_real(local)
         low, high = torch.aminmax(local)
-        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
-            bad.append(name)
-    return bad
+        names.setdefault(local.device, []).append(name)
+        flags.setdefault(local.device, []).append(torch.isfinite(low) & torch.isfinite(high))
+    return [name for device, fs in flags.items()
+            for name, ok in zip(names[device], torch.stack(fs).tolist()) if not ok]
 
 
 def _qualified_name(fn: Callable | None) -> str | None:

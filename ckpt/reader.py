@@ -37,7 +37,7 @@ from .errors import (CorruptCheckpointError, PartialLoadError, StateMismatchErro
                      UnsupportedValueError)
 from .format import Chunk, Manifest
 from .integrity import chunk_path, digest
-from .sharding import Box, dtensor_type, intersect, local_piece, source_rank, sub_slices
+from .sharding import Box, dtensor_type, local_piece, overlapping, source_rank, sub_slices
 from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
                     item_tree, load_stateful, tensor_keys)
 
@@ -132,14 +132,8 @@ ReadJob = tuple[str, int, Callable[[], None]]  # (file path, start, read that fi
 
 
 def _reads_for(manifest: Manifest, key: str, dest: torch.Tensor, dest_box: Box) -> list[_Read]:
-    entry = manifest.tensors[key]
-    reads = []
-    for chunk in entry.chunks:
-        overlap = intersect((chunk.offsets, chunk.shape), dest_box) if entry.shape else (
-            (), ())
-        if chunk.numel and overlap is not None:
-            reads.append(_Read(key, chunk, overlap, dest, dest_box))
-    return reads
+    return [_Read(key, chunk, overlap, dest, dest_box)
+            for chunk, overlap in overlapping(manifest.tensors[key], dest_box)]
 
 
 def _direct(r: _Read) -> torch.Tensor | None:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 import ckpt
-from ckpt.inspect import Checkpoints, Chunk, Manifest, TensorEntry, is_tensor_leaf, named_tensors
+from ckpt.inspect import Checkpoints, Chunk, Manifest, TensorEntry, named_tensors, plain_values
 
 
 @dataclass
@@ -223,7 +223,8 @@ def _tensor_diff(key: str, ea: TensorEntry | None, eb: TensorEntry | None,
 
 
 def diff_values(ma: Manifest, mb: Manifest) -> list[ValueDiff]:
-    """Plain values that differ: every non-tensor leaf of every item, and user metadata."""
+    """Plain values that differ: every non-tensor leaf of every item, and user metadata,
+    by the paths ``ckpt inspect`` shows (:func:`ckpt.inspect.plain_values`)."""
     out: list[ValueDiff] = []
     for name in sorted(set(ma.items) | set(mb.items)):
         ia, ib = ma.items.get(name), mb.items.get(name)
@@ -232,12 +233,11 @@ def diff_values(ma: Manifest, mb: Manifest) -> list[ValueDiff]:
         elif ia.get("kind") != ib.get("kind"):
             out.append(ValueDiff(f"{name} (kind)", ia.get("kind"), ib.get("kind")))
         else:
-            body_a = ia.get("per_rank", ia.get("tree"))
-            body_b = ib.get("per_rank", ib.get("tree"))
-            _walk(body_a, body_b, name, out)
+            out += _differing(plain_values(ia.get("per_rank", ia.get("tree")), name),
+                              plain_values(ib.get("per_rank", ib.get("tree")), name))
     meta_a = {k: v for k, v in ma.metadata.items() if not k.startswith("ckpt_")}
     meta_b = {k: v for k, v in mb.metadata.items() if not k.startswith("ckpt_")}
-    _walk(meta_a, meta_b, "metadata", out)
+    out += _differing(plain_values(meta_a, "metadata"), plain_values(meta_b, "metadata"))
     return out
 
 
@@ -248,24 +248,14 @@ def _kind(item: dict | None) -> Any:
     return item.get("tree") if item.get("kind") == "value" else f"<{item.get('kind')} item>"
 
 
-def _walk(a: Any, b: Any, path: str, out: list[ValueDiff]) -> None:
-    if _is_tensor(a) and _is_tensor(b):
-        return  # compared as tensors
-    if isinstance(a, dict) and isinstance(b, dict) and not _is_tensor(a) and not _is_tensor(b):
-        for k in list(a) + [k for k in b if k not in a]:
-            if k not in b or k not in a:
-                out.append(ValueDiff(f"{path}/{k}", a.get(k), b.get(k)))
-            else:
-                _walk(a[k], b[k], f"{path}/{k}", out)
-        return
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            _walk(x, y, f"{path}/{i}", out)
-        return
-    if type(a) is not type(b) or a != b:
-        out.append(ValueDiff(path, a, b))
+def _differing(a: dict[str, Any], b: dict[str, Any]) -> list[ValueDiff]:
+    """The paths whose values differ (or exist on one side only), in A's order then B's."""
+    return [ValueDiff(path, a.get(path), b.get(path))
+            for path in [*a, *(p for p in b if p not in a)]
+            if path not in a or path not in b or not _same(a[path], b[path])]
 
 
-def _is_tensor(tree: Any) -> bool:
-    return is_tensor_leaf(tree)
-
+def _same(x: Any, y: Any) -> bool:
+    if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+        return True  # NaN = NaN here, as for tensors
+    return type(x) is type(y) and x == y

@@ -1,0 +1,146 @@
+"""Lightning, the Hugging Face Trainer and Accelerate writing through ckpt, with the real
+libraries on tiny models: a job SIGKILLed mid-run resumes through ckpt and ends with the
+same weights as the framework's own resume from the same step; a corrupt newest checkpoint
+(a flipped bit) is skipped with a logged warning; exported weights load in transformers.
+
+One job script per framework (tests/_pl_job.py, ...): these libraries import slowly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+
+def run_job(script: str, *args: str, killed: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / script), *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if killed:
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def flip_a_bit(step_dir: Path, key_part: str) -> None:
+    """Flip one bit in the first chunk of the first tensor whose key contains ``key_part``."""
+    doc = json.loads((step_dir / "manifest.json").read_bytes())
+    key = next(k for k in doc["tensors"] if key_part in k)
+    chunk = doc["tensors"][key]["chunks"][0]
+    path = step_dir / chunk["file"]
+    raw = bytearray(path.read_bytes())
+    raw[chunk["start"] + 1] ^= 0x08
+    path.write_bytes(bytes(raw))
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    sa, sb = torch.load(a), torch.load(b)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+
+
+def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path):
+    pytest.importorskip("lightning")
+    run_job("_pl_job.py", "kill", str(tmp_path), killed=True)
+    root = tmp_path / "pl"
+    # Killed after step 7: steps 4 and 6 are kept (save_top_k=2), last.ckpt points at 6.
+    assert (root / "step-00000006/manifest.json").exists()
+    assert json.loads((root / "last.ckpt").read_text())["step"] == 6
+    shutil.copytree(root, tmp_path / "pl_bad")
+    flip_a_bit(tmp_path / "pl_bad/step-00000006", "net.0.weight")
+
+    proc = run_job("_pl_job.py", "resume", str(tmp_path))
+
+    out = tmp_path / "out"
+    starts = json.loads((out / "starts.json").read_text())
+    assert starts == {"ckpt": 6, "ckpt_bad": 4, "torch6": 6, "torch4": 4}
+    assert same_weights(out / "ckpt.pt", out / "torch6.pt")
+    assert same_weights(out / "ckpt_bad.pt", out / "torch4.pt")
+    assert not same_weights(out / "torch6.pt", out / "torch4.pt")  # the comparison can fail
+    assert "skipping step 6" in proc.stderr and "digest mismatch" in proc.stderr
+    # The resumed run kept Lightning's retention: two top-k steps (last.ckpt shares one).
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000012"]
+
+
+def test_lightning_ddp_on_two_cpu_processes_saves_from_rank_0_and_resumes(tmp_path):
+    pytest.importorskip("lightning")
+    run_job("_pl_job.py", "ddp", str(tmp_path))
+    out = tmp_path / "out"
+    assert json.loads((out / "ddp_starts.json").read_text()) == {"ckpt": 6, "torch": 6}
+    assert same_weights(out / "ddp_ckpt.pt", out / "ddp_torch.pt")
+    root = tmp_path / "ddp_ckpt"
+    assert json.loads((root / "last.ckpt").read_text())["step"] == 12
+    assert (root / "step-00000012/manifest.json").exists()
+
+
+def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path):
+    pytest.importorskip("transformers")
+    run_job("_hf_job.py", "kill", str(tmp_path), killed=True)
+    root = tmp_path / "hf"
+    assert (root / "step-00000006/manifest.json").exists()
+    # checkpoint-N folders stay HF's view (save_total_limit=2): a pointer, no weights.
+    assert sorted(p.name for p in root.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    assert not list(root.glob("checkpoint-*/*.safetensors"))
+    shutil.copytree(root, tmp_path / "hf_bad")
+    flip_a_bit(tmp_path / "hf_bad/step-00000006", "c_attn.weight")
+
+    proc = run_job("_hf_job.py", "resume", str(tmp_path))
+
+    out = tmp_path / "out"
+    starts = json.loads((out / "starts.json").read_text())
+    assert starts == {"ckpt": 6, "ckpt_bad": 4, "hf6": 6, "hf4": 4}
+    assert same_weights(out / "ckpt.pt", out / "hf6.pt")  # model, optimizer, RNG, data skip
+    assert same_weights(out / "ckpt_bad.pt", out / "hf4.pt")
+    assert "skipping step 6" in proc.stderr and "digest mismatch" in proc.stderr
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000012"]
+    # `ckpt export --to hf`: what it printed matches the folder, which from_pretrained loads.
+    report = json.loads((out / "export.json").read_text())
+    export = tmp_path / "export"
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    assert report["step"] == 12 and report["config"] and (export / "config.json").exists()
+    assert sorted(p.name for p in export.glob("*.safetensors")) == report["shards"]
+    count = len(report["shards"])
+    assert count > 1 and report["shards"][0] == f"model-00001-of-{count:05d}.safetensors"
+    assert len(index["weight_map"]) == report["tensors"]
+    assert set(index["weight_map"].values()) == set(report["shards"])
+    assert "lm_head.weight" not in index["weight_map"]  # tied: written once
+    assert str(tmp_path) not in (export / "model.safetensors.index.json").read_text()
+    logits = torch.load(out / "logits.pt")
+    assert torch.equal(logits["trained"], logits["loaded"]) and logits["tied"]
+
+
+def test_accelerate_save_state_and_load_state_go_through_ckpt(tmp_path):
+    pytest.importorskip("accelerate")
+    run_job("_acc_job.py", "kill", str(tmp_path), killed=True)
+    root = tmp_path / "acc/checkpoints"
+    # Saves at steps 2, 4, 6 are iterations 0, 1, 2; total_limit=2 keeps two folders.
+    assert (root / "step-00000002/manifest.json").exists()
+    assert sorted(p.name for p in root.glob("checkpoint_*")) == ["checkpoint_1", "checkpoint_2"]
+    shutil.copytree(tmp_path / "acc", tmp_path / "acc_bad")
+    flip_a_bit(tmp_path / "acc_bad/checkpoints/step-00000002", "c_attn.weight")
+
+    proc = run_job("_acc_job.py", "resume", str(tmp_path))
+
+    out = tmp_path / "out"
+    starts = json.loads((out / "starts.json").read_text())
+    # The registered counter came back with the step: the loop restarted where it saved.
+    assert starts == {"ckpt": 6, "ckpt_bad": 4, "acc6": 6, "acc4": 4}
+    assert same_weights(out / "ckpt.pt", out / "acc6.pt")
+    assert same_weights(out / "ckpt_bad.pt", out / "acc4.pt")
+    assert not same_weights(out / "acc6.pt", out / "acc4.pt")  # the comparison can fail
+    assert "skipping step 2" in proc.stderr and "digest mismatch" in proc.stderr
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004", "step-00000005"]

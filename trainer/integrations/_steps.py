@@ -1,0 +1,168 @@
+"""What every integration shares: a checkpoint root whose retention the framework decides.
+
+The framework names checkpoints by paths (``last.ckpt``, ``checkpoint-500``); ckpt keeps steps
+(``step-00000500``). A small *pointer* (JSON: format tag and step, no paths) at the framework's
+path names the step it stands for, so the framework's own lookups (newest ``last*.ckpt``,
+highest ``checkpoint-N``) keep working. The pointer is written when the save is submitted,
+before the background write commits; a load that finds its step missing or corrupt falls back
+to the newest good step before it, with a warning.
+
+Deleting a step is deferred until no save is in flight, and the newest committed step is never
+deleted: a crash at any moment leaves a step to resume from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from typing import Any, Mapping
+
+import torch
+
+import ckpt
+
+log = logging.getLogger("ckpt")
+
+POINTER_FORMAT = "ckpt-pointer"
+MAX_POINTER_BYTES = 4096
+
+
+def write_pointer(path: str, step: int) -> None:
+    """Atomically (temp file, fsync, rename) write a pointer to ``step`` at ``path``."""
+    directory, name = os.path.split(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.part")
+    with open(tmp, "w") as f:
+        json.dump({"format": POINTER_FORMAT, "step": step}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_pointer(path: str) -> int | None:
+    """The step a pointer file names, or None when ``path`` is not a pointer file."""
+    try:
+        if os.path.islink(path) or not os.path.isfile(path):
+            return None
+        if os.path.getsize(path) > MAX_POINTER_BYTES:
+            return None
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
+        return None
+    step = doc.get("step")
+    return step if type(step) is int and step >= 0 else None
+
+
+def solo_group() -> Any:
+    """Under torch.distributed, a process group of this rank alone (created by this rank
+    only), for frameworks that save from rank 0 alone; None otherwise."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+class StepStore:
+    """One writable :class:`ckpt.CheckpointManager` at ``root`` that saves when told to and
+    retires steps the framework dropped (see the module docstring). With ``collective``, every
+    rank of the default process group saves together; otherwise this rank saves alone."""
+
+    def __init__(self, root: str, manager_options: Mapping[str, Any], *,
+                 collective: bool = False) -> None:
+        self.check_options(manager_options)
+        self.root = root
+        # Lightning and HF save from rank 0 alone; Accelerate's save_state runs on every rank.
+        group = None if collective else solo_group()
+        self.mgr = ckpt.CheckpointManager(root, process_group=group, **manager_options)
+        self._handle: ckpt.SaveHandle | None = None
+        self._doomed: set[int] = set()
+        self._mutex = threading.Lock()
+        self._last: tuple[int, frozenset] | None = None
+
+    @staticmethod
+    def check_options(manager_options: Mapping[str, Any]) -> None:
+        """Refuse the manager options the framework decides."""
+        refused = sorted({"keep_last", "keep_every", "read_only", "process_group",
+                          "every_steps"} & set(manager_options))
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: decided by the framework here (its save "
+                             "schedule and retention); leave them out")
+
+    def save(self, step: int, state: dict[str, Any], *, metadata: dict | None = None) -> bool:
+        """Save ``state`` as ``step`` (in the background). Returns False when this process
+        has just saved that same step with the same items (the framework saving one step
+        under two names): nothing is written again."""
+        key = (step, frozenset(state))
+        if self._last == key:
+            return False
+        with self._mutex:
+            self._doomed.discard(step)
+        self._handle = self.mgr.save(step, state, force=True, metadata=metadata)
+        self._last = key
+        # Deletions wait for this save; then they run on the writer thread, not the loop's.
+        self._handle.add_done_callback(lambda handle: self._flush_quietly())
+        return True
+
+    def retire(self, steps: set[int]) -> None:
+        """Delete these steps once no save is in flight (never the newest committed one)."""
+        with self._mutex:
+            self._doomed |= steps
+        if self._handle is None or self._handle.done():
+            self._flush()
+
+    def _flush_quietly(self) -> None:
+        try:
+            self._flush()
+        except ckpt.CheckpointError as e:  # retried at the next save or close
+            log.warning("ckpt: deleting dropped steps under %s failed: %s", self.root, e)
+
+    def _flush(self) -> None:
+        with self._mutex:
+            if not self._doomed or self.mgr.read_only:
+                return
+            steps = self.mgr.steps()
+            doomed = {s for s in self._doomed if s in steps and s != steps[-1]}
+            self.mgr.delete(doomed)
+            self._doomed -= doomed | {s for s in self._doomed if s not in steps}
+
+    def close(self) -> None:
+        """Finish the save in flight, delete what was dropped, release the lock."""
+        try:
+            self.mgr.wait()
+            self._flush()
+        finally:
+            self.mgr.close()
+
+
+def load_newest_good(root: str, step: int | None, *, allow_pickle: bool = False,
+                     map_location: Any = None) -> tuple[int, dict[str, Any]] | None:
+    """The newest committed step at or before ``step`` (None: any) that loads cleanly, as
+    ``(step, saved items)``; steps that fail validation are skipped with a warning. None
+    when there is none. Reads only: no lock, no collectives (every rank may call it)."""
+    with ckpt.CheckpointManager(root, read_only=True, metrics=False,
+                                handle_sigterm=False) as ro:  # read-only: no collectives
+        candidates = [s for s in ro.steps() if step is None or s <= step]
+    if step is not None and step not in candidates:
+        log.warning("ckpt: step %d (named by a checkpoint under %s) was never committed "
+                    "(the job stopped while writing it); loading the newest step before it",
+                    step, root)
+    location = map_location if isinstance(map_location, (str, torch.device)) else None
+    failures = []
+    for s in reversed(candidates):
+        try:
+            return s, ckpt.load(os.path.join(root, f"step-{s:08d}"), allow_pickle=allow_pickle,
+                                map_location=location)
+        except (ckpt.CorruptCheckpointError, ckpt.CheckpointNotFoundError) as e:
+            log.warning("ckpt: skipping step %d under %s: %s", s, root, e)
+            failures.append(f"step {s}: {e}")
+    if failures:
+        raise ckpt.CorruptCheckpointError(
+            f"no step under {root} could be loaded; `ckpt verify --all {root}` gives "
+            "details:\n  " + "\n  ".join(failures), path=root)
+    return None

@@ -1,0 +1,123 @@
+"""PyTorch Lightning: ``L.Trainer(plugins=[CkptCheckpointIO()])`` writes through ckpt.
+
+Every checkpoint Lightning asks for (``ModelCheckpoint``, ``trainer.save_checkpoint``) becomes
+a ckpt step ``step-<global_step>`` in the checkpoint's directory, written in the background
+(digested, atomic, under the root's writer lock); the ``.ckpt`` path itself becomes a small
+pointer to that step, so ``save_top_k``, ``save_last=True`` and ``fit(ckpt_path="last")``
+keep working. A top-k file and ``last.ckpt`` of the same step share one step on disk. Loading
+a pointer whose step is corrupt or was never committed falls back, with a warning, to the
+newest good step before it. A ``.ckpt`` that is not a pointer (written by Lightning's own
+IO) is loaded with ``torch.load`` as Lightning would.
+
+Under DDP, Lightning saves from rank 0 only: rank 0 writes alone (its own one-rank group),
+every rank reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from ._steps import StepStore, load_newest_good, read_pointer, write_pointer
+
+log = logging.getLogger("ckpt")
+
+
+class CkptCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves through a :class:`ckpt.CheckpointManager`.
+
+    Args:
+        manager_options: passed to the manager (``async_save``, ``compression``,
+            ``incremental``, ``allow_pickle``, ``options``, ``metrics_port``...). The save
+            schedule and retention are Lightning's (``ModelCheckpoint``), so ``every_steps``,
+            ``keep_last`` and ``keep_every`` are refused.
+
+    Example::
+
+        trainer = L.Trainer(plugins=[CkptCheckpointIO()],
+                            callbacks=[ModelCheckpoint(dirpath="ckpts", every_n_train_steps=100,
+                                                       save_top_k=2, save_last=True)])
+        trainer.fit(model, ckpt_path="last")
+    """
+
+    def __init__(self, **manager_options: Any) -> None:
+        StepStore.check_options(manager_options)
+        self.manager_options = manager_options
+        self._store: StepStore | None = None
+
+    def _open(self, root: str) -> StepStore:
+        if self._store is not None and self._store.root != root:
+            self._store.close()
+            self._store = None
+        if self._store is None:
+            self._store = StepStore(root, self.manager_options)
+        return self._store
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any = None) -> None:
+        """Submit ``checkpoint`` as step ``global_step``; returns once it is copied to host
+        memory (with ``async_save``, the default), then points ``path`` at it."""
+        if storage_options is not None:
+            raise TypeError("CkptCheckpointIO takes no storage_options; pass manager options "
+                            "to CkptCheckpointIO(...) instead")
+        full = os.path.abspath(os.fspath(path))
+        store = self._open(os.path.dirname(full))
+        step = int(checkpoint.get("global_step", 0))
+        store.save(step, dict(checkpoint))
+        write_pointer(full, step)
+        store.retire(self._orphans(store))
+
+    def load_checkpoint(self, path: Any, map_location: Any = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint ``path`` points at (or the newest good one before it)."""
+        full = os.path.abspath(os.fspath(path))
+        step = read_pointer(full)
+        if step is None:
+            if not os.path.exists(full):
+                raise FileNotFoundError(f"Checkpoint file not found: {full}")
+            log.info("ckpt: %s is not a ckpt pointer; loading it with torch.load", full)
+            return TorchCheckpointIO().load_checkpoint(full, weights_only=weights_only)
+        if self._store is not None:
+            self._store.mgr.wait()  # a save of this process may still be writing that step
+        allow_pickle = bool(self.manager_options.get("allow_pickle", False))
+        found = load_newest_good(os.path.dirname(full), step, allow_pickle=allow_pickle,
+                                 map_location=map_location)
+        if found is None:
+            raise FileNotFoundError(f"{full} points at step {step}, but no step at or before "
+                                    f"it was committed under {os.path.dirname(full)}")
+        loaded_step, checkpoint = found
+        if loaded_step != step:
+            log.warning("ckpt: %s names step %d, which cannot be loaded; resuming from step %d",
+                        full, step, loaded_step)
+        return checkpoint
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the pointer; its step goes once no other pointer names it."""
+        full = os.path.abspath(os.fspath(path))
+        if read_pointer(full) is None:
+            if os.path.isfile(full) and not os.path.islink(full):
+                os.remove(full)  # a checkpoint of Lightning's own format, in the same folder
+            return
+        os.remove(full)
+        if self._store is not None and self._store.root == os.path.dirname(full):
+            self._store.retire(self._orphans(self._store))
+
+    def _orphans(self, store: StepStore) -> set[int]:
+        """Committed steps of ``store`` that no pointer in its folder names any more."""
+        named = set()
+        for entry in os.scandir(store.root):
+            if entry.name.endswith(".ckpt") and entry.is_file(follow_symlinks=False):
+                step = read_pointer(entry.path)
+                if step is not None:
+                    named.add(step)
+        return set(store.mgr.steps()) - named
+
+    def teardown(self) -> None:
+        """Finish the save in flight (raising its error), delete dropped steps, unlock."""
+        if self._store is not None:
+            store, self._store = self._store, None
+            store.close()

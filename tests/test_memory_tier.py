@@ -232,3 +232,16 @@ def test_cli_gc_memory_removes_dead_segments_only_with_yes(tmp_path, job, capsys
     assert seg in capsys.readouterr().out and os.path.exists(seg)  # dry run
     assert main(["gc", "--memory", "--job", job, "--yes"]) == 0
     assert not os.path.exists(seg)
+
+
+def test_full_dev_shm_raises_before_writing(tmp_path, job, monkeypatch):
+    import ckpt.memory_tier as mt
+
+    with ckpt.CheckpointManager(tmp_path, memory_tier=True, memory_job=job) as mgr:
+        real = os.statvfs(SHM_DIR)
+        full = os.statvfs_result((real.f_bsize, real.f_frsize, real.f_blocks, 0, 0)
+                                 + tuple(real)[5:])
+        monkeypatch.setattr(mt.os, "statvfs", lambda path: full)
+        with pytest.raises(CheckpointError, match="shm-size"):
+            mgr.save(1, {"model": torch.nn.Linear(4, 4)})
+        assert mgr._memory.steps() == [] and mgr.steps() == []

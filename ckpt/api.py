@@ -26,7 +26,7 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 
 def _split(path: str | os.PathLike) -> tuple[PosixStorage, str]:
-    full = os.path.abspath(os.fspath(path))
+    full = os.path.realpath(os.fspath(path))  # a link the caller names is followed
     parent, name = os.path.split(full)
     if not name:
         raise ValueError(f"{path!r} does not name a checkpoint directory")
@@ -151,7 +151,7 @@ def load(state: Any, path: Any = None, *, allow_pickle: bool = False,
     if template_free and gate.forward:
         raise ValueError('verify="forward" needs the model to run the probe through: use '
                          'ckpt.load(state, path, verify="forward")')
-    full = os.path.abspath(os.fspath(path))
+    full = os.path.realpath(os.fspath(path))  # a link the caller names is followed
     storage = PosixStorage(os.path.dirname(full), create=False)
     name = os.path.basename(full)
     manifest = read_manifest(storage, name)

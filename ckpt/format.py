@@ -10,9 +10,12 @@ World-size independence: a tensor is described by its global shape and each chun
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -27,6 +30,13 @@ STEP_PREFIX = "step-"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_BYTES = 1 << 50  # 1 PiB: anything larger in a manifest is corruption, not a model
 MAX_DIMS = 64
+MAX_DEPTH = 200  # nesting of item trees and metadata (restore decodes them recursively)
+# zstd's densest frame (RLE blocks: 4 bytes per 128 KiB) expands at most about 32768x; a
+# compressed chunk that claims more is corrupt, whatever its frame header says, and must not
+# make a reader allocate its claimed size.
+MAX_ZSTD_RATIO = 1 << 15
+MAX_TILING_CORNERS = 1 << 22  # bound of the tiling check's work (see _check_tiling)
+ITEM_KINDS = ("module", "stateful", "tensor", "value")
 
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _DIGEST = re.compile(r"^[0-9a-f]{16}$")
@@ -130,6 +140,10 @@ class Manifest:
             raise CorruptCheckpointError(f"{where}: manifest is {len(raw)} bytes", path=where)
         try:
             doc = json.loads(raw)
+        except RecursionError:
+            raise CorruptCheckpointError(
+                f"{where}: manifest nests deeper than Python can parse; the step cannot be "
+                "loaded", path=where) from None
         except (ValueError, UnicodeDecodeError) as e:
             raise CorruptCheckpointError(
                 f"{where}: manifest is not valid JSON ({e}); the step cannot be loaded",
@@ -166,20 +180,24 @@ def _check(cond: bool, message: str) -> None:
 
 
 def _int(value: Any, what: str, lo: int = 0, hi: int = MAX_BYTES) -> int:
-    _check(type(value) is int and lo <= value <= hi, f"{what} must be an integer in [{lo}, {hi}]")
-    return value
+    if type(value) is int and lo <= value <= hi:
+        return value
+    raise _Invalid(f"{what} must be an integer in [{lo}, {hi}]")
 
 
 def _dims(value: Any, what: str) -> tuple[int, ...]:
-    _check(isinstance(value, list) and len(value) <= MAX_DIMS, f"{what} must be a list of ints")
-    return tuple(_int(v, what) for v in value)
+    if not (isinstance(value, list) and len(value) <= MAX_DIMS):
+        raise _Invalid(f"{what} must be a list of at most {MAX_DIMS} ints")
+    if all(type(v) is int and 0 <= v <= MAX_BYTES for v in value):
+        return tuple(value)
+    raise _Invalid(f"{what} must be a list of integers in [0, {MAX_BYTES}]")
 
 
 def file_name(value: Any, what: str = "file") -> str:
     """A validated plain file name: no directories, no '..', bounded length."""
-    _check(isinstance(value, str) and bool(_FILE_NAME.match(value)) and ".." not in value,
-           f"{what} {value!r} is not a plain file name")
-    return value
+    if isinstance(value, str) and _FILE_NAME.match(value) and ".." not in value:
+        return value
+    raise _Invalid(f"{what} {value!r} is not a plain file name")
 
 
 def _parse(doc: Any) -> Manifest:
@@ -191,7 +209,9 @@ def _parse(doc: Any) -> Manifest:
     step = _int(doc.get("step"), "step", hi=2**62)
     world = _int(doc.get("world_size"), "world_size", lo=1, hi=2**24)
     created = doc.get("created")
-    _check(isinstance(created, (int, float)), "created must be a number")
+    # Not required finite: it only labels the step (`ckpt ls` shows a bad one as invalid).
+    _check(isinstance(created, (int, float)) and not isinstance(created, bool),
+           "created must be a number")
     files_doc = doc.get("files")
     _check(isinstance(files_doc, dict), "files must be an object")
     files = {file_name(k): _int(v, f"size of {k}") for k, v in files_doc.items()}
@@ -201,12 +221,15 @@ def _parse(doc: Any) -> Manifest:
     aliases = doc.get("aliases", {})
     _check(isinstance(aliases, dict), "aliases must be an object")
     for k, v in aliases.items():
-        _check(v in tensors and k not in tensors, f"alias {k!r} -> {v!r} is dangling")
+        _check(isinstance(v, str) and v in tensors and k not in tensors,
+               f"alias {k!r} -> {v!r} is dangling")
     items = doc.get("items")
-    _check(isinstance(items, dict) and all(isinstance(v, dict) for v in items.values()),
-           "items must be an object of objects")
+    _check(isinstance(items, dict), "items must be an object")
+    for name, item in items.items():
+        _check_item(name, item, tensors, aliases)
     metadata = doc.get("metadata", {})
     _check(isinstance(metadata, dict), "metadata must be an object")
+    _check(_depth(metadata) <= MAX_DEPTH, f"metadata nests deeper than {MAX_DEPTH} levels")
     return Manifest(step=step, world_size=world, created=float(created), tensors=tensors,
                     aliases=aliases, items=items, files=files, metadata=metadata)
 
@@ -214,7 +237,7 @@ def _parse(doc: Any) -> Manifest:
 def _parse_tensor(key: str, doc: Any, step: int, files: dict[str, int]) -> TensorEntry:
     _check(isinstance(doc, dict), f"tensor {key!r} must be an object")
     dtype = doc.get("dtype")
-    _check(dtype in DTYPES, f"tensor {key!r} has unknown dtype {dtype!r}")
+    _check(isinstance(dtype, str) and dtype in DTYPES, f"tensor {key!r} has unknown dtype {dtype!r}")
     shape = _dims(doc.get("shape"), f"shape of {key!r}")
     itemsize = DTYPES[dtype].itemsize
     _check(math.prod(shape) * itemsize <= MAX_BYTES, f"tensor {key!r} is absurdly large")
@@ -222,45 +245,212 @@ def _parse_tensor(key: str, doc: Any, step: int, files: dict[str, int]) -> Tenso
     _check(isinstance(chunks_doc, list), f"chunks of {key!r} must be a list")
     chunks = []
     for i, c in enumerate(chunks_doc):
-        what = f"chunk {i} of {key!r}"
-        _check(isinstance(c, dict), f"{what} must be an object")
-        offsets = _dims(c.get("offsets"), f"offsets of {what}")
-        box = _dims(c.get("shape"), f"shape of {what}")
-        _check(len(offsets) == len(shape) == len(box), f"{what} has the wrong rank")
-        _check(all(o + b <= s for o, b, s in zip(offsets, box, shape)),
-               f"{what} lies outside the tensor's shape {list(shape)}")
-        codec = c.get("codec", "raw")
-        _check(codec in CODECS, f"{what} has unknown codec {codec!r}")
-        length = _int(c.get("length"), f"length of {what}")
-        raw_len = math.prod(box) * itemsize
-        _check(length == raw_len if codec == "raw" else length <= raw_len + 1024,
-               f"{what} has length {length} but its box holds {raw_len} bytes")
-        ref = c.get("step")
-        if ref is None:
-            fname = file_name(c.get("file"), f"file of {what}")
-            _check(fname in files, f"{what} names {fname!r}, which is not among files")
-        else:
-            _check(type(ref) is int and 0 <= ref < step,
-                   f"{what} refers to step {ref!r}, which is not an earlier step")
-            fname = file_name(c.get("file"), f"file of {what}")
-        digest = c.get("digest")
-        _check(isinstance(digest, str) and bool(_DIGEST.match(digest)),
-               f"{what} has a malformed digest")
-        chunks.append(Chunk(offsets, box, fname, _int(c.get("start"), f"start of {what}"),
-                            length, digest, codec, ref))
+        try:
+            chunks.append(_parse_chunk(c, shape, itemsize, step, files))
+        except _Invalid as e:
+            raise _Invalid(f"chunk {i} of {key!r} {e}") from None
     _check_tiling(key, shape, chunks)
     return TensorEntry(dtype, shape, tuple(chunks))
 
 
+def _parse_chunk(c: Any, shape: tuple[int, ...], itemsize: int, step: int,
+                 files: dict[str, int]) -> Chunk:
+    """One chunk of a tensor; messages are built only on failure (manifests of large jobs
+    hold millions of chunks) and are prefixed with the chunk by the caller."""
+    _check(isinstance(c, dict), "must be an object")
+    offsets = _dims(c.get("offsets"), "offsets")
+    box = _dims(c.get("shape"), "shape")
+    if not len(offsets) == len(shape) == len(box):
+        raise _Invalid("has the wrong rank")
+    if not all(o + b <= s for o, b, s in zip(offsets, box, shape)):
+        raise _Invalid(f"lies outside the tensor's shape {list(shape)}")
+    codec = c.get("codec", "raw")
+    if not (isinstance(codec, str) and codec in CODECS):
+        raise _Invalid(f"has unknown codec {codec!r}")
+    length = _int(c.get("length"), "length")
+    raw_len = math.prod(box) * itemsize
+    if codec == "raw":
+        if length != raw_len:
+            raise _Invalid(f"has length {length} but its box holds {raw_len} bytes")
+    elif not (length <= raw_len + 1024 and raw_len <= (length + 64) * MAX_ZSTD_RATIO):
+        raise _Invalid(f"claims {raw_len} bytes compressed into {length}: no zstd frame "
+                       "expands that much")
+    start = _int(c.get("start"), "start")
+    ref = c.get("step")
+    fname = file_name(c.get("file"), "file")
+    if ref is None:
+        if fname not in files:
+            raise _Invalid(f"names {fname!r}, which is not among files")
+        if start + length > files[fname]:
+            raise _Invalid(f"ends at byte {start + length}, past the end of {fname!r}")
+    elif not (type(ref) is int and 0 <= ref < step):
+        raise _Invalid(f"refers to step {ref!r}, which is not an earlier step")
+    digest = c.get("digest")
+    if not (isinstance(digest, str) and _DIGEST.match(digest)):
+        raise _Invalid("has a malformed digest")
+    return Chunk(offsets, box, fname, start, length, digest, codec, ref)
+
+
 def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk]) -> None:
-    """The chunks cover the tensor exactly: volumes add up and no two boxes overlap."""
+    """The chunks cover the tensor exactly: every element lies in exactly one chunk.
+
+    Linear in the number of chunks: the sum of the boxes' indicator functions equals the
+    tensor's indicator iff their mixed finite differences are equal, and the difference of a
+    box's indicator is +-1 at its 2^d corners (sign: -1 per upper bound) and 0 elsewhere. So
+    the chunks tile the tensor iff their corner weights, summed per point, cancel everywhere
+    except at the tensor's own corners. Dimensions no chunk splits are left out (each chunk
+    spans them whole), which keeps d at the one to three dimensions real layouts split.
+    """
     total = math.prod(shape)
-    _check(sum(c.numel for c in chunks) == total,
-           f"the chunks of {key!r} cover {sum(c.numel for c in chunks)} of {total} elements")
-    boxes = sorted((c.offsets, c.shape) for c in chunks if c.numel)
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1:]:
-            if ob and oa and ob[0] >= oa[0] + sa[0]:
-                break  # sorted by the first offset: no later box can overlap this one
-            overlap = all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb))
-            _check(not overlap, f"chunks of {key!r} at {list(oa)} and {list(ob)} overlap")
+    covered = sum(c.numel for c in chunks)
+    _check(covered == total, f"the chunks of {key!r} cover {covered} of {total} elements"
+           + (" (some overlap)" if covered > total else " (a gap)"))
+    boxes = [(c.offsets, c.shape) for c in chunks if c.numel]
+    split = [d for d, size in enumerate(shape)
+             if any(o[d] != 0 or b[d] != size for o, b in boxes)]
+    _check(len(boxes) << len(split) <= MAX_TILING_CORNERS,
+           f"the chunks of {key!r} split {len(split)} dimensions into {len(boxes)} boxes, "
+           "more than ckpt ever writes")
+    weights: Counter = Counter()
+    for offsets, box in boxes:
+        corners = [((), 1)]
+        for d in split:
+            lo, hi = offsets[d], offsets[d] + box[d]
+            corners = [(p + (lo,), w) for p, w in corners] + [(p + (hi,), -w) for p, w in corners]
+        for point, w in corners:
+            weights[point] += w
+    expected = {}
+    if boxes:
+        corners = [((), 1)]
+        for d in split:
+            corners = [(p + (0,), w) for p, w in corners] + [(p + (shape[d],), -w)
+                                                            for p, w in corners]
+        expected = dict(corners)
+    wrong = next((p for p, w in weights.items() if w != expected.get(p, 0)), None)
+    _check(wrong is None, f"chunks of {key!r} overlap near {_at(wrong, split, shape)} (and "
+           "leave a gap elsewhere)")
+
+
+def _at(point: tuple[int, ...] | None, split: list[int], shape: tuple[int, ...]) -> list[int]:
+    full = [0] * len(shape)
+    for d, v in zip(split, point or ()):
+        full[d] = v
+    return full
+
+
+def _depth(doc: Any) -> int:
+    """How deeply ``doc`` (parsed JSON) nests lists and objects, without recursing."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (list, dict)):
+            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                break
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict)
+                                                  else node))
+    return deepest
+
+
+def _check_item(name: Any, item: Any, tensors: dict[str, TensorEntry],
+                aliases: dict[str, str]) -> None:
+    """An item is ``{"kind", "tree"}`` or ``{"kind", "per_rank": {rank: tree}}``, and its
+    trees are well formed (see :func:`check_tree`)."""
+    what = f"item {name!r}"
+    _check(isinstance(item, dict), f"{what} must be an object")
+    kind = item.get("kind")
+    _check(isinstance(kind, str) and kind in ITEM_KINDS,
+           f"{what} has kind {kind!r}, not one of {list(ITEM_KINDS)}")
+    if "per_rank" in item:
+        per_rank = item["per_rank"]
+        _check(isinstance(per_rank, dict) and bool(per_rank)
+               and all(isinstance(r, str) and r.isdigit() for r in per_rank),
+               f"{what}: per_rank must map rank numbers to trees")
+        trees = list(per_rank.values())
+    else:
+        _check("tree" in item, f"{what} has neither a tree nor per_rank trees")
+        trees = [item["tree"]]
+    for tree in trees:
+        check_tree(tree, tensors, aliases, what)
+        if kind == "tensor":
+            _check(isinstance(tree, dict) and len(tree) == 1 and "__tensor__" in tree,
+                   f"{what} is a tensor item, but its tree is not a tensor")
+        if kind == "module":
+            _check(isinstance(tree, dict), f"{what}: a module's state must be an object")
+
+
+_TAGGED = ("__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__",
+           "__pickle__")
+_NON_FINITE = ("inf", "-inf", "nan")
+
+
+def check_tree(tree: Any, tensors: dict[str, TensorEntry], aliases: dict[str, str],
+               what: str = "tree") -> None:
+    """A JSON tree of ckpt.state's encoding is well formed: bounded depth, tags with bodies
+    of the right type, every tensor it names stored. Iterative: a hostile tree cannot
+    exhaust the stack. Raises _Invalid (parse) for the caller to turn into corruption."""
+    stack = [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, list):
+            _check(depth <= MAX_DEPTH, f"{what} nests deeper than {MAX_DEPTH} levels")
+            stack.extend((v, depth + 1) for v in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        _check(depth <= MAX_DEPTH, f"{what} nests deeper than {MAX_DEPTH} levels")
+        if len(node) != 1 or next(iter(node)) not in _TAGGED:
+            stack.extend((v, depth + 1) for v in node.values())
+            continue
+        (tag, body), = node.items()
+        if tag in ("__tensor__", "__ndarray__"):
+            _check(isinstance(body, str) and (body in tensors or body in aliases),
+                   f"{what} refers to tensor {body!r}, which the manifest does not hold")
+            if tag == "__ndarray__":
+                entry = tensors[aliases.get(body, body)]
+                _check(entry.dtype in _NUMPY_DTYPES,
+                       f"{what}: array {body!r} has dtype {entry.dtype}, which numpy lacks")
+        elif tag == "__tuple__":
+            _check(isinstance(body, list), f"{what}: a tuple's body must be a list")
+            stack.extend((v, depth + 1) for v in body)
+        elif tag == "__dict__":
+            _check(isinstance(body, list) and all(isinstance(p, list) and len(p) == 2
+                                                  for p in body),
+                   f"{what}: a dict's body must be a list of [key, value] pairs")
+            stack.extend((v, depth + 2) for p in body for v in p)
+            for k, _ in body:
+                _check(k is None or isinstance(k, (bool, int, float, str))
+                       or _is_hashable_tag(k),
+                       f"{what}: dict key {str(k)[:40]!r} cannot be a key")
+        elif tag == "__float__":
+            _check(body in _NON_FINITE, f"{what}: {str(body)[:40]!r} is not a non-finite float")
+        elif tag == "__bytes__":
+            _check(isinstance(body, str) and _is_base64(body),
+                   f"{what}: a bytes value must be base64 text")
+        else:  # __pickle__: loaded only with allow_pickle (checked when loading)
+            _check(isinstance(body, str) and _is_base64(body),
+                   f"{what}: a pickled value must be base64 text")
+
+
+_NUMPY_DTYPES = {"float64", "float32", "float16", "complex128", "complex64", "int64", "int32",
+                 "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool"}
+
+
+def _is_hashable_tag(key: Any, depth: int = 0) -> bool:
+    """A dict key saved as a tagged value: a tuple (of hashables), bytes or a float tag."""
+    if not (isinstance(key, dict) and len(key) == 1) or depth > MAX_DEPTH:
+        return False
+    (tag, body), = key.items()
+    if tag == "__tuple__":
+        return isinstance(body, list) and all(
+            k is None or isinstance(k, (bool, int, float, str)) or _is_hashable_tag(k, depth + 1)
+            for k in body)
+    return tag in ("__bytes__", "__float__")
+
+
+def _is_base64(text: str) -> bool:
+    try:
+        base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return True

@@ -55,8 +55,9 @@ def step_dirs(storage: Storage) -> dict[int, bool]:
 def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = False) -> GcReport:
     """Retire committed steps not in ``keep`` (None: keep all) and delete unreferenced files.
 
-    The caller must hold the root's writer lock. Files of retired steps that a kept step
-    refers to are kept.
+    The caller must hold the root's writer lock. A file is kept while a kept step's manifest
+    lists it or one of its chunks refers to it, whichever step directory it lies in (a
+    retired step's, or a kept step's from an earlier save of that step number).
 
     Raises:
         CheckpointError: a kept step's manifest cannot be read, so its references are
@@ -67,6 +68,7 @@ def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = F
     committed = sorted(s for s, has_manifest in dirs.items() if has_manifest)
     kept = [s for s in committed if keep is None or s in keep]
     referenced: set[tuple[int, str]] = set()
+    own: set[tuple[int, str]] = set()
     for s in kept:
         try:
             manifest = read_manifest(storage, step_dir(s), s)
@@ -74,6 +76,7 @@ def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = F
             raise CheckpointError(
                 f"gc stopped before deleting anything: cannot read the references of kept "
                 f"step {s} ({e}); verify or remove that step first", path=storage.url) from e
+        own.update((s, name) for name in manifest.files)
         for entry in manifest.tensors.values():
             for c in entry.chunks:
                 if c.step is not None:
@@ -86,12 +89,17 @@ def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = F
             storage.delete(f"{step_dir(s)}/{MANIFEST_NAME}")
             log.info("ckpt.gc retired step=%d", s)
             fault_point("gc_retired")
-    for s in sorted(s for s, has_manifest in dirs.items() if not has_manifest or s in retire):
+    # Kept steps' directories are swept too: a re-saved step number (a rollback) keeps the
+    # old save's files there while later steps use them; once none does, they go.
+    for s in sorted(dirs):
         location = step_dir(s)
         remaining = 0
+        is_kept = s in kept
         for entry in storage.list(location):
             path = f"{location}/{entry.name}"
-            if entry.name == MANIFEST_NAME:
+            if entry.name == MANIFEST_NAME or (is_kept and entry.is_dir):
+                continue
+            if (s, entry.name) in own:
                 continue
             if (s, entry.name) in referenced:
                 report.kept_files.append(path)
@@ -105,6 +113,6 @@ def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = F
             if not dry_run:
                 storage.delete(path)
                 fault_point("gc_deleted_file")
-        if not remaining and not dry_run:
+        if not remaining and not is_kept and not dry_run:
             storage.delete(location)
     return report

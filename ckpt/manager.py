@@ -24,7 +24,7 @@ from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundE
                      CorruptCheckpointError, StorageError)
 from .format import MANIFEST_NAME, Manifest, step_dir
 from .gate import Gate, verify_level
-from .incremental import chain_length, collect, step_dirs
+from .incremental import GcReport, chain_length, collect, step_dirs
 from .integrity import check_structure, read_manifest
 from .metrics import CheckpointMetrics, default_labels
 from .options import KeepBest, SaveOptions
@@ -160,8 +160,13 @@ class CheckpointManager:
             raise CheckpointNotFoundError(f"checkpoint root {os.fspath(root)} does not exist",
                                           path=os.fspath(root))
         self.group = Group(process_group)
-        self.storage = open_storage(os.fspath(root) if isinstance(root, os.PathLike) else root,
-                                    create=not read_only, storage_options=storage_options)
+        try:
+            self.storage = open_storage(
+                os.fspath(root) if isinstance(root, os.PathLike) else root,
+                create=not read_only, storage_options=storage_options)
+        except OSError as e:  # e.g. a root that cannot be created (read-only parent, full disk)
+            raise _unwritable(os.fspath(root) if not isinstance(root, Storage) else root.url,
+                              e) from e
         self.root = self.storage.url
         if not read_only:
             self._take_lock_everywhere()
@@ -199,6 +204,8 @@ class CheckpointManager:
                 f"{self.root} is locked by another writer ({who}); stop that job, point this "
                 "one at another root, or open it with read_only=True to only read",
                 path=self.root) from None
+        except OSError as e:
+            raise _unwritable(self.root, e) from e
 
     def _remove_leftovers(self) -> None:
         """Remove what crashed saves and GCs left behind: we hold the lock, no one writes."""
@@ -244,8 +251,11 @@ class CheckpointManager:
             A :class:`SaveHandle`, or None when the schedule skipped this step.
         """
         self._check_writable()
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"save(step=...): step must be an int, not {type(step).__name__} "
+                            f"{step!r}")
+        if step < 0:
+            raise ValueError(f"save(step=...): step must be non-negative, not {step!r}")
         self._raise_failed_save()
         preempted = self._preempted is not None and self.save_on_preemption
         due = force or bool(self.every_steps and step % self.every_steps == 0)
@@ -303,6 +313,21 @@ class CheckpointManager:
         self.wait()
         snapshot(state, step=0, name="prepare", group=self.group, stager=self._stager,
                  options=self.options, copy=self.async_save)
+
+    def retire(self, steps: Iterable[int]) -> GcReport:
+        """Retire committed ``steps`` now, e.g. the old timeline's after a rollback; files
+        that kept steps still use stay. Waits for the save in flight first.
+
+        Example (after ``restore(state, step=100)``, make the new timeline win)::
+
+            mgr.retire(s for s in mgr.steps() if s > 100)
+        """
+        self._check_writable()
+        self.wait()
+        report = collect(self.storage, set(self.steps()) - set(steps))
+        log.info("ckpt.retire retired=%s freed_bytes=%d", report.retired_steps,
+                 report.freed_bytes)
+        return report
 
     def _record(self, handle: SaveHandle) -> None:
         """Metrics and a structured log line for every finished save (runs in the writer)."""
@@ -631,6 +656,14 @@ def retention(steps: list[int], keep_last: int | None, keep_every: int | None,
     if keep_every:
         keep |= {s for s in steps if s % keep_every == 0}
     return keep
+
+
+def _unwritable(root: str, error: OSError) -> StorageError:
+    """A root this writer cannot use (read-only, full, or a link where the lock goes)."""
+    return StorageError(
+        f"cannot open {root} for writing: {error}; check that it is writable, has free space "
+        "and holds no symbolic link named .lock, or open it with read_only=True to only read",
+        path=root)
 
 
 def _root_exists(root: str | os.PathLike) -> bool:

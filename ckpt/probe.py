@@ -70,6 +70,9 @@ class Probe:
 def run_forward(model: torch.nn.Module, inputs: Any,
                 loss_fn: Callable | None = None) -> tuple[torch.Tensor, float | None]:
     """Output (detached, on the CPU) and optional loss of ``model`` on ``inputs``."""
+    # A torch.compile'd model runs the module it wraps: same weights, and no compilation of
+    # an eval-mode graph at save or restore time (seconds each, in a fresh process).
+    model = getattr(model, "_orig_mod", model)
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)

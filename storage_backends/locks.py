@@ -1,6 +1,6 @@
 """Writer locks: one writer per checkpoint root.
 
-On POSIX file systems the lock is ``flock`` through filelock. The kernel drops an flock when
+On POSIX file systems the lock is ``flock`` on a file opened without following links. The kernel drops an flock when
 its holder dies, so a crashed writer's lock is taken over without any staleness heuristics.
 On Lustre this needs the ``flock`` mount option: ``localflock`` only excludes writers on the
 same node, and ``noflock`` makes flock fail with ENOSYS (reported here with that advice).
@@ -10,17 +10,18 @@ The holder's host and pid go in a side file so a refused writer can say who hold
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import socket
 import time
 
-import filelock
-
 from .base import LockHeldError
 
 LOCK_NAME = ".lock"
 OWNER_NAME = ".lock.owner"
+# Never follow a link planted where the lock or owner file goes (it could point outside).
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def describe_owner() -> dict:
@@ -29,20 +30,23 @@ def describe_owner() -> dict:
 
 
 class FlockWriterLock:
-    """An flock on ``ROOT/.lock``, taken at once or refused with :class:`LockHeldError`."""
+    """An flock on ``ROOT/.lock``, taken at once or refused with :class:`LockHeldError`.
+
+    Raises OSError when the lock or owner file cannot be made (a read-only root, a full
+    disk, a symbolic link where they go: ELOOP); nothing is left behind then.
+    """
 
     def __init__(self, root: str, owner: dict) -> None:
         self._lock_path = os.path.join(root, LOCK_NAME)
         self._owner_path = os.path.join(root, OWNER_NAME)
-        # thread_local=False: a manager may be closed from another thread than it was made in.
-        self._lock = filelock.FileLock(
-            self._lock_path, thread_local=False, fallback_to_soft=False
-        )
+        self._fd: int | None = None
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o644)
         try:
-            self._lock.acquire(blocking=False)
-        except filelock.Timeout:
-            raise LockHeldError(root, self._read_owner()) from None
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise LockHeldError(root, self._read_owner()) from None
             if e.errno == errno.ENOSYS:
                 raise OSError(
                     e.errno,
@@ -50,22 +54,50 @@ class FlockWriterLock:
                     "(cluster-wide locks); 'localflock' only guards one node",
                 ) from e
             raise
+        self._fd = fd
+        try:
+            self._write_owner(owner)
+        except BaseException:
+            self.release()
+            raise
+
+    def _write_owner(self, owner: dict) -> None:
         tmp = f"{self._owner_path}.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(owner, f)
-        os.replace(tmp, self._owner_path)
+        try:
+            os.unlink(tmp)  # a leftover (or a planted link): unlink never follows
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+            with open(fd, "w") as f:
+                json.dump(owner, f)
+            os.replace(tmp, self._owner_path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def _read_owner(self) -> dict:
         try:
-            with open(self._owner_path) as f:
+            with open(os.open(self._owner_path, os.O_RDONLY | _NOFOLLOW)) as f:
                 return json.load(f)
         except (OSError, ValueError):
             return {}
 
+    @property
+    def is_locked(self) -> bool:
+        return self._fd is not None
+
     def release(self) -> None:
-        if self._lock.is_locked:
+        if self._fd is not None:
             try:
                 os.unlink(self._owner_path)
             except FileNotFoundError:
                 pass
-            self._lock.release()
+            except OSError:  # a read-only root: the owner file says who held it, harmlessly
+                pass
+            fd, self._fd = self._fd, None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)

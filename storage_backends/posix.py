@@ -5,12 +5,19 @@ to ``ROOT/<name>``: rename is atomic on POSIX and on Lustre, so readers see eith
 the whole step. Every file is fsynced before the manifest is written, the manifest before the
 staging directory, the staging directory before the rename, and the root after it, so a power
 loss at any instant leaves either the old state or the new one.
+
+Symbolic links are never followed: a root is a tree of plain files and directories that ckpt
+made, and a link planted in it (a step directory, a data file, a staging directory) could
+otherwise make a read, a write or a collection reach outside the root. A path that passes
+through a link is treated as absent and logged once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import stat
 import uuid
 from typing import Sequence
 
@@ -19,6 +26,21 @@ from .locks import FlockWriterLock
 
 STAGING_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+
+log = logging.getLogger("ckpt")
+
+
+class SymlinkRefusedError(FileNotFoundError):
+    """A path inside a root passes through a symbolic link; ckpt treats it as absent."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            f"{path} is a symbolic link: ckpt never follows links in a checkpoint root (they "
+            "could lead outside it); remove the link")
+        self.filename = path
+
+    def __reduce__(self):
+        return (type(self), (self.filename,))
 
 
 def _fsync_dir(path: str) -> None:
@@ -35,27 +57,60 @@ class PosixStorage(Storage):
     def __init__(self, root: str, *, create: bool = True) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
         self.url = self.root
+        self._reported: set[str] = set()
         if create:
             os.makedirs(self.root, exist_ok=True)
 
+    def _report(self, path: str) -> None:
+        if path not in self._reported:
+            self._reported.add(path)
+            log.warning("ckpt.symlink ignored=%s: symbolic links in a checkpoint root are never "
+                        "followed; remove it", path)
+
     def _abs(self, path: str) -> str:
-        return os.path.join(self.root, path) if path else self.root
+        """The absolute path of ``path``; raises SymlinkRefusedError when it (or a directory
+        on the way to it) is a symbolic link. Missing components are left to the caller."""
+        if not path:
+            return self.root
+        full = self.root
+        for part in path.split("/"):
+            if part in ("", ".", ".."):
+                raise ValueError(f"{path!r} is not a plain path inside the root")
+            full = os.path.join(full, part)
+            try:
+                mode = os.lstat(full).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return os.path.join(self.root, path)
+            if stat.S_ISLNK(mode):
+                self._report(full)
+                raise SymlinkRefusedError(full)
+        return full
 
     def list(self, path: str = "") -> list[Entry]:
         try:
             with os.scandir(self._abs(path)) as it:
-                return [Entry(e.name, e.is_dir()) for e in it]
+                entries = []
+                for e in it:
+                    if e.is_symlink():
+                        self._report(e.path)
+                        continue
+                    entries.append(Entry(e.name, e.is_dir(follow_symlinks=False)))
+                return entries
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(self._abs(path))
+        try:
+            return os.path.lexists(self._abs(path))
+        except SymlinkRefusedError:
+            return False
 
     def size(self, path: str) -> int:
-        return os.stat(self._abs(path)).st_size
+        return os.stat(self._abs(path), follow_symlinks=False).st_size
 
     def write(self, path: str, buffers: Sequence[Buffer]) -> int:
-        fd = os.open(self._abs(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self._abs(path), flags, 0o644)
         total = 0
         try:
             for buf in buffers:
@@ -69,14 +124,17 @@ class PosixStorage(Storage):
             os.close(fd)
         return total
 
+    def _open_read(self, path: str) -> int:
+        return os.open(self._abs(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
-        with open(self._abs(path), "rb") as f:
+        with open(self._open_read(path), "rb") as f:
             f.seek(start)
             return f.read() if length is None else f.read(length)
 
     def read_into(self, path: str, start: int, out: memoryview) -> None:
         view = memoryview(out).cast("B")
-        fd = os.open(self._abs(path), os.O_RDONLY)
+        fd = self._open_read(path)
         try:
             while view:
                 n = os.preadv(fd, [view], start)
@@ -88,14 +146,17 @@ class PosixStorage(Storage):
             os.close(fd)
 
     def delete(self, path: str) -> None:
-        target = self._abs(path)
-        if os.path.isdir(target) and not os.path.islink(target):
+        try:
+            target = self._abs(path)
+        except SymlinkRefusedError:
+            return  # ignored (and reported): never delete through, or a planted, link
+        if stat.S_ISDIR(_lmode(target)):
             # Rename first so a crash mid-delete never leaves a half-deleted visible step.
             trash = self._abs(f"{TRASH_PREFIX}{uuid.uuid4().hex}")
             os.rename(target, trash)
             # Durable before its files go: else a crash could keep the name, lose the files.
             _fsync_dir(os.path.dirname(target))
-            shutil.rmtree(trash, ignore_errors=True)
+            shutil.rmtree(trash, ignore_errors=True)  # rmtree unlinks links, never follows
         else:
             try:
                 os.unlink(target)
@@ -107,23 +168,53 @@ class PosixStorage(Storage):
 
     def begin(self, name: str, token: str) -> str:
         staging = f"{STAGING_PREFIX}{name}-{token}"
-        os.makedirs(self._abs(staging), exist_ok=True)
+        try:
+            os.mkdir(self._abs(staging))
+        except FileExistsError:  # another rank of this save made it
+            if not stat.S_ISDIR(_lmode(self._abs(staging))):
+                raise
         return staging
 
     def commit(self, staging: str, name: str, manifest: bytes, manifest_name: str) -> None:
         self.write(f"{staging}/{manifest_name}", [manifest])
         _fsync_dir(self._abs(staging))
         final = self._abs(name)
-        if os.path.exists(final):
-            # Re-saving a step (e.g. after falling back past a bad one): move the old one aside.
-            # Between the two renames this step is briefly absent; older steps stay visible.
-            os.rename(final, self._abs(f"{TRASH_PREFIX}{name}-{uuid.uuid4().hex[:12]}"))
+        if os.path.lexists(final):
+            self._commit_over(staging, final, manifest_name)
+            return
         # The commit point: after this rename (and the root's fsync) the step exists.
         os.rename(self._abs(staging), final)
         _fsync_dir(self.root)
 
+    def _commit_over(self, staging: str, final: str, manifest_name: str) -> None:
+        """Re-save a step whose directory exists (a rollback re-saving its number, or a step
+        that retention retired but whose files later steps still use). The old directory
+        stays: its files may be referenced by later steps, and moving it aside would leave
+        them broken (and the step absent) between two renames. The new data files (uniquely
+        named per save) move in first; then renaming the new manifest over the old one
+        switches the step in one atomic step. Files of the old save that nothing references
+        any more are removed by the next collection."""
+        if not stat.S_ISDIR(_lmode(final)):
+            raise FileExistsError(f"{final} exists and is not a step directory; remove it")
+        source = self._abs(staging)
+        for entry in os.listdir(source):
+            if entry != manifest_name:
+                os.rename(os.path.join(source, entry), os.path.join(final, entry))
+        # A rename is durable once both of its directories are.
+        _fsync_dir(final)
+        _fsync_dir(source)
+        # The commit point of a re-saved step: the manifest names only the new files.
+        os.rename(os.path.join(source, manifest_name), os.path.join(final, manifest_name))
+        _fsync_dir(final)
+        _fsync_dir(source)
+        shutil.rmtree(source, ignore_errors=True)
+
     def abort(self, staging: str) -> None:
-        shutil.rmtree(self._abs(staging), ignore_errors=True)
+        try:
+            path = self._abs(staging)
+        except SymlinkRefusedError:
+            return
+        shutil.rmtree(path, ignore_errors=True)
 
     def uncommitted(self) -> list[str]:
         return [
@@ -134,3 +225,10 @@ class PosixStorage(Storage):
 
     def lock(self, owner: dict) -> WriterLock:
         return FlockWriterLock(self.root, owner)
+
+
+def _lmode(path: str) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except FileNotFoundError:
+        return 0

@@ -245,6 +245,26 @@ def test_the_forward_check_keeps_each_modules_mode_and_the_training_rng(tmp_path
     assert not state["model"].norm.training
 
 
+def test_a_compiled_model_runs_its_probe_uncompiled(tmp_path):
+    """Recording and rerunning a probe never compiles an eval-mode graph of a torch.compile'd
+    model (seconds in a fresh process); the probe still catches a NaN step."""
+    compiles = []
+
+    def backend(graph, example_inputs):
+        compiles.append(graph)
+        return graph.forward
+
+    state = make_state(0)
+    state["model"] = torch.compile(state["model"], backend=backend)
+    with manager(tmp_path / "root") as mgr:
+        mgr.save(1, state)
+        with torch.no_grad():
+            state["model"].fc1.weight[0, 0] = float("nan")
+        mgr.save(2, state)
+        assert mgr.restore(state, verify="forward") == 1
+    assert compiles == []
+
+
 def test_load_verify_forward_raises_and_puts_the_model_back(tmp_path):
     save_two_steps(tmp_path / "root", nan_before_step_2=True)
     step2 = tmp_path / "root" / "step-00000002"

@@ -97,8 +97,8 @@ def check_header(cps: Checkpoints, path: str, file_size: int,
     try:
         header = json.loads(cps.read_bytes(path, 8, length).decode("utf-8"),
                             object_pairs_hook=_unique_keys)
-    except (ValueError, UnicodeDecodeError) as e:
-        return bad(f"is not valid JSON ({e})")
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting
+        return bad(f"is not valid JSON ({type(e).__name__}: {e})")
     if not isinstance(header, dict):
         return bad("is not a JSON object")
     data_start = 8 + length

@@ -1,0 +1,465 @@
+"""A hostile or careless root: planted symbolic links, reused step numbers, full and read-only
+file systems, odd arguments. Nothing outside a root is ever touched, no kept step ever loses
+data, and every failure is a CheckpointError that names the path and says what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.cli import main as cli
+from ckpt.incremental import collect
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL_CHUNKS = ckpt.SaveOptions(chunk_bytes=1 << 12, write_threads=1)
+
+
+def tree(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` (not following links) with its bytes."""
+    out = {}
+    for dirpath, dirs, files in os.walk(path):
+        for name in files:
+            full = Path(dirpath) / name
+            out[str(full.relative_to(path))] = full.read_bytes()
+    return out
+
+
+def state_of(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(64, 32, generator=g), "b": torch.randn(16, generator=g)}
+
+
+def fresh() -> dict[str, torch.Tensor]:
+    return {"a": torch.zeros(64, 32), "b": torch.zeros(16)}
+
+
+def assert_equal(state: dict, expected: dict) -> None:
+    for k, v in expected.items():
+        assert torch.equal(state[k], v), k
+
+
+# ------------------------------------------------------------------ planted symbolic links
+@pytest.fixture
+def victim(tmp_path):
+    """A directory outside the root that holds a whole valid checkpoint, plus a plain file."""
+    victim = tmp_path / "victim"
+    ckpt.save(state_of(99), victim / "step-00000099", step=99)
+    (victim / "precious.txt").write_text("do not touch")
+    before = tree(victim)
+    yield victim
+    assert tree(victim) == before, "something outside the root was changed"
+
+
+def plant_links(root: Path, victim: Path) -> None:
+    """Links where ckpt looks: a step, a staging dir, a trash dir, a data file in a step."""
+    os.symlink(victim / "step-00000099", root / "step-00000099")
+    os.symlink(victim, root / "step-00000000")
+    os.symlink(victim, root / ".tmp-step-00000005-0123456789ab")
+    os.symlink(victim, root / ".trash-0123456789ab")
+    os.symlink(victim / "precious.txt", root / "step-00000001" / "data-planted.safetensors")
+
+
+def test_writer_open_retention_and_restore_never_follow_planted_links(tmp_path, victim,
+                                                                      caplog):
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, state_of(1))
+    plant_links(root, victim)
+    with ckpt.CheckpointManager(root, async_save=False, keep_last=1) as mgr:  # cleanup at open
+        assert mgr.steps() == [1]  # the linked step 99 is not a step of this root
+        for step in (2, 3):
+            mgr.save(step, state_of(step))  # retention retires 1 and 2, never a link
+        assert mgr.steps() == [3]
+        state = fresh()
+        assert mgr.restore(state) == 3
+        assert_equal(state, state_of(3))
+        with pytest.raises(ckpt.CheckpointNotFoundError):
+            mgr.restore(fresh(), step=99)  # reading through the link is refused
+    assert "ckpt.symlink ignored" in caplog.text
+    assert (root / "step-00000099").is_symlink()  # ignored, not deleted
+
+
+def test_gc_api_and_cli_never_follow_planted_links(tmp_path, victim, capsys):
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_of(step))
+    plant_links(root, victim)
+    report = collect(ckpt.CheckpointManager(root, read_only=True).storage, {2}, dry_run=True)
+    assert report.retired_steps == [1]
+    assert not any("planted" in f or "99" in f for f in report.deleted_files)
+    assert cli(["gc", str(root), "--keep-last", "1", "--yes"]) == 0
+    assert "removed: 1 steps" in capsys.readouterr().out
+    state = fresh()
+    assert ckpt.CheckpointManager(root, read_only=True).restore(state) == 2
+    assert_equal(state, state_of(2))
+
+
+def test_linked_data_file_in_a_step_is_refused_and_restore_falls_back(tmp_path, victim):
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state_of(step))
+    # Replace step 2's data file by a link to a copy of it outside the root: same bytes,
+    # but ckpt must not read through it.
+    outside = victim.parent / "outside"
+    outside.mkdir()
+    for data in (root / "step-00000002").glob("data-*"):
+        shutil.move(data, outside / data.name)
+        os.symlink(outside / data.name, data)
+    state = fresh()
+    with ckpt.CheckpointManager(root) as mgr:
+        assert mgr.restore(state) == 1
+        assert mgr.skipped and mgr.skipped[0][0] == 2
+    assert_equal(state, state_of(1))
+    assert len(list(outside.iterdir())) >= 1
+
+
+def test_linked_lock_file_is_refused_with_a_checkpoint_error(tmp_path, victim):
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(victim / "precious.txt", root / ".lock")
+    with pytest.raises(ckpt.CheckpointError, match=r"\.lock"):
+        ckpt.CheckpointManager(root)
+    os.unlink(root / ".lock")
+    os.symlink(victim / "precious.txt", root / ".lock.owner")
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:  # the owner link is replaced
+        mgr.save(1, state_of(1))
+    assert not (root / ".lock.owner").exists()
+    assert [p.name for p in root.iterdir() if p.name.startswith(".lock.owner")] == []
+
+
+# ------------------------------------------------------------- a reused step number (rollback)
+@pytest.mark.parametrize("url", ["posix", "memory"])
+def test_rollback_resave_keeps_every_later_step_loadable(tmp_path, url):
+    root = str(tmp_path / "root") if url == "posix" else f"memory://rollback-{os.getpid()}"
+    saved = {}
+
+    def mgr(**kw):
+        return ckpt.CheckpointManager(root, async_save=False, incremental=True, full_every=100,
+                                      options=SMALL_CHUNKS, **kw)
+
+    state = state_of(0)
+    with mgr() as m:
+        for step in (1, 2, 3):
+            state["b"] += step
+            if step == 2:  # a's second chunk changes: step 3 references steps 1 and 2
+                state["a"][40] += 1
+            m.save(step, state)
+            saved[step] = {k: v.clone() for k, v in state.items()}
+        assert {c.step for c in m.manifest(3).tensors["a"].chunks} == {1, 2}
+        m.restore(state, step=1)
+        state["b"] -= 100
+        m.save(2, state)  # the rollback: step 2 again, from step 1
+        saved[2] = {k: v.clone() for k, v in state.items()}
+
+    def check(steps):
+        with ckpt.CheckpointManager(root) as m:  # reopening collects leftovers
+            assert m.steps() == steps
+            for step in steps:
+                out = fresh()
+                assert m.restore(out, step=step) == step
+                assert_equal(out, saved[step])
+
+    check([1, 2, 3])
+    check([1, 2, 3])
+    with mgr() as m:  # the rollback's new timeline wins: retire the old one's later steps
+        assert m.retire(s for s in m.steps() if s > 2).retired_steps == [3]
+    check([1, 2])
+    with mgr(keep_last=1) as m:  # retire 1..3 except the newest; then old files may go
+        m.save(4, state)
+        saved[4] = {k: v.clone() for k, v in state.items()}
+    check([4])
+    if url == "posix":  # the step 2 files step 3 used are gone once nothing uses them
+        assert sorted(p.name for p in Path(root).iterdir()) == [".lock", "step-00000004"]
+
+
+# ------------------------------------------------------------------ arguments and the disk
+@pytest.mark.parametrize("step", [True, False, 1.0, "1", None])
+def test_save_refuses_a_step_that_is_not_an_int(tmp_path, step):
+    with ckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(TypeError, match="step"):
+            mgr.save(step, state_of(1))
+        assert mgr.steps() == []
+
+
+def _in_private_mount(script: str) -> dict:
+    """Run ``script`` as root of a user+mount namespace with a 1 MiB tmpfs at MNT."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
+    body = textwrap.dedent(script)
+    shell = ("mkdir -p /tmp/ckpt-mnt-$$ && mount -t tmpfs -o size=1m tmpfs /tmp/ckpt-mnt-$$ "
+             f"&& MNT=/tmp/ckpt-mnt-$$ {sys.executable} -c \"$0\"")
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell, body], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+SCRIPT_HEAD = """
+import json, os, subprocess, torch, ckpt
+root = os.path.join(os.environ["MNT"], "root")
+out = {}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "ok"
+    except ckpt.CheckpointError as e:
+        out[name] = "CheckpointError: " + str(e)
+    except BaseException as e:
+        out[name] = type(e).__name__ + ": " + str(e)
+    out[name + "_left"] = sorted(os.listdir(root)) if os.path.isdir(root) else None
+"""
+
+
+@pytest.mark.slow  # a subprocess that imports torch inside a private mount namespace
+def test_writer_on_a_full_disk_or_a_read_only_root_raises_a_checkpoint_error():
+    out = _in_private_mount(SCRIPT_HEAD + """
+os.makedirs(root)
+mgr = ckpt.CheckpointManager(root, async_save=False)
+mgr.save(1, {"w": torch.ones(16)})
+def fill(name):
+    with open(os.path.join(os.environ["MNT"], name), "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"x" * 4096)
+        except OSError:
+            pass
+fill("filler")
+attempt("save", lambda: mgr.save(2, {"w": torch.ones(1 << 18)}))
+mgr.close()
+fill("filler2")  # what the failed save had written is free again
+attempt("open", lambda: ckpt.CheckpointManager(root).close())
+os.unlink(os.path.join(os.environ["MNT"], "filler"))
+os.unlink(os.path.join(os.environ["MNT"], "filler2"))
+ro = os.path.join(os.environ["MNT"], "ro")
+os.mkdir(ro)
+subprocess.run(["mount", "--bind", root, ro], check=True)
+subprocess.run(["mount", "-o", "remount,bind,ro", ro], check=True)
+root = ro
+attempt("read_only", lambda: ckpt.CheckpointManager(ro))
+state = {"w": torch.zeros(16)}
+attempt("read", lambda: ckpt.CheckpointManager(ro, read_only=True).restore(state))
+out["restored"] = state["w"].tolist() == [1.0] * 16
+print(json.dumps(out))
+""")
+    # A full disk: the save fails and its staging directory is gone; opening a writer fails
+    # without leaving its half-written owner file.
+    assert out["save"].startswith("CheckpointError:") and "root" in out["save"], out
+    assert out["save_left"] == [".lock", ".lock.owner", "step-00000001"], out
+    assert out["open"].startswith("CheckpointError:"), out
+    assert "root" in out["open"] and "free space" in out["open"], out
+    assert out["open_left"] == [".lock", "step-00000001"], out
+    # A read-only root: a writer is refused naming the root; reading still works.
+    assert out["read_only"].startswith("CheckpointError:") and "/ro" in out["read_only"], out
+    assert "writable" in out["read_only"] and "read_only=True" in out["read_only"], out
+    assert out["read"] == "ok" and out["restored"], out
+
+
+# ------------------------------------------------------------ malformed manifests and trees
+class Holder:
+    """A stateful item whose state holds tagged values (tuple, inf, bytes, an array)."""
+
+    def __init__(self) -> None:
+        self.state = {"t": (1, 2), "f": float("inf"), "raw": b"\x00\x01", "arr": None}
+
+    def state_dict(self) -> dict:
+        import numpy as np
+
+        return {**self.state, "arr": np.arange(4.0)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = sd
+
+
+def tagged_state(seed: int) -> dict:
+    return {**state_of(seed), "holder": Holder(), "big": 0}
+
+
+def edit(doc: dict, how: str) -> dict | str:
+    items = doc["items"]
+    tree = items["holder"]["tree"]
+    if how == "dtype_list":
+        doc["tensors"]["a"]["dtype"] = ["float32"]
+    elif how == "deep_metadata":
+        text = json.dumps(doc)
+        return text.replace('"metadata": {', '"metadata": {"x": ' + "[" * 100_000 + "]" * 100_000
+                            + ", ", 1)
+    elif how == "deep_tree":
+        items["holder"]["tree"]["t"] = json.loads("[" * 500 + "]" * 500)
+    elif how == "huge_zstd":
+        first = doc["tensors"]["a"]["chunks"][0]
+        doc["tensors"]["big"] = {"dtype": "float32", "shape": [1 << 42], "chunks": [
+            {**first, "offsets": [0], "shape": [1 << 42], "length": 13, "codec": "zstd"}]}
+        items["big"] = {"kind": "value", "tree": {"__tensor__": "big"}}
+    elif how == "missing_tensor":
+        items["big"] = {"kind": "value", "tree": {"__tensor__": "nowhere"}}
+    elif how == "bad_float":
+        tree["f"] = {"__float__": "not a float"}
+    elif how == "bad_float_type":
+        tree["f"] = {"__float__": [1]}
+    elif how == "bad_ndarray":
+        tree["arr"] = {"__ndarray__": ["a"]}
+    elif how == "bad_bytes":
+        tree["raw"] = {"__bytes__": "%%%"}
+    elif how == "bad_dict_pairs":
+        tree["t"] = {"__dict__": [[1]]}
+    elif how == "unhashable_key":
+        tree["t"] = {"__dict__": [[[1, 2], 3]]}
+    elif how == "no_kind":
+        del items["holder"]["kind"]
+    elif how == "unknown_kind":
+        items["holder"]["kind"] = ["module"]
+    elif how == "no_tree":
+        del items["holder"]["tree"]
+    elif how == "alias_list":
+        doc["aliases"] = {"c": ["a"]}
+    return doc
+
+
+EDITS = ["dtype_list", "deep_metadata", "deep_tree", "huge_zstd", "missing_tensor", "bad_float",
+         "bad_float_type", "bad_ndarray", "bad_bytes", "bad_dict_pairs", "unhashable_key",
+         "no_kind", "unknown_kind", "no_tree", "alias_list"]
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A root with steps 1 and 2 (to copy and damage); compressed, so chunks are zstd."""
+    root = tmp_path_factory.mktemp("two") / "root"
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(compression="zstd")) as mgr:
+        for step in (1, 2):
+            mgr.save(step, tagged_state(step))
+    return root
+
+
+@pytest.mark.parametrize("how", EDITS)
+def test_malformed_manifest_is_corrupt_restore_falls_back_and_verify_rejects(
+        tmp_path, two_steps, how, capsys):
+    root = tmp_path / "root"
+    shutil.copytree(two_steps, root)
+    path = root / "step-00000002" / "manifest.json"
+    doc = edit(json.loads(path.read_text()), how)
+    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        with pytest.raises(ckpt.CorruptCheckpointError):
+            mgr.manifest(2)
+        live = tagged_state(7)
+        with pytest.raises(ckpt.CorruptCheckpointError):
+            mgr.restore(live, step=2)
+        assert_equal(live, state_of(7))  # nothing was written into the live state
+        assert mgr.restore(live) == 1  # the fallback past step 2
+        assert_equal(live, state_of(1))
+    capsys.readouterr()
+    code = cli(["verify", str(root), "--step", "2", "--level", "structure"])
+    out, err = capsys.readouterr()
+    assert code == 1 and "Traceback" not in out + err
+
+
+# ------------------------------------------------------- the commit protocol's durable order
+class RecordingOs:
+    """``os`` for storage_backends.posix, recording opens, writes, fsyncs and renames."""
+
+    def __init__(self, log: list) -> None:
+        self._log = log
+        self._paths: dict[int, str] = {}
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def open(self, path, flags, mode=0o777, **kw):
+        fd = os.open(path, flags, mode, **kw)
+        self._paths[fd] = os.fspath(path)
+        if flags & os.O_CREAT:
+            self._log.append(("create", os.fspath(path)))
+        return fd
+
+    def write(self, fd, data):
+        self._log.append(("write", self._paths.get(fd)))
+        return os.write(fd, data)
+
+    def fsync(self, fd):
+        self._log.append(("fsync", self._paths.get(fd)))
+        return os.fsync(fd)
+
+    def rename(self, src, dst):
+        self._log.append(("rename", os.fspath(src), os.fspath(dst)))
+        return os.rename(src, dst)
+
+
+@pytest.fixture
+def os_calls(monkeypatch):
+    import storage_backends.posix as posix
+
+    log: list = []
+    monkeypatch.setattr(posix, "os", RecordingOs(log))
+    return log
+
+
+def _first(log: list, pred) -> int:
+    found = [i for i, e in enumerate(log) if pred(e)]
+    assert found, f"a call the commit protocol needs was never made; calls: {log}"
+    return found[0]
+
+
+def _last(log: list, pred) -> int:
+    found = [i for i, e in enumerate(log) if pred(e)]
+    assert found, f"a call the commit protocol needs was never made; calls: {log}"
+    return found[-1]
+
+
+def test_save_makes_data_then_manifest_then_rename_durable_in_that_order(tmp_path, os_calls):
+    root = str(tmp_path / "root")
+    with ckpt.CheckpointManager(root, async_save=False, options=SMALL_CHUNKS) as mgr:
+        os_calls.clear()
+        mgr.save(1, state_of(1))
+    final = f"{root}/step-00000001"
+    commit = _first(os_calls, lambda e: e[0] == "rename" and e[2] == final)
+    staging = os_calls[commit][1]
+    assert os.path.basename(staging).startswith(".tmp-step-00000001")
+    data = {e[1] for e in os_calls if e[0] == "create" and "/data-" in e[1]}
+    manifest = f"{staging}/manifest.json"
+    assert data and all(os.path.dirname(p) == staging for p in data)
+    manifest_created = _first(os_calls, lambda e: e == ("create", manifest))
+    for path in data:  # every data file is durable before the manifest exists
+        assert _last(os_calls, lambda e: e[0] == "write" and e[1] == path) < _first(
+            os_calls, lambda e: e == ("fsync", path)) < manifest_created, path
+    # The manifest is written and fsynced, then the staging directory, then renamed.
+    manifest_synced = _first(os_calls, lambda e: e == ("fsync", manifest))
+    assert manifest_created < _last(os_calls, lambda e: e == ("write", manifest)) < \
+        manifest_synced < _first(os_calls, lambda e: e == ("fsync", staging)) < commit
+    # The rename is made durable by the root's fsync.
+    assert commit < _first(os_calls, lambda e: e == ("fsync", root))
+
+
+def test_resaved_step_moves_data_in_durably_before_its_manifest(tmp_path, os_calls):
+    root = str(tmp_path / "root")
+    with ckpt.CheckpointManager(root, async_save=False, options=SMALL_CHUNKS) as mgr:
+        mgr.save(1, state_of(1))
+        os_calls.clear()
+        mgr.save(1, state_of(2))  # the step number again (a rollback)
+        out = fresh()
+        assert mgr.restore(out, step=1) == 1
+        assert_equal(out, state_of(2))
+    final = f"{root}/step-00000001"
+    moved = [e for e in os_calls if e[0] == "rename" and "/data-" in e[2]]
+    commit = _first(os_calls, lambda e: e[0] == "rename" and e[2] == f"{final}/manifest.json")
+    staging = os.path.dirname(os_calls[commit][1])
+    assert moved and all(os.path.dirname(e[2]) == final for e in moved)
+    assert _first(os_calls, lambda e: e == ("fsync", f"{staging}/manifest.json")) < commit
+    last_move = _last(os_calls, lambda e: e in moved)
+    assert last_move < _first(os_calls, lambda e: e == ("fsync", final)) < commit
+    assert commit < _last(os_calls, lambda e: e == ("fsync", final))

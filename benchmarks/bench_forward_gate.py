@@ -11,8 +11,8 @@ interleaved (structure, digest, forward, ...), into the same live state:
 
 The forward check's parts are timed inside the real restores (by wrapping them): the copy
 of the model kept to put back on failure, the probe's forward, and the NaN/Inf scan of the
-weights. The page cache is warm unless ``--cold`` (root only): a cold read makes restores
-slower and the check's share smaller.
+weights (comparing the outputs is the rest). The page cache is warm unless ``--cold`` (root
+only): a cold read makes restores slower and the check's share smaller.
 
 Run from the repository root::
 
@@ -39,7 +39,7 @@ from trainer import tiny_lm  # noqa: E402
 
 LEVELS = ("structure", "digest", "forward")
 PARTS = {"model copy (put back on failure)": (ckpt.gate, "_copy_modules"),
-         "probe forward + compare": (ckpt.gate, "check_model"),
+         "probe forward": (ckpt.probe, "run_forward"),
          "NaN/Inf scan of the weights": (ckpt.probe, "nonfinite_weights")}
 
 

@@ -23,7 +23,7 @@ from ckpt.datafile import Piece, encode_header
 from ckpt.engine import RankTable, StepPayload, build_manifest
 from ckpt.format import DTYPES, Chunk, Manifest
 from ckpt.options import SaveOptions
-from ckpt.plan import assign_files, chunk_tensor
+from ckpt.plan import assign_files, chunk_tensor, data_file_name
 from ckpt.sharding import PieceSpec, assign_writers
 
 # A 70B-parameter decoder (Llama-3-70B's shapes): 80 layers, hidden 8192, MLP 28672,
@@ -157,7 +157,7 @@ def rank_table(rank: int, specs: list[PieceSpec], writers: dict, options: SaveOp
     n_files = max(options.write_threads, -(-new_bytes // options.max_file_bytes))
     table = RankTable()
     for index, group in enumerate(assign_files(plans, n_files) if plans else []):
-        name = f"data-{token}-r{rank:05d}-{index:03d}.safetensors"
+        name = data_file_name(token, rank, index)
         pieces = [Piece(f"{c.key}#{list(c.offsets)}", _Sized(c.byte_length),
                         DTYPES[dtype_of[(c.key, c.index)]], c.shape) for c in group]
         start = len(encode_header(pieces))

@@ -31,7 +31,7 @@ from .distributed import Group
 from .incremental import CHAIN_KEY, chain_length
 from .integrity import digest
 from .options import SaveOptions
-from .plan import assign_files, chunk_tensor
+from .plan import assign_files, chunk_tensor, data_file_name
 
 log = logging.getLogger("ckpt")
 
@@ -287,7 +287,7 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
     data_of = {(c.key, c.index): (data, d) for c, data, d in to_write}
 
     def write_file(index: int) -> tuple[str, int, list]:
-        name = f"data-{payload.token}-r{payload.rank:05d}-{index:03d}.safetensors"
+        name = data_file_name(payload.token, payload.rank, index)
         pieces, meta = [], []
         for c in groups[index]:
             data, d = data_of[(c.key, c.index)]

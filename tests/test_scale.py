@@ -35,13 +35,13 @@ SPECS = [
 def _normalized(doc: dict) -> dict:
     """The parts of a manifest the planning path decides: every tensor's chunks (box, file,
     byte range) and the file sizes; tokens in file names, digests and times removed."""
-    token = re.compile(r"^data-[0-9a-z]+-")
+    token = re.compile(r"^(data-[0-9a-f]{2})-[0-9a-z]+-")
     return {
         "tensors": {k: {"dtype": e["dtype"], "shape": e["shape"], "chunks": [
             {**{f: c[f] for f in ("offsets", "shape", "start", "length")},
-             "file": token.sub("data-T-", c["file"])} for c in e["chunks"]]}
+             "file": token.sub(r"\1-T-", c["file"])} for c in e["chunks"]]}
             for k, e in doc["tensors"].items()},
-        "files": {token.sub("data-T-", k): v for k, v in doc["files"].items()},
+        "files": {token.sub(r"\1-T-", k): v for k, v in doc["files"].items()},
         "world_size": doc["world_size"],
     }
 

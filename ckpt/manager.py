@@ -588,18 +588,6 @@ class CheckpointManager:
                 f"{self.root}` gives details:\n  " + "\n  ".join(failures), path=self.root)
         return None
 
-    def delete(self, steps: Iterable[int]) -> None:
-        """Retire ``steps`` now (their files go unless a kept step still refers to them), for
-        callers whose framework decides retention (Lightning's ``save_top_k``, HF's
-        ``save_total_limit``). Only the named steps are touched, so a save may be in flight;
-        with a process group, rank 0 deletes."""
-        self._check_writable()
-        doomed = set(steps)
-        if doomed and self.group.is_coordinator:
-            report = collect(self.storage, _AllBut(doomed))
-            log.info("ckpt.delete retired=%s freed_bytes=%d", report.retired_steps,
-                     report.freed_bytes)
-
     # -- lifetime -----------------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._preempted = signum
@@ -708,16 +696,6 @@ def _describe(error: BaseException | None) -> tuple[str, str] | None:
     if isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError)):
         return ("bad", str(error))
     return ("fatal", f"{type(error).__name__}: {error}")
-
-
-class _AllBut:
-    """Every step except ``doomed``: a keep-set that also keeps steps committed meanwhile."""
-
-    def __init__(self, doomed: set[int]) -> None:
-        self.doomed = doomed
-
-    def __contains__(self, step: object) -> bool:
-        return step not in self.doomed
 
 
 def _checked_metrics(metrics: dict[str, float]) -> dict[str, float | str]:

@@ -208,8 +208,10 @@ def main() -> None:
         print(f"| {name} | {DEFAULTS[name]} | {d * 1e3:.0f} ms | {c * 1e3:.0f} ms | "
               f"{c / d:.2f}x | {max(sizes[False]) / 2**20:.0f} MiB | "
               f"{max(sizes[True]) / 2**20:.0f} MiB |", flush=True)
-    print("\nckpt's figure is the time the loop waited for the state to be copied to host "
-          "memory (async save); its write, digests and commit ran in the background. "
+    print("\nckpt's figure is the time the loop waited in the save call: the copy of the "
+          "state to host memory (async save), the pointer file's fsync, the framework's "
+          "rotation, and any wait for the previous background write to finish "
+          "(backpressure); digests, the write and the commit ran in the background. "
           "Lightning's default writes last.ckpt and the top-k file as two full copies; "
           "ckpt writes one step for both. HF's default also writes the model as "
           "safetensors in every checkpoint-N folder; with ckpt, `ckpt export --to hf` "

@@ -222,6 +222,10 @@ def _export_hf(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    if args.memory:
+        return _gc_memory(args)
+    if args.root is None:
+        raise verify.UsageError("gc needs ROOT (or --memory for shared-memory segments)")
     cps = inspect.open(args.root)
     if not cps.is_root:
         raise verify.UsageError(
@@ -465,7 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "retires older steps; the newest step that verifies (digest level) is "
                        "always kept, so steps are verified newest first before anything is "
                        "deleted.")
-    p.add_argument("root", metavar="ROOT")
+    p.add_argument("root", metavar="ROOT", nargs="?")
+    p.add_argument("--memory", action="store_true",
+                   help="instead: remove the memory tier's /dev/shm/ckpt-* segments that no "
+                   "live process owns (dead jobs); not while a job's workers are restarting")
+    p.add_argument("--job", metavar="JOB", help="with --memory: only this job's segments")
     p.add_argument("--keep-last", type=_count, metavar="N",
                    help="retire all but the newest N steps (0: keep none by count; the newest "
                    "step that verifies stays)")
@@ -480,6 +488,18 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--threads", type=_positive, default=4,
                            help="parallel reads (default 4)")
     return parser
+
+
+def _gc_memory(args: argparse.Namespace) -> int:
+    from .memory_tier import gc_segments
+
+    paths = gc_segments(job=args.job, dry_run=not args.yes)
+    if getattr(args, "json", False):
+        print(verify.to_json({"ok": True, "dry_run": not args.yes, "segments": paths}))
+    else:
+        verb = "removed" if args.yes else "would remove (pass --yes)"
+        print(f"{verb} {len(paths)} memory segment(s)" + "".join(f"\n  {p}" for p in paths))
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from .format import MANIFEST_NAME, Manifest, step_dir
 from .gate import Gate, verify_level
 from .incremental import GcReport, chain_length, collect, step_dirs
 from .integrity import check_structure, read_manifest
+from .memory_tier import MemoryTier
 from .metrics import CheckpointMetrics, default_labels
 from .options import KeepBest, SaveOptions
 from .probe import PROBE_ITEM, Probe
@@ -85,6 +86,14 @@ class CheckpointManager:
         storage_options: for object-store roots (``s3://``, ``tensorstore+…``): passed to
             fsspec / tensorstore, plus ``lease_ttl``, ``retries``, ``retry_delay``,
             ``block_size``, ``allow_unsafe_commit`` (docs/storage.md).
+        memory_tier: also publish every save into node-local shared memory (``/dev/shm``),
+            so a restarted worker restores from RAM (docs/elastic.md, "Memory tier"). Single
+            process only for now; not with ``incremental``.
+        persist_every: with ``memory_tier``, only every K-th save (counted by this manager)
+            also goes to ``root``; a preempted save always does.
+        memory_keep, memory_budget, memory_job: generations kept in memory, the most bytes the
+            segment may hold, and the job id in the segment's name (default:
+            TORCHELASTIC_RUN_ID, else a hash of ``root``).
         commit_timeout: how long rank 0 waits for the other ranks' reports before it gives
             up on a step (a rank died or hangs): the step is not committed and every rank's
             save raises.
@@ -115,9 +124,12 @@ class CheckpointManager:
                  probe: Probe | None = None, metrics: bool = True,
                  metrics_port: int | None = None,
                  metrics_textfile: str | None = None,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, memory_tier: bool = False,
+                 persist_every: int = 1, memory_keep: int = 2, memory_budget: int | None = None,
+                 memory_job: str | None = None) -> None:
         for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
-                            ("keep_every", keep_every), ("full_every", full_every)):
+                            ("keep_every", keep_every), ("full_every", full_every),
+                            ("persist_every", persist_every)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
         if every_seconds is not None and not (isinstance(every_seconds, (int, float))
@@ -151,6 +163,10 @@ class CheckpointManager:
         self.backpressure_waits = 0
         self.skipped: list[tuple[int, str]] = []
         self.loaded_step: int | None = None  # the step the last load() returned
+        self.persist_every = persist_every
+        self.last_restore: RestoreInfo | None = None
+        self._memory: MemoryTier | None = None
+        self._saves = 0
         self._inflight: SaveHandle | None = None
         self._preempted: int | None = None
         self._closed = False
@@ -172,6 +188,8 @@ class CheckpointManager:
             self._take_lock_everywhere()
             self._stager = Stager()
             self._writer = BackgroundWriter(self.options, self.group, commit_timeout)
+            if memory_tier:
+                self._memory = self._open_memory_tier(memory_keep, memory_budget, memory_job)
             if handle_sigterm and threading.current_thread() is threading.main_thread():
                 self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -292,8 +310,13 @@ class CheckpointManager:
                            stager=self._stager, options=self.options, copy=self.async_save,
                            metadata=metadata, previous=base)
         blocking = time.perf_counter() - t0
-        handle = self._writer.submit(self.storage, payload, blocking, self._after_commit)
-        handle.add_done_callback(self._record)
+        handle = None
+        self._saves += 1
+        if self._memory is not None:  # published first; the same writer thread, in order
+            handle = self._publish_to_memory(payload, blocking)
+        if handle is None or preempted or self._saves % self.persist_every == 0:
+            handle = self._writer.submit(self.storage, payload, blocking, self._after_commit)
+            handle.add_done_callback(self._record)
         log.info("ckpt.save step=%d blocking_s=%.4f async=%s incremental=%s", step, blocking,
                  self.async_save, base is not None)
         self._inflight = handle
@@ -443,12 +466,14 @@ class CheckpointManager:
         except OSError as e:  # the storage failed (after its retries): not a missing root
             raise StorageError(f"listing the steps of {self.root} failed: {e}",
                                path=self.root) from e
+        tiers = self._restore_order(candidates, step)
         failures = []
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool, gate:
-            for s in candidates:
+            for s, tier in tiers:
                 # Never in place: a step that fails must leave nothing behind, also when the
                 # step fallen back to then does not fit the state (issue #15, defect 3).
-                error = self._try_load(s, state, pool, in_place=False, gate=gate)
+                error = self._try_load(s, state, pool, in_place=False, gate=gate,
+                                       storage=self._tier_storage(tier))
                 # Every rank must restore the same step: agree on this one's outcome first.
                 outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
                     _describe(error)]
@@ -463,11 +488,17 @@ class CheckpointManager:
                                           f"{fatal[0][1]}", path=self.root)
                 bad = [o[1] for o in outcomes if o]
                 if not bad:
-                    log.info("ckpt.restore step=%d root=%s skipped=%d", s, self.root,
-                             len(failures))
+                    log.info("ckpt.restore step=%d root=%s skipped=%d tier=%s", s, self.root,
+                             len(failures), tier)
+                    self.last_restore = RestoreInfo(s, tier, 0 if tier == "memory" else sum(
+                        self._base.files.values()) if self._base is not None else 0)
                     if self.metrics:
                         self.metrics.restored(len(failures))
                     return s
+                if tier == "memory":  # the same step may still be good in the root
+                    log.warning("ckpt.restore memory tier step=%d unusable, falling through: "
+                                "%s", s, bad[0])
+                    continue
                 if strict or step is not None:
                     if isinstance(error, CheckpointError):
                         raise error
@@ -484,13 +515,15 @@ class CheckpointManager:
 
     def _try_load(self, step: int, state: MutableMapping[str, Any],
                   pool: cf.ThreadPoolExecutor, *, in_place: bool,
-                  gate: Gate | None = None) -> BaseException | None:
+                  gate: Gate | None = None,
+                  storage: Storage | None = None) -> BaseException | None:
         location = step_dir(step)
         gate = gate or Gate("digest", state)
+        storage = storage or self.storage
         try:
-            manifest = read_manifest(self.storage, location, step)
-            check_structure(self.storage, location, manifest)
-            load_step(self.storage, location, manifest, gate.target(manifest),
+            manifest = read_manifest(storage, location, step)
+            check_structure(storage, location, manifest)
+            load_step(storage, location, manifest, gate.target(manifest),
                       rank=self.group.rank, allow_pickle=self.allow_pickle, pool=pool,
                       in_place=in_place, verify=gate.digests)
         except Exception as e:  # classified by _describe; re-raised by restore
@@ -555,18 +588,6 @@ class CheckpointManager:
                 f"{self.root}` gives details:\n  " + "\n  ".join(failures), path=self.root)
         return None
 
-    def delete(self, steps: Iterable[int]) -> None:
-        """Retire ``steps`` now (their files go unless a kept step still refers to them), for
-        callers whose framework decides retention (Lightning's ``save_top_k``, HF's
-        ``save_total_limit``). Only the named steps are touched, so a save may be in flight;
-        with a process group, rank 0 deletes."""
-        self._check_writable()
-        doomed = set(steps)
-        if doomed and self.group.is_coordinator:
-            report = collect(self.storage, _AllBut(doomed))
-            log.info("ckpt.delete retired=%s freed_bytes=%d", report.retired_steps,
-                     report.freed_bytes)
-
     # -- lifetime -----------------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._preempted = signum
@@ -590,12 +611,54 @@ class CheckpointManager:
                 self._writer.close()
                 if h is not None and h.failed() and not h.error_reported:
                     h.wait()
+                self._close_memory_tier()
         finally:
             if self._lock is not None:
                 self._lock.release()
             if self._prev_sigterm is not None and threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._prev_sigterm)
                 self._prev_sigterm = None
+
+    # -- memory tier (ckpt/memory_tier.py) --------------------------------------------------------
+    def _open_memory_tier(self, keep: int, budget: int | None, job: str | None) -> MemoryTier:
+        if self.group.enabled:
+            raise ValueError("memory_tier=True works in a single process for now (issue #14: "
+                             "per-rank segments under a process group are not built yet)")
+        if self.incremental:
+            raise ValueError("memory_tier=True cannot be combined with incremental=True")
+        return MemoryTier(self.root, self.group.rank, job=job, keep=keep, budget=budget)
+
+    def _publish_to_memory(self, payload: Any, blocking: float) -> SaveHandle:
+        """Queue the step's publish into shared memory (checked against the budget now)."""
+        self._memory.check_space(sum(t.numel() * t.element_size()
+                                     for _, t in payload.pieces.values()))
+        handle = self._writer.submit(self._memory.storage, payload, blocking,
+                                     self._memory.after_commit)
+        handle.add_done_callback(_log_memory_failure)
+        return handle
+
+    def _restore_order(self, candidates: list[int], step: int | None) -> list[tuple[int, str]]:
+        """(step, tier) to try, newest first; at the same step memory before storage."""
+        order = [(s, "storage") for s in candidates]
+        if self._memory is not None:
+            order += [(s, "memory") for s in self._memory.steps() if step in (None, s)]
+        return sorted(order, key=lambda o: (o[0], o[1] == "memory"), reverse=True)
+
+    def _tier_storage(self, tier: str) -> Storage:
+        return self._memory.storage if tier == "memory" else self.storage
+
+    def _close_memory_tier(self) -> None:
+        """Remove the segment when its newest step is persisted (the job is done with it);
+        keep it otherwise, so a restarted worker finds the newest step."""
+        if self._memory is None:
+            return
+        mem, persisted = self._memory.steps(), self.latest_step()
+        if not mem or (persisted is not None and persisted >= mem[-1]):
+            self._memory.remove()
+        else:
+            log.warning("ckpt.memory_tier kept %s: step %d is in memory only", self._memory.path,
+                        mem[-1])
+            self._memory.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -611,6 +674,21 @@ class CheckpointManager:
                 pass
 
 
+@dataclasses.dataclass(frozen=True)
+class RestoreInfo:
+    """Where the last ``restore`` came from: ``tier`` is "memory" or "storage";
+    ``bytes_from_storage`` is the size of the step's files in the root (0 from memory)."""
+    step: int
+    tier: str
+    bytes_from_storage: int
+
+
+def _log_memory_failure(handle: SaveHandle) -> None:
+    error = handle.exception()
+    if error is not None:
+        log.error("ckpt.memory_tier publish of step %d failed: %s", handle.step, error)
+
+
 def _describe(error: BaseException | None) -> tuple[str, str] | None:
     """A picklable verdict on one rank's load attempt: None, ("bad", why) or ("fatal", why)."""
     if error is None:
@@ -618,16 +696,6 @@ def _describe(error: BaseException | None) -> tuple[str, str] | None:
     if isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError)):
         return ("bad", str(error))
     return ("fatal", f"{type(error).__name__}: {error}")
-
-
-class _AllBut:
-    """Every step except ``doomed``: a keep-set that also keeps steps committed meanwhile."""
-
-    def __init__(self, doomed: set[int]) -> None:
-        self.doomed = doomed
-
-    def __contains__(self, step: object) -> bool:
-        return step not in self.doomed
 
 
 def _checked_metrics(metrics: dict[str, float]) -> dict[str, float | str]:

@@ -31,6 +31,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ckpt
+
 from _prom import free_port, parse_metrics
 from trainer import ResumableSampler
 from trainer.elastic import ElasticTrainer, read_audit, read_jsonl, read_skips
@@ -622,6 +624,68 @@ def test_seed_seeds_numpy_and_a_resume_continues_its_stream(tmp_path):
     assert draws["resumed"] == draws["reference"]
 
 
+# ------------------------------------------------- the forward check gates every restore
+
+
+def poison_at(step: int, *, exit_after_save: bool = False):
+    """Hooks: after the update of ``step`` (once per process, in the first attempt) the
+    weights go NaN, as after an overflowing update, before the step's checkpoint; with
+    ``exit_after_save`` the process dies once that checkpoint is committed."""
+    from trainer import Hooks
+
+    done: list[int] = []
+
+    def after_step(t, s):
+        if s == step and not done and t.attempt == 0:
+            done.append(s)
+            with torch.no_grad():
+                t.module[0].weight[0, 0] = float("nan")
+
+    def after_checkpoint(t, s):
+        if s == step and done and exit_after_save:
+            logging.getLogger("test").warning("exiting after the checkpoint of step %d", s)
+            os._exit(1)
+
+    return Hooks(after_step=after_step, after_checkpoint=after_checkpoint)
+
+
+def test_a_rollback_never_lands_on_a_step_whose_weights_went_nan(tmp_path, caplog):
+    """Step 10's update made a weight NaN; the loss and gradient of step 10 were fine, so
+    the guard let it pass and step 10 was saved. Step 11's loss is NaN: the rollback's
+    restore runs the probe through step 10's weights, refuses them and lands on step 5.
+    With digests only it lands on step 10's NaN weights and gives up."""
+    caplog.set_level(logging.INFO)
+    t = trainer(tmp_path / "forward", make_step_fn(None), hooks=poison_at(10))
+    summary = t.fit(20)
+    assert (summary.final_step, summary.rollbacks) == (20, 1) and math.isfinite(
+        summary.final_loss)
+    [rollback] = event_lines(caplog, "train.rollback")
+    assert (rollback["step"], rollback["restored_step"]) == ("11", "5")
+    assert any("skipping step=10" in r.getMessage() and "forward check failed" in
+               r.getMessage() for r in caplog.records if r.name == "ckpt"), "not refused"
+    assert all(bool(torch.isfinite(p).all()) for p in t.module.parameters())
+
+    digest_only = trainer(tmp_path / "digest", make_step_fn(None), hooks=poison_at(10),
+                          verify="digest", health=HealthGuard(max_rollbacks=2))
+    with pytest.raises(TrainingHealthError, match="more than max_rollbacks=2"):
+        digest_only.fit(20)
+
+
+def test_the_default_probe_is_a_micro_batch_of_the_dataset(tmp_path):
+    t = trainer(tmp_path, make_step_fn(None), health=None)
+    t.fit(5)
+    probe = ckpt.load(tmp_path / "ckpt" / "step-00000005")["__probe__"]
+    assert torch.equal(probe["inputs"], Blobs().x[:MICRO]) and probe["finite"]
+    assert probe["output"].shape == (MICRO, 4)
+    # an explicit probe the model cannot run is refused at start
+    bare = trainer(tmp_path / "bare", make_step_fn(None), health=None,
+                   probe=lambda batch: "not a tensor")
+    with pytest.raises(ValueError, match="probe cannot run"):
+        bare.fit(1)
+    with pytest.raises(ValueError, match="verify must be one of"):
+        trainer(tmp_path, make_step_fn(None), verify="forwards")
+
+
 # ------------------------------------------------------------------------------- two ranks
 
 
@@ -654,11 +718,51 @@ def test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan(tmp_path, wrap):
     check_trained_order(tmp_path, skipped_steps=[BAD_STEP])
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_torchrun_job_resumes_past_a_step_saved_with_nan_weights(tmp_path):
+    """torchrun, 2 ranks, at most one restart: step 10's update makes a weight NaN (loss and
+    gradient were fine, so step 10 is saved, synchronously), then both workers die. The
+    restarted workers' restore refuses step 10 by its forward check and resumes from step
+    5; the job finishes on its own, with finite weights and no rollback."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    # Restarted workers sharing the agent's store may fail to form their group (FINDINGS.md)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo,
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "--max-restarts=1", __file__, str(tmp_path), "nan-weights"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
+    out = proc.stdout[-3000:] + proc.stderr[-8000:]
+    assert proc.returncode == 0, out
+    assert "exiting after the checkpoint of step 10" in proc.stderr, out
+    assert "skipping step=10" in proc.stderr and "forward check failed" in proc.stderr, out
+    summary = json.loads(next(line for line in proc.stdout.splitlines()
+                              if line.startswith("SUMMARY "))[len("SUMMARY "):])
+    assert (summary["final_step"], summary["restores"], summary["rollbacks"]) == (
+        NAN_STEPS, [0, 5], 0)
+    assert summary["world_sizes"] == [2, 2] and math.isfinite(summary["final_loss"])
+
+
+NAN_STEPS = 15
+
+
 def _worker(argv: list[str]) -> None:
-    """The torchrun worker of the two-rank test: ``test_health.py TMP ddp|fsdp``."""
+    """The torchrun worker of the two-rank tests: ``test_health.py TMP ddp|fsdp|nan-weights``."""
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[rank {os.environ.get('RANK')}] %(name)s %(message)s")
+    if argv[1] == "nan-weights":
+        t = trainer(Path(argv[0]), make_step_fn(None), hooks=poison_at(10, exit_after_save=True),
+                    checkpoint_options={"async_save": False}, heartbeat_timeout=10.0,
+                    collective_timeout=30.0)
+        summary = t.fit(NAN_STEPS)
+        assert all(bool(torch.isfinite(p).all()) for p in t.module.parameters())
+        if t.rank == 0:
+            print("SUMMARY " + json.dumps(summary.to_dict()), flush=True)
+        return
     t = trainer(Path(argv[0]), make_step_fn("nan"), fsdp=argv[1] == "fsdp",
                 heartbeat_timeout=10.0, collective_timeout=30.0)
     summary = t.fit(STEPS)

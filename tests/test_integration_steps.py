@@ -71,3 +71,27 @@ def test_loading_falls_back_past_corrupt_and_uncommitted_steps(tmp_path, caplog)
         assert load_newest_good(str(root), 1)[0] == 1  # never a step after the one named
     (tmp_path / "empty").mkdir()
     assert load_newest_good(str(tmp_path / "empty"), None) is None
+
+
+def test_ckpt_imports_and_works_without_the_frameworks(tmp_path):
+    """The frameworks are optional: with lightning, transformers and accelerate made
+    unimportable, ckpt, the trainer package and the CLI (export --to hf included) still work."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate'):\n"
+        "    sys.modules[m] = None\n"
+        "import torch, ckpt, trainer, trainer.integrations\n"
+        "from ckpt import cli\n"
+        "out = sys.argv[1]\n"
+        "ckpt.save({'model': torch.nn.Linear(2, 2)}, out + '/root/step-00000001', step=1)\n"
+        "sys.exit(cli.main(['export', out + '/root', '--to', 'hf', out + '/hf']))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "hf/model.safetensors.index.json").exists()

@@ -8,12 +8,19 @@ user's extra items (an EMA copy of the model, a counter: anything ``ckpt`` saves
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import ckpt
+
+log = logging.getLogger("trainer.elastic")
+
+#: Restore levels (``CheckpointManager.restore``'s ``verify``).
+VERIFY_LEVELS = ("structure", "digest", "forward")
 
 
 #: Item names the trainer uses itself; extra items may not take them.
@@ -45,6 +52,44 @@ def checkpointed_items(*, sampler: Any, module: torch.nn.Module, model: torch.nn
     return {**items, **extra}
 
 
+def default_probe_inputs(batch: Any) -> Any:
+    """The model's input in a collated batch: its first element for a tuple or list
+    (``(inputs, targets, ...)``), else the batch itself."""
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def make_probe(spec: bool | Callable[[Any], Any] | ckpt.Probe | None, module: torch.nn.Module,
+               batch: Callable[[], Any], *, fsdp: bool) -> ckpt.Probe | None:
+    """The probe recorded with every checkpoint (see the trainer's ``probe``), tried once on
+    ``module`` now. ``batch()`` gives a fixed micro batch of the dataset.
+
+    Raises ValueError when an explicitly given probe cannot run; the default one (``spec``
+    True) is dropped with a warning instead.
+    """
+    if spec is None or spec is False:
+        return None
+    if fsdp:
+        log.info("no probe recorded: the model is sharded (FSDP), the forward check would "
+                 "need every rank; restores check digests")
+        return None
+    if isinstance(spec, ckpt.Probe):
+        probe = spec
+    else:
+        fn = default_probe_inputs if spec is True else spec
+        probe = ckpt.Probe(model_key="model", inputs=fn(batch()))
+    try:
+        probe.record({probe.model_key: module})
+    except Exception as e:
+        if spec is not True:
+            raise ValueError(f"the probe cannot run through the model: {type(e).__name__}: "
+                             f"{e}") from e
+        log.warning("no probe recorded: the model refused the first element of a micro "
+                    "batch (%s: %s); pass probe=lambda batch: <the model's inputs> to have "
+                    "restores run the forward check", type(e).__name__, e)
+        return None
+    return probe
+
+
 class Checkpoints:
     """The checkpointed state (``items`` plus the step's ``"meta"``) and its manager.
 
@@ -55,15 +100,21 @@ class Checkpoints:
             place.
         collective_timeout: the commit vote's timeout (unless ``options`` sets one).
         options: more ``CheckpointManager`` keywords (``keep_last`` defaults to 3).
+        probe: recorded with every save (None: none).
+        verify: what a step must pass to be restored (see :data:`VERIFY_LEVELS`); a step
+            that fails is skipped for the one before it, on a resume and on a rollback.
     """
 
     def __init__(self, root: str | os.PathLike, *, every: int, items: dict[str, Any],
-                 collective_timeout: float, options: dict[str, Any]) -> None:
+                 collective_timeout: float, options: dict[str, Any],
+                 probe: ckpt.Probe | None = None, verify: str = "digest") -> None:
         self.state: dict[str, Any] = dict(items)
         self.state.setdefault("meta", {"step": 0})
         options = {"keep_last": 3, "commit_timeout": collective_timeout, **options}
+        self.verify = verify
         self.manager = ckpt.CheckpointManager(root, every_steps=every, handle_sigterm=False,
-                                              save_on_preemption=False, **options)
+                                              save_on_preemption=False, probe=probe,
+                                              **options)
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -71,8 +122,9 @@ class Checkpoints:
         return self.state.get("meta") or {}
 
     def restore(self) -> int | None:
-        """Load the newest good checkpoint into the state; its step (None: none)."""
-        return self.manager.restore(self.state)
+        """Load the newest checkpoint that passes the ``verify`` level into the state; its
+        step (None: none)."""
+        return self.manager.restore(self.state, verify=self.verify)
 
     def save(self, step: int, meta: dict[str, Any], *, force: bool = False) -> Any:
         """Save ``step`` with ``meta`` if the schedule (or ``force``) says so; returns the
@@ -89,4 +141,5 @@ class Checkpoints:
         self.manager.close()
 
 
-__all__ = ["RESERVED_ITEMS", "Checkpoints", "checkpointed_items"]
+__all__ = ["RESERVED_ITEMS", "VERIFY_LEVELS", "Checkpoints", "checkpointed_items",
+           "default_probe_inputs", "make_probe"]

@@ -52,10 +52,11 @@ try:
 except ImportError:  # ckpt.RNGState holds NumPy's state only when NumPy is installed
     np = None
 
+import ckpt
 from ckpt.metrics import default_labels
 from trainer.audit import AUDIT_DIR_ENV, read_audit, read_skips
 from trainer.batches import DatasetFeed, GlobalBatches, LoaderFeed, StepBatch
-from trainer.checkpointing import Checkpoints, checkpointed_items
+from trainer.checkpointing import VERIFY_LEVELS, Checkpoints, checkpointed_items, make_probe
 from trainer.data import ResumableSampler
 from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED, ExitPolicy
 from trainer.health import HealthGuard, TrainingHealthError
@@ -85,7 +86,8 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed % 2 ** 32)
 
 
-_RESERVED_OPTIONS = {"every_steps", "process_group", "handle_sigterm", "save_on_preemption"}
+_RESERVED_OPTIONS = {"every_steps", "process_group", "handle_sigterm", "save_on_preemption",
+                     "probe"}
 
 
 def _checked_options(checkpoint_every: int, log_every: int | None,
@@ -99,7 +101,7 @@ def _checked_options(checkpoint_every: int, log_every: int | None,
     reserved = _RESERVED_OPTIONS & options.keys()
     if reserved:
         raise TypeError(f"checkpoint_options may not set {sorted(reserved)}: the trainer "
-                        "owns them (checkpoint_every, its process group, SIGTERM)")
+                        "owns them (checkpoint_every, its process group, SIGTERM, probe=)")
     return options
 
 
@@ -153,6 +155,17 @@ class ElasticTrainer:
             training resumes, e.g. ``{"ema": ema_model, "counter": counter}``. Objects
             with ``state_dict``/``load_state_dict`` and tensors are restored in place;
             plain values are replaced in :attr:`state`.
+        probe: the ``ckpt.Probe`` recorded with every checkpoint, for the forward check of
+            restores: True (default) runs the model on the first element of a fixed micro
+            batch of the dataset (samples ``0..micro_batch_size-1``, collated with
+            ``collate_fn``; dropped with a warning if the model refuses it); a callable
+            ``batch -> model inputs`` picks them from that batch; or a ``ckpt.Probe``;
+            False: none. Not recorded with ``fsdp``.
+        verify: what a checkpoint must pass to be restored, on a resume and on a health
+            rollback: ``"forward"`` (default: digests, then the probe rerun through the
+            restored model must give finite outputs that agree with the recorded ones),
+            ``"digest"`` or ``"structure"``. A step that fails is skipped for the one
+            before it, so training never resumes from weights that went NaN before a save.
         max_grad_norm: clip the gradient norm before each step (None: no clipping).
         audit_dir: write each rank's sample indices per step to
             ``audit-a<attempt>-r<rank>.jsonl`` there (default: env ``CKPT_ELASTIC_AUDIT_DIR``).
@@ -199,6 +212,8 @@ class ElasticTrainer:
                  data_loader: Callable[[Sampler[list[int]]], DataLoader] | None = None,
                  hooks: Hooks | None = None,
                  extra_state: Callable[[torch.nn.Module], dict[str, Any]] | None = None,
+                 probe: bool | Callable[[Any], Any] | ckpt.Probe | None = True,
+                 verify: str = "forward",
                  max_grad_norm: float | None = None, audit_dir: str | os.PathLike | None = None,
                  run_dir: str | os.PathLike | None = None, heartbeat_interval: float = 1.0,
                  hard_exit: bool | None = None, device: str | torch.device | None = None,
@@ -227,6 +242,9 @@ class ElasticTrainer:
         self.data_loader = data_loader
         self.hooks = hooks
         self.extra_state = extra_state
+        if verify not in VERIFY_LEVELS:
+            raise ValueError(f"verify must be one of {VERIFY_LEVELS}, not {verify!r}")
+        self.probe, self.verify = probe, verify
         self.max_grad_norm = max_grad_norm
         self.audit_dir = audit_dir if audit_dir is not None else os.environ.get(AUDIT_DIR_ENV)
         self.run_dir = default_run_dir(run_dir, checkpoint_root)
@@ -449,13 +467,20 @@ class ElasticTrainer:
                                      optimizer=optimizer, scheduler=scheduler,
                                      grad_scaler=self.grad_scaler, fsdp=bool(self.fsdp),
                                      extra=extra),
-            collective_timeout=self.collective_timeout, options=self.checkpoint_options)
+            collective_timeout=self.collective_timeout, options=self.checkpoint_options,
+            probe=make_probe(self.probe, module, self._probe_batch, fsdp=bool(self.fsdp)),
+            verify=self.verify)
         exits.attach(checkpoints=self._checkpoints)
         self.metrics.attach_checkpoint(self._checkpoints.manager.metrics)
         self._feed = (LoaderFeed(self.data_loader, self.seed) if self.data_loader is not None
                       else DatasetFeed(self.dataset, self.collate_fn))
         if self.hooks is not None:
             self._hook_runner = HookRunner(self.hooks, self, module)
+
+    def _probe_batch(self) -> Any:
+        """A fixed micro batch of the dataset: its first samples, collated."""
+        n = min(self.micro_batch_size, len(self.dataset))
+        return self.collate_fn([self.dataset[i] for i in range(n)])
 
     def _meta(self, step: int, loss: float | None) -> dict[str, Any]:
         skipped = self._rollbacks.skipped_batches if self._rollbacks else 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from typing import Any, Mapping
 
 import torch
@@ -82,7 +81,6 @@ class StepStore:
         self.mgr = ckpt.CheckpointManager(root, process_group=group, **manager_options)
         self._handle: ckpt.SaveHandle | None = None
         self._doomed: set[int] = set()
-        self._mutex = threading.Lock()
         self._last: tuple[int, frozenset] | None = None
 
     @staticmethod
@@ -101,35 +99,27 @@ class StepStore:
         key = (step, frozenset(state))
         if self._last == key:
             return False
-        with self._mutex:
-            self._doomed.discard(step)
+        self._doomed.discard(step)
+        self._flush()
         self._handle = self.mgr.save(step, state, force=True, metadata=metadata)
         self._last = key
-        # Deletions wait for this save; then they run on the writer thread, not the loop's.
-        self._handle.add_done_callback(lambda handle: self._flush_quietly())
         return True
 
     def retire(self, steps: set[int]) -> None:
         """Delete these steps once no save is in flight (never the newest committed one)."""
-        with self._mutex:
-            self._doomed |= steps
-        if self._handle is None or self._handle.done():
-            self._flush()
-
-    def _flush_quietly(self) -> None:
-        try:
-            self._flush()
-        except ckpt.CheckpointError as e:  # retried at the next save or close
-            log.warning("ckpt: deleting dropped steps under %s failed: %s", self.root, e)
+        self._doomed |= steps
+        self._flush()
 
     def _flush(self) -> None:
-        with self._mutex:
-            if not self._doomed or self.mgr.read_only:
-                return
-            steps = self.mgr.steps()
-            doomed = {s for s in self._doomed if s in steps and s != steps[-1]}
-            self.mgr.delete(doomed)
-            self._doomed -= doomed | {s for s in self._doomed if s not in steps}
+        """Delete the dropped steps now if no save is in flight (else at a later call): the
+        training loop never waits for a write to delete."""
+        if not self._doomed or (self._handle is not None and not self._handle.done()):
+            return
+        steps = self.mgr.steps()
+        doomed = {s for s in self._doomed if s in steps and s != steps[-1]}
+        if doomed:
+            self.mgr.retire(doomed)
+        self._doomed -= doomed | {s for s in self._doomed if s not in steps}
 
     def close(self) -> None:
         """Finish the save in flight, delete what was dropped, release the lock."""

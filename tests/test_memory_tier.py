@@ -1,0 +1,247 @@
+"""The node-local memory tier (issue #14): saves published into /dev/shm, restored from there
+by a later process without the persistent root, digests checked with fall-through to the root,
+persist_every, and removal of dead jobs' segments. Real processes; a per-test job id."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.errors import CheckpointError
+from ckpt.memory_tier import OWNER_FILE, PREFIX, SHM_DIR, gc_segments
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
+
+# A worker: saves steps 1..N of a model whose weights are a function of the step, or restores.
+WORKER = textwrap.dedent("""
+    import os, sys, time, json, torch, ckpt
+    root, job, mode, n, persist = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    def weights(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(64, 32, generator=g)
+    model = torch.nn.Linear(32, 64, bias=False)
+    state = {"model": model}
+    mgr = ckpt.CheckpointManager(root, memory_tier=True, persist_every=persist, memory_job=job)
+    if mode == "restore":
+        step = mgr.restore(state)
+        info = mgr.last_restore
+        print(json.dumps({"step": step, "tier": info.tier, "bytes": info.bytes_from_storage,
+                          "exact": bool(torch.equal(model.weight.detach(), weights(step)))}))
+        mgr.close()
+        sys.exit(0)
+    for step in range(1, n + 1):
+        with torch.no_grad():
+            model.weight.copy_(weights(step))
+        mgr.save(step, state)
+    mgr.wait()
+    if mode == "hang":  # wait to be SIGKILLed, mid-run, segment owned
+        open(os.path.join(root, "..", "ready"), "w").close()
+        time.sleep(600)
+    mgr.close()
+""")
+
+
+@pytest.fixture
+def job(tmp_path):
+    name = f"test{uuid.uuid4().hex[:10]}"
+    yield name
+    for entry in os.listdir(SHM_DIR):
+        if entry.startswith(f"{PREFIX}{name}"):
+            subprocess.run(["rm", "-rf", os.path.join(SHM_DIR, entry)], check=False)
+
+
+def segments(job: str) -> list[str]:
+    return sorted(os.path.join(SHM_DIR, e) for e in os.listdir(SHM_DIR)
+                  if e.startswith(f"{PREFIX}{job}-"))
+
+
+def run_worker(root, job, mode, n=0, persist=1, **kw) -> subprocess.CompletedProcess | subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    args = [sys.executable, "-c", WORKER, str(root), job, mode, str(n), str(persist)]
+    if mode == "hang":
+        return subprocess.Popen(args, env=env, **kw)
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def restored(root, job) -> dict:
+    import json
+    return json.loads(run_worker(root, job, "restore").stdout.strip().splitlines()[-1])
+
+
+def step_data_files(root, step) -> list[str]:
+    d = os.path.join(root, f"step-{step:08d}")
+    return [os.path.join(d, f) for f in os.listdir(d) if f != "manifest.json"]
+
+
+@pytest.mark.multiproc
+def test_second_process_restores_from_memory_without_reading_the_root(tmp_path, job):
+    root = tmp_path / "root"
+    run_worker(root, job, "save", n=3, persist=2)  # exits cleanly; step 3 is in memory only
+    # The root holds step 2; remove its data: nothing can be read from the root.
+    for f in step_data_files(root, 2):
+        os.remove(f)
+    # This (pytest) process is the second one: it restores from the saver's segment.
+    model = torch.nn.Linear(32, 64, bias=False)
+    with ckpt.CheckpointManager(root, memory_tier=True, persist_every=2,
+                                memory_job=job) as mgr:
+        assert mgr.restore({"model": model}) == 3
+        assert (mgr.last_restore.tier, mgr.last_restore.bytes_from_storage) == ("memory", 0)
+    assert torch.equal(model.weight, torch.randn(64, 32, generator=torch.Generator().manual_seed(3)))
+
+
+def save_steps(root, job, steps, persist) -> dict[int, torch.Tensor]:
+    """Save in this process; the manager is closed (its segment's owner lock released)."""
+    model, weights = torch.nn.Linear(32, 64, bias=False), {}
+    with ckpt.CheckpointManager(root, memory_tier=True, persist_every=persist,
+                                memory_job=job) as mgr:
+        for step in steps:
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            weights[step] = model.weight.detach().clone()
+            mgr.save(step, {"model": model})
+    return weights
+
+
+def test_flipped_bit_in_memory_is_detected_and_the_root_used(tmp_path, job):
+    root = tmp_path / "root"
+    saved = save_steps(root, job, [1, 2, 3], persist=2)  # root: 2; memory: 2, 3
+    [seg] = segments(job)
+    step3 = os.path.join(seg, "step-00000003")
+    data = [os.path.join(step3, f) for f in os.listdir(step3) if f != "manifest.json"]
+    flip(max(data, key=os.path.getsize))
+    model = torch.nn.Linear(32, 64, bias=False)
+    with ckpt.CheckpointManager(root, memory_tier=True, persist_every=2,
+                                memory_job=job) as mgr:
+        assert mgr.restore({"model": model}) == 3 - 1  # memory's step 3 is bad: not loaded
+        assert mgr.last_restore.tier == "memory"  # step 2 from memory still good
+        # Flip step 2 in memory too: the root's step 2 is next.
+        step2 = os.path.join(seg, "step-00000002")
+        for name in os.listdir(step2):
+            if name != "manifest.json":
+                flip(os.path.join(step2, name))
+        assert mgr.restore({"model": model}) == 2
+        assert mgr.last_restore.tier == "storage" and mgr.last_restore.bytes_from_storage > 0
+    assert torch.equal(model.weight, saved[2])
+
+
+def flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.multiproc
+def test_sigkilled_worker_restarts_from_memory(tmp_path, job):
+    root = tmp_path / "run" / "root"
+    root.parent.mkdir()
+    # persist_every=2: steps 2 and 4 reach the root; step 5 is in memory only.
+    proc = run_worker(root, job, "hang", n=5, persist=2)
+    ready = tmp_path / "run" / "ready"
+    try:
+        while not ready.exists():
+            assert proc.poll() is None, "worker died before saving"
+            try:
+                proc.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert ckpt.CheckpointManager(root, read_only=True).steps() == [2, 4]
+    for f in step_data_files(root, 4) + step_data_files(root, 2):
+        os.remove(f)  # the restart must not need the root
+    out = restored(root, job)
+    assert out == {"step": 5, "tier": "memory", "bytes": 0, "exact": True}
+
+
+def test_persist_every_puts_only_every_kth_save_in_the_root(tmp_path, job):
+    model = torch.nn.Linear(4, 4)
+    with ckpt.CheckpointManager(tmp_path, memory_tier=True, persist_every=3, memory_keep=2,
+                                memory_job=job) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, {"model": model})
+        mgr.wait()
+        assert mgr.steps() == [3, 6]
+        assert mgr._memory.steps() == [6, 7]
+    # step 7 is in memory only: the segment is kept at close for a restart
+    assert len(segments(job)) == 1
+
+
+def test_segment_removed_at_close_once_the_final_step_is_persisted(tmp_path, job):
+    with ckpt.CheckpointManager(tmp_path, memory_tier=True, persist_every=2,
+                                memory_job=job) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(4, 4)})
+        mgr.save(2, {"model": torch.nn.Linear(4, 4)})
+        assert len(segments(job)) == 1
+    assert segments(job) == []
+
+
+def test_budget_exceeded_raises_a_clear_error(tmp_path, job):
+    with ckpt.CheckpointManager(tmp_path, memory_tier=True, memory_budget=1000,
+                                memory_job=job) as mgr:
+        with pytest.raises(CheckpointError, match="budget"):
+            mgr.save(1, {"model": torch.nn.Linear(64, 64)})
+
+
+def test_segments_of_dead_jobs_are_removed_by_gc_and_later_runs(tmp_path, job):
+    dead, other = f"{job}dead", f"{job}old"
+    try:
+        # Closed with steps in memory only: segments kept, no live owner (as after a crash).
+        save_steps(tmp_path / "a", dead, [1], persist=100)
+        save_steps(tmp_path / "b", other, [1], persist=100)
+        [dead_seg], [old_seg] = segments(dead), segments(other)
+        with ckpt.CheckpointManager(tmp_path / "live", memory_tier=True, memory_job=job) as mgr:
+            mgr.save(1, {"model": torch.nn.Linear(4, 4)})
+            mgr.wait()
+            # A later run removes dead segments past the grace period only.
+            os.utime(os.path.join(old_seg, OWNER_FILE), (0, 0))
+            with ckpt.CheckpointManager(tmp_path / "later", memory_tier=True,
+                                        memory_job=f"{job}later"):
+                pass
+            assert not os.path.exists(old_seg) and os.path.exists(dead_seg)
+            # gc (what `ckpt gc --memory` runs) removes the dead job, never a live owner's.
+            assert gc_segments(job=dead) == [dead_seg]
+            assert not os.path.exists(dead_seg)
+            assert gc_segments(job=job) == [] and len(segments(job)) == 1
+    finally:
+        for j in (dead, other, f"{job}later"):
+            for s in segments(j):
+                subprocess.run(["rm", "-rf", s], check=False)
+
+
+def test_cli_gc_memory_removes_dead_segments_only_with_yes(tmp_path, job, capsys):
+    from ckpt.cli import main
+
+    save_steps(tmp_path / "dead", job, [1], persist=100)  # closed: no live owner
+    [seg] = segments(job)
+    assert main(["gc", "--memory", "--job", job]) == 0
+    assert seg in capsys.readouterr().out and os.path.exists(seg)  # dry run
+    assert main(["gc", "--memory", "--job", job, "--yes"]) == 0
+    assert not os.path.exists(seg)
+
+
+def test_full_dev_shm_raises_before_writing(tmp_path, job, monkeypatch):
+    import ckpt.memory_tier as mt
+
+    with ckpt.CheckpointManager(tmp_path, memory_tier=True, memory_job=job) as mgr:
+        real = os.statvfs(SHM_DIR)
+        full = os.statvfs_result((real.f_bsize, real.f_frsize, real.f_blocks, 0, 0)
+                                 + tuple(real)[5:])
+        monkeypatch.setattr(mt.os, "statvfs", lambda path: full)
+        with pytest.raises(CheckpointError, match="shm-size"):
+            mgr.save(1, {"model": torch.nn.Linear(4, 4)})
+        assert mgr._memory.steps() == [] and mgr.steps() == []

@@ -38,10 +38,12 @@ def tolerance_for(dtype: torch.dtype) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class Probe:
-    """What to record at save time for ``ckpt verify --level forward``.
+    """What to record at save time for ``ckpt verify --level forward`` and
+    ``restore(state, verify="forward")``.
 
     Args:
-        model_key: the state entry holding the model (an ``nn.Module``).
+        model_key: the state entry holding the model (an ``nn.Module``, or a
+            ``ckpt.ModelOptimizer`` whose model it runs).
         inputs: a small batch (a tensor, or a tuple of tensors passed positionally).
         loss_fn: optional ``(output, inputs) -> scalar tensor``; its value is recorded too.
         factory: ``"module:callable"`` that builds a fresh model for verification; recorded

@@ -497,7 +497,7 @@ def test_a_sharded_checkpoint_verifies_diffs_and_exports_whole(tmp_path, capsys)
         mgr.save(8, {**full, "scalar": torch.tensor(2.5), "model": make_model(0),  # one rank
                      "epoch": 5})
     doc = manifest_of(root / "step-00000007")
-    assert doc["world_size"] == 2 and len({n.split("-")[2] for n in doc["files"]}) == 2
+    assert doc["world_size"] == 2 and len({n.split("-")[-2] for n in doc["files"]}) == 2
 
     code, out, _ = cli(capsys, "verify", root, "--all")
     assert code == 0, out

@@ -50,7 +50,8 @@ from .state import BYTES, DICT, FLOAT, NDARRAY, PICKLE, TENSOR, TUPLE, item_tree
 __all__ = [
     "PROBE_ITEM", "SAFETENSORS_DTYPES", "TOLERANCES", "Checkpoints", "Chunk", "Manifest",
     "TensorEntry", "byte_view", "digest", "is_tensor_leaf", "item_tree", "named_tensors",
-    "open", "parameter_names", "plain_values", "run_forward", "tensor_leaves", "tolerance_for",
+    "open", "parameter_names", "plain_values", "run_forward", "step_dir", "tensor_leaves",
+    "tolerance_for",
 ]
 
 

@@ -52,10 +52,8 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _step_path(root: Path, step: int) -> Path:
-    try:
-        from ckpt.format import step_dir
-    except ImportError:  # layout helper moved: fall back to the documented name
-        return root / f"step-{step:08d}"
+    from ckpt.inspect import step_dir
+
     return root / step_dir(step)
 
 

@@ -24,9 +24,7 @@ import torch
 
 import ckpt
 import ckpt.inspect
-from ckpt.datafile import SAFETENSORS_DTYPES
-from ckpt.format import Manifest
-from ckpt.inspect import Checkpoints
+from ckpt.inspect import SAFETENSORS_DTYPES, Checkpoints, Manifest
 
 from .export import _write_safetensors, plan, select
 from .report import UsageError, size

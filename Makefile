@@ -21,6 +21,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) benchmarks/bench_save_load.py
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_incremental.py
@@ -32,6 +33,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_compression.py
 	$(PY) benchmarks/bench_cuda.py
 	$(PY) benchmarks/bench_integrations.py
+	$(PY) benchmarks/bench_scale.py
 
 clean:
 	rm -rf $(VENV) demo-run bench-out

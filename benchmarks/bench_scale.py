@@ -31,14 +31,13 @@ import datetime
 import gc
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402,F401  (puts the repository root on sys.path)
+import common  # noqa: E402  (also puts the repository root on sys.path)
 import scale_sim as sim  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
 
@@ -159,9 +158,8 @@ def main() -> None:
     global _ARGS
     _ARGS = parser.parse_args()
     options = SaveOptions(write_threads=4)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=common.REPO_ROOT).stdout.strip() or "unknown"
-    print(f"## Save and load planning at scale (commit {commit})\n")
+    commit = common.code_version()
+    print(f"### Planning seconds per phase (code {commit})\n")
     print(f"70B decoder, {_ARGS.layers} layers, bf16 parameters"
           + (" + fp32 Adam state" if _ARGS.optim else "")
           + f"; 8 MiB chunks; vote with up to {_ARGS.clients} real TCPStore clients. "

@@ -56,6 +56,7 @@ SCRIPTS = {
     "cuda": ("bench_cuda.py", ["--sizes", "1G,2G", "--reps", "3"], ["--sizes", "256M", "--reps", "1"]),
     "integrations": ("bench_integrations.py", ["--reps", "2"],
                      ["--reps", "1", "--layers", "2", "--width", "128"]),
+    "scale": ("bench_scale.py", [], ["--ranks", "8,64", "--layouts", "fsdp,hsdp"]),
 }
 TITLES = {
     "save_load": "Save and load throughput (Foundation issue)",
@@ -69,6 +70,7 @@ TITLES = {
     "compression": "Compression that keeps up: zstd levels, threads, throttled storage",
     "cuda": "GPU: overlapped save, restore onto the device, against DCP",
     "integrations": "Lightning, HF Trainer, Accelerate: blocking per checkpoint and bytes",
+    "scale": "Save and load planning at 8 to 4,096 simulated ranks (issue 17)",
 }
 COMMIT_TAG = "<!-- measured at commit {} -->"
 
@@ -84,10 +86,11 @@ def run(name: str, quick: bool) -> str:
     if out.returncode != 0:
         text += f"\n\n(exited {out.returncode}; stderr tail)\n\n```\n{out.stderr[-3000:]}\n```\n"
     os.makedirs(RESULTS, exist_ok=True)
+    tagged = COMMIT_TAG.format(common.code_version()) + "\n" + text
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
-        f.write(COMMIT_TAG.format(common.code_version()) + "\n" + text)
+        f.write(tagged)
     print(f"  {name}: {time.time() - t0:.0f} s", file=sys.stderr)
-    return text
+    return tagged  # the same text --reuse reads back (its first line is the tag)
 
 
 def scrub(text: str) -> str:

@@ -569,7 +569,9 @@ def test_hooks_and_extra_state_survive_a_restart(tmp_path):
     first, _, _ = run("resumed", crash_at=8)
     with pytest.raises(ValueError, match="went away"):
         first.fit(12)
-    assert kind("ckpt") == [("ckpt", 5)]
+    # after_checkpoint is reported when the trainer sees the commit (before a later step):
+    # step 5's may not have been seen before the crash at step 8, but none other may appear.
+    assert kind("ckpt") in ([], [("ckpt", 5)])
     calls.clear()
     second, ema, counter = run("resumed")
     assert second.fit(12).restores == [0, 5]

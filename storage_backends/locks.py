@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import time
+import weakref
 
 from .base import LockHeldError
 
@@ -22,6 +23,28 @@ LOCK_NAME = ".lock"
 OWNER_NAME = ".lock.owner"
 # Never follow a link planted where the lock or owner file goes (it could point outside).
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# Locks this process holds. A forked child (a DataLoader worker, say) shares the lock's open
+# file description, and an flock lasts until every descriptor of it is closed: a child that
+# outlives its SIGKILLed parent for a few seconds would keep the root locked against the
+# restarted job. So a forked child closes its copies at once (closing, never LOCK_UN, which
+# would unlock the parent's lock too).
+_HELD: weakref.WeakSet = weakref.WeakSet()
+
+
+def _close_in_forked_child() -> None:
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def describe_owner() -> dict:
@@ -55,6 +78,7 @@ class FlockWriterLock:
                 ) from e
             raise
         self._fd = fd
+        _HELD.add(self)
         try:
             self._write_owner(owner)
         except BaseException:
@@ -99,5 +123,6 @@ class FlockWriterLock:
             except OSError:  # a read-only root: the owner file says who held it, harmlessly
                 pass
             fd, self._fd = self._fd, None
+            _HELD.discard(self)
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)

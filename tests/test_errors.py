@@ -424,3 +424,35 @@ def test_tensor_of_an_unstorable_dtype_is_refused_up_front(tmp_path):
         assert root_entries(root) == []
         mgr.save(2, {"ok": torch.ones(2)})
     assert ckpt.CheckpointManager(root, read_only=True).steps() == [2]
+
+
+def test_a_forked_child_of_a_killed_writer_does_not_keep_the_root_locked(tmp_path):
+    """DataLoader workers are forked children of the writer: one that outlives its SIGKILLed
+    parent (workers notice a dead parent only after seconds) must not hold the writer lock,
+    or the restarted job finds the root locked by a dead process."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    script = (
+        "import os, sys, time, ckpt\n"
+        f"mgr = ckpt.CheckpointManager({str(root)!r})\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "print(child, flush=True)\n"
+        "time.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env=env)
+    child = int(writer.stdout.readline())
+    try:
+        writer.kill()
+        writer.wait()
+        os.kill(child, 0)  # the child is still alive, holding the parent's descriptors
+        with ckpt.CheckpointManager(root) as mgr:  # the restarted job takes the lock at once
+            mgr.save(1, {"x": torch.ones(2)}, force=True)
+        assert mgr.steps() == [1]
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -247,6 +247,17 @@ def run_reads(jobs: list[ReadJob], pool: cf.ThreadPoolExecutor | None) -> None:
         future.result()
 
 
+def needed_tensors(storage: Storage, location: str, manifest: Manifest,
+                   trees: dict[str, Any], allow_pickle: bool) -> set[str]:
+    """The stored tensors that the item ``trees`` to be loaded refer to (aliases resolved);
+    refuses pickled values unless ``allow_pickle``, before any tensor is read."""
+    if not allow_pickle and any(holds_pickle(tree) for tree in trees.values()):
+        raise UnsupportedValueError(
+            f"{storage.url}/{location} holds pickled values; load it with allow_pickle=True "
+            "only if you trust where it came from (nothing was loaded)", path=location)
+    return {manifest.resolve(k) for tree in trees.values() for k in tensor_keys(tree)}
+
+
 def load_step(storage: Storage, location: str, manifest: Manifest,
               state: MutableMapping[str, Any], *, rank: int = 0, allow_pickle: bool = False,
               verify: bool = True, pool: cf.ThreadPoolExecutor | None = None,
@@ -274,11 +285,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
     wanted = {name: item_tree(manifest.items[name], src) for name in state
               if name in manifest.items}
     _check_optimizers(state, wanted)
-    if not allow_pickle and any(holds_pickle(tree) for tree in wanted.values()):
-        raise UnsupportedValueError(
-            f"{storage.url}/{location} holds pickled values; load it with allow_pickle=True "
-            "only if you trust where it came from (nothing was loaded)", path=location)
-    needed = {manifest.resolve(k) for tree in wanted.values() for k in tensor_keys(tree)}
+    needed = needed_tensors(storage, location, manifest, wanted, allow_pickle)
     loaded: dict[str, torch.Tensor] = {}
     reads: list[_Read] = []
     written: list[str] = []  # live tensors the apply pass writes into

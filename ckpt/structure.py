@@ -17,11 +17,10 @@ import torch
 
 from storage_backends import Storage
 
-from .errors import UnsupportedValueError
 from .format import Manifest
-from .reader import box_reads, run_reads
+from .reader import box_reads, needed_tensors, run_reads
 from .sharding import source_rank
-from .state import decode, holds_pickle, item_tree, tensor_keys
+from .state import decode, item_tree
 
 MapLocation = str | torch.device | None
 
@@ -44,11 +43,7 @@ def read_structure(storage: Storage, location: str, manifest: Manifest, *, rank:
     src = source_rank(rank, manifest.world_size)
     trees = {name: item_tree(item, src) for name, item in manifest.items.items()
              if name not in skip}
-    if not allow_pickle and any(holds_pickle(tree) for tree in trees.values()):
-        raise UnsupportedValueError(
-            f"{storage.url}/{location} holds pickled values; load it with allow_pickle=True "
-            "only if you trust where it came from (nothing was loaded)", path=location)
-    needed = {manifest.resolve(k) for tree in trees.values() for k in tensor_keys(tree)}
+    needed = needed_tensors(storage, location, manifest, trees, allow_pickle)
     loaded: dict[str, torch.Tensor] = {}
     jobs = []
     for key in sorted(needed):

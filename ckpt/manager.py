@@ -101,8 +101,8 @@ class CheckpointManager:
             segment may hold, and the job id in the segment's name (default:
             TORCHELASTIC_RUN_ID, else a hash of ``root``).
         memory_dir, memory_node: where segments live (default ``/dev/shm``) and this node's
-            name in them (default: env CKPT_NODE, else hostname + torchrun's GROUP_RANK;
-            ckpt/memory_tier.py).
+            name in them (default: env CKPT_NODE, else the hostname, followed by torchrun's
+            GROUP_RANK where several nodes share a host; ckpt/memory_tier.py).
         commit_timeout: how long rank 0 waits for the other ranks' reports before it gives
             up on a step (a rank died or hangs): the step is not committed and every rank's
             save raises.
@@ -655,24 +655,25 @@ class CheckpointManager:
             raise ValueError("memory_tier=True cannot be combined with incremental=True")
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
             raise ValueError(f"replicas must be a non-negative integer, not {replicas!r}")
-        tier = MemoryTier(self.root, self.group.rank, job=job, keep=keep, budget=budget,
-                          shm_dir=shm_dir, node=node, ranked=self.group.enabled)
-        if self.group.enabled:
-            self._open_peers(tier, replicas)
-        return tier
-
-    def _open_peers(self, tier: MemoryTier, replicas: int) -> None:
-        """The gloo group the ranks restore through, and the replication ring (collective:
-        every rank creates the group here, in the same order)."""
+        if not self.group.enabled:
+            return MemoryTier(self.root, self.group.rank, job=job, keep=keep, budget=budget,
+                              shm_dir=shm_dir, node=node)
         import torch.distributed as dist
 
         from .replication import new_secret, ring_targets
 
+        # The gloo group the ranks restore through (collective: every rank creates it here,
+        # in the same order).
         ranks = None if self.group.pg is None else dist.get_process_group_ranks(self.group.pg)
         self._memory_pg = dist.new_group(ranks=ranks, backend="gloo")
+        if node is None and not os.environ.get("CKPT_NODE"):
+            node = self._stable_node_name()
+        tier = MemoryTier(self.root, self.group.rank, job=job, keep=keep, budget=budget,
+                          shm_dir=shm_dir, node=node, ranked=True)
         if replicas:
             self._replicator = Replicator(shm_dir=tier.shm_dir, job=tier.job, node=tier.node,
-                                          keep=tier.keep, count=self._count_replication)
+                                          keep=tier.keep, budget=tier.budget,
+                                          count=self._count_replication)
         me = (tier.node, int(os.environ.get("LOCAL_RANK", "0")),
               self._replicator.address if self._replicator else None, new_secret())
         everyone: list[Any] = [None] * self.group.world_size
@@ -682,6 +683,23 @@ class CheckpointManager:
                                    [e[1] for e in everyone], replicas)
             self._replicator.connect([everyone[t][2] for t in targets], everyone[0][3])
             log.info("ckpt.memory_tier node=%s replicas to ranks %s", tier.node, targets)
+        return tier
+
+    def _stable_node_name(self) -> str | None:
+        """The hostname alone when every node has its own host: torchrun may renumber nodes
+        (GROUP_RANK) after losing one, and a host's segments must keep their name. Only
+        nodes sharing a host (one machine) need the node rank in the name. Collective."""
+        import socket
+
+        import torch.distributed as dist
+
+        hosts: list[Any] = [None] * self.group.world_size
+        dist.all_gather_object(hosts, (socket.gethostname(), os.environ.get("GROUP_RANK")),
+                               group=self._memory_pg)
+        ranks_of: dict[str, set] = {}
+        for host, group_rank in hosts:
+            ranks_of.setdefault(host, set()).add(group_rank)
+        return socket.gethostname() if all(len(r) == 1 for r in ranks_of.values()) else None
 
     def _count_replication(self, what: str) -> None:
         if self.metrics:
@@ -748,8 +766,7 @@ class CheckpointManager:
         mem, persisted = self._memory.steps(), self.latest_step()
         if self._replicator is not None:
             # The newest step's replica is worth a short wait; a dead peer is not.
-            self._replicator.close(drain=self._replicator.timeout,
-                                   remove_upto=persisted)
+            self._replicator.close(drain=10.0, remove_upto=persisted)
         if not mem or (persisted is not None and persisted >= mem[-1]):
             self._memory.remove()
         else:

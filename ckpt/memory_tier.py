@@ -18,9 +18,12 @@ by the live process that writes it. A segment whose lock can be taken has no liv
 ``<node>`` names the node: ``memory_node=``, else the environment's ``CKPT_NODE``, else the
 hostname followed by ``_n<GROUP_RANK>`` under torchrun (its node rank), else the hostname;
 characters other than letters, digits, ``_`` and ``.`` become ``_``, so a node's segments,
-its replicas included, are exactly ``<shm>/ckpt-<job>-<node>-*``. A rank reads only segments of
-its own node. On one machine torchrun may hand out node ranks in another order after a node is
-lost, so a test simulating nodes there names each one with ``CKPT_NODE``.
+its replicas included, are exactly ``<shm>/ckpt-<job>-<node>-*``. Under a process group whose
+nodes all have hosts of their own the hostname alone names a node (the manager checks at
+start-up), because torchrun may renumber the nodes (GROUP_RANK) after losing one, and a host
+must find its segments under the same name. A rank reads only segments of its own node. On one
+machine the node rank is all that tells nodes apart, and it may change after a node is lost,
+so a test simulating nodes there names each one with ``CKPT_NODE``.
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ class MemoryTier:
 
     def check_space(self, nbytes: int) -> None:
         """Raise before writing when the step does not fit the budget or /dev/shm."""
-        held = _tree_bytes(self.path)
+        held = tree_bytes(self.path)
         # Until the oldest generation is retired, keep+1 steps are held at once.
         if self.budget is not None and held + nbytes > self.budget:
             raise CheckpointError(
@@ -264,7 +267,8 @@ def read_rank_doc(path: str, step: int) -> dict:
     return doc
 
 
-def _tree_bytes(path: str) -> int:
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path``."""
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:

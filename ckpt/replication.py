@@ -24,9 +24,9 @@ import struct
 import threading
 from typing import Any, Callable
 
-from .memory_tier import (RANK_DOC, STAGING, commit_dir, own_segment, replica_name,
-                          retire_rank_steps, rank_steps)
 from .format import step_dir
+from .memory_tier import (RANK_DOC, STAGING, commit_dir, own_segment, rank_steps,
+                          replica_name, retire_rank_steps, tree_bytes)
 
 log = logging.getLogger("ckpt")
 
@@ -78,13 +78,16 @@ class Replicator:
     Args:
         shm_dir, job, node: where replica segments go and how they are named.
         keep: replica generations kept per origin rank.
+        budget: the most bytes one replica segment may hold (None: what fits in ``shm_dir``).
         timeout: seconds any one connect/send/receive may take.
         count: called with "replicated", "failed" or "superseded" (metrics).
     """
 
-    def __init__(self, *, shm_dir: str, job: str, node: str, keep: int, timeout: float = 60.0,
+    def __init__(self, *, shm_dir: str, job: str, node: str, keep: int,
+                 budget: int | None = None, timeout: float = 60.0,
                  count: Callable[[str], None] | None = None) -> None:
         self.shm_dir, self.job, self.node, self.keep = shm_dir, job, node, keep
+        self.budget = budget
         self.timeout = timeout
         self._count = count or (lambda what: None)
         self.secret = ""
@@ -206,6 +209,9 @@ class Replicator:
             if origin not in self._owners:
                 self._owners[origin] = own_segment(segment)
         need = sum(size for _, size in files) + doc_size
+        if self.budget is not None and tree_bytes(segment) + need > self.budget:
+            raise OSError(f"{segment} would exceed memory_budget={self.budget} with step "
+                          f"{step} ({need} bytes)")
         st = os.statvfs(self.shm_dir)
         if need > st.f_bavail * st.f_frsize:
             raise OSError(f"{self.shm_dir} has no room for step {step} of rank {origin} "

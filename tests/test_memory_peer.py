@@ -11,6 +11,8 @@ import shutil
 
 import pytest
 
+from ckpt.memory_tier import gc_segments
+
 from _dist import run_ranks
 from _memory_workers import restore, restore_after_node_loss, save_steps
 
@@ -47,11 +49,11 @@ def pair(tmp_path_factory):
         if name != "manifest.json":
             os.remove(os.path.join(step2, name))
     restored = run_ranks(2, restore, root, str(shm), "pair", nodes, timeout=100)
-    return saved, segments, restored
+    return saved, segments, restored, shm
 
 
 def test_save_returns_while_the_peers_receiver_is_held(pair):
-    saved, segments, _ = pair
+    saved, segments, _, _ = pair
     # Rank 0's first save returned although rank 1 had stored none of its replica yet...
     assert saved[0]["replica_before_release"] == []
     # ...and once released, every step's replica arrived (acknowledged by the peer).
@@ -62,7 +64,7 @@ def test_save_returns_while_the_peers_receiver_is_held(pair):
 
 
 def test_restarted_pair_restores_from_own_memory_without_the_root(pair):
-    _, _, restored = pair
+    _, _, restored, _ = pair
     for r in restored:
         assert r == {"step": 3, "tier": "memory", "bytes": 0, "mismatches": []}
 
@@ -104,3 +106,11 @@ def test_both_copies_of_a_shard_gone_falls_back_to_the_root(node_loss):
         out = r["both_gone"]
         assert (out["step"], out["tier"], out["mismatches"]) == (2, "storage", [])
         assert out["bytes"] > 0
+
+
+def test_gc_finds_the_dead_jobs_segments_and_replicas(pair):
+    *_, shm = pair  # every process of the job has exited: no segment has a live owner
+    found = gc_segments(str(shm), job="pair", dry_run=True)
+    assert sorted(os.path.basename(p) for p in found) == segment_dirs(shm)
+    assert any("-replica-" in p for p in found)
+    assert gc_segments(str(shm), job="pair") == found and segment_dirs(shm) == []

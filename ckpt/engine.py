@@ -224,6 +224,9 @@ class StepPayload:
     # Unique to this save attempt (shared by its ranks): names its staging location and files,
     # so a retried or concurrent attempt never overwrites another's objects.
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # Boxes this rank holds but another rank writes (a replicated tensor's copy): staged only
+    # for the memory tier, which keeps everything a rank holds so that it restores alone.
+    held: dict[str, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -428,6 +431,12 @@ class BackgroundWriter:
                               time.perf_counter() - t0)
 
         return SaveHandle(payload.step, self._thread.submit(job), blocking_seconds)
+
+    def submit_call(self, step: int, blocking_seconds: float,
+                    fn: Callable[[cf.ThreadPoolExecutor | None], SaveResult]) -> SaveHandle:
+        """Run ``fn(pool)`` on the writer thread after the saves queued before it (the memory
+        tier's per-rank publish, which needs no commit vote)."""
+        return SaveHandle(step, self._thread.submit(fn, self._pool), blocking_seconds)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

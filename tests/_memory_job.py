@@ -3,7 +3,7 @@
 LocalCluster) or as a plain process.
 
     torchrun ... tests/_memory_job.py --root R --run-dir D --digests G --steps 20 --every 5 \\
-        --persist-every 2 --memory-job J [--hold-at 17] [--memory on|off|auto]
+        --persist-every 2 --memory-job J [--hold-at 17,22] [--memory on|off|auto]
 
 Writes, per attempt and rank, to ``--digests``:
 
@@ -11,10 +11,10 @@ Writes, per attempt and rank, to ``--digests``:
   every checkpointed step (after the update, as the step's checkpoint holds them);
 - ``restored-a<attempt>-r<rank>.json``: the step and digest of the state the attempt
   started from (taken in its first micro batch, before anything changed it);
-- ``holding-r<rank>.json``: with ``--hold-at H``, in the first attempt, once the step
-  before H is done and its checkpoint committed (and replicated to the peers):
-  ``{"pid", "step"}``; the worker then waits
-  (until SIGTERM, or 120 s) so that the test can kill it at a known point.
+- ``holding-s<H>-r<rank>.json``: with ``--hold-at H,...``, the first time rank ``rank`` is
+  about to train step H, once its checkpoints are committed (and replicated to the peers):
+  ``{"pid", "step", "attempt"}``; the worker then waits (until SIGTERM, a file
+  ``release-s<H>`` there, or 120 s) so that the test can kill it at a known point.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--persist-every", type=int, default=1)
     p.add_argument("--memory-job", default=None)
     p.add_argument("--memory", choices=sorted(MEMORY), default="auto")
-    p.add_argument("--hold-at", type=int, default=0)
+    p.add_argument("--hold-at", default="",
+                   help="comma-separated steps to wait before, once per rank (see above)")
     p.add_argument("--hold-until-world", type=int, default=0,
                    help="first attempt only: at world sizes below this, wait for SIGTERM")
     p.add_argument("--sample-sleep", type=float, default=0.0)
@@ -99,27 +100,35 @@ def main(argv: list[str] | None = None) -> int:
     held: list[int] = []
 
     def write(name: str, record: dict, append: bool = False) -> None:
-        with open(out / name, "a" if append else "w") as f:
+        path = out / name if append else out / f".{name}.tmp"
+        with open(path, "a" if append else "w") as f:
             f.write(json.dumps(record) + "\n")
+        if not append:  # whole or absent for a reader polling for it
+            os.replace(path, out / name)
 
     def digest() -> str:
         return state_digest(trainer.module, trainer.optimizer)
 
+    holds = {int(h) for h in args.hold_at.split(",") if h}
+
+    def wait_for_sigterm(t: ElasticTrainer, release: Path | None = None) -> None:
+        deadline = time.time() + 120
+        while not t.preempted and time.time() < deadline and not (release and release.exists()):
+            time.sleep(0.05)
+
     def maybe_hold(t: ElasticTrainer) -> None:
-        if held or t.attempt != 0:
+        if (args.hold_until_world and t.attempt == 0 and not held
+                and t.world_size < args.hold_until_world):
+            held.append(t.step)
+            wait_for_sigterm(t)
             return
-        if not ((args.hold_at and t.step == args.hold_at - 1)
-                or (args.hold_until_world and t.world_size < args.hold_until_world)):
-            return
-        held.append(t.step)
-        if args.hold_at:
+        marker = out / f"holding-s{t.step + 1}-r{t.rank}.json"
+        if t.step + 1 in holds and not marker.exists():  # once per step and rank
             # The kill comes at a known point: the newest checkpoint committed and copied to
             # the peers (private: the trainer has no public wait; this is a test's job).
             t._checkpoints.manager.wait_replicated(timeout=60)
-            write(f"holding-r{t.rank}.json", {"pid": os.getpid(), "step": t.step})
-        deadline = time.time() + 120
-        while not t.preempted and time.time() < deadline:
-            time.sleep(0.05)
+            write(marker.name, {"pid": os.getpid(), "step": t.step, "attempt": t.attempt})
+            wait_for_sigterm(t, out / f"release-s{t.step + 1}")
 
     def step_fn(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         t = trainer

@@ -5,9 +5,12 @@ named through ``CKPT_NODE`` so that its shared-memory segments are ``ckpt-<job>-
 the job is tests/_memory_job.py, which writes a digest of the model and optimizer at every
 checkpointed step and of the state each attempt starts from.
 
-- a worker SIGKILLed while its agent lives: torchrun restarts it and it resumes from its
-  memory segment, a step that was never persisted, with zero bytes read from the root, the
-  model and optimizer bit-exact;
+- a worker SIGKILLed while its agent lives: torchrun restarts the group and every rank
+  resumes from its node's memory, a step that was never persisted, with zero bytes read from
+  the root, the model and optimizer bit-exact;
+- a whole node killed (its agent's process tree SIGKILLed, its segments removed): the
+  survivors restore the lost shards from the peer replica at world 2, zero bytes from the
+  root, the model and optimizer equal to the saved step;
 - the trainer's default (on under torchrun, off in a plain process), and the keyword that
   turns it off.
 
@@ -37,23 +40,17 @@ from trainer.elastic import read_jsonl
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
-EVERY, PERSIST, HOLD_AT, STEPS = 5, 2, 17, 20  # saves 5 10 15 20; the root gets 10 and 20
+EVERY, PERSIST, STEPS = 5, 2, 25
 JOB_TIMEOUT = 120.0
 
 
-@pytest.fixture
-def memjob():
-    name = f"mt{uuid.uuid4().hex[:10]}"
-    yield name
-    for entry in os.listdir(SHM_DIR):
-        if entry.startswith(f"{PREFIX}{name}"):
-            shutil.rmtree(os.path.join(SHM_DIR, entry), ignore_errors=True)
-
-
 def job_args(tmp: Path, memjob: str, *extra: str) -> list[str]:
+    # A generous collective timeout: on a loaded machine restarted workers are slow to
+    # start, and rank 0's store must be up before the others give up connecting.
     return ["--root", str(tmp / "ckpt"), "--run-dir", str(tmp / "run"), "--digests",
             str(tmp / "digests"), "--steps", str(STEPS), "--every", str(EVERY),
-            "--persist-every", str(PERSIST), "--memory-job", memjob, *extra]
+            "--persist-every", str(PERSIST), "--memory-job", memjob,
+            "--collective-timeout", "30", *extra]
 
 
 def restored_records(run_dir: Path, attempt: int) -> list[dict]:
@@ -68,6 +65,7 @@ def saved_digest(digests: Path, attempt: int, rank: int, step: int) -> str:
 
 
 def wait_all(c: _memory_job.Cluster, nodes: list, tmp: Path) -> None:
+    """Every agent of ``nodes`` exits 0 within the timeout."""
     for n in nodes:
         try:
             n.proc.wait(timeout=JOB_TIMEOUT)
@@ -116,102 +114,117 @@ def test_memory_tier_is_the_trainers_keyword_not_a_checkpoint_option(tmp_path):
                        memory_tier="yes", **common)
 
 
-def run_plain(tmp: Path, memjob: str, *extra: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=cluster_harness.REPO)
-    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-              "GROUP_RANK"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, _memory_job.SCRIPT, *job_args(tmp, memjob),
-                           *extra], env=env, capture_output=True, text=True,
-                          timeout=JOB_TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-
-
-@pytest.mark.multiproc
-def test_plain_process_trainer_resumes_from_memory_with_memory_tier_true(tmp_path, memjob):
-    """memory_tier=True in a plain process: the final step (not persisted: persist_every)
-    stays in memory at exit, and the next run resumes from it without reading the root."""
-    steps = ["--steps", str(3 * EVERY)]  # saves 5 10 15: the root gets 10, memory 10 and 15
-    run_plain(tmp_path, memjob, "--memory", "on", *steps)
-    assert ckpt.CheckpointManager(tmp_path / "ckpt", read_only=True).steps() == [2 * EVERY]
-    run_plain(tmp_path, memjob, "--memory", "on", "--steps", str(4 * EVERY))
-    [rec] = restored_records(tmp_path / "run", 1)
-    assert (rec["step"], rec["tier"], rec["bytes_from_storage"]) == (3 * EVERY, "memory", 0)
-    restored = json.loads((tmp_path / "digests" / "restored-a1-r0.json").read_text())
-    assert restored["digest"] == saved_digest(tmp_path / "digests", 0, 0, 3 * EVERY)
-
-
 # ------------------------------------------------------------------------- torchrun scenarios
+#
+# One job of three nodes (saves at 5 10 15 20 25; persist_every=2 counts the saves of each
+# attempt, so the root gets only 10 here; the memory tier gets every save). Every worker
+# holds, once per rank, before steps 17 and 22, its newest checkpoint committed and
+# replicated:
+#   1. before 17, one worker is SIGKILLed, its agent alive: all three restart;
+#   2. before 22, rank 1's node dies: the two survivors go on at world 2.
+
+HOLDS = (17, 22)
 
 
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_worker_sigkilled_agent_alive_restores_from_memory(tmp_path, memjob):
-    """One node, one worker, the trainer's default (memory tier on under torchrun). The
-    worker is SIGKILLed after step 16, its newest checkpoint (15) in memory only; torchrun
-    restarts it and it resumes from step 15 out of its segment, bit-exact, reading nothing
-    from the root (which holds step 10)."""
-    c = _memory_job.Cluster(tmp_path, job_args(tmp_path, memjob, "--hold-at", str(HOLD_AT)),
-                            memjob, nnodes="1:1")
-    try:
-        [node] = [c.add_node()]
-        holding = tmp_path / "digests" / "holding-r0.json"
-        cluster_harness.wait_for(holding.exists, JOB_TIMEOUT, "the worker to hold", cluster=c)
-        held = json.loads(holding.read_text())
-        assert held["step"] == HOLD_AT - 1
-        root_steps = ckpt.CheckpointManager(tmp_path / "ckpt", read_only=True).steps()
-        assert root_steps == [2 * EVERY], root_steps  # step 15 exists in memory only
-        os.kill(held["pid"], signal.SIGKILL)  # the agent lives and restarts it
-        wait_all(c, [node], tmp_path)
-    finally:
-        c.close()
-    [rec] = restored_records(tmp_path / "run", 1)
-    assert (rec["step"], rec["tier"], rec["bytes_from_storage"]) == (3 * EVERY, "memory", 0)
-    restored = json.loads((tmp_path / "digests" / "restored-a1-r0.json").read_text())
-    assert restored["step"] == 3 * EVERY
-    assert restored["digest"] == saved_digest(tmp_path / "digests", 0, 0, 3 * EVERY)
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["final_step"] == STEPS
-    assert summary["recoveries"][-1]["restored_from"] == "memory"
-
-
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_node_killed_survivors_restore_from_peer_replica_at_world_2(tmp_path, memjob):
-    """Three nodes hold after step 16, step 15 (in memory only) committed and replicated.
-    Rank 1's node dies: its agent and worker SIGKILLed, its shared memory (own segment and
-    the replica it held) removed. The two survivors re-form at world 2 and restore step 15:
-    the lost rank's shards from the replica on the next node, zero bytes from the root
-    (which holds step 10), model and optimizer equal to the saved step."""
-    c = _memory_job.Cluster(tmp_path, job_args(tmp_path, memjob, "--hold-at", str(HOLD_AT),
-                                               "--hold-until-world", "3"), memjob,
-                            nnodes="2:3")
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("three_nodes")
+    memjob = f"mt{uuid.uuid4().hex[:10]}"
+    args = job_args(tmp, memjob, "--hold-at", ",".join(map(str, HOLDS)), "--hold-until-world",
+                    "3")
+    c = _memory_job.Cluster(tmp, args, memjob, nnodes="2:3")
+    facts: dict = {"tmp": tmp, "memjob": memjob}
     try:
         nodes = [c.add_node() for _ in range(3)]
-        holding = [tmp_path / "digests" / f"holding-r{r}.json" for r in range(3)]
-        cluster_harness.wait_for(lambda: all(h.exists() for h in holding), JOB_TIMEOUT,
-                                 "every worker to hold", cluster=c)
-        assert ckpt.CheckpointManager(tmp_path / "ckpt", read_only=True).steps() == [
-            2 * EVERY]
-        dead = c.node_of(json.loads(holding[1].read_text())["pid"])
+
+        def held_at(step: int) -> list[dict] | None:
+            marks = [tmp / "digests" / f"holding-s{step}-r{r}.json" for r in range(3)]
+            return all(m.exists() for m in marks) and [json.loads(m.read_text())
+                                                         for m in marks]
+
+        held = cluster_harness.wait_for(lambda: held_at(HOLDS[0]), JOB_TIMEOUT,
+                                        f"every worker to hold before step {HOLDS[0]}",
+                                        cluster=c)
+        facts["root_before_worker_kill"] = root_steps(tmp)
+        facts["worker_killed_attempt"] = held[2]["attempt"]
+        os.kill(held[2]["pid"], signal.SIGKILL)  # its agent lives and restarts the group
+
+        held = cluster_harness.wait_for(lambda: held_at(HOLDS[1]), JOB_TIMEOUT,
+                                        f"every worker to hold before step {HOLDS[1]}",
+                                        cluster=c)
+        facts["root_before_node_kill"] = root_steps(tmp)
+        facts["node_killed_attempt"] = held[1]["attempt"]
+        dead = c.node_of(held[1]["pid"])
         dead.kill(signal.SIGKILL)
-        gone = [e for e in os.listdir(SHM_DIR)
-                if e.startswith(f"{PREFIX}{memjob}-{c.node_name(c.nodes.index(dead))}-")]
-        assert any("replica" in g for g in gone) and len(gone) >= 2, gone
-        for entry in gone:
+        facts["segments_removed"] = gone = [
+            e for e in os.listdir(SHM_DIR)
+            if e.startswith(f"{PREFIX}{memjob}-{c.node_name(c.nodes.index(dead))}-")]
+        for entry in gone:  # the node's RAM went with it
             shutil.rmtree(os.path.join(SHM_DIR, entry))
-        wait_all(c, [n for n in nodes if n is not dead], tmp_path)
+        # The survivors train on and meet the loss in their next collective (a held worker
+        # would notice it only by the heartbeat timeout).
+        (tmp / "digests" / f"release-s{HOLDS[1]}").touch()
+        wait_all(c, [n for n in nodes if n is not dead], tmp)
     finally:
         c.close()
-    p = cluster_harness.progress(tmp_path / "run")
-    attempt = max(a for a in p if p[a]["world"] == 2)
-    recs = restored_records(tmp_path / "run", attempt)
-    assert len(recs) == 2 and {r["step"] for r in recs} == {3 * EVERY}, recs
+        for entry in os.listdir(SHM_DIR):
+            if entry.startswith(f"{PREFIX}{memjob}"):
+                shutil.rmtree(os.path.join(SHM_DIR, entry), ignore_errors=True)
+    return facts
+
+
+def root_steps(tmp: Path) -> list[int]:
+    return ckpt.CheckpointManager(tmp / "ckpt", read_only=True).steps()
+
+
+def restored_digests(tmp: Path, attempt: int) -> list[dict]:
+    return [json.loads(p.read_text())
+            for p in sorted((tmp / "digests").glob(f"restored-a{attempt}-r*.json"))]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_worker_sigkilled_agent_alive_restores_from_memory(three_nodes):
+    """The trainer's default under torchrun. A worker is SIGKILLed before step 17, the newest
+    checkpoint (15) in memory only (the root holds 10); torchrun restarts the group and every
+    rank resumes from step 15 out of the nodes' memory, reading nothing from the root, model
+    and optimizer bit-exact."""
+    tmp = three_nodes["tmp"]
+    assert three_nodes["root_before_worker_kill"] == [2 * EVERY]
+    killed = three_nodes["worker_killed_attempt"]
+    recs = restored_records(tmp / "run", killed + 1)
+    assert len(recs) == 3, recs  # the same three nodes
+    # Every node's memory holds what it saved; a rank that torchrun renumbered (or that
+    # needs shards other ranks wrote) reads them from another node's memory: "peer".
+    assert {(r["step"], r["bytes_from_storage"]) for r in recs} == {(3 * EVERY, 0)}, recs
+    assert {r["tier"] for r in recs} <= {"memory", "peer"}, recs
+    want = saved_digest(tmp / "digests", killed, 0, 3 * EVERY)
+    got = restored_digests(tmp, killed + 1)
+    assert len(got) == 3 and all((g["step"], g["digest"]) == (3 * EVERY, want) for g in got)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_node_killed_survivors_restore_from_peer_replica_at_world_2(three_nodes):
+    """Rank 1's node dies before step 22: its agent and worker SIGKILLed, its shared memory
+    (own segment and the replica it held) removed. The two survivors re-form at world 2 and
+    restore step 20 (in memory only; the root holds 10): the lost rank's shards from the
+    replica on the next node, zero bytes from the root, model and optimizer equal to the
+    saved step."""
+    tmp = three_nodes["tmp"]
+    assert three_nodes["root_before_node_kill"] == [2 * EVERY]
+    gone = three_nodes["segments_removed"]
+    assert any("replica" in g for g in gone) and len(gone) >= 2, gone
+    killed = three_nodes["node_killed_attempt"]
+    recs = restored_records(tmp / "run", killed + 1)
+    assert len(recs) == 2 and {r["step"] for r in recs} == {4 * EVERY}, recs
     tiers = {r["tier"] for r in recs}
     assert "peer" in tiers and tiers <= {"memory", "peer"}, recs
     assert all(r["bytes_from_storage"] == 0 for r in recs), recs
-    want = saved_digest(tmp_path / "digests", 0, 0, 3 * EVERY)
-    for rank in range(2):
-        got = json.loads((tmp_path / "digests" / f"restored-a{attempt}-r{rank}.json")
-                         .read_text())
-        assert (got["step"], got["world"], got["digest"]) == (3 * EVERY, 2, want)
+    want = saved_digest(tmp / "digests", killed, 0, 4 * EVERY)
+    got = restored_digests(tmp, killed + 1)
+    assert len(got) == 2 and all((g["step"], g["world"], g["digest"]) == (4 * EVERY, 2, want)
+                                 for g in got), got
+    summary = json.loads((tmp / "run" / "summary.json").read_text())
+    assert summary["final_step"] == STEPS and summary["world_sizes"][-1] == 2
+    assert summary["recoveries"][-1]["restored_from"] in ("memory,peer", "peer")

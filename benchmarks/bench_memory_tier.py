@@ -145,7 +145,8 @@ def disk_name(cold: bool) -> str:
     return "POSIX root, cold" if cold else "POSIX root, warm"
 
 
-def restore_table(timings: common.Timings, seen: dict, nbytes: int, anchors: list[str]) -> str:
+def restore_table(timings: common.Timings, seen: dict, nbytes: int, anchors: list[str],
+                  peer_row: bool = True) -> str:
     by_name = {name: common.median(t["restore"]) for name, t in timings.items()}
     headers = ["tier", "last_restore", "bytes from root", "median s", "min..max s", "GB/s"] + [
         f"x {a}" for a in anchors if a in by_name]
@@ -158,7 +159,7 @@ def restore_table(timings: common.Timings, seen: dict, nbytes: int, anchors: lis
                  f"{min(s):.3f}..{max(s):.3f}", f"{common.gbps(nbytes, by_name[name]):.2f}"]
         cells += [f"{by_name[a] / by_name[name]:.1f}" for a in anchors if a in by_name]
         rows.append(cells)
-    if not peer_supported():  # an honest gap, not a figure
+    if peer_row and not peer_supported():  # an honest gap, not a figure
         rows.insert(1, [NOT_BUILT, "-", "-", "not built", "-", "-"]
                     + ["-"] * (len(headers) - 6))
     return common.markdown_table(headers, rows)
@@ -215,6 +216,111 @@ def bench_restore(args) -> None:
     finally:
         if server is not None:
             server.stop()
+
+
+# -- two nodes: own memory, a peer's replica, cold disk -------------------------------------
+
+NODES = ("benchA", "benchB")
+
+
+def _aside(shm: str, job: str, node: str, back: bool) -> None:
+    """Move a node's segments out of sight (its memory is lost) or back (instant: tmpfs)."""
+    live, hidden = f"{PREFIX}{job}-{node}-", f".aside-{PREFIX}{job}-{node}-"
+    for entry in os.listdir(shm):
+        if not back and entry.startswith(live):
+            os.rename(os.path.join(shm, entry), os.path.join(shm, f".aside-{entry}"))
+        elif back and entry.startswith(hidden):
+            target = os.path.join(shm, entry[len(".aside-"):])
+            shutil.rmtree(target, ignore_errors=True)  # an empty one a restore made
+            os.rename(os.path.join(shm, entry), target)
+
+
+def peer_ranks(rank: int, world: int, size: int, reps: int, work: str, job: str) -> dict:
+    """One rank of a two-node world: S bytes of row shards per rank, saved to memory (with a
+    replica on the other node) and to a POSIX root; then, interleaved, restored by a new
+    manager from its own node's memory, from the peer's replica after node B's memory is
+    gone, and from the root with the page cache dropped. Times: the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    local = common.make_state(size, "many", seed=rank)
+    state = {k: DTensor.from_local(v, mesh, [Shard(0)]) for k, v in local.items()}
+    dest = {k: DTensor.from_local(torch.zeros_like(v), mesh, [Shard(0)])
+            for k, v in local.items()}
+    mem_root, disk_root = os.path.join(work, "mem-root"), os.path.join(work, "disk-root")
+
+    def manager(**kw) -> ckpt.CheckpointManager:
+        return ckpt.CheckpointManager(mem_root, memory_tier=True, memory_node=NODES[rank],
+                                      memory_job=job, persist_every=1_000_000, replicas=1,
+                                      handle_sigterm=False, **kw)
+
+    with manager(async_save=False) as mgr:
+        mgr.save(1, state)
+        assert mgr.wait_replicated(600), "the replica was not stored"
+        dist.barrier()
+    with ckpt.CheckpointManager(disk_root, async_save=False, handle_sigterm=False) as mgr:
+        mgr.save(1, state)
+    cold = common.drop_page_cache() if rank == 0 else False
+    cold = [cold]
+    dist.broadcast_object_list(cold, src=0)
+    names = ["own memory", "peer replica (node B's memory lost)", disk_name(cold[0])]
+    out: dict = {"seconds": {n: [] for n in names}, "tiers": {n: set() for n in names},
+                 "cold": cold[0]}
+    for rep in range(reps):
+        for name in [names[(rep + i) % len(names)] for i in range(len(names))]:
+            if rank == 0 and name == names[1]:
+                _aside(SHM_DIR, job, NODES[1], back=False)
+            if rank == 0 and name == names[2] and cold[0]:
+                common.drop_page_cache()
+            for t in dest.values():
+                t.to_local().zero_()
+            dist.barrier()
+            mgr = (ckpt.CheckpointManager(disk_root, read_only=True) if name == names[2]
+                   else manager())
+            with common.Stopwatch() as sw:
+                step = mgr.restore(dest)
+            info = mgr.last_restore
+            mgr.close()
+            assert step == 1 and all(torch.equal(dest[k].to_local(), local[k]) for k in local)
+            out["tiers"][name].add((info.tier, info.bytes_from_storage))
+            times: list = [None] * world
+            dist.all_gather_object(times, sw.seconds)
+            out["seconds"][name].append(max(times))
+            dist.barrier()
+            if rank == 0 and name == names[1]:
+                _aside(SHM_DIR, job, NODES[1], back=True)
+            dist.barrier()
+    return out
+
+
+def bench_peer(args) -> None:
+    from _dist import run_ranks
+
+    for size in args.sizes:
+        job = f"bench{uuid.uuid4().hex[:10]}"
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            try:
+                results = run_ranks(2, peer_ranks, size, args.reps, tmp, job, timeout=3600)
+            finally:
+                for entry in os.listdir(SHM_DIR):
+                    if job in entry:
+                        shutil.rmtree(os.path.join(SHM_DIR, entry), ignore_errors=True)
+        r0 = results[0]
+        timings = {name: {"restore": secs} for name, secs in r0["seconds"].items()}
+        seen = {name: set().union(*(r["tiers"][name] for r in results)) for name in timings}
+        nbytes = size  # per rank
+        disk = disk_name(r0["cold"])
+        print(f"\n### Restore by tier at world 2: {common.format_size(nbytes)} per rank "
+              f"(row shards, 256 tensors), two nodes of one process each, {args.reps} reps\n")
+        print(restore_table(timings, seen, nbytes, [disk], peer_row=False))
+        mem, peer = (common.median(timings[n]["restore"]) for n in list(timings)[:2])
+        print(f"\n- peer replica vs {disk}: "
+              f"{common.median(timings[disk]['restore']) / peer:.1f}x faster; own memory vs "
+              f"the peer replica: {peer / mem:.1f}x faster (the slowest rank's time; GB/s per "
+              "rank)")
 
 
 # -- the recovery timeline -----------------------------------------------------------------
@@ -391,6 +497,8 @@ def main() -> None:
     if not args.no_restore:
         bench_restore(args)
         print("\n" + common.GATE.summary())
+        if peer_supported():
+            bench_peer(args)
     if not args.no_timeline:
         bench_timeline(args)
     print(f"\nload average at the end: {common.load_average()}")

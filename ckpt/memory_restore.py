@@ -9,7 +9,6 @@ on one rank become an agreed failure on all, so no rank is left waiting in a col
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -170,6 +169,20 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
         raise CorruptCheckpointError(f"step {c.step} in memory: {errors[0]}")
     docs = {int(o): d for part, _ in everyone for o, d in part.items()}
     location = step_dir(c.step)
+    source, requests, error = None, {}, None
+    try:  # per rank: every failure must reach the exchange's agreement, not skip it
+        source, requests = _plan(c, docs, state, location, shm_dir, prefix, rank)
+    except Exception as e:
+        error = f"rank {rank} cannot use step {c.step} in memory: {e!r}"
+    fetched = _exchange(requests, error, c.step, location, shm_dir, prefix, rank, pg)
+    source.fetched = fetched
+    return source
+
+
+def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], location: str,
+          shm_dir: str, prefix: str, rank: int) -> tuple[MemorySource, dict]:
+    """This rank's merged manifest and where each chunk it needs comes from: a file on this
+    node, or a request to a holder elsewhere (holder -> [(segment, file, start, length)])."""
 
     def nearness(origin: int) -> tuple[int, int]:  # own node's segments, replicas here, peers
         here = [h.replica for _, h in c.holders[origin] if h.segment.startswith(prefix)]
@@ -194,8 +207,7 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
         holder, h = holders[rank % len(holders)]
         requests.setdefault(holder, []).append((h.segment, chunk.file, chunk.start,
                                                 chunk.length))
-    source.fetched = _exchange(requests, c.step, location, shm_dir, prefix, rank, pg)
-    return source
+    return source, requests
 
 
 def _merge(c: Candidate, docs: dict[int, dict], location: str,
@@ -248,17 +260,22 @@ def _needed_chunks(manifest: Manifest, state: MutableMapping[str, Any], rank: in
     return out
 
 
-def _exchange(requests: dict[int, list[tuple[str, str, int, int]]], step: int, location: str,
-              shm_dir: str, prefix: str, rank: int, pg: Any) -> dict:
+def _exchange(requests: dict[int, list[tuple[str, str, int, int]]], error: str | None,
+              step: int, location: str, shm_dir: str, prefix: str, rank: int, pg: Any) -> dict:
     """Send every rank the byte ranges it asked this rank for; receive what this rank asked
-    for. Returns (path, start) -> bytes."""
+    for. Returns (path, start) -> bytes. ``error``: this rank could not plan its reads (all
+    ranks then raise)."""
     world = dist.get_world_size(pg)
-    asked: list[Any] = [None] * world
-    dist.all_gather_object(asked, requests, group=pg)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (requests, error), group=pg)
+    failed = [e for _, e in gathered if e]
+    if failed:
+        raise CorruptCheckpointError(failed[0])
+    asked = [r for r, _ in gathered]
     outgoing: dict[int, torch.Tensor] = {}
     error = None
     for dst in range(world):
-        mine = asked[dst].get(rank, []) if dst != rank else []
+        mine = asked[dst].get(rank, []) if dst != rank else []  # own node's: read locally
         if not mine:
             continue
         parts = []
@@ -309,8 +326,3 @@ def plain_name(name: Any) -> str:
         raise ValueError(f"{name!r} is not a plain file name")
     return name
 
-
-def describe(c: Candidate) -> str:
-    """A one-line summary for logs."""
-    return json.dumps({"step": c.step, "world": c.world,
-                       "holders": {o: [r for r, _ in hs] for o, hs in c.holders.items()}})

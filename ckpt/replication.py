@@ -40,22 +40,27 @@ def new_secret() -> str:
 
 def advertised_host() -> str:
     """The address peers reach this process at: CKPT_REPLICA_HOST, else the interface that
-    routes to torchrun's MASTER_ADDR, else the hostname's address."""
+    routes to torchrun's MASTER_ADDR, else the default route's, else the hostname's. A
+    loopback address is a last resort (on the master's own host MASTER_ADDR often resolves to
+    one, which no other host can reach)."""
     host = os.environ.get("CKPT_REPLICA_HOST")
     if host:
         return host
-    master = os.environ.get("MASTER_ADDR")
-    if master:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
-                return s.getsockname()[0]
-        except OSError:
-            pass
+    found = []
+    for target in (os.environ.get("MASTER_ADDR"), "10.255.255.255"):
+        if target:
+            try:  # a UDP connect sends nothing: it only picks the outgoing interface
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.connect((target, 9))
+                    found.append(s.getsockname()[0])
+            except OSError:
+                pass
     try:
-        return socket.gethostbyname(socket.gethostname())
+        found.append(socket.gethostbyname(socket.gethostname()))
     except OSError:
-        return "127.0.0.1"
+        pass
+    return next((a for a in found if not a.startswith("127.")), found[0] if found
+                else "127.0.0.1")
 
 
 def ring_targets(me: int, nodes: list[str], local_ranks: list[int], replicas: int) -> list[int]:
@@ -245,6 +250,10 @@ class Replicator:
             self._closed = True
             self._pending = None
             self._lock.notify_all()
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone may not)
+        except OSError:
+            pass
         self._server.close()
         self.hold.set()
         with self._lock:

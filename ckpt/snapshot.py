@@ -22,8 +22,11 @@ from .state import FlatState, flatten
 
 def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, stager: Stager,
              options: SaveOptions, copy: bool, metadata: dict | None = None,
-             previous: Manifest | None = None) -> StepPayload:
-    """Prepare ``state`` for the background writer (collectives run here, never later)."""
+             previous: Manifest | None = None, hold_all: bool = False) -> StepPayload:
+    """Prepare ``state`` for the background writer (collectives run here, never later).
+
+    ``hold_all``: also stage the boxes other ranks write (``payload.held``), for the memory
+    tier."""
     flat = flatten(state, allow_pickle=options.allow_pickle, rank=group.rank)
     locals_: dict[str, tuple[tuple[int, ...], Any]] = {}
     specs = []
@@ -37,7 +40,7 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
     if tables:
         return _snapshot_tables(state, flat, specs, locals_, token, step=step, name=name,
                                 group=group, stager=stager, options=options, copy=copy,
-                                metadata=metadata, previous=previous)
+                                metadata=metadata, previous=previous, hold_all=hold_all)
     if group.enabled:
         gathered = group.all_gather({"specs": specs, "items": flat.items,
                                      "aliases": flat.aliases, "token": token})
@@ -47,11 +50,14 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
     writers = assign_writers([g["specs"] for g in gathered])
     mine = {s.key: locals_[s.key] for s in specs if writers[(s.key, s.offsets)] == group.rank}
     guards = optimizers_in(state) if options.overlap_device_copy else []
-    staged, ready = stager.stage({k: t for k, (_, t) in mine.items()}, copy=copy, guards=guards)
+    held = {s.key: locals_[s.key] for s in specs if hold_all and s.key not in mine}
+    staged, ready = stager.stage({k: t for k, (_, t) in {**mine, **held}.items()}, copy=copy,
+                                 guards=guards)
     tensors = {s.key: (s.dtype, s.global_shape) for g in gathered for s in g["specs"]}
     return StepPayload(
         step=step, name=name,
         pieces={k: (offsets, staged[k]) for k, (offsets, _) in mine.items()},
+        held={k: (offsets, staged[k]) for k, (offsets, _) in held.items()},
         tensors=tensors, items=_merge_items([g["items"] for g in gathered]),
         aliases=gathered[0]["aliases"], ready=ready, metadata=metadata, previous=previous,
         rank=group.rank, world_size=group.world_size, token=gathered[0]["token"])
@@ -60,7 +66,7 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
 def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[PieceSpec],
                      locals_: dict, token: str, *, step: int, name: str, group: Group,
                      stager: Stager, options: SaveOptions, copy: bool, metadata: dict | None,
-                     previous: Manifest | None) -> StepPayload:
+                     previous: Manifest | None, hold_all: bool) -> StepPayload:
     """Format 2: who writes what follows from each tensor's layout, computed locally.
 
     Ranks exchange only a digest of their tensors' descriptions (keys, dtypes, shapes,
@@ -105,8 +111,11 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         layouts = boxes_layouts(all_specs)
         tensors = {s.key: (s.dtype, s.global_shape) for r in all_specs for s in r}
     mine_keys = written_here(specs, layouts, group.rank)
+    mine_set = set(mine_keys)
+    held_keys = [s.key for s in specs if hold_all and s.key not in mine_set]
     guards = optimizers_in(state) if options.overlap_device_copy else []
-    staged, ready = stager.stage({k: locals_[k][1] for k in mine_keys}, copy=copy, guards=guards)
+    staged, ready = stager.stage({k: locals_[k][1] for k in [*mine_keys, *held_keys]},
+                                 copy=copy, guards=guards)
     items = dict(flat.items)
     for item_name, item in items.items():
         if "per_rank" in item:
@@ -117,6 +126,7 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
     return StepPayload(
         step=step, name=name,
         pieces={k: (locals_[k][0], staged[k]) for k in mine_keys},
+        held={k: (locals_[k][0], staged[k]) for k in held_keys},
         tensors=tensors, items=items, aliases=flat.aliases, ready=ready, metadata=metadata,
         previous=previous, rank=group.rank, world_size=world, token=gathered[0]["token"],
         layouts=layouts)

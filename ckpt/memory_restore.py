@@ -42,12 +42,19 @@ class Holding:
 
 @dataclass
 class Candidate:
-    """One save (step, token) that live nodes hold completely: origin -> [(rank, holding)]."""
+    """One save (step, token) that live nodes hold completely: origin -> [(rank, holding)].
+
+    ``second``: read each origin's data from the copy the first attempt did not prefer
+    (replicas and other nodes first), for when that attempt found a copy corrupt."""
 
     step: int
     token: str
     world: int
     holders: dict[int, list[tuple[int, Holding]]] = field(default_factory=dict)
+    second: bool = False
+
+    def has_second_copies(self) -> bool:
+        return any(len(h) > 1 for h in self.holders.values())
 
 
 def local_holdings(shm_dir: str, job: str, node: str) -> list[Holding]:
@@ -184,29 +191,32 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
     """This rank's merged manifest and where each chunk it needs comes from: a file on this
     node, or a request to a holder elsewhere (holder -> [(segment, file, start, length)])."""
 
-    def nearness(origin: int) -> tuple[int, int]:  # own node's segments, replicas here, peers
-        here = [h.replica for _, h in c.holders[origin] if h.segment.startswith(prefix)]
-        return (0 if False in here else 1 if here else 2, origin)
+    world = len(docs)
 
-    source, files_of = _merge(c, docs, location, sorted(docs, key=nearness))
+    def preference(rh: tuple[int, Holding]) -> tuple:
+        """Own node's segments, then replicas on it, then other nodes' (spread over them);
+        the second attempt reverses the order."""
+        r, h = rh
+        key = (not h.segment.startswith(prefix), h.replica, (r - rank) % world)
+        return tuple(-k for k in key) if c.second else key
+
+    chosen = {o: min(hs, key=preference) for o, hs in c.holders.items()}
+    order = sorted(docs, key=lambda o: (preference(chosen[o]), o))
+    source, files_of = _merge(c, docs, location, order)
     origin_of = {name: origin for origin, names in files_of.items() for name in names}
     manifest = Manifest.from_json(source._manifest, where=f"step {c.step} in memory")
     requests: dict[int, list[tuple[str, str, int, int]]] = {}  # holder -> (seg, file, start, len)
     for key, chunk in _needed_chunks(manifest, state, rank):
         origin = origin_of[chunk.file]
         path = f"{location}/{chunk.file}"
-        here = [(r, h) for r, h in c.holders[origin] if h.segment.startswith(prefix)]
-        if here:
-            _, h = min(here, key=lambda rh: (rh[1].replica, rh[0]))
+        holder, h = chosen[origin]
+        if h.replica or not h.segment.startswith(prefix):
+            source.tier = "peer"
+        if h.segment.startswith(prefix):  # on this node: read it here
             source.local[path] = os.path.join(shm_dir, h.segment, location, chunk.file)
-            if h.replica:
-                source.tier = "peer"
-            continue
-        source.tier = "peer"
-        holders = sorted(c.holders[origin], key=lambda rh: (rh[1].replica, rh[0]))
-        holder, h = holders[rank % len(holders)]
-        requests.setdefault(holder, []).append((h.segment, chunk.file, chunk.start,
-                                                chunk.length))
+        else:
+            requests.setdefault(holder, []).append((h.segment, chunk.file, chunk.start,
+                                                    chunk.length))
     return source, requests
 
 

@@ -45,21 +45,25 @@ class Mesh:
             return NotImplemented
         return self.shape == other.shape and self.ranks == other.ranks
 
-    @functools.cached_property
-    def position(self) -> dict[int, int]:
-        """rank -> its flat (row-major) index in the mesh."""
-        return {r: i for i, r in enumerate(self.ranks)}
+    def __post_init__(self) -> None:
+        # rank -> flat (row-major) index, and the coordinates asked for so far
+        object.__setattr__(self, "_position", {r: i for i, r in enumerate(self.ranks)})
+        object.__setattr__(self, "_coords", {})
 
     def coordinate(self, rank: int) -> tuple[int, ...] | None:
         """The mesh coordinate of ``rank``, or None when it is not in the mesh."""
-        flat = self.position.get(rank)
-        if flat is None:
-            return None
-        coord = []
-        for size in reversed(self.shape):
-            coord.append(flat % size)
-            flat //= size
-        return tuple(reversed(coord))
+        coord = self._coords.get(rank)
+        if coord is not None or rank in self._coords:
+            return coord
+        flat = self._position.get(rank)
+        if flat is not None:
+            parts = []
+            for size in reversed(self.shape):
+                parts.append(flat % size)
+                flat //= size
+            coord = tuple(reversed(parts))
+        self._coords[rank] = coord
+        return coord
 
     def rank_at(self, coord: tuple[int, ...]) -> int:
         flat = 0
@@ -76,11 +80,11 @@ class MeshLayout:
     mesh: Mesh
     placements: tuple[int | None, ...]
 
-    @functools.cached_property
-    def replicas(self) -> tuple[list[int], int]:
-        """(the Replicate mesh dimensions, how many ranks hold each box)."""
+    def __post_init__(self) -> None:
+        # (the Replicate mesh dimensions, how many ranks hold each box)
         replicate = [i for i, d in enumerate(self.placements) if d is None]
-        return replicate, math.prod(self.mesh.shape[i] for i in replicate)
+        object.__setattr__(self, "replicas",
+                           (replicate, math.prod(self.mesh.shape[i] for i in replicate)))
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,6 @@ from .format import (CODECS, DTYPES, MAX_BYTES, MAX_DIMS, MAX_TILING_CORNERS, MA
 from .errors import CorruptCheckpointError
 from .integrity import digest as content_digest
 from .layout import Box, cells_overlapping, written_by
-from .sharding import intersect
 
 MAGIC = b"CKPTRT02"
 MAX_TABLE_BYTES = 1 << 30
@@ -93,8 +92,12 @@ class Table:
                       rec["start"].tolist(), rec["length"].tolist(), rec["digest"].tolist(),
                       rec["codec"].tolist(), rec["ref"].tolist())
         self._first = [o[0] for o in self._cols[0]]
-        self._reach = {k: int(rec["shape"][a:b, 0].max()) if b > a else 1
-                       for k, (a, b) in self.span.items()}
+        # per tensor, the longest first-dimension extent (how far back a bisection looks)
+        starts = bounds[:-1][bounds[:-1] < bounds[1:]]
+        longest = (np.maximum.reduceat(rec["shape"][:, 0], starts).tolist() if len(starts)
+                   else [])
+        first_of = dict(zip(starts.tolist(), longest))
+        self._reach = {k: int(first_of.get(a, 1)) for k, (a, b) in self.span.items()}
 
     def chunk(self, i: int, key: str) -> Chunk:
         offsets, shape, file, start, length, dig, codec, ref = self._cols
@@ -107,19 +110,28 @@ class Table:
         a, b = self.span.get(key, (0, 0))
         return [self.chunk(i, key) for i in range(a, b)]
 
-    def overlapping(self, key: str, box: Box) -> list[Chunk]:
-        """This table's chunks of ``key`` that overlap ``box`` (bisection on first offsets)."""
+    def overlapping(self, key: str, box: Box) -> list[tuple[Chunk, Box]]:
+        """This table's chunks of ``key`` that overlap ``box``, each with the overlap
+        (bisection on first offsets; a Chunk is built only for the chunks returned)."""
         a, b = self.span.get(key, (0, 0))
-        if self.ndims.get(key) == 0:
-            return [self.chunk(i, key) for i in range(a, b)]
+        nd = self.ndims.get(key, 0)
+        if nd == 0:
+            return [(self.chunk(i, key), ((), ())) for i in range(a, b)]
         lo = bisect.bisect_left(self._first, box[0][0] - self._reach[key] + 1, a, b)
         hi = bisect.bisect_left(self._first, box[0][0] + box[1][0], a, b)
+        offsets, shape = self._cols[0], self._cols[1]
         out = []
         for i in range(lo, hi):
-            c = self.chunk(i, key)
-            if all(co < bo + bs and bo < co + cs for co, cs, bo, bs
-                   in zip(c.offsets, c.shape, box[0], box[1])):
-                out.append(c)
+            o, s = offsets[i], shape[i]
+            start, size = [], []
+            for d in range(nd):
+                first, last = max(o[d], box[0][d]), min(o[d] + s[d], box[0][d] + box[1][d])
+                if last <= first:
+                    break
+                start.append(first)
+                size.append(last - first)
+            else:
+                out.append((self.chunk(i, key), (tuple(start), tuple(size))))
         return out
 
 
@@ -329,10 +341,7 @@ class Tables:
                 raise CorruptCheckpointError(
                     f"{self.where}: rank {rank}'s chunk table lacks {key!r}, which the "
                     "layout says it wrote; the step cannot be loaded", path=self.where)
-            for c in table.overlapping(key, box):
-                overlap = intersect((c.offsets, c.shape), box) if c.numel else None
-                if overlap is not None:
-                    out.append((c, overlap))
+            out += table.overlapping(key, box)
         return out
 
     def all_chunks(self, key: str) -> tuple[Chunk, ...]:

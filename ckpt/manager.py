@@ -519,12 +519,12 @@ class CheckpointManager:
                     log.info("ckpt.restore step=%d root=%s skipped=%d tier=%s", s, self.root,
                              len(failures), tier)
                     self.last_restore = RestoreInfo(
-                        s, getattr(storage, "tier", tier), 0 if tier == "memory" else sum(
+                        s, getattr(storage, "tier", tier), 0 if tier != "storage" else sum(
                             self._base.files.values()) if self._base is not None else 0)
                     if self.metrics:
                         self.metrics.restored(len(failures))
                     return s
-                if tier == "memory":  # the same step may still be good in the root
+                if tier != "storage":  # other copies, or the root, may hold the step good
                     log.warning("ckpt.restore memory tier step=%d unusable, falling through: "
                                 "%s", s, bad[0])
                     continue
@@ -741,20 +741,25 @@ class CheckpointManager:
             self._memory_plan = {c.step: c for c in in_memory(mine, self._memory_pg)
                                  if step in (None, c.step)}
             order += [(s, "memory") for s in self._memory_plan]
+            # A copy found corrupt: the same step from the other copies before the root's.
+            order += [(s, "memory-second") for s, c in self._memory_plan.items()
+                      if c.has_second_copies()]
         elif self._memory is not None:
             order += [(s, "memory") for s in self._memory.steps() if step in (None, s)]
-        return sorted(order, key=lambda o: (o[0], o[1] == "memory"), reverse=True)
+        rank = {"memory": 2, "memory-second": 1, "storage": 0}
+        return sorted(order, key=lambda o: (o[0], rank[o[1]]), reverse=True)
 
     def _tier_storage(self, tier: str, step: int = 0, state: Any = None) -> Any:
         """The storage a tier's step is read from; for a process group's memory tier, the
         agreed save's bytes gathered from this node's segments and the peers (collective)."""
-        if tier != "memory":
+        if tier == "storage":
             return self.storage
         if not self._memory.ranked:
             return self._memory.storage
         from .memory_restore import open_candidate
 
-        return open_candidate(self._memory_plan[step], state, shm_dir=self._memory.shm_dir,
+        plan = dataclasses.replace(self._memory_plan[step], second=tier == "memory-second")
+        return open_candidate(plan, state, shm_dir=self._memory.shm_dir,
                               job=self._memory.job, node=self._memory.node,
                               rank=self.group.rank, pg=self._memory_pg)
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .engine import RankTable, StepPayload, build_manifest
 from .errors import CorruptCheckpointError
 from .format import MANIFEST_NAME, Manifest, step_dir
-from .memory_tier import PREFIX, node_prefix, rank_steps, read_rank_doc
+from .memory_tier import PREFIX, node_prefix, open_plain, rank_steps, read_rank_doc
 from .sharding import local_piece, overlapping
 from .state import flatten, is_stateful
 
@@ -42,12 +42,19 @@ class Holding:
 
 @dataclass
 class Candidate:
-    """One save (step, token) that live nodes hold completely: origin -> [(rank, holding)]."""
+    """One save (step, token) that live nodes hold completely: origin -> [(rank, holding)].
+
+    ``second``: read each origin's data from the copy the first attempt did not prefer
+    (replicas and other nodes first), for when that attempt found a copy corrupt."""
 
     step: int
     token: str
     world: int
     holders: dict[int, list[tuple[int, Holding]]] = field(default_factory=dict)
+    second: bool = False
+
+    def has_second_copies(self) -> bool:
+        return any(len(h) > 1 for h in self.holders.values())
 
 
 def local_holdings(shm_dir: str, job: str, node: str) -> list[Holding]:
@@ -56,13 +63,19 @@ def local_holdings(shm_dir: str, job: str, node: str) -> list[Holding]:
     out = []
     try:
         names = sorted(os.listdir(shm_dir))
-    except FileNotFoundError:
+    except OSError as e:  # every rank must reach the collective that follows
+        log.warning("ckpt.memory_restore cannot list %s: %s", shm_dir, e)
         return out
     for name in names:
         path = os.path.join(shm_dir, name)
         if not name.startswith(prefix) or os.path.islink(path) or not os.path.isdir(path):
             continue
-        for s in rank_steps(path):
+        try:
+            steps = rank_steps(path)
+        except OSError as e:  # e.g. a permission problem: this copy is unusable, not fatal
+            log.warning("ckpt.memory_restore skipping %s: %s", path, e)
+            continue
+        for s in steps:
             try:
                 doc = read_rank_doc(path, s)
             except CorruptCheckpointError as e:
@@ -116,7 +129,7 @@ class MemorySource:
         if path == f"{self.location}/{MANIFEST_NAME}":
             return self._manifest[start:None if length is None else start + length]
         if path in self.local:
-            with open(self.local[path], "rb") as f:
+            with self._open(path) as f:
                 f.seek(start)
                 return f.read(-1 if length is None else length)
         data = self.fetched.get((path, start))
@@ -126,7 +139,7 @@ class MemorySource:
 
     def read_into(self, path: str, start: int, out: memoryview) -> None:
         if path in self.local:
-            with open(self.local[path], "rb") as f:
+            with self._open(path) as f:
                 f.seek(start)
                 if f.readinto(out) != len(out):
                     raise EOFError(f"{self.local[path]} ends before byte {start + len(out)}")
@@ -136,9 +149,17 @@ class MemorySource:
             raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not fetched")
         out[:] = data[:len(out)]
 
+    def _open(self, path: str) -> Any:
+        try:
+            return open_plain(self.local[path])
+        except FileNotFoundError:
+            raise
+        except OSError as e:  # a symbolic link or worse: this copy is unusable, not fatal
+            raise FileNotFoundError(f"{self.local[path]}: {e}") from e
+
     def size(self, path: str) -> int:
         if path in self.local:
-            return os.path.getsize(self.local[path])
+            return os.lstat(self.local[path]).st_size
         return self.sizes[path]
 
     def exists(self, path: str) -> bool:
@@ -184,29 +205,32 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
     """This rank's merged manifest and where each chunk it needs comes from: a file on this
     node, or a request to a holder elsewhere (holder -> [(segment, file, start, length)])."""
 
-    def nearness(origin: int) -> tuple[int, int]:  # own node's segments, replicas here, peers
-        here = [h.replica for _, h in c.holders[origin] if h.segment.startswith(prefix)]
-        return (0 if False in here else 1 if here else 2, origin)
+    world = len(docs)
 
-    source, files_of = _merge(c, docs, location, sorted(docs, key=nearness))
+    def preference(rh: tuple[int, Holding]) -> tuple:
+        """Own node's segments, then replicas on it, then other nodes' (spread over them);
+        the second attempt reverses the order."""
+        r, h = rh
+        key = (not h.segment.startswith(prefix), h.replica, (r - rank) % world)
+        return tuple(-k for k in key) if c.second else key
+
+    chosen = {o: min(hs, key=preference) for o, hs in c.holders.items()}
+    order = sorted(docs, key=lambda o: (preference(chosen[o]), o))
+    source, files_of = _merge(c, docs, location, order)
     origin_of = {name: origin for origin, names in files_of.items() for name in names}
     manifest = Manifest.from_json(source._manifest, where=f"step {c.step} in memory")
     requests: dict[int, list[tuple[str, str, int, int]]] = {}  # holder -> (seg, file, start, len)
     for key, chunk in _needed_chunks(manifest, state, rank):
         origin = origin_of[chunk.file]
         path = f"{location}/{chunk.file}"
-        here = [(r, h) for r, h in c.holders[origin] if h.segment.startswith(prefix)]
-        if here:
-            _, h = min(here, key=lambda rh: (rh[1].replica, rh[0]))
+        holder, h = chosen[origin]
+        if h.replica or not h.segment.startswith(prefix):
+            source.tier = "peer"
+        if h.segment.startswith(prefix):  # on this node: read it here
             source.local[path] = os.path.join(shm_dir, h.segment, location, chunk.file)
-            if h.replica:
-                source.tier = "peer"
-            continue
-        source.tier = "peer"
-        holders = sorted(c.holders[origin], key=lambda rh: (rh[1].replica, rh[0]))
-        holder, h = holders[rank % len(holders)]
-        requests.setdefault(holder, []).append((h.segment, chunk.file, chunk.start,
-                                                chunk.length))
+        else:
+            requests.setdefault(holder, []).append((h.segment, chunk.file, chunk.start,
+                                                    chunk.length))
     return source, requests
 
 
@@ -286,7 +310,7 @@ def _exchange(requests: dict[int, list[tuple[str, str, int, int]]], error: str |
                     raise CorruptCheckpointError(f"asked for {segment}, not a segment of "
                                                  "this node")
                 path = os.path.join(shm_dir, segment, location, plain_name(name))
-                with open(path, "rb") as f:
+                with open_plain(path) as f:
                     f.seek(start)
                     data = f.read(length)
                 if len(data) != length:

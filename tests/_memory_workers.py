@@ -109,11 +109,17 @@ def restore(rank: int, world: int, root: str, shm: str, job: str, nodes: list[st
 
 def restore_after_node_loss(rank: int, world: int, root: str, shm: str, job: str,
                             nodes: list[str], root_aside: str) -> dict:
-    """World 2 after node 3 was lost, three restores in a row (rank 0 breaks things between
-    them): from the peer replicas with the root's data moved aside; with a bit flipped in
-    the replica of the lost rank's step 3; with that replica gone (so both copies of the
-    lost rank's shards are gone) and the root's data back."""
+    """World 2 after node 3 was lost, restores in a row (rank 0 breaks things between them):
+    from the peer replicas with the root's data moved aside; with a bit flipped in rank 0's
+    own copy of step 3 (its replica on node 2 is good); with a bit flipped in the only
+    copy left of the lost rank's step 3 (its replica); with that replica gone (so both copies
+    of the lost rank's shards are gone) and the root's data back; and with a newer step in
+    the root than in memory."""
     out = {"peer": restore(rank, world, root, shm, job, nodes)}
+    if rank == 0:
+        flip_chunk(os.path.join(shm, f"ckpt-{job}-{nodes[0]}-r0", "step-00000003"), "w")
+    dist.barrier()
+    out["own_flipped"] = restore(rank, world, root, shm, job, nodes)
     replica = os.path.join(shm, f"ckpt-{job}-{nodes[0]}-replica-r2")
     if rank == 0:
         flip_chunk(os.path.join(replica, "step-00000003"), "w")
@@ -125,6 +131,9 @@ def restore_after_node_loss(rank: int, world: int, root: str, shm: str, job: str
             os.rename(os.path.join(root_aside, name), os.path.join(root, "step-00000002", name))
     dist.barrier()
     out["both_gone"] = restore(rank, world, root, shm, job, nodes)
+    with ckpt.CheckpointManager(root, async_save=False) as plain:  # the root alone
+        plain.save(4, build(world, 4), force=True)
+    out["root_newer"] = restore(rank, world, root, shm, job, nodes)
     return out
 
 

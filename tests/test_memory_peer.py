@@ -95,6 +95,12 @@ def test_survivors_restore_the_lost_ranks_shards_from_peer_replicas(node_loss):
         assert r["peer"] == {"step": 3, "tier": "peer", "bytes": 0, "mismatches": []}
 
 
+def test_a_flipped_bit_in_own_memory_is_read_from_the_replica_instead(node_loss):
+    # Rank 0's own copy of step 3 is corrupt; node 2 holds a good replica of it.
+    for r in node_loss:
+        assert r["own_flipped"] == {"step": 3, "tier": "peer", "bytes": 0, "mismatches": []}
+
+
 def test_a_flipped_bit_in_a_replica_is_detected_and_the_next_step_used(node_loss):
     # Step 3's only copy of the lost rank's shard is corrupt: step 2, still in peers' memory.
     for r in node_loss:
@@ -114,3 +120,9 @@ def test_gc_finds_the_dead_jobs_segments_and_replicas(pair):
     assert sorted(os.path.basename(p) for p in found) == segment_dirs(shm)
     assert any("-replica-" in p for p in found)
     assert gc_segments(str(shm), job="pair") == found and segment_dirs(shm) == []
+
+
+def test_a_newer_step_in_the_root_wins_over_memory(node_loss):
+    for r in node_loss:
+        out = r["root_newer"]
+        assert (out["step"], out["tier"], out["mismatches"]) == (4, "storage", [])

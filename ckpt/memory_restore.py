@@ -63,13 +63,19 @@ def local_holdings(shm_dir: str, job: str, node: str) -> list[Holding]:
     out = []
     try:
         names = sorted(os.listdir(shm_dir))
-    except FileNotFoundError:
+    except OSError as e:  # every rank must reach the collective that follows
+        log.warning("ckpt.memory_restore cannot list %s: %s", shm_dir, e)
         return out
     for name in names:
         path = os.path.join(shm_dir, name)
         if not name.startswith(prefix) or os.path.islink(path) or not os.path.isdir(path):
             continue
-        for s in rank_steps(path):
+        try:
+            steps = rank_steps(path)
+        except OSError as e:  # e.g. a permission problem: this copy is unusable, not fatal
+            log.warning("ckpt.memory_restore skipping %s: %s", path, e)
+            continue
+        for s in steps:
             try:
                 doc = read_rank_doc(path, s)
             except CorruptCheckpointError as e:

@@ -45,6 +45,7 @@ SAMPLE_SLEEP = 0.01  # simulated compute per sample: ~0.1 s steps, room to act m
 KILL_AT = 22         # act once the job passed this step (a checkpoint at 20 is committed)
 LOSS_TOLERANCE = 0.15
 JOB_TIMEOUT = 120.0
+RESTART_GRACE = 2.0  # SIGTERM to SIGKILL when an agent restarts a hung worker (tests/_torchrun.py)
 
 
 def job_args(tmp: Path, *, sleep: float = SAMPLE_SLEEP, hold: tuple = ()) -> list[str]:
@@ -318,6 +319,8 @@ def test_node_killed_survivors_resume_at_world_2(cluster, tmp_path, reference, v
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_hung_rank_is_detected_by_heartbeat(cluster, tmp_path, reference):
+    # The hung worker ignores SIGTERM: its agent SIGKILLs it after RESTART_GRACE, not 30 s.
+    cluster.restart_grace = RESTART_GRACE
     nodes = [cluster.add_node() for _ in range(3)]
     attempt, info = job.wait_for(at_step(tmp_path / "run", 3, KILL_AT), JOB_TIMEOUT,
                                  "training at world size 3", cluster=cluster)
@@ -336,7 +339,8 @@ def test_hung_rank_is_detected_by_heartbeat(cluster, tmp_path, reference):
     detect = max(f["time"] for f in fails) - stopped_at
     # The survivors exited for a restart. The hung node's agent keeps its place in the
     # finished rendezvous round until its worker is gone, and it kills the stopped worker
-    # only after torchrun's 30 s SIGTERM grace; then all three nodes form the next round.
+    # only after the SIGTERM grace (torchrun's 30 s, RESTART_GRACE here); then all three
+    # nodes form the next round.
     s = finish(cluster, nodes, tmp_path)
     assert s.restarts >= 1 and s.world_sizes[0] == 3
     rec = s.recoveries[-1]

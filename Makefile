@@ -34,6 +34,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_cuda.py
 	$(PY) benchmarks/bench_integrations.py
 	$(PY) benchmarks/bench_scale.py
+	$(PY) benchmarks/bench_memory_tier.py
 
 clean:
 	rm -rf $(VENV) demo-run bench-out

@@ -57,6 +57,7 @@ SCRIPTS = {
     "integrations": ("bench_integrations.py", ["--reps", "2"],
                      ["--reps", "1", "--layers", "2", "--width", "128"]),
     "scale": ("bench_scale.py", [], ["--ranks", "8,64", "--layouts", "fsdp,hsdp"]),
+    "memory_tier": ("bench_memory_tier.py", [], ["--quick"]),
 }
 TITLES = {
     "save_load": "Save and load throughput (Foundation issue)",
@@ -71,6 +72,7 @@ TITLES = {
     "cuda": "GPU: overlapped save, restore onto the device, against DCP",
     "integrations": "Lightning, HF Trainer, Accelerate: blocking per checkpoint and bytes",
     "scale": "Save and load planning at 8 to 4,096 simulated ranks (issue 17)",
+    "memory_tier": "Memory tier: restore by tier, recovery with and without it (issue 14)",
 }
 COMMIT_TAG = "<!-- measured at commit {} -->"
 

@@ -9,6 +9,7 @@ No collectives run here, so a background save never races the training loop's ow
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import dataclasses
 import logging
@@ -31,7 +32,7 @@ from .distributed import Group
 from .incremental import CHAIN_KEY, chain_length
 from .integrity import digest
 from .options import SaveOptions
-from .plan import assign_files, chunk_tensor, data_file_name
+from .plan import ChunkPlan, assign_files, chunk_tensor, data_file_name
 
 log = logging.getLogger("ckpt")
 
@@ -224,6 +225,9 @@ class StepPayload:
     # Unique to this save attempt (shared by its ranks): names its staging location and files,
     # so a retried or concurrent attempt never overwrites another's objects.
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # Boxes this rank holds but another rank writes (a replicated tensor's copy): staged only
+    # for the memory tier, which keeps everything a rank holds so that it restores alone.
+    held: dict[str, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -247,7 +251,11 @@ class RankTable:
 
 
 def _plan(payload: StepPayload, options: SaveOptions) -> tuple[list, list]:
-    """Digest every chunk of this rank's boxes; reuse unchanged ones, return the rest."""
+    """Cut this rank's boxes into chunks; reuse unchanged ones, return the rest.
+
+    An incremental save digests every chunk here (the digests decide what is reused); a
+    full one leaves the digests (None) to the threads that write the files.
+    """
     previous = {}
     if payload.previous is not None:
         previous = {(k, c.offsets, c.shape): c for k, e in payload.previous.tensors.items()
@@ -258,6 +266,9 @@ def _plan(payload: StepPayload, options: SaveOptions) -> tuple[list, list]:
         for c in chunk_tensor(key, tuple(t.shape), t.element_size(), options.chunk_bytes):
             box = tuple(o + b for o, b in zip(offsets, c.offsets))
             data = view[c.byte_start:c.byte_start + c.byte_length]
+            if not previous:  # nothing to reuse: the file writers digest, in parallel
+                to_write.append((dataclasses.replace(c, offsets=box), data, None))
+                continue
             d = digest(data)
             old = previous.get((key, box, c.shape))
             if old is not None and old.digest == d and _same_layout(payload, key):
@@ -280,37 +291,46 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
     fault_point("before_data")
     reused, to_write = _plan(payload, options)
     new_bytes = sum(len(data) for _, data, _ in to_write)
-    # Compressed: several files per thread, so one file's compression overlaps another's write.
+    # Compressed: several files per thread, so one file's write overlaps the next's compression.
     per_thread = 4 if options.compression else 1
     n_files = max(options.write_threads * per_thread, -(-new_bytes // options.max_file_bytes))
-    groups = assign_files([c for c, _, _ in to_write], n_files)
+    groups = assign_files([c for c, _, _ in to_write], n_files) if to_write else []
     data_of = {(c.key, c.index): (data, d) for c, data, d in to_write}
 
-    def write_file(index: int) -> tuple[str, int, list]:
+    def encode_chunk(c: ChunkPlan) -> tuple[ChunkPlan, str, str, Any]:
+        """(plan, digest, codec, stored bytes) of one chunk."""
+        data, d = data_of[(c.key, c.index)]
+        d = digest(data) if d is None else d
+        if not options.compression:
+            return c, d, "raw", data
+        dtype = payload.pieces[c.key][1].dtype
+        return (c, d, *encode(data, dtype, options.compression_level,
+                              options.compression_threads))
+
+    def write_file(index: int, encoded: list) -> tuple[str, int, list]:
         name = data_file_name(payload.token, payload.rank, index)
-        pieces, meta = [], []
-        for c in groups[index]:
-            data, d = data_of[(c.key, c.index)]
-            dtype = payload.pieces[c.key][1].dtype
-            codec, stored = "raw", data
-            if options.compression:
-                codec, stored = encode(data, dtype, options.compression_level,
-                                       options.compression_threads)
-            pieces.append(Piece(f"{c.key}#{list(c.offsets)}", memoryview(stored), dtype,
-                                c.shape, stored_raw=codec == "raw"))
-            meta.append((c, d, codec, len(stored)))
+        pieces = [Piece(f"{c.key}#{list(c.offsets)}", memoryview(stored),
+                        payload.pieces[c.key][1].dtype, c.shape, stored_raw=codec == "raw")
+                  for c, _, codec, stored in encoded]
         header = encode_header(pieces)
         size = storage.write(f"{staging}/{name}", [header, *(p.data for p in pieces)])
         fault_point("after_file")
         records, start = [], len(header)
-        for c, d, codec, length in meta:
-            records.append((c.key, Chunk(c.offsets, c.shape, name, start, length, d, codec)))
-            start += length
+        for (c, d, codec, _), piece in zip(encoded, pieces):
+            records.append((c.key, Chunk(c.offsets, c.shape, name, start, len(piece.data), d,
+                                         codec)))
+            start += len(piece.data)
         return name, size, records
 
-    indices = range(len(groups)) if to_write else []
-    results = list(pool.map(write_file, indices)) if pool and len(groups) > 1 else [
-        write_file(i) for i in indices]
+    if options.compression:
+        results = _pipeline(groups, encode_chunk, write_file, pool, options.write_threads)
+    else:
+        def raw_file(index: int) -> tuple[str, int, list]:
+            return write_file(index, [encode_chunk(c) for c in groups[index]])
+
+        indices = range(len(groups))
+        results = list(pool.map(raw_file, indices)) if pool and len(groups) > 1 else [
+            raw_file(i) for i in indices]
     table = RankTable(bytes_reused=sum(c.length for _, c in reused))
     table.chunks.extend(reused)
     for name, size, records in results:
@@ -318,6 +338,47 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
         table.bytes_written += size
         table.chunks.extend(records)
     return table
+
+
+def _pipeline(groups: list[list[ChunkPlan]], encode_chunk: Callable, write_file: Callable,
+              pool: cf.ThreadPoolExecutor | None, writers: int) -> list:
+    """Compress chunk by chunk on ``pool`` (or on this thread), file after file, and hand
+    each file to one of ``writers`` I/O threads as soon as its chunks are ready: the storage
+    writes files while the cores compress the next ones (a file's header holds its
+    compressed lengths, so a file goes out whole). In flight at once: at most ``writers``
+    files being written and ``writers`` files being compressed (the pool's size)."""
+    ahead = writers if pool is not None else 1
+    compressing: collections.deque = collections.deque()  # per file: futures (or plans)
+    writing: collections.deque = collections.deque()
+    results: list = []
+    started = 0
+
+    def compress_next() -> None:
+        nonlocal started
+        if started < len(groups):
+            group = groups[started]
+            compressing.append([pool.submit(encode_chunk, c) for c in group]
+                               if pool is not None else group)
+            started += 1
+
+    with cf.ThreadPoolExecutor(writers, thread_name_prefix="ckpt-put") as io:
+        try:
+            for _ in range(ahead):
+                compress_next()
+            for index in range(len(groups)):
+                encoded = [f.result() if pool is not None else encode_chunk(f)
+                           for f in compressing.popleft()]
+                if len(writing) >= writers:
+                    results.append(writing.popleft().result())
+                writing.append(io.submit(write_file, index, encoded))
+                compress_next()
+            results += [f.result() for f in writing]
+        except BaseException:
+            for f in (f for group in compressing for f in group):
+                if isinstance(f, cf.Future):
+                    f.cancel()
+            raise
+    return results
 
 
 def build_manifest(payload: StepPayload, tables: list[RankTable]) -> Manifest:
@@ -428,6 +489,12 @@ class BackgroundWriter:
                               time.perf_counter() - t0)
 
         return SaveHandle(payload.step, self._thread.submit(job), blocking_seconds)
+
+    def submit_call(self, step: int, blocking_seconds: float,
+                    fn: Callable[[cf.ThreadPoolExecutor | None], SaveResult]) -> SaveHandle:
+        """Run ``fn(pool)`` on the writer thread after the saves queued before it (the memory
+        tier's per-rank publish, which needs no commit vote)."""
+        return SaveHandle(step, self._thread.submit(fn, self._pool), blocking_seconds)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

@@ -17,6 +17,10 @@ def digest(data) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+# The same digest over parts: ``d = Digest(); d.update(part)...; d.hexdigest() == digest(whole)``.
+Digest = xxhash.xxh3_64
+
+
 def chunk_path(location: str, chunk: Chunk) -> str:
     """Where a chunk's file lives relative to the root: in the step at ``location``, or in
     the earlier step it reuses the chunk from."""

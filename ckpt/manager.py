@@ -27,6 +27,7 @@ from .gate import Gate, verify_level
 from .incremental import GcReport, chain_length, collect, step_dirs
 from .integrity import check_structure, read_manifest
 from .memory_tier import MemoryTier
+from .replication import Replicator
 from .metrics import CheckpointMetrics, default_labels
 from .options import KeepBest, SaveOptions
 from .probe import PROBE_ITEM, Probe
@@ -87,13 +88,21 @@ class CheckpointManager:
             fsspec / tensorstore, plus ``lease_ttl``, ``retries``, ``retry_delay``,
             ``block_size``, ``allow_unsafe_commit`` (docs/storage.md).
         memory_tier: also publish every save into node-local shared memory (``/dev/shm``),
-            so a restarted worker restores from RAM (docs/elastic.md, "Memory tier"). Single
-            process only for now; not with ``incremental``.
+            so a restarted worker restores from RAM (docs/elastic.md, "Memory tier").
+            Under a process group each rank publishes its share, and the ranks restore the
+            newest step their nodes hold completely in memory (own segments and peer
+            replicas), resharded onto the current world. Not with ``incremental``.
+        replicas: under a process group with ``memory_tier``, how many other nodes (a ring by
+            node) receive a copy of each rank's newest step in their shared memory, in the
+            background (0: none).
         persist_every: with ``memory_tier``, only every K-th save (counted by this manager)
             also goes to ``root``; a preempted save always does.
         memory_keep, memory_budget, memory_job: generations kept in memory, the most bytes the
             segment may hold, and the job id in the segment's name (default:
             TORCHELASTIC_RUN_ID, else a hash of ``root``).
+        memory_dir, memory_node: where segments live (default ``/dev/shm``) and this node's
+            name in them (default: env CKPT_NODE, else the hostname, followed by torchrun's
+            GROUP_RANK where several nodes share a host; ckpt/memory_tier.py).
         commit_timeout: how long rank 0 waits for the other ranks' reports before it gives
             up on a step (a rank died or hangs): the step is not committed and every rank's
             save raises.
@@ -126,7 +135,8 @@ class CheckpointManager:
                  metrics_textfile: str | None = None,
                  storage_options: dict | None = None, memory_tier: bool = False,
                  persist_every: int = 1, memory_keep: int = 2, memory_budget: int | None = None,
-                 memory_job: str | None = None) -> None:
+                 memory_job: str | None = None, replicas: int = 1,
+                 memory_dir: str | None = None, memory_node: str | None = None) -> None:
         for name, value in (("every_steps", every_steps), ("keep_last", keep_last),
                             ("keep_every", keep_every), ("full_every", full_every),
                             ("persist_every", persist_every)):
@@ -166,6 +176,9 @@ class CheckpointManager:
         self.persist_every = persist_every
         self.last_restore: RestoreInfo | None = None
         self._memory: MemoryTier | None = None
+        self._replicator: Replicator | None = None
+        self._memory_pg: Any = None  # the gloo group of a multi-rank memory tier
+        self._memory_plan: dict[int, Any] = {}  # step -> the agreed in-memory save to restore
         self._saves = 0
         self._inflight: SaveHandle | None = None
         self._preempted: int | None = None
@@ -189,7 +202,8 @@ class CheckpointManager:
             self._stager = Stager()
             self._writer = BackgroundWriter(self.options, self.group, commit_timeout)
             if memory_tier:
-                self._memory = self._open_memory_tier(memory_keep, memory_budget, memory_job)
+                self._memory = self._open_memory_tier(memory_keep, memory_budget, memory_job,
+                                                      memory_dir, memory_node, replicas)
             if handle_sigterm and threading.current_thread() is threading.main_thread():
                 self._prev_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -308,7 +322,8 @@ class CheckpointManager:
             state = {**state, PROBE_ITEM: self.probe.record(state)}
         payload = snapshot(state, step=step, name=step_dir(step), group=self.group,
                            stager=self._stager, options=self.options, copy=self.async_save,
-                           metadata=metadata, previous=base)
+                           metadata=metadata, previous=base,
+                           hold_all=self._memory is not None and self._memory.ranked)
         blocking = time.perf_counter() - t0
         handle = None
         self._saves += 1
@@ -335,7 +350,8 @@ class CheckpointManager:
         self._check_writable()
         self.wait()
         snapshot(state, step=0, name="prepare", group=self.group, stager=self._stager,
-                 options=self.options, copy=self.async_save)
+                 options=self.options, copy=self.async_save,
+                 hold_all=self._memory is not None and self._memory.ranked)
 
     def retire(self, steps: Iterable[int]) -> GcReport:
         """Retire committed ``steps`` now, e.g. the old timeline's after a rollback; files
@@ -427,6 +443,13 @@ class CheckpointManager:
             if not h.failed() or not h.error_reported:
                 h.wait(timeout)
 
+    def wait_replicated(self, timeout: float | None = None) -> bool:
+        """Wait for the save in flight and for its memory-tier replicas to be stored by the
+        peers (acknowledged); False when the replication did not finish within ``timeout``.
+        Before a planned stop, so that the newest step survives losing this node."""
+        self.wait(timeout)
+        return self._replicator is None or self._replicator.drain(timeout)
+
     # -- restoring ----------------------------------------------------------------------------
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
                 strict: bool = False, verify: str = "digest") -> int | None:
@@ -472,8 +495,13 @@ class CheckpointManager:
             for s, tier in tiers:
                 # Never in place: a step that fails must leave nothing behind, also when the
                 # step fallen back to then does not fit the state (issue #15, defect 3).
-                error = self._try_load(s, state, pool, in_place=False, gate=gate,
-                                       storage=self._tier_storage(tier))
+                try:
+                    storage = self._tier_storage(tier, s, state)
+                except CorruptCheckpointError as e:  # every rank raised it: agreed
+                    storage, error = None, e
+                if storage is not None:
+                    error = self._try_load(s, state, pool, in_place=False, gate=gate,
+                                           storage=storage)
                 # Every rank must restore the same step: agree on this one's outcome first.
                 outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
                     _describe(error)]
@@ -490,12 +518,13 @@ class CheckpointManager:
                 if not bad:
                     log.info("ckpt.restore step=%d root=%s skipped=%d tier=%s", s, self.root,
                              len(failures), tier)
-                    self.last_restore = RestoreInfo(s, tier, 0 if tier == "memory" else sum(
-                        self._base.files.values()) if self._base is not None else 0)
+                    self.last_restore = RestoreInfo(
+                        s, getattr(storage, "tier", tier), 0 if tier != "storage" else sum(
+                            self._base.files.values()) if self._base is not None else 0)
                     if self.metrics:
                         self.metrics.restored(len(failures))
                     return s
-                if tier == "memory":  # the same step may still be good in the root
+                if tier != "storage":  # other copies, or the root, may hold the step good
                     log.warning("ckpt.restore memory tier step=%d unusable, falling through: "
                                 "%s", s, bad[0])
                     continue
@@ -620,32 +649,119 @@ class CheckpointManager:
                 self._prev_sigterm = None
 
     # -- memory tier (ckpt/memory_tier.py) --------------------------------------------------------
-    def _open_memory_tier(self, keep: int, budget: int | None, job: str | None) -> MemoryTier:
-        if self.group.enabled:
-            raise ValueError("memory_tier=True works in a single process for now (issue #14: "
-                             "per-rank segments under a process group are not built yet)")
+    def _open_memory_tier(self, keep: int, budget: int | None, job: str | None,
+                          shm_dir: str | None, node: str | None, replicas: int) -> MemoryTier:
         if self.incremental:
             raise ValueError("memory_tier=True cannot be combined with incremental=True")
-        return MemoryTier(self.root, self.group.rank, job=job, keep=keep, budget=budget)
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ValueError(f"replicas must be a non-negative integer, not {replicas!r}")
+        if not self.group.enabled:
+            return MemoryTier(self.root, self.group.rank, job=job, keep=keep, budget=budget,
+                              shm_dir=shm_dir, node=node)
+        import torch.distributed as dist
+
+        from .replication import new_secret, ring_targets
+
+        # The gloo group the ranks restore through (collective: every rank creates it here,
+        # in the same order).
+        ranks = None if self.group.pg is None else dist.get_process_group_ranks(self.group.pg)
+        self._memory_pg = dist.new_group(ranks=ranks, backend="gloo")
+        if node is None and not os.environ.get("CKPT_NODE"):
+            node = self._stable_node_name()
+        tier = MemoryTier(self.root, self.group.rank, job=job, keep=keep, budget=budget,
+                          shm_dir=shm_dir, node=node, ranked=True)
+        if replicas:
+            self._replicator = Replicator(shm_dir=tier.shm_dir, job=tier.job, node=tier.node,
+                                          keep=tier.keep, budget=tier.budget,
+                                          count=self._count_replication)
+        me = (tier.node, int(os.environ.get("LOCAL_RANK", "0")),
+              self._replicator.address if self._replicator else None, new_secret())
+        everyone: list[Any] = [None] * self.group.world_size
+        dist.all_gather_object(everyone, me, group=self._memory_pg)
+        if self._replicator is not None:
+            targets = ring_targets(self.group.rank, [e[0] for e in everyone],
+                                   [e[1] for e in everyone], replicas)
+            self._replicator.connect([everyone[t][2] for t in targets], everyone[0][3])
+            log.info("ckpt.memory_tier node=%s replicas to ranks %s", tier.node, targets)
+        return tier
+
+    def _stable_node_name(self) -> str | None:
+        """The hostname alone when every node has its own host: torchrun may renumber nodes
+        (GROUP_RANK) after losing one, and a host's segments must keep their name. Only
+        nodes sharing a host (one machine) need the node rank in the name. Collective."""
+        import socket
+
+        import torch.distributed as dist
+
+        hosts: list[Any] = [None] * self.group.world_size
+        dist.all_gather_object(hosts, (socket.gethostname(), os.environ.get("GROUP_RANK")),
+                               group=self._memory_pg)
+        ranks_of: dict[str, set] = {}
+        for host, group_rank in hosts:
+            ranks_of.setdefault(host, set()).add(group_rank)
+        return socket.gethostname() if all(len(r) == 1 for r in ranks_of.values()) else None
+
+    def _count_replication(self, what: str) -> None:
+        if self.metrics:
+            self.metrics.replication(what)
 
     def _publish_to_memory(self, payload: Any, blocking: float) -> SaveHandle:
         """Queue the step's publish into shared memory (checked against the budget now)."""
-        self._memory.check_space(sum(t.numel() * t.element_size()
-                                     for _, t in payload.pieces.values()))
-        handle = self._writer.submit(self._memory.storage, payload, blocking,
-                                     self._memory.after_commit)
+        self._memory.check_space(sum(t.numel() * t.element_size() for _, t in
+                                     [*payload.pieces.values(), *payload.held.values()]))
+        if self._memory.ranked:
+            handle = self._writer.submit_call(
+                payload.step, blocking, lambda pool: self._publish_rank(payload, pool))
+        else:
+            handle = self._writer.submit(self._memory.storage, payload, blocking,
+                                         self._memory.after_commit)
         handle.add_done_callback(_log_memory_failure)
         return handle
+
+    def _publish_rank(self, payload: Any, pool: Any) -> Any:
+        """On the writer thread: this rank's share into its segment, then to its peers."""
+        from .engine import SaveResult
+
+        t0 = time.perf_counter()
+        table = self._memory.publish_rank(payload, self.options, pool)
+        if self._replicator is not None:
+            self._replicator.submit(payload.step, os.path.join(self._memory.path, payload.name),
+                                    self.group.rank)
+        return SaveResult(payload.step, f"{self._memory.path}/{payload.name}",
+                          table.bytes_written, 0, len(table.files), 0.0,
+                          time.perf_counter() - t0)
 
     def _restore_order(self, candidates: list[int], step: int | None) -> list[tuple[int, str]]:
         """(step, tier) to try, newest first; at the same step memory before storage."""
         order = [(s, "storage") for s in candidates]
-        if self._memory is not None:
-            order += [(s, "memory") for s in self._memory.steps() if step in (None, s)]
-        return sorted(order, key=lambda o: (o[0], o[1] == "memory"), reverse=True)
+        if self._memory is not None and self._memory.ranked:
+            from .memory_restore import candidates as in_memory, local_holdings
 
-    def _tier_storage(self, tier: str) -> Storage:
-        return self._memory.storage if tier == "memory" else self.storage
+            mine = local_holdings(self._memory.shm_dir, self._memory.job, self._memory.node)
+            self._memory_plan = {c.step: c for c in in_memory(mine, self._memory_pg)
+                                 if step in (None, c.step)}
+            order += [(s, "memory") for s in self._memory_plan]
+            # A copy found corrupt: the same step from the other copies before the root's.
+            order += [(s, "memory-second") for s, c in self._memory_plan.items()
+                      if c.has_second_copies()]
+        elif self._memory is not None:
+            order += [(s, "memory") for s in self._memory.steps() if step in (None, s)]
+        rank = {"memory": 2, "memory-second": 1, "storage": 0}
+        return sorted(order, key=lambda o: (o[0], rank[o[1]]), reverse=True)
+
+    def _tier_storage(self, tier: str, step: int = 0, state: Any = None) -> Any:
+        """The storage a tier's step is read from; for a process group's memory tier, the
+        agreed save's bytes gathered from this node's segments and the peers (collective)."""
+        if tier == "storage":
+            return self.storage
+        if not self._memory.ranked:
+            return self._memory.storage
+        from .memory_restore import open_candidate
+
+        plan = dataclasses.replace(self._memory_plan[step], second=tier == "memory-second")
+        return open_candidate(plan, state, shm_dir=self._memory.shm_dir,
+                              job=self._memory.job, node=self._memory.node,
+                              rank=self.group.rank, pg=self._memory_pg)
 
     def _close_memory_tier(self) -> None:
         """Remove the segment when its newest step is persisted (the job is done with it);
@@ -653,6 +769,9 @@ class CheckpointManager:
         if self._memory is None:
             return
         mem, persisted = self._memory.steps(), self.latest_step()
+        if self._replicator is not None:
+            # The newest step's replica is worth a short wait; a dead peer is not.
+            self._replicator.close(drain=10.0, remove_upto=persisted)
         if not mem or (persisted is not None and persisted >= mem[-1]):
             self._memory.remove()
         else:
@@ -676,7 +795,8 @@ class CheckpointManager:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreInfo:
-    """Where the last ``restore`` came from: ``tier`` is "memory" or "storage";
+    """Where the last ``restore`` came from (on this rank): ``tier`` is "memory" (this node's
+    own segments), "peer" (any byte from a replica or another node's memory) or "storage";
     ``bytes_from_storage`` is the size of the step's files in the root (0 from memory)."""
     step: int
     tier: str

@@ -2,27 +2,49 @@
 checkpoint root in POSIX shared memory (``/dev/shm``), which outlives the worker process, so
 a restarted worker restores from RAM without reading the persistent root.
 
-A segment is the directory ``<shm>/ckpt-<job>-<node>-r<rank>``: an ordinary ckpt root (step
-directories, each committed by the atomic rename of its manifest, written last, which holds
-every chunk's digest), plus ``owner.lock``, flock'ed by the live process that writes it. A
-segment whose lock can be taken has no live owner: ``gc_segments`` removes it.
+A segment is the directory ``<shm>/ckpt-<job>-<node>-r<rank>``, plus ``owner.lock``, flock'ed
+by the live process that writes it. A segment whose lock can be taken has no live owner:
+``gc_segments`` removes it.
+
+* A single process's segment is an ordinary ckpt root (step directories, each committed by the
+  atomic rename of its manifest, written last, which holds every chunk's digest).
+* Under a process group each rank's segment holds **rank steps**: ``step-XXXXXXXX/`` with the
+  data files this rank wrote and ``rank.json`` (written last, then the directory renamed into
+  place): the rank's chunk table with digests and global boxes, plus the step's global layout
+  (tensor shapes, items), so the union of all ranks' rank steps of one save makes a complete,
+  reshardable checkpoint (``ckpt/memory_restore.py``). Peer replicas of rank ``o``'s steps,
+  held on node ``n``, live in ``ckpt-<job>-<n>-replica-r<o>`` (``ckpt/replication.py``).
+
+``<node>`` names the node: ``memory_node=``, else the environment's ``CKPT_NODE``, else the
+hostname followed by ``_n<GROUP_RANK>`` under torchrun (its node rank), else the hostname;
+characters other than letters, digits, ``_`` and ``.`` become ``_``, so a node's segments,
+its replicas included, are exactly ``<shm>/ckpt-<job>-<node>-*``. Under a process group whose
+nodes all have hosts of their own the hostname alone names a node (the manager checks at
+start-up), because torchrun may renumber the nodes (GROUP_RANK) after losing one, and a host
+must find its segments under the same name. A rank reads only segments of its own node. On one
+machine the node rank is all that tells nodes apart, and it may change after a node is lost,
+so a test simulating nodes there names each one with ``CKPT_NODE``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
 import socket
 import time
+from typing import Any
 
 from storage_backends import Storage, open_storage
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
+from .format import STEP_DIR, step_dir
 from .incremental import collect, step_dirs
 
 log = logging.getLogger("ckpt")
@@ -30,6 +52,9 @@ log = logging.getLogger("ckpt")
 SHM_DIR = "/dev/shm"
 PREFIX = "ckpt-"
 OWNER_FILE = "owner.lock"
+RANK_DOC = "rank.json"
+RANK_FORMAT = "ckpt-memory-rank/1"
+STAGING = ".tmp-"
 AUTO_GC_AGE = 3600.0  # seconds a dead segment is left alone before a later run removes it
 _SAFE = re.compile(r"[^A-Za-z0-9_.]+")
 
@@ -42,10 +67,30 @@ def job_id(root: str, job: str | None = None) -> str:
     return _SAFE.sub("_", job)
 
 
+def node_name(node: str | None = None) -> str:
+    """This process's node in segment names (see the module docstring)."""
+    node = node or os.environ.get("CKPT_NODE")
+    if not node:
+        node = socket.gethostname()
+        if os.environ.get("GROUP_RANK") is not None:
+            node = f"{node}_n{os.environ['GROUP_RANK']}"
+    return _SAFE.sub("_", node)
+
+
 def segment_name(job: str, rank: int, node: str | None = None) -> str:
     """``ckpt-<job>-<node>-r<rank>``: the node's name is in it so that a node's segments can be
     told apart (and removed, to simulate losing the node) on a shared /dev/shm."""
-    return f"{PREFIX}{job}-{_SAFE.sub('_', node or socket.gethostname())}-r{rank}"
+    return f"{PREFIX}{job}-{node_name(node)}-r{rank}"
+
+
+def replica_name(job: str, node: str, origin: int) -> str:
+    """``ckpt-<job>-<node>-replica-r<origin>``: rank ``origin``'s steps held on ``node``."""
+    return f"{PREFIX}{job}-{node_name(node)}-replica-r{origin}"
+
+
+def node_prefix(job: str, node: str) -> str:
+    """The start of every segment name on ``node`` (own segments and replicas)."""
+    return f"{PREFIX}{job}-{node_name(node)}-"
 
 
 class MemoryTier:
@@ -58,10 +103,14 @@ class MemoryTier:
         keep: generations (steps) kept in memory.
         budget: the most bytes the segment may hold (None: what /dev/shm has free).
         shm_dir: where segments live (``/dev/shm``).
+        node: this node's name (see :func:`node_name`).
+        ranked: the segment holds rank steps (a process group) instead of a ckpt root.
     """
 
     def __init__(self, root: str, rank: int, *, job: str | None = None, keep: int = 2,
-                 budget: int | None = None, shm_dir: str = SHM_DIR) -> None:
+                 budget: int | None = None, shm_dir: str | None = None,
+                 node: str | None = None, ranked: bool = False) -> None:
+        shm_dir = shm_dir or SHM_DIR
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"memory_keep must be a positive integer, not {keep!r}")
         if not os.path.isdir(shm_dir):
@@ -72,30 +121,27 @@ class MemoryTier:
         self.budget = budget
         self.shm_dir = shm_dir
         self.job = job_id(root, job)
-        self.path = os.path.join(shm_dir, segment_name(self.job, rank))
+        self.node = node_name(node)
+        self.ranked = ranked
+        self.path = os.path.join(shm_dir, segment_name(self.job, rank, self.node))
         # Dead jobs' segments, found by a later run; a grace period spares those of a job
         # whose workers torchrun is restarting right now.
         gc_segments(shm_dir, keep_job=self.job, min_age=AUTO_GC_AGE)
         os.makedirs(self.path, exist_ok=True)
-        self._owner = open(os.path.join(self.path, OWNER_FILE), "a+")
-        try:
-            fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._owner.close()
-            raise CheckpointError(
-                f"the memory segment {self.path} is in use by another live process; give "
-                "this run another job id (memory_job=...)", path=self.path) from None
+        self._owner = own_segment(self.path)
         self.storage: Storage = open_storage(self.path, create=True)
         for name in self.storage.uncommitted():  # a publish cut short by a crash
             self.storage.delete(name)
 
     def steps(self) -> list[int]:
         """Committed steps in the segment, oldest first."""
+        if self.ranked:
+            return rank_steps(self.path)
         return sorted(s for s, committed in step_dirs(self.storage).items() if committed)
 
     def check_space(self, nbytes: int) -> None:
         """Raise before writing when the step does not fit the budget or /dev/shm."""
-        held = _tree_bytes(self.path)
+        held = tree_bytes(self.path)
         # Until the oldest generation is retired, keep+1 steps are held at once.
         if self.budget is not None and held + nbytes > self.budget:
             raise CheckpointError(
@@ -109,6 +155,33 @@ class MemoryTier:
                 f"{self.shm_dir} has {free} bytes free, this step needs {nbytes} in the memory "
                 f"tier; enlarge /dev/shm (docker: --shm-size), lower memory_keep= (now "
                 f"{self.keep}) or pass memory_tier=False", path=self.shm_dir)
+
+    def publish_rank(self, payload: Any, options: Any, pool: Any) -> Any:
+        """Write this rank's share of a save as a rank step (no collectives: runs on the
+        writer thread); the newest ``keep`` rank steps are kept. Returns the RankTable."""
+        from .engine import write_rank  # engine imports torch; this module stays light
+
+        if payload.ready is not None:
+            payload.ready.synchronize()
+        # Everything this rank holds, also the boxes another rank writes to the root.
+        payload = dataclasses.replace(payload, pieces={**payload.pieces, **payload.held})
+        staging = self.storage.begin(payload.name, payload.token)
+        try:
+            table = write_rank(self.storage, staging, payload, options, pool)
+            doc = {"format": RANK_FORMAT, "step": payload.step, "rank": payload.rank,
+                   "world_size": payload.world_size, "token": payload.token,
+                   "created": time.time(), "node": self.node,
+                   "tensors": {k: [d, list(s)] for k, (d, s) in payload.tensors.items()},
+                   "items": payload.items, "aliases": payload.aliases,
+                   "metadata": payload.metadata or {}, "table": table.to_json()}
+            with open(os.path.join(self.path, staging, RANK_DOC), "wb") as f:
+                f.write(json.dumps(doc).encode())
+            commit_dir(os.path.join(self.path, staging), os.path.join(self.path, payload.name))
+        except BaseException:
+            shutil.rmtree(os.path.join(self.path, staging), ignore_errors=True)
+            raise
+        retire_rank_steps(self.path, self.keep)
+        return table
 
     def after_commit(self, manifest: object) -> None:
         """Retire generations beyond ``keep`` (runs in the writer after each publish)."""
@@ -126,7 +199,76 @@ class MemoryTier:
             self._owner.close()
 
 
-def _tree_bytes(path: str) -> int:
+def own_segment(path: str) -> Any:
+    """Create (if missing) and flock the segment at ``path``; returns the held owner file."""
+    os.makedirs(path, exist_ok=True)
+    owner = open(os.path.join(path, OWNER_FILE), "a+")
+    try:
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        owner.close()
+        raise CheckpointError(
+            f"the memory segment {path} is in use by another live process; give "
+            "this run another job id (memory_job=...)", path=path) from None
+    os.utime(owner.name)  # a live owner's segment is young: the auto-gc grace period
+    for name in os.listdir(path):  # a publish cut short by a crash
+        if name.startswith(STAGING):
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+    return owner
+
+
+def rank_steps(path: str) -> list[int]:
+    """Committed rank steps in a segment (a directory with its ``rank.json``), oldest first."""
+    try:
+        names = os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(m.group(1)) for m in map(STEP_DIR.match, names)
+                  if m and os.path.isfile(os.path.join(path, m.group(0), RANK_DOC)))
+
+
+def commit_dir(staging: str, final: str) -> None:
+    """Publish a finished step directory: one rename (over an older save of the step)."""
+    if os.path.lexists(final):
+        old = f"{os.path.dirname(final)}/{STAGING}old-{os.path.basename(final)}-{time.time_ns()}"
+        os.rename(final, old)
+        os.rename(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staging, final)
+
+
+def retire_rank_steps(path: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` rank steps of a segment."""
+    for s in rank_steps(path)[:-keep]:
+        shutil.rmtree(os.path.join(path, step_dir(s)), ignore_errors=True)
+
+
+def read_rank_doc(path: str, step: int) -> dict:
+    """The ``rank.json`` of a rank step, checked for shape (its contents are validated again
+    as a whole manifest when the union of the ranks' steps is loaded)."""
+    where = os.path.join(path, step_dir(step), RANK_DOC)
+    try:
+        with open(where, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: unreadable rank step: {e}", path=where) from e
+    ok = (isinstance(doc, dict) and doc.get("format") == RANK_FORMAT
+          and doc.get("step") == step and all(
+              isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool)
+              for k in ("rank", "world_size"))
+          and 0 <= doc["rank"] < doc["world_size"] and isinstance(doc.get("token"), str)
+          and isinstance(doc.get("created"), (int, float))
+          and all(isinstance(doc.get(k), dict) for k in ("tensors", "items", "aliases",
+                                                         "metadata", "table")))
+    if not ok:
+        raise CorruptCheckpointError(f"{where}: not a valid rank step of step {step}",
+                                     path=where)
+    return doc
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path``."""
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:

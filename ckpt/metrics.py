@@ -31,7 +31,8 @@ class CheckpointMetrics:
             "bytes_reused_total": 0, "backpressure_waits_total": 0, "restores_total": 0,
             "restore_skipped_steps_total": 0, "last_commit_timestamp_seconds": 0,
             "last_save_blocking_seconds": 0, "last_save_write_seconds": 0,
-            "last_committed_step": -1,
+            "last_committed_step": -1, "replications_total": 0,
+            "replication_failures_total": 0, "replications_superseded_total": 0,
         }
         self.textfile = textfile
         self._labels = labels or {}
@@ -70,6 +71,12 @@ class CheckpointMetrics:
 
     def backpressure(self) -> None:
         self._add(backpressure_waits_total=1)
+
+    def replication(self, what: str) -> None:
+        """A memory-tier replica sent ("replicated"), failed either way ("failed"), or a
+        queued step replaced by a newer one before it was sent ("superseded")."""
+        self._add(**{{"replicated": "replications_total", "failed": "replication_failures_total",
+                      "superseded": "replications_superseded_total"}[what]: 1})
 
     def restored(self, skipped: int) -> None:
         self._add(restores_total=1, restore_skipped_steps_total=skipped)
@@ -131,6 +138,9 @@ class _Collector:
         "backpressure_waits_total": "Saves that waited for the previous one",
         "restores_total": "Successful restores",
         "restore_skipped_steps_total": "Steps skipped by restore as corrupt",
+        "replications_total": "Memory-tier steps replicated to a peer node",
+        "replication_failures_total": "Memory-tier replications that failed (sent or received)",
+        "replications_superseded_total": "Queued replications replaced by a newer step",
     }
     GAUGES = {
         "last_commit_timestamp_seconds": "Unix time of the newest commit",

@@ -4,8 +4,12 @@ Order matters for "a failed load changes nothing":
 
 1. The manifest is validated and compared with the live state (keys, shapes, dtypes,
    optimizer parameter groups, pickle) and every value is decoded before any byte is read.
-2. Verify pass: every chunk this rank needs is read through one small reused buffer per
-   reading thread and checked against its digest. Nothing live changes.
+2. Verify pass: every chunk this rank needs is read and checked against its digest. Nothing
+   live changes. Each file's run of adjacent chunks is streamed through one small block
+   buffer per reading thread (``Storage.stream_block``, 512 KiB on a file system: the block
+   is still in the CPU cache when it is digested, so checking costs no copy through memory);
+   where every read is a request (object stores), whole chunks go through two reused
+   chunk buffers instead. Compressed chunks are decoded into a chunk buffer to be digested.
 3. Apply pass: the same chunks are read again straight into the live tensors (CPU, contiguous,
    whole rows), or through a few reused bounce buffers (pinned, copied on a side stream, for
    CUDA tensors; also for non-contiguous tensors and chunks that only partly overlap a box).
@@ -13,10 +17,10 @@ Order matters for "a failed load changes nothing":
    memory copy while the step fits in free memory.
 4. Objects get ``load_state_dict`` last.
 
-The extra memory is a few chunk-sized buffers per reading thread, whatever the state's size
-(docs/design.md, "Loading", has the measurements behind this choice). Should the apply pass
-fail all the same (a file removed or a read error between the passes), the error names the
-tensors that hold the new values, those partly written and those untouched.
+The extra memory is a block and a few chunk-sized buffers per reading thread, whatever the
+state's size (docs/design.md, "Loading", has the measurements behind this choice). Should the
+apply pass fail all the same (a file removed or a read error between the passes), the error
+names the tensors that hold the new values, those partly written and those untouched.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from .engine import byte_view
 from .errors import (CorruptCheckpointError, PartialLoadError, StateMismatchError,
                      UnsupportedValueError)
 from .format import Chunk, Manifest
-from .integrity import chunk_path, digest
+from .integrity import Digest, chunk_path, digest
 from .sharding import Box, dtensor_type, local_piece, overlapping, source_rank, sub_slices
 from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
                     item_tree, load_stateful, tensor_keys)
@@ -65,14 +69,23 @@ def read_chunk(storage: Storage, location: str, key: str, chunk: Chunk,
 
             decode_into(chunk.codec, storage.read(path, chunk.start, chunk.length), view, out.dtype)
     except (EOFError, FileNotFoundError, ValueError) as e:
-        raise CorruptCheckpointError(
-            f"{storage.url}/{path}: cannot read {key} at {list(chunk.offsets)}: {e}",
-            path=f"{storage.url}/{path}") from e
+        raise _unreadable(storage, path, key, chunk, e) from e
     if verify and digest(view) != chunk.digest:
-        raise CorruptCheckpointError(
-            f"{storage.url}/{path}: digest mismatch in {key} at offsets {list(chunk.offsets)} "
-            f"(bytes {chunk.start}..{chunk.start + chunk.length}): the data is corrupt",
-            path=f"{storage.url}/{path}")
+        raise _mismatch(storage, path, key, chunk)
+
+
+def _mismatch(storage: Storage, path: str, key: str, chunk: Chunk) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{storage.url}/{path}: digest mismatch in {key} at offsets {list(chunk.offsets)} "
+        f"(bytes {chunk.start}..{chunk.start + chunk.length}): the data is corrupt",
+        path=f"{storage.url}/{path}")
+
+
+def _unreadable(storage: Storage, path: str, key: str, chunk: Chunk,
+                error: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{storage.url}/{path}: cannot read {key} at {list(chunk.offsets)}: {error}",
+        path=f"{storage.url}/{path}")
 
 
 def _rows_of(dest_box: Box, chunk: Chunk) -> bool:
@@ -86,7 +99,8 @@ def _rows_of(dest_box: Box, chunk: Chunk) -> bool:
 
 
 class _Scratch:
-    """Chunk-sized host buffers reused by each reading thread (the load's bounded memory).
+    """Host buffers reused by each reading thread (the load's bounded memory): one block
+    buffer for streamed reads and chunk-sized ones for whole chunks.
 
     ``take`` hands out two buffers per thread in turn; a pinned one is reused only once the
     host-to-device copy recorded on it has finished, so one chunk's read overlaps the
@@ -111,6 +125,13 @@ class _Scratch:
         if slot[0] is None or slot[0].numel() < nbytes:
             slot[0] = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
         return slot[0][:nbytes].view(dtype).view(chunk.shape)
+
+    def block(self, nbytes: int) -> memoryview:
+        """This thread's buffer for streamed reads (the verify pass)."""
+        buf = getattr(self._local, "block", None)
+        if buf is None or len(buf) != nbytes:
+            buf = self._local.block = byte_view(torch.empty(nbytes, dtype=torch.uint8))
+        return buf
 
     def copied(self, pinned: bool, event: Any) -> None:
         """The last buffer taken is being copied out until ``event`` completes."""
@@ -195,6 +216,64 @@ class _Applier:
         """Every host-to-device copy issued has completed."""
         for s in self._streams.values():
             s.synchronize()
+
+
+def _verify_jobs(storage: Storage, location: str, reads: list[_Read],
+                 scratch: _Scratch) -> list[ReadJob]:
+    """The verify pass's reads: one per run of adjacent stored-raw chunks of a file where the
+    storage streams (see the module docstring), one per chunk otherwise."""
+    jobs: list[ReadJob] = []
+    runs: dict[str, list[list[_Read]]] = {}
+    block = getattr(storage, "stream_block", None)  # duck-typed sources may lack it
+    for r in sorted(reads, key=lambda r: (chunk_path(location, r.chunk), r.chunk.start)):
+        path = chunk_path(location, r.chunk)
+        if block is None or r.chunk.codec != "raw":
+            jobs.append((path, r.chunk.start, lambda r=r: read_chunk(
+                storage, location, r.key, r.chunk, scratch.take(r.chunk, r.dest.dtype))))
+            continue
+        file_runs = runs.setdefault(path, [])
+        last = file_runs[-1][-1].chunk if file_runs else None
+        if last is not None and last.start + last.length == r.chunk.start:
+            file_runs[-1].append(r)
+        else:
+            file_runs.append([r])
+    for path, file_runs in runs.items():
+        jobs += [(path, run[0].chunk.start,
+                  lambda path=path, run=run: _verify_run(storage, path, run, scratch.block(block)))
+                 for run in file_runs]
+    return jobs
+
+
+def _verify_run(storage: Storage, path: str, run: list[_Read], buffer: memoryview) -> None:
+    """Digest a run of adjacent raw chunks of one file, streamed through ``buffer`` (a block
+    may end one chunk and begin the next)."""
+    pos = run[0].chunk.start
+    end = run[-1].chunk.start + run[-1].chunk.length
+    i, hashing = 0, Digest()
+
+    def check_complete() -> None:  # every chunk that ends at `pos` is whole: check it
+        nonlocal i, hashing
+        while i < len(run) and run[i].chunk.start + run[i].chunk.length == pos:
+            if hashing.hexdigest() != run[i].chunk.digest:
+                raise _mismatch(storage, path, run[i].key, run[i].chunk)
+            i, hashing = i + 1, Digest()
+
+    blocks = storage.read_blocks(path, pos, end - pos, buffer)
+    try:
+        check_complete()
+        for part in blocks:
+            while part:
+                chunk = run[i].chunk
+                n = min(len(part), chunk.start + chunk.length - pos)
+                hashing.update(part[:n])
+                part, pos = part[n:], pos + n
+                check_complete()
+    except CorruptCheckpointError:
+        raise
+    except (EOFError, FileNotFoundError, ValueError) as e:
+        raise _unreadable(storage, path, run[i].key, run[i].chunk, e) from e
+    finally:
+        blocks.close()
 
 
 def box_reads(storage: Storage, location: str, manifest: Manifest, key: str,
@@ -317,10 +396,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
                                      f"decoded ({e!r}); nothing was loaded", path=location) from e
     scratch = _Scratch()
     if verify and not in_place:
-        def check(r: _Read) -> None:
-            read_chunk(storage, location, r.key, r.chunk, scratch.take(r.chunk, r.dest.dtype))
-        run_reads([(chunk_path(location, r.chunk), r.chunk.start, lambda r=r: check(r))
-                   for r in reads], pool)
+        run_reads(_verify_jobs(storage, location, reads, scratch), pool)
     apply = _Applier(storage, location, scratch, verify=verify and in_place)
     try:
         try:

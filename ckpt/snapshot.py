@@ -18,8 +18,11 @@ from .state import flatten
 
 def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, stager: Stager,
              options: SaveOptions, copy: bool, metadata: dict | None = None,
-             previous: Manifest | None = None) -> StepPayload:
-    """Prepare ``state`` for the background writer (collectives run here, never later)."""
+             previous: Manifest | None = None, hold_all: bool = False) -> StepPayload:
+    """Prepare ``state`` for the background writer (collectives run here, never later).
+
+    ``hold_all``: also stage the boxes other ranks write (``payload.held``), for the memory
+    tier."""
     flat = flatten(state, allow_pickle=options.allow_pickle, rank=group.rank)
     locals_: dict[str, tuple[tuple[int, ...], Any]] = {}
     specs = []
@@ -38,11 +41,14 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
     writers = assign_writers([g["specs"] for g in gathered])
     mine = {s.key: locals_[s.key] for s in specs if writers[(s.key, s.offsets)] == group.rank}
     guards = optimizers_in(state) if options.overlap_device_copy else []
-    staged, ready = stager.stage({k: t for k, (_, t) in mine.items()}, copy=copy, guards=guards)
+    held = {s.key: locals_[s.key] for s in specs if hold_all and s.key not in mine}
+    staged, ready = stager.stage({k: t for k, (_, t) in {**mine, **held}.items()}, copy=copy,
+                                 guards=guards)
     tensors = {s.key: (s.dtype, s.global_shape) for g in gathered for s in g["specs"]}
     return StepPayload(
         step=step, name=name,
         pieces={k: (offsets, staged[k]) for k, (offsets, _) in mine.items()},
+        held={k: (offsets, staged[k]) for k, (offsets, _) in held.items()},
         tensors=tensors, items=_merge_items([g["items"] for g in gathered]),
         aliases=gathered[0]["aliases"], ready=ready, metadata=metadata, previous=previous,
         rank=group.rank, world_size=group.world_size, token=gathered[0]["token"])

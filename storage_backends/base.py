@@ -9,7 +9,8 @@ ckpt calls these methods in this order for a save (each rank writes its own file
    step is visible and complete, before it nothing of it is visible;
 4. on failure, ``abort(staging)`` removes what was written.
 
-Readers use ``list``, ``exists``, ``size``, ``read`` and ``read_into`` on committed steps only.
+Readers use ``list``, ``exists``, ``size``, ``read``, ``read_into`` and ``read_blocks`` on
+committed steps only.
 Paths are relative to the root and use ``/``. Nothing here knows about torch.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Protocol, Sequence, Union
+from typing import Iterator, Protocol, Sequence, Union
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -79,6 +80,24 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def read_into(self, path: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``path`` from ``start``; raises EOFError when short."""
+
+    # Bytes per read when a reader streams through a file to check it (``read_blocks``):
+    # small enough to stay in the CPU cache where a file system's page cache serves the
+    # reads; None where every read is a request of its own (object stores): read whole chunks.
+    stream_block: int | None = None
+
+    def read_blocks(self, path: str, start: int, length: int,
+                    buffer: memoryview) -> Iterator[memoryview]:
+        """Read bytes ``start..start+length`` of ``path`` into ``buffer``, one buffer-full at
+        a time, yielding each filled part (valid until the next is read); raises EOFError
+        when the file is short."""
+        buffer = memoryview(buffer).cast("B")
+        end = start + length
+        while start < end:
+            part = buffer[:min(len(buffer), end - start)]
+            self.read_into(path, start, part)
+            yield part
+            start += len(part)
 
     @abc.abstractmethod
     def delete(self, path: str) -> None:

@@ -103,6 +103,51 @@ def test_fallback_past_a_corrupt_step_to_a_mismatched_one_changes_nothing(tmp_pa
     assert_unchanged(live, before)
 
 
+class _OddBlocks(PosixStorage):
+    """Streams the verify pass through blocks of a size that divides no chunk, so blocks
+    end mid-chunk and begin one chunk while they end another."""
+
+    stream_block = 1000
+
+
+def chunk_records(step_dir: Path) -> list[dict]:
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    return sorted((c for e in manifest["tensors"].values() for c in e["chunks"]),
+                  key=lambda c: (c["file"], c["start"]))
+
+
+def test_streamed_verification_across_odd_blocks_loads_exactly(tmp_path):
+    saved = make_state(1)
+    saved["empty"] = torch.zeros(0, 7)  # a zero-length chunk among the others
+    save_step(tmp_path, 1, saved)
+    assert any(c["length"] > 1000 for c in chunk_records(tmp_path / "step-00000001"))
+    live = make_state(2)
+    live["empty"] = torch.zeros(0, 7)
+    with CheckpointManager(_OddBlocks(tmp_path), read_only=True, metrics=False) as mgr:
+        assert mgr.restore(live, step=1) == 1
+    assert_unchanged(live, snapshot(saved))
+
+
+@pytest.mark.parametrize("storage_type", [PosixStorage, _OddBlocks])
+def test_a_corrupt_byte_in_any_chunk_changes_nothing(tmp_path, storage_type):
+    """Each chunk in turn gets one flipped byte (first, middle or last of the chunk):
+    every restore of that explicit step fails and leaves every live tensor as it was."""
+    save_step(tmp_path, 1, make_state(1))
+    step_dir = tmp_path / "step-00000001"
+    records = chunk_records(step_dir)
+    assert len(records) >= 6
+    for n, c in enumerate(records):
+        offset = c["start"] + [0, c["length"] // 2, c["length"] - 1][n % 3]
+        flip_byte(step_dir / c["file"], offset)
+        live = make_state(2)
+        before = snapshot(live)
+        with CheckpointManager(storage_type(tmp_path), read_only=True, metrics=False) as mgr:
+            with pytest.raises(CorruptCheckpointError, match="digest mismatch"):
+                mgr.restore(live, step=1)
+        assert_unchanged(live, before)
+        flip_byte(step_dir / c["file"], offset)  # repaired for the next round
+
+
 def test_a_one_pass_load_that_fails_names_what_it_overwrote(tmp_path):
     saved = make_state(1)
     ckpt.save(saved, tmp_path / "c", options=OPTIONS)
@@ -139,8 +184,8 @@ def test_load_allocates_a_few_chunks_not_a_second_copy(tmp_path, monkeypatch):
     ckpt.load(live, tmp_path / "c")
     monkeypatch.undo()
     assert all(torch.equal(live[k], state[k]) for k in state)
-    # two buffers per reading thread (main + 2 pool threads), each one chunk
-    assert sum(allocated) <= 6 * (256 << 10), f"{sum(allocated)} bytes allocated"
+    # one block buffer per reading thread (main + 2 pool threads); a second copy: 16 MiB
+    assert sum(allocated) <= 3 * PosixStorage.stream_block, f"{sum(allocated)} bytes allocated"
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
@@ -156,19 +201,24 @@ def test_non_contiguous_and_fresh_destinations_load_exactly(tmp_path, compressio
     assert torch.equal(live["vals"]["w"], state["vals"]["w"])
 
 
-class _FailsSecondRead(PosixStorage):
-    """Reads ``target`` (path, start) fine once (the verify pass), then fails (the apply
-    pass): a disk error, or a file removed between the two reads."""
+class _FailsApplyRead(PosixStorage):
+    """The verify pass reads ``target`` (path, start) fine, streamed through ``read_blocks``;
+    the apply pass's read of it (``read_into``) fails: a disk error, or a file removed
+    between the two reads."""
 
     def __init__(self, root, target):
         super().__init__(root)
-        self.target, self.seen = target, 0
+        self.target, self.verified, self.failed = target, False, False
+
+    def read_blocks(self, path, start, length, buffer):
+        if path == self.target[0] and start <= self.target[1] < start + length:
+            self.verified = True
+        return super().read_blocks(path, start, length, buffer)
 
     def read_into(self, path, start, out):
         if (path, start) == self.target:
-            self.seen += 1
-            if self.seen == 2:
-                raise OSError(5, "Input/output error (injected)")
+            self.failed = True
+            raise OSError(5, "Input/output error (injected)")
         return super().read_into(path, start, out)
 
 
@@ -179,11 +229,11 @@ def test_a_restore_that_fails_after_writing_says_what_it_wrote_and_stops(tmp_pat
     manifest = json.loads((tmp_path / "step-00000002" / "manifest.json").read_text())
     start = max(c["start"] for e in manifest["tensors"].values() for c in e["chunks"]
                 if c["file"] == data_file.name)
-    storage = _FailsSecondRead(tmp_path, (f"step-00000002/{data_file.name}", start))
+    storage = _FailsApplyRead(tmp_path, (f"step-00000002/{data_file.name}", start))
     live = make_state(3)
     with CheckpointManager(storage, read_only=True, metrics=False) as mgr:
         with pytest.raises(PartialLoadError, match="injected") as info:
             mgr.restore(live)
         assert mgr.skipped == []  # not taken for a bad step: step 1 was not tried on top
     assert "partly overwritten" in str(info.value) and "are unchanged" in str(info.value)
-    assert storage.seen == 2
+    assert storage.verified and storage.failed

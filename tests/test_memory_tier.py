@@ -245,3 +245,21 @@ def test_full_dev_shm_raises_before_writing(tmp_path, job, monkeypatch):
         with pytest.raises(CheckpointError, match="shm-size"):
             mgr.save(1, {"model": torch.nn.Linear(4, 4)})
         assert mgr._memory.steps() == [] and mgr.steps() == []
+
+
+def test_node_names_and_the_replication_ring(monkeypatch):
+    from ckpt.memory_tier import node_name, replica_name, segment_name
+    from ckpt.replication import ring_targets
+
+    monkeypatch.delenv("CKPT_NODE", raising=False)
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert node_name().endswith("_n3") and node_name("a-b/c") == "a_b_c"
+    monkeypatch.setenv("CKPT_NODE", "rack-1")
+    assert segment_name("job", 5) == "ckpt-job-rack_1-r5"
+    assert replica_name("job", "rack-1", 2) == "ckpt-job-rack_1-replica-r2"
+    # Two nodes of two ranks, then three nodes of one: the same local rank on the next node.
+    nodes, local = ["a", "a", "b", "b"], [0, 1, 0, 1]
+    assert [ring_targets(r, nodes, local, 1) for r in range(4)] == [[2], [3], [0], [1]]
+    assert ring_targets(0, ["a", "b", "c"], [0, 0, 0], 2) == [1, 2]
+    assert ring_targets(0, ["a", "b", "c"], [0, 0, 0], 5) == [1, 2]  # no more than the others
+    assert ring_targets(0, ["a", "a"], [0, 1], 1) == []  # one node: nowhere to replicate

@@ -131,6 +131,20 @@ def test_read_into_byte_ranges(storage):
         storage.read_into("step-00000001/nope.bin", 0, memoryview(bytearray(5)))
 
 
+def test_read_blocks_streams_byte_ranges(storage):
+    data = os.urandom(300_000)
+    committed(storage, "step-00000001", {"f.bin": [data]})
+    path = "step-00000001/f.bin"
+    for start, n, block in [(0, len(data), 65536), (17, 100_000, 999), (5, 0, 10)]:
+        parts = list(bytes(p) for p in storage.read_blocks(path, start, n, bytearray(block)))
+        assert b"".join(parts) == data[start:start + n], (start, n, block)
+        assert all(0 < len(p) <= block for p in parts)
+    with pytest.raises(EOFError):
+        list(storage.read_blocks(path, len(data) - 10, 20, bytearray(8)))
+    with pytest.raises(FileNotFoundError):
+        list(storage.read_blocks("step-00000001/nope.bin", 0, 5, bytearray(8)))
+
+
 def test_list_reports_directories(storage):
     committed(storage, "step-00000001", {"data-a": b"1", "data-b": b"2"})
     committed(storage, "step-00000010", {"data-c": b"3"})

@@ -8,8 +8,11 @@ user's extra items (an EMA copy of the model, a counter: anything ``ckpt`` saves
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +93,48 @@ def make_probe(spec: bool | Callable[[Any], Any] | ckpt.Probe | None, module: to
     return probe
 
 
+SHM_DIR = "/dev/shm"
+
+
+def multi_rank_memory_tier() -> bool:
+    """Whether this ``ckpt`` keeps the memory tier under a process group (it then takes
+    ``replicas=``, the peer copies); a single process has it in any case."""
+    return "replicas" in inspect.signature(ckpt.CheckpointManager).parameters
+
+
+def memory_job_id(root: str | os.PathLike, run_id: str | None) -> str:
+    """The job's name in memory segment names: torchrun's run id and a hash of the root, so
+    that two jobs with one run id (``--rdzv-id``) never read each other's segments and a
+    restarted worker of this job finds its own."""
+    digest = hashlib.sha256(os.fspath(root).encode()).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", f"{run_id or 'local'}.{digest}")
+
+
+def memory_tier_options(requested: bool | None, options: dict[str, Any], *,
+                        root: str | os.PathLike, elastic: bool,
+                        collective: bool) -> dict[str, Any]:
+    """The ``CheckpointManager`` keywords that turn the memory tier on (empty: off).
+
+    ``requested``: True (on), False (off) or None, the trainer's default: on when torchrun
+    runs the job (``elastic``) and /dev/shm exists, and, on more than one rank
+    (``collective``), when this ``ckpt`` has the multi-rank tier. ``options`` are the
+    user's checkpoint options: theirs win over the defaults given here (``replicas=1``,
+    ``memory_job`` from :func:`memory_job_id`; ``persist_every`` stays the manager's
+    default, 1: every save also goes to the root).
+    """
+    if requested is False:
+        return {}
+    if requested is None and not (elastic and os.path.isdir(SHM_DIR)
+                                  and (not collective or multi_rank_memory_tier())):
+        return {}
+    out: dict[str, Any] = {"memory_tier": True,
+                           "memory_job": memory_job_id(root,
+                                                       os.environ.get("TORCHELASTIC_RUN_ID"))}
+    if multi_rank_memory_tier():
+        out["replicas"] = 1
+    return out
+
+
 class Checkpoints:
     """The checkpointed state (``items`` plus the step's ``"meta"``) and its manager.
 
@@ -99,7 +144,8 @@ class Checkpoints:
         items: what each checkpoint holds (see :func:`checkpointed_items`); restored in
             place.
         collective_timeout: the commit vote's timeout (unless ``options`` sets one).
-        options: more ``CheckpointManager`` keywords (``keep_last`` defaults to 3).
+        options: more ``CheckpointManager`` keywords (``keep_last`` defaults to 3; the
+            memory tier's from :func:`memory_tier_options`).
         probe: recorded with every save (None: none).
         verify: what a step must pass to be restored (see :data:`VERIFY_LEVELS`); a step
             that fails is skipped for the one before it, on a resume and on a rollback.
@@ -111,6 +157,7 @@ class Checkpoints:
         self.state: dict[str, Any] = dict(items)
         self.state.setdefault("meta", {"step": 0})
         options = {"keep_last": 3, "commit_timeout": collective_timeout, **options}
+        self.manager_options = options
         self.verify = verify
         self.manager = ckpt.CheckpointManager(root, every_steps=every, handle_sigterm=False,
                                               save_on_preemption=False, probe=probe,
@@ -125,6 +172,19 @@ class Checkpoints:
         """Load the newest checkpoint that passes the ``verify`` level into the state; its
         step (None: none)."""
         return self.manager.restore(self.state, verify=self.verify)
+
+    @property
+    def memory_tier(self) -> bool:
+        """Whether saves also go to the memory tier."""
+        return bool(self.manager_options.get("memory_tier"))
+
+    def restored_from(self) -> dict[str, Any]:
+        """Where the last restore came from: ``tier`` ("memory", "peer" or "storage") and
+        ``bytes_from_storage`` (read from the persistent root); empty before one."""
+        info = self.manager.last_restore
+        if info is None:
+            return {}
+        return {"tier": info.tier, "bytes_from_storage": info.bytes_from_storage}
 
     def save(self, step: int, meta: dict[str, Any], *, force: bool = False) -> Any:
         """Save ``step`` with ``meta`` if the schedule (or ``force``) says so; returns the
@@ -141,5 +201,6 @@ class Checkpoints:
         self.manager.close()
 
 
-__all__ = ["RESERVED_ITEMS", "VERIFY_LEVELS", "Checkpoints", "checkpointed_items",
-           "default_probe_inputs", "make_probe"]
+__all__ = ["RESERVED_ITEMS", "VERIFY_LEVELS", "Checkpoints",
+           "checkpointed_items", "default_probe_inputs", "make_probe", "memory_job_id",
+           "memory_tier_options", "multi_rank_memory_tier"]

@@ -56,7 +56,8 @@ import ckpt
 from ckpt.metrics import default_labels
 from trainer.audit import AUDIT_DIR_ENV, read_audit, read_skips
 from trainer.batches import DatasetFeed, GlobalBatches, LoaderFeed, StepBatch
-from trainer.checkpointing import VERIFY_LEVELS, Checkpoints, checkpointed_items, make_probe
+from trainer.checkpointing import (VERIFY_LEVELS, Checkpoints, checkpointed_items, make_probe,
+                                   memory_tier_options)
 from trainer.data import ResumableSampler
 from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED, ExitPolicy
 from trainer.health import HealthGuard, TrainingHealthError
@@ -87,7 +88,7 @@ def seed_everything(seed: int) -> None:
 
 
 _RESERVED_OPTIONS = {"every_steps", "process_group", "handle_sigterm", "save_on_preemption",
-                     "probe"}
+                     "probe", "memory_tier"}
 
 
 def _checked_options(checkpoint_every: int, log_every: int | None,
@@ -101,7 +102,8 @@ def _checked_options(checkpoint_every: int, log_every: int | None,
     reserved = _RESERVED_OPTIONS & options.keys()
     if reserved:
         raise TypeError(f"checkpoint_options may not set {sorted(reserved)}: the trainer "
-                        "owns them (checkpoint_every, its process group, SIGTERM, probe=)")
+                        "owns them (checkpoint_every, its process group, SIGTERM, probe=, "
+                        "memory_tier=)")
     return options
 
 
@@ -129,7 +131,19 @@ class ElasticTrainer:
         heartbeat_timeout: a rank silent this long is lost (None: no heartbeat).
         collective_timeout: timeout of the process group (every collective and store call)
             and of the checkpoint commit vote.
-        checkpoint_options: more ``CheckpointManager`` keywords (``keep_last`` defaults to 3).
+        checkpoint_options: more ``CheckpointManager`` keywords (``keep_last`` defaults to 3),
+            the memory tier's among them: ``persist_every`` (only every K-th save also goes
+            to ``checkpoint_root``; default 1, every save), ``replicas`` (copies of each
+            node's shards in other nodes' memory; default 1), ``memory_keep``,
+            ``memory_budget``, ``memory_job`` (default: torchrun's run id and a hash of
+            ``checkpoint_root``).
+        memory_tier: keep every checkpoint in node-local shared memory (``/dev/shm``) too,
+            and a copy in a peer node's, so that a restarted worker restores from RAM and
+            survivors of a lost node from the peer copy before reading
+            ``checkpoint_root`` (docs/elastic.md, "Memory tier"). None (default): on when
+            torchrun runs the job and /dev/shm exists (on more than one rank only with a
+            ``ckpt`` that has the multi-rank tier); True: on, also in a plain process;
+            False: off. The run records say which tier each restore came from.
         seed: seeds the model init (same on every rank), the sampler's shuffle and each
             rank's random streams after it (torch, NumPy and Python's ``random``; their
             states are checkpointed with ``ckpt.RNGState``).
@@ -220,8 +234,11 @@ class ElasticTrainer:
                  grad_scaler: torch.amp.GradScaler | None = None,
                  health: HealthGuard | bool | None = True, metrics_port: int | None = None,
                  metrics_textfile: str | os.PathLike | None = None,
-                 log_every: int | None = 10) -> None:
+                 log_every: int | None = 10, memory_tier: bool | None = None) -> None:
         options = _checked_options(checkpoint_every, log_every, checkpoint_options)
+        if memory_tier is not None and not isinstance(memory_tier, bool):
+            raise TypeError(f"memory_tier must be True, False or None, not {memory_tier!r}")
+        self.memory_tier = memory_tier
         self.model_fn, self.optimizer_fn, self.step_fn = model_fn, optimizer_fn, step_fn
         self.scheduler_fn = scheduler_fn
         self.dataset = dataset
@@ -467,7 +484,11 @@ class ElasticTrainer:
                                      optimizer=optimizer, scheduler=scheduler,
                                      grad_scaler=self.grad_scaler, fsdp=bool(self.fsdp),
                                      extra=extra),
-            collective_timeout=self.collective_timeout, options=self.checkpoint_options,
+            collective_timeout=self.collective_timeout,
+            options={**memory_tier_options(self.memory_tier, self.checkpoint_options,
+                                           root=self.checkpoint_root, elastic=self.elastic,
+                                           collective=attempt.collective),
+                     **self.checkpoint_options},
             probe=make_probe(self.probe, module, self._probe_batch, fsdp=bool(self.fsdp)),
             verify=self.verify)
         exits.attach(checkpoints=self._checkpoints)
@@ -518,11 +539,12 @@ class ElasticTrainer:
                                     known_bad=attempt.broadcast(known),
                                     skipped_batches=skipped, counted=self._skips_counted)
         self._step = start
+        source = checkpoints.restored_from() if restored is not None else {}
         self._records.record("restored", step=start, fresh=restored is None,
-                             seconds=time.time() - t0)
+                             seconds=time.time() - t0, started=t0, **source)
         events.info(format_event("train.resume", rank=attempt.rank, step=start,
                                  fresh=restored is None, seconds=round(time.time() - t0, 3),
-                                 known_bad_batches=len(self._rollbacks.bad)))
+                                 known_bad_batches=len(self._rollbacks.bad), **source))
         if self._heartbeat is not None:
             self._heartbeat.update(start)
         return start

@@ -49,6 +49,8 @@ class Recovery:
     built_at: float | None       # model, DDP/FSDP, optimizer, heartbeat built (all ranks)
     restored_at: float | None    # its checkpoint restored (all ranks)
     resumed_at: float | None     # its first step finished
+    restored_from: str | None = None   # the tiers its ranks restored from ("memory", ...)
+    bytes_from_storage: int | None = None  # read from the persistent root, all ranks
 
     @staticmethod
     def _delta(a: float | None, b: float | None) -> float | None:
@@ -172,7 +174,8 @@ class ElasticSummary:
                 f"step {r.last_step}, world {r.world_before} -> {r.world_after}, resumed "
                 f"from step {r.restored_step}: {r.steps_lost} steps lost; detect "
                 f"{s(r.detect_s)}, exit+rendezvous+spawn {s(r.restart_s)}, init "
-                f"{s(r.init_s)}, build {s(r.build_s)}, restore {s(r.restore_s)}, first step "
+                f"{s(r.init_s)}, build {s(r.build_s)}, restore {s(r.restore_s)}"
+                + (f" (from {r.restored_from})" if r.restored_from else "") + ", first step "
                 f"{s(r.first_step_s)}; detect->resume {s(r.resume_s)}, downtime {s(r.downtime_s)}")
         return "\n".join(lines)
 
@@ -342,6 +345,11 @@ def _attempt_facts(number: int, records: list[dict[str, Any]]) -> dict[str, Any]
         "group_ready": max((r["group_ready"] for r in starts), default=None),
         "restored": restored_step,
         "restored_at": max((r["time"] for r in restored), default=None),
+        "restored_from": ",".join(sorted({r["tier"] for r in restored if r.get("tier")}))
+                         or None,
+        "bytes_from_storage": sum(r["bytes_from_storage"] for r in restored)
+                              if restored and all("bytes_from_storage" in r for r in restored)
+                              else None,
         "resumed_at": max(first) if first else None,
         "last_step": max((r["step"] for r in steps), default=restored_step or 0),
         "last_step_times": {r["rank"]: r["time"] for r in steps},
@@ -370,7 +378,8 @@ def _recovery(a: dict[str, Any], b: dict[str, Any]) -> Recovery:
                     detected_at=detected, restarted_at=b["start"],
                     group_ready_at=b["group_ready"], built_at=b["built_at"],
                     restored_at=b["restored_at"],
-                    resumed_at=b["resumed_at"])
+                    resumed_at=b["resumed_at"], restored_from=b["restored_from"],
+                    bytes_from_storage=b["bytes_from_storage"])
 
 
 def _ending(a: dict[str, Any]) -> tuple[str, list[int], float | None, float | None]:

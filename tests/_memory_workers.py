@@ -1,0 +1,150 @@
+"""Rank bodies for test_memory_peer.py (top-level functions: spawn imports them by name).
+
+Each rank plays one "node": its name (``memory_node=``) comes from ``nodes[rank]``, as
+CKPT_NODE or torchrun's GROUP_RANK would name it, and every test has its own segment
+directory (``memory_dir=``) instead of /dev/shm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import ckpt
+
+
+def values(step: int) -> dict[str, torch.Tensor]:
+    """The global tensors of ``step`` (the same on every rank and world size)."""
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(12, 8, generator=g), "lin": torch.randn(4, 8, generator=g),
+            "grad": torch.randn(4, 8, generator=g)}
+
+
+def build(world: int, step: int | None) -> dict:
+    """Step ``step``'s state (None: a different, fresh one to restore into): a row-sharded
+    DTensor, a replicated model, its Adam state after one step, and a per-rank counter."""
+    mesh = init_device_mesh("cpu", (world,))
+    v = values(step if step is not None else 10_000)
+    model = torch.nn.Linear(8, 4, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(v["lin"])
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.weight.grad = v["grad"].clone()
+    opt.step()
+    return {"w": distribute_tensor(v["w"], mesh, [Shard(0)]), "model": model, "opt": opt}
+
+
+def mismatches(state: dict, step: int, world: int) -> list[str]:
+    """What differs from step ``step``'s state, element for element."""
+    ref = build(world, step)
+    bad = [] if torch.equal(state["w"].full_tensor(), ref["w"].full_tensor()) else ["w"]
+    bad += [f"model.{k}" for k, t in ref["model"].state_dict().items()
+            if not torch.equal(state["model"].state_dict()[k], t)]
+    ours, theirs = state["opt"].state_dict()["state"], ref["opt"].state_dict()["state"]
+    bad += [f"opt.{p}.{k}" for p in theirs for k, t in theirs[p].items()
+            if not torch.equal(torch.as_tensor(ours[p][k]), torch.as_tensor(t))]
+    return bad
+
+
+def manager(root: str, shm: str, job: str, node: str, **kw) -> ckpt.CheckpointManager:
+    return ckpt.CheckpointManager(root, memory_tier=True, memory_dir=shm, memory_node=node,
+                                  memory_job=job, async_save=False, **kw)
+
+
+def save_steps(rank: int, world: int, root: str, shm: str, job: str, nodes: list[str],
+               steps: list[int], persist_every: int, hold_flag: str | None = None) -> dict:
+    """Save ``steps``; wait until every replica is stored before anyone closes.
+
+    With ``hold_flag``, rank 1 holds its replica receiver through the first save: rank 0's
+    save must return all the same (its replica can only be stored after rank 1 lets go, which
+    it does once rank 0 wrote the flag file after its save returned)."""
+    mgr = manager(root, shm, job, nodes[rank], persist_every=persist_every)
+    out: dict = {}
+    if hold_flag and rank == 1:
+        mgr._replicator.hold.clear()  # the receiver stops before storing anything
+    for i, step in enumerate(steps):
+        mgr.save(step, build(world, step), force=True)  # synchronous: published here
+        if hold_flag and i == 0:
+            if rank == 0:
+                out["replica_before_release"] = replica_steps(shm, nodes[1])
+                open(hold_flag, "w").close()  # no collective: rank 1 may be anywhere
+            else:
+                pause = threading.Event()
+                while not os.path.exists(hold_flag):
+                    pause.wait(0.01)
+                mgr._replicator.hold.set()
+    out["replicated"] = mgr.wait_replicated(60)
+    dist.barrier()
+    metrics = mgr.metrics.snapshot()
+    mgr.close()
+    out.update(replications=metrics["replications_total"],
+               failures=metrics["replication_failures_total"])
+    return out
+
+
+def replica_steps(shm: str, node: str) -> list[str]:
+    """The replica steps held on ``node``."""
+    return sorted(f"{n}/{s}" for n in os.listdir(shm) if f"-{node}-replica-" in n
+                  for s in os.listdir(os.path.join(shm, n)) if s.startswith("step-"))
+
+
+def restore(rank: int, world: int, root: str, shm: str, job: str, nodes: list[str]) -> dict:
+    """A restarted world restores; returns the step, where it came from and what differs."""
+    state = build(world, None)
+    mgr = manager(root, shm, job, nodes[rank])
+    step = mgr.restore(state)
+    info = mgr.last_restore
+    bad = mismatches(state, step, world) if step is not None else ["nothing restored"]
+    mgr.close()
+    return {"step": step, "tier": info.tier if info else None,
+            "bytes": info.bytes_from_storage if info else None, "mismatches": bad}
+
+
+def restore_after_node_loss(rank: int, world: int, root: str, shm: str, job: str,
+                            nodes: list[str], root_aside: str) -> dict:
+    """World 2 after node 3 was lost, restores in a row (rank 0 breaks things between them):
+    from the peer replicas with the root's data moved aside; with a bit flipped in rank 0's
+    own copy of step 3 (its replica on node 2 is good); with a bit flipped in the only
+    copy left of the lost rank's step 3 (its replica); with that replica gone (so both copies
+    of the lost rank's shards are gone) and the root's data back; and with a newer step in
+    the root than in memory."""
+    out = {"peer": restore(rank, world, root, shm, job, nodes)}
+    if rank == 0:
+        flip_chunk(os.path.join(shm, f"ckpt-{job}-{nodes[0]}-r0", "step-00000003"), "w")
+    dist.barrier()
+    out["own_flipped"] = restore(rank, world, root, shm, job, nodes)
+    replica = os.path.join(shm, f"ckpt-{job}-{nodes[0]}-replica-r2")
+    if rank == 0:
+        flip_chunk(os.path.join(replica, "step-00000003"), "w")
+    dist.barrier()
+    out["flipped"] = restore(rank, world, root, shm, job, nodes)
+    if rank == 0:
+        shutil.rmtree(replica)
+        for name in os.listdir(root_aside):
+            os.rename(os.path.join(root_aside, name), os.path.join(root, "step-00000002", name))
+    dist.barrier()
+    out["both_gone"] = restore(rank, world, root, shm, job, nodes)
+    with ckpt.CheckpointManager(root, async_save=False) as plain:  # the root alone
+        plain.save(4, build(world, 4), force=True)
+    out["root_newer"] = restore(rank, world, root, shm, job, nodes)
+    return out
+
+
+def flip_chunk(step_path: str, key: str) -> None:
+    """Flip one bit in the middle of every chunk of ``key`` in a rank step."""
+    with open(os.path.join(step_path, "rank.json")) as f:
+        doc = json.load(f)
+    for k, chunk in doc["table"]["chunks"]:
+        if k == key:
+            with open(os.path.join(step_path, chunk["file"]), "r+b") as f:
+                f.seek(chunk["start"] + chunk["length"] // 2)
+                byte = f.read(1)[0]
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte ^ 0x01]))

@@ -1,0 +1,148 @@
+"""Compressed saves: chunks are compressed on the pool while earlier files are written
+(issue #16), and the files are the same bytes as those of the one-thread path."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+import ckpt.engine as engine
+from ckpt import SaveOptions
+from ckpt.codec import decode_into
+from ckpt.engine import StepPayload, byte_view, write_rank
+from ckpt.integrity import digest
+from storage_backends import PosixStorage
+
+OPTIONS = SaveOptions(chunk_bytes=4096, write_threads=2, compression="zstd")
+
+
+def weights() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "bf16": (torch.randn(96, 64, generator=gen) * 0.02).to(torch.bfloat16),
+        "fp32": torch.randn(80, 32, generator=gen) * 0.02,
+        "ints": torch.arange(3000, dtype=torch.int64) % 7,  # plain zstd (not grouped)
+        "noise": torch.randint(0, 256, (5000,), generator=gen, dtype=torch.uint8),  # stays raw
+        "empty": torch.zeros(0, 3),
+    }
+
+
+def payload(state: dict[str, torch.Tensor]) -> StepPayload:
+    return StepPayload(
+        step=1, name="step-00000001", token="fixedtoken01",
+        pieces={k: ((0,) * t.dim(), t) for k, t in state.items()},
+        tensors={k: (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                 for k, t in state.items()},
+        items={}, aliases={})
+
+
+def written(root: Path, pool: cf.ThreadPoolExecutor | None):
+    storage = PosixStorage(root)
+    staging = storage.begin("step-00000001", "fixedtoken01")
+    table = write_rank(storage, staging, payload(weights()), OPTIONS, pool)
+    files = {name: (root / staging / name).read_bytes() for name in table.files}
+    return table, files
+
+
+def test_the_pipeline_writes_the_bytes_of_the_one_thread_path(tmp_path):
+    with cf.ThreadPoolExecutor(2) as pool:
+        table, files = written(tmp_path / "pooled", pool)
+    serial_table, serial_files = written(tmp_path / "serial", None)
+    assert files == serial_files
+    assert json.dumps(table.to_json(), sort_keys=True) == json.dumps(
+        serial_table.to_json(), sort_keys=True)
+    assert len(files) == 2 * 4  # four files per writer thread
+    state = weights()
+    codecs = set()
+    for key, chunk in table.chunks:
+        stored = files[chunk.file][chunk.start:chunk.start + chunk.length]
+        expected = state[key][chunk.offsets[0]:chunk.offsets[0] + chunk.shape[0]] if (
+            state[key].dim()) else state[key]
+        out = torch.empty_like(expected)
+        if chunk.codec == "raw":
+            byte_view(out)[:] = stored
+        else:
+            decode_into(chunk.codec, stored, byte_view(out), out.dtype)
+        assert torch.equal(out, expected), (key, chunk.offsets)
+        assert chunk.digest == digest(byte_view(expected.contiguous()))
+        codecs.add(chunk.codec)
+    assert codecs == {"raw", "zstd", "zstd-grouped"}
+
+
+class _HeldWrites(PosixStorage):
+    """Every data file's write waits until ``go`` is set (at most 20 s)."""
+
+    def __init__(self, root, go: threading.Event) -> None:
+        super().__init__(root)
+        self.go = go
+        self.released: list[bool] = []
+
+    def write(self, path, buffers):
+        if "data-" in path:
+            self.released.append(self.go.wait(20))
+        return super().write(path, buffers)
+
+
+def test_compression_goes_on_while_every_writer_is_busy(tmp_path, monkeypatch):
+    """Both writer threads are stuck writing (files 0 and 1); compressing file 2 must still
+    start. (Were each thread to compress a file and then write it, nothing would.)"""
+    file_of: dict[tuple[str, int], int] = {}
+    chunk_of: dict[int, tuple[str, int]] = {}
+    real_plan, real_assign, real_encode = engine._plan, engine.assign_files, engine.encode
+
+    def plan(payload, options):
+        reused, to_write = real_plan(payload, options)
+        chunk_of.update({id(data): (c.key, c.index) for c, data, _ in to_write})
+        return reused, to_write
+
+    def assign(chunks, n):
+        groups = real_assign(chunks, n)
+        file_of.update({(c.key, c.index): i for i, g in enumerate(groups) for c in g})
+        return groups
+
+    go = threading.Event()
+
+    def encode(data, *args):
+        if file_of[chunk_of[id(data)]] >= 2:
+            go.set()
+        return real_encode(data, *args)
+
+    monkeypatch.setattr(engine, "_plan", plan)
+    monkeypatch.setattr(engine, "assign_files", assign)
+    monkeypatch.setattr(engine, "encode", encode)
+    storage = _HeldWrites(tmp_path, go)
+    with cf.ThreadPoolExecutor(2) as pool:
+        staging = storage.begin("step-00000001", "fixedtoken01")
+        write_rank(storage, staging, payload(weights()), OPTIONS, pool)
+    assert len(storage.released) == 8 and all(storage.released)
+
+
+class _FailsThirdFile(PosixStorage):
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.files = 0
+        self.mutex = threading.Lock()
+
+    def write(self, path, buffers):
+        if "data-" in path:
+            with self.mutex:
+                self.files += 1
+                if self.files == 3:
+                    raise OSError(28, "No space left on device (injected)")
+        return super().write(path, buffers)
+
+
+def test_a_failed_write_fails_the_compressed_save_and_commits_nothing(tmp_path):
+    storage = _FailsThirdFile(tmp_path)
+    with ckpt.CheckpointManager(storage, async_save=False, options=OPTIONS,
+                                handle_sigterm=False, metrics=False) as mgr:
+        with pytest.raises(ckpt.CheckpointError, match="injected"):
+            mgr.save(1, weights())
+        assert mgr.steps() == []
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())

@@ -1,18 +1,22 @@
 """Checkpoint metadata of a large job, simulated without tensor bytes.
 
 A save and a load at N ranks run, besides moving bytes, a planning path whose cost grows with
-ranks x tensors: every rank's boxes are gathered and writers assigned (replicas written once),
-each writer cuts its boxes into chunks and lays them out in data files, the coordinator merges
-every rank's chunk table into one manifest, serializes it, a reader validates it, and each rank
-of the next world plans its reads against the chunks. This module drives exactly those
-functions of ckpt (``assign_writers``, ``chunk_tensor``, ``assign_files``, ``encode_header``,
-``RankTable``, ``build_manifest``, ``Manifest.to_json``/``from_json``, ``overlapping_chunks``)
-with boxes computed by DTensor's own sharding rule, so nothing but the bytes is made up.
-``tests/test_scale.py`` checks the simulated manifest against a real gloo save.
+ranks and tensors. In format 2 (docs/format.md) each rank decides from the tensors' layouts
+which of its boxes it writes (``snapshot.written_here``), cuts them into chunks and data files
+(``chunk_tensor``, ``assign_files``, ``encode_header``) and writes its chunk table
+(``engine.table_file``); the coordinator collects one small report per rank and builds the
+top-level manifest (``engine.build_top_manifest``, ``Manifest.to_json``); a reader validates
+it (``Manifest.from_json``) and each rank of the next world finds the chunks overlapping its
+boxes (``sharding.overlapping``: the layout names the ranks whose tables it reads, which are
+then checked against their digests and validated). This module drives exactly those
+functions, with boxes computed by DTensor's own sharding rule, so nothing but the bytes (and
+the chunk digests) is made up. ``tests/test_scale.py`` checks a simulated step against a real
+gloo save.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -20,11 +24,13 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ckpt.datafile import Piece, encode_header
-from ckpt.engine import RankTable, StepPayload, build_manifest
+from ckpt.engine import RankTable, StepPayload, build_top_manifest, table_file
 from ckpt.format import DTYPES, Chunk, Manifest
+from ckpt.layout import Mesh, MeshLayout
 from ckpt.options import SaveOptions
 from ckpt.plan import assign_files, chunk_tensor, data_file_name
-from ckpt.sharding import PieceSpec, assign_writers
+from ckpt.sharding import PieceSpec
+from ckpt.snapshot import written_here
 
 # A 70B-parameter decoder (Llama-3-70B's shapes): 80 layers, hidden 8192, MLP 28672,
 # 64 query heads and 8 key/value heads of 128, vocabulary 128256.
@@ -107,10 +113,18 @@ def _coordinate(rank: int, mesh: tuple[int, ...]) -> list[int]:
     return coord[::-1]
 
 
+_BOXES: dict[tuple, tuple] = {}
+
+
 def _box(t: TensorSpec, mesh: tuple[int, ...], coord: list[int]) -> tuple:
-    shape, offsets = _compute_local_shape_and_global_offset(t.shape, mesh, coord,
-                                                            list(t.placements))
-    return tuple(int(o) for o in offsets), tuple(int(s) for s in shape)
+    """DTensor's own offset rule (cached: the layers repeat)."""
+    ident = (t.shape, t.placements, mesh, tuple(coord))
+    box = _BOXES.get(ident)
+    if box is None:
+        shape, offsets = _compute_local_shape_and_global_offset(t.shape, mesh, coord,
+                                                                list(t.placements))
+        box = _BOXES[ident] = (tuple(int(o) for o in offsets), tuple(int(s) for s in shape))
+    return box
 
 
 def rank_boxes(mesh: tuple[int, ...], tensors: list[TensorSpec], rank: int) -> list[tuple]:
@@ -118,36 +132,38 @@ def rank_boxes(mesh: tuple[int, ...], tensors: list[TensorSpec], rank: int) -> l
     return [_box(t, t.mesh or mesh, _coordinate(rank, t.mesh or mesh)) for t in tensors]
 
 
-def rank_specs(mesh: tuple[int, ...], tensors: list[TensorSpec]) -> list[list[PieceSpec]]:
-    """Every rank's boxes, as ``snapshot`` gathers them (DTensor's own offset rule; computed
-    once per distinct (shape, placements) and shared, as the layers repeat)."""
-    world = math.prod(mesh)
-    boxes_of: dict[tuple, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-    out: list[list[PieceSpec]] = [[] for _ in range(world)]
-    for t in tensors:
-        t_mesh = t.mesh or mesh
-        if math.prod(t_mesh) != world:
-            raise ValueError(f"{t.key}: mesh {t_mesh} does not have {world} ranks")
-        ident = (t.shape, t.placements, t_mesh)
-        boxes = boxes_of.get(ident)
-        if boxes is None:
-            boxes = boxes_of[ident] = [_box(t, t_mesh, _coordinate(r, t_mesh))
-                                       for r in range(world)]
-        itemsize = DTYPES[t.dtype].itemsize
-        for rank, (offsets, shape) in enumerate(boxes):
-            out[rank].append(PieceSpec(t.key, t.dtype, t.shape, offsets, shape,
-                                       math.prod(shape) * itemsize))
+def rank_specs(mesh: tuple[int, ...], tensors: list[TensorSpec], rank: int) -> list[PieceSpec]:
+    """One rank's boxes as ``snapshot`` describes them."""
+    out = []
+    for t, (offsets, shape) in zip(tensors, rank_boxes(mesh, tensors, rank)):
+        out.append(PieceSpec(t.key, t.dtype, t.shape, offsets, shape,
+                             math.prod(shape) * DTYPES[t.dtype].itemsize))
     return out
 
 
-def rank_table(rank: int, specs: list[PieceSpec], writers: dict, options: SaveOptions,
+def layouts_of(mesh: tuple[int, ...], tensors: list[TensorSpec]) -> dict[str, MeshLayout]:
+    """Each tensor's layout as ``sharding.mesh_layout`` derives it from a DTensor (one
+    :class:`Mesh` object per mesh, ranks in order)."""
+    meshes: dict[tuple[int, ...], Mesh] = {}
+    out = {}
+    for t in tensors:
+        shape = t.mesh or mesh
+        m = meshes.get(shape)
+        if m is None:
+            m = meshes[shape] = Mesh(shape, tuple(range(math.prod(shape))))
+        out[t.key] = MeshLayout(m, tuple(p.dim if isinstance(p, Shard) else None
+                                         for p in t.placements))
+    return out
+
+
+def rank_table(rank: int, specs: list[PieceSpec], mine: list[str], options: SaveOptions,
                token: str) -> RankTable:
     """What ``engine.write_rank`` records for this rank's boxes, without the bytes: the same
     chunking, file grouping, file names and header layout (uncompressed, no reuse)."""
     chunks = []
-    for s in specs:
-        if writers[(s.key, s.offsets)] != rank:
-            continue
+    by_key = {s.key: s for s in specs}
+    for key in mine:
+        s = by_key[key]
         for c in chunk_tensor(s.key, s.shape, DTYPES[s.dtype].itemsize, options.chunk_bytes):
             chunks.append((replace(c, offsets=tuple(o + b for o, b in zip(s.offsets, c.offsets))),
                            s.dtype))
@@ -180,18 +196,57 @@ class _Sized:
         return self.n
 
 
-def payload(tensors: list[TensorSpec], world: int, step: int = 1,
-            token: str = "000000000000") -> StepPayload:
-    """The coordinator's view of a save: every tensor's global dtype and shape."""
+def payload(tensors: list[TensorSpec], world: int, layouts: dict, rank: int = 0,
+            step: int = 1, token: str = "000000000000") -> StepPayload:
+    """A rank's view of a save: every tensor's global dtype, shape and layout."""
     return StepPayload(step=step, name=f"step-{step:08d}", pieces={},
                        tensors={t.key: (t.dtype, t.shape) for t in tensors}, items={},
-                       aliases={}, world_size=world, token=token)
+                       aliases={}, world_size=world, token=token, rank=rank, layouts=layouts)
 
 
-def manifest_of(tensors: list[TensorSpec], specs: list[list[PieceSpec]],
-                options: SaveOptions, token: str = "000000000000") -> Manifest:
-    """The manifest a save of ``tensors`` laid out as ``specs`` commits (no bytes, no digests)."""
-    writers = assign_writers(specs)
-    tables = [rank_table(r, s, writers, options, token) for r, s in enumerate(specs)]
-    return build_manifest(payload(tensors, len(specs), token=token), tables)
+def save_rank(mesh: tuple[int, ...], tensors: list[TensorSpec], layouts: dict, rank: int,
+              options: SaveOptions, token: str = "000000000000") -> tuple[str, bytes, dict]:
+    """Rank ``rank``'s part of a save: which boxes it writes, its chunks and data files, and
+    its chunk table (name, bytes) with the report it sends to the commit vote."""
+    specs = rank_specs(mesh, tensors, rank)
+    table = rank_table(rank, specs, written_here(specs, layouts, rank), options, token)
+    world = math.prod(mesh)
+    return table_file(payload(tensors, world, layouts, rank, token=token), table)
 
+
+def step_of(mesh: tuple[int, ...], tensors: list[TensorSpec], options: SaveOptions,
+            token: str = "000000000000") -> tuple[Manifest, dict[str, bytes]]:
+    """The manifest and rank tables a save of ``tensors`` commits (no bytes, no digests);
+    every rank's part computed (small worlds: the tests)."""
+    world = math.prod(mesh)
+    layouts = layouts_of(mesh, tensors)
+    files, reports = {}, []
+    for rank in range(world):
+        name, raw, report = save_rank(mesh, tensors, layouts, rank, options, token)
+        files[name] = raw
+        reports.append(report)
+    manifest = build_top_manifest(payload(tensors, world, layouts, token=token), reports)
+    return manifest, files
+
+
+def count_chunks(tensors: list[TensorSpec], layouts: dict, options: SaveOptions) -> int:
+    """How many chunks a save writes in all, without computing every rank's table: each
+    tensor's saved boxes are the product of its dimensions' pieces (``layout._intervals``),
+    and a box's chunk count depends only on its shape."""
+    from collections import Counter
+
+    from ckpt.layout import _intervals
+
+    total = 0
+    for t in tensors:
+        layout = layouts[t.key]
+        per_dim = []
+        for d, size in enumerate(t.shape):
+            cuts = tuple(layout.mesh.shape[i] for i, p in enumerate(layout.placements) if p == d)
+            per_dim.append(Counter(_intervals(size, cuts)[1]).items())
+        for combo in itertools.product(*per_dim):
+            shape = tuple(length for length, _ in combo)
+            n = math.prod(count for _, count in combo)
+            total += n * len(chunk_tensor(t.key, shape, DTYPES[t.dtype].itemsize,
+                                          options.chunk_bytes))
+    return total

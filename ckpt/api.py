@@ -121,9 +121,9 @@ def load(state: Any, path: Any = None, *, allow_pickle: bool = False,
     object). Example: ``sd = ckpt.load("ckpt/one")["model"]``.
 
     Under torch.distributed each rank loads the boxes it holds (any world size). Every
-    chunk is verified before the first live tensor is written, through a few chunk-sized
-    buffers (the extra memory does not grow with the state); the files are then read again,
-    from the page cache, straight into the tensors. ``atomic=False`` reads once, verifying
+    chunk is verified before the first live tensor is written, streamed through one small
+    buffer per reading thread (the extra memory does not grow with the state); the files are
+    then read again, from the page cache, straight into the tensors. ``atomic=False`` reads once, verifying
     each chunk where it lands: a digest mismatch then raises :class:`PartialLoadError`,
     which names the tensors it overwrote.
     ``verify`` is ``"structure"`` (False), ``"digest"`` (True, the default) or ``"forward"``:

@@ -27,12 +27,14 @@ from storage_backends.faults import fault_point
 from .codec import encode
 from .datafile import Piece, encode_header
 from .errors import CheckpointError, StorageError
-from .format import MANIFEST_NAME, Chunk, Manifest, TensorEntry, chunk_doc
+from .format import FORMAT_VERSION_TABLES, MANIFEST_NAME, Chunk, Manifest, TensorEntry, chunk_doc
 from .distributed import Group
 from .incremental import CHAIN_KEY, chain_length
 from .integrity import digest
 from .options import SaveOptions
 from .plan import ChunkPlan, assign_files, chunk_tensor, data_file_name
+from .ranktable import encode_table, table_name
+from .sharding import overlapping
 
 log = logging.getLogger("ckpt")
 
@@ -228,6 +230,8 @@ class StepPayload:
     # Boxes this rank holds but another rank writes (a replicated tensor's copy): staged only
     # for the memory tier, which keeps everything a rank holds so that it restores alone.
     held: dict[str, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
+    # Format 2 (rank tables): each tensor's layout (ckpt.layout); None writes format 1.
+    layouts: dict | None = None
 
 
 @dataclass
@@ -253,15 +257,20 @@ class RankTable:
 def _plan(payload: StepPayload, options: SaveOptions) -> tuple[list, list]:
     """Cut this rank's boxes into chunks; reuse unchanged ones, return the rest.
 
-    An incremental save digests every chunk here (the digests decide what is reused); a
-    full one leaves the digests (None) to the threads that write the files.
+    An incremental save digests every chunk here that its base may hold (the digests decide
+    what is reused); the others' digests (None) are left to the threads that write the files.
     """
-    previous = {}
-    if payload.previous is not None:
-        previous = {(k, c.offsets, c.shape): c for k, e in payload.previous.tensors.items()
-                    for c in e.chunks}
     reused, to_write = [], []
     for key, (offsets, t) in payload.pieces.items():
+        previous = {}
+        if payload.previous is not None and _same_layout(payload, key):
+            # only the base's chunks inside this rank's box (a format-2 base: its tables of
+            # the ranks that wrote them, usually this rank's own)
+            try:
+                previous = {(key, c.offsets, c.shape): c for c, _ in overlapping(
+                    payload.previous.tensors[key], (offsets, tuple(t.shape)))}
+            except CheckpointError as e:  # a damaged base table: write these chunks anew
+                log.warning("incremental save of %s reuses nothing: %s", key, e)
         view = byte_view(t)
         for c in chunk_tensor(key, tuple(t.shape), t.element_size(), options.chunk_bytes):
             box = tuple(o + b for o, b in zip(offsets, c.offsets))
@@ -271,7 +280,7 @@ def _plan(payload: StepPayload, options: SaveOptions) -> tuple[list, list]:
                 continue
             d = digest(data)
             old = previous.get((key, box, c.shape))
-            if old is not None and old.digest == d and _same_layout(payload, key):
+            if old is not None and old.digest == d:
                 step = payload.previous.step if old.step is None else old.step
                 reused.append((key, dataclasses.replace(old, step=step)))
             else:
@@ -382,7 +391,7 @@ def _pipeline(groups: list[list[ChunkPlan]], encode_chunk: Callable, write_file:
 
 
 def build_manifest(payload: StepPayload, tables: list[RankTable]) -> Manifest:
-    """The coordinator's merge of every rank's table into the step's manifest."""
+    """The coordinator's merge of every rank's table into the step's manifest (format 1)."""
     chunks: dict[str, list[Chunk]] = {k: [] for k in payload.tensors}
     files: dict[str, int] = {}
     for table in tables:
@@ -391,21 +400,71 @@ def build_manifest(payload: StepPayload, tables: list[RankTable]) -> Manifest:
             chunks[key].append(chunk)
     tensors = {key: TensorEntry(dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.offsets)))
                for key, (dtype, shape) in payload.tensors.items()}
-    metadata = dict(payload.metadata or {})
-    metadata[CHAIN_KEY] = chain_length(payload.previous) + 1 if payload.previous else 0
     return Manifest(step=payload.step, world_size=payload.world_size, created=time.time(),
                     tensors=tensors, aliases=payload.aliases, items=payload.items, files=files,
-                    metadata=metadata)
+                    metadata=_metadata(payload))
+
+
+def _metadata(payload: StepPayload) -> dict:
+    metadata = dict(payload.metadata or {})
+    metadata[CHAIN_KEY] = chain_length(payload.previous) + 1 if payload.previous else 0
+    return metadata
+
+
+def table_file(payload: StepPayload, table: RankTable) -> tuple[str, bytes, dict]:
+    """Format 2: this rank's chunk table (file name and bytes) and what the rank reports in
+    the commit vote (a few hundred bytes, whatever its chunk count)."""
+    raw = encode_table(payload.step, payload.rank, table.chunks)
+    name = table_name(payload.token, payload.rank)
+    refs: dict[str, dict[str, int]] = {}
+    for _, c in table.chunks:
+        if c.step is not None:
+            need = refs.setdefault(str(c.step), {})
+            need[c.file] = max(need.get(c.file, 0), c.start + c.length)
+    return name, raw, {"table": [name, len(raw), digest(raw)], "files": table.files,
+                       "refs": refs, "written": table.bytes_written,
+                       "reused": table.bytes_reused}
+
+
+def write_table(storage: Storage, staging: str, payload: StepPayload, table: RankTable) -> dict:
+    """Write this rank's chunk table next to its data files; returns its vote report."""
+    name, raw, report = table_file(payload, table)
+    storage.write(f"{staging}/{name}", [raw])
+    return report
+
+
+def build_top_manifest(payload: StepPayload, reports: list[dict]) -> Manifest:
+    """The coordinator's format-2 manifest: layouts, tables and files; O(tensors + ranks)."""
+    files: dict[str, int] = {}
+    refs: dict[tuple[int, str], int] = {}
+    for report in reports:
+        files.update(report["files"])
+        for step, names in report["refs"].items():
+            for name, size in names.items():
+                refs[(int(step), name)] = max(refs.get((int(step), name), 0), size)
+    tensors = {key: TensorEntry(dtype, shape, None, payload.layouts[key])
+               for key, (dtype, shape) in payload.tensors.items()}
+    return Manifest(step=payload.step, world_size=payload.world_size, created=time.time(),
+                    tensors=tensors, aliases=payload.aliases, items=payload.items, files=files,
+                    metadata=_metadata(payload), format_version=FORMAT_VERSION_TABLES,
+                    tables=[tuple(r["table"]) for r in reports], refs=refs)
 
 
 def commit_step(storage: Storage, staging: str, payload: StepPayload,
-                tables: list[RankTable]) -> Manifest:
-    """Coordinator: write the manifest and publish the step (the commit point)."""
-    manifest = build_manifest(payload, tables)
+                tables: list[RankTable] | None = None,
+                reports: list[dict] | None = None) -> Manifest:
+    """Coordinator: write the manifest and publish the step (the commit point). Format 1
+    merges the ranks' ``tables``; format 2 lists the ranks' ``reports``."""
+    if reports is not None:
+        manifest = build_top_manifest(payload, reports)
+    else:
+        manifest = build_manifest(payload, tables or [])
     fault_point("before_commit")
     storage.commit(staging, payload.name, manifest.to_json(), MANIFEST_NAME)
     fault_point("after_commit")
-    return manifest
+    # The step's rank tables now lie in its directory: later incremental saves read them.
+    return manifest.bind(lambda name: storage.read(f"{payload.name}/{name}"),
+                         f"{storage.url}/{payload.name}")
 
 
 def _abort(storage: Storage, staging: str) -> None:
@@ -432,9 +491,13 @@ class BackgroundWriter:
             payload.ready.synchronize()
         staging = storage.begin(payload.name, payload.token)
         group = self.group
+        tables = payload.layouts is not None
         if not group.enabled:
             try:
                 table = write_rank(storage, staging, payload, self.options, self._pool)
+                if tables:
+                    report = write_table(storage, staging, payload, table)
+                    return commit_step(storage, staging, payload, reports=[report]), table
                 return commit_step(storage, staging, payload, [table]), table
             except BaseException:
                 _abort(storage, staging)
@@ -444,7 +507,8 @@ class BackgroundWriter:
         me = f"{payload.token}/rank{group.rank}"
         try:
             table = write_rank(storage, staging, payload, self.options, self._pool)
-            group.publish(me, {"ok": table.to_json()})
+            group.publish(me, {"ok": write_table(storage, staging, payload, table) if tables
+                               else table.to_json()})
         except BaseException as e:
             group.publish(me, {"error": f"rank {group.rank}: {e}"})
             raise
@@ -460,8 +524,12 @@ class BackgroundWriter:
             errors = [r["error"] for r in reports if "error" in r]
             if errors:
                 raise CheckpointError("; ".join(errors))
-            manifest = commit_step(storage, staging, payload,
-                                   [RankTable.from_json(r["ok"]) for r in reports])
+            if tables:
+                manifest = commit_step(storage, staging, payload,
+                                       reports=[r["ok"] for r in reports])
+            else:
+                manifest = commit_step(storage, staging, payload,
+                                       [RankTable.from_json(r["ok"]) for r in reports])
         except BaseException as e:
             _abort(storage, staging)
             group.publish(outcome, {"error": str(e)})

@@ -24,7 +24,9 @@ import torch
 from .errors import CorruptCheckpointError, UnsupportedValueError
 
 FORMAT_NAME = "ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # one JSON manifest holding every chunk (small worlds)
+FORMAT_VERSION_TABLES = 2  # a top-level manifest plus one chunk table per rank
+MAX_TABLE_BYTES = 1 << 30
 MANIFEST_NAME = "manifest.json"
 STEP_PREFIX = "step-"
 MAX_MANIFEST_BYTES = 1 << 30
@@ -92,13 +94,35 @@ class Chunk:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
 class TensorEntry:
-    """A tensor's global shape, dtype and the chunks that tile it."""
+    """A tensor's global shape, dtype and the chunks that tile it.
 
-    dtype: str
-    shape: tuple[int, ...]
-    chunks: tuple[Chunk, ...]
+    In a format-2 step the chunks live in the ranks' tables: ``layout`` says which rank
+    wrote which box, and ``chunks`` reads every table on first use (tools that look at a
+    whole step); a load asks :func:`ckpt.sharding.overlapping`, which reads only the tables
+    of the ranks that wrote the boxes it needs.
+    """
+
+    __slots__ = ("dtype", "shape", "layout", "_chunks", "_tables", "_key", "_index")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], chunks: tuple[Chunk, ...] | None = None,
+                 layout: Any = None) -> None:
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self.layout = layout
+        self._chunks = None if chunks is None else tuple(chunks)
+        self._tables: Any = None  # ranktable.Tables of a format-2 step, once bound
+        self._key: str | None = None
+        self._index: Any = None  # sharding's read index, built on first use
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        if self._chunks is None:
+            if self._tables is None:
+                raise RuntimeError("this manifest's chunks live in rank tables it was not "
+                                   "bound to (read it with ckpt.integrity.read_manifest)")
+            self._chunks = self._tables.all_chunks(self._key)
+        return self._chunks
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -107,6 +131,16 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.torch_dtype.itemsize
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TensorEntry):
+            return NotImplemented
+        return (self.dtype, self.shape, self.layout, self.chunks) == (
+            other.dtype, other.shape, other.layout, other.chunks)
+
+    def __repr__(self) -> str:
+        chunks = "unread" if self._chunks is None else f"{len(self._chunks)} chunks"
+        return f"TensorEntry({self.dtype}, {list(self.shape)}, {chunks})"
 
 
 @dataclass
@@ -123,15 +157,54 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
+    # Format 2 only: each rank's table (file name, size, digest), indexed by rank, and the
+    # files of earlier steps its reused chunks live in ((step, name) -> bytes they need).
+    tables: list[tuple[str, int, str]] = field(default_factory=list)
+    refs: dict[tuple[int, str], int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         # Built by hand: dataclasses.asdict deep-copies every field of millions of chunks and
         # was the slowest part of a large job's commit (benchmarks/bench_scale.py).
-        doc = {f.name: getattr(self, f.name) for f in fields(self)}
-        doc["tensors"] = {key: {"dtype": e.dtype, "shape": list(e.shape),
-                                "chunks": [chunk_doc(c) for c in e.chunks]}
-                          for key, e in self.tensors.items()}
+        doc = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("tables", "refs")}
+        if self.format_version == FORMAT_VERSION:
+            doc["tensors"] = {key: {"dtype": e.dtype, "shape": list(e.shape),
+                                    "chunks": [chunk_doc(c) for c in e.chunks]}
+                              for key, e in self.tensors.items()}
+        else:
+            meshes: dict[Any, int] = {}
+            doc["tensors"] = {key: {"dtype": e.dtype, "shape": list(e.shape),
+                                    "layout": _layout_doc(e.layout, meshes)}
+                              for key, e in self.tensors.items()}
+            doc["meshes"] = [{"shape": list(m.shape), "ranks": list(m.ranks)} for m in meshes]
+            doc["tables"] = [list(t) for t in self.tables]
+            refs: dict[str, dict[str, int]] = {}
+            for (step, name), size in sorted(self.refs.items()):
+                refs.setdefault(str(step), {})[name] = size
+            doc["refs"] = refs
         return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    def bind(self, read: Any, where: str) -> Manifest:
+        """Let a format-2 manifest read its rank tables: ``read(name)`` returns the bytes of
+        a file of the step's directory; ``where`` names it in messages. Returns self."""
+        if self.format_version == FORMAT_VERSION_TABLES:
+            from .ranktable import Tables
+
+            tables = Tables(self, read, where)
+            for key, entry in self.tensors.items():
+                entry._tables, entry._key = tables, key
+        return self
+
+    def own_files(self) -> dict[str, int]:
+        """Every file of this step's own directory: data files and (format 2) rank tables."""
+        return {**self.files, **{name: size for name, size, _ in self.tables}}
+
+    def referenced_files(self) -> set[tuple[int, str]]:
+        """(step, file) of every earlier step's file this step's chunks use."""
+        if self.format_version == FORMAT_VERSION_TABLES:
+            return set(self.refs)
+        return {(c.step, c.file) for e in self.tensors.values() for c in e.chunks
+                if c.step is not None}
 
     @classmethod
     def from_json(cls, raw: bytes, *, where: str) -> Manifest:
@@ -174,6 +247,9 @@ class _Invalid(Exception):
     pass
 
 
+Invalid = _Invalid  # raised by validation helpers; callers turn it into CorruptCheckpointError
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise _Invalid(message)
@@ -204,8 +280,9 @@ def _parse(doc: Any) -> Manifest:
     _check(isinstance(doc, dict), "top level must be an object")
     _check(doc.get("format") == FORMAT_NAME, f"format must be {FORMAT_NAME!r}")
     version = doc.get("format_version")
-    _check(version == FORMAT_VERSION,
-           f"format_version {version!r} is not supported (this ckpt reads {FORMAT_VERSION})")
+    _check(version in (FORMAT_VERSION, FORMAT_VERSION_TABLES),
+           f"format_version {version!r} is not supported (this ckpt reads "
+           f"{FORMAT_VERSION} and {FORMAT_VERSION_TABLES})")
     step = _int(doc.get("step"), "step", hi=2**62)
     world = _int(doc.get("world_size"), "world_size", lo=1, hi=2**24)
     created = doc.get("created")
@@ -217,7 +294,15 @@ def _parse(doc: Any) -> Manifest:
     files = {file_name(k): _int(v, f"size of {k}") for k, v in files_doc.items()}
     tensors_doc = doc.get("tensors")
     _check(isinstance(tensors_doc, dict), "tensors must be an object")
-    tensors = {k: _parse_tensor(k, v, step, files) for k, v in tensors_doc.items()}
+    tables: list[tuple[str, int, str]] = []
+    refs: dict[tuple[int, str], int] = {}
+    if version == FORMAT_VERSION:
+        tensors = {k: _parse_tensor(k, v, step, files) for k, v in tensors_doc.items()}
+    else:
+        meshes = _parse_meshes(doc.get("meshes"), world)
+        tensors = {k: _parse_laid_out(k, v, meshes, world) for k, v in tensors_doc.items()}
+        tables = _parse_tables(doc.get("tables"), world, files)
+        refs = _parse_refs(doc.get("refs"), step)
     aliases = doc.get("aliases", {})
     _check(isinstance(aliases, dict), "aliases must be an object")
     for k, v in aliases.items():
@@ -231,7 +316,105 @@ def _parse(doc: Any) -> Manifest:
     _check(isinstance(metadata, dict), "metadata must be an object")
     _check(_depth(metadata) <= MAX_DEPTH, f"metadata nests deeper than {MAX_DEPTH} levels")
     return Manifest(step=step, world_size=world, created=float(created), tensors=tensors,
-                    aliases=aliases, items=items, files=files, metadata=metadata)
+                    aliases=aliases, items=items, files=files, metadata=metadata,
+                    format_version=version, tables=tables, refs=refs)
+
+
+def _layout_doc(layout: Any, meshes: dict[Any, int]) -> dict[str, Any]:
+    from .layout import BoxLayout
+
+    if isinstance(layout, BoxLayout):
+        return {"boxes": [[list(o), list(s), w] for o, s, w in layout.boxes]}
+    index = meshes.setdefault(layout.mesh, len(meshes))
+    return {"mesh": index, "placements": ["R" if d is None else f"S{d}"
+                                          for d in layout.placements]}
+
+
+def _parse_meshes(doc: Any, world: int) -> list:
+    from .layout import Mesh
+
+    _check(isinstance(doc, list) and len(doc) <= 4096, "meshes must be a list")
+    meshes = []
+    for i, m in enumerate(doc):
+        _check(isinstance(m, dict), f"mesh {i} must be an object")
+        shape = _dims(m.get("shape"), f"shape of mesh {i}")
+        _check(bool(shape) and all(shape) and math.prod(shape) <= world,
+               f"mesh {i} has shape {list(shape)}, which does not fit {world} ranks")
+        ranks = m.get("ranks")
+        _check(isinstance(ranks, list) and len(ranks) == math.prod(shape)
+               and all(type(r) is int and 0 <= r < world for r in ranks)
+               and len(set(ranks)) == len(ranks),
+               f"mesh {i}: ranks must list {math.prod(shape)} distinct ranks below {world}")
+        meshes.append(Mesh(shape, tuple(ranks)))
+    return meshes
+
+
+def _parse_laid_out(key: str, doc: Any, meshes: list, world: int) -> TensorEntry:
+    """A format-2 tensor: dtype, shape and the layout that says which rank wrote which box."""
+    from .layout import BoxLayout, MeshLayout
+
+    _check(isinstance(doc, dict), f"tensor {key!r} must be an object")
+    dtype = doc.get("dtype")
+    _check(isinstance(dtype, str) and dtype in DTYPES, f"tensor {key!r} has unknown dtype {dtype!r}")
+    shape = _dims(doc.get("shape"), f"shape of {key!r}")
+    _check(math.prod(shape) * DTYPES[dtype].itemsize <= MAX_BYTES, f"tensor {key!r} is absurdly large")
+    layout = doc.get("layout")
+    _check(isinstance(layout, dict), f"tensor {key!r} has no layout")
+    if "boxes" in layout:
+        boxes_doc = layout["boxes"]
+        _check(isinstance(boxes_doc, list), f"boxes of {key!r} must be a list")
+        boxes = []
+        for i, b in enumerate(boxes_doc):
+            _check(isinstance(b, list) and len(b) == 3, f"box {i} of {key!r} must be "
+                   "[offsets, shape, writer]")
+            offsets, box = _dims(b[0], f"box {i} of {key!r}"), _dims(b[1], f"box {i} of {key!r}")
+            _check(len(offsets) == len(box) == len(shape), f"box {i} of {key!r} has the wrong rank")
+            _check(all(o + n <= s for o, n, s in zip(offsets, box, shape)),
+                   f"box {i} of {key!r} lies outside the tensor's shape {list(shape)}")
+            writer = _int(b[2], f"writer of box {i} of {key!r}", hi=world - 1)
+            boxes.append((offsets, box, writer))
+        _check_tiling(key, shape, [(o, s) for o, s, _ in boxes])
+        return TensorEntry(dtype, shape, None, BoxLayout(tuple(boxes)))
+    mesh = layout.get("mesh")
+    _check(type(mesh) is int and 0 <= mesh < len(meshes), f"tensor {key!r} names mesh {mesh!r}")
+    placements_doc = layout.get("placements")
+    _check(isinstance(placements_doc, list) and len(placements_doc) == len(meshes[mesh].shape),
+           f"tensor {key!r} needs one placement per dimension of mesh {mesh}")
+    placements = []
+    for p in placements_doc:
+        _check(p == "R" or (isinstance(p, str) and re.fullmatch(r"S(0|[1-9][0-9]?)", p) is not None
+                            and int(p[1:]) < len(shape)),
+               f"tensor {key!r} has placement {p!r} (\"R\" or \"S<dim>\" of its {len(shape)} dims)")
+        placements.append(None if p == "R" else int(p[1:]))
+    return TensorEntry(dtype, shape, None, MeshLayout(meshes[mesh], tuple(placements)))
+
+
+def _parse_tables(doc: Any, world: int, files: dict[str, int]) -> list[tuple[str, int, str]]:
+    _check(isinstance(doc, list) and len(doc) == world,
+           f"tables must list one table per rank ({world})")
+    tables = []
+    for r, t in enumerate(doc):
+        _check(isinstance(t, list) and len(t) == 3, f"table of rank {r} must be [file, size, digest]")
+        name = file_name(t[0], f"table of rank {r}")
+        size = _int(t[1], f"size of rank {r}'s table", hi=MAX_TABLE_BYTES)
+        _check(isinstance(t[2], str) and _DIGEST.match(t[2]) is not None,
+               f"table of rank {r} has a malformed digest")
+        _check(name not in files, f"table of rank {r} is also listed as a data file")
+        tables.append((name, size, t[2]))
+    _check(len({t[0] for t in tables}) == len(tables), "two ranks name the same table")
+    return tables
+
+
+def _parse_refs(doc: Any, step: int) -> dict[tuple[int, str], int]:
+    _check(isinstance(doc, dict), "refs must be an object")
+    refs = {}
+    for s, names in doc.items():
+        _check(isinstance(s, str) and s.isdigit() and int(s) < step,
+               f"refs names step {s!r}, which is not an earlier step")
+        _check(isinstance(names, dict), f"refs of step {s} must be an object")
+        for name, size in names.items():
+            refs[(int(s), file_name(name))] = _int(size, f"size of {name}")
+    return refs
 
 
 def _parse_tensor(key: str, doc: Any, step: int, files: dict[str, int]) -> TensorEntry:
@@ -291,8 +474,9 @@ def _parse_chunk(c: Any, shape: tuple[int, ...], itemsize: int, step: int,
     return Chunk(offsets, box, fname, start, length, digest, codec, ref)
 
 
-def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk]) -> None:
-    """The chunks cover the tensor exactly: every element lies in exactly one chunk.
+def _check_tiling(key: str, shape: tuple[int, ...], items: list) -> None:
+    """The boxes (chunks, or (offsets, shape) pairs) cover the tensor exactly: every element
+    lies in exactly one.
 
     Linear in the number of chunks: the sum of the boxes' indicator functions equals the
     tensor's indicator iff their mixed finite differences are equal, and the difference of a
@@ -301,11 +485,12 @@ def _check_tiling(key: str, shape: tuple[int, ...], chunks: list[Chunk]) -> None
     except at the tensor's own corners. Dimensions no chunk splits are left out (each chunk
     spans them whole), which keeps d at the one to three dimensions real layouts split.
     """
+    all_boxes = [(c.offsets, c.shape) if isinstance(c, Chunk) else c for c in items]
     total = math.prod(shape)
-    covered = sum(c.numel for c in chunks)
+    covered = sum(math.prod(b) for _, b in all_boxes)
     _check(covered == total, f"the chunks of {key!r} cover {covered} of {total} elements"
            + (" (some overlap)" if covered > total else " (a gap)"))
-    boxes = [(c.offsets, c.shape) for c in chunks if c.numel]
+    boxes = [(o, b) for o, b in all_boxes if math.prod(b)]
     split = [d for d, size in enumerate(shape)
              if any(o[d] != 0 or b[d] != size for o, b in boxes)]
     _check(len(boxes) << len(split) <= MAX_TILING_CORNERS,

@@ -76,11 +76,8 @@ def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = F
             raise CheckpointError(
                 f"gc stopped before deleting anything: cannot read the references of kept "
                 f"step {s} ({e}); verify or remove that step first", path=storage.url) from e
-        own.update((s, name) for name in manifest.files)
-        for entry in manifest.tensors.values():
-            for c in entry.chunks:
-                if c.step is not None:
-                    referenced.add((c.step, c.file))
+        own.update((s, name) for name in manifest.own_files())
+        referenced.update(manifest.referenced_files())
     retire = [s for s in committed if s not in kept]
     for s in retire:
         report.retired_steps.append(s)

@@ -39,7 +39,8 @@ def read_manifest(storage: Storage, location: str, step: int | None = None) -> M
         raise CheckpointNotFoundError(
             f"no committed checkpoint at {storage.url}/{location} (no {MANIFEST_NAME}); "
             "list a root's steps with `ckpt ls ROOT`", path=where) from None
-    manifest = Manifest.from_json(raw, where=where)
+    manifest = Manifest.from_json(raw, where=where).bind(
+        lambda name: storage.read(f"{location}/{name}"), f"{storage.url}/{location}")
     if step is not None and manifest.step != step:
         raise CorruptCheckpointError(
             f"{where}: manifest says step {manifest.step}, but lies in {location}", path=where)
@@ -49,9 +50,18 @@ def read_manifest(storage: Storage, location: str, step: int | None = None) -> M
 def check_structure(storage: Storage, location: str, manifest: Manifest) -> None:
     """Every file the manifest names exists with its recorded size, and holds its chunks."""
     sizes: dict[str, int] = {}
-    for name, expected in manifest.files.items():
+    for name, expected in manifest.own_files().items():
         path = f"{location}/{name}"
         sizes[path] = _size_or_raise(storage, path, expected)
+    if manifest.tables:
+        # Format 2: each chunk is checked against these sizes when its rank table is read.
+        for (step, name), needed in manifest.refs.items():
+            path = f"{step_dir(step)}/{name}"
+            if _size_or_raise(storage, path, None) < needed:
+                raise CorruptCheckpointError(
+                    f"{storage.url}/{path}: shorter than the {needed} bytes step "
+                    f"{manifest.step} uses; the file is truncated", path=f"{storage.url}/{path}")
+        return
     for key, entry in manifest.tensors.items():
         for chunk in entry.chunks:
             path = chunk_path(location, chunk)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .engine import RankTable, StepPayload, build_manifest
 from .errors import CorruptCheckpointError
 from .format import MANIFEST_NAME, Manifest, step_dir
-from .memory_tier import PREFIX, node_prefix, rank_steps, read_rank_doc
+from .memory_tier import PREFIX, node_prefix, open_plain, rank_steps, read_rank_doc
 from .sharding import local_piece, overlapping
 from .state import flatten, is_stateful
 
@@ -63,13 +63,19 @@ def local_holdings(shm_dir: str, job: str, node: str) -> list[Holding]:
     out = []
     try:
         names = sorted(os.listdir(shm_dir))
-    except FileNotFoundError:
+    except OSError as e:  # every rank must reach the collective that follows
+        log.warning("ckpt.memory_restore cannot list %s: %s", shm_dir, e)
         return out
     for name in names:
         path = os.path.join(shm_dir, name)
         if not name.startswith(prefix) or os.path.islink(path) or not os.path.isdir(path):
             continue
-        for s in rank_steps(path):
+        try:
+            steps = rank_steps(path)
+        except OSError as e:  # e.g. a permission problem: this copy is unusable, not fatal
+            log.warning("ckpt.memory_restore skipping %s: %s", path, e)
+            continue
+        for s in steps:
             try:
                 doc = read_rank_doc(path, s)
             except CorruptCheckpointError as e:
@@ -123,7 +129,7 @@ class MemorySource:
         if path == f"{self.location}/{MANIFEST_NAME}":
             return self._manifest[start:None if length is None else start + length]
         if path in self.local:
-            with open(self.local[path], "rb") as f:
+            with self._open(path) as f:
                 f.seek(start)
                 return f.read(-1 if length is None else length)
         data = self.fetched.get((path, start))
@@ -133,7 +139,7 @@ class MemorySource:
 
     def read_into(self, path: str, start: int, out: memoryview) -> None:
         if path in self.local:
-            with open(self.local[path], "rb") as f:
+            with self._open(path) as f:
                 f.seek(start)
                 if f.readinto(out) != len(out):
                     raise EOFError(f"{self.local[path]} ends before byte {start + len(out)}")
@@ -143,9 +149,17 @@ class MemorySource:
             raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not fetched")
         out[:] = data[:len(out)]
 
+    def _open(self, path: str) -> Any:
+        try:
+            return open_plain(self.local[path])
+        except FileNotFoundError:
+            raise
+        except OSError as e:  # a symbolic link or worse: this copy is unusable, not fatal
+            raise FileNotFoundError(f"{self.local[path]}: {e}") from e
+
     def size(self, path: str) -> int:
         if path in self.local:
-            return os.path.getsize(self.local[path])
+            return os.lstat(self.local[path]).st_size
         return self.sizes[path]
 
     def exists(self, path: str) -> bool:
@@ -296,7 +310,7 @@ def _exchange(requests: dict[int, list[tuple[str, str, int, int]]], error: str |
                     raise CorruptCheckpointError(f"asked for {segment}, not a segment of "
                                                  "this node")
                 path = os.path.join(shm_dir, segment, location, plain_name(name))
-                with open(path, "rb") as f:
+                with open_plain(path) as f:
                     f.seek(start)
                     data = f.read(length)
                 if len(data) != length:

@@ -218,13 +218,24 @@ def own_segment(path: str) -> Any:
 
 
 def rank_steps(path: str) -> list[int]:
-    """Committed rank steps in a segment (a directory with its ``rank.json``), oldest first."""
+    """Committed rank steps in a segment (a directory with its ``rank.json``), oldest first;
+    symbolic links are not followed."""
     try:
         names = os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(int(m.group(1)) for m in map(STEP_DIR.match, names)
-                  if m and os.path.isfile(os.path.join(path, m.group(0), RANK_DOC)))
+    out = []
+    for m in map(STEP_DIR.match, names):
+        if m and not os.path.islink(os.path.join(path, m.group(0))):
+            doc = os.path.join(path, m.group(0), RANK_DOC)
+            if os.path.isfile(doc) and not os.path.islink(doc):
+                out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def open_plain(path: str) -> Any:
+    """``path`` opened for reading, refusing a symbolic link (OSError)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
 
 
 def commit_dir(staging: str, final: str) -> None:
@@ -249,7 +260,7 @@ def read_rank_doc(path: str, step: int) -> dict:
     as a whole manifest when the union of the ranks' steps is loaded)."""
     where = os.path.join(path, step_dir(step), RANK_DOC)
     try:
-        with open(where, "rb") as f:
+        with open_plain(where) as f:
             doc = json.loads(f.read())
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: unreadable rank step: {e}", path=where) from e

@@ -34,6 +34,9 @@ class SaveOptions:
             forward and backward; their optimizer's step waits for the copy. False: training
             waits for every copy, as before (for code that changes parameters in place
             other than through ``optimizer.step()``).
+        rank_tables: write format 2 (a small manifest plus one chunk table per rank; see
+            docs/format.md). None: whenever more than one rank saves; a single process
+            writes format 1 (one manifest holding every chunk) unless this is True.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -43,6 +46,7 @@ class SaveOptions:
     compression_level: int = 1
     compression_threads: int = 0
     overlap_device_copy: bool = True
+    rank_tables: bool | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 4096:

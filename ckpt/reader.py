@@ -271,7 +271,8 @@ def _verify_run(storage: Storage, path: str, run: list[_Read], buffer: memoryvie
     except CorruptCheckpointError:
         raise
     except (EOFError, FileNotFoundError, ValueError) as e:
-        raise _unreadable(storage, path, run[i].key, run[i].chunk, e) from e
+        at = run[min(i, len(run) - 1)]
+        raise _unreadable(storage, path, at.key, at.chunk, e) from e
     finally:
         blocks.close()
 

@@ -9,10 +9,14 @@ DDP model's parameters are spread over all ranks instead of all landing on rank 
 from __future__ import annotations
 
 import bisect
+import heapq
+import math
 import sys
 from dataclasses import dataclass
 
 import torch
+
+from .layout import BoxLayout, Mesh, MeshLayout, mesh_box
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the global tensor
 
@@ -100,8 +104,11 @@ def overlapping(entry, box: Box) -> list[tuple[object, Box]]:
     Found by bisection on the chunks' first offsets (chunks tile the tensor, so only those
     starting less than the longest chunk's extent before the box can reach into it): a
     rank's read plan costs O(log chunks) per tensor plus the chunks it reads, not a scan of
-    every chunk that every rank of a large job wrote.
+    every chunk that every rank of a large job wrote. In a format-2 step the layout says
+    which ranks wrote boxes overlapping ``box``, and only their tables are read.
     """
+    if entry._chunks is None and entry._tables is not None:
+        return entry._tables.overlapping(entry._key, box)
     chunks = entry.chunks
     if not entry.shape:
         return [(c, ((), ())) for c in chunks if c.numel]
@@ -120,11 +127,78 @@ def overlapping(entry, box: Box) -> list[tuple[object, Box]]:
 def _dim0_index(entry) -> tuple[list[int], int, list[int]]:
     """(sorted first offsets, longest first-dim extent, chunk order) of an entry, cached on
     it (manifests are immutable once parsed)."""
-    cached = entry.__dict__.get("_dim0_index")
+    cached = entry._index
     if cached is None:
         order = sorted(range(len(entry.chunks)), key=lambda i: entry.chunks[i].offsets[0])
         starts = [entry.chunks[i].offsets[0] for i in order]
         reach = max((c.shape[0] for c in entry.chunks), default=1)
         cached = (starts, max(1, reach), order)
-        object.__setattr__(entry, "_dim0_index", cached)  # a frozen dataclass's private cache
+        entry._index = cached
     return cached
+
+
+def mesh_layout(t: torch.Tensor, global_shape: tuple[int, ...], box: Box,
+                group_rank: dict[int, int] | None, rank: int, meshes: dict) -> MeshLayout | None:
+    """The layout of DTensor ``t`` (mesh in group ranks, Shard/Replicate placements), or None
+    when it has none that ``ckpt.layout`` describes (a plain tensor, Partial or strided
+    placements, a mesh outside the group, or a local box that DTensor's rule did not give).
+
+    ``group_rank`` maps global ranks to the saving group's ranks (None: the same);
+    ``meshes`` caches one :class:`Mesh` per device mesh, shared by its tensors.
+    """
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(t, dtensor):
+        return None
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    placements: list[int | None] = []
+    for p in t.placements:
+        if type(p) is Shard:
+            placements.append(p.dim % max(1, len(global_shape)))
+        elif type(p) is Replicate:
+            placements.append(None)
+        else:
+            return None
+    device_mesh = t.device_mesh
+    mesh = meshes.get(id(device_mesh))
+    if mesh is None:
+        ranks = device_mesh.mesh.flatten().tolist()
+        if group_rank is not None:
+            ranks = [group_rank.get(r, -1) for r in ranks]
+        mesh = meshes[id(device_mesh)] = Mesh(tuple(device_mesh.mesh.shape), tuple(ranks))
+    if -1 in mesh.ranks:
+        return None
+    layout = MeshLayout(mesh, tuple(placements))
+    coord = mesh.coordinate(rank)
+    if coord is None:
+        return None
+    offsets, shape = mesh_box(global_shape, layout, coord)
+    if shape != box[1] or (math.prod(shape) and offsets != box[0]):
+        return None
+    return layout
+
+
+def balance_plain(tensors: dict[str, tuple[tuple[int, ...], int]], world: int) -> dict[str, BoxLayout]:
+    """Writers of tensors every rank holds whole (key -> (shape, bytes)): largest first, each
+    to the least-loaded rank so far; deterministic on every rank, O(tensors log ranks)."""
+    heap = [(0, r) for r in range(world)]
+    out = {}
+    for key, (shape, nbytes) in sorted(tensors.items(), key=lambda kv: (-kv[1][1], kv[0])):
+        load, rank = heapq.heappop(heap)
+        out[key] = BoxLayout((((0,) * len(shape), shape, rank),))
+        heapq.heappush(heap, (load + nbytes, rank))
+    return out
+
+
+def boxes_layouts(specs_by_rank: list[list[PieceSpec]]) -> dict[str, BoxLayout]:
+    """Explicit layouts from every rank's boxes (the general case: ranks hold different
+    tensors, or layouts the mesh rule does not describe), writers as ``assign_writers``."""
+    writers = assign_writers(specs_by_rank)
+    boxes: dict[str, dict[tuple[int, ...], tuple]] = {}
+    for specs in specs_by_rank:
+        for s in specs:
+            if math.prod(s.shape):
+                boxes.setdefault(s.key, {})[s.offsets] = (s.offsets, s.shape,
+                                                         writers[(s.key, s.offsets)])
+    keys = {s.key for specs in specs_by_rank for s in specs}
+    return {k: BoxLayout(tuple(sorted(boxes.get(k, {}).values()))) for k in sorted(keys)}

@@ -4,6 +4,7 @@ writes what, and copy this rank's share to host memory. Everything else is the w
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from typing import Any, Mapping
@@ -11,9 +12,12 @@ from typing import Any, Mapping
 from .distributed import Group
 from .engine import Stager, StepPayload
 from .format import Manifest, dtype_name
+from .integrity import digest
 from .options import SaveOptions
-from .sharding import PieceSpec, assign_writers, local_piece
-from .state import flatten
+from .layout import Layout, written_by
+from .sharding import (PieceSpec, assign_writers, balance_plain, boxes_layouts, local_piece,
+                       mesh_layout)
+from .state import FlatState, flatten
 
 
 def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, stager: Stager,
@@ -32,6 +36,11 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
         specs.append(PieceSpec(key, dtype_name(t.dtype), global_shape, offsets,
                                tuple(local.shape), math.prod(local.shape) * t.element_size()))
     token = uuid.uuid4().hex[:12]
+    tables = options.rank_tables if options.rank_tables is not None else group.enabled
+    if tables:
+        return _snapshot_tables(state, flat, specs, locals_, token, step=step, name=name,
+                                group=group, stager=stager, options=options, copy=copy,
+                                metadata=metadata, previous=previous, hold_all=hold_all)
     if group.enabled:
         gathered = group.all_gather({"specs": specs, "items": flat.items,
                                      "aliases": flat.aliases, "token": token})
@@ -52,6 +61,82 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
         tensors=tensors, items=_merge_items([g["items"] for g in gathered]),
         aliases=gathered[0]["aliases"], ready=ready, metadata=metadata, previous=previous,
         rank=group.rank, world_size=group.world_size, token=gathered[0]["token"])
+
+
+def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[PieceSpec],
+                     locals_: dict, token: str, *, step: int, name: str, group: Group,
+                     stager: Stager, options: SaveOptions, copy: bool, metadata: dict | None,
+                     previous: Manifest | None, hold_all: bool) -> StepPayload:
+    """Format 2: who writes what follows from each tensor's layout, computed locally.
+
+    Ranks exchange only a digest of their tensors' descriptions (keys, dtypes, shapes,
+    layouts), their per-rank values and a token: O(1) per rank plus per-rank values. Only
+    when ranks disagree (they hold different tensors) or a layout is not one that
+    ``ckpt.layout`` describes are every rank's boxes gathered, as in format 1.
+    """
+    group_rank = None
+    if group.enabled and group.pg is not None:
+        import torch.distributed as dist
+
+        group_rank = {dist.get_global_rank(group.pg, r): r for r in range(group.world_size)}
+    meshes: dict = {}
+    layouts: dict[str, Layout] = {}
+    plain: dict[str, tuple[tuple[int, ...], int]] = {}
+    described = True
+    for s in specs:
+        t = flat.tensors[s.key]
+        layout = mesh_layout(t, s.global_shape, (s.offsets, s.shape), group_rank, group.rank,
+                             meshes)
+        if layout is not None:
+            layouts[s.key] = layout
+        elif s.shape == s.global_shape:
+            plain[s.key] = (s.global_shape, s.nbytes)
+        else:
+            described = False  # a shard the mesh rule does not describe
+    mesh_ids = {m: i for i, m in enumerate(dict.fromkeys(meshes.values()))}
+    description = json.dumps([[m.shape, m.ranks] for m in mesh_ids] + [
+        [s.key, s.dtype, s.global_shape,
+         [mesh_ids[layouts[s.key].mesh], layouts[s.key].placements] if s.key in layouts
+         else None] for s in specs])
+    per_rank = {k: item["per_rank"] for k, item in flat.items.items() if "per_rank" in item}
+    mine = {"sig": digest(description.encode()), "described": described, "token": token,
+            "per_rank": per_rank}
+    gathered = group.all_gather(mine)
+    world = group.world_size
+    if all(g["described"] and g["sig"] == mine["sig"] for g in gathered):
+        layouts.update(balance_plain(plain, world))
+        tensors = {s.key: (s.dtype, s.global_shape) for s in specs}
+    else:  # ranks hold different tensors: gather every box (format 1's exchange)
+        all_specs = group.all_gather(specs)
+        layouts = boxes_layouts(all_specs)
+        tensors = {s.key: (s.dtype, s.global_shape) for r in all_specs for s in r}
+    mine_keys = written_here(specs, layouts, group.rank)
+    mine_set = set(mine_keys)
+    held_keys = [s.key for s in specs if hold_all and s.key not in mine_set]
+    guards = optimizers_in(state) if options.overlap_device_copy else []
+    staged, ready = stager.stage({k: locals_[k][1] for k in [*mine_keys, *held_keys]},
+                                 copy=copy, guards=guards)
+    items = dict(flat.items)
+    for item_name, item in items.items():
+        if "per_rank" in item:
+            trees = {}
+            for g in gathered:
+                trees.update(g["per_rank"][item_name])
+            items[item_name] = {"kind": item["kind"], "per_rank": trees}
+    return StepPayload(
+        step=step, name=name,
+        pieces={k: (locals_[k][0], staged[k]) for k in mine_keys},
+        held={k: (locals_[k][0], staged[k]) for k in held_keys},
+        tensors=tensors, items=items, aliases=flat.aliases, ready=ready, metadata=metadata,
+        previous=previous, rank=group.rank, world_size=world, token=gathered[0]["token"],
+        layouts=layouts)
+
+
+def written_here(specs: list[PieceSpec], layouts: dict[str, Layout], rank: int) -> list[str]:
+    """The keys whose box this rank holds and writes (its layout names it the writer), in
+    the order of ``specs`` (which fixes the layout of its data files)."""
+    return [s.key for s in specs if math.prod(s.shape) and (s.offsets, s.shape) in
+            written_by(s.key, s.global_shape, layouts[s.key], rank)]
 
 
 def optimizers_in(state: Mapping[str, Any]) -> list:

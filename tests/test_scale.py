@@ -1,21 +1,32 @@
-"""The scale simulator (benchmarks/scale_sim.py) runs the real planning path: at 4 ranks the
-manifest it builds equals the one a real gloo save writes, apart from digests and times."""
+"""Format 2 at scale: the simulator (benchmarks/scale_sim.py) runs the real save path (at 4
+ranks its step equals a real gloo save's, apart from tokens, digests and times), layouts give
+DTensor's own boxes, read plans read only the rank tables they need and find exactly the
+overlapping chunks, and damaged rank tables are refused."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+import struct
 import sys
 
 import pytest
+import torch
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from _dist import run_ranks
 import _scale_workers as W
+import ckpt
+from ckpt.errors import CorruptCheckpointError
 from ckpt.format import Manifest
+from ckpt.integrity import digest
+from ckpt.layout import Mesh, MeshLayout, mesh_box
 from ckpt.options import SaveOptions
-from ckpt.sharding import overlapping
+from ckpt.ranktable import MAGIC
+from ckpt.sharding import intersect, overlapping
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import scale_sim as sim  # noqa: E402
@@ -31,53 +42,188 @@ SPECS = [
     sim.TensorSpec("hsdp", "bfloat16", (90, 40), (Replicate(), Shard(0)), mesh=(2, 2)),
 ]
 
+_TOKEN = re.compile(r"^((?:data|table)-[0-9a-f]{2})-[0-9a-z]+-")
 
-def _normalized(doc: dict) -> dict:
-    """The parts of a manifest the planning path decides: every tensor's chunks (box, file,
-    byte range) and the file sizes; tokens in file names, digests and times removed."""
-    token = re.compile(r"^(data-[0-9a-f]{2})-[0-9a-z]+-")
+
+def _name(n: str) -> str:
+    return _TOKEN.sub(r"\1-T-", n)
+
+
+def _bound(manifest: Manifest, files: dict[str, bytes], reads: list | None = None) -> Manifest:
+    manifest = Manifest.from_json(manifest.to_json(), where="simulated")
+
+    def read(name: str) -> bytes:
+        if reads is not None:
+            reads.append(name)
+        return files[name]
+    return manifest.bind(read, "simulated")
+
+
+def _normalized(doc: dict, chunks: dict) -> dict:
+    """What the planning path decides: layouts, meshes, files, table sizes and every chunk
+    (box, file, byte range); tokens in names, digests and times left out."""
     return {
-        "tensors": {k: {"dtype": e["dtype"], "shape": e["shape"], "chunks": [
-            {**{f: c[f] for f in ("offsets", "shape", "start", "length")},
-             "file": token.sub(r"\1-T-", c["file"])} for c in e["chunks"]]}
-            for k, e in doc["tensors"].items()},
-        "files": {token.sub(r"\1-T-", k): v for k, v in doc["files"].items()},
-        "world_size": doc["world_size"],
+        "tensors": doc["tensors"], "meshes": doc["meshes"], "world_size": doc["world_size"],
+        "files": {_name(k): v for k, v in doc["files"].items()},
+        "tables": [[_name(t[0]), t[1]] for t in doc["tables"]],
+        "chunks": {k: [(c.offsets, c.shape, _name(c.file), c.start, c.length, c.codec)
+                       for c in v] for k, v in chunks.items()},
     }
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_simulated_manifest_equals_a_real_four_rank_save(tmp_path):
+def test_simulated_step_equals_a_real_four_rank_save(tmp_path):
     root = str(tmp_path / "root")
     run_ranks(4, W.save_specs, root, SPECS, OPTIONS, timeout=600)
+    real = ckpt.inspect.open(root).manifest(1)
     with open(os.path.join(root, "step-00000001", "manifest.json"), "rb") as f:
-        real = json.loads(f.read())
-    simulated = sim.manifest_of(SPECS, sim.rank_specs((4,), SPECS), SaveOptions(**OPTIONS))
-    assert _normalized(json.loads(simulated.to_json())) == _normalized(real)
-    # The layout is not trivial: several chunks per tensor, the replica written once.
-    assert len(real["tensors"]["rows"]["chunks"]) == 8
-    assert len(real["tensors"]["rep"]["chunks"]) == 1
+        real_doc = json.loads(f.read())
+    assert real_doc["format_version"] == 2  # several ranks write rank tables
+    manifest, files = sim.step_of((4,), SPECS, SaveOptions(**OPTIONS))
+    simulated = _bound(manifest, files)
+    assert _normalized(json.loads(simulated.to_json()),
+                       {k: e.chunks for k, e in simulated.tensors.items()}) == _normalized(
+        real_doc, {k: e.chunks for k, e in real.tensors.items()})
+    # The layout is not trivial: several chunks per tensor, the replica written once, the
+    # real chunks' digests are those of the data.
+    assert len(real.tensors["rows"].chunks) == 8
+    assert len(real.tensors["rep"].chunks) == 1
+    assert ckpt.inspect.open(root).read_tensor(1, "rows").equal(
+        torch.arange(300 * 16.0).reshape(300, 16))
+
+
+def test_layout_boxes_are_dtensors_own():
+    """``ckpt.layout.mesh_box`` (no torch.distributed) gives DTensor's boxes, uneven and
+    nested splits included (empty shards: same size, offsets irrelevant)."""
+    for shape, mesh, placements in [((10, 7), (3,), (0,)), ((10, 7), (2, 3), (0, 1)),
+                                    ((13, 5), (2, 4), (0, 0)), ((5, 3), (4, 2), (None, 0)),
+                                    ((3, 9), (2, 2, 2), (1, None, 0)), ((2,), (4,), (0,))]:
+        layout = MeshLayout(Mesh(mesh, tuple(range(len(list(itertools.product(
+            *map(range, mesh))))))), placements)
+        torch_placements = [Replicate() if d is None else Shard(d) for d in placements]
+        for coord in itertools.product(*map(range, mesh)):
+            size, offsets = _compute_local_shape_and_global_offset(shape, mesh, list(coord),
+                                                                   torch_placements)
+            ours = mesh_box(shape, layout, coord)
+            assert ours[1] == tuple(size)
+            if all(size):
+                assert ours[0] == tuple(offsets), (shape, mesh, placements, coord)
 
 
 def _scan(entry, box):
-    """The reference: every chunk checked (what a read plan did before the index)."""
-    from ckpt.sharding import intersect
+    """The reference: every chunk checked."""
     return [(c, o) for c in entry.chunks if c.numel
             for o in [intersect((c.offsets, c.shape), box)] if o is not None]
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "hsdp", "tp_fsdp"])
-def test_indexed_read_plan_finds_exactly_the_overlapping_chunks(layout):
+def test_read_plan_reads_only_the_tables_it_needs_and_finds_every_overlap(layout):
     mesh, tensors = sim.model_state(layout, 16, optimizer=False, layers=1)
-    manifest = sim.manifest_of(tensors, sim.rank_specs(mesh, tensors),
-                               SaveOptions(chunk_bytes=1 << 20, write_threads=1))
-    manifest = Manifest.from_json(manifest.to_json(), where="simulated")
+    manifest, files = sim.step_of(mesh, tensors, SaveOptions(chunk_bytes=1 << 20,
+                                                             write_threads=1))
+    reads: list[str] = []
+    plan = _bound(manifest, files, reads)
+    reference = _bound(manifest, files)  # reads every table (what verify does)
     for world in (8, 24):  # fewer and more ranks, and a mesh cut differently
-        new_mesh, new = sim.model_state("fsdp" if layout == "fsdp" else layout, world,
-                                        optimizer=False, layers=1)
+        new_mesh, new = sim.model_state(layout, world, optimizer=False, layers=1)
         for rank in (0, world // 2, world - 1):
             for t, box in zip(new, sim.rank_boxes(new_mesh, new, rank)):
-                entry = manifest.tensors[t.key]
-                got = sorted((c.offsets, o) for c, o in overlapping(entry, box))
-                assert got == sorted((c.offsets, o) for c, o in _scan(entry, box)), t.key
+                got = sorted((c.offsets, o) for c, o in overlapping(plan.tensors[t.key], box))
+                want = sorted((c.offsets, o) for c, o in _scan(reference.tensors[t.key], box))
+                assert got == want, t.key
+    if layout == "fsdp":  # 16 -> 8, 24 ranks: rank r reads only its neighbours' tables
+        assert len(set(reads)) < len(files)
+    # Every box was written exactly once: the tables together tile every tensor.
+    assert all(sum(c.numel for c in e.chunks) == e.nbytes // e.torch_dtype.itemsize
+               for e in reference.tensors.values())
+
+
+def test_replicas_spread_their_writes_over_the_replica_group():
+    mesh, tensors = sim.model_state("hsdp", 64, optimizer=False, layers=2)
+    manifest, files = sim.step_of(mesh, tensors, SaveOptions(write_threads=1))
+    written = [sum(manifest.files.get(f, 0) for f in manifest.files
+                   if f"-r{r:05d}-" in f) for r in range(64)]
+    assert sum(1 for w in written if w) > 8  # not just the first replica's 8 ranks
+
+
+def _damaged(raw: bytes, at: int) -> bytes:
+    return raw[:at] + bytes([raw[at] ^ 0x01]) + raw[at + 1:]
+
+
+def test_a_damaged_rank_table_is_refused_by_its_digest():
+    manifest, files = sim.step_of((4,), SPECS, SaveOptions(**OPTIONS))
+    name = manifest.tables[1][0]
+    files = {**files, name: _damaged(files[name], len(files[name]) - 3)}
+    m = _bound(manifest, files)
+    with pytest.raises(CorruptCheckpointError, match="rank 1's chunk table .* digest"):
+        m.tensors["rows"].chunks
+
+
+def _rewrite(manifest: Manifest, files: dict, rank: int, edit) -> Manifest:
+    """Change rank ``rank``'s table records with ``edit`` and record the new digest, as a
+    writer with a bug (or an attacker who also edits the manifest) would."""
+    name = manifest.tables[rank][0]
+    raw = files[name]
+    (hlen,) = struct.unpack("<Q", raw[8:16])
+    head = json.loads(raw[16:16 + hlen])
+    import numpy as np
+    from ckpt.ranktable import record_dtype
+    rec = np.frombuffer(raw, dtype=record_dtype(head["dims"]), offset=16 + hlen).copy()
+    edit(rec)
+    new = raw[:16 + hlen] + rec.tobytes()
+    files[name] = new
+    manifest.tables[rank] = (name, len(new), digest(new))
+    return manifest
+
+
+@pytest.mark.parametrize("edit,why", [
+    (lambda r: r["offsets"].__setitem__((0, 0), r["offsets"][0, 0] + 1), "tile|outside"),
+    (lambda r: r["length"].__setitem__(0, r["length"][0] + 4), "length|past the end"),
+    (lambda r: r["file"].__setitem__(0, 99), "out of range"),
+    (lambda r: r["ref"].__setitem__(0, 5), "earlier"),
+    (lambda r: r["tensor"].__setitem__(0, 77), "tensor index"),
+])
+def test_a_rank_table_that_passes_its_digest_is_still_validated(edit, why):
+    manifest, files = sim.step_of((4,), SPECS, SaveOptions(**OPTIONS))
+    files = dict(files)
+    manifest = _rewrite(manifest, files, 0, edit)
+    m = _bound(manifest, files)
+    with pytest.raises(CorruptCheckpointError, match=why):
+        [e.chunks for e in m.tensors.values()]
+
+
+def test_a_manifest_with_a_hostile_layout_is_refused():
+    manifest, files = sim.step_of((4,), SPECS, SaveOptions(**OPTIONS))
+    doc = json.loads(manifest.to_json())
+    for damage, why in [
+        (lambda d: d["tensors"]["rows"]["layout"].update(placements=["S5"]), "placement"),
+        (lambda d: d["meshes"][0].update(ranks=[0, 0, 1, 2]), "distinct"),
+        (lambda d: d["tensors"]["rep"]["layout"].update(boxes=[[[0], [3], 0]]), "cover"),
+        (lambda d: d["tables"].pop(), "one table per rank"),
+        (lambda d: d["tables"][0].__setitem__(0, "../x"), "plain file name"),
+    ]:
+        bad = json.loads(json.dumps(doc))
+        damage(bad)
+        with pytest.raises(CorruptCheckpointError, match=why):
+            Manifest.from_json(json.dumps(bad).encode(), where="hostile")
+
+
+def test_a_single_process_save_with_rank_tables_round_trips_and_refuses_a_flipped_bit(tmp_path):
+    state = {"w": torch.arange(5000.0).reshape(100, 50), "b": torch.ones(3)}
+    opts = ckpt.SaveOptions(chunk_bytes=4096, rank_tables=True)
+    with ckpt.CheckpointManager(str(tmp_path), async_save=False, options=opts) as mgr:
+        mgr.save(1, state, force=True)
+    step = tmp_path / "step-00000001"
+    table = next(p for p in step.iterdir() if p.name.startswith("table-"))
+    assert table.read_bytes()[:8] == MAGIC
+    out = {"w": torch.zeros(100, 50), "b": torch.zeros(3)}
+    with ckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.restore(out) == 1
+    assert out["w"].equal(state["w"]) and out["b"].equal(state["b"])
+    raw = bytearray(table.read_bytes())
+    raw[-5] ^= 0x10
+    table.write_bytes(bytes(raw))
+    with ckpt.CheckpointManager(str(tmp_path)) as mgr, pytest.raises(CorruptCheckpointError,
+                                                                     match="chunk table"):
+        mgr.restore(out, step=1)

@@ -170,11 +170,15 @@ class Checkpoints:
             return {}
         return {"tier": info.tier, "bytes_from_storage": info.bytes_from_storage}
 
-    def save(self, step: int, meta: dict[str, Any], *, force: bool = False) -> Any:
+    def save(self, step: int, meta: dict[str, Any], *, force: bool = False,
+             persist: bool | None = None) -> Any:
         """Save ``step`` with ``meta`` if the schedule (or ``force``) says so; returns the
-        manager's handle (None: not saved)."""
+        manager's handle (None: not saved). A forced save (the trainer's first, final and
+        preemption checkpoints) and one with ``persist=True`` also go to the root when the
+        memory tier is on, whatever ``persist_every`` says."""
         self.state["meta"] = meta
-        return self.manager.save(step, self.state, force=force)
+        return self.manager.save(step, self.state, force=force,
+                                 persist=True if force or persist else None)
 
     def wait(self) -> None:
         """Until the save in flight is committed."""

@@ -5,12 +5,14 @@
 
    - the memory tier (the segment in ``/dev/shm`` that an earlier process published, as a
      worker restarted by torchrun finds it);
-   - a peer's replica (the shards of a lost node, from another node's memory): a row marked
-     "not built" until peer replication exists in ``ckpt``;
    - the POSIX root with the page cache dropped before each restore ("cold", needs root;
      otherwise the row says "warm") and, for reference, with a warm page cache;
    - S3 (moto's server on loopback, as in bench_storage.py: a Python server, so the S3
-     figure says more about moto than about AWS).
+     figure says more about moto than about AWS; a smaller state, ``--s3-max``).
+
+   Then at world 2 (two gloo ranks, each one "node"): from own memory, from a peer's replica
+   (node B's segments moved out of sight: its shards come from the replica on node A) and
+   from the root with the page cache dropped.
 
    Every restore checks every chunk's digest, whatever the tier; the table also shows the
    tier ``mgr.last_restore`` reported and the bytes it read from the persistent root.
@@ -23,8 +25,7 @@
 
    - *worker killed*: one node, one worker, SIGKILLed mid-training; its agent restarts it;
    - *node killed*: three nodes, one of them SIGKILLed (agent and worker) and its
-     shared-memory segments removed; the two survivors go on at world 2 (with the memory
-     tier only once ``ckpt`` has the multi-rank tier and peer replicas; else "not built").
+     shared-memory segments removed; the two survivors go on at world 2.
 
    From the kill (t = 0) to the first step of the new attempt, from the run records and the
    agents' logs. torchrun's own part (from the last agent seeing its worker exit to the last
@@ -66,14 +67,6 @@ logging.getLogger("ckpt").setLevel(logging.ERROR)  # "segment kept: step in memo
 
 GOALS = {"S3 (moto)": 10.0, "POSIX root, cold": 3.0}  # memory at least this many times faster
 ALL_CASES = ("memory tier", "POSIX root, cold", "POSIX root, warm", "S3 (moto)")
-NOT_BUILT = "peer replica"
-
-
-def peer_supported() -> bool:
-    """Whether ``ckpt`` replicates to peers yet (the ``replicas=`` keyword)."""
-    import inspect
-
-    return "replicas" in inspect.signature(ckpt.CheckpointManager).parameters
 
 
 class Tiers:
@@ -157,7 +150,7 @@ def disk_name(cold: bool) -> str:
 
 
 def restore_table(timings: common.Timings, seen: dict, nbytes: dict[str, int],
-                  anchors: list[str], peer_row: bool = True) -> str:
+                  anchors: list[str]) -> str:
     """Median restore time per tier, its GB/s, and how many times faster than each anchor
     (by GB/s, so a row measured at another size compares fairly)."""
     rate = {name: common.gbps(nbytes[name], common.median(t["restore"]))
@@ -173,9 +166,6 @@ def restore_table(timings: common.Timings, seen: dict, nbytes: dict[str, int],
                  f"{common.median(s):.3f}", f"{min(s):.3f}..{max(s):.3f}", f"{rate[name]:.2f}"]
         cells += [f"{rate[name] / rate[a]:.1f}" for a in anchors if a in rate]
         rows.append(cells)
-    if peer_row and not peer_supported():  # an honest gap, not a figure
-        rows.insert(1, [NOT_BUILT, "-", "-", "-", "not built", "-", "-"]
-                    + ["-"] * (len(headers) - 7))
     return common.markdown_table(headers, rows)
 
 
@@ -226,9 +216,6 @@ def bench_restore(args) -> None:
                 print(restore_table(timings, tiers.seen, tiers.nbytes,
                                     [a for a in GOALS if a in timings]))
                 print("\n" + "\n".join(goals(timings, tiers.nbytes)))
-                if not peer_supported():
-                    print(f"- {NOT_BUILT}: not built yet (peer replication, issue #14); "
-                          "no figure")
     finally:
         if server is not None:
             server.stop()
@@ -331,8 +318,7 @@ def bench_peer(args) -> None:
         disk = disk_name(r0["cold"])
         print(f"\n### Restore by tier at world 2: {common.format_size(nbytes)} per rank "
               f"(row shards, 256 tensors), two nodes of one process each, {args.reps} reps\n")
-        print(restore_table(timings, seen, {name: nbytes for name in timings}, [disk],
-                            peer_row=False))
+        print(restore_table(timings, seen, {name: nbytes for name in timings}, [disk]))
         mem, peer = (common.median(timings[n]["restore"]) for n in list(timings)[:2])
         speed = common.median(timings[disk]["restore"]) / peer
         print(f"\n- the peer replica restores at {speed:.2f}x the speed of the {disk}; own "
@@ -441,40 +427,30 @@ TIMELINE_ROWS = [
 ]
 
 
-def timeline_table(runs: dict[str, dict | None]) -> str:
-    def cell(r: dict | None, key: str, fmt: str = "{:.2f}") -> str:
-        if r is None:
-            return "not built"
-        v = r.get(key)
-        return "-" if v is None else fmt.format(v)
+def timeline_table(runs: dict[str, dict]) -> str:
+    def cell(r: dict, key: str) -> str:
+        return "-" if r.get(key) is None else f"{r[key]:.2f}"
 
     headers = ["seconds after the kill"] + list(runs)
     rows = [[what] + [cell(r, key) for r in runs.values()] for what, key in TIMELINE_ROWS]
     rows += [["killed at step / restored step"] + [
-        "not built" if r is None else f"{r['killed_step']} / {r['restored_step']}"
-        for r in runs.values()],
+        f"{r['killed_step']} / {r['restored_step']}" for r in runs.values()],
         ["restored from (tier), bytes from root"] + [
-        "not built" if r is None else f"{r['tier']}, {r['bytes']}" for r in runs.values()],
+        f"{r['tier']}, {r['bytes']}" for r in runs.values()],
         ["torchrun's rendezvous (excluded)"] + [cell(r, "torchrun") for r in runs.values()],
         ["**recovery, rendezvous excluded**"] + [cell(r, "recovery") for r in runs.values()],
-        ["job finished"] + ["not built" if r is None else ("yes" if r["ok"] else "FAILED")
-                            for r in runs.values()]]
+        ["job finished"] + ["yes" if r["ok"] else "FAILED" for r in runs.values()]]
     return common.markdown_table(headers, rows)
 
 
 def bench_timeline(args) -> None:
-    from trainer.checkpointing import multi_rank_memory_tier
-
     scenarios = ["worker"] if args.quick else list(SCENARIOS)
     for scenario in scenarios:
-        runs: dict[str, dict | None] = {}
+        runs: dict[str, dict] = {}
         with tempfile.TemporaryDirectory(prefix="bench-memory-timeline-") as tmp:
             order = [True, False]
             for memory in order:
                 name = "memory tier" if memory else "no memory tier"
-                if memory and scenario == "node" and not multi_rank_memory_tier():
-                    runs[name] = None
-                    continue
                 print(f"  [timeline {scenario}] {name}", file=sys.stderr, flush=True)
                 runs[name] = timeline_run(Path(tmp) / f"{scenario}-{memory}", scenario,
                                           memory, args)
@@ -482,15 +458,11 @@ def bench_timeline(args) -> None:
               + (f" + {args.pad_mb:g} MB" if args.pad_mb else "")
               + f", {args.timeline_steps} steps, checkpoint every 5\n")
         print(timeline_table(runs))
-        mem = runs.get("memory tier")
-        if mem is None:
-            print(f"\n- with the memory tier: not built yet (multi-rank tier and peer "
-                  f"replicas, issue #14); goal < {GOAL_RECOVERY_S:g} s not measured")
-        else:
-            print(f"\n- recovery with the memory tier, torchrun's rendezvous excluded: "
-                  f"{mem['recovery']:.2f} s (goal < {GOAL_RECOVERY_S:g} s: "
-                  f"{'met' if mem['recovery'] < GOAL_RECOVERY_S else 'NOT met'}); of which "
-                  f"the restore {mem['restored'] - mem['restore_start']:.2f} s")
+        mem = runs["memory tier"]
+        print(f"\n- recovery with the memory tier, torchrun's rendezvous excluded: "
+              f"{mem['recovery']:.2f} s (goal < {GOAL_RECOVERY_S:g} s: "
+              f"{'met' if mem['recovery'] < GOAL_RECOVERY_S else 'NOT met'}); of which "
+              f"the restore {mem['restored'] - mem['restore_start']:.2f} s")
 
 
 def main() -> None:
@@ -517,8 +489,7 @@ def main() -> None:
     if not args.no_restore:
         bench_restore(args)
         print("\n" + common.GATE.summary())
-        if peer_supported():
-            bench_peer(args)
+        bench_peer(args)
     if not args.no_timeline:
         bench_timeline(args)
     print(f"\nload average at the end: {common.load_average()}")

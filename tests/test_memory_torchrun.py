@@ -35,7 +35,7 @@ import _elastic_job as cluster_harness
 import _memory_job
 import ckpt
 from ckpt.memory_tier import PREFIX, SHM_DIR
-from trainer.checkpointing import memory_job_id, memory_tier_options, multi_rank_memory_tier
+from trainer.checkpointing import memory_job_id, memory_tier_options
 from trainer.elastic import read_jsonl
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
@@ -80,18 +80,11 @@ def wait_all(c: _memory_job.Cluster, nodes: list, tmp: Path) -> None:
 
 def test_default_is_on_under_torchrun_only_and_the_keyword_turns_it_off(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run7")
-    on = memory_tier_options(None, {}, root=tmp_path, elastic=True, collective=False)
-    assert on["memory_tier"] is True
-    assert on["memory_job"] == memory_job_id(tmp_path, "run7")
-    assert memory_tier_options(None, {}, root=tmp_path, elastic=False, collective=False) == {}
-    assert memory_tier_options(False, {}, root=tmp_path, elastic=True, collective=False) == {}
-    assert memory_tier_options(True, {}, root=tmp_path, elastic=False,
-                               collective=False)["memory_tier"] is True
-    # Several ranks: on by default once ckpt has the multi-rank tier (with a peer copy).
-    many = memory_tier_options(None, {}, root=tmp_path, elastic=True, collective=True)
-    assert bool(many) == multi_rank_memory_tier()
-    if many:
-        assert many["replicas"] == 1
+    on = memory_tier_options(None, root=tmp_path, elastic=True)
+    assert on == {"memory_tier": True, "memory_job": memory_job_id(tmp_path, "run7")}
+    assert memory_tier_options(None, root=tmp_path, elastic=False) == {}
+    assert memory_tier_options(False, root=tmp_path, elastic=True) == {}
+    assert memory_tier_options(True, root=tmp_path, elastic=False)["memory_tier"] is True
 
 
 def test_job_ids_differ_by_root_and_run_and_are_safe_in_segment_names(tmp_path):

@@ -141,8 +141,7 @@ class ElasticTrainer:
             and a copy in a peer node's, so that a restarted worker restores from RAM and
             survivors of a lost node from the peer copy before reading
             ``checkpoint_root`` (docs/elastic.md, "Memory tier"). None (default): on when
-            torchrun runs the job and /dev/shm exists (on more than one rank only with a
-            ``ckpt`` that has the multi-rank tier); True: on, also in a plain process;
+            torchrun runs the job and /dev/shm exists; True: on, also in a plain process;
             False: off. The run records say which tier each restore came from.
         seed: seeds the model init (same on every rank), the sampler's shuffle and each
             rank's random streams after it (torch, NumPy and Python's ``random``; their
@@ -485,9 +484,8 @@ class ElasticTrainer:
                                      grad_scaler=self.grad_scaler, fsdp=bool(self.fsdp),
                                      extra=extra),
             collective_timeout=self.collective_timeout,
-            options={**memory_tier_options(self.memory_tier, self.checkpoint_options,
-                                           root=self.checkpoint_root, elastic=self.elastic,
-                                           collective=attempt.collective),
+            options={**memory_tier_options(self.memory_tier, root=self.checkpoint_root,
+                                           elastic=self.elastic),
                      **self.checkpoint_options},
             probe=make_probe(self.probe, module, self._probe_batch, fsdp=bool(self.fsdp)),
             verify=self.verify)

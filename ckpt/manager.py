@@ -95,8 +95,10 @@ class CheckpointManager:
         replicas: under a process group with ``memory_tier``, how many other nodes (a ring by
             node) receive a copy of each rank's newest step in their shared memory, in the
             background (0: none).
-        persist_every: with ``memory_tier``, only every K-th save (counted by this manager)
-            also goes to ``root``; a preempted save always does.
+        persist_every: with ``memory_tier``, a save also goes to ``root`` when its step is a
+            multiple of ``persist_every * every_steps`` (``every_steps`` 1 without a step
+            schedule): every K-th scheduled save, the same steps after any restart. A
+            preempted save, and one called with ``persist=True``, always does.
         memory_keep, memory_budget, memory_job: generations kept in memory, the most bytes the
             segment may hold, and the job id in the segment's name (default:
             TORCHELASTIC_RUN_ID, else a hash of ``root``).
@@ -179,7 +181,6 @@ class CheckpointManager:
         self._replicator: Replicator | None = None
         self._memory_pg: Any = None  # the gloo group of a multi-rank memory tier
         self._memory_plan: dict[int, Any] = {}  # step -> the agreed in-memory save to restore
-        self._saves = 0
         self._inflight: SaveHandle | None = None
         self._preempted: int | None = None
         self._closed = False
@@ -270,14 +271,17 @@ class CheckpointManager:
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: MutableMapping[str, Any], *, force: bool = False,
-             metadata: dict | None = None,
-             metrics: dict[str, float] | None = None) -> SaveHandle | None:
+             metadata: dict | None = None, metrics: dict[str, float] | None = None,
+             persist: bool | None = None) -> SaveHandle | None:
         """Save ``state`` as ``step`` when the schedule says so (or ``force``).
 
         Blocks only while the state is copied to host memory (async) or until the step is
         committed (sync). Raises the error of an earlier background save, if it failed.
         ``metrics`` (name -> number, e.g. ``{"val_loss": 0.31}``) are stored in the
         manifest's metadata under ``"metrics"``; ``keep_best`` ranks steps by them.
+        ``persist`` (with ``memory_tier``): True also writes this save to ``root`` whatever
+        ``persist_every`` says (a job's final step), False to memory only, None the schedule.
+        With a process group, pass the same value on every rank.
 
         Returns:
             A :class:`SaveHandle`, or None when the schedule skipped this step.
@@ -289,6 +293,11 @@ class CheckpointManager:
         if step < 0:
             raise ValueError(f"save(step=...): step must be non-negative, not {step!r}")
         self._raise_failed_save()
+        if persist not in (None, True, False):
+            raise TypeError(f"save(persist=...) must be True, False or None, not {persist!r}")
+        if persist is False and self._memory is None:
+            raise ValueError("save(persist=False) keeps a save in memory only: it needs "
+                             "memory_tier=True; pass persist=None")
         preempted = self._preempted is not None and self.save_on_preemption
         due = force or bool(self.every_steps and step % self.every_steps == 0)
         if not due and self.every_seconds is not None:
@@ -326,10 +335,9 @@ class CheckpointManager:
                            hold_all=self._memory is not None and self._memory.ranked)
         blocking = time.perf_counter() - t0
         handle = None
-        self._saves += 1
         if self._memory is not None:  # published first; the same writer thread, in order
             handle = self._publish_to_memory(payload, blocking)
-        if handle is None or preempted or self._saves % self.persist_every == 0:
+        if handle is None or preempted or self._persist_due(step, persist):
             handle = self._writer.submit(self.storage, payload, blocking, self._after_commit)
             handle.add_done_callback(self._record)
         log.info("ckpt.save step=%d blocking_s=%.4f async=%s incremental=%s", step, blocking,
@@ -342,6 +350,14 @@ class CheckpointManager:
             self.close()
             raise SystemExit(128 + self._preempted)
         return handle
+
+    def _persist_due(self, step: int, persist: bool | None) -> bool:
+        """Whether a save published to memory also goes to the root: ``persist``, else the
+        schedule, by step number (not a count of this process's saves), so that restarted
+        processes and every rank agree on it."""
+        if persist is not None:
+            return persist
+        return step % (self.persist_every * self.every_steps) == 0
 
     def prepare(self, state: MutableMapping[str, Any]) -> None:
         """Allocate the host staging buffers for ``state`` now (pinned for CUDA tensors), so

@@ -5,6 +5,8 @@
     python _acc_job.py resume WORK   # resumes WORK/acc and WORK/acc_bad through ckpt; runs the
                                      # same loop with Accelerate's own save_state, stopped after
                                      # steps 6 and 4 and resumed. Results in WORK/out/.
+    python _acc_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
+                                     # resume once the test writes go (tests/_fork_kill.py)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
+from _fork_kill import kill_then_wait  # noqa: E402
 from trainer.integrations.accelerate import CkptAccelerator  # noqa: E402
 
 MAX_STEPS = 12
@@ -97,9 +100,16 @@ def run(project: Path, cls: type, *, resume: bool = False, kill_at: int | None =
 def main() -> None:
     torch.set_num_threads(1)
     mode, work = sys.argv[1], Path(sys.argv[2])
-    if mode == "kill":
+
+    def killed_run() -> None:
         run(work / "acc", CkptAccelerator, kill_at=7)
+
+    if mode == "kill":
+        killed_run()
         raise SystemExit("not killed")
+    if mode == "kill+resume":  # both in one process: the killed run in a forked child
+        kill_then_wait(killed_run)
+        mode = "resume"
     out = work / "out"
     out.mkdir(exist_ok=True)
     starts = {}

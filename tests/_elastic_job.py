@@ -225,6 +225,7 @@ import signal  # noqa: E402
 import subprocess  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
+TORCHRUN = str(Path(__file__).resolve().parent / "_torchrun.py")
 REPO = str(Path(__file__).resolve().parent.parent)
 
 
@@ -281,6 +282,7 @@ class LocalCluster:
     def __init__(self, workdir: Path, job_args: list[str], *, nnodes: str = "2:3",
                  max_restarts: int = 3, last_call_timeout: int = 3, keep_alive_interval: int = 1,
                  keep_alive_max_attempt: int = 4, monitor_interval: float = 0.5,
+                 restart_grace: float | None = None,
                  extra_env: dict[str, str] | None = None) -> None:
         import torch.distributed as dist
 
@@ -301,6 +303,9 @@ class LocalCluster:
         # old. keep_alive_max_attempt=2 therefore evicts live nodes now and then; 4 leaves a
         # margin and still drops a dead node about 4 s after its last keep-alive.
         self.monitor_interval = monitor_interval
+        # None: torchrun's own 30 s between the SIGTERM and the SIGKILL of a restart (the
+        # workers checkpoint on SIGTERM); else that many seconds (see tests/_torchrun.py).
+        self.restart_grace = restart_grace
         self.env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
                         MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                         PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get(
@@ -310,7 +315,9 @@ class LocalCluster:
     def add_node(self) -> Node:
         name = f"node{len(self.nodes)}"
         log_path = self.workdir / f"{name}.log"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}",
+        launcher = (["-m", "torch.distributed.run"] if self.restart_grace is None
+                    else [TORCHRUN, str(self.restart_grace)])
+        cmd = [sys.executable, *launcher, f"--nnodes={self.nnodes}",
                "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
                f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=elastic-test",

@@ -8,7 +8,7 @@ StatefulDataLoader, ``plain`` for a DataLoader with trainer.ResumableLoader, ``c
 for ``plain`` with the model under torch.compile). Prints ``start S`` after the restore,
 ``saved N`` right after a save was started and ``step N`` after each optimizer step; at the
 end writes every tensor of model, optimizer, scheduler and scaler, and the next random
-numbers, to OUT with torch.save.
+numbers, to OUT with torch.save. The tests start the runs through :func:`run_forked`.
 """
 
 from __future__ import annotations
@@ -144,6 +144,25 @@ def schedule(root: str) -> None:
             print(f"committed {step}", flush=True)
     mgr.close()
     print("done", flush=True)
+
+
+def run_forked(command: str, args: list[str], out) -> None:
+    """A run started by tests/test_exact_resume.py's fork server (``multiprocessing``'s
+    forkserver, torch and ckpt imported once): stdout and stderr go to the pipe ``out``."""
+    import multiprocessing
+    import os
+
+    # A forkserver child starts with forkserver as its default start method; the loop's
+    # DataLoader workers fork as in a process started with `python` (Linux, Python < 3.14).
+    multiprocessing.set_start_method("fork", force=True)
+    for fd in (1, 2):
+        os.dup2(out.fileno(), fd)
+    out.close()
+    os.environ.pop("CKPT_FAULT", None)
+    if command == "schedule":
+        schedule(*args)
+    else:
+        main(command, *args)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,17 @@
                                      # same job with HF's own checkpoints, stopped after steps
                                      # 6 and 4 and resumed; exports WORK/hf with the CLI and
                                      # loads it with from_pretrained. Results in WORK/out/.
+    python _hf_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
+                                     # resume once the test writes go (tests/_fork_kill.py)
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,  # noqa: E402
                           Trainer, TrainerCallback, TrainingArguments)
 
+from _fork_kill import kill_then_wait  # noqa: E402
+from ckpt import cli  # noqa: E402
 from trainer.integrations.hf import CkptTrainer  # noqa: E402
 
 MAX_STEPS = 12
@@ -89,9 +94,16 @@ def run(out: Path, cls: type, callbacks: list, resume: bool = False) -> GPT2LMHe
 def main() -> None:
     torch.set_num_threads(1)
     mode, work = sys.argv[1], Path(sys.argv[2])
-    if mode == "kill":
+
+    def killed_run() -> None:
         run(work / "hf", CkptTrainer, [At(7, work / "hf/step-00000006/manifest.json")])
+
+    if mode == "kill":
+        killed_run()
         raise SystemExit("not killed")
+    if mode == "kill+resume":  # both in one process: the killed run in a forked child
+        kill_then_wait(killed_run)
+        mode = "resume"
     out = work / "out"
     out.mkdir(exist_ok=True)
     starts = {}
@@ -107,11 +119,14 @@ def main() -> None:
         if name == "ckpt":
             trained = model
     (out / "starts.json").write_text(json.dumps(starts))
-    # The exported folder loads with from_pretrained and gives the same logits.
-    cli = subprocess.run([sys.executable, "-m", "ckpt", "export", str(work / "hf"), "--to",
-                          "hf", str(work / "export"), "--max-shard-size", "40KB", "--json"],
-                         capture_output=True, text=True, check=True)
-    (out / "export.json").write_text(cli.stdout)
+    # The exported folder loads with from_pretrained and gives the same logits. The CLI runs
+    # in this process (`python -m ckpt` itself is tested in tests/test_cli.py).
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli.main(["export", str(work / "hf"), "--to", "hf", str(work / "export"),
+                           "--max-shard-size", "40KB", "--json"])
+    assert status == 0, status
+    (out / "export.json").write_text(printed.getvalue())
     loaded = AutoModelForCausalLM.from_pretrained(str(work / "export"))
     ids = Data().ids[:4]
     trained.eval()

@@ -4,6 +4,8 @@
     python _pl_job.py resume WORK    # resumes WORK/pl and WORK/pl_bad through ckpt, runs the
                                      # same job through Lightning's own IO resumed from steps
                                      # 6 and 4; final weights go to WORK/out/*.pt
+    python _pl_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
+                                     # resume once the test writes go (tests/_fork_kill.py)
     python _pl_job.py ddp WORK       # DDP on 2 CPU processes: train to 6 and resume to 12,
                                      # through ckpt and through Lightning's own IO
 """
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
+from _fork_kill import kill_then_wait  # noqa: E402
 from trainer.integrations.lightning import CkptCheckpointIO  # noqa: E402
 
 MAX_STEPS = 12
@@ -93,9 +96,16 @@ def fit(dirpath: Path, *, ckpt_io: bool, max_steps: int = MAX_STEPS, resume: boo
 def main() -> None:
     torch.set_num_threads(1)
     mode, work = sys.argv[1], Path(sys.argv[2])
-    if mode == "kill":
+
+    def killed_run() -> None:
         fit(work / "pl", ckpt_io=True, extra=[KillAt(7, work / "pl/step-00000006/manifest.json")])
+
+    if mode == "kill":
+        killed_run()
         raise SystemExit("not killed")
+    if mode == "kill+resume":  # both in one process: the killed run in a forked child
+        kill_then_wait(killed_run)
+        mode = "resume"
     out = work / "out"
     out.mkdir(exist_ok=True)
     if mode == "ddp":

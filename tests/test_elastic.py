@@ -2,7 +2,7 @@
 
 Each "node" is one torchrun agent with one worker on this machine, joined by a c10d
 rendezvous whose store the test hosts (see tests/_elastic_job.py, LocalCluster). The job
-trains the tiny LM for 60 steps at a global batch of 12 (micro batches of 2: 3 accumulation
+trains the tiny LM for 40 steps at a global batch of 12 (micro batches of 2: 3 accumulation
 steps at world size 2, 2 at world size 3), checkpointing every 10 steps.
 
 What is checked after each disruption:
@@ -11,7 +11,7 @@ What is checked after each disruption:
 - the global batch stayed 12 at every step, in micro batches of 2 (audit log);
 - the samples trained, keeping per step the record of the newest attempt (a step redone
   after a restore replaces the lost one), are exactly the no-failure run's order: every
-  sample once per epoch (the 128-sample corpus gives 5+ epochs in 60 steps);
+  sample once per epoch (the 128-sample corpus gives 3+ epochs in 40 steps);
 - the loss curve continues: the mean loss of the last 10 steps is within 15% of an
   uninterrupted single-process run at the same global batch;
 - the summary's restarts, world sizes and steps lost match what happened (printed; run
@@ -39,12 +39,13 @@ from trainer.elastic import (ElasticSummary, ElasticTrainer, check_world_size, r
 from trainer.heartbeat import Heartbeat
 from trainer.tiny_lm import WindowDataset, make_corpus
 
-STEPS, EVERY, GLOBAL, MICRO, SENTENCES, SEED = 60, 10, 12, 2, 60, 0
+STEPS, EVERY, GLOBAL, MICRO, SENTENCES, SEED = 40, 10, 12, 2, 60, 0
 HEARTBEAT_TIMEOUT, COLLECTIVE_TIMEOUT = 5.0, 10.0
 SAMPLE_SLEEP = 0.01  # simulated compute per sample: ~0.1 s steps, room to act mid-training
 KILL_AT = 22         # act once the job passed this step (a checkpoint at 20 is committed)
 LOSS_TOLERANCE = 0.15
 JOB_TIMEOUT = 120.0
+RESTART_GRACE = 2.0  # SIGTERM to SIGKILL when an agent restarts a hung worker (tests/_torchrun.py)
 
 
 def job_args(tmp: Path, *, sleep: float = SAMPLE_SLEEP, hold: tuple = ()) -> list[str]:
@@ -318,6 +319,8 @@ def test_node_killed_survivors_resume_at_world_2(cluster, tmp_path, reference, v
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_hung_rank_is_detected_by_heartbeat(cluster, tmp_path, reference):
+    # The hung worker ignores SIGTERM: its agent SIGKILLs it after RESTART_GRACE, not 30 s.
+    cluster.restart_grace = RESTART_GRACE
     nodes = [cluster.add_node() for _ in range(3)]
     attempt, info = job.wait_for(at_step(tmp_path / "run", 3, KILL_AT), JOB_TIMEOUT,
                                  "training at world size 3", cluster=cluster)
@@ -336,7 +339,8 @@ def test_hung_rank_is_detected_by_heartbeat(cluster, tmp_path, reference):
     detect = max(f["time"] for f in fails) - stopped_at
     # The survivors exited for a restart. The hung node's agent keeps its place in the
     # finished rendezvous round until its worker is gone, and it kills the stopped worker
-    # only after torchrun's 30 s SIGTERM grace; then all three nodes form the next round.
+    # only after the SIGTERM grace (torchrun's 30 s, RESTART_GRACE here); then all three
+    # nodes form the next round.
     s = finish(cluster, nodes, tmp_path)
     assert s.restarts >= 1 and s.world_sizes[0] == 3
     rec = s.recoveries[-1]

@@ -5,14 +5,20 @@ schedules by wall-clock time and best-N retention; the whole loop SIGKILLed and 
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import queue
 import random
 import signal
+import subprocess
+import threading
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import _exact_workers
 import ckpt
 import trainer
 from _workers import Worker, assert_same
@@ -149,11 +155,64 @@ def test_stateful_dataloader_without_generator_warns_next_to_rng_state(tmp_path)
 
 # ------------------------------------------------------------------------ the whole loop, SIGKILLed
 
-EXACT_WORKER = Path(__file__).resolve().parent / "_exact_workers.py"
+# What every run of the loop imports: a fork server (multiprocessing's forkserver, started
+# once per session) imports it once, and each run is a fresh process forked from it.
+PRELOAD = ["torch", "ckpt", "trainer", "torchdata.stateful_dataloader", "_exact_workers"]
+
+
+class _Process:
+    """The parts of subprocess.Popen that Worker uses, for a multiprocessing.Process."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self.process = process
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+        return self.process.exitcode
+
+
+class ForkedRun(Worker):
+    """A Worker whose process is forked from the fork server: ``_exact_workers.py COMMAND
+    ARGS...`` without paying the imports again; SIGKILL and output lines as for a Worker."""
+
+    def __init__(self, command: str, *args: object) -> None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        read, write = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_exact_workers.run_forked,
+                              args=(command, [str(a) for a in args], write))
+        process.start()
+        write.close()  # the child's copy is the only writer: its end is our EOF
+        self.args = [command, *map(str, args)]
+        self.proc = _Process(process)
+        self._stream = open(os.dup(read.fileno()), errors="replace")
+        read.close()
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self._stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
 
 
 def _loop(mode: str, root: Path, out: Path) -> Worker:
-    return Worker(mode, root, out, script=EXACT_WORKER)
+    return ForkedRun(mode, root, out)
 
 
 def _killed_and_resumed(tmp_path: Path, mode: str, points: list[tuple[str, int]]) -> dict:
@@ -313,7 +372,7 @@ def test_every_seconds_and_best_n_under_sigkill_keep_the_newest_good_step(tmp_pa
     r = random.Random(seed := random.randrange(1 << 30))
     newest = 0
     for _ in range(2):
-        run = Worker("schedule", tmp_path, script=EXACT_WORKER)
+        run = ForkedRun("schedule", tmp_path)
         start = int(run.expect("start ").split()[1])
         assert start >= newest, f"seed={seed}: restored {start}, but {newest} was committed"
         ahead = [s for s in saves if s > start][:3]
@@ -324,7 +383,7 @@ def test_every_seconds_and_best_n_under_sigkill_keep_the_newest_good_step(tmp_pa
             newest = int(run.expect("committed ").split()[1])
         run.kill()                                 # right after a save, or in the next one
         assert run.proc.returncode == -signal.SIGKILL
-    run = Worker("schedule", tmp_path, script=EXACT_WORKER)
+    run = ForkedRun("schedule", tmp_path)
     assert int(run.expect("start ").split()[1]) >= newest
     assert run.finish() == 0, run.output
     best = sorted(saves, key=val_loss)[:2]

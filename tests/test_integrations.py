@@ -14,25 +14,86 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from _fork_kill import RESUMING
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
-def run_job(script: str, *args: str, killed: bool = False) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / script), *args], env=env,
-                          capture_output=True, text=True, timeout=600)
-    if killed:
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    else:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+JOB_TIMEOUT = 600
+JOB_ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1"}
+
+
+def run_job(script: str, *args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / script), *args],
+                          env={**os.environ, **JOB_ENV}, capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+class KilledJob:
+    """A job script in ``kill+resume`` mode (tests/_fork_kill.py): a child forked after the
+    framework's imports trains and SIGKILLs itself; the job waits until :meth:`resume`."""
+
+    def __init__(self, script: str, work: Path) -> None:
+        self.stderr_path = work / f"{script}.stderr"
+        with open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / script), "kill+resume", str(work)],
+                env={**os.environ, **JOB_ENV}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=err, text=True, start_new_session=True)
+        self.timer = threading.Timer(JOB_TIMEOUT, self.close)
+        self.timer.start()
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def killed(self) -> None:
+        """Wait for the child's end: SIGKILLed."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("killed "):
+                assert int(line.split()[1]) == signal.SIGKILL, f"{line}{self.stderr()[-3000:]}"
+                return
+        self.proc.wait()
+        pytest.fail(f"the job ended ({self.proc.returncode}) before its child was killed\n"
+                    f"{self.stderr()[-3000:]}")
+
+    def resume(self) -> str:
+        """Let the job resume and finish; returns the resumed run's stderr."""
+        self.proc.communicate("go\n")
+        self.timer.cancel()
+        assert self.proc.returncode == 0, self.stderr()[-3000:]
+        return self.stderr().split(RESUMING, 1)[1]
+
+    def close(self) -> None:
+        self.timer.cancel()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the job and a child still running
+            self.proc.wait()
+
+
+@pytest.fixture
+def killed_job(tmp_path):
+    """Start a job in ``kill+resume`` mode; returns it once its child was SIGKILLed."""
+    jobs: list[KilledJob] = []
+
+    def start(script: str) -> KilledJob:
+        jobs.append(KilledJob(script, tmp_path))
+        jobs[-1].killed()
+        return jobs[-1]
+
+    yield start
+    for job in jobs:
+        job.close()
 
 
 def flip_a_bit(step_dir: Path, key_part: str) -> None:
@@ -53,9 +114,9 @@ def same_weights(a: Path, b: Path) -> bool:
 
 
 
-def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path):
+def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path, killed_job):
     pytest.importorskip("lightning")
-    run_job("_pl_job.py", "kill", str(tmp_path), killed=True)
+    job = killed_job("_pl_job.py")
     root = tmp_path / "pl"
     # Killed after step 7: steps 4 and 6 are kept (save_top_k=2), last.ckpt points at 6.
     assert (root / "step-00000006/manifest.json").exists()
@@ -63,7 +124,7 @@ def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path):
     shutil.copytree(root, tmp_path / "pl_bad")
     flip_a_bit(tmp_path / "pl_bad/step-00000006", "net.0.weight")
 
-    proc = run_job("_pl_job.py", "resume", str(tmp_path))
+    stderr = job.resume()
 
     out = tmp_path / "out"
     starts = json.loads((out / "starts.json").read_text())
@@ -71,7 +132,7 @@ def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path):
     assert same_weights(out / "ckpt.pt", out / "torch6.pt")
     assert same_weights(out / "ckpt_bad.pt", out / "torch4.pt")
     assert not same_weights(out / "torch6.pt", out / "torch4.pt")  # the comparison can fail
-    assert "skipping step 6" in proc.stderr and "digest mismatch" in proc.stderr
+    assert "skipping step 6" in stderr and "digest mismatch" in stderr
     # The resumed run kept Lightning's retention: two top-k steps (last.ckpt shares one).
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000012"]
 
@@ -87,9 +148,9 @@ def test_lightning_ddp_on_two_cpu_processes_saves_from_rank_0_and_resumes(tmp_pa
     assert (root / "step-00000012/manifest.json").exists()
 
 
-def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path):
+def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path, killed_job):
     pytest.importorskip("transformers")
-    run_job("_hf_job.py", "kill", str(tmp_path), killed=True)
+    job = killed_job("_hf_job.py")
     root = tmp_path / "hf"
     assert (root / "step-00000006/manifest.json").exists()
     # checkpoint-N folders stay HF's view (save_total_limit=2): a pointer, no weights.
@@ -98,14 +159,14 @@ def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path):
     shutil.copytree(root, tmp_path / "hf_bad")
     flip_a_bit(tmp_path / "hf_bad/step-00000006", "c_attn.weight")
 
-    proc = run_job("_hf_job.py", "resume", str(tmp_path))
+    stderr = job.resume()
 
     out = tmp_path / "out"
     starts = json.loads((out / "starts.json").read_text())
     assert starts == {"ckpt": 6, "ckpt_bad": 4, "hf6": 6, "hf4": 4}
     assert same_weights(out / "ckpt.pt", out / "hf6.pt")  # model, optimizer, RNG, data skip
     assert same_weights(out / "ckpt_bad.pt", out / "hf4.pt")
-    assert "skipping step 6" in proc.stderr and "digest mismatch" in proc.stderr
+    assert "skipping step 6" in stderr and "digest mismatch" in stderr
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000012"]
     # `ckpt export --to hf`: what it printed matches the folder, which from_pretrained loads.
     report = json.loads((out / "export.json").read_text())
@@ -123,9 +184,9 @@ def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path):
     assert torch.equal(logits["trained"], logits["loaded"]) and logits["tied"]
 
 
-def test_accelerate_save_state_and_load_state_go_through_ckpt(tmp_path):
+def test_accelerate_save_state_and_load_state_go_through_ckpt(tmp_path, killed_job):
     pytest.importorskip("accelerate")
-    run_job("_acc_job.py", "kill", str(tmp_path), killed=True)
+    job = killed_job("_acc_job.py")
     root = tmp_path / "acc/checkpoints"
     # Saves at steps 2, 4, 6 are iterations 0, 1, 2; total_limit=2 keeps two folders.
     assert (root / "step-00000002/manifest.json").exists()
@@ -133,7 +194,7 @@ def test_accelerate_save_state_and_load_state_go_through_ckpt(tmp_path):
     shutil.copytree(tmp_path / "acc", tmp_path / "acc_bad")
     flip_a_bit(tmp_path / "acc_bad/checkpoints/step-00000002", "c_attn.weight")
 
-    proc = run_job("_acc_job.py", "resume", str(tmp_path))
+    stderr = job.resume()
 
     out = tmp_path / "out"
     starts = json.loads((out / "starts.json").read_text())
@@ -142,5 +203,5 @@ def test_accelerate_save_state_and_load_state_go_through_ckpt(tmp_path):
     assert same_weights(out / "ckpt.pt", out / "acc6.pt")
     assert same_weights(out / "ckpt_bad.pt", out / "acc4.pt")
     assert not same_weights(out / "acc6.pt", out / "acc4.pt")  # the comparison can fail
-    assert "skipping step 2" in proc.stderr and "digest mismatch" in proc.stderr
+    assert "skipping step 2" in stderr and "digest mismatch" in stderr
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004", "step-00000005"]

@@ -263,3 +263,55 @@ def test_node_names_and_the_replication_ring(monkeypatch):
     assert ring_targets(0, ["a", "b", "c"], [0, 0, 0], 2) == [1, 2]
     assert ring_targets(0, ["a", "b", "c"], [0, 0, 0], 5) == [1, 2]  # no more than the others
     assert ring_targets(0, ["a", "a"], [0, 1], 1) == []  # one node: nowhere to replicate
+
+
+# -- persist: the final step reaches the root; the schedule by step number survives restarts --
+
+def test_persist_true_writes_an_unscheduled_save_to_the_root_and_false_keeps_it_in_memory(
+        tmp_path, job):
+    model = torch.nn.Linear(4, 4)
+    with ckpt.CheckpointManager(tmp_path, memory_tier=True, persist_every=3, memory_keep=8,
+                                memory_job=job) as mgr:
+        mgr.save(1, {"model": model}, persist=True)  # off the schedule (3, 6)
+        mgr.save(2, {"model": model})
+        mgr.save(3, {"model": model}, persist=False)  # on it, but memory only
+        mgr.save(4, {"model": model}, persist=True)  # the final step
+        mgr.wait()
+        assert mgr.steps() == [1, 4]
+        assert mgr._memory.steps() == [1, 2, 3, 4]
+    assert segments(job) == []  # the final step is in the root: the segment is removed
+    with ckpt.CheckpointManager(tmp_path / "plain") as plain:
+        with pytest.raises(ValueError, match="memory_tier=True"):
+            plain.save(1, {"model": model}, persist=False)
+
+
+RESUMER = textwrap.dedent("""
+    import sys, torch, ckpt
+    root, job, last = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    state = {"model": torch.nn.Linear(4, 4)}
+    with ckpt.CheckpointManager(root, memory_tier=True, every_steps=2, persist_every=2,
+                                memory_job=job) as mgr:
+        start = mgr.restore(state) or 0
+        print(start, mgr.last_restore.tier if mgr.last_restore else None)
+        for step in range(start + 1, last + 1):
+            mgr.save(step, state)
+""")
+
+
+@pytest.mark.multiproc
+def test_persist_schedule_continues_across_a_restart(tmp_path, job):
+    """every_steps=2, persist_every=2: steps 4, 8, ... reach the root, whichever process
+    saves them. The first process saves 2, 4, 6 and exits (6 in memory only); the second
+    resumes from 6 out of memory and saves 8 (to the root: 8 is on the schedule) and 10."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+
+    def run(last: int) -> str:
+        done = subprocess.run([sys.executable, "-c", RESUMER, str(tmp_path), job, str(last)],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert run(6) == ["0", "None"]
+    assert ckpt.CheckpointManager(tmp_path, read_only=True).steps() == [4]
+    assert run(10) == ["6", "memory"]
+    assert ckpt.CheckpointManager(tmp_path, read_only=True).steps() == [4, 8]

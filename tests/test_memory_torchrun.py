@@ -35,12 +35,12 @@ import _elastic_job as cluster_harness
 import _memory_job
 import ckpt
 from ckpt.memory_tier import PREFIX, SHM_DIR
-from trainer.checkpointing import memory_job_id, memory_tier_options, multi_rank_memory_tier
+from trainer.checkpointing import memory_job_id, memory_tier_options
 from trainer.elastic import read_jsonl
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
-EVERY, PERSIST, STEPS = 5, 2, 25
+EVERY, PERSIST, STEPS = 5, 6, 25  # the schedule's root steps: multiples of 30, none here
 JOB_TIMEOUT = 120.0
 
 
@@ -80,18 +80,11 @@ def wait_all(c: _memory_job.Cluster, nodes: list, tmp: Path) -> None:
 
 def test_default_is_on_under_torchrun_only_and_the_keyword_turns_it_off(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run7")
-    on = memory_tier_options(None, {}, root=tmp_path, elastic=True, collective=False)
-    assert on["memory_tier"] is True
-    assert on["memory_job"] == memory_job_id(tmp_path, "run7")
-    assert memory_tier_options(None, {}, root=tmp_path, elastic=False, collective=False) == {}
-    assert memory_tier_options(False, {}, root=tmp_path, elastic=True, collective=False) == {}
-    assert memory_tier_options(True, {}, root=tmp_path, elastic=False,
-                               collective=False)["memory_tier"] is True
-    # Several ranks: on by default once ckpt has the multi-rank tier (with a peer copy).
-    many = memory_tier_options(None, {}, root=tmp_path, elastic=True, collective=True)
-    assert bool(many) == multi_rank_memory_tier()
-    if many:
-        assert many["replicas"] == 1
+    on = memory_tier_options(None, root=tmp_path, elastic=True)
+    assert on == {"memory_tier": True, "memory_job": memory_job_id(tmp_path, "run7")}
+    assert memory_tier_options(None, root=tmp_path, elastic=False) == {}
+    assert memory_tier_options(False, root=tmp_path, elastic=True) == {}
+    assert memory_tier_options(True, root=tmp_path, elastic=False)["memory_tier"] is True
 
 
 def test_job_ids_differ_by_root_and_run_and_are_safe_in_segment_names(tmp_path):
@@ -116,8 +109,9 @@ def test_memory_tier_is_the_trainers_keyword_not_a_checkpoint_option(tmp_path):
 
 # ------------------------------------------------------------------------- torchrun scenarios
 #
-# One job of three nodes (saves at 5 10 15 20 25; persist_every=2 counts the saves of each
-# attempt, so the root gets only 10 here; the memory tier gets every save). Every worker
+# One job of three nodes (saves at 5 10 15 20 25; persist_every=6: the schedule sends steps
+# that are multiples of 30 to the root, none here, so only the final step 25 reaches it, as the
+# trainer's final checkpoint always does; the memory tier gets every save). Every worker
 # holds, once per rank, before steps 17 and 22, its newest checkpoint committed and
 # replicated:
 #   1. before 17, one worker is SIGKILLed, its agent alive: all three restart;
@@ -186,11 +180,11 @@ def restored_digests(tmp: Path, attempt: int) -> list[dict]:
 @pytest.mark.multiproc
 def test_worker_sigkilled_agent_alive_restores_from_memory(three_nodes):
     """The trainer's default under torchrun. A worker is SIGKILLed before step 17, the newest
-    checkpoint (15) in memory only (the root holds 10); torchrun restarts the group and every
+    checkpoint (15) in memory only (not in the root); torchrun restarts the group and every
     rank resumes from step 15 out of the nodes' memory, reading nothing from the root, model
     and optimizer bit-exact."""
     tmp = three_nodes["tmp"]
-    assert three_nodes["root_before_worker_kill"] == [2 * EVERY]
+    assert 3 * EVERY not in three_nodes["root_before_worker_kill"]
     killed = three_nodes["worker_killed_attempt"]
     recs = restored_records(tmp / "run", killed + 1)
     assert len(recs) == 3, recs  # the same three nodes
@@ -208,11 +202,11 @@ def test_worker_sigkilled_agent_alive_restores_from_memory(three_nodes):
 def test_node_killed_survivors_restore_from_peer_replica_at_world_2(three_nodes):
     """Rank 1's node dies before step 22: its agent and worker SIGKILLed, its shared memory
     (own segment and the replica it held) removed. The two survivors re-form at world 2 and
-    restore step 20 (in memory only; the root holds 10): the lost rank's shards from the
-    replica on the next node, zero bytes from the root, model and optimizer equal to the
-    saved step."""
+    restore step 20 (in memory only): the lost rank's shards from the replica on the next
+    node, zero bytes from the root, model and optimizer equal to the saved step. The final
+    step, off the persist_every schedule, is in the root when the job ends."""
     tmp = three_nodes["tmp"]
-    assert three_nodes["root_before_node_kill"] == [2 * EVERY]
+    assert 4 * EVERY not in three_nodes["root_before_node_kill"]
     gone = three_nodes["segments_removed"]
     assert any("replica" in g for g in gone) and len(gone) >= 2, gone
     killed = three_nodes["node_killed_attempt"]
@@ -227,4 +221,5 @@ def test_node_killed_survivors_restore_from_peer_replica_at_world_2(three_nodes)
                                  for g in got), got
     summary = json.loads((tmp / "run" / "summary.json").read_text())
     assert summary["final_step"] == STEPS and summary["world_sizes"][-1] == 2
+    assert root_steps(tmp)[-1:] == [STEPS]  # the trainer's final checkpoint: persist=True
     assert summary["recoveries"][-1]["restored_from"] in ("memory,peer", "peer")

@@ -135,7 +135,7 @@ def test_read_blocks_streams_byte_ranges(storage):
     data = os.urandom(300_000)
     committed(storage, "step-00000001", {"f.bin": [data]})
     path = "step-00000001/f.bin"
-    for start, n, block in [(0, len(data), 65536), (17, 100_000, 999), (5, 0, 10)]:
+    for start, n, block in [(0, len(data), 65536), (17, 12_000, 999), (5, 0, 10)]:
         parts = list(bytes(p) for p in storage.read_blocks(path, start, n, bytearray(block)))
         assert b"".join(parts) == data[start:start + n], (start, n, block)
         assert all(0 < len(p) <= block for p in parts)

@@ -9,7 +9,6 @@ user's extra items (an EMA copy of the model, a counter: anything ``ckpt`` saves
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 import os
 import re
@@ -96,12 +95,6 @@ def make_probe(spec: bool | Callable[[Any], Any] | ckpt.Probe | None, module: to
 SHM_DIR = "/dev/shm"
 
 
-def multi_rank_memory_tier() -> bool:
-    """Whether this ``ckpt`` keeps the memory tier under a process group (it then takes
-    ``replicas=``, the peer copies); a single process has it in any case."""
-    return "replicas" in inspect.signature(ckpt.CheckpointManager).parameters
-
-
 def memory_job_id(root: str | os.PathLike, run_id: str | None) -> str:
     """The job's name in memory segment names: torchrun's run id and a hash of the root, so
     that two jobs with one run id (``--rdzv-id``) never read each other's segments and a
@@ -110,29 +103,20 @@ def memory_job_id(root: str | os.PathLike, run_id: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9_.]+", "_", f"{run_id or 'local'}.{digest}")
 
 
-def memory_tier_options(requested: bool | None, options: dict[str, Any], *,
-                        root: str | os.PathLike, elastic: bool,
-                        collective: bool) -> dict[str, Any]:
+def memory_tier_options(requested: bool | None, *, root: str | os.PathLike,
+                        elastic: bool) -> dict[str, Any]:
     """The ``CheckpointManager`` keywords that turn the memory tier on (empty: off).
 
     ``requested``: True (on), False (off) or None, the trainer's default: on when torchrun
-    runs the job (``elastic``) and /dev/shm exists, and, on more than one rank
-    (``collective``), when this ``ckpt`` has the multi-rank tier. ``options`` are the
-    user's checkpoint options: theirs win over the defaults given here (``replicas=1``,
-    ``memory_job`` from :func:`memory_job_id`; ``persist_every`` stays the manager's
-    default, 1: every save also goes to the root).
+    runs the job (``elastic``) and /dev/shm exists. The job id in segment names comes from
+    :func:`memory_job_id`; the user's checkpoint options (``persist_every``, ``replicas``,
+    ``memory_keep``, ``memory_job``, ...) are passed to the manager after these and win.
     """
-    if requested is False:
+    if requested is False or (requested is None
+                              and not (elastic and os.path.isdir(SHM_DIR))):
         return {}
-    if requested is None and not (elastic and os.path.isdir(SHM_DIR)
-                                  and (not collective or multi_rank_memory_tier())):
-        return {}
-    out: dict[str, Any] = {"memory_tier": True,
-                           "memory_job": memory_job_id(root,
-                                                       os.environ.get("TORCHELASTIC_RUN_ID"))}
-    if multi_rank_memory_tier():
-        out["replicas"] = 1
-    return out
+    return {"memory_tier": True,
+            "memory_job": memory_job_id(root, os.environ.get("TORCHELASTIC_RUN_ID"))}
 
 
 class Checkpoints:
@@ -186,11 +170,15 @@ class Checkpoints:
             return {}
         return {"tier": info.tier, "bytes_from_storage": info.bytes_from_storage}
 
-    def save(self, step: int, meta: dict[str, Any], *, force: bool = False) -> Any:
+    def save(self, step: int, meta: dict[str, Any], *, force: bool = False,
+             persist: bool | None = None) -> Any:
         """Save ``step`` with ``meta`` if the schedule (or ``force``) says so; returns the
-        manager's handle (None: not saved)."""
+        manager's handle (None: not saved). A forced save (the trainer's first, final and
+        preemption checkpoints) and one with ``persist=True`` also go to the root when the
+        memory tier is on, whatever ``persist_every`` says."""
         self.state["meta"] = meta
-        return self.manager.save(step, self.state, force=force)
+        return self.manager.save(step, self.state, force=force,
+                                 persist=True if force or persist else None)
 
     def wait(self) -> None:
         """Until the save in flight is committed."""
@@ -203,4 +191,4 @@ class Checkpoints:
 
 __all__ = ["RESERVED_ITEMS", "VERIFY_LEVELS", "Checkpoints",
            "checkpointed_items", "default_probe_inputs", "make_probe", "memory_job_id",
-           "memory_tier_options", "multi_rank_memory_tier"]
+           "memory_tier_options"]

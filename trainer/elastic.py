@@ -133,7 +133,8 @@ class ElasticTrainer:
             and of the checkpoint commit vote.
         checkpoint_options: more ``CheckpointManager`` keywords (``keep_last`` defaults to 3),
             the memory tier's among them: ``persist_every`` (only every K-th save also goes
-            to ``checkpoint_root``; default 1, every save), ``replicas`` (copies of each
+            to ``checkpoint_root``; default 1, every save; the final and preemption
+            checkpoints always do), ``replicas`` (copies of each
             node's shards in other nodes' memory; default 1), ``memory_keep``,
             ``memory_budget``, ``memory_job`` (default: torchrun's run id and a hash of
             ``checkpoint_root``).
@@ -141,8 +142,7 @@ class ElasticTrainer:
             and a copy in a peer node's, so that a restarted worker restores from RAM and
             survivors of a lost node from the peer copy before reading
             ``checkpoint_root`` (docs/elastic.md, "Memory tier"). None (default): on when
-            torchrun runs the job and /dev/shm exists (on more than one rank only with a
-            ``ckpt`` that has the multi-rank tier); True: on, also in a plain process;
+            torchrun runs the job and /dev/shm exists; True: on, also in a plain process;
             False: off. The run records say which tier each restore came from.
         seed: seeds the model init (same on every rank), the sampler's shuffle and each
             rank's random streams after it (torch, NumPy and Python's ``random``; their
@@ -485,9 +485,8 @@ class ElasticTrainer:
                                      grad_scaler=self.grad_scaler, fsdp=bool(self.fsdp),
                                      extra=extra),
             collective_timeout=self.collective_timeout,
-            options={**memory_tier_options(self.memory_tier, self.checkpoint_options,
-                                           root=self.checkpoint_root, elastic=self.elastic,
-                                           collective=attempt.collective),
+            options={**memory_tier_options(self.memory_tier, root=self.checkpoint_root,
+                                           elastic=self.elastic),
                      **self.checkpoint_options},
             probe=make_probe(self.probe, module, self._probe_batch, fsdp=bool(self.fsdp)),
             verify=self.verify)
@@ -585,7 +584,8 @@ class ElasticTrainer:
             self._step = step
             if hooks is not None:
                 hooks.step_done(step)
-            handle = self._commit_step(step, loss_value, norm_value, batch)
+            handle = self._commit_step(step, loss_value, norm_value, batch,
+                                       last=preempt or step == total_steps)
             if hooks is not None:
                 hooks.checkpoint_taken(step, handle)
             step_times.append(time.perf_counter() - t0)
@@ -610,9 +610,11 @@ class ElasticTrainer:
         self._records.record("done", step=max(start, self._step), loss=loss_value)
         return self._finish(total_steps, step_times, loss_value)
 
-    def _commit_step(self, step: int, loss: float, grad_norm: float, batch: StepBatch) -> Any:
+    def _commit_step(self, step: int, loss: float, grad_norm: float, batch: StepBatch, *,
+                     last: bool = False) -> Any:
         """``step`` is done: its metadata, audit and progress records, heartbeat, and the
-        checkpoint when one is due (returns the manager's save handle, None if none)."""
+        checkpoint when one is due (returns the manager's save handle, None if none). The
+        ``last`` step (the final one, or preempted) is checkpointed to the root too."""
         assert self._checkpoints is not None and self._records is not None
         self._step = step
         meta = self._meta(step, loss)
@@ -620,7 +622,7 @@ class ElasticTrainer:
         self._records.record("step", step=step, loss=loss, grad_norm=json_float(grad_norm))
         if self._heartbeat is not None:
             self._heartbeat.update(step)
-        handle = self._checkpoints.save(step, meta)
+        handle = self._checkpoints.save(step, meta, persist=last)
         if handle is not None:
             self._records.record("save", step=step)
         return handle

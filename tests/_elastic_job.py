@@ -152,13 +152,18 @@ def user_extras(args: argparse.Namespace, get_trainer, dataset) -> dict:
     return extras
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def setup_worker() -> None:
+    """One torch thread and timestamped log lines naming pid and rank (shared by job scripts)."""
     torch.set_num_threads(1)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s.%(msecs)03d [pid {os.getpid()} rank {rank}] "
                                "%(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    setup_worker()
     dataset = WindowDataset(make_corpus(args.seed, args.sentences))
     if args.loader_workers is not None or args.hooks_log:
         dataset = IndexedWindows(dataset)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import logging
 import os
 import sys
 import time
@@ -37,6 +36,8 @@ import torch.nn.functional as F  # noqa: E402
 from trainer import Hooks  # noqa: E402
 from trainer.elastic import ElasticTrainer  # noqa: E402
 from trainer.tiny_lm import TinyLM, WindowDataset, make_corpus  # noqa: E402
+
+from _elastic_job import setup_worker  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
 MEMORY = {"on": True, "off": False, "auto": None}
@@ -88,11 +89,7 @@ def state_digest(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> s
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    torch.set_num_threads(1)
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s.%(msecs)03d [pid {os.getpid()} rank {rank}] "
-                               "%(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    setup_worker()
     out = Path(args.digests)
     out.mkdir(parents=True, exist_ok=True)
     dataset = WindowDataset(make_corpus(0, 60))

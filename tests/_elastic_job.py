@@ -201,12 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     def scheduler_fn(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(5, args.steps))
 
+    # The memory tier (on by default under torchrun) keeps its segments in the test's own
+    # directory, shared by the agents as /dev/shm would be, so no run leaves them behind.
+    memory_dir = Path(args.root).parent / "shm"
+    memory_dir.mkdir(parents=True, exist_ok=True)
     trainer = ElasticTrainer(
         TinyLM, optimizer_fn, dataset, step_fn, checkpoint_root=args.root,
         checkpoint_every=args.every, global_batch_size=args.global_batch,
         micro_batch_size=args.micro_batch, scheduler_fn=scheduler_fn,
         heartbeat_timeout=args.heartbeat_timeout, collective_timeout=args.collective_timeout,
-        checkpoint_options={"keep_last": 2}, seed=args.seed, max_grad_norm=1.0,
+        checkpoint_options={"keep_last": 2, "memory_dir": str(memory_dir)}, seed=args.seed,
+        max_grad_norm=1.0,
         audit_dir=args.audit_dir, run_dir=args.run_dir, fsdp=args.fsdp, **extras)
     summary = trainer.fit(args.steps)
     if trainer.rank == 0:

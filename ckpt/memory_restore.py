@@ -20,7 +20,8 @@ import torch.distributed as dist
 from .engine import RankTable, StepPayload, build_manifest
 from .errors import CorruptCheckpointError
 from .format import MANIFEST_NAME, Manifest, step_dir
-from .memory_tier import PREFIX, node_prefix, open_plain, rank_steps, read_rank_doc
+from .memory_tier import (PREFIX, node_prefix, open_plain, plain_name, rank_steps,
+                          read_rank_doc)
 from .sharding import local_piece, overlapping
 from .state import flatten, is_stateful
 
@@ -341,12 +342,3 @@ def _exchange(requests: dict[int, list[tuple[str, str, int, int]]], error: str |
             fetched[(f"{location}/{name}", start)] = view[at:at + length]
             at += length
     return fetched
-
-
-def plain_name(name: Any) -> str:
-    """``name`` if it is a plain file name (no directory part), else ValueError."""
-    if not isinstance(name, str) or not name or "/" in name or "\0" in name \
-            or name.startswith("."):
-        raise ValueError(f"{name!r} is not a plain file name")
-    return name
-

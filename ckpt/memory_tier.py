@@ -233,6 +233,14 @@ def rank_steps(path: str) -> list[int]:
     return sorted(out)
 
 
+def plain_name(name: Any) -> str:
+    """``name`` if it is a plain file name (no directory part), else ValueError."""
+    if not isinstance(name, str) or not name or "/" in name or "\0" in name \
+            or name.startswith("."):
+        raise ValueError(f"{name!r} is not a plain file name")
+    return name
+
+
 def open_plain(path: str) -> Any:
     """``path`` opened for reading, refusing a symbolic link (OSError)."""
     return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")

@@ -25,8 +25,8 @@ import threading
 from typing import Any, Callable
 
 from .format import step_dir
-from .memory_tier import (RANK_DOC, STAGING, commit_dir, own_segment, rank_steps,
-                          replica_name, retire_rank_steps, tree_bytes)
+from .memory_tier import (RANK_DOC, STAGING, commit_dir, own_segment, plain_name,
+                          rank_steps, replica_name, retire_rank_steps, tree_bytes)
 
 log = logging.getLogger("ckpt")
 
@@ -273,8 +273,8 @@ def _int(value: Any) -> int:
 
 
 def _plain(name: Any) -> str:
-    if not isinstance(name, str) or not name or "/" in name or "\0" in name \
-            or name.startswith(".") or name == RANK_DOC:
+    """A data file name of a step: plain (see ``plain_name``) and not the rank document."""
+    if plain_name(name) == RANK_DOC:
         raise ValueError(f"{name!r} is not a plain data file name")
     return name
 

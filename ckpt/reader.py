@@ -80,28 +80,6 @@ def read_chunk(storage: Storage, location: str, key: str, chunk: Chunk,
         raise _mismatch(storage, path, key, chunk)
 
 
-def _read_checked(storage: Storage, location: str, r: _Read, out: torch.Tensor,
-                  files: _Files) -> None:
-    """Read ``r``'s raw chunk straight into ``out`` and check its digest; where the storage
-    streams, block by block, each digested while it is still in the CPU cache."""
-    block = storage.stream_block
-    if block is None or r.chunk.codec != "raw":
-        read_chunk(storage, location, r.key, r.chunk, out, True, files)
-        return
-    path = chunk_path(location, r.chunk)
-    view, hashing = byte_view(out), Digest()
-    try:
-        reader = files.get(path)
-        for pos in range(0, len(view), block):
-            part = view[pos:pos + block]
-            reader.read_into(r.chunk.start + pos, part)
-            hashing.update(part)
-    except (EOFError, FileNotFoundError, ValueError) as e:
-        raise _unreadable(storage, path, r.key, r.chunk, e) from e
-    if hashing.hexdigest() != r.chunk.digest:
-        raise _mismatch(storage, path, r.key, r.chunk)
-
-
 class _Files:
     """The files one pass reads, each opened once per reading thread (not once per chunk)
     and closed when the pass ends."""
@@ -269,101 +247,21 @@ class _Applier:
         with self._lock:
             self.finished[r.key] = self.finished.get(r.key, 0) + 1
 
-    def done(self, r: _Read) -> None:
-        """``r`` was read into place by the verify pass."""
-        self.started.add(r.key)
-        self.finished[r.key] = self.finished.get(r.key, 0) + 1
-
     def wait(self) -> None:
         """Every host-to-device copy issued has completed."""
         for s in self._streams.values():
             s.synchronize()
 
 
-# The verify pass may read some chunks straight into the live tensors, keeping what those
-# held to put it back should a later chunk fail: at most this many bytes of old contents, or
-# this fraction of what the load reads if that is more (docs/design.md, "Loading").
-UNDO_BYTES = 256 << 20
-UNDO_FRACTION = 0.05
-
-
-class _Undo:
-    """The reads the verify pass does straight into their destinations, and the old
-    contents of the live ones among them, put back should the load fail."""
-
-    def __init__(self, direct: dict[int, torch.Tensor], live: set[int]) -> None:
-        self.direct = direct  # id(read) -> the destination it is read into
-        self.live = live  # ids of those whose destination is a live tensor
-        self._kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def keep(self, r: _Read, out: torch.Tensor) -> None:
-        """Save what ``out`` holds before ``r`` is read into it."""
-        if id(r) in self.live:
-            old = torch.empty(out.shape, dtype=out.dtype)
-            old.copy_(out)
-            self._kept.append((out, old))
-
-    def put_back(self) -> None:
-        """Every live destination holds what it held before (latest first, so a region
-        saved twice ends with its oldest contents)."""
-        for out, old in reversed(self._kept):
-            out.copy_(old)
-        self._kept.clear()
-
-    def release(self) -> None:
-        self._kept.clear()
-
-
-def _plan_undo(location: str, reads: list[_Read], live_keys: set[str], budget: int) -> _Undo:
-    """Choose the reads the verify pass does straight into place: every one into a fresh
-    buffer (nothing live changes), and live ones while their old contents fit in ``budget``
-    bytes, each file's share in proportion to its bytes (both passes stay balanced across
-    the files read in parallel). Only raw chunks read whole into a contiguous CPU slice."""
-    direct: dict[int, torch.Tensor] = {}
-    candidates: list[tuple[_Read, torch.Tensor]] = []
-    for r in reads:
-        out = _direct(r) if r.chunk.codec == "raw" else None
-        if out is None:
-            continue
-        if r.key in live_keys:
-            candidates.append((r, out))
-        else:
-            direct[id(r)] = out
-    spans = sorted((out.data_ptr(), out.data_ptr() + out.nbytes) for _, out in candidates)
-    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
-        candidates = []  # live tensors that share memory: no undo, both passes for all
-    per_file: collections.Counter[str] = collections.Counter()
-    for r, out in candidates:
-        per_file[chunk_path(location, r.chunk)] += out.nbytes
-    total = sum(per_file.values())
-    used: collections.Counter[str] = collections.Counter()
-    live: set[int] = set()
-    for r, out in sorted(candidates, key=lambda c: (chunk_path(location, c[0].chunk),
-                                                   c[0].chunk.start)):
-        path = chunk_path(location, r.chunk)
-        if total <= budget or used[path] + out.nbytes <= budget * per_file[path] / total:
-            used[path] += out.nbytes
-            direct[id(r)] = out
-            live.add(id(r))
-    return _Undo(direct, live)
-
-
-def _verify_jobs(storage: Storage, location: str, reads: list[_Read], scratch: _Scratch,
-                 files: _Files, undo: _Undo) -> list[ReadJob]:
-    """The verify pass's reads: the chunks ``undo`` covers are read straight into their
-    destinations (the old contents kept first); the others, one read per run of adjacent
-    stored-raw chunks of a file where the storage streams (see the module docstring), one
-    per chunk otherwise."""
+def _verify_jobs(storage: Storage, location: str, reads: list[_Read],
+                 scratch: _Scratch) -> list[ReadJob]:
+    """The verify pass's reads: one per run of adjacent stored-raw chunks of a file where the
+    storage streams (see the module docstring), one per chunk otherwise."""
     jobs: list[ReadJob] = []
     runs: dict[str, list[list[_Read]]] = {}
     block = getattr(storage, "stream_block", None)  # duck-typed sources may lack it
     for r in sorted(reads, key=lambda r: (chunk_path(location, r.chunk), r.chunk.start)):
         path = chunk_path(location, r.chunk)
-        out = undo.direct.get(id(r))
-        if out is not None:  # (a run of streamed chunks ends before it: they are not adjacent)
-            jobs.append((path, r.chunk.start, lambda r=r, out=out: (
-                undo.keep(r, out), _read_checked(storage, location, r, out, files))))
-            continue
         if block is None or r.chunk.codec != "raw":
             jobs.append((path, r.chunk.start, lambda r=r: read_chunk(
                 storage, location, r.key, r.chunk, scratch.take(r.chunk, r.dest.dtype))))
@@ -535,29 +433,14 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
         raise CorruptCheckpointError(f"{storage.url}/{location}: a saved value cannot be "
                                      f"decoded ({e!r}); nothing was loaded", path=location) from e
     scratch = _Scratch()
-    undo = _Undo({}, set())
     if verify and not in_place:
-        budget = max(UNDO_BYTES, int(UNDO_FRACTION * sum(r.chunk.numel * r.dest.element_size()
-                                                          for r in reads)))
-        undo = _plan_undo(location, reads, set(written), budget)
-        files = _Files(storage)
-        try:
-            run_reads(_verify_jobs(storage, location, reads, scratch, files, undo), pool)
-        except BaseException:
-            undo.put_back()  # run_reads returned only once no read is running
-            raise
-        finally:
-            files.close()
-        undo.release()
+        run_reads(_verify_jobs(storage, location, reads, scratch), pool)
     files = _Files(storage)
     apply = _Applier(storage, location, scratch, verify=verify and in_place, files=files)
-    for r in reads:
-        if id(r) in undo.direct:
-            apply.done(r)
     try:
         try:
             run_reads([(chunk_path(location, r.chunk), r.chunk.start, lambda r=r: apply(r))
-                       for r in reads if id(r) not in undo.direct], pool)
+                       for r in reads], pool)
         finally:
             apply.wait()
             files.close()

@@ -356,8 +356,9 @@ def timeline_run(work: Path, scenario: str, memory: bool, args, warm: bool = Fal
                 "--sample-sleep", "0.01", "--pad-mb", str(args.pad_mb)]
     if nodes_n > 1:
         job_args += ["--hold-until-world", str(nodes_n)]
+    # torchrun's own monitor interval (0.1 s; the tests' harness polls every 0.5 s)
     c = jobs.Cluster(work, job_args, memjob, nnodes="1:1" if nodes_n == 1 else "2:3",
-                     extra_env={"LOGLEVEL": "INFO"}, warm=warm)
+                     extra_env={"LOGLEVEL": "INFO"}, warm=warm, monitor_interval=0.1)
     kill_at = args.timeline_steps // 3 + 3
     try:
         nodes = [c.add_node() for _ in range(nodes_n)]
@@ -376,7 +377,7 @@ def timeline_run(work: Path, scenario: str, memory: bool, args, warm: bool = Fal
             survivors = nodes
         else:
             # a warm worker is its zygote's child: its node is the one of its launcher
-            victim = c.node_of(_launcher_of(pid) if warm else pid)
+            victim = c.node_of(_launcher_of(work / "run", pid) if warm else pid)
             killed_at = victim.kill(signal.SIGKILL)
             if warm:  # the node's zygote and workers go with it
                 os.kill(pid, signal.SIGKILL)
@@ -430,11 +431,12 @@ def timeline_run(work: Path, scenario: str, memory: bool, args, warm: bool = Fal
     return out
 
 
-def _launcher_of(worker: int) -> int:
-    """The launcher (trainer.warm) of a warm worker: the pid in its environment."""
-    with open(f"/proc/{worker}/environ", "rb") as f:
-        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-    return int(env[b"CKPT_WARM_LAUNCHER"])
+def _launcher_of(run_dir: Path, worker: int) -> int:
+    """The launcher (trainer.warm) of a warm worker, from its start record."""
+    from trainer.elastic import read_jsonl
+
+    return next(r["launcher"] for p in run_dir.glob("attempt-*/rank-*.jsonl")
+                for r in read_jsonl(p) if r["event"] == "start" and r["pid"] == worker)
 
 
 TIMELINE_ROWS = [

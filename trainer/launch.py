@@ -77,17 +77,19 @@ def process_start_time(pid: int | str = "self") -> float:
 
 
 def warm_start() -> dict[str, Any]:
-    """How this worker process came to be: ``{"zygote": pid, "launcher_start": time}``
-    when a zygote of :mod:`trainer.warm` forked it (the launcher is the process torchrun
-    started), else ``{"zygote": None}``."""
+    """How this worker process came to be: ``{"zygote": pid, "launcher": pid,
+    "launcher_start": time}`` when a zygote of :mod:`trainer.warm` forked it (the launcher
+    is the process torchrun started), else ``{"zygote": None}``."""
     from trainer.warm import LAUNCHER_ENV, ZYGOTE_ENV
 
     zygote = os.environ.get(ZYGOTE_ENV)
     if zygote is None or str(os.getppid()) != zygote:
         return {"zygote": None}
     launcher = os.environ.get(LAUNCHER_ENV, "")
-    return {"zygote": int(zygote),
-            "launcher_start": process_start_time(launcher) if launcher.isdigit() else None}
+    if not launcher.isdigit():
+        return {"zygote": int(zygote), "launcher": None, "launcher_start": None}
+    return {"zygote": int(zygote), "launcher": int(launcher),
+            "launcher_start": process_start_time(launcher)}
 
 
 def warm_imports() -> None:

@@ -20,8 +20,11 @@
    >= 10x faster than S3 and >= 3x faster than a cold local disk.
 
 2. **Recovery timeline** of ``trainer.ElasticTrainer`` (the tiny LM of the demo, the job of
-   tests/_memory_job.py) under local torchrun agents, with the memory tier (the trainer's
-   default under torchrun) and without it (``memory_tier=False``), run alternately:
+   tests/_memory_job.py) under local torchrun agents (torchrun's default monitor interval,
+   0.1 s), with the memory tier (the trainer's default under torchrun) and without it
+   (``memory_tier=False``), each with cold workers (``torchrun ... SCRIPT``) and with warm
+   restarts (``torchrun ... -m trainer.warm SCRIPT``: workers forked from a zygote that has
+   imported torch; docs/elastic.md, "Warm restarts"), one after the other:
 
    - *worker killed*: one node, one worker, SIGKILLed mid-training; its agent restarts it;
    - *node killed*: three nodes, one of them SIGKILLed (agent and worker) and its
@@ -30,7 +33,8 @@
    From the kill (t = 0) to the first step of the new attempt, from the run records and the
    agents' logs. torchrun's own part (from the last agent seeing its worker exit to the last
    agent's "Rendezvous complete") is shown and excluded from the recovery the goal is about:
-   under 2 s with the memory tier.
+   under 2 s with the memory tier. ``--quick``: the killed worker only, cold and warm with
+   the memory tier.
 
 Run from the repository root::
 

@@ -17,8 +17,9 @@ per phase:
 * ``serialize`` / ``validate``: that manifest to JSON, and JSON back through full validation
   (what every restore, ``ckpt ls`` and ``ckpt verify`` do first);
 * ``load_plan``: one rank of the next world (N/2 and N-8 ranks, the slower counts) finding the
-  chunks that overlap its boxes of every tensor: the rank tables it needs are checked
-  against their digests, validated and searched.
+  chunks that overlap its boxes of every tensor, as ``reader.load_step`` does: the rank
+  tables it needs are read at once (``sharding.prefetch``), checked against their digests,
+  validated in batches and searched.
 
 Merge, serialize, validate and load plan are the faster of two runs (a busy machine only
 adds time). Rank 0, the first ``--clients`` ranks and the ranks whose tables a load plan reads run the
@@ -55,7 +56,7 @@ from ckpt.layout import cells_overlapping  # noqa: E402
 from ckpt.options import SaveOptions  # noqa: E402
 from ckpt.plan import data_file_name  # noqa: E402
 from ckpt.ranktable import table_name  # noqa: E402
-from ckpt.sharding import overlapping  # noqa: E402
+from ckpt.sharding import overlapping, prefetch  # noqa: E402
 
 LAYOUTS = ("fsdp", "hsdp", "tp_fsdp")
 TOKEN = "t" * 12
@@ -163,6 +164,7 @@ def run_world(layout: str, world: int, options: SaveOptions) -> dict:
             fresh = Manifest.from_json(raw, where="simulated")
             fresh.bind(lambda n: read.append(n) or files[n], "simulated")
             t0 = time.perf_counter()
+            prefetch(fresh, [(t.key, box) for t, box in boxes])  # what load_step does first
             sum(len(overlapping(fresh.tensors[t.key], box)) for t, box in boxes)
             return time.perf_counter() - t0
         plans.append(min(plan() for _ in range(2)))

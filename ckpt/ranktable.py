@@ -24,6 +24,7 @@ table's size, before any chunk is handed out.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures as cf
 import json
 import math
 import struct
@@ -74,37 +75,36 @@ def encode_table(step: int, rank: int, chunks: list[tuple[str, Chunk]]) -> bytes
     return MAGIC + struct.pack("<Q", len(header)) + header + records.tobytes()
 
 
-class Table:
-    """One rank's validated table: its chunks by tensor, sorted by first offset."""
+class _Rows:
+    """The validated records of a batch of tables as Python lists, sorted by (table, tensor,
+    first offset): chunks are built from them one by one (numpy scalars are slow)."""
 
-    def __init__(self, keys: list[str], files: list[str], records: np.ndarray,
-                 ndims: dict[str, int]) -> None:
+    def __init__(self, offsets: np.ndarray, shape: np.ndarray, cols: dict[str, np.ndarray],
+                 files: list[str]) -> None:
         self.files = files
-        order = np.lexsort((records["offsets"][:, 0], records["tensor"]))
-        self.records = records[order]
-        tensor = self.records["tensor"]
-        bounds = np.searchsorted(tensor, np.arange(len(keys) + 1))
-        self.span = {k: (int(bounds[i]), int(bounds[i + 1])) for i, k in enumerate(keys)}
+        self.offsets, self.shape = offsets.tolist(), shape.tolist()
+        self.file, self.start, self.length, self.digest, self.codec, self.ref = (
+            cols[c].tolist() for c in ("file", "start", "length", "digest", "codec", "ref"))
+        self.first = [o[0] for o in self.offsets]
+
+
+class Table:
+    """One rank's validated table: its chunks by tensor, sorted by first offset (a view of
+    the rows of the batch it was validated in)."""
+
+    def __init__(self, rows: _Rows, span: dict[str, tuple[int, int]], reach: dict[str, int],
+                 ndims: dict[str, int]) -> None:
+        self.rows = rows
+        self.span = span  # key -> [a, b) in rows
+        self._reach = reach  # key -> its longest first-dimension extent (bisection look-back)
         self.ndims = ndims
-        # Python lists once: chunks are built from them one by one (numpy scalars are slow)
-        rec = self.records
-        self._cols = (rec["offsets"].tolist(), rec["shape"].tolist(), rec["file"].tolist(),
-                      rec["start"].tolist(), rec["length"].tolist(), rec["digest"].tolist(),
-                      rec["codec"].tolist(), rec["ref"].tolist())
-        self._first = [o[0] for o in self._cols[0]]
-        # per tensor, the longest first-dimension extent (how far back a bisection looks)
-        starts = bounds[:-1][bounds[:-1] < bounds[1:]]
-        longest = (np.maximum.reduceat(rec["shape"][:, 0], starts).tolist() if len(starts)
-                   else [])
-        first_of = dict(zip(starts.tolist(), longest))
-        self._reach = {k: int(first_of.get(a, 1)) for k, (a, b) in self.span.items()}
 
     def chunk(self, i: int, key: str) -> Chunk:
-        offsets, shape, file, start, length, dig, codec, ref = self._cols
-        nd = self.ndims[key]
-        return Chunk(tuple(offsets[i][:nd]), tuple(shape[i][:nd]), self.files[file[i]],
-                     start[i], length[i], f"{dig[i]:016x}", CODECS[codec[i]],
-                     None if ref[i] < 0 else ref[i])
+        r, nd = self.rows, self.ndims[key]
+        ref = r.ref[i]
+        return Chunk(tuple(r.offsets[i][:nd]), tuple(r.shape[i][:nd]), r.files[r.file[i]],
+                     r.start[i], r.length[i], f"{r.digest[i]:016x}", CODECS[r.codec[i]],
+                     None if ref < 0 else ref)
 
     def chunks(self, key: str) -> list[Chunk]:
         a, b = self.span.get(key, (0, 0))
@@ -117,27 +117,57 @@ class Table:
         nd = self.ndims.get(key, 0)
         if nd == 0:
             return [(self.chunk(i, key), ((), ())) for i in range(a, b)]
-        lo = bisect.bisect_left(self._first, box[0][0] - self._reach[key] + 1, a, b)
-        hi = bisect.bisect_left(self._first, box[0][0] + box[1][0], a, b)
-        offsets, shape = self._cols[0], self._cols[1]
+        first = self.rows.first
+        lo = bisect.bisect_left(first, box[0][0] - self._reach[key] + 1, a, b)
+        hi = bisect.bisect_left(first, box[0][0] + box[1][0], a, b)
+        offsets, shape = self.rows.offsets, self.rows.shape
         out = []
         for i in range(lo, hi):
             o, s = offsets[i], shape[i]
             start, size = [], []
             for d in range(nd):
-                first, last = max(o[d], box[0][d]), min(o[d] + s[d], box[0][d] + box[1][d])
-                if last <= first:
+                first_, last = max(o[d], box[0][d]), min(o[d] + s[d], box[0][d] + box[1][d])
+                if last <= first_:
                     break
-                start.append(first)
-                size.append(last - first)
+                start.append(first_)
+                size.append(last - first_)
             else:
                 out.append((self.chunk(i, key), (tuple(start), tuple(size))))
         return out
 
 
-def parse_table(raw: bytes, manifest, rank: int) -> Table:
-    """Validate ``raw`` as ``rank``'s table of ``manifest`` (a format-2 Manifest); raises
-    format.Invalid naming the problem."""
+class BadTable(Invalid):
+    """A table failed validation; ``rank`` says whose (a batch validates many)."""
+
+    def __init__(self, rank: int, why: str) -> None:
+        super().__init__(why)
+        self.rank = rank
+
+
+class TensorIndex:
+    """The manifest's tensors as arrays (position, rank, shape padded with 1, item size),
+    built once per manifest and shared by every batch of tables validated against it."""
+
+    def __init__(self, manifest) -> None:
+        entries = list(manifest.tensors.values())
+        self.position = {k: i for i, k in enumerate(manifest.tensors)}
+        self.ndim = np.array([len(e.shape) for e in entries], dtype=np.int64)
+        width = max([1] + self.ndim.tolist())
+        self.shape = np.ones((len(entries), width), dtype=np.uint64)
+        for i, e in enumerate(entries):
+            self.shape[i, :len(e.shape)] = e.shape
+        self.itemsize = np.array([DTYPES[e.dtype].itemsize for e in entries], dtype=np.uint64)
+
+    def shapes(self, dims: int) -> np.ndarray:
+        """Every tensor's shape as ``dims`` columns (callers checked that none has more)."""
+        have = self.shape.shape[1]
+        if dims <= have:
+            return self.shape[:, :dims]
+        return np.hstack([self.shape, np.ones((len(self.shape), dims - have), np.uint64)])
+
+
+def _read_head(raw: bytes, manifest, rank: int) -> tuple[list[str], list[str], int, np.ndarray]:
+    """(keys, files, dims, records) of ``rank``'s table, its header checked."""
     if len(raw) < 16 or raw[:8] != MAGIC:
         raise Invalid("is not a ckpt rank table (bad magic)")
     (hlen,) = struct.unpack("<Q", raw[8:16])
@@ -166,71 +196,145 @@ def parse_table(raw: bytes, manifest, rank: int) -> Table:
     if len(raw) != start + rows * dtype.itemsize:
         raise Invalid(f"holds {len(raw) - start} bytes of records, not {rows} x "
                       f"{dtype.itemsize}")
-    rec = np.frombuffer(raw, dtype=dtype, count=rows, offset=start)
-    _check_records(rec, keys, files, dims, manifest)
-    entries = [manifest.tensors[k] for k in keys]
-    _check_tiling(rec, keys, entries, dims, manifest, rank)
-    return Table(keys, files, rec, {k: len(e.shape) for k, e in zip(keys, entries)})
+    return keys, files, dims, np.frombuffer(raw, dtype=dtype, count=rows, offset=start)
 
 
-def _fail(mask: np.ndarray, rec: np.ndarray, keys: list[str], why: str) -> None:
-    if mask.any():
-        i = int(np.argmax(mask))
-        raise Invalid(f"chunk {i} (of {keys[int(rec['tensor'][i])]!r}) {why}")
+class _Batch:
+    """The records of several tables as one set of columns, so that validating them costs
+    a fixed number of numpy operations per batch rather than per table (a reader of a
+    replicated layout reads hundreds of small tables)."""
+
+    def __init__(self, heads: list[tuple[int, list[str], list[str], int, np.ndarray]],
+                 index: TensorIndex) -> None:
+        self.heads = heads
+        self.dims = dims = max(h[3] for h in heads)
+        recs = [h[4] for h in heads]
+        counts = np.array([len(r) for r in recs], dtype=np.int64)
+        self.row_base = np.concatenate([[0], np.cumsum(counts)])
+        self.table = np.repeat(np.arange(len(heads)), counts)  # row -> table
+        nkeys = np.array([len(h[1]) for h in heads], dtype=np.int64)
+        nfiles = np.array([len(h[2]) for h in heads], dtype=np.int64)
+        self.key_base = np.concatenate([[0], np.cumsum(nkeys)])
+        file_base = np.concatenate([[0], np.cumsum(nfiles)])
+        cat = (lambda f: np.concatenate([r[f] for r in recs]) if recs else np.zeros(0))
+        self.local_tensor = cat("tensor").astype(np.int64)
+        self.local_file = cat("file").astype(np.int64)
+        self.nkeys, self.nfiles = nkeys, nfiles
+        self.cols = {f: cat(f) for f in ("codec", "ref", "start", "length", "digest")}
+        self.offsets = np.concatenate([_widen(r["offsets"], dims, 0) for r in recs])
+        self.shape = np.concatenate([_widen(r["shape"], dims, 1) for r in recs])
+        self.group = self.local_tensor + self.key_base[self.table]  # (table, tensor) id
+        self.file = self.local_file + file_base[self.table]
+        self.files = [f for h in heads for f in h[2]]
+        self.keys = [(h[0], k) for h in heads for k in h[1]]  # group -> (rank, key)
+        self.group_tensor = np.array([index.position[k] for _, k in self.keys], dtype=np.int64)
+        self.group_dims = np.repeat(np.array([h[3] for h in heads], dtype=np.int64), nkeys)
+
+    def fail(self, mask: np.ndarray, why: str) -> None:
+        if mask.any():
+            i = int(np.argmax(mask))
+            t = int(self.table[i])
+            rank, keys = self.heads[t][0], self.heads[t][1]
+            raise BadTable(rank, f"chunk {i - int(self.row_base[t])} (of "
+                                 f"{keys[int(self.local_tensor[i])]!r}) {why}")
+
+    def fail_table(self, mask: np.ndarray, why: str) -> None:
+        if mask.any():
+            raise BadTable(self.heads[int(self.table[int(np.argmax(mask))])][0], why)
 
 
-def _check_records(rec: np.ndarray, keys: list[str], files: list[str], dims: int,
-                   manifest) -> None:
-    n = len(rec)
+def _widen(a: np.ndarray, dims: int, fill: int) -> np.ndarray:
+    if a.shape[1] == dims:
+        return a
+    return np.hstack([a, np.full((len(a), dims - a.shape[1]), fill, dtype=a.dtype)])
+
+
+def parse_tables(raws: dict[int, bytes], manifest, index: TensorIndex) -> dict[int, Table]:
+    """Validate ``raws`` (rank -> bytes) as those ranks' tables of ``manifest`` (a format-2
+    Manifest), all in one pass over their records; raises BadTable naming the first bad
+    table and the problem."""
+    heads = []
+    for rank, raw in raws.items():
+        try:
+            heads.append((rank, *_read_head(raw, manifest, rank)))
+        except Invalid as e:
+            raise BadTable(rank, str(e)) from None
+    b = _Batch(heads, index)
+    _check_records(b, manifest, index)
+    _check_tiling(b, manifest, index)
+    return _tables_of(b, index)
+
+
+def _tables_of(b: _Batch, index: TensorIndex) -> dict[int, Table]:
+    order = np.lexsort((b.offsets[:, 0], b.group))
+    group = b.group[order]
+    rows = _Rows(b.offsets[order], b.shape[order], {f: c[order] for f, c in
+                                                     [*b.cols.items(), ("file", b.file)]},
+                 b.files)
+    bounds = np.searchsorted(group, np.arange(len(b.keys) + 1)).tolist()
+    starts = [a for a, z in zip(bounds, bounds[1:]) if a < z]
+    longest = (np.maximum.reduceat(b.shape[order][:, 0], starts).tolist() if starts else [])
+    reach_at = dict(zip(starts, longest))
+    ndim = index.ndim.tolist()
+    out = {}
+    for t, (rank, keys, _, _, _) in enumerate(b.heads):
+        span, reach, ndims = {}, {}, {}
+        for j, key in enumerate(keys):
+            g = int(b.key_base[t]) + j
+            span[key] = (bounds[g], bounds[g + 1])
+            reach[key] = int(reach_at.get(bounds[g], 1))
+            ndims[key] = ndim[index.position[key]]
+        out[rank] = Table(rows, span, reach, ndims)
+    return out
+
+
+def _check_records(b: _Batch, manifest, index: TensorIndex) -> None:
+    n, dims = len(b.group), b.dims
     if not n:
         return
-    t = rec["tensor"].astype(np.int64)
-    if (t >= len(keys)).any():
-        raise Invalid("a chunk names a tensor index past the table's keys")
-    if (rec["file"] >= len(files)).any() or (rec["codec"] >= len(CODECS)).any():
-        raise Invalid("a chunk names a file or codec index out of range")
-    entries = [manifest.tensors[k] for k in keys]
-    ndim = np.array([len(e.shape) for e in entries], dtype=np.int64)
-    if (ndim > dims).any():
-        raise Invalid(f"a tensor has more dimensions than the table's {dims}")
-    tshape = np.ones((len(keys), dims), dtype=np.uint64)
-    for i, e in enumerate(entries):
-        tshape[i, :len(e.shape)] = e.shape
-    itemsize = np.array([DTYPES[e.dtype].itemsize for e in entries], dtype=np.uint64)
-    off, shp = rec["offsets"], rec["shape"]
-    pad = np.arange(dims)[None, :] >= ndim[t][:, None]
-    _fail(((off != 0) & pad).any(axis=1) | ((shp != 1) & pad).any(axis=1), rec, keys,
-          "has the wrong rank")
+    b.fail_table(b.local_tensor >= b.nkeys[b.table],
+                 "a chunk names a tensor index past the table's keys")
+    b.fail_table((b.local_file >= b.nfiles[b.table]) | (b.cols["codec"] >= len(CODECS)),
+                 "a chunk names a file or codec index out of range")
+    ndim_g = index.ndim[b.group_tensor]
+    if (ndim_g > b.group_dims).any():
+        g = int(np.argmax(ndim_g > b.group_dims))
+        raise BadTable(b.keys[g][0], "a tensor has more dimensions than the table's dims")
+    t = b.group_tensor[b.group]  # row -> manifest tensor
+    tshape = index.shapes(dims)[t]
+    off, shp = b.offsets, b.shape
+    pad = np.arange(dims)[None, :] >= index.ndim[t][:, None]
+    b.fail(((off != 0) & pad).any(axis=1) | ((shp != 1) & pad).any(axis=1), "has the wrong rank")
     big = np.uint64(MAX_BYTES)
-    _fail((off > big).any(axis=1) | (shp > big).any(axis=1), rec, keys, "is absurdly large")
-    _fail(((off + shp) > tshape[t]).any(axis=1), rec, keys, "lies outside its tensor")
+    b.fail((off > big).any(axis=1) | (shp > big).any(axis=1), "is absurdly large")
+    b.fail(((off + shp) > tshape).any(axis=1), "lies outside its tensor")
     numel = np.prod(shp, axis=1, dtype=np.uint64)  # bounded by the tensor's (checked)
-    raw_len = numel * itemsize[t]
-    length, first = rec["length"], rec["start"]
-    _fail((length > big) | (first > big), rec, keys, "has an absurd byte range")
-    raw_codec = rec["codec"] == 0
-    _fail(raw_codec & (length != raw_len), rec, keys, "has the wrong length for its box")
-    _fail(~raw_codec & ((length > raw_len + np.uint64(1024))
-                        | (raw_len // np.uint64(MAX_ZSTD_RATIO) > length + np.uint64(64))),
-          rec, keys, "claims a compression ratio no zstd frame reaches")
-    ref = rec["ref"]
-    _fail((ref < -1) | (ref >= manifest.step), rec, keys, "refers to a step that is not earlier")
-    own = np.array([manifest.files.get(f, -1) for f in files], dtype=np.int64)
+    raw_len = numel * index.itemsize[t]
+    length, first = b.cols["length"], b.cols["start"]
+    b.fail((length > big) | (first > big), "has an absurd byte range")
+    raw_codec = b.cols["codec"] == 0
+    b.fail(raw_codec & (length != raw_len), "has the wrong length for its box")
+    b.fail(~raw_codec & ((length > raw_len + np.uint64(1024))
+                         | (raw_len // np.uint64(MAX_ZSTD_RATIO) > length + np.uint64(64))),
+           "claims a compression ratio no zstd frame reaches")
+    ref = b.cols["ref"]
+    b.fail((ref < -1) | (ref >= manifest.step), "refers to a step that is not earlier")
+    own = np.array([manifest.files.get(f, -1) for f in b.files], dtype=np.int64)
     end = (first + length).astype(np.int64)  # both bounded by 2^50
-    fidx = rec["file"].astype(np.int64)
     mine = ref < 0
-    _fail(mine & (own[fidx] < 0), rec, keys, "names a file not among the manifest's files")
-    _fail(mine & (end > own[fidx]), rec, keys, "ends past the end of its file")
+    b.fail(mine & (own[b.file] < 0), "names a file not among the manifest's files")
+    b.fail(mine & (end > own[b.file]), "ends past the end of its file")
     if (~mine).any():
-        pairs = ref * len(files) + fidx
+        pairs = ref * len(b.files) + b.file
         uniq, inverse = np.unique(pairs[~mine], return_inverse=True)
-        sizes = np.array([manifest.refs.get((int(p) // len(files), files[int(p) % len(files)]),
-                                            -1) for p in uniq], dtype=np.int64)
+        sizes = np.array([manifest.refs.get((int(p) // len(b.files),
+                                             b.files[int(p) % len(b.files)]), -1)
+                          for p in uniq], dtype=np.int64)
         limit = np.full(n, 0, dtype=np.int64)
         limit[~mine] = sizes[inverse]
-        _fail(~mine & (limit < 0), rec, keys, "names an earlier step's file the manifest's "
-              "refs do not list")
-        _fail(~mine & (end > limit), rec, keys, "ends past the size refs record for its file")
+        b.fail(~mine & (limit < 0), "names an earlier step's file the manifest's refs do "
+               "not list")
+        b.fail(~mine & (end > limit), "ends past the size refs record for its file")
 
 
 def _corners(tensor: np.ndarray, lo: np.ndarray, hi: np.ndarray, split: list[int]):
@@ -250,33 +354,35 @@ def _corners(tensor: np.ndarray, lo: np.ndarray, hi: np.ndarray, split: list[int
     return np.concatenate(points), np.concatenate(weights)
 
 
-def _check_tiling(rec: np.ndarray, keys: list[str], entries: list, dims: int, manifest,
-                  rank: int) -> None:
-    """Each tensor's rows tile exactly the boxes the layout says ``rank`` wrote."""
-    cells_t, cells_lo, cells_hi = [], [], []
-    for i, (key, e) in enumerate(zip(keys, entries)):
+def _check_tiling(b: _Batch, manifest, index: TensorIndex) -> None:
+    """Each table's rows of each tensor tile exactly the boxes the layout says its rank
+    wrote (the corner identity over (table, tensor) groups, for the whole batch at once)."""
+    dims = b.dims
+    cells_g, cells_lo, cells_hi = [], [], []
+    for g, (rank, key) in enumerate(b.keys):
+        e = manifest.tensors[key]
         for offsets, shape in written_by(key, e.shape, e.layout, rank):
             pad = dims - len(shape)
-            cells_t.append(i)
+            cells_g.append(g)
             cells_lo.append(offsets + (0,) * pad)
             cells_hi.append(tuple(o + s for o, s in zip(offsets, shape)) + (1,) * pad)
-    t = rec["tensor"].astype(np.int64)
-    lo = rec["offsets"].astype(np.int64)
-    hi = lo + rec["shape"].astype(np.int64)
-    ct = np.array(cells_t, dtype=np.int64)
+    g = b.group
+    lo = b.offsets.astype(np.int64)
+    hi = lo + b.shape.astype(np.int64)
+    cg = np.array(cells_g, dtype=np.int64)
     clo = np.array(cells_lo, dtype=np.int64).reshape(-1, dims)
     chi = np.array(cells_hi, dtype=np.int64).reshape(-1, dims)
-    tshape = np.ones((max(1, len(keys)), dims), dtype=np.int64)
-    for i, e in enumerate(entries):
-        tshape[i, :len(e.shape)] = e.shape
+    full = index.shapes(dims).astype(np.int64)
+    whole_r = full[b.group_tensor[g]] if len(g) else full[:0]
+    whole_c = full[b.group_tensor[cg]] if len(cg) else full[:0]
     split = [d for d in range(dims)
-             if (lo[:, d] != 0).any() or (hi[:, d] != tshape[t, d]).any()
-             or (clo[:, d] != 0).any() or (chi[:, d] != tshape[ct, d]).any()]
-    if (len(rec) + len(ct)) << len(split) > MAX_TILING_CORNERS:
-        raise Invalid(f"splits {len(split)} dimensions into {len(rec)} chunks, more than "
-                      "ckpt ever writes")
-    p1, w1 = _corners(t, lo, hi, split)
-    p2, w2 = _corners(ct, clo, chi, split)
+             if (lo[:, d] != 0).any() or (hi[:, d] != whole_r[:, d]).any()
+             or (clo[:, d] != 0).any() or (chi[:, d] != whole_c[:, d]).any()]
+    if (len(g) + len(cg)) << len(split) > MAX_TILING_CORNERS * len(b.heads):
+        raise BadTable(b.heads[0][0], f"splits {len(split)} dimensions into {len(g)} chunks, "
+                       "more than ckpt ever writes")
+    p1, w1 = _corners(g, lo, hi, split)
+    p2, w2 = _corners(cg, clo, chi, split)
     points = np.concatenate([p1, p2])
     if not len(points):
         return
@@ -287,15 +393,24 @@ def _check_tiling(rec: np.ndarray, keys: list[str], entries: list, dims: int, ma
     group = np.concatenate([[0], np.cumsum((points[1:] != points[:-1]).any(axis=1))])
     total = np.bincount(group, weights=weights)
     if np.any(total != 0):
-        raise Invalid("its chunks do not tile the boxes the manifest's layout assigns this "
-                      "rank (a gap, an overlap or a box it did not write)")
+        # the first point whose weights do not cancel belongs to a (table, tensor) group
+        bad = int(points[int(np.argmax(np.repeat(total, np.bincount(group)) != 0)), 0])
+        raise BadTable(b.keys[bad][0], f"its chunks of {b.keys[bad][1]!r} do not tile the "
+                       "boxes the manifest's layout assigns this rank (a gap, an overlap or "
+                       "a box it did not write)")
 
 
 class Tables:
     """The rank tables of one format-2 step, read on demand and cached (thread-safe).
 
-    ``read(name)`` returns a table file's bytes (relative to the step's location).
+    ``read(name)`` returns a table file's bytes (relative to the step's location). A reader
+    asks for all the tables its plan needs at once (``prefetch``): they are read in
+    parallel (object stores answer each request in tens of milliseconds) and validated in
+    batches, a fixed number of numpy operations per batch plus work linear in the rows.
     """
+
+    BATCH_BYTES = 4 << 20  # tables validated together: bounds a batch's temporary arrays
+    READERS = 16  # concurrent table reads
 
     def __init__(self, manifest, read: Callable[[str], bytes], where: str) -> None:
         self.manifest = manifest
@@ -304,11 +419,48 @@ class Tables:
         self._tables: dict[int, Table] = {}
         self._lock = threading.Lock()
         self._all: dict[str, tuple[Chunk, ...]] | None = None
+        self._index: TensorIndex | None = None
 
     def table(self, rank: int) -> Table:
         table = self._tables.get(rank)  # a dict read is atomic; filled under the lock
-        if table is not None:
-            return table
+        if table is None:
+            self.load([rank])
+            table = self._tables[rank]
+        return table
+
+    def load(self, ranks) -> None:
+        """Read, check against the manifest's sizes and digests, and validate the tables
+        of ``ranks`` not read yet."""
+        missing = sorted(set(ranks) - self._tables.keys())
+        batch: list[int] = []
+        size = 0
+        for rank in missing:
+            batch.append(rank)
+            size += self.manifest.tables[rank][1]
+            if size >= self.BATCH_BYTES:
+                self._load_batch(batch)
+                batch, size = [], 0
+        if batch:
+            self._load_batch(batch)
+
+    def _load_batch(self, ranks: list[int]) -> None:
+        if len(ranks) == 1:
+            raws = {ranks[0]: self._fetch(ranks[0])}
+        else:
+            with cf.ThreadPoolExecutor(min(self.READERS, len(ranks))) as pool:
+                raws = dict(zip(ranks, pool.map(self._fetch, ranks)))
+        if self._index is None:
+            self._index = TensorIndex(self.manifest)
+        try:
+            tables = parse_tables(raws, self.manifest, self._index)
+        except BadTable as e:
+            where = f"{self.where}/{self.manifest.tables[e.rank][0]}"
+            raise CorruptCheckpointError(f"{where}: invalid chunk table (rank {e.rank}): {e}; "
+                                         "the step cannot be loaded", path=where) from None
+        with self._lock:
+            self._tables.update(tables)
+
+    def _fetch(self, rank: int) -> bytes:
         name, size, want = self.manifest.tables[rank]
         where = f"{self.where}/{name}"
         try:
@@ -321,14 +473,16 @@ class Tables:
                 f"{where}: rank {rank}'s chunk table is {len(raw)} bytes with digest "
                 f"{content_digest(raw)}, the manifest recorded {size} bytes and {want}: it was "
                 "changed or damaged; the step cannot be loaded", path=where)
-        try:
-            table = parse_table(raw, self.manifest, rank)
-        except Invalid as e:
-            raise CorruptCheckpointError(f"{where}: invalid chunk table: {e}; the step "
-                                         "cannot be loaded", path=where) from None
-        with self._lock:
-            self._tables[rank] = table
-        return table
+        return raw
+
+    def prefetch(self, wanted) -> None:
+        """Load at once the tables of every rank whose saved boxes overlap one of
+        ``wanted`` ((key, box) pairs): what a reader's plan will look up."""
+        ranks = set()
+        for key, box in wanted:
+            entry = self.manifest.tensors[key]
+            ranks.update(w for _, w in cells_overlapping(key, entry.shape, entry.layout, box))
+        self.load(ranks)
 
     def overlapping(self, key: str, box: Box) -> list[tuple[Chunk, Box]]:
         """The chunks of ``key`` overlapping ``box``, each with the overlap, from the tables
@@ -348,6 +502,7 @@ class Tables:
         """Every chunk of ``key`` (reads every table once, then cached): what tools that
         look at a whole step use (verify, inspect, diff, export)."""
         if self._all is None:
+            self.load(range(len(self.manifest.tables)))
             per: dict[str, list[Chunk]] = {k: [] for k in self.manifest.tensors}
             for rank in range(len(self.manifest.tables)):
                 table = self.table(rank)

@@ -41,7 +41,8 @@ from .errors import (CorruptCheckpointError, PartialLoadError, StateMismatchErro
                      UnsupportedValueError)
 from .format import Chunk, Manifest
 from .integrity import Digest, chunk_path, digest
-from .sharding import Box, dtensor_type, local_piece, overlapping, source_rank, sub_slices
+from .sharding import (Box, dtensor_type, local_piece, overlapping, prefetch, source_rank,
+                       sub_slices)
 from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
                     item_tree, load_stateful, tensor_keys)
 
@@ -367,7 +368,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
     _check_optimizers(state, wanted)
     needed = needed_tensors(storage, location, manifest, wanted, allow_pickle)
     loaded: dict[str, torch.Tensor] = {}
-    reads: list[_Read] = []
+    pending: list[tuple[str, torch.Tensor, Box]] = []  # (key, destination, its box)
     written: list[str] = []  # live tensors the apply pass writes into
     for key in sorted(needed):
         entry = manifest.tensors[key]
@@ -375,7 +376,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
         if (target is not None and tuple(target.shape) == entry.shape
                 and target.dtype == entry.torch_dtype):
             _, offsets, local = local_piece(target)
-            reads += _reads_for(manifest, key, local, (offsets, tuple(local.shape)))
+            pending.append((key, local, (offsets, tuple(local.shape))))
             loaded[key] = live.originals[key]  # load_state_dict's copy_ onto itself skips
             written.append(key)
         else:
@@ -384,8 +385,10 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
                 _, offsets, local = local_piece(target)
                 box = (offsets, tuple(local.shape))
             buf = torch.empty(box[1], dtype=entry.torch_dtype)
-            reads += _reads_for(manifest, key, buf, box)
+            pending.append((key, buf, box))
             loaded[key] = buf if target is None else _like(target, buf)
+    prefetch(manifest, [(key, box) for key, _, box in pending])  # format 2: tables at once
+    reads = [r for key, dest, box in pending for r in _reads_for(manifest, key, dest, box)]
     for alias, target in manifest.aliases.items():
         if target in loaded:
             loaded[alias] = loaded[target]

@@ -97,6 +97,16 @@ def source_rank(rank: int, saved_world: int) -> int:
     return rank if rank < saved_world else rank % saved_world
 
 
+def prefetch(manifest, wanted) -> None:
+    """Before a read plan looks up ``wanted`` ((key, box) pairs) one by one: in a format-2
+    step, read and validate at once every rank table those boxes need (in parallel, and in
+    batches rather than one table at a time). Nothing to do in format 1."""
+    tables = next((e._tables for e in manifest.tensors.values()
+                   if e._chunks is None and e._tables is not None), None)
+    if tables is not None:
+        tables.prefetch([(k, b) for k, b in wanted if manifest.tensors[k]._chunks is None])
+
+
 def overlapping(entry, box: Box) -> list[tuple[object, Box]]:
     """The chunks of a manifest ``entry`` (a TensorEntry) that overlap ``box``, each with the
     overlap; empty chunks are skipped. A 0-d tensor's single chunk overlaps its empty box.

@@ -19,7 +19,7 @@ from storage_backends import Storage
 
 from .format import Manifest
 from .reader import box_reads, needed_tensors, run_reads
-from .sharding import source_rank
+from .sharding import prefetch, source_rank
 from .state import decode, item_tree
 
 MapLocation = str | torch.device | None
@@ -46,6 +46,8 @@ def read_structure(storage: Storage, location: str, manifest: Manifest, *, rank:
     needed = needed_tensors(storage, location, manifest, trees, allow_pickle)
     loaded: dict[str, torch.Tensor] = {}
     jobs = []
+    prefetch(manifest, [(k, ((0,) * len(manifest.tensors[k].shape), manifest.tensors[k].shape))
+                        for k in needed])  # format 2: every table those tensors need, at once
     for key in sorted(needed):
         entry = manifest.tensors[key]
         loaded[key] = torch.empty(entry.shape, dtype=entry.torch_dtype)

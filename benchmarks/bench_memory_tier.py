@@ -21,8 +21,11 @@
    >= 10x faster than S3 and >= 3x faster than a cold local disk.
 
 2. **Recovery timeline** of ``trainer.ElasticTrainer`` (the tiny LM of the demo, the job of
-   tests/_memory_job.py) under local torchrun agents, with the memory tier (the trainer's
-   default under torchrun) and without it (``memory_tier=False``), run alternately:
+   tests/_memory_job.py) under local torchrun agents (torchrun's default monitor interval,
+   0.1 s), with the memory tier (the trainer's default under torchrun) and without it
+   (``memory_tier=False``), each with cold workers (``torchrun ... SCRIPT``) and with warm
+   restarts (``torchrun ... -m trainer.warm SCRIPT``: workers forked from a zygote that has
+   imported torch; docs/elastic.md, "Warm restarts"), one after the other:
 
    - *worker killed*: one node, one worker, SIGKILLed mid-training; its agent restarts it;
    - *node killed*: three nodes, one of them SIGKILLed (agent and worker) and its
@@ -31,7 +34,8 @@
    From the kill (t = 0) to the first step of the new attempt, from the run records and the
    agents' logs. torchrun's own part (from the last agent seeing its worker exit to the last
    agent's "Rendezvous complete") is shown and excluded from the recovery the goal is about:
-   under 2 s with the memory tier.
+   under 2 s with the memory tier. ``--quick``: the killed worker only, cold and warm with
+   the memory tier.
 
 Run from the repository root::
 
@@ -342,8 +346,16 @@ SCENARIOS = {"worker": "worker killed (agent alive), world 1 -> 1",
              "node": "node killed, world 3 -> 2"}
 
 
-def timeline_run(work: Path, scenario: str, memory: bool, args) -> dict:
-    """One job, one kill; the times of the recovery (seconds after the kill)."""
+#: The timeline's runs: (column, warm restarts, memory tier).
+TIMELINE_CONFIGS = [("cold start, memory tier", False, True),
+                    ("warm start (trainer.warm), memory tier", True, True),
+                    ("cold start, no memory tier", False, False),
+                    ("warm start, no memory tier", True, False)]
+
+
+def timeline_run(work: Path, scenario: str, memory: bool, args, warm: bool = False) -> dict:
+    """One job, one kill; the times of the recovery (seconds after the kill). ``warm``:
+    the agents start the workers through ``-m trainer.warm`` (forked from a zygote)."""
     import _memory_job as jobs
     from _elastic_job import progress, wait_for
     from bench_elastic import agent_events, attempt_times
@@ -357,8 +369,9 @@ def timeline_run(work: Path, scenario: str, memory: bool, args) -> dict:
                 "--sample-sleep", "0.01", "--pad-mb", str(args.pad_mb)]
     if nodes_n > 1:
         job_args += ["--hold-until-world", str(nodes_n)]
+    # torchrun's own monitor interval (0.1 s; the tests' harness polls every 0.5 s)
     c = jobs.Cluster(work, job_args, memjob, nnodes="1:1" if nodes_n == 1 else "2:3",
-                     extra_env={"LOGLEVEL": "INFO"})
+                     extra_env={"LOGLEVEL": "INFO"}, warm=warm, monitor_interval=0.1)
     kill_at = args.timeline_steps // 3 + 3
     try:
         nodes = [c.add_node() for _ in range(nodes_n)]
@@ -376,8 +389,11 @@ def timeline_run(work: Path, scenario: str, memory: bool, args) -> dict:
             os.kill(pid, signal.SIGKILL)
             survivors = nodes
         else:
-            victim = c.node_of(pid)
+            # a warm worker is its zygote's child: its node is the one of its launcher
+            victim = c.node_of(_launcher_of(work / "run", pid) if warm else pid)
             killed_at = victim.kill(signal.SIGKILL)
+            if warm:  # the node's zygote and workers go with it
+                os.kill(pid, signal.SIGKILL)
             lost = c.node_name(c.nodes.index(victim))
             for entry in os.listdir(SHM_DIR):  # the node's RAM went with it
                 if entry.startswith(f"{PREFIX}{memjob}-{lost}-"):
@@ -397,20 +413,25 @@ def timeline_run(work: Path, scenario: str, memory: bool, args) -> dict:
     nxt = attempt_times(work / "run", nxt_attempt)
     recs = [r for f in (work / "run" / f"attempt-{nxt_attempt:04d}").glob("rank-*.jsonl")
             for r in read_jsonl(f)]
+    starts = [r for r in recs if r["event"] == "start"]
     restored = [r for r in recs if r["event"] == "restored"]
     exits = [t for t in agent_events(logs, "failed (exitcode") if t > killed_at]
     rdzv = [t for t in agent_events(logs, "Rendezvous complete") if t > killed_at]
     k = killed_at
+    forked = [r for r in starts if r.get("zygote")]
     out = {
         "ok": set(codes) == {0},
         "killed_step": info["step"],
         "restored_step": restored[0]["step"] if restored else None,
         "tier": ",".join(sorted({r.get("tier") or "-" for r in restored})),
         "bytes": sum(r.get("bytes_from_storage") or 0 for r in restored),
+        "warm": f"{len(forked)} of {len(starts)}",
         "exit": max(exits) - k if exits else None,
         "rdzv": max(rdzv) - k if rdzv else None,
-        "spawn": nxt["spawn"] - k,
-        "created": max(r["created"] for r in recs if r["event"] == "start") - k,
+        # the process torchrun started: the launcher of a warm start, else the worker
+        "spawn": min(r.get("launcher_start") or r["process_start"] for r in starts) - k,
+        "forked": (max(r["process_start"] for r in forked) - k) if forked else None,
+        "created": max(r["created"] for r in starts) - k,
         "group": nxt["group"] - k,
         "built": nxt["built"] - k,
         "restore_start": max(r["started"] for r in restored) - k,
@@ -423,10 +444,19 @@ def timeline_run(work: Path, scenario: str, memory: bool, args) -> dict:
     return out
 
 
+def _launcher_of(run_dir: Path, worker: int) -> int:
+    """The launcher (trainer.warm) of a warm worker, from its start record."""
+    from trainer.elastic import read_jsonl
+
+    return next(r["launcher"] for p in run_dir.glob("attempt-*/rank-*.jsonl")
+                for r in read_jsonl(p) if r["event"] == "start" and r["pid"] == worker)
+
+
 TIMELINE_ROWS = [
     ("agents see their workers exit (last)", "exit"),
     ("rendezvous complete (last agent)", "rdzv"),
-    ("new worker processes start (first)", "spawn"),
+    ("new worker processes start (first; warm: the launcher)", "spawn"),
+    ("warm: worker forked from the zygote (last rank)", "forked"),
     ("trainer constructed: imports done (last rank)", "created"),
     ("process group formed", "group"),
     ("model, DDP, optimizer built", "built"),
@@ -446,6 +476,7 @@ def timeline_table(runs: dict[str, dict]) -> str:
         f"{r['killed_step']} / {r['restored_step']}" for r in runs.values()],
         ["restored from (tier), bytes from root"] + [
         f"{r['tier']}, {r['bytes']}" for r in runs.values()],
+        ["workers forked from a zygote"] + [r["warm"] for r in runs.values()],
         ["torchrun's rendezvous (excluded)"] + [cell(r, "torchrun") for r in runs.values()],
         ["**recovery, rendezvous excluded**"] + [cell(r, "recovery") for r in runs.values()],
         ["job finished"] + ["yes" if r["ok"] else "FAILED" for r in runs.values()]]
@@ -454,24 +485,28 @@ def timeline_table(runs: dict[str, dict]) -> str:
 
 def bench_timeline(args) -> None:
     scenarios = ["worker"] if args.quick else list(SCENARIOS)
+    configs = TIMELINE_CONFIGS[:2] if args.quick else TIMELINE_CONFIGS
     for scenario in scenarios:
         runs: dict[str, dict] = {}
         with tempfile.TemporaryDirectory(prefix="bench-memory-timeline-") as tmp:
-            order = [True, False]
-            for memory in order:
-                name = "memory tier" if memory else "no memory tier"
-                print(f"  [timeline {scenario}] {name}", file=sys.stderr, flush=True)
-                runs[name] = timeline_run(Path(tmp) / f"{scenario}-{memory}", scenario,
-                                          memory, args)
+            for i, (name, warm, memory) in enumerate(configs):
+                print(f"  [timeline {scenario}] {name} (load {common.load_average()})",
+                      file=sys.stderr, flush=True)
+                runs[name] = timeline_run(Path(tmp) / f"{scenario}-{i}", scenario, memory,
+                                          args, warm=warm)
         print(f"\n### Recovery timeline: {SCENARIOS[scenario]}, tiny LM"
               + (f" + {args.pad_mb:g} MB" if args.pad_mb else "")
-              + f", {args.timeline_steps} steps, checkpoint every 5\n")
+              + f", {args.timeline_steps} steps, checkpoint every 5 (load "
+              f"{common.load_average()})\n")
         print(timeline_table(runs))
-        mem = runs["memory tier"]
-        print(f"\n- recovery with the memory tier, torchrun's rendezvous excluded: "
-              f"{mem['recovery']:.2f} s (goal < {GOAL_RECOVERY_S:g} s: "
-              f"{'met' if mem['recovery'] < GOAL_RECOVERY_S else 'NOT met'}); of which "
-              f"the restore {mem['restored'] - mem['restore_start']:.2f} s")
+        for name, warm, memory in configs:
+            if not memory:
+                continue
+            r = runs[name]
+            print(f"\n- {name}: recovery, torchrun's rendezvous excluded: "
+                  f"{r['recovery']:.2f} s (goal < {GOAL_RECOVERY_S:g} s: "
+                  f"{'met' if r['recovery'] < GOAL_RECOVERY_S else 'NOT met'}); of which "
+                  f"the restore {r['restored'] - r['restore_start']:.2f} s")
 
 
 def main() -> None:

@@ -195,6 +195,15 @@ class Manifest:
                 entry._tables, entry._key = tables, key
         return self
 
+    def table_problems(self) -> list[CorruptCheckpointError]:
+        """Format 2: read and validate every rank table; one error per damaged table (each
+        naming its file), or one saying what the tables together fail to cover. Empty when
+        all is well, and for format 1. (What ``ckpt verify`` lists; a load stops at the
+        first bad table it needs.)"""
+        tables = next((e._tables for e in self.tensors.values() if e._tables is not None),
+                      None)
+        return [] if tables is None else tables.problems()
+
     def own_files(self) -> dict[str, int]:
         """Every file of this step's own directory: data files and (format 2) rank tables."""
         return {**self.files, **{name: size for name, size, _ in self.tables}}

@@ -502,6 +502,32 @@ class Tables:
         """Every chunk of ``key`` (reads every table once, then cached): what tools that
         look at a whole step use (verify, inspect, diff, export)."""
         if self._all is None:
+            self._collect()
+        return self._all[key]
+
+    def problems(self) -> list[CorruptCheckpointError]:
+        """Every damaged table of the step, one error each (after a batch fails, the tables
+        it did not validate are read one by one to find them all), else whether together
+        they cover every tensor: what ``ckpt verify`` lists."""
+        everyone = range(len(self.manifest.tables))
+        try:
+            self.load(everyone)
+        except CorruptCheckpointError:
+            out = []
+            for rank in everyone:
+                try:
+                    self.load([rank])
+                except CorruptCheckpointError as e:
+                    out.append(e)
+            return out
+        try:
+            self._collect()
+        except CorruptCheckpointError as e:
+            return [e]
+        return []
+
+    def _collect(self) -> None:
+        if self._all is None:
             self.load(range(len(self.manifest.tables)))
             per: dict[str, list[Chunk]] = {k: [] for k in self.manifest.tensors}
             for rank in range(len(self.manifest.tables)):
@@ -510,7 +536,6 @@ class Tables:
                     per[k].extend(table.chunks(k))
             self._check_complete(per)
             self._all = {k: tuple(sorted(v, key=lambda c: c.offsets)) for k, v in per.items()}
-        return self._all[key]
 
     def _check_complete(self, per: dict[str, list[Chunk]]) -> None:
         for key, chunks in per.items():

@@ -1,15 +1,22 @@
 """Run a test body on N real processes joined by a gloo process group.
 
-``run_ranks(n, fn, *args)`` starts n spawned processes, initializes
-``torch.distributed`` (gloo, a FileStore rendezvous in a fresh temp dir) in each, calls
-``fn(rank, world_size, *args)`` and returns the list of per-rank return values; an exception
-in any rank fails the caller with that rank's traceback. ``fn`` must be a top-level function
-of an importable module (spawn pickles it by name).
+``run_ranks(n, fn, *args)`` starts n processes, initializes ``torch.distributed`` (gloo, a
+FileStore rendezvous in a fresh temp dir) in each, calls ``fn(rank, world_size, *args)`` and
+returns the list of per-rank return values; an exception in any rank fails the caller with
+that rank's traceback. ``fn`` must be a top-level function of an importable module (it is
+pickled by name).
+
+The ranks are forked from ``forkserver()``: multiprocessing's fork server, started once per
+pytest process with torch, ckpt and the suite's other heavy imports loaded, so a rank starts
+in milliseconds instead of paying torch's import (seconds on a 2-core machine). Each rank is
+still a fresh process of its own (own pid, own gloo group, killable on its own); it runs
+with the environment of the ``run_ranks`` call, as a spawned process would.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.context
 import os
 import sys
 import tempfile
@@ -19,11 +26,29 @@ from typing import Any, Callable
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
 
+# What the suite's forked processes import (run_ranks' bodies, test_exact_resume's loops).
+# multiprocessing has one fork server per process and takes the preload list of the first
+# start, so every user of the fork server must go through forkserver() below.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
+           "torch.distributed.device_mesh", "ckpt", "storage_backends", "trainer",
+           "torchdata.stateful_dataloader", "_exact_workers"]
 
-def _entry(rank: int, world: int, store_path: str, fn: Callable, args: tuple, queue) -> None:
-    for p in (_ROOT, os.path.join(_ROOT, "tests")):
+
+def forkserver() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context whose processes fork from the suite's preloaded server."""
+    for p in (_ROOT, os.path.join(_ROOT, "tests")):  # the server imports PRELOAD from sys.path
         if p not in sys.path:
             sys.path.insert(0, p)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _entry(rank: int, world: int, store_path: str, fn: Callable, args: tuple, queue,
+           environ: dict[str, str]) -> None:
+    # The fork server's environment is the one it started with: use the caller's.
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -50,11 +75,13 @@ def run_ranks(n: int, fn: Callable, *args: Any, timeout: float = 120.0,
     Ranks in ``allow_exit`` may die without reporting (a test that kills one on purpose);
     their result is None.
     """
-    ctx = mp.get_context("spawn")
+    ctx = forkserver()
     queue = ctx.Queue()
+    environ = dict(os.environ)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(r, n, store, fn, args, queue), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(r, n, store, fn, args, queue, environ),
+                             daemon=True)
                  for r in range(n)]
         for p in procs:
             p.start()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _dist
 import _exact_workers
 import ckpt
 import trainer
@@ -155,9 +156,9 @@ def test_stateful_dataloader_without_generator_warns_next_to_rng_state(tmp_path)
 
 # ------------------------------------------------------------------------ the whole loop, SIGKILLed
 
-# What every run of the loop imports: a fork server (multiprocessing's forkserver, started
-# once per session) imports it once, and each run is a fresh process forked from it.
-PRELOAD = ["torch", "ckpt", "trainer", "torchdata.stateful_dataloader", "_exact_workers"]
+# What every run of the loop imports, a fork server (multiprocessing's forkserver, started
+# once per session, shared with tests/_dist.py's ranks) imports once; each run is a fresh
+# process forked from it.
 
 
 class _Process:
@@ -189,8 +190,7 @@ class ForkedRun(Worker):
     ARGS...`` without paying the imports again; SIGKILL and output lines as for a Worker."""
 
     def __init__(self, command: str, *args: object) -> None:
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx = _dist.forkserver()
         read, write = ctx.Pipe(duplex=False)
         process = ctx.Process(target=_exact_workers.run_forked,
                               args=(command, [str(a) for a in args], write))

@@ -247,17 +247,19 @@ def save_rank(mesh: tuple[int, ...], tensors: list[TensorSpec], layouts: dict, r
 
 
 def step_of(mesh: tuple[int, ...], tensors: list[TensorSpec], options: SaveOptions,
-            token: str = "000000000000") -> tuple[Manifest, dict[str, bytes]]:
-    """The manifest and rank tables a save of ``tensors`` commits (no bytes, no digests);
-    every rank's part computed (small worlds: the tests)."""
+            token: str = "000000000000", rng: RNG | None = None
+            ) -> tuple[Manifest, dict[str, bytes]]:
+    """The manifest and rank tables a save of ``tensors`` (and ``rng``) commits (no bytes,
+    no digests); every rank's part computed (small worlds: the tests)."""
     world = math.prod(mesh)
-    layouts = layouts_of(mesh, tensors)
+    layouts = layouts_of(mesh, tensors, rng)
     files, reports = {}, []
     for rank in range(world):
-        name, raw, report = save_rank(mesh, tensors, layouts, rank, options, token)
+        name, raw, report = save_rank(mesh, tensors, layouts, rank, options, token, rng)
         files[name] = raw
         reports.append(report)
-    manifest = build_top_manifest(payload(tensors, world, layouts, token=token), reports)
+    manifest = build_top_manifest(payload(tensors, world, layouts, token=token, rng=rng),
+                                  reports)
     return manifest, files
 
 

@@ -27,6 +27,7 @@ from ckpt.layout import Mesh, MeshLayout, mesh_box
 from ckpt.options import SaveOptions
 from ckpt.ranktable import MAGIC
 from ckpt.sharding import intersect, overlapping
+from ckpt.state import item_tree
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import scale_sim as sim  # noqa: E402
@@ -289,3 +290,38 @@ def test_a_missing_file_a_restore_needs_is_refused_before_anything_changes(tmp_p
             CorruptCheckpointError, match="is missing"):
         mgr.restore(both, step=1)
     assert all(t.eq(7.0).all() for t in both.values())
+
+
+def test_per_rank_values_live_in_their_ranks_tables_and_old_manifests_still_load():
+    """A format-2 manifest holds no per-rank trees (an RNGState is ~7.6 KB of JSON per
+    rank); a rank reading its values reads its source rank's table only. A format-2
+    manifest with the trees inline (as written before) still loads them."""
+    rng = sim.rng_state(4)
+    manifest, files = sim.step_of((4,), SPECS, SaveOptions(**OPTIONS), rng=rng)
+    doc = json.loads(manifest.to_json())
+    assert doc["items"]["rng"] == {"kind": "stateful", "per_rank": "tables"}
+    reads: list[str] = []
+    m = _bound(manifest, files, reads)
+    assert item_tree(m.items["rng"], 2) == rng[0]["rng"]["per_rank"]["2"]
+    assert reads == [manifest.tables[2][0]]
+    assert dict(m.items["rng"]["per_rank"]) == rng[0]["rng"]["per_rank"]  # what tools list
+    # A table whose values were removed (its digest re-recorded) is refused.
+    name = manifest.tables[1][0]
+    raw = files[name]
+    (hlen,) = struct.unpack("<Q", raw[8:16])
+    head = json.loads(raw[16:16 + hlen])
+    del head["values"]
+    header = json.dumps(head).encode()
+    header += b" " * (-(len(header) + 16) % 8)
+    bad = MAGIC + struct.pack("<Q", len(header)) + header + raw[16 + hlen:]
+    manifest.tables[1] = (name, len(bad), digest(bad))
+    with pytest.raises(CorruptCheckpointError, match="per-rank items"):
+        item_tree(_bound(manifest, {**files, name: bad}).items["rng"], 1)
+    # Before: the trees inline in a format-2 manifest (no values in the tables).
+    old, old_files = sim.step_of((4,), SPECS, SaveOptions(**OPTIONS))
+    old_doc = json.loads(old.to_json())
+    old_doc["items"]["count"] = {"kind": "stateful",
+                                 "per_rank": {str(r): {"n": r} for r in range(4)}}
+    inline = Manifest.from_json(json.dumps(old_doc).encode(), where="old").bind(
+        old_files.__getitem__, "old")
+    assert item_tree(inline.items["count"], 3) == {"n": 3}

@@ -4,7 +4,8 @@
    ``CheckpointManager`` from
 
    - the memory tier (the segment in ``/dev/shm`` that an earlier process published, as a
-     worker restarted by torchrun finds it);
+     worker restarted by torchrun finds it); and, for reference, the same with chunk digests
+     not checked (``verify="structure"``: the cost of the digest pass);
    - the POSIX root with the page cache dropped before each restore ("cold", needs root;
      otherwise the row says "warm") and, for reference, with a warm page cache;
    - S3 (moto's server on loopback, as in bench_storage.py: a Python server, so the S3
@@ -14,14 +15,17 @@
    (node B's segments moved out of sight: its shards come from the replica on node A) and
    from the root with the page cache dropped.
 
-   Every restore checks every chunk's digest, whatever the tier; the table also shows the
+   Every restore but the reference row checks every chunk's digest; the table also shows the
    tier ``mgr.last_restore`` reported and the bytes it read from the persistent root.
    Methods run interleaved (A B C D, B C D A, ...); medians over ``--reps``. Goals: memory
    >= 10x faster than S3 and >= 3x faster than a cold local disk.
 
 2. **Recovery timeline** of ``trainer.ElasticTrainer`` (the tiny LM of the demo, the job of
-   tests/_memory_job.py) under local torchrun agents, with the memory tier (the trainer's
-   default under torchrun) and without it (``memory_tier=False``), run alternately:
+   tests/_memory_job.py) under local torchrun agents (torchrun's default monitor interval,
+   0.1 s), with the memory tier (the trainer's default under torchrun) and without it
+   (``memory_tier=False``), each with cold workers (``torchrun ... SCRIPT``) and with warm
+   restarts (``torchrun ... -m trainer.warm SCRIPT``: workers forked from a zygote that has
+   imported torch; docs/elastic.md, "Warm restarts"), one after the other:
 
    - *worker killed*: one node, one worker, SIGKILLed mid-training; its agent restarts it;
    - *node killed*: three nodes, one of them SIGKILLed (agent and worker) and its
@@ -30,7 +34,8 @@
    From the kill (t = 0) to the first step of the new attempt, from the run records and the
    agents' logs. torchrun's own part (from the last agent seeing its worker exit to the last
    agent's "Rendezvous complete") is shown and excluded from the recovery the goal is about:
-   under 2 s with the memory tier.
+   under 2 s with the memory tier. ``--quick``: the killed worker only, cold and warm with
+   the memory tier.
 
 Run from the repository root::
 
@@ -66,7 +71,8 @@ logging.getLogger("werkzeug").setLevel(logging.ERROR)
 logging.getLogger("ckpt").setLevel(logging.ERROR)  # "segment kept: step in memory only"
 
 GOALS = {"S3 (moto)": 10.0, "POSIX root, cold": 3.0}  # memory at least this many times faster
-ALL_CASES = ("memory tier", "POSIX root, cold", "POSIX root, warm", "S3 (moto)")
+NO_DIGESTS = "memory tier, digests not checked"
+ALL_CASES = ("memory tier", NO_DIGESTS, "POSIX root, cold", "POSIX root, warm", "S3 (moto)")
 
 
 class Tiers:
@@ -104,23 +110,29 @@ class Tiers:
                 mgr.save(1, self.s3_state)
         self.seen: dict[str, set[tuple[str, int]]] = {}
 
-    def _restore(self, name: str, mgr: ckpt.CheckpointManager) -> dict[str, float]:
+    def _restore(self, name: str, mgr: ckpt.CheckpointManager,
+                 verify: str = "digest") -> dict[str, float]:
         state, dest = (self.s3_state, self.s3_dest) if name == "S3 (moto)" else (
             self.state, self.dest)
         for t in dest.values():  # outside the timed part: nothing left from a rep before
             t.zero_()
         with common.Stopwatch() as sw:
-            step = mgr.restore(dest)
+            step = mgr.restore(dest, verify=verify)
         assert step == 1 and common.same_values(state, dest), name
         info = mgr.last_restore
         self.seen.setdefault(name, set()).add((info.tier, info.bytes_from_storage))
         return {"restore": sw.seconds}
 
-    def memory(self, rep: int) -> dict[str, float]:
-        # A new manager with the job's id: what a restarted worker builds.
-        with ckpt.CheckpointManager(self.mem_root, memory_tier=True, persist_every=1_000_000,
-                                    memory_job=self.job, handle_sigterm=False) as mgr:
-            return self._restore("memory tier", mgr)
+    def memory(self, digests: bool):
+        def case(rep: int) -> dict[str, float]:
+            # A new manager with the job's id: what a restarted worker builds.
+            with ckpt.CheckpointManager(self.mem_root, memory_tier=True,
+                                        persist_every=1_000_000, memory_job=self.job,
+                                        handle_sigterm=False) as mgr:
+                if digests:
+                    return self._restore("memory tier", mgr)
+                return self._restore(NO_DIGESTS, mgr, verify="structure")
+        return case
 
     def disk(self, cold: bool):
         def case(rep: int) -> dict[str, float]:
@@ -200,7 +212,8 @@ def bench_restore(args) -> None:
                         f"s3://{bucket}/mem-{uuid.uuid4().hex[:6]}", s3_options, args.s3_max)
                     tiers = Tiers(state, shape, tmp, s3)
                     try:
-                        cases = [("memory tier", tiers.memory),
+                        cases = [("memory tier", tiers.memory(True)),
+                                 (NO_DIGESTS, tiers.memory(False)),
                                  (disk_name(tiers.cold), tiers.disk(True))]
                         if tiers.cold:
                             cases.append((disk_name(False), tiers.disk(False)))
@@ -333,8 +346,16 @@ SCENARIOS = {"worker": "worker killed (agent alive), world 1 -> 1",
              "node": "node killed, world 3 -> 2"}
 
 
-def timeline_run(work: Path, scenario: str, memory: bool, args) -> dict:
-    """One job, one kill; the times of the recovery (seconds after the kill)."""
+#: The timeline's runs: (column, warm restarts, memory tier).
+TIMELINE_CONFIGS = [("cold start, memory tier", False, True),
+                    ("warm start (trainer.warm), memory tier", True, True),
+                    ("cold start, no memory tier", False, False),
+                    ("warm start, no memory tier", True, False)]
+
+
+def timeline_run(work: Path, scenario: str, memory: bool, args, warm: bool = False) -> dict:
+    """One job, one kill; the times of the recovery (seconds after the kill). ``warm``:
+    the agents start the workers through ``-m trainer.warm`` (forked from a zygote)."""
     import _memory_job as jobs
     from _elastic_job import progress, wait_for
     from bench_elastic import agent_events, attempt_times
@@ -348,8 +369,9 @@ def timeline_run(work: Path, scenario: str, memory: bool, args) -> dict:
                 "--sample-sleep", "0.01", "--pad-mb", str(args.pad_mb)]
     if nodes_n > 1:
         job_args += ["--hold-until-world", str(nodes_n)]
+    # torchrun's own monitor interval (0.1 s; the tests' harness polls every 0.5 s)
     c = jobs.Cluster(work, job_args, memjob, nnodes="1:1" if nodes_n == 1 else "2:3",
-                     extra_env={"LOGLEVEL": "INFO"})
+                     extra_env={"LOGLEVEL": "INFO"}, warm=warm, monitor_interval=0.1)
     kill_at = args.timeline_steps // 3 + 3
     try:
         nodes = [c.add_node() for _ in range(nodes_n)]
@@ -367,8 +389,11 @@ def timeline_run(work: Path, scenario: str, memory: bool, args) -> dict:
             os.kill(pid, signal.SIGKILL)
             survivors = nodes
         else:
-            victim = c.node_of(pid)
+            # a warm worker is its zygote's child: its node is the one of its launcher
+            victim = c.node_of(_launcher_of(work / "run", pid) if warm else pid)
             killed_at = victim.kill(signal.SIGKILL)
+            if warm:  # the node's zygote and workers go with it
+                os.kill(pid, signal.SIGKILL)
             lost = c.node_name(c.nodes.index(victim))
             for entry in os.listdir(SHM_DIR):  # the node's RAM went with it
                 if entry.startswith(f"{PREFIX}{memjob}-{lost}-"):
@@ -388,20 +413,25 @@ def timeline_run(work: Path, scenario: str, memory: bool, args) -> dict:
     nxt = attempt_times(work / "run", nxt_attempt)
     recs = [r for f in (work / "run" / f"attempt-{nxt_attempt:04d}").glob("rank-*.jsonl")
             for r in read_jsonl(f)]
+    starts = [r for r in recs if r["event"] == "start"]
     restored = [r for r in recs if r["event"] == "restored"]
     exits = [t for t in agent_events(logs, "failed (exitcode") if t > killed_at]
     rdzv = [t for t in agent_events(logs, "Rendezvous complete") if t > killed_at]
     k = killed_at
+    forked = [r for r in starts if r.get("zygote")]
     out = {
         "ok": set(codes) == {0},
         "killed_step": info["step"],
         "restored_step": restored[0]["step"] if restored else None,
         "tier": ",".join(sorted({r.get("tier") or "-" for r in restored})),
         "bytes": sum(r.get("bytes_from_storage") or 0 for r in restored),
+        "warm": f"{len(forked)} of {len(starts)}",
         "exit": max(exits) - k if exits else None,
         "rdzv": max(rdzv) - k if rdzv else None,
-        "spawn": nxt["spawn"] - k,
-        "created": max(r["created"] for r in recs if r["event"] == "start") - k,
+        # the process torchrun started: the launcher of a warm start, else the worker
+        "spawn": min(r.get("launcher_start") or r["process_start"] for r in starts) - k,
+        "forked": (max(r["process_start"] for r in forked) - k) if forked else None,
+        "created": max(r["created"] for r in starts) - k,
         "group": nxt["group"] - k,
         "built": nxt["built"] - k,
         "restore_start": max(r["started"] for r in restored) - k,
@@ -414,10 +444,19 @@ def timeline_run(work: Path, scenario: str, memory: bool, args) -> dict:
     return out
 
 
+def _launcher_of(run_dir: Path, worker: int) -> int:
+    """The launcher (trainer.warm) of a warm worker, from its start record."""
+    from trainer.elastic import read_jsonl
+
+    return next(r["launcher"] for p in run_dir.glob("attempt-*/rank-*.jsonl")
+                for r in read_jsonl(p) if r["event"] == "start" and r["pid"] == worker)
+
+
 TIMELINE_ROWS = [
     ("agents see their workers exit (last)", "exit"),
     ("rendezvous complete (last agent)", "rdzv"),
-    ("new worker processes start (first)", "spawn"),
+    ("new worker processes start (first; warm: the launcher)", "spawn"),
+    ("warm: worker forked from the zygote (last rank)", "forked"),
     ("trainer constructed: imports done (last rank)", "created"),
     ("process group formed", "group"),
     ("model, DDP, optimizer built", "built"),
@@ -437,6 +476,7 @@ def timeline_table(runs: dict[str, dict]) -> str:
         f"{r['killed_step']} / {r['restored_step']}" for r in runs.values()],
         ["restored from (tier), bytes from root"] + [
         f"{r['tier']}, {r['bytes']}" for r in runs.values()],
+        ["workers forked from a zygote"] + [r["warm"] for r in runs.values()],
         ["torchrun's rendezvous (excluded)"] + [cell(r, "torchrun") for r in runs.values()],
         ["**recovery, rendezvous excluded**"] + [cell(r, "recovery") for r in runs.values()],
         ["job finished"] + ["yes" if r["ok"] else "FAILED" for r in runs.values()]]
@@ -445,31 +485,36 @@ def timeline_table(runs: dict[str, dict]) -> str:
 
 def bench_timeline(args) -> None:
     scenarios = ["worker"] if args.quick else list(SCENARIOS)
+    configs = TIMELINE_CONFIGS[:2] if args.quick else TIMELINE_CONFIGS
     for scenario in scenarios:
         runs: dict[str, dict] = {}
         with tempfile.TemporaryDirectory(prefix="bench-memory-timeline-") as tmp:
-            order = [True, False]
-            for memory in order:
-                name = "memory tier" if memory else "no memory tier"
-                print(f"  [timeline {scenario}] {name}", file=sys.stderr, flush=True)
-                runs[name] = timeline_run(Path(tmp) / f"{scenario}-{memory}", scenario,
-                                          memory, args)
+            for i, (name, warm, memory) in enumerate(configs):
+                print(f"  [timeline {scenario}] {name} (load {common.load_average()})",
+                      file=sys.stderr, flush=True)
+                runs[name] = timeline_run(Path(tmp) / f"{scenario}-{i}", scenario, memory,
+                                          args, warm=warm)
         print(f"\n### Recovery timeline: {SCENARIOS[scenario]}, tiny LM"
               + (f" + {args.pad_mb:g} MB" if args.pad_mb else "")
-              + f", {args.timeline_steps} steps, checkpoint every 5\n")
+              + f", {args.timeline_steps} steps, checkpoint every 5 (load "
+              f"{common.load_average()})\n")
         print(timeline_table(runs))
-        mem = runs["memory tier"]
-        print(f"\n- recovery with the memory tier, torchrun's rendezvous excluded: "
-              f"{mem['recovery']:.2f} s (goal < {GOAL_RECOVERY_S:g} s: "
-              f"{'met' if mem['recovery'] < GOAL_RECOVERY_S else 'NOT met'}); of which "
-              f"the restore {mem['restored'] - mem['restore_start']:.2f} s")
+        for name, warm, memory in configs:
+            if not memory:
+                continue
+            r = runs[name]
+            print(f"\n- {name}: recovery, torchrun's rendezvous excluded: "
+                  f"{r['recovery']:.2f} s (goal < {GOAL_RECOVERY_S:g} s: "
+                  f"{'met' if r['recovery'] < GOAL_RECOVERY_S else 'NOT met'}); of which "
+                  f"the restore {r['restored'] - r['restore_start']:.2f} s")
 
 
 def main() -> None:
     def extra(p):
         p.set_defaults(sizes="1G", shapes="many")
         p.add_argument("--quick", action="store_true",
-                       help="128 MiB, 2 reps; the timeline of a killed worker only")
+                       help="512 MiB (fixed costs would hide the ratios at less), 2 reps; "
+                            "the timeline of a killed worker only")
         p.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) tier")
         p.add_argument("--s3-max", type=common.parse_size, default=common.parse_size("256M"),
                        help="the S3 tier's state is at most this big (moto fails large "
@@ -482,7 +527,7 @@ def main() -> None:
 
     args = common.parse_args(__doc__.splitlines()[0], 3, extra)
     if args.quick:
-        args.sizes, args.reps = [common.parse_size("128M")], min(args.reps, 2)
+        args.sizes, args.reps = [common.parse_size("512M")], min(args.reps, 2)
         args.timeline_steps = min(args.timeline_steps, 40)
     print(f"# bench_memory_tier  ({common.machine_description()}; load "
           f"{common.load_average()}; code {common.code_version()})")

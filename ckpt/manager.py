@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Iterable, MutableMapping
+from typing import Any, Iterable, Iterator, MutableMapping
 
 import torch
 
@@ -332,7 +332,7 @@ class CheckpointManager:
         payload = snapshot(state, step=step, name=step_dir(step), group=self.group,
                            stager=self._stager, options=self.options, copy=self.async_save,
                            metadata=metadata, previous=base,
-                           hold_all=self._memory is not None and self._memory.ranked)
+                           hold_all=self._hold_all)
         blocking = time.perf_counter() - t0
         handle = None
         if self._memory is not None:  # published first; the same writer thread, in order
@@ -351,6 +351,12 @@ class CheckpointManager:
             raise SystemExit(128 + self._preempted)
         return handle
 
+    @property
+    def _hold_all(self) -> bool:
+        """A rank step in memory holds every box this rank has, also those another rank
+        writes to the root (a process group's memory tier; ckpt/memory_tier.py)."""
+        return self._memory is not None and self._memory.ranked
+
     def _persist_due(self, step: int, persist: bool | None) -> bool:
         """Whether a save published to memory also goes to the root: ``persist``, else the
         schedule, by step number (not a count of this process's saves), so that restarted
@@ -367,7 +373,7 @@ class CheckpointManager:
         self.wait()
         snapshot(state, step=0, name="prepare", group=self.group, stager=self._stager,
                  options=self.options, copy=self.async_save,
-                 hold_all=self._memory is not None and self._memory.ranked)
+                 hold_all=self._hold_all)
 
     def retire(self, steps: Iterable[int]) -> GcReport:
         """Retire committed ``steps`` now, e.g. the old timeline's after a rollback; files
@@ -507,17 +513,20 @@ class CheckpointManager:
                                path=self.root) from e
         tiers = self._restore_order(candidates, step)
         failures = []
+        root = _CountedReads(self.storage)  # what this restore reads from the root
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool, gate:
             for s, tier in tiers:
                 # Never in place: a step that fails must leave nothing behind, also when the
                 # step fallen back to then does not fit the state (issue #15, defect 3).
                 try:
-                    storage = self._tier_storage(tier, s, state)
+                    storage = root if tier == "storage" else self._tier_storage(tier, s, state)
                 except CorruptCheckpointError as e:  # every rank raised it: agreed
                     storage, error = None, e
                 if storage is not None:
                     error = self._try_load(s, state, pool, in_place=False, gate=gate,
                                            storage=storage)
+                    if storage is not root:
+                        storage.close()  # a memory tier's open files
                 # Every rank must restore the same step: agree on this one's outcome first.
                 outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
                     _describe(error)]
@@ -534,9 +543,9 @@ class CheckpointManager:
                 if not bad:
                     log.info("ckpt.restore step=%d root=%s skipped=%d tier=%s", s, self.root,
                              len(failures), tier)
-                    self.last_restore = RestoreInfo(
-                        s, getattr(storage, "tier", tier), 0 if tier != "storage" else sum(
-                            self._base.files.values()) if self._base is not None else 0)
+                    here = (getattr(storage, "tier", tier), root.bytes_read)
+                    ranks = tuple(self.group.all_gather(here))
+                    self.last_restore = RestoreInfo(s, here[0], here[1], ranks)
                     if self.metrics:
                         self.metrics.restored(len(failures))
                     return s
@@ -566,7 +575,9 @@ class CheckpointManager:
         gate = gate or Gate("digest", state)
         storage = storage or self.storage
         try:
-            manifest = read_manifest(storage, location, step)
+            # A memory tier's agreed save comes with its manifest validated already.
+            manifest = getattr(storage, "parsed_manifest", None) or read_manifest(
+                storage, location, step)
             check_structure(storage, location, manifest)
             load_step(storage, location, manifest, gate.target(manifest),
                       rank=self.group.rank, allow_pickle=self.allow_pickle, pool=pool,
@@ -770,9 +781,10 @@ class CheckpointManager:
         agreed save's bytes gathered from this node's segments and the peers (collective)."""
         if tier == "storage":
             return self.storage
+        from .memory_restore import ShmReader, open_candidate
+
         if not self._memory.ranked:
-            return self._memory.storage
-        from .memory_restore import open_candidate
+            return ShmReader.of_root(self._memory.path)
 
         plan = dataclasses.replace(self._memory_plan[step], second=tier == "memory-second")
         return open_candidate(plan, state, shm_dir=self._memory.shm_dir,
@@ -811,12 +823,52 @@ class CheckpointManager:
 
 @dataclasses.dataclass(frozen=True)
 class RestoreInfo:
-    """Where the last ``restore`` came from (on this rank): ``tier`` is "memory" (this node's
-    own segments), "peer" (any byte from a replica or another node's memory) or "storage";
-    ``bytes_from_storage`` is the size of the step's files in the root (0 from memory)."""
+    """Where the last ``restore`` came from. ``tier`` (this rank): "memory" (every byte from
+    this node's own segments), "peer" (any byte from a replica or another node's memory) or
+    "storage" (the persistent root). ``bytes_from_storage`` (this rank): the bytes this
+    restore read from the root, every attempt and pass counted (0 from memory; a two-pass
+    load of a step reads its data twice). ``ranks``: (tier, bytes_from_storage) of every
+    rank, by rank, the same on all ranks (every rank restores the same step, but each from
+    its own tier)."""
     step: int
     tier: str
     bytes_from_storage: int
+    ranks: tuple[tuple[str, int], ...] = ()
+
+
+class _CountedReads:
+    """A storage whose reads are counted (``bytes_read``); everything else is passed on."""
+
+    def __init__(self, storage: Storage) -> None:
+        self._storage = storage
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._storage, name)
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+
+    def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        data = self._storage.read(path, start, length)
+        self._count(len(data))
+        return data
+
+    def read_into(self, path: str, start: int, out: memoryview) -> None:
+        self._storage.read_into(path, start, out)
+        self._count(memoryview(out).nbytes)
+
+    def read_blocks(self, path: str, start: int, length: int,
+                    buffer: memoryview) -> Iterator[memoryview]:
+        blocks = self._storage.read_blocks(path, start, length, buffer)
+        try:
+            for part in blocks:
+                self._count(len(part))
+                yield part
+        finally:
+            blocks.close()
 
 
 def _log_memory_failure(handle: SaveHandle) -> None:

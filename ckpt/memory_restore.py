@@ -10,9 +10,12 @@ on one rank become an agreed failure on all, so no rank is left waiting in a col
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import threading
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, MutableMapping
+from typing import Any, Callable, Iterator, MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -20,8 +23,7 @@ import torch.distributed as dist
 from .engine import RankTable, StepPayload, build_manifest
 from .errors import CorruptCheckpointError
 from .format import MANIFEST_NAME, Manifest, step_dir
-from .memory_tier import (PREFIX, node_prefix, open_plain, plain_name, rank_steps,
-                          read_rank_doc)
+from .memory_tier import PREFIX, node_prefix, plain_name, rank_steps, read_rank_doc
 from .sharding import local_piece, overlapping
 from .state import flatten, is_stateful
 
@@ -109,58 +111,171 @@ def candidates(mine: list[Holding], pg: Any) -> list[Candidate]:
     return [best[s] for s in sorted(best, reverse=True)]
 
 
-class MemorySource:
-    """Read-only storage (the subset ckpt's loader uses) over one agreed save: the merged
-    manifest, and chunk bytes from this node's segments or fetched from peers.
+class ShmReader:
+    """Read-only storage (the subset ckpt's loader uses) over files in this node's shared
+    memory, for the memory tier's restores.
+
+    Each file is opened once per restore (never through a symbolic link) and read with
+    ``pread`` on that descriptor: no path walk or ``stat`` per chunk. The loader's verify pass
+    streams each run of chunks through one small block per thread (``stream_block``, digested
+    while still in the CPU cache), its apply pass reads straight into the live tensors; the
+    measurements behind this (and against memory maps) are in docs/elastic.md, "Memory tier".
+    ``close`` releases the descriptors.
+
+    ``where(path)`` names the file behind a storage path, or None (not on this node).
+    """
+
+    stream_block = 512 << 10
+
+    def __init__(self, url: str, where: Callable[[str], str | None]) -> None:
+        self.url = url
+        self._where = where
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_root(cls, root: str) -> ShmReader:
+        """Over a segment that is an ordinary ckpt root (a single process's)."""
+        def where(path: str) -> str:
+            parts = path.split("/")
+            for part in parts:
+                plain_name(part)  # no "..", no absolute path, no hidden staging
+            for i in range(1, len(parts)):  # directories on the way: never a link
+                d = os.path.join(root, *parts[:i])
+                if os.path.islink(d):
+                    raise FileNotFoundError(f"{d} is a symbolic link")
+            return os.path.join(root, *parts)
+        return cls(root, where)
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is not None:
+            return fd
+        try:
+            where = self._where(path)
+        except ValueError as e:
+            raise FileNotFoundError(f"{os.path.join(self.url, path)}: {e}") from e
+        if where is None:
+            raise FileNotFoundError(f"{os.path.join(self.url, path)} is not on this node")
+        try:
+            fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise
+        except OSError as e:  # a symbolic link or worse: this copy is unusable, not fatal
+            raise FileNotFoundError(f"{where}: {e}") from e
+        with self._lock:
+            if path in self._fds:  # another thread opened it meanwhile
+                os.close(fd)
+                return self._fds[path]
+            self._fds[path] = fd
+        return fd
+
+    def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        fd = self._fd(path)
+        if length is None:
+            length = max(0, os.fstat(fd).st_size - start)
+        buf = bytearray(length)
+        self.read_into(path, start, memoryview(buf))
+        return bytes(buf)
+
+    def read_into(self, path: str, start: int, out: memoryview) -> None:
+        fd, view = self._fd(path), memoryview(out).cast("B")
+        while view:
+            n = os.preadv(fd, [view], start)
+            if n == 0:
+                raise EOFError(f"{os.path.join(self.url, path)} ends before byte "
+                               f"{start + len(view)}")
+            start, view = start + n, view[n:]
+
+    def read_blocks(self, path: str, start: int, length: int,
+                    buffer: memoryview) -> Iterator[memoryview]:
+        fd, buffer, end = self._fd(path), memoryview(buffer).cast("B"), start + length
+        while start < end:
+            n = os.preadv(fd, [buffer[:min(len(buffer), end - start)]], start)
+            if n == 0:
+                raise EOFError(f"{os.path.join(self.url, path)} ends before byte {end}")
+            yield buffer[:n]
+            start += n
+
+    def size(self, path: str) -> int:
+        return os.fstat(self._fd(path)).st_size
+
+    def exists(self, path: str) -> bool:
+        try:
+            self._fd(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class MemorySource(ShmReader):
+    """The storage of one agreed save: the merged manifest, chunk bytes from this node's
+    segments (``local``: path -> file) or fetched from peers (``fetched``).
 
     ``tier`` is "memory" when every byte this rank needs lies in its node's own segments,
     "peer" when any comes from a replica or another node.
     """
 
-    def __init__(self, url: str, location: str, manifest: bytes) -> None:
-        self.url = url
+    def __init__(self, url: str, location: str, manifest: Manifest) -> None:
+        super().__init__(url, lambda path: self.local.get(path))
         self.location = location
-        self._manifest = manifest
+        self.parsed_manifest = manifest  # validated (built from the rank steps, parsed)
+        self._manifest = manifest.to_json()
         self.local: dict[str, str] = {}       # path -> file on this node
         self.sizes: dict[str, int] = {}       # path -> the size its rank step recorded
         self.fetched: dict[tuple[str, int], memoryview] = {}  # (path, start) -> bytes
         self.tier = "memory"
 
+    def _got(self, path: str, start: int, length: int) -> memoryview:
+        data = self.fetched.get((path, start))
+        if data is None or len(data) < length:
+            raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not fetched")
+        return data[:length]
+
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         if path == f"{self.location}/{MANIFEST_NAME}":
             return self._manifest[start:None if length is None else start + length]
         if path in self.local:
-            with self._open(path) as f:
-                f.seek(start)
-                return f.read(-1 if length is None else length)
-        data = self.fetched.get((path, start))
-        if data is None or (length is not None and len(data) < length):
-            raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not fetched")
-        return bytes(data[:length])
+            return super().read(path, start, length)
+        if length is None:
+            length = len(self.fetched.get((path, start), b""))
+        return bytes(self._got(path, start, length))
 
     def read_into(self, path: str, start: int, out: memoryview) -> None:
         if path in self.local:
-            with self._open(path) as f:
-                f.seek(start)
-                if f.readinto(out) != len(out):
-                    raise EOFError(f"{self.local[path]} ends before byte {start + len(out)}")
-            return
-        data = self.fetched.get((path, start))
-        if data is None or len(data) < len(out):
-            raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not fetched")
-        out[:] = data[:len(out)]
+            return super().read_into(path, start, out)
+        out = memoryview(out).cast("B")
+        out[:] = self._got(path, start, len(out))
 
-    def _open(self, path: str) -> Any:
-        try:
-            return open_plain(self.local[path])
-        except FileNotFoundError:
-            raise
-        except OSError as e:  # a symbolic link or worse: this copy is unusable, not fatal
-            raise FileNotFoundError(f"{self.local[path]}: {e}") from e
+    def read_blocks(self, path: str, start: int, length: int,
+                    buffer: memoryview) -> Iterator[memoryview]:
+        if path in self.local:
+            yield from super().read_blocks(path, start, length, buffer)
+            return
+        # The fetched bytes are in this process already: digest them where they lie (a
+        # run of adjacent chunks spans several fetched pieces).
+        end = start + length
+        while start < end:
+            data = self.fetched.get((path, start))
+            if not data:
+                raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not "
+                                        "fetched")
+            data = data[:end - start]
+            yield data
+            start += len(data)
 
     def size(self, path: str) -> int:
         if path in self.local:
-            return os.lstat(self.local[path]).st_size
+            return super().size(path)
         return self.sizes[path]
 
     def exists(self, path: str) -> bool:
@@ -219,7 +334,7 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
     order = sorted(docs, key=lambda o: (preference(chosen[o]), o))
     source, files_of = _merge(c, docs, location, order)
     origin_of = {name: origin for origin, names in files_of.items() for name in names}
-    manifest = Manifest.from_json(source._manifest, where=f"step {c.step} in memory")
+    manifest = source.parsed_manifest
     requests: dict[int, list[tuple[str, str, int, int]]] = {}  # holder -> (seg, file, start, len)
     for key, chunk in _needed_chunks(manifest, state, rank):
         origin = origin_of[chunk.file]
@@ -257,12 +372,14 @@ def _merge(c: Candidate, docs: dict[int, dict], location: str,
             chunks = [(k, ch) for k, ch in table.chunks if (k, ch.offsets) not in seen]
             seen.update((k, ch.offsets) for k, ch in chunks)
             merged.append(RankTable(table.files, chunks))
-        manifest = build_manifest(payload, merged)
+        # Parsed back from its JSON: the same validation as any manifest read from a root.
+        manifest = Manifest.from_json(build_manifest(payload, merged).to_json(),
+                                      where=f"step {c.step} in memory")
         files = {o: [plain_name(f) for f in t.files] for o, t in tables.items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"step {c.step} in memory: a rank step is malformed "
                                      f"({e!r})") from e
-    source = MemorySource(f"memory:{c.step}", location, manifest.to_json())
+    source = MemorySource(f"memory:{c.step}", location, manifest)
     source.sizes = {f"{location}/{name}": size for t in tables.values()
                     for name, size in t.files.items()}
     return source, files
@@ -297,44 +414,53 @@ def _exchange(requests: dict[int, list[tuple[str, str, int, int]]], error: str |
     if failed:
         raise CorruptCheckpointError(failed[0])
     asked = [r for r, _ in gathered]
-    outgoing: dict[int, torch.Tensor] = {}
+    maps: dict[str, Any] = {}
+    outgoing: dict[int, list[torch.Tensor | None]] = {}
     error = None
     for dst in range(world):
         mine = asked[dst].get(rank, []) if dst != rank else []  # own node's: read locally
         if not mine:
             continue
-        parts = []
+        parts: list[torch.Tensor | None] = []
         try:
-            for segment, name, start, length in mine:
+            for segment, name, start, length in _runs(mine):
                 if not segment.startswith(prefix) or not segment.startswith(PREFIX) \
                         or "/" in segment:
                     raise CorruptCheckpointError(f"asked for {segment}, not a segment of "
                                                  "this node")
                 path = os.path.join(shm_dir, segment, location, plain_name(name))
-                with open_plain(path) as f:
-                    f.seek(start)
-                    data = f.read(length)
-                if len(data) != length:
+                if path not in maps:
+                    maps[path] = _map(path)
+                if start + length > len(maps[path]):
                     raise CorruptCheckpointError(f"{path} ends before byte {start + length}")
-                parts.append(data)
+                parts.append(_bytes_of(maps[path], start, length) if length else None)
         except (OSError, ValueError, CorruptCheckpointError) as e:
             error = f"rank {rank} cannot serve step {step} from memory: {e}"
             break
-        outgoing[dst] = torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8) \
-            if sum(map(len, parts)) else torch.empty(0, dtype=torch.uint8)
+        outgoing[dst] = parts
     errors: list[Any] = [None] * world
     dist.all_gather_object(errors, error, group=pg)
     failed = [e for e in errors if e]
     if failed:
         raise CorruptCheckpointError(failed[0])
+    # One message per run of adjacent byte ranges, sent straight from the segment's pages;
+    # both sides cut the same request list into the same runs, numbered by tag.
     incoming = {src: torch.empty(sum(r[3] for r in reqs), dtype=torch.uint8)
                 for src, reqs in requests.items()}
-    works = [dist.irecv(buf, src=dist.get_global_rank(pg, src), group=pg)
-             for src, buf in incoming.items() if buf.numel()]
-    works += [dist.isend(buf, dst=dist.get_global_rank(pg, dst), group=pg)
-              for dst, buf in outgoing.items() if buf.numel()]
+    works = []
+    for src, reqs in requests.items():
+        at = 0
+        for tag, (_, _, _, length) in enumerate(_runs(reqs)):
+            if length:
+                works.append(dist.irecv(incoming[src][at:at + length],
+                                        src=dist.get_global_rank(pg, src), group=pg, tag=tag))
+            at += length
+    for dst, parts in outgoing.items():
+        works += [dist.isend(part, dst=dist.get_global_rank(pg, dst), group=pg, tag=tag)
+                  for tag, part in enumerate(parts) if part is not None]
     for w in works:
         w.wait()
+    del outgoing, maps  # the mappings go with the last tensor over them
     fetched: dict[tuple[str, int], memoryview] = {}
     for src, reqs in requests.items():
         view, at = memoryview(incoming[src].numpy()), 0
@@ -342,3 +468,36 @@ def _exchange(requests: dict[int, list[tuple[str, str, int, int]]], error: str |
             fetched[(f"{location}/{name}", start)] = view[at:at + length]
             at += length
     return fetched
+
+
+def _runs(reqs: list[tuple[str, str, int, int]]) -> list[tuple[str, str, int, int]]:
+    """Requests with adjacent byte ranges of one file merged, in order."""
+    out: list[tuple[str, str, int, int]] = []
+    for segment, name, start, length in reqs:
+        if out and out[-1][:2] == (segment, name) and out[-1][2] + out[-1][3] == start:
+            out[-1] = (segment, name, out[-1][2], out[-1][3] + length)
+        else:
+            out.append((segment, name, start, length))
+    return out
+
+
+def _map(path: str) -> Any:
+    """A read-only shared mapping of a segment's file (never through a symbolic link); its
+    pages are in RAM already (tmpfs), so mapping them costs page-table entries, no copy.
+    Nothing truncates a committed step's files (writers publish new directories by rename)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return b""
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                         prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def _bytes_of(mapping: Any, start: int, length: int) -> torch.Tensor:
+    """``length`` bytes of ``mapping`` from ``start`` as a tensor, not copied (only sent)."""
+    with warnings.catch_warnings():  # read-only memory: the tensor is never written
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=length, offset=start)

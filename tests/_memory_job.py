@@ -13,7 +13,8 @@ Writes, per attempt and rank, to ``--digests``:
   started from (taken in its first micro batch, before anything changed it);
 - ``holding-s<H>-r<rank>.json``: with ``--hold-at H,...``, the first time rank ``rank`` is
   about to train step H, once its checkpoints are committed (and replicated to the peers):
-  ``{"pid", "step", "attempt"}``; the worker then waits (until SIGTERM, a file
+  ``{"pid", "step", "attempt", "ppid", "zygote"}`` (``zygote``: the pid of the zygote of
+  ``trainer.warm`` that forked it, else None); the worker then waits (until SIGTERM, a file
   ``release-s<H>`` there, or 120 s) so that the test can kill it at a known point.
 """
 
@@ -124,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             # The kill comes at a known point: the newest checkpoint committed and copied to
             # the peers (private: the trainer has no public wait; this is a test's job).
             t._checkpoints.manager.wait_replicated(timeout=60)
-            write(marker.name, {"pid": os.getpid(), "step": t.step, "attempt": t.attempt})
+            write(marker.name, {"pid": os.getpid(), "step": t.step, "attempt": t.attempt,
+                                "ppid": os.getppid(),
+                                "zygote": os.environ.get("CKPT_WARM_ZYGOTE")})
             wait_for_sigterm(t, out / f"release-s{t.step + 1}")
 
     def step_fn(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
@@ -175,11 +178,21 @@ from _elastic_job import REPO, LocalCluster, Node  # noqa: E402
 
 class Cluster(LocalCluster):
     """LocalCluster running tests/_memory_job.py, each node named for the memory tier
-    (``CKPT_NODE=<tag>n<i>``), so that its segments are ``ckpt-<job>-<tag>n<i>-*``."""
+    (``CKPT_NODE=<tag>n<i>``), so that its segments are ``ckpt-<job>-<tag>n<i>-*``. With
+    ``warm``, the agents start the workers through ``-m trainer.warm`` (warm restarts from a
+    zygote per node), their sockets in ``<workdir>/warm``."""
 
-    def __init__(self, workdir: Path, job_args: list[str], tag: str, **kw) -> None:
+    def __init__(self, workdir: Path, job_args: list[str], tag: str, warm: bool = False,
+                 **kw) -> None:
         super().__init__(workdir, job_args, **kw)
         self.tag = tag
+        self.warm = warm
+        if warm:
+            self.env["CKPT_WARM_DIR"] = str(self.warm_dir)
+
+    @property
+    def warm_dir(self) -> Path:
+        return self.workdir / "warm"
 
     def node_name(self, i: int) -> str:
         return f"{self.tag}n{i}"
@@ -192,7 +205,7 @@ class Cluster(LocalCluster):
                f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=memory-test",
                f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1",
-               SCRIPT, *self.job_args]
+               *(["-m", "trainer.warm"] if self.warm else []), SCRIPT, *self.job_args]
         env = {**self.env, "CKPT_NODE": self.node_name(len(self.nodes))}
         with open(log_path, "w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out,

@@ -104,7 +104,8 @@ def restore(rank: int, world: int, root: str, shm: str, job: str, nodes: list[st
     bad = mismatches(state, step, world) if step is not None else ["nothing restored"]
     mgr.close()
     return {"step": step, "tier": info.tier if info else None,
-            "bytes": info.bytes_from_storage if info else None, "mismatches": bad}
+            "bytes": info.bytes_from_storage if info else None, "mismatches": bad,
+            "ranks": info.ranks if info else None}
 
 
 def restore_after_node_loss(rank: int, world: int, root: str, shm: str, job: str,

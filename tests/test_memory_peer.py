@@ -66,7 +66,8 @@ def test_save_returns_while_the_peers_receiver_is_held(pair):
 def test_restarted_pair_restores_from_own_memory_without_the_root(pair):
     _, _, restored, _ = pair
     for r in restored:
-        assert r == {"step": 3, "tier": "memory", "bytes": 0, "mismatches": []}
+        assert r == {"step": 3, "tier": "memory", "bytes": 0, "mismatches": [],
+                     "ranks": (("memory", 0), ("memory", 0))}
 
 
 @pytest.fixture(scope="module")
@@ -92,26 +93,31 @@ def node_loss(tmp_path_factory):
 
 def test_survivors_restore_the_lost_ranks_shards_from_peer_replicas(node_loss):
     for r in node_loss:
-        assert r["peer"] == {"step": 3, "tier": "peer", "bytes": 0, "mismatches": []}
+        assert r["peer"] == {"step": 3, "tier": "peer", "bytes": 0, "mismatches": [],
+                             "ranks": (("peer", 0), ("peer", 0))}
 
 
 def test_a_flipped_bit_in_own_memory_is_read_from_the_replica_instead(node_loss):
     # Rank 0's own copy of step 3 is corrupt; node 2 holds a good replica of it.
     for r in node_loss:
-        assert r["own_flipped"] == {"step": 3, "tier": "peer", "bytes": 0, "mismatches": []}
+        assert r["own_flipped"] == {"step": 3, "tier": "peer", "bytes": 0, "mismatches": [],
+                                    "ranks": (("peer", 0), ("peer", 0))}
 
 
 def test_a_flipped_bit_in_a_replica_is_detected_and_the_next_step_used(node_loss):
     # Step 3's only copy of the lost rank's shard is corrupt: step 2, still in peers' memory.
     for r in node_loss:
-        assert r["flipped"] == {"step": 2, "tier": "peer", "bytes": 0, "mismatches": []}
+        assert r["flipped"] == {"step": 2, "tier": "peer", "bytes": 0, "mismatches": [],
+                                "ranks": (("peer", 0), ("peer", 0))}
 
 
 def test_both_copies_of_a_shard_gone_falls_back_to_the_root(node_loss):
-    for r in node_loss:
+    for rank, r in enumerate(node_loss):
         out = r["both_gone"]
         assert (out["step"], out["tier"], out["mismatches"]) == (2, "storage", [])
         assert out["bytes"] > 0
+        assert out["ranks"][rank] == ("storage", out["bytes"])  # every rank's, by rank
+        assert out["ranks"] == node_loss[0]["both_gone"]["ranks"]
 
 
 def test_gc_finds_the_dead_jobs_segments_and_replicas(pair):

@@ -136,6 +136,56 @@ def test_flipped_bit_in_memory_is_detected_and_the_root_used(tmp_path, job):
     assert torch.equal(model.weight, saved[2])
 
 
+def test_truncated_file_in_memory_is_detected_and_the_root_used(tmp_path, job):
+    root = tmp_path / "root"
+    saved = save_steps(root, job, [1, 2, 3], persist=2)  # root: 2; memory: 2, 3
+    [seg] = segments(job)
+    step3 = os.path.join(seg, "step-00000003")
+    for name in os.listdir(step3):
+        if name != "manifest.json":
+            path = os.path.join(step3, name)
+            os.truncate(path, os.path.getsize(path) // 2)
+    model = torch.nn.Linear(32, 64, bias=False)
+    with ckpt.CheckpointManager(root, memory_tier=True, persist_every=2,
+                                memory_job=job) as mgr:
+        assert mgr.restore({"model": model}) == 2  # memory's step 3 is short: not loaded
+        assert mgr.last_restore.tier == "memory"
+    assert torch.equal(model.weight, saved[2])
+
+
+def bytes_read_by_this_process() -> int:
+    """What the kernel counts as returned by this process's read calls (every thread)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def test_bytes_from_storage_are_the_bytes_read_from_the_root(tmp_path, job):
+    """From memory: none (the reads went to the segment); from the root: what its read calls
+    returned, checked against the kernel's own count of the process's reads."""
+    root = tmp_path / "root"
+    state = {"w": torch.randn(1 << 20)}  # 4 MiB
+    with ckpt.CheckpointManager(root, memory_tier=True, memory_job=job) as mgr:
+        mgr.save(1, state, persist=True)
+        mgr.save(2, state, persist=False)  # the newest step in memory only: segment kept
+    assert len(segments(job)) == 1
+    files = sum(os.path.getsize(f) for f in step_data_files(root, 1))
+    dest = {"w": torch.zeros(1 << 20)}
+    with ckpt.CheckpointManager(root, memory_tier=True, memory_job=job) as mem, \
+            ckpt.CheckpointManager(root, read_only=True) as disk:
+        for mgr in (mem, disk, mem, disk):  # the first two warm up (imports, caches)
+            dest["w"].zero_()
+            before = bytes_read_by_this_process()
+            assert mgr.restore(dest) == (2 if mgr is mem else 1)
+            read = bytes_read_by_this_process() - before
+            assert torch.equal(dest["w"], state["w"])
+        info_mem, info_disk = mem.last_restore, disk.last_restore
+    assert (info_mem.tier, info_mem.bytes_from_storage, info_mem.ranks) == (
+        "memory", 0, (("memory", 0),))
+    assert info_disk.tier == "storage" and info_disk.bytes_from_storage >= files
+    # The last restore (from the root): the kernel saw those bytes and little else.
+    assert 0 <= read - info_disk.bytes_from_storage < 64 << 10
+
+
 def flip(path: str) -> None:
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)

@@ -1,23 +1,41 @@
 """Training-side helpers used with ckpt: resumable data sampling, a tiny demo model, and an
-elastic trainer for torchrun."""
+elastic trainer for torchrun.
 
-from trainer.data import ResumableLoader, ResumableSampler
-from trainer.elastic import ElasticSummary, ElasticTrainer, Recovery
-from trainer.health import HealthGuard, TrainingHealthError
-from trainer.heartbeat import Heartbeat, PeerLoss
-from trainer.hooks import Hooks
-from trainer.metrics import TrainerMetrics
+The names below are imported on first use (PEP 562), so that ``python -m trainer.warm``,
+the launcher of warm restarts, starts without importing torch (docs/elastic.md, "Warm
+restarts"). ``from trainer import ElasticTrainer`` works as before.
+"""
 
-__all__ = [
-    "ElasticSummary",
-    "ElasticTrainer",
-    "HealthGuard",
-    "Heartbeat",
-    "Hooks",
-    "PeerLoss",
-    "Recovery",
-    "ResumableLoader",
-    "ResumableSampler",
-    "TrainerMetrics",
-    "TrainingHealthError",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ElasticSummary": "trainer.elastic",
+    "ElasticTrainer": "trainer.elastic",
+    "HealthGuard": "trainer.health",
+    "Heartbeat": "trainer.heartbeat",
+    "Hooks": "trainer.hooks",
+    "PeerLoss": "trainer.heartbeat",
+    "Recovery": "trainer.elastic",
+    "ResumableLoader": "trainer.data",
+    "ResumableSampler": "trainer.data",
+    "TrainerMetrics": "trainer.metrics",
+    "TrainingHealthError": "trainer.health",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -65,7 +65,7 @@ from trainer.heartbeat import Heartbeat
 from trainer.hooks import HookRunner, Hooks
 from trainer.launch import (Attempt, check_world_size, expected_world_size,
                             process_start_time, restart_count, start_heartbeat,
-                            valid_world_sizes, warm_imports, wrap_model)
+                            valid_world_sizes, warm_imports, warm_start, wrap_model)
 from trainer.metrics import TrainerMetrics, format_event
 from trainer.progress import RUN_DIR_ENV  # noqa: F401 (importable from here, as before)
 from trainer.progress import (ElasticSummary, Recovery, build_summary, default_run_dir,
@@ -434,7 +434,7 @@ class ElasticTrainer:
                        pid=os.getpid(), host=socket.gethostname(), restart_count=restart,
                        group_rank=os.environ.get("GROUP_RANK"),
                        process_start=self._process_start, created=self._created_at,
-                       group_ready=attempt.group_ready_at)
+                       group_ready=attempt.group_ready_at, **warm_start())
         log.info("rank %d/%d: attempt %d (torchrun restart %d), %d accumulation steps of %d",
                  attempt.rank, attempt.world_size, attempt.number, restart,
                  attempt.accumulation, self.micro_batch_size)

@@ -62,16 +62,34 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def process_start_time() -> float:
-    """Wall time at which this process started (Linux: from /proc), else now."""
+def process_start_time(pid: int | str = "self") -> float:
+    """Wall time at which process ``pid`` (default: this one) started (Linux: from /proc,
+    to the clock tick), else now."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        # The start time counts clock ticks since boot: CLOCK_BOOTTIME's origin, read
+        # with the wall clock at the same moment (/proc/stat's btime is whole seconds).
+        since = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
+
+
+def warm_start() -> dict[str, Any]:
+    """How this worker process came to be: ``{"zygote": pid, "launcher": pid,
+    "launcher_start": time}`` when a zygote of :mod:`trainer.warm` forked it (the launcher
+    is the process torchrun started), else ``{"zygote": None}``."""
+    from trainer.warm import LAUNCHER_ENV, ZYGOTE_ENV
+
+    zygote = os.environ.get(ZYGOTE_ENV)
+    if zygote is None or str(os.getppid()) != zygote:
+        return {"zygote": None}
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if not launcher.isdigit():
+        return {"zygote": int(zygote), "launcher": None, "launcher_start": None}
+    return {"zygote": int(zygote), "launcher": int(launcher),
+            "launcher_start": process_start_time(launcher)}
 
 
 def warm_imports() -> None:
@@ -80,6 +98,10 @@ def warm_imports() -> None:
     process group formed. Started at construction, it overlaps init_process_group's wait
     for the peers."""
     import importlib
+    import sys
+
+    if "torch._dynamo" in sys.modules:  # a warm start (trainer.warm): imported already
+        return
 
     def work() -> None:
         with contextlib.suppress(Exception):
@@ -230,4 +252,4 @@ def start_heartbeat(attempt: Attempt, timeout: float | None, interval: float,
 __all__ = ["Attempt", "check_world_size", "expected_world_size", "heartbeat_store",
            "pick_device", "process_start_time", "restart_count", "start_heartbeat",
            "start_process_group", "valid_world_sizes", "wants_process_group", "warm_imports",
-           "wrap_model"]
+           "warm_start", "wrap_model"]

@@ -1,0 +1,315 @@
+"""Warm worker restarts (trainer.warm and trainer.zygote; docs/elastic.md, "Warm restarts").
+
+The launcher ``python -m trainer.warm SCRIPT`` asks its node's zygote to fork the worker.
+The launcher's parent plays torchrun's agent: in the quick tests it is this pytest process
+(so the zygote lives until the test stops it), in the last one a real torchrun agent.
+The quick tests start the zygote with ``--no-default-preload`` (no torch to import).
+
+- the worker is the zygote's child, with the launcher's argv, cwd, environment and stdio,
+  and the launcher exits with its status; a second launch reuses the zygote;
+- torchrun's SIGTERM to the launcher reaches the worker, and the launcher dies of the same
+  signal; a SIGKILLed launcher takes its worker down; a dead zygote takes its workers down
+  and the next launch starts another;
+- only this user's processes whose parent is the agent may use the zygote;
+- no usable zygote (a directory others may enter, a zygote that cannot start): the script
+  runs cold, in the launcher, and a line says why;
+- the zygote exits with its agent and leaves nothing in its directory;
+- under a real torchrun agent: a SIGKILLed worker is restarted from the zygote, resumes from
+  the memory tier bit-exact and the job finishes; afterwards no zygote and no socket remain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = str(Path(__file__).resolve().parent / "_warm_script.py")
+LIGHT = ["--no-default-preload"]
+
+
+@pytest.fixture
+def warm(tmp_path):
+    """Environment of a launcher "under torchrun" (a run id), its zygote directory, and the
+    zygotes to stop at the end."""
+    directory = tmp_path / "w"
+    env = dict(os.environ, TORCHELASTIC_RUN_ID=f"warmtest-{uuid.uuid4().hex[:8]}",
+               CKPT_WARM_DIR=str(directory), WARM_TEST_VALUE="from-the-launcher",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                          if p))
+    env.pop("CKPT_WARM", None)
+    yield {"env": env, "dir": directory, "tmp": tmp_path}
+    for pid in zygotes_in(directory):
+        os.kill(pid, signal.SIGKILL)
+
+
+def launch(warm: dict, *args: str, options: list[str] = LIGHT, stdin: str = "",
+           timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.warm", *options, SCRIPT, *args],
+                          env=warm["env"], cwd=warm["tmp"], input=stdin, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start(warm: dict, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer.warm", *LIGHT, SCRIPT, *args],
+                            env=warm["env"], cwd=warm["tmp"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen | None = None, timeout: float = 60
+                  ) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"launcher exited {proc.returncode}: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {path} after {timeout}s")
+        time.sleep(0.02)
+    return json.loads(path.read_text())
+
+
+def wait_gone(pid: int, timeout: float = 30) -> bool:
+    """True once process ``pid`` has exited (a pidfd becomes readable: no polling)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def zygotes_in(directory: Path) -> list[int]:
+    """Live zygote processes whose socket is in ``directory``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"trainer.zygote" in cmd and any(a.startswith(str(directory).encode() + b"/")
+                                            for a in cmd) and alive(int(entry)):
+            out.append(int(entry))
+    return out
+
+
+# ------------------------------------------------------------------------------ quick checks
+
+
+def test_the_launcher_imports_no_torch_and_the_package_stays_usable():
+    code = ("import sys, trainer, trainer.warm; assert 'torch' not in sys.modules, "
+            "'torch imported'; assert 'ElasticTrainer' in dir(trainer)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+    import trainer
+    from trainer import ElasticTrainer
+    from trainer.elastic import ElasticTrainer as direct
+
+    assert ElasticTrainer is direct and trainer.Hooks.__name__ == "Hooks"
+    with pytest.raises(AttributeError):
+        trainer.no_such_name
+
+
+def test_worker_is_forked_by_the_zygote_with_the_launchers_argv_cwd_env_and_stdio(warm):
+    out = warm["tmp"] / "seen.json"
+    first = launch(warm, "report", str(out), "3", stdin="a line on stdin\n")
+    assert first.returncode == 3, first.stderr
+    seen = json.loads(out.read_text())
+    assert seen["zygote"] is not None and seen["ppid"] == int(seen["zygote"])  # forked
+    assert seen["pid"] != int(seen["launcher"]) and seen["pgid"] == seen["pid"]
+    assert seen["argv"] == [SCRIPT, "report", str(out), "3"] and seen["name"] == "__main__"
+    assert seen["cwd"] == str(warm["tmp"]) and seen["path0"] == str(Path(SCRIPT).parent)
+    assert seen["value"] == "from-the-launcher" and seen["stdin"] == "a line on stdin"
+    assert first.stdout == "to stdout\n" and first.stderr == "to stderr\n"
+    # The next worker comes from the same zygote, with its own launcher's environment.
+    warm["env"]["WARM_TEST_VALUE"] = "second"
+    again = launch(warm, "report", str(out), "0")
+    assert again.returncode == 0, again.stderr
+    second = json.loads(out.read_text())
+    assert second["zygote"] == seen["zygote"] and second["value"] == "second"
+    assert second["pid"] != seen["pid"]
+
+
+def test_the_launcher_relays_sigterm_and_dies_of_its_workers_signal(warm):
+    out = warm["tmp"] / "seen.json"
+    proc = start(warm, "wait", str(out))
+    seen = wait_for_file(out, proc)
+    proc.send_signal(signal.SIGTERM)  # what torchrun sends to stop a worker group
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+    assert wait_gone(seen["pid"])
+    # A worker SIGKILLed (OOM killer, a test): torchrun sees its launcher die of SIGKILL.
+    out.unlink()
+    proc = start(warm, "wait", str(out))
+    seen = wait_for_file(out, proc)
+    os.kill(seen["pid"], signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_a_sigkilled_launcher_takes_its_worker_down(warm):
+    out = warm["tmp"] / "seen.json"
+    proc = start(warm, "wait", str(out))
+    seen = wait_for_file(out, proc)
+    proc.kill()
+    proc.wait(timeout=60)
+    assert wait_gone(seen["pid"]), "the worker outlived its SIGKILLed launcher"
+    assert alive(int(seen["zygote"]))  # the zygote serves the next restart
+
+
+def test_a_dead_zygote_takes_its_worker_down_and_the_next_launch_starts_another(warm):
+    out = warm["tmp"] / "seen.json"
+    proc = start(warm, "wait", str(out))
+    seen = wait_for_file(out, proc)
+    os.kill(int(seen["zygote"]), signal.SIGKILL)
+    assert proc.wait(timeout=60) == 1
+    assert "the zygote died" in proc.stderr.read()
+    assert wait_gone(seen["pid"]), "the worker outlived its zygote"
+    out.unlink()
+    again = launch(warm, "report", str(out))
+    assert again.returncode == 0, again.stderr
+    after = json.loads(out.read_text())
+    assert after["zygote"] not in (None, seen["zygote"]) and after["ppid"] == int(after["zygote"])
+
+
+def test_only_this_users_workers_of_the_agent_may_use_the_zygote(warm):
+    out = warm["tmp"] / "seen.json"
+    assert launch(warm, "report", str(out)).returncode == 0
+    [sock_path] = [p for p in warm["dir"].iterdir() if p.suffix == ".sock"]
+    # This process is the agent itself, not one of its workers: refused.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(str(sock_path))
+        s.send(json.dumps({"target": {"path": SCRIPT, "module": None, "args": ["x"]},
+                           "cwd": "/", "env": {}, "stdio": []}).encode())
+        reply = json.loads(s.recv(65536))
+    assert "pid" not in reply and "not a worker of agent" in reply["error"]
+    assert oct(warm["dir"].stat().st_mode & 0o777) == "0o700"
+    if os.getuid() == 0:  # another user cannot even reach the socket
+        pid = os.fork()
+        if pid == 0:  # a child that only makes system calls, then leaves at once
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET).connect(str(sock_path))
+                code = 0
+            except PermissionError:
+                code = 13
+            finally:
+                os._exit(code)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 13
+
+
+def test_no_private_directory_runs_the_script_cold_and_says_why(warm):
+    warm["dir"].mkdir(mode=0o755)
+    os.chmod(warm["dir"], 0o755)
+    out = warm["tmp"] / "seen.json"
+    run = launch(warm, "report", str(out), "4")
+    assert run.returncode == 4
+    seen = json.loads(out.read_text())
+    assert seen["zygote"] is None and seen["ppid"] == os.getpid()  # the launcher ran it
+    assert "not a private directory" in run.stderr and "cold" in run.stderr
+    assert seen["argv"] == [SCRIPT, "report", str(out), "4"] and seen["name"] == "__main__"
+
+
+def test_a_zygote_that_cannot_start_leaves_the_script_cold_with_its_log(warm):
+    out = warm["tmp"] / "seen.json"
+    run = launch(warm, "report", str(out),
+                 options=[*LIGHT, "--preload", "no_such_module_for_warm_test"])
+    assert run.returncode == 0, run.stderr
+    assert json.loads(out.read_text())["zygote"] is None
+    assert "exited with status" in run.stderr and "no_such_module_for_warm_test" in run.stderr
+
+
+def test_the_zygote_exits_with_its_agent_and_leaves_nothing(warm):
+    out = warm["tmp"] / "seen.json"
+    agent = ("import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-m', "
+             "'trainer.warm', *sys.argv[1:]]))")
+    run = subprocess.run([sys.executable, "-c", agent, *LIGHT, SCRIPT, "report", str(out)],
+                         env=warm["env"], cwd=warm["tmp"], input="", capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    zygote = int(json.loads(out.read_text())["zygote"])
+    assert wait_gone(zygote), "the zygote outlived its agent"
+    assert list(warm["dir"].iterdir()) == []
+
+
+# ------------------------------------------------------------------------- a torchrun agent
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_worker_sigkilled_under_torchrun_restarts_from_the_zygote_from_memory(tmp_path):
+    """One torchrun agent (world 1) runs tests/_memory_job.py through ``-m trainer.warm``;
+    the worker is SIGKILLed before step 12 (checkpoint 10 in memory only). The agent
+    restarts it: forked by the same zygote, it resumes step 10 from the memory tier with
+    the model and optimizer bit-exact, and the job finishes. Then the zygote is gone and
+    its directory empty."""
+    import _memory_job
+    from _elastic_job import wait_for
+    from ckpt.memory_tier import PREFIX, SHM_DIR
+    from trainer.elastic import read_jsonl
+
+    memjob = f"wz{uuid.uuid4().hex[:10]}"
+    args = ["--root", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path / "run"),
+            "--digests", str(tmp_path / "digests"), "--steps", "15", "--every", "5",
+            "--persist-every", "6", "--memory-job", memjob, "--memory", "on",
+            "--hold-at", "12", "--collective-timeout", "30"]
+    c = _memory_job.Cluster(tmp_path, args, memjob, nnodes="1:1", warm=True)
+    try:
+        node = c.add_node()
+        marker = tmp_path / "digests" / "holding-s12-r0.json"
+        held = wait_for(lambda: marker.exists() and json.loads(marker.read_text()), 180,
+                        "the worker to hold before step 12", cluster=c)
+        assert held["zygote"] is not None and held["ppid"] == int(held["zygote"])
+        os.kill(held["pid"], signal.SIGKILL)  # the agent lives and restarts it
+        try:
+            code = node.proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not finish\n{c.logs()[-20000:]}")
+        assert code == 0, c.logs()[-20000:]
+        assert "exitcode: -9" in node.log()  # the agent saw the worker's SIGKILL
+        zygote = int(held["zygote"])
+        assert wait_gone(zygote), "the zygote outlived its agent"
+        assert zygotes_in(c.warm_dir) == [] and list(c.warm_dir.iterdir()) == []
+    finally:
+        c.close()
+        for entry in os.listdir(SHM_DIR):
+            if entry.startswith(f"{PREFIX}{memjob}"):
+                shutil.rmtree(os.path.join(SHM_DIR, entry), ignore_errors=True)
+    def records(attempt: int, event: str) -> list[dict]:
+        [path] = (tmp_path / "run" / f"attempt-{attempt:04d}").glob("rank-*.jsonl")
+        return [r for r in read_jsonl(path) if r["event"] == event]
+
+    starts = {a: records(a, "start")[0] for a in (0, 1)}
+    assert starts[1]["zygote"] == starts[0]["zygote"] == zygote  # the same zygote forked it
+    assert starts[1]["pid"] != held["pid"]
+    [restored] = records(1, "restored")
+    assert (restored["step"], restored["tier"], restored["bytes_from_storage"]) == \
+        (10, "memory", 0)
+    [saved] = [r for r in read_jsonl(tmp_path / "digests" / "saved-a0-r0.jsonl")
+               if r["step"] == 10]
+    got = json.loads((tmp_path / "digests" / "restored-a1-r0.json").read_text())
+    assert (got["step"], got["digest"]) == (10, saved["digest"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final_step"] == 15

@@ -42,7 +42,7 @@ from .engine import byte_view
 from .errors import (CorruptCheckpointError, PartialLoadError, StateMismatchError,
                      UnsupportedValueError)
 from .format import Chunk, Manifest
-from .integrity import Digest, chunk_path, digest
+from .integrity import Digest, check_structure, chunk_path, digest
 from .sharding import (Box, dtensor_type, local_piece, overlapping, prefetch, source_rank,
                        sub_slices)
 from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
@@ -424,6 +424,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
             loaded[key] = buf if target is None else _like(target, buf)
     prefetch(manifest, [(key, box) for key, _, box in pending])  # format 2: tables at once
     reads = [r for key, dest, box in pending for r in _reads_for(manifest, key, dest, box)]
+    check_structure(storage, location, manifest, [r.chunk for r in reads])  # only these files
     for alias, target in manifest.aliases.items():
         if target in loaded:
             loaded[alias] = loaded[target]

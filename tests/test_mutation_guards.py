@@ -217,3 +217,26 @@ def test_the_memory_tiers_reader_never_follows_a_planted_link(tmp_path):
             reader.read("step-00000001/planted.bin")
     finally:
         reader.close()
+
+
+def test_the_memory_tiers_reader_reports_a_file_that_ends_early_never_zero_fills(tmp_path):
+    """Mutant: ckpt/memory_restore.py ShmReader.read_into ending its loop at end of file
+    instead of raising EOFError (a segment file truncated after the verify pass would be
+    applied with the buffer's old bytes in place of the missing ones)."""
+    from ckpt.memory_restore import ShmReader
+
+    (tmp_path / "step-00000001").mkdir()
+    (tmp_path / "step-00000001" / "data.bin").write_bytes(b"0123456789")
+    reader = ShmReader.of_root(str(tmp_path))
+    try:
+        out = bytearray(b"x" * 8)
+        reader.read_into("step-00000001/data.bin", 0, memoryview(out))
+        assert out == b"01234567"
+        with pytest.raises(EOFError, match="ends before byte 14"):
+            reader.read_into("step-00000001/data.bin", 6, memoryview(out))
+        handle = reader.open_reader("step-00000001/data.bin")  # the apply pass's reads
+        with pytest.raises(EOFError, match="ends before byte 12"):
+            handle.read_into(4, memoryview(out))
+        handle.close()
+    finally:
+        reader.close()

@@ -858,6 +858,9 @@ class _CountedReads:
         self._storage.read_into(path, start, out)
         self._count(memoryview(out).nbytes)
 
+    def open_reader(self, path: str) -> Any:
+        return _CountedReader(self._storage.open_reader(path), self._count)
+
     def read_blocks(self, path: str, start: int, length: int,
                     buffer: memoryview) -> Iterator[memoryview]:
         blocks = self._storage.read_blocks(path, start, length, buffer)
@@ -867,6 +870,20 @@ class _CountedReads:
                 yield part
         finally:
             blocks.close()
+
+
+class _CountedReader:
+    """A counted ``Storage.open_reader`` handle."""
+
+    def __init__(self, reader: Any, count: Any) -> None:
+        self._reader, self._count = reader, count
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        self._reader.read_into(start, out)
+        self._count(memoryview(out).nbytes)
+
+    def close(self) -> None:
+        self._reader.close()
 
 
 def _log_memory_failure(handle: SaveHandle) -> None:

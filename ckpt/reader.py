@@ -14,7 +14,8 @@ Order matters for "a failed load changes nothing":
    whole rows), or through a few reused bounce buffers (pinned, copied on a side stream, for
    CUDA tensors; also for non-contiguous tensors and chunks that only partly overlap a box).
    The verify pass has just brought the files into the page cache, so this second read is a
-   memory copy while the step fits in free memory.
+   memory copy while the step fits in free memory. Each reading thread opens each file once
+   for the pass (``Storage.open_reader``), not once per chunk.
 4. Objects get ``load_state_dict`` last.
 
 The extra memory is a block and a few chunk-sized buffers per reading thread, whatever the

@@ -25,20 +25,16 @@ script simply runs here. See docs/elastic.md, "Warm restarts".
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
-import hashlib
+# Imported by every worker torchrun starts, before anything else: only what the warm path
+# needs is imported here (no typing, dataclasses, subprocess, ...); the rest where used.
 import json
 import os
-import runpy
 import signal
 import socket
 import struct
-import subprocess
 import sys
-import tempfile
 import time
-from typing import Any
+import zlib
 
 #: "0" runs every worker cold (no zygote).
 ENV_SWITCH = "CKPT_WARM"
@@ -55,26 +51,30 @@ LAUNCHER_ENV = "CKPT_WARM_LAUNCHER"
 MAX_MESSAGE = 200_000  # one SOCK_SEQPACKET datagram: under the default socket buffer
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
-_zygotes: list[subprocess.Popen] = []  # started here; kept so they are not collected
+_zygotes: list = []  # the zygotes started here (Popen); kept so they are not collected
 
 
 class WarmUnavailable(RuntimeError):
     """The zygote cannot be used; the message says why. The script then runs cold."""
 
 
-@dataclasses.dataclass(frozen=True)
 class Target:
     """What to run: a script path or a module (``-m``), and its arguments."""
 
-    path: str | None
-    module: str | None
-    args: tuple[str, ...]
+    def __init__(self, path: str | None, module: str | None, args: tuple[str, ...]) -> None:
+        self.path, self.module, self.args = path, module, tuple(args)
 
-    def to_dict(self) -> dict[str, Any]:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Target) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"Target(path={self.path!r}, module={self.module!r}, args={self.args!r})"
+
+    def to_dict(self) -> dict:
         return {"path": self.path, "module": self.module, "args": list(self.args)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Target:
+    def from_dict(cls, d: dict) -> Target:
         path, module, args = d.get("path"), d.get("module"), d.get("args")
         if (path is None) == (module is None) or not isinstance(args, list) \
                 or not all(isinstance(a, str) for a in args) \
@@ -83,13 +83,12 @@ class Target:
         return cls(path, module, tuple(args))
 
 
-@dataclasses.dataclass(frozen=True)
 class Options:
     """The launcher's own options: more modules for the zygote to import (``--preload``),
     and whether it imports its defaults (torch, the trainer; ``--no-default-preload``)."""
 
-    preload: tuple[str, ...] = ()
-    default_preload: bool = True
+    def __init__(self, preload: tuple[str, ...] = (), default_preload: bool = True) -> None:
+        self.preload, self.default_preload = tuple(preload), default_preload
 
     def zygote_args(self) -> list[str]:
         return ((["--preload", ",".join(self.preload)] if self.preload else [])
@@ -130,6 +129,8 @@ def parse(argv: list[str]) -> tuple[Target, Options]:
 def run_target(target: Target) -> None:
     """Run ``target`` in this process as ``python SCRIPT ARGS`` / ``python -m MODULE ARGS``
     would (``__main__``, ``sys.argv``, ``sys.path[0]``)."""
+    import runpy
+
     if target.module is not None:
         sys.argv = [target.module, *target.args]
         sys.path[0] = os.getcwd()
@@ -151,7 +152,7 @@ def socket_dir() -> str:
     if not path:
         runtime = os.environ.get("XDG_RUNTIME_DIR")
         path = (os.path.join(runtime, "ckpt-warm") if runtime
-                else os.path.join(tempfile.gettempdir(), f"ckpt-warm-{os.getuid()}"))
+                else os.path.join(os.environ.get("TMPDIR") or "/tmp", f"ckpt-warm-{os.getuid()}"))
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -177,10 +178,10 @@ def proc_stat(pid: int) -> list[str]:
 
 def zygote_key(run_id: str, agent_pid: int, options: Options) -> str:
     """The name of the zygote of this agent (pid and start time: a reused pid is another
-    agent), job, Python and preloads."""
-    parts = [run_id, str(agent_pid), proc_stat(agent_pid)[19], sys.executable,
-             *options.zygote_args()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+    agent), job, Python and preloads (a checksum of those: the directory is private, the
+    name need not resist forgery, and the launcher need not import hashlib)."""
+    rest = "\0".join([run_id, sys.executable, *options.zygote_args()])
+    return f"{agent_pid}-{proc_stat(agent_pid)[19]}-{zlib.crc32(rest.encode()):08x}"
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -215,10 +216,11 @@ def _log_tail(path: str, limit: int = 2000) -> str:
         return ""
 
 
-def start_zygote(sock_path: str, log_path: str, agent_pid: int, options: Options
-                 ) -> subprocess.Popen:
-    """Start the zygote in a session of its own (torchrun's kill of a worker's process
-    group does not reach it), its output appended to ``log_path``."""
+def start_zygote(sock_path: str, log_path: str, agent_pid: int, options: Options):
+    """Start the zygote (a ``subprocess.Popen``) in a session of its own (torchrun's kill
+    of a worker's process group does not reach it), its output appended to ``log_path``."""
+    import subprocess
+
     cmd = [sys.executable, "-u", "-m", "trainer.zygote", "--socket", sock_path,
            "--agent-pid", str(agent_pid), "--agent-start", proc_stat(agent_pid)[19],
            "--idle", os.environ.get(ENV_IDLE, "3600"), *options.zygote_args()]
@@ -246,6 +248,8 @@ def reach_zygote(options: Options) -> tuple[socket.socket, str]:
         return connect(sock_path), log_path
     except (FileNotFoundError, ConnectionRefusedError):
         pass
+    import fcntl
+
     # One launcher of the node starts it; the others (local ranks) wait on the lock.
     with open(os.path.join(directory, f"{key}.lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -277,7 +281,7 @@ def reach_zygote(options: Options) -> tuple[socket.socket, str]:
 # ------------------------------------------------------------------------- the warm worker
 
 
-def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:
+def send_message(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
     data = json.dumps(message).encode()
     if len(data) > MAX_MESSAGE:
         raise WarmUnavailable(f"the request is {len(data)} bytes (the environment?), over "
@@ -288,7 +292,7 @@ def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] = 
         sock.send(data)
 
 
-def receive_message(sock: socket.socket) -> dict[str, Any] | None:
+def receive_message(sock: socket.socket) -> dict | None:
     """The next message, None when the other end closed the connection."""
     data = sock.recv(MAX_MESSAGE)
     return json.loads(data) if data else None
@@ -317,7 +321,7 @@ def run_warm(sock: socket.socket, target: Target, log_path: str) -> int:
     child: list[int] = []
     pending: list[int] = []
 
-    def relay(sig: int, frame: Any) -> None:
+    def relay(sig: int, frame: object) -> None:
         if child:
             _forward(child[0], sig)
         else:

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from trainer.warm import (LAUNCHER_ENV, MAX_MESSAGE, ZYGOTE_ENV, Target, peer_credentials,
-                          proc_stat, receive_message, run_target, send_message)
+                          proc_stat, run_target, send_message)
 
 #: What a worker of the trainer imports before its first step: torch._dynamo (DDP's
 #: constructor and the first optimizer import it; seconds on a small CPU) above all.

@@ -49,6 +49,7 @@ ZYGOTE_ENV = "CKPT_WARM_ZYGOTE"
 LAUNCHER_ENV = "CKPT_WARM_LAUNCHER"
 
 MAX_MESSAGE = 200_000  # one SOCK_SEQPACKET datagram: under the default socket buffer
+REPLY_TIMEOUT = 60.0  # seconds for the zygote to fork and answer (it answers in ms)
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
 _zygotes: list = []  # the zygotes started here (Popen); kept so they are not collected
@@ -330,9 +331,11 @@ def run_warm(sock: socket.socket, target: Target, log_path: str) -> int:
     previous = {sig: signal.signal(sig, relay) for sig in RELAYED}
     stdio = [fd for fd in (0, 1, 2) if _valid_fd(fd)]
     try:
+        sock.settimeout(REPLY_TIMEOUT)  # a zygote that does not answer: run cold
         send_message(sock, {"target": target.to_dict(), "cwd": os.getcwd(),
                             "env": dict(os.environ), "stdio": stdio}, stdio)
         reply = receive_message(sock)
+        sock.settimeout(None)  # the worker runs as long as it runs
         if reply is None or "pid" not in reply:
             reason = reply.get("error") if reply else "it closed the connection"
             raise WarmUnavailable(f"the zygote did not start the worker: {reason} (log: "

@@ -209,8 +209,8 @@ class Zygote:
             env, cwd, stdio = request["env"], request["cwd"], request["stdio"]
             if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in env.items())
-                    and isinstance(cwd, str) and stdio == [0, 1, 2][:len(fds)]
-                    and len(stdio) == len(fds)):
+                    and isinstance(cwd, str) and isinstance(stdio, list)
+                    and stdio == sorted(set(stdio) & {0, 1, 2}) and len(stdio) == len(fds)):
                 raise ValueError("malformed request")
         except (ValueError, KeyError, TypeError) as e:
             for fd in fds:

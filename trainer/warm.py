@@ -252,15 +252,28 @@ def reach_zygote(options: Options) -> tuple[socket.socket, str]:
     import fcntl
 
     # One launcher of the node starts it; the others (local ranks) wait on the lock.
-    with open(os.path.join(directory, f"{key}.lock"), "a") as lock:
+    with open(os.path.join(directory, f"{key}.lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             return connect(sock_path), log_path
         except (FileNotFoundError, ConnectionRefusedError):
             pass
-        if os.path.lexists(sock_path):
-            os.unlink(sock_path)  # a dead zygote's
-        proc = start_zygote(sock_path, log_path, agent, options)
+        # A launcher killed while it waited (torchrun restarting the group) leaves its
+        # zygote importing, its pid in the lock file: wait for that one, start no other.
+        lock.seek(0)
+        recorded = lock.read().strip()
+        pid = int(recorded) if recorded.isdigit() and _is_zygote(int(recorded), sock_path) \
+            else None
+        proc = None
+        if pid is None:
+            if os.path.lexists(sock_path):
+                os.unlink(sock_path)  # a dead zygote's
+            proc = start_zygote(sock_path, log_path, agent, options)
+            pid = proc.pid
+            lock.seek(0)
+            lock.truncate()
+            lock.write(str(pid))
+            lock.flush()
         timeout = float(os.environ.get(ENV_START_TIMEOUT, "300"))
         deadline = time.monotonic() + timeout
         while True:
@@ -268,15 +281,29 @@ def reach_zygote(options: Options) -> tuple[socket.socket, str]:
                 return connect(sock_path), log_path
             except (FileNotFoundError, ConnectionRefusedError):
                 pass
-            if proc.poll() is not None:
-                raise WarmUnavailable(f"the zygote exited with status {proc.returncode} "
+            if (proc.poll() is not None) if proc is not None \
+                    else not _is_zygote(pid, sock_path):
+                status = proc.returncode if proc is not None else "unknown"
+                raise WarmUnavailable(f"the zygote (pid {pid}) exited with status {status} "
                                       f"before it was ready; its log {log_path} ends: "
                                       f"{_log_tail(log_path)}")
             if time.monotonic() > deadline:
-                proc.kill()
+                if proc is not None:
+                    proc.kill()
                 raise WarmUnavailable(f"the zygote was not ready after {timeout:.0f}s "
                                       f"({ENV_START_TIMEOUT}); log: {log_path}")
             time.sleep(0.02)  # it binds its socket once its imports are done
+
+
+def _is_zygote(pid: int, sock_path: str) -> bool:
+    """Whether ``pid`` is a live zygote serving ``sock_path``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().split(b"\0")
+        alive = proc_stat(pid)[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+    return alive and b"trainer.zygote" in cmd and os.fsencode(sock_path) in cmd
 
 
 # ------------------------------------------------------------------------- the warm worker

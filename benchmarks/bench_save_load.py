@@ -22,7 +22,7 @@ gives each load's extra memory: how far the process's peak resident memory rose 
 Run from the repository root::
 
     python benchmarks/bench_save_load.py [--sizes 256M,1G] [--shapes many,few] [--reps 3]
-        [--methods raw,ckpt]   # only these rows (raw is always run: it is the anchor)
+        [--methods "raw,raw, 2 files,ckpt"]   # only these rows (raw always runs: the anchor)
 """
 
 from __future__ import annotations
@@ -213,11 +213,27 @@ def bench_one(size: int, shape: str, reps: int, workdir: str, cold: bool,
     ])
 
 
+def method_names(text: str) -> list[str] | None:
+    """``--methods``' rows: comma-separated, where a comma followed by a space belongs to
+    the name (``raw,raw, 2 files,ckpt``); None (every row) when empty."""
+    names: list[str] = []
+    for part in text.split(","):
+        if part.startswith(" ") and names:
+            names[-1] += "," + part
+        elif part:
+            names.append(part)
+    return names or None
+
+
 def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0], default_reps=3, extra=lambda p: p.add_argument(
         "--methods", default="", help="comma-separated rows to run (default: all): "
         + ", ".join(n for n, _, _ in METHODS)))
-    methods = [m for m in args.methods.split(",") if m] or None
+    methods = method_names(args.methods)
+    unknown = [m for m in methods or [] if m not in [n for n, _, _ in METHODS]]
+    if unknown:
+        raise SystemExit(f"unknown --methods {unknown}; choose among "
+                         + ", ".join(repr(n) for n, _, _ in METHODS))
     workdir = common.fresh_dir(os.path.join(args.dir, "save_load"))
     cold = common.drop_page_cache()
     print(f"Machine: {common.machine_description()}")

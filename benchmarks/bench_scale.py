@@ -1,7 +1,8 @@
 """Save and load planning at 8 to 4,096 ranks, simulated: metadata only, no tensor bytes.
 
 For a 70B decoder (Llama-3-70B shapes, bf16) and its Adam state (fp32) laid out by FSDP,
-HSDP or tensor parallel + FSDP, this runs the planning path of a real save and load in
+HSDP or tensor parallel + FSDP, plus a ``ckpt.RNGState`` per rank as a trainer saves one
+(``--no-rng`` leaves it out), this runs the planning path of a real save and load in
 format 2 (rank tables; benchmarks/scale_sim.py explains which functions) and prints seconds
 per phase:
 
@@ -124,15 +125,16 @@ def _reader(layout: str, world: int):
 def run_world(layout: str, world: int, options: SaveOptions) -> dict:
     row: dict = {"layout": layout, "ranks": world}
     mesh, tensors = sim.model_state(layout, world, optimizer=_ARGS.optim, layers=_ARGS.layers)
+    rng = sim.rng_state(world) if _ARGS.rng else None
     plans = []
     for _ in range(2):  # the first includes one-time imports and caches; a job saves often
-        layouts, t_layouts = _timed(lambda: sim.layouts_of(mesh, tensors))
+        layouts, t_layouts = _timed(lambda: sim.layouts_of(mesh, tensors, rng))
         (name0, raw0, report0), t_rank = _timed(
-            lambda: sim.save_rank(mesh, tensors, layouts, 0, options, TOKEN))
+            lambda: sim.save_rank(mesh, tensors, layouts, 0, options, TOKEN, rng))
         plans.append(t_layouts + t_rank)
     row["plan_s"] = min(plans)
     row["table_bytes"] = len(raw0)
-    row["chunks"] = sim.count_chunks(tensors, layouts, options)
+    row["chunks"] = sim.count_chunks(tensors, layouts, options) + (len(rng[1]) if rng else 0)
     # The ranks whose tables the load plans read (found with the layout code, untimed).
     readers = []
     for m in sorted({world // 2, world - 8} - {0}):
@@ -143,13 +145,13 @@ def run_world(layout: str, world: int, options: SaveOptions) -> dict:
     sampled = set(range(min(_ARGS.clients, world))) | needed
     real = {0: (name0, raw0, report0)}
     for r in sorted(sampled - {0}):
-        real[r] = sim.save_rank(mesh, tensors, layouts, r, options, TOKEN)
+        real[r] = sim.save_rank(mesh, tensors, layouts, r, options, TOKEN, rng)
     reports = [real[r][2] if r in real else _stand_in(report0, r) for r in range(world)]
     files = {name: raw for name, raw, _ in real.values()}
     row["vote_s"], row["vote_shared"] = vote(reports, _ARGS.clients)
     gc.collect()
     manifest, row["merge_s"] = _timed(lambda: build_top_manifest(
-        sim.payload(tensors, world, layouts, token=TOKEN), reports), 2)
+        sim.payload(tensors, world, layouts, token=TOKEN, rng=rng), reports), 2)
     raw, row["serialize_s"] = _timed(manifest.to_json, 2)
     row["manifest_bytes"] = len(raw)
     del manifest, reports
@@ -188,6 +190,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=sim.LAYERS)
     parser.add_argument("--no-optim", dest="optim", action="store_false",
                         help="parameters only (default: parameters and Adam state)")
+    parser.add_argument("--no-rng", dest="rng", action="store_false",
+                        help="no per-rank RNG state (default: each rank saves a "
+                        "ckpt.RNGState, as a trainer does)")
     global _ARGS
     _ARGS = parser.parse_args()
     options = SaveOptions(write_threads=4)
@@ -195,6 +200,8 @@ def main() -> None:
     print(f"### Planning seconds per phase, format 2 (code {commit})\n")
     print(f"70B decoder, {_ARGS.layers} layers, bf16 parameters"
           + (" + fp32 Adam state" if _ARGS.optim else "")
+          + (" + a ckpt.RNGState per rank (its tree in the manifest's items, its "
+             "tensors written by their rank)" if _ARGS.rng else "")
           + f"; 8 MiB chunks; vote through a real TCPStore with {_ARGS.clients} client "
           "connections (`*`: ranks shared them, an upper bound). Load plan: one "
           "rank of N/2 and of N-8 ranks, the slower; tables read: how many rank tables it "

@@ -17,6 +17,7 @@ gloo save.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import dataclass, replace
 
@@ -26,7 +27,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from ckpt.datafile import Piece, encode_header
 from ckpt.engine import RankTable, StepPayload, build_top_manifest, table_file
 from ckpt.format import DTYPES, Chunk, Manifest
-from ckpt.layout import Mesh, MeshLayout
+from ckpt.layout import BoxLayout, Mesh, MeshLayout
 from ckpt.options import SaveOptions
 from ckpt.plan import assign_files, chunk_tensor, data_file_name
 from ckpt.sharding import PieceSpec
@@ -141,7 +142,27 @@ def rank_specs(mesh: tuple[int, ...], tensors: list[TensorSpec], rank: int) -> l
     return out
 
 
-def layouts_of(mesh: tuple[int, ...], tensors: list[TensorSpec]) -> dict[str, MeshLayout]:
+def rng_state(world: int) -> tuple[dict, dict[str, tuple[str, tuple[int, ...], int]]]:
+    """A real trainer's per-rank ``ckpt.RNGState`` on ``world`` ranks as a save records it:
+    the item (one tree per rank: a real RNGState's tree, renamed per rank, ~7.6 KB of JSON)
+    and each rank's own tensors (key -> (dtype, shape, the rank that holds and writes it))."""
+    import ckpt
+    from ckpt.format import dtype_name
+    from ckpt.state import flatten
+
+    flat = flatten({"rng": ckpt.RNGState()}, rank=0)
+    tree = json.dumps(flat.items["rng"]["per_rank"]["0"])
+    per_rank = {str(r): json.loads(tree.replace('"rng@0/', f'"rng@{r}/')) for r in range(world)}
+    own = {k.replace("rng@0/", f"rng@{r}/", 1): (dtype_name(t.dtype), tuple(t.shape), r)
+           for r in range(world) for k, t in flat.tensors.items()}
+    return {"rng": {"kind": "stateful", "per_rank": per_rank}}, own
+
+
+RNG = tuple[dict, dict[str, tuple[str, tuple[int, ...], int]]]  # what rng_state returns
+
+
+def layouts_of(mesh: tuple[int, ...], tensors: list[TensorSpec],
+               rng: RNG | None = None) -> dict[str, MeshLayout | BoxLayout]:
     """Each tensor's layout as ``sharding.mesh_layout`` derives it from a DTensor (one
     :class:`Mesh` object per mesh, ranks in order)."""
     meshes: dict[tuple[int, ...], Mesh] = {}
@@ -153,6 +174,8 @@ def layouts_of(mesh: tuple[int, ...], tensors: list[TensorSpec]) -> dict[str, Me
             m = meshes[shape] = Mesh(shape, tuple(range(math.prod(shape))))
         out[t.key] = MeshLayout(m, tuple(p.dim if isinstance(p, Shard) else None
                                          for p in t.placements))
+    for key, (_, shape, rank) in (rng[1] if rng else {}).items():  # snapshot's rule
+        out[key] = BoxLayout((((0,) * len(shape), shape, rank),))
     return out
 
 
@@ -197,35 +220,46 @@ class _Sized:
 
 
 def payload(tensors: list[TensorSpec], world: int, layouts: dict, rank: int = 0,
-            step: int = 1, token: str = "000000000000") -> StepPayload:
-    """A rank's view of a save: every tensor's global dtype, shape and layout."""
+            step: int = 1, token: str = "000000000000", rng: RNG | None = None) -> StepPayload:
+    """A rank's view of a save: every tensor's global dtype, shape and layout (and with
+    ``rng``, every rank's RNG state: its tree among the items, its tensors)."""
+    items, own = rng or ({}, {})
     return StepPayload(step=step, name=f"step-{step:08d}", pieces={},
-                       tensors={t.key: (t.dtype, t.shape) for t in tensors}, items={},
-                       aliases={}, world_size=world, token=token, rank=rank, layouts=layouts)
+                       tensors={**{t.key: (t.dtype, t.shape) for t in tensors},
+                                **{k: (d, shape) for k, (d, shape, _) in own.items()}},
+                       items=items, aliases={}, world_size=world, token=token, rank=rank,
+                       layouts=layouts)
 
 
 def save_rank(mesh: tuple[int, ...], tensors: list[TensorSpec], layouts: dict, rank: int,
-              options: SaveOptions, token: str = "000000000000") -> tuple[str, bytes, dict]:
+              options: SaveOptions, token: str = "000000000000",
+              rng: RNG | None = None) -> tuple[str, bytes, dict]:
     """Rank ``rank``'s part of a save: which boxes it writes, its chunks and data files, and
     its chunk table (name, bytes) with the report it sends to the commit vote."""
     specs = rank_specs(mesh, tensors, rank)
+    for key, (dtype, shape, r) in (rng[1] if rng else {}).items():
+        if r == rank:
+            specs.append(PieceSpec(key, dtype, shape, (0,) * len(shape), shape,
+                                   math.prod(shape) * DTYPES[dtype].itemsize))
     table = rank_table(rank, specs, written_here(specs, layouts, rank), options, token)
     world = math.prod(mesh)
-    return table_file(payload(tensors, world, layouts, rank, token=token), table)
+    return table_file(payload(tensors, world, layouts, rank, token=token, rng=rng), table)
 
 
 def step_of(mesh: tuple[int, ...], tensors: list[TensorSpec], options: SaveOptions,
-            token: str = "000000000000") -> tuple[Manifest, dict[str, bytes]]:
-    """The manifest and rank tables a save of ``tensors`` commits (no bytes, no digests);
-    every rank's part computed (small worlds: the tests)."""
+            token: str = "000000000000", rng: RNG | None = None
+            ) -> tuple[Manifest, dict[str, bytes]]:
+    """The manifest and rank tables a save of ``tensors`` (and ``rng``) commits (no bytes,
+    no digests); every rank's part computed (small worlds: the tests)."""
     world = math.prod(mesh)
-    layouts = layouts_of(mesh, tensors)
+    layouts = layouts_of(mesh, tensors, rng)
     files, reports = {}, []
     for rank in range(world):
-        name, raw, report = save_rank(mesh, tensors, layouts, rank, options, token)
+        name, raw, report = save_rank(mesh, tensors, layouts, rank, options, token, rng)
         files[name] = raw
         reports.append(report)
-    manifest = build_top_manifest(payload(tensors, world, layouts, token=token), reports)
+    manifest = build_top_manifest(payload(tensors, world, layouts, token=token, rng=rng),
+                                  reports)
     return manifest, files
 
 

@@ -14,7 +14,7 @@ from .distributed import Group
 from .engine import BackgroundWriter, SaveHandle, SaveResult, Stager
 from .errors import CheckpointError
 from .gate import Gate, verify_level
-from .integrity import check_structure, read_manifest
+from .integrity import read_manifest
 from .options import SaveOptions
 from .reader import load_step
 from .snapshot import snapshot
@@ -155,7 +155,6 @@ def load(state: Any, path: Any = None, *, allow_pickle: bool = False,
     storage = PosixStorage(os.path.dirname(full), create=False)
     name = os.path.basename(full)
     manifest = read_manifest(storage, name)
-    check_structure(storage, name, manifest)
     group = Group()
     with cf.ThreadPoolExecutor(SaveOptions().write_threads) as pool, gate:
         if template_free:

@@ -16,6 +16,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import verify
@@ -110,7 +111,7 @@ def saved_values(manifest: inspect.Manifest) -> dict[str, dict[str, Any]]:
             continue
         found = {}
         per_rank = item.get("per_rank")
-        if isinstance(per_rank, dict):
+        if isinstance(per_rank, Mapping):  # format 2: read from the rank tables
             for rank, tree in per_rank.items():
                 found.update(inspect.plain_values(tree, f"rank{rank}"))
         else:

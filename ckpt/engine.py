@@ -27,7 +27,8 @@ from storage_backends.faults import fault_point
 from .codec import encode
 from .datafile import Piece, encode_header
 from .errors import CheckpointError, StorageError
-from .format import FORMAT_VERSION_TABLES, MANIFEST_NAME, Chunk, Manifest, TensorEntry, chunk_doc
+from .format import (FORMAT_VERSION_TABLES, MANIFEST_NAME, PER_RANK_IN_TABLES, Chunk, Manifest,
+                     TensorEntry, chunk_doc)
 from .distributed import Group
 from .incremental import CHAIN_KEY, chain_length
 from .integrity import digest
@@ -414,7 +415,9 @@ def _metadata(payload: StepPayload) -> dict:
 def table_file(payload: StepPayload, table: RankTable) -> tuple[str, bytes, dict]:
     """Format 2: this rank's chunk table (file name and bytes) and what the rank reports in
     the commit vote (a few hundred bytes, whatever its chunk count)."""
-    raw = encode_table(payload.step, payload.rank, table.chunks)
+    values = {name: item["per_rank"][str(payload.rank)] for name, item in payload.items.items()
+              if "per_rank" in item}  # this rank's trees of per-rank items
+    raw = encode_table(payload.step, payload.rank, table.chunks, values)
     name = table_name(payload.token, payload.rank)
     refs: dict[str, dict[str, int]] = {}
     for _, c in table.chunks:
@@ -444,8 +447,11 @@ def build_top_manifest(payload: StepPayload, reports: list[dict]) -> Manifest:
                 refs[(int(step), name)] = max(refs.get((int(step), name), 0), size)
     tensors = {key: TensorEntry(dtype, shape, None, payload.layouts[key])
                for key, (dtype, shape) in payload.tensors.items()}
+    # Per-rank values (RNG states) lie in their ranks' tables: the manifest stays small.
+    items = {name: {"kind": item["kind"], "per_rank": PER_RANK_IN_TABLES} if "per_rank" in item
+             else item for name, item in payload.items.items()}
     return Manifest(step=payload.step, world_size=payload.world_size, created=time.time(),
-                    tensors=tensors, aliases=payload.aliases, items=payload.items, files=files,
+                    tensors=tensors, aliases=payload.aliases, items=items, files=files,
                     metadata=_metadata(payload), format_version=FORMAT_VERSION_TABLES,
                     tables=[tuple(r["table"]) for r in reports], refs=refs)
 

@@ -26,6 +26,8 @@ from .errors import CorruptCheckpointError, UnsupportedValueError
 FORMAT_NAME = "ckpt"
 FORMAT_VERSION = 1  # one JSON manifest holding every chunk (small worlds)
 FORMAT_VERSION_TABLES = 2  # a top-level manifest plus one chunk table per rank
+# Format 2: a per-rank item's "per_rank" is this marker; each rank's tree is in its table.
+PER_RANK_IN_TABLES = "tables"
 MAX_TABLE_BYTES = 1 << 30
 MANIFEST_NAME = "manifest.json"
 STEP_PREFIX = "step-"
@@ -193,7 +195,26 @@ class Manifest:
             tables = Tables(self, read, where)
             for key, entry in self.tensors.items():
                 entry._tables, entry._key = tables, key
+            for name in self.in_tables():
+                # rank r's tree is read from rank r's table when asked for
+                self.items[name] = {**self.items[name], "per_rank": tables.values_of(name)}
         return self
+
+    def table_problems(self) -> list[CorruptCheckpointError]:
+        """Format 2: read and validate every rank table; one error per damaged table (each
+        naming its file), or one saying what the tables together fail to cover. Empty when
+        all is well, and for format 1. (What ``ckpt verify`` lists; a load stops at the
+        first bad table it needs.)"""
+        tables = next((e._tables for e in self.tensors.values() if e._tables is not None),
+                      None)
+        return [] if tables is None else tables.problems()
+
+    def in_tables(self) -> set[str]:
+        """Format 2: the per-rank items whose trees lie in the rank tables (each rank's in
+        its own table) rather than in this manifest."""
+        return {name for name, item in self.items.items()
+                if item.get("per_rank") == PER_RANK_IN_TABLES
+                or getattr(item.get("per_rank"), "in_tables", False)}
 
     def own_files(self) -> dict[str, int]:
         """Every file of this step's own directory: data files and (format 2) rank tables."""
@@ -311,7 +332,7 @@ def _parse(doc: Any) -> Manifest:
     items = doc.get("items")
     _check(isinstance(items, dict), "items must be an object")
     for name, item in items.items():
-        _check_item(name, item, tensors, aliases)
+        _check_item(name, item, tensors, aliases, in_tables=version == FORMAT_VERSION_TABLES)
     metadata = doc.get("metadata", {})
     _check(isinstance(metadata, dict), "metadata must be an object")
     _check(_depth(metadata) <= MAX_DEPTH, f"metadata nests deeper than {MAX_DEPTH} levels")
@@ -538,7 +559,7 @@ def _depth(doc: Any) -> int:
 
 
 def _check_item(name: Any, item: Any, tensors: dict[str, TensorEntry],
-                aliases: dict[str, str]) -> None:
+                aliases: dict[str, str], in_tables: bool = False) -> None:
     """An item is ``{"kind", "tree"}`` or ``{"kind", "per_rank": {rank: tree}}``, and its
     trees are well formed (see :func:`check_tree`)."""
     what = f"item {name!r}"
@@ -546,6 +567,8 @@ def _check_item(name: Any, item: Any, tensors: dict[str, TensorEntry],
     kind = item.get("kind")
     _check(isinstance(kind, str) and kind in ITEM_KINDS,
            f"{what} has kind {kind!r}, not one of {list(ITEM_KINDS)}")
+    if in_tables and item.get("per_rank") == PER_RANK_IN_TABLES:
+        return  # each rank's tree is in its rank table, checked when the table is read
     if "per_rank" in item:
         per_rank = item["per_rank"]
         _check(isinstance(per_rank, dict) and bool(per_rank)
@@ -556,12 +579,18 @@ def _check_item(name: Any, item: Any, tensors: dict[str, TensorEntry],
         _check("tree" in item, f"{what} has neither a tree nor per_rank trees")
         trees = [item["tree"]]
     for tree in trees:
-        check_tree(tree, tensors, aliases, what)
-        if kind == "tensor":
-            _check(isinstance(tree, dict) and len(tree) == 1 and "__tensor__" in tree,
-                   f"{what} is a tensor item, but its tree is not a tensor")
-        if kind == "module":
-            _check(isinstance(tree, dict), f"{what}: a module's state must be an object")
+        check_item_tree(what, kind, tree, tensors, aliases)
+
+
+def check_item_tree(what: str, kind: str, tree: Any, tensors: dict[str, TensorEntry],
+                    aliases: dict[str, str]) -> None:
+    """One tree of an item of ``kind`` is well formed (raises _Invalid naming ``what``)."""
+    check_tree(tree, tensors, aliases, what)
+    if kind == "tensor":
+        _check(isinstance(tree, dict) and len(tree) == 1 and "__tensor__" in tree,
+               f"{what} is a tensor item, but its tree is not a tensor")
+    if kind == "module":
+        _check(isinstance(tree, dict), f"{what}: a module's state must be an object")
 
 
 _TAGGED = ("__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__",

@@ -4,6 +4,8 @@ validating a step's manifest, and the structure check (files present, byte range
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import xxhash
 
 from storage_backends import Storage
@@ -47,8 +49,17 @@ def read_manifest(storage: Storage, location: str, step: int | None = None) -> M
     return manifest
 
 
-def check_structure(storage: Storage, location: str, manifest: Manifest) -> None:
-    """Every file the manifest names exists with its recorded size, and holds its chunks."""
+def check_structure(storage: Storage, location: str, manifest: Manifest,
+                    chunks: Iterable[Chunk] | None = None) -> None:
+    """Every file the manifest names exists with its recorded size, and holds its chunks.
+
+    With ``chunks`` (what one rank of a restore is about to read), only the files those
+    chunks live in are checked: a restore on N ranks that sized every file on every rank
+    would send N^2 size requests to an object store. ``ckpt verify`` checks everything.
+    """
+    if chunks is not None:
+        _check_files(storage, location, manifest, chunks)
+        return
     sizes: dict[str, int] = {}
     for name, expected in manifest.own_files().items():
         path = f"{location}/{name}"
@@ -72,6 +83,22 @@ def check_structure(storage: Storage, location: str, manifest: Manifest) -> None
                     f"{storage.url}/{path}: {sizes[path]} bytes, but {key} needs bytes "
                     f"{chunk.start}..{chunk.start + chunk.length}; the file is truncated",
                     path=f"{storage.url}/{path}")
+
+
+def _check_files(storage: Storage, location: str, manifest: Manifest,
+                 chunks: Iterable[Chunk]) -> None:
+    needed: dict[str, tuple[int, int | None]] = {}  # path -> (bytes needed, recorded size)
+    for c in chunks:
+        path = chunk_path(location, c)
+        end = c.start + c.length
+        if path not in needed or needed[path][0] < end:
+            needed[path] = (end, manifest.files.get(c.file) if c.step is None else None)
+    for path, (end, expected) in sorted(needed.items()):
+        size = _size_or_raise(storage, path, expected)
+        if end > size:
+            raise CorruptCheckpointError(
+                f"{storage.url}/{path}: {size} bytes, but step {manifest.step} needs bytes up "
+                f"to {end}; the file is truncated", path=f"{storage.url}/{path}")
 
 
 def _size_or_raise(storage: Storage, path: str, expected: int | None) -> int:

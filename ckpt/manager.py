@@ -25,7 +25,7 @@ from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundE
 from .format import MANIFEST_NAME, Manifest, step_dir
 from .gate import Gate, verify_level
 from .incremental import GcReport, chain_length, collect, step_dirs
-from .integrity import check_structure, read_manifest
+from .integrity import read_manifest
 from .memory_tier import MemoryTier
 from .replication import Replicator
 from .metrics import CheckpointMetrics, default_labels
@@ -578,7 +578,6 @@ class CheckpointManager:
             # A memory tier's agreed save comes with its manifest validated already.
             manifest = getattr(storage, "parsed_manifest", None) or read_manifest(
                 storage, location, step)
-            check_structure(storage, location, manifest)
             load_step(storage, location, manifest, gate.target(manifest),
                       rank=self.group.rank, allow_pickle=self.allow_pickle, pool=pool,
                       in_place=in_place, verify=gate.digests)
@@ -615,7 +614,6 @@ class CheckpointManager:
                 location, error, value = step_dir(s), None, None
                 try:
                     manifest = read_manifest(self.storage, location, s)
-                    check_structure(self.storage, location, manifest)
                     value = read_structure(self.storage, location, manifest,
                                            rank=self.group.rank, allow_pickle=self.allow_pickle,
                                            pool=pool, map_location=map_location,
@@ -860,6 +858,9 @@ class _CountedReads:
         self._storage.read_into(path, start, out)
         self._count(memoryview(out).nbytes)
 
+    def open_reader(self, path: str) -> Any:
+        return _CountedReader(self._storage.open_reader(path), self._count)
+
     def read_blocks(self, path: str, start: int, length: int,
                     buffer: memoryview) -> Iterator[memoryview]:
         blocks = self._storage.read_blocks(path, start, length, buffer)
@@ -869,6 +870,20 @@ class _CountedReads:
                 yield part
         finally:
             blocks.close()
+
+
+class _CountedReader:
+    """A counted ``Storage.open_reader`` handle."""
+
+    def __init__(self, reader: Any, count: Any) -> None:
+        self._reader, self._count = reader, count
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        self._reader.read_into(start, out)
+        self._count(memoryview(out).nbytes)
+
+    def close(self) -> None:
+        self._reader.close()
 
 
 def _log_memory_failure(handle: SaveHandle) -> None:

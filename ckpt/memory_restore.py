@@ -197,6 +197,10 @@ class ShmReader:
             yield buffer[:n]
             start += n
 
+    def open_reader(self, path: str) -> _PathReader:
+        """Reads of one file (the loader's apply pass); the descriptor is kept anyway."""
+        return _PathReader(self, path)
+
     def size(self, path: str) -> int:
         return os.fstat(self._fd(path)).st_size
 
@@ -215,6 +219,19 @@ class ShmReader:
 
     def __del__(self) -> None:
         self.close()
+
+
+class _PathReader:
+    """``storage.read_into(path, ...)`` for one path (what ``Storage.open_reader`` returns)."""
+
+    def __init__(self, storage: ShmReader, path: str) -> None:
+        self._storage, self._path = storage, path
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        self._storage.read_into(self._path, start, out)
+
+    def close(self) -> None:
+        pass  # the descriptors are the storage's, closed with it
 
 
 class MemorySource(ShmReader):

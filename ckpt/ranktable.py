@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
+import gc
 import json
 import math
 import struct
 import threading
-from typing import Callable
+from collections.abc import Iterator, Mapping
+from typing import Any, Callable
 
 import numpy as np
 
 from .format import (CODECS, DTYPES, MAX_BYTES, MAX_DIMS, MAX_TILING_CORNERS, MAX_ZSTD_RATIO,
-                     Chunk, Invalid, file_name)
+                     Chunk, Invalid, check_item_tree, file_name)
 from .errors import CorruptCheckpointError
 from .integrity import digest as content_digest
 from .layout import Box, cells_overlapping, written_by
@@ -56,8 +58,9 @@ def table_name(token: str, rank: int) -> str:
     return f"table-{rank % 256:02x}-{token}-r{rank:05d}.ckt"
 
 
-def encode_table(step: int, rank: int, chunks: list[tuple[str, Chunk]]) -> bytes:
-    """The table file of ``rank``'s chunks."""
+def encode_table(step: int, rank: int, chunks: list[tuple[str, Chunk]],
+                 values: dict[str, Any] | None = None) -> bytes:
+    """The table file of ``rank``'s chunks (and its trees of per-rank items, ``values``)."""
     keys: dict[str, int] = {}
     files: dict[str, int] = {}
     dims = max([1] + [len(c.shape) for _, c in chunks])
@@ -69,8 +72,11 @@ def encode_table(step: int, rank: int, chunks: list[tuple[str, Chunk]]) -> bytes
                      codec_index[c.codec], -1 if c.step is None else c.step, c.start, c.length,
                      int(c.digest, 16), c.offsets + (0,) * pad, c.shape + (1,) * pad))
     records = np.array(rows, dtype=record_dtype(dims))
-    header = json.dumps({"step": step, "rank": rank, "keys": list(keys), "files": list(files),
-                         "dims": dims, "rows": len(rows)}, separators=(",", ":")).encode()
+    head = {"step": step, "rank": rank, "keys": list(keys), "files": list(files),
+            "dims": dims, "rows": len(rows)}
+    if values:
+        head["values"] = values
+    header = json.dumps(head, separators=(",", ":"), allow_nan=False).encode()
     header += b" " * (-(len(header) + 16) % 8)
     return MAGIC + struct.pack("<Q", len(header)) + header + records.tobytes()
 
@@ -82,10 +88,19 @@ class _Rows:
     def __init__(self, offsets: np.ndarray, shape: np.ndarray, cols: dict[str, np.ndarray],
                  files: list[str]) -> None:
         self.files = files
-        self.offsets, self.shape = offsets.tolist(), shape.tolist()
-        self.file, self.start, self.length, self.digest, self.codec, self.ref = (
-            cols[c].tolist() for c in ("file", "start", "length", "digest", "codec", "ref"))
-        self.first = [o[0] for o in self.offsets]
+        # Tens of thousands of small lists at once set off the cyclic garbage collector,
+        # whose full passes scan every object of the process (seconds in a large job's
+        # process, measured by bench_scale.py); none of these lists can form a cycle.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self.offsets, self.shape = offsets.tolist(), shape.tolist()
+            self.file, self.start, self.length, self.digest, self.codec, self.ref = (
+                cols[c].tolist() for c in ("file", "start", "length", "digest", "codec", "ref"))
+            self.first = [o[0] for o in self.offsets]
+        finally:
+            if enabled:
+                gc.enable()
 
 
 class Table:
@@ -93,8 +108,9 @@ class Table:
     the rows of the batch it was validated in)."""
 
     def __init__(self, rows: _Rows, span: dict[str, tuple[int, int]], reach: dict[str, int],
-                 ndims: dict[str, int]) -> None:
+                 ndims: dict[str, int], values: dict[str, Any]) -> None:
         self.rows = rows
+        self.values = values  # item name -> this rank's tree of that per-rank item
         self.span = span  # key -> [a, b) in rows
         self._reach = reach  # key -> its longest first-dimension extent (bisection look-back)
         self.ndims = ndims
@@ -166,8 +182,8 @@ class TensorIndex:
         return np.hstack([self.shape, np.ones((len(self.shape), dims - have), np.uint64)])
 
 
-def _read_head(raw: bytes, manifest, rank: int) -> tuple[list[str], list[str], int, np.ndarray]:
-    """(keys, files, dims, records) of ``rank``'s table, its header checked."""
+def _read_head(raw: bytes, manifest, rank: int) -> tuple:
+    """(keys, files, dims, records, values) of ``rank``'s table, its header checked."""
     if len(raw) < 16 or raw[:8] != MAGIC:
         raise Invalid("is not a ckpt rank table (bad magic)")
     (hlen,) = struct.unpack("<Q", raw[8:16])
@@ -196,7 +212,16 @@ def _read_head(raw: bytes, manifest, rank: int) -> tuple[list[str], list[str], i
     if len(raw) != start + rows * dtype.itemsize:
         raise Invalid(f"holds {len(raw) - start} bytes of records, not {rows} x "
                       f"{dtype.itemsize}")
-    return keys, files, dims, np.frombuffer(raw, dtype=dtype, count=rows, offset=start)
+    values = head.get("values", {})
+    want = manifest.in_tables()
+    if not isinstance(values, dict) or set(values) != want:
+        held = sorted(values) if isinstance(values, dict) else values
+        raise Invalid(f"holds values of items {held!r}, the manifest's per-rank items are "
+                      f"{sorted(want)}")
+    for name, tree in values.items():
+        check_item_tree(f"rank {rank}'s value of item {name!r}", manifest.items[name]["kind"],
+                        tree, manifest.tensors, manifest.aliases)
+    return keys, files, dims, np.frombuffer(raw, dtype=dtype, count=rows, offset=start), values
 
 
 class _Batch:
@@ -277,14 +302,14 @@ def _tables_of(b: _Batch, index: TensorIndex) -> dict[int, Table]:
     reach_at = dict(zip(starts, longest))
     ndim = index.ndim.tolist()
     out = {}
-    for t, (rank, keys, _, _, _) in enumerate(b.heads):
+    for t, (rank, keys, _, _, _, values) in enumerate(b.heads):
         span, reach, ndims = {}, {}, {}
         for j, key in enumerate(keys):
             g = int(b.key_base[t]) + j
             span[key] = (bounds[g], bounds[g + 1])
             reach[key] = int(reach_at.get(bounds[g], 1))
             ndims[key] = ndim[index.position[key]]
-        out[rank] = Table(rows, span, reach, ndims)
+        out[rank] = Table(rows, span, reach, ndims, values)
     return out
 
 
@@ -475,6 +500,10 @@ class Tables:
                 "changed or damaged; the step cannot be loaded", path=where)
         return raw
 
+    def values_of(self, name: str) -> "PerRankValues":
+        """Per-rank item ``name``'s trees by saved rank, each read from its rank's table."""
+        return PerRankValues(self, name)
+
     def prefetch(self, wanted) -> None:
         """Load at once the tables of every rank whose saved boxes overlap one of
         ``wanted`` ((key, box) pairs): what a reader's plan will look up."""
@@ -502,6 +531,32 @@ class Tables:
         """Every chunk of ``key`` (reads every table once, then cached): what tools that
         look at a whole step use (verify, inspect, diff, export)."""
         if self._all is None:
+            self._collect()
+        return self._all[key]
+
+    def problems(self) -> list[CorruptCheckpointError]:
+        """Every damaged table of the step, one error each (after a batch fails, the tables
+        it did not validate are read one by one to find them all), else whether together
+        they cover every tensor: what ``ckpt verify`` lists."""
+        everyone = range(len(self.manifest.tables))
+        try:
+            self.load(everyone)
+        except CorruptCheckpointError:
+            out = []
+            for rank in everyone:
+                try:
+                    self.load([rank])
+                except CorruptCheckpointError as e:
+                    out.append(e)
+            return out
+        try:
+            self._collect()
+        except CorruptCheckpointError as e:
+            return [e]
+        return []
+
+    def _collect(self) -> None:
+        if self._all is None:
             self.load(range(len(self.manifest.tables)))
             per: dict[str, list[Chunk]] = {k: [] for k in self.manifest.tensors}
             for rank in range(len(self.manifest.tables)):
@@ -510,7 +565,6 @@ class Tables:
                     per[k].extend(table.chunks(k))
             self._check_complete(per)
             self._all = {k: tuple(sorted(v, key=lambda c: c.offsets)) for k, v in per.items()}
-        return self._all[key]
 
     def _check_complete(self, per: dict[str, list[Chunk]]) -> None:
         for key, chunks in per.items():
@@ -521,3 +575,26 @@ class Tables:
                     f"{self.where}: the rank tables cover {covered} of the "
                     f"{math.prod(entry.shape)} elements of {key!r}; the step cannot be loaded",
                     path=self.where)
+
+
+class PerRankValues(Mapping):
+    """A format-2 per-rank item's trees, ``{"<rank>": tree}`` as format 1 stores them inline,
+    but each read from that rank's table when asked for: a rank loading its values reads one
+    table, not every rank's values."""
+
+    in_tables = True  # (format.Manifest.in_tables)
+
+    def __init__(self, tables: Tables, name: str) -> None:
+        self.tables, self.name = tables, name
+
+    def __getitem__(self, rank: str) -> Any:
+        if not (isinstance(rank, str) and rank.isdigit()
+                and int(rank) < len(self.tables.manifest.tables)):
+            raise KeyError(rank)
+        return self.tables.table(int(rank)).values[self.name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (str(r) for r in range(len(self.tables.manifest.tables)))
+
+    def __len__(self) -> int:
+        return len(self.tables.manifest.tables)

@@ -14,7 +14,8 @@ Order matters for "a failed load changes nothing":
    whole rows), or through a few reused bounce buffers (pinned, copied on a side stream, for
    CUDA tensors; also for non-contiguous tensors and chunks that only partly overlap a box).
    The verify pass has just brought the files into the page cache, so this second read is a
-   memory copy while the step fits in free memory.
+   memory copy while the step fits in free memory. Each reading thread opens each file once
+   for the pass (``Storage.open_reader``), not once per chunk.
 4. Objects get ``load_state_dict`` last.
 
 The extra memory is a block and a few chunk-sized buffers per reading thread, whatever the
@@ -35,12 +36,13 @@ from typing import Any, Callable, MutableMapping
 import torch
 
 from storage_backends import Storage
+from storage_backends.base import Reader
 
 from .engine import byte_view
 from .errors import (CorruptCheckpointError, PartialLoadError, StateMismatchError,
                      UnsupportedValueError)
 from .format import Chunk, Manifest
-from .integrity import Digest, chunk_path, digest
+from .integrity import Digest, check_structure, chunk_path, digest
 from .sharding import (Box, dtensor_type, local_piece, overlapping, prefetch, source_rank,
                        sub_slices)
 from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
@@ -58,13 +60,17 @@ def _live_state(state: MutableMapping[str, Any], rank: int) -> FlatState:
 
 
 def read_chunk(storage: Storage, location: str, key: str, chunk: Chunk,
-               out: torch.Tensor, verify: bool = True) -> None:
-    """Fill ``out`` (a contiguous CPU tensor of the chunk's shape) with the chunk's data."""
+               out: torch.Tensor, verify: bool = True, files: _Files | None = None) -> None:
+    """Fill ``out`` (a contiguous CPU tensor of the chunk's shape) with the chunk's data
+    (through ``files``' open readers when given)."""
     path = chunk_path(location, chunk)
     view = byte_view(out)
     try:
         if chunk.codec == "raw":
-            storage.read_into(path, chunk.start, view)
+            if files is None:
+                storage.read_into(path, chunk.start, view)
+            else:
+                files.get(path).read_into(chunk.start, view)
         else:
             from .codec import decode_into  # compression is optional on the read path
 
@@ -73,6 +79,34 @@ def read_chunk(storage: Storage, location: str, key: str, chunk: Chunk,
         raise _unreadable(storage, path, key, chunk, e) from e
     if verify and digest(view) != chunk.digest:
         raise _mismatch(storage, path, key, chunk)
+
+
+class _Files:
+    """The files one pass reads, each opened once per reading thread (not once per chunk)
+    and closed when the pass ends."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open: list[Reader] = []
+
+    def get(self, path: str) -> Reader:
+        readers = getattr(self._local, "readers", None)
+        if readers is None:
+            readers = self._local.readers = {}
+        reader = readers.get(path)
+        if reader is None:
+            reader = readers[path] = self.storage.open_reader(path)
+            with self._lock:
+                self._open.append(reader)
+        return reader
+
+    def close(self) -> None:
+        with self._lock:
+            for reader in self._open:
+                reader.close()
+            self._open.clear()
 
 
 def _mismatch(storage: Storage, path: str, key: str, chunk: Chunk) -> CorruptCheckpointError:
@@ -172,8 +206,9 @@ def _direct(r: _Read) -> torch.Tensor | None:
 class _Applier:
     """The apply pass: fills destinations, keeps count of what changed for error messages."""
 
-    def __init__(self, storage: Storage, location: str, scratch: _Scratch, verify: bool) -> None:
-        self.storage, self.location, self.scratch = storage, location, scratch
+    def __init__(self, storage: Storage, location: str, scratch: _Scratch, verify: bool,
+                 files: _Files) -> None:
+        self.storage, self.location, self.scratch, self.files = storage, location, scratch, files
         self.verify = verify  # one-pass load: check each chunk where it landed
         self._lock = threading.Lock()
         self._streams: dict[torch.device, Any] = {}
@@ -194,11 +229,11 @@ class _Applier:
             self.started.add(r.key)
         out = _direct(r)
         if out is not None:
-            read_chunk(self.storage, self.location, r.key, r.chunk, out, self.verify)
+            read_chunk(self.storage, self.location, r.key, r.chunk, out, self.verify, self.files)
         else:
             cuda = r.dest.device.type == "cuda"
             tmp = self.scratch.take(r.chunk, r.dest.dtype, pinned=cuda)
-            read_chunk(self.storage, self.location, r.key, r.chunk, tmp, self.verify)
+            read_chunk(self.storage, self.location, r.key, r.chunk, tmp, self.verify, self.files)
             src = tmp[sub_slices((r.chunk.offsets, r.chunk.shape), r.overlap)]
             dst = r.dest[sub_slices(r.dest_box, r.overlap)]
             if cuda:
@@ -389,6 +424,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
             loaded[key] = buf if target is None else _like(target, buf)
     prefetch(manifest, [(key, box) for key, _, box in pending])  # format 2: tables at once
     reads = [r for key, dest, box in pending for r in _reads_for(manifest, key, dest, box)]
+    check_structure(storage, location, manifest, [r.chunk for r in reads])  # only these files
     for alias, target in manifest.aliases.items():
         if target in loaded:
             loaded[alias] = loaded[target]
@@ -401,13 +437,15 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
     scratch = _Scratch()
     if verify and not in_place:
         run_reads(_verify_jobs(storage, location, reads, scratch), pool)
-    apply = _Applier(storage, location, scratch, verify=verify and in_place)
+    files = _Files(storage)
+    apply = _Applier(storage, location, scratch, verify=verify and in_place, files=files)
     try:
         try:
             run_reads([(chunk_path(location, r.chunk), r.chunk.start, lambda r=r: apply(r))
                        for r in reads], pool)
         finally:
             apply.wait()
+            files.close()
     except Exception as e:
         if any(k in apply.started for k in written):
             raise _partial(e, manifest.step, written, reads, apply) from e

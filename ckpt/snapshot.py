@@ -14,10 +14,10 @@ from .engine import Stager, StepPayload
 from .format import Manifest, dtype_name
 from .integrity import digest
 from .options import SaveOptions
-from .layout import Layout, written_by
+from .layout import BoxLayout, Layout, written_by
 from .sharding import (PieceSpec, assign_writers, balance_plain, boxes_layouts, local_piece,
                        mesh_layout)
-from .state import FlatState, flatten
+from .state import FlatState, flatten, tensor_keys
 
 
 def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, stager: Stager,
@@ -83,7 +83,14 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
     layouts: dict[str, Layout] = {}
     plain: dict[str, tuple[tuple[int, ...], int]] = {}
     described = True
+    # The tensors of per-rank values (an RNGState's generator state) have names of their own
+    # on each rank: each rank writes its own, and they stay out of the description that
+    # ranks compare (else every save with an RNGState would gather every box).
+    own = {k for item in flat.items.values() if "per_rank" in item
+           for tree in item["per_rank"].values() for k in tensor_keys(tree)}
     for s in specs:
+        if s.key in own:
+            continue
         t = flat.tensors[s.key]
         layout = mesh_layout(t, s.global_shape, (s.offsets, s.shape), group_rank, group.rank,
                              meshes)
@@ -97,15 +104,20 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
     description = json.dumps([[m.shape, m.ranks] for m in mesh_ids] + [
         [s.key, s.dtype, s.global_shape,
          [mesh_ids[layouts[s.key].mesh], layouts[s.key].placements] if s.key in layouts
-         else None] for s in specs])
+         else None] for s in specs if s.key not in own])
     per_rank = {k: item["per_rank"] for k, item in flat.items.items() if "per_rank" in item}
     mine = {"sig": digest(description.encode()), "described": described, "token": token,
-            "per_rank": per_rank}
+            "per_rank": per_rank,
+            "own": [[s.key, s.dtype, list(s.global_shape)] for s in specs if s.key in own]}
     gathered = group.all_gather(mine)
     world = group.world_size
     if all(g["described"] and g["sig"] == mine["sig"] for g in gathered):
         layouts.update(balance_plain(plain, world))
-        tensors = {s.key: (s.dtype, s.global_shape) for s in specs}
+        tensors = {s.key: (s.dtype, s.global_shape) for s in specs if s.key not in own}
+        for rank, g in enumerate(gathered):
+            for key, dtype, shape in g["own"]:
+                tensors[key] = (dtype, tuple(shape))
+                layouts[key] = BoxLayout((((0,) * len(shape), tuple(shape), rank),))
     else:  # ranks hold different tensors: gather every box (format 1's exchange)
         all_specs = group.all_gather(specs)
         layouts = boxes_layouts(all_specs)

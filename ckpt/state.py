@@ -263,7 +263,7 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool
 def item_tree(item: Mapping[str, Any], rank: int = 0) -> Any:
     """An item's JSON tree; for a per-rank item, the tree of saved rank ``rank``."""
     per_rank = item.get("per_rank")
-    if isinstance(per_rank, dict):
+    if isinstance(per_rank, Mapping):  # a dict, or (format 2) trees read from rank tables
         return per_rank.get(str(rank))
     return item.get("tree")
 

@@ -19,7 +19,8 @@ from storage_backends import Storage
 
 from .format import Manifest
 from .reader import box_reads, needed_tensors, run_reads
-from .sharding import prefetch, source_rank
+from .integrity import check_structure
+from .sharding import overlapping, prefetch, source_rank
 from .state import decode, item_tree
 
 MapLocation = str | torch.device | None
@@ -46,8 +47,11 @@ def read_structure(storage: Storage, location: str, manifest: Manifest, *, rank:
     needed = needed_tensors(storage, location, manifest, trees, allow_pickle)
     loaded: dict[str, torch.Tensor] = {}
     jobs = []
-    prefetch(manifest, [(k, ((0,) * len(manifest.tensors[k].shape), manifest.tensors[k].shape))
-                        for k in needed])  # format 2: every table those tensors need, at once
+    whole = [(k, ((0,) * len(manifest.tensors[k].shape), manifest.tensors[k].shape))
+             for k in sorted(needed)]
+    prefetch(manifest, whole)  # format 2: every table those tensors need, at once
+    check_structure(storage, location, manifest,
+                    [c for k, box in whole for c, _ in overlapping(manifest.tensors[k], box)])
     for key in sorted(needed):
         entry = manifest.tensors[key]
         loaded[key] = torch.empty(entry.shape, dtype=entry.torch_dtype)

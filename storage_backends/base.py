@@ -9,8 +9,8 @@ ckpt calls these methods in this order for a save (each rank writes its own file
    step is visible and complete, before it nothing of it is visible;
 4. on failure, ``abort(staging)`` removes what was written.
 
-Readers use ``list``, ``exists``, ``size``, ``read``, ``read_into`` and ``read_blocks`` on
-committed steps only.
+Readers use ``list``, ``exists``, ``size``, ``read``, ``read_into``, ``read_blocks`` and
+``open_reader`` on committed steps only.
 Paths are relative to the root and use ``/``. Nothing here knows about torch.
 """
 
@@ -47,6 +47,14 @@ class Entry:
 
     name: str
     is_dir: bool
+
+
+class Reader(Protocol):
+    """Reads of one file (:meth:`Storage.open_reader`)."""
+
+    def read_into(self, start: int, out: memoryview) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Storage(abc.ABC):
@@ -99,6 +107,12 @@ class Storage(abc.ABC):
             yield part
             start += len(part)
 
+    def open_reader(self, path: str) -> Reader:
+        """A handle for many reads of one file: ``reader.read_into(start, out)`` as
+        :meth:`read_into`, then ``reader.close()``. A file system keeps the file open between
+        the reads (one open per file, not per read); by default each read stands alone."""
+        return _EachRead(self, path)
+
     @abc.abstractmethod
     def delete(self, path: str) -> None:
         """Remove a file or a whole directory; missing paths are not an error."""
@@ -123,3 +137,16 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def lock(self, owner: dict) -> WriterLock:
         """Take the root's writer lock now or raise :class:`LockHeldError`."""
+
+
+class _EachRead:
+    """The default :class:`Reader`: every read is a ``read_into`` of its own."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage, self.path = storage, path
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        self.storage.read_into(self.path, start, out)
+
+    def close(self) -> None:
+        pass

@@ -133,17 +133,14 @@ class PosixStorage(Storage):
             return f.read() if length is None else f.read(length)
 
     def read_into(self, path: str, start: int, out: memoryview) -> None:
-        view = memoryview(out).cast("B")
-        fd = self._open_read(path)
+        reader = self.open_reader(path)
         try:
-            while view:
-                n = os.preadv(fd, [view], start)
-                if n == 0:
-                    raise EOFError(f"{self._abs(path)} ends before byte {start + len(view)}")
-                start += n
-                view = view[n:]
+            reader.read_into(start, out)
         finally:
-            os.close(fd)
+            reader.close()
+
+    def open_reader(self, path: str) -> _FileReader:
+        return _FileReader(self._open_read(path), self._abs(path))
 
     # 512 KiB: a block read from the page cache is still in the CPU's cache when it is digested.
     stream_block = 512 << 10
@@ -244,6 +241,28 @@ class PosixStorage(Storage):
 
     def lock(self, owner: dict) -> WriterLock:
         return FlockWriterLock(self.root, owner)
+
+
+class _FileReader:
+    """One open file read at many offsets (``pread``: no shared file position, so threads
+    may share it)."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd, self.name = fd, name
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        while view:
+            n = os.preadv(self.fd, [view], start)
+            if n == 0:
+                raise EOFError(f"{self.name} ends before byte {start + len(view)}")
+            start += n
+            view = view[n:]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _lmode(path: str) -> int:

@@ -52,6 +52,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="first attempt only: at world sizes below this, wait for SIGTERM")
     p.add_argument("--hold-at", type=int, default=0,
                    help="at the start of this step, wait for SIGTERM")
+    p.add_argument("--hold-at-below-world", type=int, default=0,
+                   help="--hold-at only at world sizes below this (a node joining a job "
+                   "that shrank)")
     # A user's own DataLoader (workers, collate_fn), hooks and extra checkpointed items.
     p.add_argument("--loader-workers", type=int, default=None,
                    help="load through a DataLoader factory with this many workers")
@@ -177,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
             return
         t = trainer
         if ((args.hold_until_world and t.attempt == 0 and t.world_size < args.hold_until_world)
-                or (args.hold_at and t.step == args.hold_at - 1)):
+                or (args.hold_at and t.step == args.hold_at - 1
+                    and (not args.hold_at_below_world
+                         or t.world_size < args.hold_at_below_world))):
             held.append(t.step)
             logging.getLogger("elastic_job").info("holding before step %d until SIGTERM",
                                                   t.step + 1)
@@ -316,8 +321,11 @@ class LocalCluster:
         # None: torchrun's own 30 s between the SIGTERM and the SIGKILL of a restart (the
         # workers checkpoint on SIGTERM); else that many seconds (see tests/_torchrun.py).
         self.restart_grace = restart_grace
+        # PET_LOG_DIR is torchrun's --log-dir: without it every agent leaves a
+        # /tmp/torchelastic_* directory behind.
         self.env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
                         MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                        PET_LOG_DIR=str(self.workdir / "torchelastic"),
                         PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get(
                             "PYTHONPATH")) if p), **(extra_env or {}))
         self.nodes: list[Node] = []

@@ -9,9 +9,10 @@ from torch.distributed.tensor import distribute_tensor
 import ckpt
 
 
-def save_specs(rank: int, world: int, root: str, specs: list, options: dict) -> None:
+def save_specs(rank: int, world: int, root: str, specs: list, options: dict,
+               rng: bool = False) -> None:
     meshes = {}
-    state = {}
+    state = {"rng": ckpt.RNGState()} if rng else {}
     for spec in specs:
         mesh_shape = spec.mesh or (world,)
         if mesh_shape not in meshes:
@@ -23,3 +24,41 @@ def save_specs(rank: int, world: int, root: str, specs: list, options: dict) -> 
     with ckpt.CheckpointManager(root, async_save=False,
                                 options=ckpt.SaveOptions(**options)) as mgr:
         mgr.save(1, state, force=True)
+
+
+def save_then_restore_counting(rank: int, world: int, root: str, specs: list,
+                               options: dict) -> list[str]:
+    """Save ``specs`` and an RNGState (seeded per rank), then restore them into zeroed
+    DTensors of the same layout and a fresh RNGState, recording every file of the step
+    this rank's restore sized or read (PosixStorage's calls)."""
+    from storage_backends.posix import PosixStorage
+
+    torch.manual_seed(100 + rank)
+    save_specs(rank, world, root, specs, options, rng=True)
+    want_draw = torch.rand(3)
+    touched: list[str] = []
+    for method in ("size", "read", "read_into", "read_blocks", "exists"):
+        original = getattr(PosixStorage, method)
+
+        def counting(self, path, *args, _original=original, **kwargs):
+            touched.append(path)
+            return _original(self, path, *args, **kwargs)
+        setattr(PosixStorage, method, counting)
+    meshes, want = {}, {}
+    state: dict = {"rng": ckpt.RNGState()}
+    for spec in specs:
+        mesh_shape = spec.mesh or (world,)
+        if mesh_shape not in meshes:
+            meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)
+        dtype = getattr(torch, spec.dtype)
+        full = torch.arange(torch.Size(spec.shape).numel(), dtype=torch.float32)
+        want[spec.key] = full.reshape(spec.shape).to(dtype)
+        state[spec.key] = distribute_tensor(torch.zeros(spec.shape, dtype=dtype),
+                                            meshes[mesh_shape], list(spec.placements))
+    torch.manual_seed(999)
+    with ckpt.CheckpointManager(root) as mgr:
+        assert mgr.restore(state) == 1
+    assert torch.rand(3).equal(want_draw), "this rank's own RNG state was not restored"
+    for key in want:
+        assert state[key].full_tensor().equal(want[key]), key
+    return sorted({p.rsplit("/", 1)[-1] for p in touched if p.startswith("step-")})

@@ -284,10 +284,32 @@ def test_stopped_ranks_are_not_reported():
 # ------------------------------------------------------------------------- torchrun scenarios
 
 
+def check_node_loss(s: ElasticSummary, rec, tmp: Path, victim: int, attempt: int,
+                    killed_at: float) -> float:
+    """The recovery ``rec`` after the SIGKILL of rank ``victim``'s node during ``attempt``
+    (at world size 3); returns how long after the kill the survivors had both noticed."""
+    assert s.restarts >= 1
+    assert rec.attempt == attempt, (rec, attempt)
+    assert rec.world_before == 3 and rec.world_after == 2, rec
+    assert rec.lost_ranks == [victim], rec
+    # detected: both survivors recorded the failure (the wait for the job bounds how long)
+    fails = failure_records(tmp, attempt)
+    assert len(fails) == 2, fails
+    detect = max(f["time"] for f in fails) - killed_at
+    assert detect >= 0, detect  # how fast is measured by bench_elastic, not asserted here
+    # resumed from the newest checkpoint before the failure; the steps after it were redone
+    assert rec.restored_step is not None and rec.restored_step % EVERY == 0
+    assert KILL_AT - 2 * EVERY <= rec.restored_step <= rec.last_step
+    assert rec.steps_lost == rec.last_step - rec.restored_step == s.steps_lost
+    return detect
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("victim", [1, 0], ids=["rank1-node-killed", "rank0-node-killed"])
-def test_node_killed_survivors_resume_at_world_2(cluster, tmp_path, reference, victim):
+def test_node_killed_survivors_resume_at_world_2(cluster, tmp_path, reference):
+    """Rank 1's node is SIGKILLed; the two survivors resume at world size 2 (rank 0's node,
+    the host of the job's store, is killed in test_rank0_node_killed_then_a_node_joins)."""
+    victim = 1
     nodes = [cluster.add_node() for _ in range(3)]
     attempt, info = job.wait_for(at_step(tmp_path / "run", 3, KILL_AT), JOB_TIMEOUT,
                                  "training at world size 3", cluster=cluster)
@@ -296,19 +318,7 @@ def test_node_killed_survivors_resume_at_world_2(cluster, tmp_path, reference, v
     s = finish(cluster, [n for n in nodes if n is not dead], tmp_path)
 
     assert s.world_sizes[-1] == 2 and 3 in s.world_sizes, s.world_sizes
-    assert s.restarts >= 1
-    rec = s.recoveries[-1]
-    assert rec.world_before == 3 and rec.world_after == 2
-    assert rec.lost_ranks == [victim], rec
-    # detected: both survivors recorded the failure (the wait for the job bounds how long)
-    fails = failure_records(tmp_path, attempt)
-    assert len(fails) == 2, fails
-    detect = max(f["time"] for f in fails) - killed_at
-    assert detect >= 0, detect  # how fast is measured by bench_elastic, not asserted here
-    # resumed from the newest checkpoint before the failure; the steps after it were redone
-    assert rec.restored_step is not None and rec.restored_step % EVERY == 0
-    assert KILL_AT - 2 * EVERY <= rec.restored_step <= rec.last_step
-    assert rec.steps_lost == rec.last_step - rec.restored_step == s.steps_lost
+    detect = check_node_loss(s, s.recoveries[-1], tmp_path, victim, attempt, killed_at)
     check_audit(tmp_path / "audit")
     tail, ref = check_loss(tmp_path, reference)
     print(f"killed rank {victim}'s node at step {info['step']}; survivors detected it "
@@ -357,24 +367,44 @@ JOIN_AT = KILL_AT + 3
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("cluster", [("--hold-at", str(JOIN_AT))], indirect=True,
-                         ids=["hold-at-step-25"])
-def test_node_joins_and_training_continues_at_world_3(cluster, tmp_path, reference):
-    """Two nodes train; a third starts. The workers wait at step 25 for the agents to notice
-    it (a slow agent start must not let the job finish first); the agents SIGTERM them."""
-    nodes = [cluster.add_node() for _ in range(2)]
-    attempt, info = job.wait_for(at_step(tmp_path / "run", 2, KILL_AT), JOB_TIMEOUT,
-                                 "training at world size 2", cluster=cluster)
-    nodes.append(cluster.add_node())  # waits at the rendezvous; the agents restart the group
-    s = finish(cluster, nodes, tmp_path)
-    assert s.world_sizes == [2, 3], s.world_sizes
-    rec = s.recoveries[-1]
-    assert rec.reason.startswith("SIGTERM") and rec.lost_ranks == []
-    # SIGTERM from the agents became a checkpoint of the current step: nothing redone
-    assert rec.steps_lost == 0 and rec.restored_step == rec.last_step == JOIN_AT
-    assert s.restarts == 0  # membership changes do not use up torchrun's --max-restarts
+@pytest.mark.parametrize("cluster", [("--hold-until-world", "3", "--hold-at", str(JOIN_AT),
+                                      "--hold-at-below-world", "3")],
+                         indirect=True, ids=["hold-at-step-25-below-world-3"])
+def test_rank0_node_killed_then_a_node_joins(cluster, tmp_path, reference):
+    """One job, two membership changes. Rank 0's node (its worker hosts the job's store) is
+    SIGKILLed at world size 3: the survivors resume at world size 2. Then a third node
+    starts; the workers wait at step 25 for the agents to notice it (a slow agent start must
+    not let the job finish first); the agents SIGTERM them and training continues at world
+    size 3."""
+    victim = 0
+    nodes = [cluster.add_node() for _ in range(3)]
+    attempt, info = job.wait_for(at_step(tmp_path / "run", 3, KILL_AT), JOB_TIMEOUT,
+                                 "training at world size 3", cluster=cluster)
+    dead = cluster.node_of(info["pids"][victim])
+    killed_at = dead.kill(signal.SIGKILL)  # the agent and its worker: a whole node
+    survivors = [n for n in nodes if n is not dead]
+    shrunk, shrunk_info = job.wait_for(at_step(tmp_path / "run", 2, KILL_AT), JOB_TIMEOUT,
+                                       "training at world size 2", cluster=cluster)
+    restarts_before_join = max(r["restart_count"] for r in shrunk_info["events"]
+                               if r["event"] == "start")
+    survivors.append(cluster.add_node())  # waits at the rendezvous; the agents restart
+    s = finish(cluster, survivors, tmp_path)
+
+    assert s.world_sizes[-3:] == [3, 2, 3], s.world_sizes
+    kill, join = s.recoveries[-2:]
+    assert join.attempt == shrunk, (join, shrunk)
+    detect = check_node_loss(s, kill, tmp_path, victim, attempt, killed_at)
+    # the join: SIGTERM from the agents became a checkpoint of the current step, nothing redone
+    assert join.world_before == 2 and join.world_after == 3, join
+    assert join.reason.startswith("SIGTERM") and join.lost_ranks == [], join
+    assert join.steps_lost == 0 and join.restored_step == join.last_step == JOIN_AT, join
+    # membership changes do not use up torchrun's --max-restarts; the node's death did
+    assert s.restarts == restarts_before_join >= 1, (s.restarts, restarts_before_join)
     check_audit(tmp_path / "audit")
-    check_loss(tmp_path, reference)
+    tail, ref = check_loss(tmp_path, reference)
+    print(f"killed rank 0's node at step {info['step']}; survivors detected it "
+          f"{detect:.2f}s later; a node joined at step {JOIN_AT}; mean loss of the last 10 "
+          f"steps {tail:.4f} (uninterrupted {ref:.4f})")
 
 
 @pytest.mark.slow
@@ -388,6 +418,7 @@ def test_fsdp2_model_trains_and_resumes_on_another_world_size(tmp_path):
     args = job_args(tmp_path, sleep=0.0) + ["--fsdp"]
     args[args.index("--every") + 1] = "4"
     for launcher, steps in ((["-m", "torch.distributed.run", "--standalone",
+                              f"--log-dir={tmp_path / 'torchelastic'}",
                               "--nproc-per-node=3"], 8), ([], 12)):
         cmd = [sys.executable, *launcher, job.SCRIPT, *args]
         cmd[cmd.index("--steps") + 1] = str(steps)

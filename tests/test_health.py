@@ -703,6 +703,7 @@ def test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan(tmp_path, wrap):
     for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--log-dir={tmp_path / 'torchelastic'}",  # not a /tmp/torchelastic_* left behind
            "--nproc-per-node=2", __file__, str(tmp_path), wrap]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120,
                           check=False)
@@ -734,6 +735,7 @@ def test_torchrun_job_resumes_past_a_step_saved_with_nan_weights(tmp_path):
     for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--log-dir={tmp_path / 'torchelastic'}",  # not a /tmp/torchelastic_* left behind
            "--nproc-per-node=2", "--max-restarts=1", __file__, str(tmp_path), "nan-weights"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
                           check=False)

@@ -7,6 +7,7 @@ chunk is the hard case: a one-pass load would already have overwritten everythin
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -203,8 +204,8 @@ def test_non_contiguous_and_fresh_destinations_load_exactly(tmp_path, compressio
 
 class _FailsApplyRead(PosixStorage):
     """The verify pass reads ``target`` (path, start) fine, streamed through ``read_blocks``;
-    the apply pass's read of it (``read_into``) fails: a disk error, or a file removed
-    between the two reads."""
+    the apply pass's read of it (through ``open_reader``) fails: a disk error, or a file
+    removed between the two reads."""
 
     def __init__(self, root, target):
         super().__init__(root)
@@ -215,11 +216,20 @@ class _FailsApplyRead(PosixStorage):
             self.verified = True
         return super().read_blocks(path, start, length, buffer)
 
-    def read_into(self, path, start, out):
-        if (path, start) == self.target:
-            self.failed = True
-            raise OSError(5, "Input/output error (injected)")
-        return super().read_into(path, start, out)
+    def open_reader(self, path):
+        reader, storage = super().open_reader(path), self
+
+        class Failing:
+            def read_into(self, start, out):
+                if (path, start) == storage.target:
+                    storage.failed = True
+                    raise OSError(5, "Input/output error (injected)")
+                reader.read_into(start, out)
+
+            def close(self):
+                reader.close()
+
+        return Failing()
 
 
 def test_a_restore_that_fails_after_writing_says_what_it_wrote_and_stops(tmp_path):
@@ -237,3 +247,58 @@ def test_a_restore_that_fails_after_writing_says_what_it_wrote_and_stops(tmp_pat
         assert mgr.skipped == []  # not taken for a bad step: step 1 was not tried on top
     assert "partly overwritten" in str(info.value) and "are unchanged" in str(info.value)
     assert storage.verified and storage.failed
+
+
+class _TruncatesAfterVerify(PosixStorage):
+    """Cuts ``victim`` short (a real truncation) once the verify pass has streamed it whole,
+    before the apply pass reads it again."""
+
+    def __init__(self, root, victim, keep):
+        super().__init__(root)
+        self.victim, self.keep = victim, keep
+
+    def read_blocks(self, path, start, length, buffer):
+        yield from super().read_blocks(path, start, length, buffer)
+        if path == self.victim:
+            os.truncate(os.path.join(self.root, path), self.keep)
+
+
+def test_a_file_truncated_between_the_passes_is_reported_never_zero_filled(tmp_path):
+    save_step(tmp_path, 1, make_state(1))
+    data_file, last_byte = last_chunk(tmp_path / "step-00000001")
+    keep = last_byte + 1 - 1000  # the last chunk loses its last 1000 bytes (250 floats)
+    storage = _TruncatesAfterVerify(tmp_path, f"step-00000001/{data_file.name}", keep)
+    live = make_state(2)
+    before = snapshot(live)
+    with CheckpointManager(storage, read_only=True, metrics=False) as mgr:
+        with pytest.raises(PartialLoadError, match=f"ends before byte {last_byte + 1}") as info:
+            mgr.restore(live, step=1)
+    assert data_file.stat().st_size == keep
+    assert "partly overwritten (extra)" in str(info.value)  # "extra" is stored last
+    # the bytes the file no longer has were never written: the old values, not zeros
+    assert torch.equal(live["extra"].reshape(-1)[-250:], before["extra"].reshape(-1)[-250:])
+
+
+class _CountsOpens(PosixStorage):
+    def __init__(self, root):
+        super().__init__(root)
+        self.opens = 0
+
+    def _open_read(self, path):
+        self.opens += 1
+        return super()._open_read(path)
+
+
+def test_each_pass_opens_each_file_once_per_thread_not_once_per_chunk(tmp_path):
+    state = {f"t{i}": torch.randn(64, 64) for i in range(32)}  # 32 chunks in 2 files
+    with CheckpointManager(tmp_path, async_save=False, handle_sigterm=False, metrics=False,
+                           options=SaveOptions(chunk_bytes=16 << 10, write_threads=2)) as mgr:
+        mgr.save(1, state)
+    storage = _CountsOpens(tmp_path)
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(storage, read_only=True, metrics=False) as mgr:
+        storage.opens = 0
+        mgr.restore(live, step=1)
+    assert all(torch.equal(live[k], state[k]) for k in state)
+    # verify: one streamed run per file; apply: each file once per reading thread (<= 3)
+    assert storage.opens <= 2 + 2 * 3, f"{storage.opens} opens for 2 files"

@@ -27,6 +27,7 @@ from ckpt.layout import Mesh, MeshLayout, mesh_box
 from ckpt.options import SaveOptions
 from ckpt.ranktable import MAGIC
 from ckpt.sharding import intersect, overlapping
+from ckpt.state import item_tree
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import scale_sim as sim  # noqa: E402
@@ -227,3 +228,100 @@ def test_a_single_process_save_with_rank_tables_round_trips_and_refuses_a_flippe
     with ckpt.CheckpointManager(str(tmp_path)) as mgr, pytest.raises(CorruptCheckpointError,
                                                                      match="chunk table"):
         mgr.restore(out, step=1)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_verify_lists_a_damaged_rank_table_as_a_damaged_file(tmp_path, capsys, damage):
+    from ckpt.cli import main as cli_main
+
+    opts = ckpt.SaveOptions(chunk_bytes=4096, rank_tables=True)
+    with ckpt.CheckpointManager(str(tmp_path), async_save=False, options=opts) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.arange(5000.0).reshape(100, 50) * step}, force=True)
+    table = next((tmp_path / "step-00000002").glob("table-*"))
+    raw = table.read_bytes()
+    table.write_bytes(_damaged(raw, len(raw) - 5) if damage == "flip" else raw[:-8])
+    code = cli_main(["verify", str(tmp_path), "--all"])
+    out = capsys.readouterr().out
+    assert code == 1  # docs/cli.md: a check failed, the checkpoint is damaged
+    assert "step 1: OK" in out
+    assert "step 2: FAILED" in out and f"- structure: {table}" in out
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_rank_restoring_its_shard_touches_only_the_files_it_reads(tmp_path):
+    """No rank sizes (a HEAD on S3) or reads another rank's data files or table: the
+    structure check of a restore covers the files of the rank's own plan. Each rank gets
+    its own RNG state back."""
+    specs = [SPECS[0], SPECS[1]]  # Shard(0), Shard(1): each rank reads only its own boxes
+    root = str(tmp_path / "root")
+    touched = run_ranks(2, W.save_then_restore_counting, root, specs, OPTIONS, timeout=600)
+    names = os.listdir(os.path.join(root, "step-00000001"))
+    with open(os.path.join(root, "step-00000001", "manifest.json"), "rb") as f:
+        doc = json.loads(f.read())
+    # Each rank's RNG state is a tensor of its own name: the DTensors keep their mesh
+    # layouts (an RNGState does not make the save gather every rank's boxes).
+    assert {doc["tensors"][s.key]["layout"].get("mesh") for s in specs} == {0}
+    assert doc["tensors"]["rng@1/torch"]["layout"]["boxes"][0][2] == 1
+    for rank, files in enumerate(touched):
+        own = {n for n in names if f"-r{rank:05d}" in n}
+        assert any(n.startswith("data-") for n in own)
+        assert set(files) - {"manifest.json"} == own, (rank, files)
+
+
+def test_a_missing_file_a_restore_needs_is_refused_before_anything_changes(tmp_path):
+    """A file holding only tensors the state does not ask for is not looked at; one it
+    needs is reported (by name) before any live tensor is written."""
+    saved = {"a": torch.arange(4096.0), "b": torch.arange(4096.0) + 1}
+    opts = ckpt.SaveOptions(rank_tables=True, write_threads=2)
+    with ckpt.CheckpointManager(str(tmp_path), async_save=False, options=opts) as mgr:
+        mgr.save(1, saved, force=True)
+    m = ckpt.inspect.open(str(tmp_path)).manifest(1)
+    file_of = {k: {c.file for c in e.chunks} for k, e in m.tensors.items()}
+    assert len(file_of["a"] | file_of["b"]) == 2 and not file_of["a"] & file_of["b"]
+    os.remove(tmp_path / "step-00000001" / file_of["b"].pop())
+    only_a = {"a": torch.zeros(4096)}
+    with ckpt.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.restore(only_a, step=1) == 1
+    assert only_a["a"].equal(saved["a"])
+    both = {"a": torch.full((4096,), 7.0), "b": torch.full((4096,), 7.0)}
+    with ckpt.CheckpointManager(str(tmp_path)) as mgr, pytest.raises(
+            CorruptCheckpointError, match="is missing"):
+        mgr.restore(both, step=1)
+    assert all(t.eq(7.0).all() for t in both.values())
+
+
+def test_per_rank_values_live_in_their_ranks_tables_and_old_manifests_still_load():
+    """A format-2 manifest holds no per-rank trees (an RNGState is ~7.6 KB of JSON per
+    rank); a rank reading its values reads its source rank's table only. A format-2
+    manifest with the trees inline (as written before) still loads them."""
+    rng = sim.rng_state(4)
+    manifest, files = sim.step_of((4,), SPECS, SaveOptions(**OPTIONS), rng=rng)
+    doc = json.loads(manifest.to_json())
+    assert doc["items"]["rng"] == {"kind": "stateful", "per_rank": "tables"}
+    reads: list[str] = []
+    m = _bound(manifest, files, reads)
+    assert item_tree(m.items["rng"], 2) == rng[0]["rng"]["per_rank"]["2"]
+    assert reads == [manifest.tables[2][0]]
+    assert dict(m.items["rng"]["per_rank"]) == rng[0]["rng"]["per_rank"]  # what tools list
+    # A table whose values were removed (its digest re-recorded) is refused.
+    name = manifest.tables[1][0]
+    raw = files[name]
+    (hlen,) = struct.unpack("<Q", raw[8:16])
+    head = json.loads(raw[16:16 + hlen])
+    del head["values"]
+    header = json.dumps(head).encode()
+    header += b" " * (-(len(header) + 16) % 8)
+    bad = MAGIC + struct.pack("<Q", len(header)) + header + raw[16 + hlen:]
+    manifest.tables[1] = (name, len(bad), digest(bad))
+    with pytest.raises(CorruptCheckpointError, match="per-rank items"):
+        item_tree(_bound(manifest, {**files, name: bad}).items["rng"], 1)
+    # Before: the trees inline in a format-2 manifest (no values in the tables).
+    old, old_files = sim.step_of((4,), SPECS, SaveOptions(**OPTIONS))
+    old_doc = json.loads(old.to_json())
+    old_doc["items"]["count"] = {"kind": "stateful",
+                                 "per_rank": {str(r): {"n": r} for r in range(4)}}
+    inline = Manifest.from_json(json.dumps(old_doc).encode(), where="old").bind(
+        old_files.__getitem__, "old")
+    assert item_tree(inline.items["count"], 3) == {"n": 3}

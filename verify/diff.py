@@ -222,6 +222,13 @@ def _tensor_diff(key: str, ea: TensorEntry | None, eb: TensorEntry | None,
     return d
 
 
+def _trees(item: dict) -> Any:
+    """An item's tree, or its per-rank trees by rank (format 2 reads them from the rank
+    tables, as a mapping)."""
+    per_rank = item.get("per_rank")
+    return dict(per_rank) if per_rank is not None else item.get("tree")
+
+
 def diff_values(ma: Manifest, mb: Manifest) -> list[ValueDiff]:
     """Plain values that differ: every non-tensor leaf of every item, and user metadata,
     by the paths ``ckpt inspect`` shows (:func:`ckpt.inspect.plain_values`)."""
@@ -233,8 +240,7 @@ def diff_values(ma: Manifest, mb: Manifest) -> list[ValueDiff]:
         elif ia.get("kind") != ib.get("kind"):
             out.append(ValueDiff(f"{name} (kind)", ia.get("kind"), ib.get("kind")))
         else:
-            out += _differing(plain_values(ia.get("per_rank", ia.get("tree")), name),
-                              plain_values(ib.get("per_rank", ib.get("tree")), name))
+            out += _differing(plain_values(_trees(ia), name), plain_values(_trees(ib), name))
     meta_a = {k: v for k, v in ma.metadata.items() if not k.startswith("ckpt_")}
     meta_b = {k: v for k, v in mb.metadata.items() if not k.startswith("ckpt_")}
     out += _differing(plain_values(meta_a, "metadata"), plain_values(meta_b, "metadata"))

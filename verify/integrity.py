@@ -229,6 +229,11 @@ def _run_levels(cps: Checkpoints, step: int, level: str, report: StepReport,
         return
     report.checks.append("manifest")
     report.tensors = len(manifest.tensors)
+    damaged = manifest.table_problems()  # format 2: the rank tables, each listed when bad
+    if damaged:
+        report.checks.append("structure")
+        report.problems += [Problem("structure", str(e), e.path) for e in damaged]
+        return
     report.files = len(cps.files(step, manifest))
     report.bytes = sum(c.length for e in manifest.tensors.values() for c in e.chunks)
     report.checks += ["structure", "header"]

@@ -6,7 +6,8 @@ The launcher's parent plays torchrun's agent: in the quick tests it is this pyte
 The quick tests start the zygote with ``--no-default-preload`` (no torch to import).
 
 - the worker is the zygote's child, with the launcher's argv, cwd, environment and stdio,
-  and the launcher exits with its status; a second launch reuses the zygote;
+  and the launcher exits with its status; a second launch reuses the zygote; a module
+  (``-m``) runs warm too; outside torchrun the script runs in the launcher;
 - torchrun's SIGTERM to the launcher reaches the worker, and the launcher dies of the same
   signal; a SIGKILLed launcher takes its worker down; a dead zygote takes its workers down
   and the next launch starts another;
@@ -153,6 +154,27 @@ def test_worker_is_forked_by_the_zygote_with_the_launchers_argv_cwd_env_and_stdi
     second = json.loads(out.read_text())
     assert second["zygote"] == seen["zygote"] and second["value"] == "second"
     assert second["pid"] != seen["pid"]
+
+
+def test_a_module_runs_warm_and_outside_torchrun_the_script_runs_in_the_launcher(warm):
+    out = warm["tmp"] / "seen.json"
+    warm["env"]["PYTHONPATH"] += os.pathsep + str(Path(SCRIPT).parent)
+    argv = [sys.executable, "-m", "trainer.warm", *LIGHT, "-m", "_warm_script", "report",
+            str(out)]
+    run = subprocess.run(argv, env=warm["env"], cwd=warm["tmp"], input="", text=True,
+                         capture_output=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(out.read_text())
+    assert seen["zygote"] is not None and seen["ppid"] == int(seen["zygote"])
+    assert seen["argv"] == [SCRIPT, "report", str(out)] and seen["name"] == "__main__"
+    assert seen["path0"] == str(warm["tmp"])  # python -m puts the working directory first
+    # No torchrun (no run id): nothing will restart the script, no zygote to keep.
+    env = {k: v for k, v in warm["env"].items() if k != "TORCHELASTIC_RUN_ID"}
+    run = subprocess.run(argv, env=env, cwd=warm["tmp"], input="", text=True,
+                         capture_output=True, timeout=60)
+    assert run.returncode == 0 and run.stderr == "to stderr\n", run.stderr
+    seen = json.loads(out.read_text())
+    assert seen["zygote"] is None and seen["ppid"] == os.getpid()
 
 
 def test_the_launcher_relays_sigterm_and_dies_of_its_workers_signal(warm):

@@ -168,6 +168,10 @@ class Manifest:
     refs: dict[tuple[int, str], int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
+        with paused_gc():  # a document of many small objects (see paused_gc)
+            return self._to_json()
+
+    def _to_json(self) -> bytes:
         # Built by hand: dataclasses.asdict deep-copies every field of millions of chunks and
         # was the slowest part of a large job's commit (benchmarks/bench_scale.py).
         doc = {f.name: getattr(self, f.name) for f in fields(self)

@@ -5,6 +5,7 @@ docstring; deleting the guarded line makes the test fail."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import socket
@@ -240,3 +241,58 @@ def test_the_memory_tiers_reader_reports_a_file_that_ends_early_never_zero_fills
         handle.close()
     finally:
         reader.close()
+
+
+def _sharded(world: int, seed: int) -> dict:
+    """A row-sharded DTensor whose every shard spans several 4 KiB chunks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.randn(3 * 512, 8, generator=torch.Generator().manual_seed(seed))
+    return {"w": distribute_tensor(full, init_device_mesh("cpu", (world,)), [Shard(0)])}
+
+
+def _save_small_chunks(rank: int, world: int, root: str, shm: str, nodes: list[str]) -> bool:
+    """Save step 1 to memory only in 4 KiB chunks (each rank's 16 KiB shard is four: a peer
+    serving a lost rank sends several byte ranges) and wait for the replicas."""
+    import torch.distributed as dist
+    from _memory_workers import manager
+
+    mgr = manager(root, shm, "guard", nodes[rank], options=SaveOptions(chunk_bytes=4096),
+                  persist_every=2)  # step 1 stays in memory only
+    mgr.save(1, _sharded(world, 1), force=True)
+    replicated = mgr.wait_replicated(60)
+    dist.barrier()
+    mgr.close()
+    return replicated
+
+
+def _restore_from_peers(rank: int, world: int, root: str, shm: str, nodes: list[str]) -> dict:
+    from _memory_workers import manager
+
+    state = _sharded(world, 2)
+    with manager(root, shm, "guard", nodes[rank]) as mgr:
+        step = mgr.restore(state)
+        tier = mgr.last_restore.tier if mgr.last_restore else None
+    same = torch.equal(state["w"].full_tensor(), _sharded(world, 1)["w"].full_tensor())
+    return {"step": step, "tier": tier, "same": same}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_peer_serving_several_chunks_of_a_lost_rank_sends_each_one_right(tmp_path):
+    """Mutant: ckpt/memory_restore.py's peer exchange not advancing ``at`` while it cuts a
+    source's incoming bytes into the chunks asked for (every chunk would get the first
+    one's bytes; the digests fail and the restore falls to the root)."""
+    from _dist import run_ranks
+
+    root, shm = str(tmp_path / "root"), tmp_path / "shm"
+    shm.mkdir()
+    nodes = ["hostG_n0", "hostG_n1", "hostG_n2"]
+    assert all(run_ranks(3, _save_small_chunks, root, str(shm), nodes, timeout=100))
+    for name in os.listdir(shm):  # node 2 lost: its segment and the replicas it held
+        if name.startswith("ckpt-guard-hostG_n2-"):
+            shutil.rmtree(shm / name)
+    assert not (Path(root) / "step-00000001").exists()  # the root cannot serve it
+    for r in run_ranks(2, _restore_from_peers, root, str(shm), nodes[:2], timeout=100):
+        assert r == {"step": 1, "tier": "peer", "same": True}

@@ -40,7 +40,7 @@
 Run from the repository root::
 
     python benchmarks/bench_memory_tier.py [--sizes 1G] [--reps 3] [--quick]
-        [--no-restore] [--no-timeline] [--pad-mb 0]
+        [--no-restore] [--no-timeline] [--pad-mb 0] [--timeline-reps 1]
 
 It never asserts on timings.
 """
@@ -466,6 +466,19 @@ TIMELINE_ROWS = [
 ]
 
 
+def timeline_median(reps: list[dict]) -> dict:
+    """The median of each time over the repetitions of one configuration (the other
+    fields from the first; ``ok`` only if every run finished)."""
+    out = dict(reps[0])
+    for key in {k for _, k in TIMELINE_ROWS} | {"torchrun", "recovery"}:
+        values = [r[key] for r in reps if r.get(key) is not None]
+        out[key] = common.median(values) if values else None
+    out["ok"] = all(r["ok"] for r in reps)
+    out["each"] = [r["recovery"] for r in reps]
+    out["restore_s"] = common.median([r["restored"] - r["restore_start"] for r in reps])
+    return out
+
+
 def timeline_table(runs: dict[str, dict]) -> str:
     def cell(r: dict, key: str) -> str:
         return "-" if r.get(key) is None else f"{r[key]:.2f}"
@@ -478,8 +491,11 @@ def timeline_table(runs: dict[str, dict]) -> str:
         f"{r['tier']}, {r['bytes']}" for r in runs.values()],
         ["workers forked from a zygote"] + [r["warm"] for r in runs.values()],
         ["torchrun's rendezvous (excluded)"] + [cell(r, "torchrun") for r in runs.values()],
-        ["**recovery, rendezvous excluded**"] + [cell(r, "recovery") for r in runs.values()],
-        ["job finished"] + ["yes" if r["ok"] else "FAILED" for r in runs.values()]]
+        ["**recovery, rendezvous excluded**"] + [cell(r, "recovery") for r in runs.values()]]
+    if any(len(r.get("each", [])) > 1 for r in runs.values()):
+        rows.append(["recovery of each run"] + [
+            " ".join(f"{v:.2f}" for v in r.get("each", [])) for r in runs.values()])
+    rows.append(["job finished"] + ["yes" if r["ok"] else "FAILED" for r in runs.values()])
     return common.markdown_table(headers, rows)
 
 
@@ -487,17 +503,21 @@ def bench_timeline(args) -> None:
     scenarios = ["worker"] if args.quick else list(SCENARIOS)
     configs = TIMELINE_CONFIGS[:2] if args.quick else TIMELINE_CONFIGS
     for scenario in scenarios:
-        runs: dict[str, dict] = {}
+        reps: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
         with tempfile.TemporaryDirectory(prefix="bench-memory-timeline-") as tmp:
-            for i, (name, warm, memory) in enumerate(configs):
-                print(f"  [timeline {scenario}] {name} (load {common.load_average()})",
-                      file=sys.stderr, flush=True)
-                runs[name] = timeline_run(Path(tmp) / f"{scenario}-{i}", scenario, memory,
-                                          args, warm=warm)
+            for rep in range(args.timeline_reps):  # interleaved: A B C D, A B C D, ...
+                for i, (name, warm, memory) in enumerate(configs):
+                    print(f"  [timeline {scenario} {rep + 1}/{args.timeline_reps}] {name} "
+                          f"(load {common.load_average()})", file=sys.stderr, flush=True)
+                    reps[name].append(timeline_run(Path(tmp) / f"{scenario}-{i}-{rep}",
+                                                   scenario, memory, args, warm=warm))
+        runs = {name: timeline_median(r) for name, r in reps.items()}
         print(f"\n### Recovery timeline: {SCENARIOS[scenario]}, tiny LM"
               + (f" + {args.pad_mb:g} MB" if args.pad_mb else "")
-              + f", {args.timeline_steps} steps, checkpoint every 5 (load "
-              f"{common.load_average()})\n")
+              + f", {args.timeline_steps} steps, checkpoint every 5; "
+              + (f"medians of {args.timeline_reps} interleaved runs"
+                 if args.timeline_reps > 1 else "one run each")
+              + f" (load {common.load_average()})\n")
         print(timeline_table(runs))
         for name, warm, memory in configs:
             if not memory:
@@ -506,7 +526,7 @@ def bench_timeline(args) -> None:
             print(f"\n- {name}: recovery, torchrun's rendezvous excluded: "
                   f"{r['recovery']:.2f} s (goal < {GOAL_RECOVERY_S:g} s: "
                   f"{'met' if r['recovery'] < GOAL_RECOVERY_S else 'NOT met'}); of which "
-                  f"the restore {r['restored'] - r['restore_start']:.2f} s")
+                  f"the restore {r['restore_s']:.2f} s")
 
 
 def main() -> None:
@@ -522,6 +542,8 @@ def main() -> None:
         p.add_argument("--no-restore", action="store_true", help="skip the restore table")
         p.add_argument("--no-timeline", action="store_true", help="skip the timeline")
         p.add_argument("--timeline-steps", type=int, default=60)
+        p.add_argument("--timeline-reps", type=int, default=1,
+                       help="timeline: runs of each configuration (interleaved; medians)")
         p.add_argument("--pad-mb", type=float, default=0.0,
                        help="timeline: checkpoint this many MB besides the tiny LM")
 

@@ -200,7 +200,7 @@ def main() -> None:
     print(f"### Planning seconds per phase, format 2 (code {commit})\n")
     print(f"70B decoder, {_ARGS.layers} layers, bf16 parameters"
           + (" + fp32 Adam state" if _ARGS.optim else "")
-          + (" + a ckpt.RNGState per rank (its tree in the manifest's items, its "
+          + (" + a ckpt.RNGState per rank (its tree in its rank table, its "
              "tensors written by their rank)" if _ARGS.rng else "")
           + f"; 8 MiB chunks; vote through a real TCPStore with {_ARGS.clients} client "
           "connections (`*`: ranks shared them, an upper bound). Load plan: one "

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import gc
 import json
 import math
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -165,6 +168,10 @@ class Manifest:
     refs: dict[tuple[int, str], int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
+        with paused_gc():  # a document of many small objects (see paused_gc)
+            return self._to_json()
+
+    def _to_json(self) -> bytes:
         # Built by hand: dataclasses.asdict deep-copies every field of millions of chunks and
         # was the slowest part of a large job's commit (benchmarks/bench_scale.py).
         doc = {f.name: getattr(self, f.name) for f in fields(self)
@@ -232,6 +239,11 @@ class Manifest:
         """Parse and validate a manifest; raises CorruptCheckpointError naming ``where``."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{where}: manifest is {len(raw)} bytes", path=where)
+        with paused_gc():
+            return cls._from_json(raw, where)
+
+    @classmethod
+    def _from_json(cls, raw: bytes, where: str) -> Manifest:
         try:
             doc = json.loads(raw)
         except RecursionError:
@@ -262,6 +274,21 @@ def chunk_doc(c: Chunk) -> dict[str, Any]:
     if c.step is not None:
         doc["step"] = c.step
     return doc
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building many small objects that form no
+    cycles (a parsed manifest, a batch of table rows): each allocation burst otherwise sets
+    off full passes that scan every object of the process, which in a large job's process
+    cost more than the work itself (benchmarks/bench_scale.py). Nests; restores the state."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Invalid(Exception):
@@ -394,7 +421,9 @@ def _parse_laid_out(key: str, doc: Any, meshes: list, world: int) -> TensorEntry
                    f"box {i} of {key!r} lies outside the tensor's shape {list(shape)}")
             writer = _int(b[2], f"writer of box {i} of {key!r}", hi=world - 1)
             boxes.append((offsets, box, writer))
-        _check_tiling(key, shape, [(o, s) for o, s, _ in boxes])
+        if not (len(boxes) == 1 and boxes[0][1] == shape and not any(boxes[0][0])):
+            # (one box that is the whole tensor, such as a rank's RNG state, tiles it)
+            _check_tiling(key, shape, [(o, s) for o, s, _ in boxes])
         return TensorEntry(dtype, shape, None, BoxLayout(tuple(boxes)))
     mesh = layout.get("mesh")
     _check(type(mesh) is int and 0 <= mesh < len(meshes), f"tensor {key!r} names mesh {mesh!r}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
-import gc
 import json
 import math
 import struct
@@ -36,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .format import (CODECS, DTYPES, MAX_BYTES, MAX_DIMS, MAX_TILING_CORNERS, MAX_ZSTD_RATIO,
-                     Chunk, Invalid, check_item_tree, file_name)
+                     Chunk, Invalid, check_item_tree, file_name, paused_gc)
 from .errors import CorruptCheckpointError
 from .integrity import digest as content_digest
 from .layout import Box, cells_overlapping, written_by
@@ -88,19 +87,11 @@ class _Rows:
     def __init__(self, offsets: np.ndarray, shape: np.ndarray, cols: dict[str, np.ndarray],
                  files: list[str]) -> None:
         self.files = files
-        # Tens of thousands of small lists at once set off the cyclic garbage collector,
-        # whose full passes scan every object of the process (seconds in a large job's
-        # process, measured by bench_scale.py); none of these lists can form a cycle.
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with paused_gc():  # tens of thousands of small lists at once
             self.offsets, self.shape = offsets.tolist(), shape.tolist()
             self.file, self.start, self.length, self.digest, self.codec, self.ref = (
                 cols[c].tolist() for c in ("file", "start", "length", "digest", "codec", "ref"))
             self.first = [o[0] for o in self.offsets]
-        finally:
-            if enabled:
-                gc.enable()
 
 
 class Table:
@@ -218,9 +209,8 @@ def _read_head(raw: bytes, manifest, rank: int) -> tuple:
         held = sorted(values) if isinstance(values, dict) else values
         raise Invalid(f"holds values of items {held!r}, the manifest's per-rank items are "
                       f"{sorted(want)}")
-    for name, tree in values.items():
-        check_item_tree(f"rank {rank}'s value of item {name!r}", manifest.items[name]["kind"],
-                        tree, manifest.tensors, manifest.aliases)
+    # each tree is checked when first asked for (Tables.value): a reader of many tables
+    # uses one rank's values, and an RNGState's tree is ~7.6 KB of JSON
     return keys, files, dims, np.frombuffer(raw, dtype=dtype, count=rows, offset=start), values
 
 
@@ -445,6 +435,7 @@ class Tables:
         self._lock = threading.Lock()
         self._all: dict[str, tuple[Chunk, ...]] | None = None
         self._index: TensorIndex | None = None
+        self._checked_values: set[tuple[int, str]] = set()
 
     def table(self, rank: int) -> Table:
         table = self._tables.get(rank)  # a dict read is atomic; filled under the lock
@@ -500,6 +491,23 @@ class Tables:
                 "changed or damaged; the step cannot be loaded", path=where)
         return raw
 
+    def value(self, rank: int, name: str) -> Any:
+        """Saved rank ``rank``'s tree of per-rank item ``name``, checked on first use."""
+        table = self.table(rank)
+        tree = table.values[name]
+        if (rank, name) not in self._checked_values:
+            where = f"{self.where}/{self.manifest.tables[rank][0]}"
+            try:
+                check_item_tree(f"rank {rank}'s value of item {name!r}",
+                                self.manifest.items[name]["kind"], tree,
+                                self.manifest.tensors, self.manifest.aliases)
+            except Invalid as e:
+                raise CorruptCheckpointError(f"{where}: invalid chunk table (rank {rank}): "
+                                             f"{e}; the step cannot be loaded",
+                                             path=where) from None
+            self._checked_values.add((rank, name))
+        return tree
+
     def values_of(self, name: str) -> "PerRankValues":
         """Per-rank item ``name``'s trees by saved rank, each read from its rank's table."""
         return PerRankValues(self, name)
@@ -549,11 +557,20 @@ class Tables:
                 except CorruptCheckpointError as e:
                     out.append(e)
             return out
-        try:
-            self._collect()
-        except CorruptCheckpointError as e:
-            return [e]
-        return []
+        out = []
+        for rank in everyone:
+            for name in self.manifest.in_tables():
+                try:
+                    self.value(rank, name)
+                except CorruptCheckpointError as e:
+                    out.append(e)
+                    break
+        if not out:
+            try:
+                self._collect()
+            except CorruptCheckpointError as e:
+                out.append(e)
+        return out
 
     def _collect(self) -> None:
         if self._all is None:
@@ -591,7 +608,7 @@ class PerRankValues(Mapping):
         if not (isinstance(rank, str) and rank.isdigit()
                 and int(rank) < len(self.tables.manifest.tables)):
             raise KeyError(rank)
-        return self.tables.table(int(rank)).values[self.name]
+        return self.tables.value(int(rank), self.name)
 
     def __iter__(self) -> Iterator[str]:
         return (str(r) for r in range(len(self.tables.manifest.tables)))

@@ -6,11 +6,14 @@ The launcher's parent plays torchrun's agent: in the quick tests it is this pyte
 The quick tests start the zygote with ``--no-default-preload`` (no torch to import).
 
 - the worker is the zygote's child, with the launcher's argv, cwd, environment and stdio,
-  and the launcher exits with its status; a second launch reuses the zygote;
+  and the launcher exits with its status; a second launch reuses the zygote; a module
+  (``-m``) runs warm too; outside torchrun the script runs in the launcher;
 - torchrun's SIGTERM to the launcher reaches the worker, and the launcher dies of the same
   signal; a SIGKILLed launcher takes its worker down; a dead zygote takes its workers down
   and the next launch starts another;
 - only this user's processes whose parent is the agent may use the zygote;
+- a launcher killed while the zygote it started still imports: the next one waits for that
+  zygote rather than start a second;
 - no usable zygote (a directory others may enter, a zygote that cannot start): the script
   runs cold, in the launcher, and a line says why;
 - the zygote exits with its agent and leaves nothing in its directory;
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -152,6 +156,27 @@ def test_worker_is_forked_by_the_zygote_with_the_launchers_argv_cwd_env_and_stdi
     assert second["pid"] != seen["pid"]
 
 
+def test_a_module_runs_warm_and_outside_torchrun_the_script_runs_in_the_launcher(warm):
+    out = warm["tmp"] / "seen.json"
+    warm["env"]["PYTHONPATH"] += os.pathsep + str(Path(SCRIPT).parent)
+    argv = [sys.executable, "-m", "trainer.warm", *LIGHT, "-m", "_warm_script", "report",
+            str(out)]
+    run = subprocess.run(argv, env=warm["env"], cwd=warm["tmp"], input="", text=True,
+                         capture_output=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(out.read_text())
+    assert seen["zygote"] is not None and seen["ppid"] == int(seen["zygote"])
+    assert seen["argv"] == [SCRIPT, "report", str(out)] and seen["name"] == "__main__"
+    assert seen["path0"] == str(warm["tmp"])  # python -m puts the working directory first
+    # No torchrun (no run id): nothing will restart the script, no zygote to keep.
+    env = {k: v for k, v in warm["env"].items() if k != "TORCHELASTIC_RUN_ID"}
+    run = subprocess.run(argv, env=env, cwd=warm["tmp"], input="", text=True,
+                         capture_output=True, timeout=60)
+    assert run.returncode == 0 and run.stderr == "to stderr\n", run.stderr
+    seen = json.loads(out.read_text())
+    assert seen["zygote"] is None and seen["ppid"] == os.getpid()
+
+
 def test_the_launcher_relays_sigterm_and_dies_of_its_workers_signal(warm):
     out = warm["tmp"] / "seen.json"
     proc = start(warm, "wait", str(out))
@@ -239,6 +264,41 @@ def test_a_zygote_that_cannot_start_leaves_the_script_cold_with_its_log(warm):
     assert run.returncode == 0, run.stderr
     assert json.loads(out.read_text())["zygote"] is None
     assert "exited with status" in run.stderr and "no_such_module_for_warm_test" in run.stderr
+
+
+def test_a_launcher_killed_while_its_zygote_imports_leaves_it_to_the_next(warm):
+    """torchrun restarts the group while the first launcher waits for the zygote's imports:
+    the next launcher waits for that zygote instead of starting a second one."""
+    release = warm["tmp"] / "release"
+    warm["env"]["WARM_TEST_RELEASE"] = str(release)
+    warm["env"]["PYTHONPATH"] += os.pathsep + str(Path(SCRIPT).parent)
+    slow = [*LIGHT, "--preload", "_warm_slow"]  # its import waits for the release file
+    out = warm["tmp"] / "seen.json"
+    argv = [sys.executable, "-m", "trainer.warm", *slow, SCRIPT, "report", str(out)]
+    first = subprocess.Popen(argv, env=warm["env"], cwd=warm["tmp"], stdin=subprocess.DEVNULL)
+    lock = wait_for_lock(warm["dir"], first)
+    zygote = int(lock.read_text())
+    first.kill()
+    first.wait(timeout=60)
+    second = subprocess.Popen(argv, env=warm["env"], cwd=warm["tmp"], stdin=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    release.touch()
+    assert second.wait(timeout=60) == 0, second.stderr.read()
+    assert int(json.loads(out.read_text())["zygote"]) == zygote
+    log = next(warm["dir"].glob("*.log")).read_text()
+    assert {int(p) for p in re.findall(r"zygote\[(\d+)\]", log)} == {zygote}, log
+
+
+def wait_for_lock(directory: Path, proc: subprocess.Popen, timeout: float = 60) -> Path:
+    """The lock file of the zygote being started, once it names the zygote's pid."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for lock in directory.glob("*.lock") if directory.exists() else []:
+            if lock.read_text().strip().isdigit():
+                return lock
+        assert proc.poll() is None, "the launcher exited before starting a zygote"
+        time.sleep(0.02)
+    pytest.fail("no zygote started")
 
 
 def test_the_zygote_exits_with_its_agent_and_leaves_nothing(warm):

@@ -9,7 +9,6 @@ restarts"). ``from trainer import ElasticTrainer`` works as before.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 _EXPORTS = {
     "ElasticSummary": "trainer.elastic",
@@ -28,7 +27,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'trainer' has no attribute {name!r}")

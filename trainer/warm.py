@@ -25,20 +25,16 @@ script simply runs here. See docs/elastic.md, "Warm restarts".
 
 from __future__ import annotations
 
-import dataclasses
-import fcntl
-import hashlib
+# Imported by every worker torchrun starts, before anything else: only what the warm path
+# needs is imported here (no typing, dataclasses, subprocess, ...); the rest where used.
 import json
 import os
-import runpy
 import signal
 import socket
 import struct
-import subprocess
 import sys
-import tempfile
 import time
-from typing import Any
+import zlib
 
 #: "0" runs every worker cold (no zygote).
 ENV_SWITCH = "CKPT_WARM"
@@ -53,28 +49,33 @@ ZYGOTE_ENV = "CKPT_WARM_ZYGOTE"
 LAUNCHER_ENV = "CKPT_WARM_LAUNCHER"
 
 MAX_MESSAGE = 200_000  # one SOCK_SEQPACKET datagram: under the default socket buffer
+REPLY_TIMEOUT = 60.0  # seconds for the zygote to fork and answer (it answers in ms)
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
            signal.SIGUSR2)
-_zygotes: list[subprocess.Popen] = []  # started here; kept so they are not collected
+_zygotes: list = []  # the zygotes started here (Popen); kept so they are not collected
 
 
 class WarmUnavailable(RuntimeError):
     """The zygote cannot be used; the message says why. The script then runs cold."""
 
 
-@dataclasses.dataclass(frozen=True)
 class Target:
     """What to run: a script path or a module (``-m``), and its arguments."""
 
-    path: str | None
-    module: str | None
-    args: tuple[str, ...]
+    def __init__(self, path: str | None, module: str | None, args: tuple[str, ...]) -> None:
+        self.path, self.module, self.args = path, module, tuple(args)
 
-    def to_dict(self) -> dict[str, Any]:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Target) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"Target(path={self.path!r}, module={self.module!r}, args={self.args!r})"
+
+    def to_dict(self) -> dict:
         return {"path": self.path, "module": self.module, "args": list(self.args)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Target:
+    def from_dict(cls, d: dict) -> Target:
         path, module, args = d.get("path"), d.get("module"), d.get("args")
         if (path is None) == (module is None) or not isinstance(args, list) \
                 or not all(isinstance(a, str) for a in args) \
@@ -83,13 +84,12 @@ class Target:
         return cls(path, module, tuple(args))
 
 
-@dataclasses.dataclass(frozen=True)
 class Options:
     """The launcher's own options: more modules for the zygote to import (``--preload``),
     and whether it imports its defaults (torch, the trainer; ``--no-default-preload``)."""
 
-    preload: tuple[str, ...] = ()
-    default_preload: bool = True
+    def __init__(self, preload: tuple[str, ...] = (), default_preload: bool = True) -> None:
+        self.preload, self.default_preload = tuple(preload), default_preload
 
     def zygote_args(self) -> list[str]:
         return ((["--preload", ",".join(self.preload)] if self.preload else [])
@@ -130,6 +130,8 @@ def parse(argv: list[str]) -> tuple[Target, Options]:
 def run_target(target: Target) -> None:
     """Run ``target`` in this process as ``python SCRIPT ARGS`` / ``python -m MODULE ARGS``
     would (``__main__``, ``sys.argv``, ``sys.path[0]``)."""
+    import runpy
+
     if target.module is not None:
         sys.argv = [target.module, *target.args]
         sys.path[0] = os.getcwd()
@@ -151,7 +153,7 @@ def socket_dir() -> str:
     if not path:
         runtime = os.environ.get("XDG_RUNTIME_DIR")
         path = (os.path.join(runtime, "ckpt-warm") if runtime
-                else os.path.join(tempfile.gettempdir(), f"ckpt-warm-{os.getuid()}"))
+                else os.path.join(os.environ.get("TMPDIR") or "/tmp", f"ckpt-warm-{os.getuid()}"))
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -177,10 +179,10 @@ def proc_stat(pid: int) -> list[str]:
 
 def zygote_key(run_id: str, agent_pid: int, options: Options) -> str:
     """The name of the zygote of this agent (pid and start time: a reused pid is another
-    agent), job, Python and preloads."""
-    parts = [run_id, str(agent_pid), proc_stat(agent_pid)[19], sys.executable,
-             *options.zygote_args()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+    agent), job, Python and preloads (a checksum of those: the directory is private, the
+    name need not resist forgery, and the launcher need not import hashlib)."""
+    rest = "\0".join([run_id, sys.executable, *options.zygote_args()])
+    return f"{agent_pid}-{proc_stat(agent_pid)[19]}-{zlib.crc32(rest.encode()):08x}"
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -215,10 +217,11 @@ def _log_tail(path: str, limit: int = 2000) -> str:
         return ""
 
 
-def start_zygote(sock_path: str, log_path: str, agent_pid: int, options: Options
-                 ) -> subprocess.Popen:
-    """Start the zygote in a session of its own (torchrun's kill of a worker's process
-    group does not reach it), its output appended to ``log_path``."""
+def start_zygote(sock_path: str, log_path: str, agent_pid: int, options: Options):
+    """Start the zygote (a ``subprocess.Popen``) in a session of its own (torchrun's kill
+    of a worker's process group does not reach it), its output appended to ``log_path``."""
+    import subprocess
+
     cmd = [sys.executable, "-u", "-m", "trainer.zygote", "--socket", sock_path,
            "--agent-pid", str(agent_pid), "--agent-start", proc_stat(agent_pid)[19],
            "--idle", os.environ.get(ENV_IDLE, "3600"), *options.zygote_args()]
@@ -246,16 +249,31 @@ def reach_zygote(options: Options) -> tuple[socket.socket, str]:
         return connect(sock_path), log_path
     except (FileNotFoundError, ConnectionRefusedError):
         pass
+    import fcntl
+
     # One launcher of the node starts it; the others (local ranks) wait on the lock.
-    with open(os.path.join(directory, f"{key}.lock"), "a") as lock:
+    with open(os.path.join(directory, f"{key}.lock"), "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             return connect(sock_path), log_path
         except (FileNotFoundError, ConnectionRefusedError):
             pass
-        if os.path.lexists(sock_path):
-            os.unlink(sock_path)  # a dead zygote's
-        proc = start_zygote(sock_path, log_path, agent, options)
+        # A launcher killed while it waited (torchrun restarting the group) leaves its
+        # zygote importing, its pid in the lock file: wait for that one, start no other.
+        lock.seek(0)
+        recorded = lock.read().strip()
+        pid = int(recorded) if recorded.isdigit() and _is_zygote(int(recorded), sock_path) \
+            else None
+        proc = None
+        if pid is None:
+            if os.path.lexists(sock_path):
+                os.unlink(sock_path)  # a dead zygote's
+            proc = start_zygote(sock_path, log_path, agent, options)
+            pid = proc.pid
+            lock.seek(0)
+            lock.truncate()
+            lock.write(str(pid))
+            lock.flush()
         timeout = float(os.environ.get(ENV_START_TIMEOUT, "300"))
         deadline = time.monotonic() + timeout
         while True:
@@ -263,21 +281,35 @@ def reach_zygote(options: Options) -> tuple[socket.socket, str]:
                 return connect(sock_path), log_path
             except (FileNotFoundError, ConnectionRefusedError):
                 pass
-            if proc.poll() is not None:
-                raise WarmUnavailable(f"the zygote exited with status {proc.returncode} "
+            if (proc.poll() is not None) if proc is not None \
+                    else not _is_zygote(pid, sock_path):
+                status = proc.returncode if proc is not None else "unknown"
+                raise WarmUnavailable(f"the zygote (pid {pid}) exited with status {status} "
                                       f"before it was ready; its log {log_path} ends: "
                                       f"{_log_tail(log_path)}")
             if time.monotonic() > deadline:
-                proc.kill()
+                if proc is not None:
+                    proc.kill()
                 raise WarmUnavailable(f"the zygote was not ready after {timeout:.0f}s "
                                       f"({ENV_START_TIMEOUT}); log: {log_path}")
             time.sleep(0.02)  # it binds its socket once its imports are done
 
 
+def _is_zygote(pid: int, sock_path: str) -> bool:
+    """Whether ``pid`` is a live zygote serving ``sock_path``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().split(b"\0")
+        alive = proc_stat(pid)[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+    return alive and b"trainer.zygote" in cmd and os.fsencode(sock_path) in cmd
+
+
 # ------------------------------------------------------------------------- the warm worker
 
 
-def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:
+def send_message(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
     data = json.dumps(message).encode()
     if len(data) > MAX_MESSAGE:
         raise WarmUnavailable(f"the request is {len(data)} bytes (the environment?), over "
@@ -288,7 +320,7 @@ def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] = 
         sock.send(data)
 
 
-def receive_message(sock: socket.socket) -> dict[str, Any] | None:
+def receive_message(sock: socket.socket) -> dict | None:
     """The next message, None when the other end closed the connection."""
     data = sock.recv(MAX_MESSAGE)
     return json.loads(data) if data else None
@@ -317,7 +349,7 @@ def run_warm(sock: socket.socket, target: Target, log_path: str) -> int:
     child: list[int] = []
     pending: list[int] = []
 
-    def relay(sig: int, frame: Any) -> None:
+    def relay(sig: int, frame: object) -> None:
         if child:
             _forward(child[0], sig)
         else:
@@ -326,9 +358,11 @@ def run_warm(sock: socket.socket, target: Target, log_path: str) -> int:
     previous = {sig: signal.signal(sig, relay) for sig in RELAYED}
     stdio = [fd for fd in (0, 1, 2) if _valid_fd(fd)]
     try:
+        sock.settimeout(REPLY_TIMEOUT)  # a zygote that does not answer: run cold
         send_message(sock, {"target": target.to_dict(), "cwd": os.getcwd(),
                             "env": dict(os.environ), "stdio": stdio}, stdio)
         reply = receive_message(sock)
+        sock.settimeout(None)  # the worker runs as long as it runs
         if reply is None or "pid" not in reply:
             reason = reply.get("error") if reply else "it closed the connection"
             raise WarmUnavailable(f"the zygote did not start the worker: {reason} (log: "

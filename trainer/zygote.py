@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from trainer.warm import (LAUNCHER_ENV, MAX_MESSAGE, ZYGOTE_ENV, Target, peer_credentials,
-                          proc_stat, receive_message, run_target, send_message)
+                          proc_stat, run_target, send_message)
 
 #: What a worker of the trainer imports before its first step: torch._dynamo (DDP's
 #: constructor and the first optimizer import it; seconds on a small CPU) above all.
@@ -209,8 +209,8 @@ class Zygote:
             env, cwd, stdio = request["env"], request["cwd"], request["stdio"]
             if not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in env.items())
-                    and isinstance(cwd, str) and stdio == [0, 1, 2][:len(fds)]
-                    and len(stdio) == len(fds)):
+                    and isinstance(cwd, str) and isinstance(stdio, list)
+                    and stdio == sorted(set(stdio) & {0, 1, 2}) and len(stdio) == len(fds)):
                 raise ValueError("malformed request")
         except (ValueError, KeyError, TypeError) as e:
             for fd in fds:

@@ -85,13 +85,14 @@ class _Flattener:
         self.allow_pickle = allow_pickle
         self.flat = FlatState()
         self._seen: dict[tuple, str] = {}
+        self._dtensor = dtensor_type()  # looked up once per state, not once per tensor
 
     def tensor(self, t: torch.Tensor, key: str) -> dict:
         key = self._unique(key)
         if t.is_sparse or t.layout != torch.strided:
             raise UnsupportedValueError(f"{key}: only strided (dense) tensors can be saved", path=key)
         # Two names for the same memory (tied weights) are stored once, as an alias.
-        dtensor = dtensor_type()
+        dtensor = self._dtensor
         local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
         identity = (tuple(t.shape), local.device, local.dtype, t.is_conj(), t.is_neg(),
                     local.untyped_storage().data_ptr() if local.numel() else id(t),
@@ -271,21 +272,40 @@ def item_tree(item: Mapping[str, Any], rank: int = 0) -> Any:
 def holds_pickle(tree: Any) -> bool:
     """Whether a JSON tree holds a pickled value anywhere."""
     if isinstance(tree, list):
-        return any(holds_pickle(v) for v in tree)
+        for v in tree:
+            if holds_pickle(v):
+                return True
+        return False
     if not isinstance(tree, dict):
         return False
-    return PICKLE in tree or any(holds_pickle(v) for v in tree.values())
+    if PICKLE in tree:
+        return True
+    for v in tree.values():
+        if holds_pickle(v):
+            return True
+    return False
 
 
 def tensor_keys(tree: Any) -> list[str]:
-    """Every tensor key a JSON tree refers to."""
+    """Every tensor key a JSON tree refers to, in tree order."""
+    keys: list[str] = []
+    _collect_keys(tree, keys)
+    return keys
+
+
+def _collect_keys(tree: Any, keys: list[str]) -> None:
+    # Appends into one list: building a list per subtree made a deep tree quadratic.
     if isinstance(tree, list):
-        return [k for v in tree for k in tensor_keys(v)]
-    if not isinstance(tree, dict):
-        return []
-    if len(tree) == 1 and next(iter(tree)) in (TENSOR, NDARRAY):
-        return [next(iter(tree.values()))]
-    return [k for v in tree.values() for k in tensor_keys(v)]
+        for v in tree:
+            _collect_keys(v, keys)
+    elif isinstance(tree, dict):
+        if len(tree) == 1:
+            (tag, body), = tree.items()
+            if tag == TENSOR or tag == NDARRAY:
+                keys.append(body)
+                return
+        for v in tree.values():
+            _collect_keys(v, keys)
 
 
 def check_compatible(current: FlatState, saved_items: Mapping[str, dict],

@@ -426,3 +426,30 @@ def test_a_tensor_and_its_conjugate_view_are_not_merged(tmp_path, api):
     assert_same(template["plain"], c)
     assert_same(template["values"]["c"], c)
     assert_same(template["values"]["cc"], c.conj().resolve_conj())
+
+
+def test_tensor_keys_lists_every_leaf_of_a_deep_tree_in_order():
+    from ckpt.state import NDARRAY, PICKLE, TENSOR, holds_pickle, tensor_keys
+
+    tree = {"a": [{TENSOR: "k0"}, {"b": {NDARRAY: "k1"}}], "c": {TENSOR: "k2", "x": 1}}
+    deep: object = {TENSOR: "leaf"}
+    for i in range(200):  # a deep tree: one list per subtree would have made this quadratic
+        deep = [deep, {TENSOR: f"d{i}"}]
+    assert tensor_keys(tree) == ["k0", "k1"]  # {TENSOR: ..., "x": 1} is a plain dict
+    assert tensor_keys(deep) == ["leaf"] + [f"d{i}" for i in range(200)]
+    assert not holds_pickle(deep)
+    assert holds_pickle([1, {"v": [None, {PICKLE: "eA=="}]}])
+    assert holds_pickle({PICKLE: "eA==", "other": 1})  # a tag among other keys still counts
+
+
+def test_a_single_chunk_that_is_not_the_whole_tensor_is_refused():
+    from ckpt.format import Chunk, _check_tiling, _Invalid
+
+    def one(offsets, shape):
+        return [Chunk(offsets, shape, "f", 0, 4 * math.prod(shape), "0" * 16, "raw", None)]
+
+    _check_tiling("t", (4, 3), one((0, 0), (4, 3)))  # the whole tensor: valid
+    _check_tiling("t", (0,), one((0,), (0,)))  # an empty tensor's one empty chunk: valid
+    for offsets, shape in [((1, 0), (4, 3)), ((0, 0), (3, 3)), ((0, 0), (4, 4)), ((0, 1), (4, 2))]:
+        with pytest.raises(_Invalid):
+            _check_tiling("t", (4, 3), one(offsets, shape))

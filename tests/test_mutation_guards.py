@@ -167,6 +167,54 @@ def test_a_sigterm_before_the_zygote_fails_reaches_the_cold_fallback(tmp_path):
         zygote.close()
 
 
+
+FAMILY = """import json, os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    json.dump({"pid": os.getpid(), "child": child.pid}, f)
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(120)
+"""
+
+
+def test_a_relayed_sigterm_reaches_the_workers_whole_process_group(tmp_path):
+    """Mutant: trainer/warm.py _forward signalling only the worker (os.kill) instead of its
+    process group: a cold worker's children (data loader processes) get torchrun's SIGTERM
+    with it; a warm one's must too, or they outlive the restart."""
+    from test_warm import wait_gone, zygotes_in
+
+    script, out = tmp_path / "family.py", tmp_path / "family.json"
+    script.write_text(FAMILY)
+    directory = tmp_path / "w"
+    env = dict(os.environ, TORCHELASTIC_RUN_ID=f"guard-{uuid.uuid4().hex[:8]}",
+               CKPT_WARM_DIR=str(directory),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                          if p))
+    env.pop("CKPT_WARM", None)
+    launcher = subprocess.Popen([sys.executable, "-m", "trainer.warm", *LIGHT, str(script),
+                                 str(out)], env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = None
+    try:
+        while not out.exists():
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.02)
+        seen = json.loads(out.read_text())
+        assert zygotes_in(directory), "the worker was not forked by a zygote"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == -signal.SIGTERM
+        assert wait_gone(seen["pid"]), "the worker outlived the SIGTERM"
+        assert wait_gone(seen["child"]), "the worker's child outlived the SIGTERM"
+    finally:  # the processes first: the child holds the launcher's stdout open
+        for pid in [*(seen.values() if seen else ()), *zygotes_in(directory)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.communicate()
+
 # ------------------------------------------------------------------ rank tables (format 2)
 
 

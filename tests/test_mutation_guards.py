@@ -215,6 +215,40 @@ def test_a_relayed_sigterm_reaches_the_workers_whole_process_group(tmp_path):
             launcher.kill()
         launcher.communicate()
 
+
+def test_a_sigkilled_zygote_takes_its_worker_down_at_once(tmp_path):
+    """Mutant: trainer/zygote.py become_worker without PR_SET_PDEATHSIG. tests/test_warm.py
+    waits for the launcher first, which only returns once the worker has ended by itself;
+    here the worker (which would wait 60 s) must be gone while the launcher still waits."""
+    from test_warm import wait_gone, zygotes_in
+
+    out, directory = tmp_path / "seen.json", tmp_path / "w"
+    env = dict(os.environ, TORCHELASTIC_RUN_ID=f"guard-{uuid.uuid4().hex[:8]}",
+               CKPT_WARM_DIR=str(directory),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                          if p))
+    env.pop("CKPT_WARM", None)
+    launcher = subprocess.Popen([sys.executable, "-m", "trainer.warm", *LIGHT, SCRIPT, "wait",
+                                 str(out)], env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = None
+    try:
+        while not out.exists():
+            assert launcher.poll() is None, launcher.communicate()
+            time.sleep(0.02)
+        seen = json.loads(out.read_text())
+        os.kill(int(seen["zygote"]), signal.SIGKILL)
+        assert wait_gone(seen["pid"], timeout=20), "the worker outlived its zygote"
+    finally:
+        for pid in [*((seen["pid"],) if seen else ()), *zygotes_in(directory)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.communicate()
+
 # ------------------------------------------------------------------ rank tables (format 2)
 
 

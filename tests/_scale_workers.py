@@ -37,7 +37,7 @@ def save_then_restore_counting(rank: int, world: int, root: str, specs: list,
     save_specs(rank, world, root, specs, options, rng=True)
     want_draw = torch.rand(3)
     touched: list[str] = []
-    for method in ("size", "read", "read_into", "read_blocks", "exists"):
+    for method in ("size", "read", "read_into", "read_blocks", "open_reader", "exists"):
         original = getattr(PosixStorage, method)
 
         def counting(self, path, *args, _original=original, **kwargs):

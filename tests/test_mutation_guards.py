@@ -88,6 +88,19 @@ SCRIPT = str(Path(__file__).resolve().parent / "_warm_script.py")
 LIGHT = ["--no-default-preload"]
 
 
+def start_launcher(cwd: Path, directory: Path, args: list[str]) -> subprocess.Popen:
+    """``python -m trainer.warm`` (light preload) for ``args``, its zygote kept in
+    ``directory``, as torchrun's environment would start it."""
+    env = dict(os.environ, TORCHELASTIC_RUN_ID=f"guard-{uuid.uuid4().hex[:8]}",
+               CKPT_WARM_DIR=str(directory),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                          if p))
+    env.pop("CKPT_WARM", None)
+    return subprocess.Popen([sys.executable, "-m", "trainer.warm", *LIGHT, *args], env=env,
+                            cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 class StandInZygote:
     """A socket where the launcher looks for its zygote (the key it computes for this pytest
     process as its agent), served by the test: it takes the launcher's request and then
@@ -186,14 +199,7 @@ def test_a_relayed_sigterm_reaches_the_workers_whole_process_group(tmp_path):
     script, out = tmp_path / "family.py", tmp_path / "family.json"
     script.write_text(FAMILY)
     directory = tmp_path / "w"
-    env = dict(os.environ, TORCHELASTIC_RUN_ID=f"guard-{uuid.uuid4().hex[:8]}",
-               CKPT_WARM_DIR=str(directory),
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                          if p))
-    env.pop("CKPT_WARM", None)
-    launcher = subprocess.Popen([sys.executable, "-m", "trainer.warm", *LIGHT, str(script),
-                                 str(out)], env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = start_launcher(tmp_path, directory, [str(script), str(out)])
     seen = None
     try:
         while not out.exists():
@@ -223,14 +229,7 @@ def test_a_sigkilled_zygote_takes_its_worker_down_at_once(tmp_path):
     from test_warm import wait_gone, zygotes_in
 
     out, directory = tmp_path / "seen.json", tmp_path / "w"
-    env = dict(os.environ, TORCHELASTIC_RUN_ID=f"guard-{uuid.uuid4().hex[:8]}",
-               CKPT_WARM_DIR=str(directory),
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                          if p))
-    env.pop("CKPT_WARM", None)
-    launcher = subprocess.Popen([sys.executable, "-m", "trainer.warm", *LIGHT, SCRIPT, "wait",
-                                 str(out)], env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = start_launcher(tmp_path, directory, [SCRIPT, "wait", str(out)])
     seen = None
     try:
         while not out.exists():

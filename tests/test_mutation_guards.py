@@ -101,6 +101,28 @@ def start_launcher(cwd: Path, directory: Path, args: list[str]) -> subprocess.Po
                             stderr=subprocess.PIPE, text=True)
 
 
+def worker_report(launcher: subprocess.Popen, out: Path) -> dict:
+    """The JSON the worker script writes to ``out`` once it runs (its pids), while the
+    launcher lives."""
+    while not out.exists():
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.02)
+    return json.loads(out.read_text())
+
+
+def kill_all(launcher: subprocess.Popen, pids: list[int]) -> None:
+    """SIGKILL ``pids`` (the worker's processes first: they hold the launcher's stdout open),
+    then the launcher, and collect its output."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if launcher.poll() is None:
+        launcher.kill()
+    launcher.communicate()
+
+
 class StandInZygote:
     """A socket where the launcher looks for its zygote (the key it computes for this pytest
     process as its agent), served by the test: it takes the launcher's request and then
@@ -180,7 +202,6 @@ def test_a_sigterm_before_the_zygote_fails_reaches_the_cold_fallback(tmp_path):
         zygote.close()
 
 
-
 FAMILY = """import json, os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 with open(sys.argv[1] + ".tmp", "w") as f:
@@ -202,24 +223,14 @@ def test_a_relayed_sigterm_reaches_the_workers_whole_process_group(tmp_path):
     launcher = start_launcher(tmp_path, directory, [str(script), str(out)])
     seen = None
     try:
-        while not out.exists():
-            assert launcher.poll() is None, launcher.communicate()
-            time.sleep(0.02)
-        seen = json.loads(out.read_text())
+        seen = worker_report(launcher, out)
         assert zygotes_in(directory), "the worker was not forked by a zygote"
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) == -signal.SIGTERM
         assert wait_gone(seen["pid"]), "the worker outlived the SIGTERM"
         assert wait_gone(seen["child"]), "the worker's child outlived the SIGTERM"
     finally:  # the processes first: the child holds the launcher's stdout open
-        for pid in [*(seen.values() if seen else ()), *zygotes_in(directory)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.communicate()
+        kill_all(launcher, [*(seen.values() if seen else ()), *zygotes_in(directory)])
 
 
 def test_a_sigkilled_zygote_takes_its_worker_down_at_once(tmp_path):
@@ -232,21 +243,11 @@ def test_a_sigkilled_zygote_takes_its_worker_down_at_once(tmp_path):
     launcher = start_launcher(tmp_path, directory, [SCRIPT, "wait", str(out)])
     seen = None
     try:
-        while not out.exists():
-            assert launcher.poll() is None, launcher.communicate()
-            time.sleep(0.02)
-        seen = json.loads(out.read_text())
+        seen = worker_report(launcher, out)
         os.kill(int(seen["zygote"]), signal.SIGKILL)
         assert wait_gone(seen["pid"], timeout=20), "the worker outlived its zygote"
     finally:
-        for pid in [*((seen["pid"],) if seen else ()), *zygotes_in(directory)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.communicate()
+        kill_all(launcher, [*((seen["pid"],) if seen else ()), *zygotes_in(directory)])
 
 # ------------------------------------------------------------------ rank tables (format 2)
 

@@ -9,18 +9,24 @@ from torch.distributed.tensor import distribute_tensor
 import ckpt
 
 
+def mesh_of(spec, world: int, meshes: dict):
+    """The CPU device mesh ``spec`` is placed on (one per mesh shape, made once)."""
+    shape = spec.mesh or (world,)
+    if shape not in meshes:
+        meshes[shape] = init_device_mesh("cpu", shape)
+    return meshes[shape]
+
+
 def save_specs(rank: int, world: int, root: str, specs: list, options: dict,
                rng: bool = False) -> None:
     meshes = {}
     state = {"rng": ckpt.RNGState()} if rng else {}
     for spec in specs:
-        mesh_shape = spec.mesh or (world,)
-        if mesh_shape not in meshes:
-            meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)
+        mesh = mesh_of(spec, world, meshes)
         dtype = getattr(torch, spec.dtype)
         full = torch.arange(torch.Size(spec.shape).numel(), dtype=torch.float32)
         full = full.reshape(spec.shape).to(dtype)
-        state[spec.key] = distribute_tensor(full, meshes[mesh_shape], list(spec.placements))
+        state[spec.key] = distribute_tensor(full, mesh, list(spec.placements))
     with ckpt.CheckpointManager(root, async_save=False,
                                 options=ckpt.SaveOptions(**options)) as mgr:
         mgr.save(1, state, force=True)
@@ -47,14 +53,12 @@ def save_then_restore_counting(rank: int, world: int, root: str, specs: list,
     meshes, want = {}, {}
     state: dict = {"rng": ckpt.RNGState()}
     for spec in specs:
-        mesh_shape = spec.mesh or (world,)
-        if mesh_shape not in meshes:
-            meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)
+        mesh = mesh_of(spec, world, meshes)
         dtype = getattr(torch, spec.dtype)
         full = torch.arange(torch.Size(spec.shape).numel(), dtype=torch.float32)
         want[spec.key] = full.reshape(spec.shape).to(dtype)
         state[spec.key] = distribute_tensor(torch.zeros(spec.shape, dtype=dtype),
-                                            meshes[mesh_shape], list(spec.placements))
+                                            mesh, list(spec.placements))
     torch.manual_seed(999)
     with ckpt.CheckpointManager(root) as mgr:
         assert mgr.restore(state) == 1

@@ -20,6 +20,9 @@ from typing import Any, Callable, Iterator, MutableMapping
 import torch
 import torch.distributed as dist
 
+from storage_backends.base import PathReader
+from storage_backends.posix import pread_blocks, pread_into
+
 from .engine import RankTable, StepPayload, build_manifest
 from .errors import CorruptCheckpointError
 from .format import MANIFEST_NAME, Manifest, step_dir
@@ -179,27 +182,16 @@ class ShmReader:
         return bytes(buf)
 
     def read_into(self, path: str, start: int, out: memoryview) -> None:
-        fd, view = self._fd(path), memoryview(out).cast("B")
-        while view:
-            n = os.preadv(fd, [view], start)
-            if n == 0:
-                raise EOFError(f"{os.path.join(self.url, path)} ends before byte "
-                               f"{start + len(view)}")
-            start, view = start + n, view[n:]
+        pread_into(self._fd(path), start, out, os.path.join(self.url, path))
 
     def read_blocks(self, path: str, start: int, length: int,
                     buffer: memoryview) -> Iterator[memoryview]:
-        fd, buffer, end = self._fd(path), memoryview(buffer).cast("B"), start + length
-        while start < end:
-            n = os.preadv(fd, [buffer[:min(len(buffer), end - start)]], start)
-            if n == 0:
-                raise EOFError(f"{os.path.join(self.url, path)} ends before byte {end}")
-            yield buffer[:n]
-            start += n
+        yield from pread_blocks(self._fd(path), start, length, buffer,
+                                os.path.join(self.url, path))
 
-    def open_reader(self, path: str) -> _PathReader:
+    def open_reader(self, path: str) -> PathReader:
         """Reads of one file (the loader's apply pass); the descriptor is kept anyway."""
-        return _PathReader(self, path)
+        return PathReader(self, path)
 
     def size(self, path: str) -> int:
         return os.fstat(self._fd(path)).st_size
@@ -219,19 +211,6 @@ class ShmReader:
 
     def __del__(self) -> None:
         self.close()
-
-
-class _PathReader:
-    """``storage.read_into(path, ...)`` for one path (what ``Storage.open_reader`` returns)."""
-
-    def __init__(self, storage: ShmReader, path: str) -> None:
-        self._storage, self._path = storage, path
-
-    def read_into(self, start: int, out: memoryview) -> None:
-        self._storage.read_into(self._path, start, out)
-
-    def close(self) -> None:
-        pass  # the descriptors are the storage's, closed with it
 
 
 class MemorySource(ShmReader):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Iterator, Protocol, Sequence, Union
+from typing import Any, Iterator, Protocol, Sequence, Union
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -111,7 +111,7 @@ class Storage(abc.ABC):
         """A handle for many reads of one file: ``reader.read_into(start, out)`` as
         :meth:`read_into`, then ``reader.close()``. A file system keeps the file open between
         the reads (one open per file, not per read); by default each read stands alone."""
-        return _EachRead(self, path)
+        return PathReader(self, path)
 
     @abc.abstractmethod
     def delete(self, path: str) -> None:
@@ -139,10 +139,11 @@ class Storage(abc.ABC):
         """Take the root's writer lock now or raise :class:`LockHeldError`."""
 
 
-class _EachRead:
-    """The default :class:`Reader`: every read is a ``read_into`` of its own."""
+class PathReader:
+    """The default :class:`Reader`: every read is a ``storage.read_into(path, ...)`` of its
+    own (also for read-only sources that keep their descriptors themselves)."""
 
-    def __init__(self, storage: Storage, path: str) -> None:
+    def __init__(self, storage: Any, path: str) -> None:
         self.storage, self.path = storage, path
 
     def read_into(self, start: int, out: memoryview) -> None:

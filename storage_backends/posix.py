@@ -147,17 +147,9 @@ class PosixStorage(Storage):
 
     def read_blocks(self, path: str, start: int, length: int,
                     buffer: memoryview) -> Iterator[memoryview]:
-        buffer = memoryview(buffer).cast("B")
-        end = start + length
         fd = self._open_read(path)  # once for the whole range
         try:
-            while start < end:
-                part = buffer[:min(len(buffer), end - start)]
-                n = os.preadv(fd, [part], start)
-                if n == 0:
-                    raise EOFError(f"{self._abs(path)} ends before byte {end}")
-                yield part[:n]
-                start += n
+            yield from pread_blocks(fd, start, length, buffer, self._abs(path))
         finally:
             os.close(fd)
 
@@ -243,6 +235,33 @@ class PosixStorage(Storage):
         return FlockWriterLock(self.root, owner)
 
 
+def pread_into(fd: int, start: int, out: memoryview, name: str) -> None:
+    """Fill ``out`` from byte ``start`` of the open file ``fd`` (``pread``: no shared file
+    position); EOFError naming ``name`` if the file ends first."""
+    view = memoryview(out).cast("B")
+    while view:
+        n = os.preadv(fd, [view], start)
+        if n == 0:
+            raise EOFError(f"{name} ends before byte {start + len(view)}")
+        start += n
+        view = view[n:]
+
+
+def pread_blocks(fd: int, start: int, length: int, buffer: memoryview,
+                 name: str) -> Iterator[memoryview]:
+    """``length`` bytes of ``fd`` from ``start``, read through ``buffer`` and yielded as the
+    filled part of it, block by block; EOFError naming ``name`` if the file ends first."""
+    buffer = memoryview(buffer).cast("B")
+    end = start + length
+    while start < end:
+        part = buffer[:min(len(buffer), end - start)]
+        n = os.preadv(fd, [part], start)
+        if n == 0:
+            raise EOFError(f"{name} ends before byte {end}")
+        yield part[:n]
+        start += n
+
+
 class _FileReader:
     """One open file read at many offsets (``pread``: no shared file position, so threads
     may share it)."""
@@ -251,13 +270,7 @@ class _FileReader:
         self.fd, self.name = fd, name
 
     def read_into(self, start: int, out: memoryview) -> None:
-        view = memoryview(out).cast("B")
-        while view:
-            n = os.preadv(self.fd, [view], start)
-            if n == 0:
-                raise EOFError(f"{self.name} ends before byte {start + len(view)}")
-            start += n
-            view = view[n:]
+        pread_into(self.fd, start, out, self.name)
 
     def close(self) -> None:
         if self.fd >= 0:

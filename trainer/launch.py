@@ -65,9 +65,10 @@ def restart_count() -> int:
 def process_start_time(pid: int | str = "self") -> float:
     """Wall time at which process ``pid`` (default: this one) started (Linux: from /proc,
     to the clock tick), else now."""
+    from trainer.warm import proc_stat
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        ticks = int(proc_stat(pid)[19])
         # The start time counts clock ticks since boot: CLOCK_BOOTTIME's origin, read
         # with the wall clock at the same moment (/proc/stat's btime is whole seconds).
         since = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")

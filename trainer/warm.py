@@ -170,7 +170,7 @@ def socket_dir() -> str:
     return path
 
 
-def proc_stat(pid: int) -> list[str]:
+def proc_stat(pid: int | str) -> list[str]:
     """The fields of ``/proc/PID/stat`` after the command name (state is [0], ppid [1],
     start time in clock ticks since boot [19])."""
     with open(f"/proc/{pid}/stat") as f:

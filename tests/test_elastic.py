@@ -304,18 +304,26 @@ def check_node_loss(s: ElasticSummary, rec, tmp: Path, victim: int, attempt: int
     return detect
 
 
+def kill_a_node_at_world_3(cluster, tmp_path, victim: int) -> tuple[list, int, dict, float]:
+    """Start three nodes; once they train at world size 3 past step KILL_AT, SIGKILL the node
+    (agent and worker) of rank ``victim``. Returns the surviving nodes, the attempt and the
+    hold record it was killed in, and when."""
+    nodes = [cluster.add_node() for _ in range(3)]
+    attempt, info = job.wait_for(at_step(tmp_path / "run", 3, KILL_AT), JOB_TIMEOUT,
+                                 "training at world size 3", cluster=cluster)
+    dead = cluster.node_of(info["pids"][victim])
+    killed_at = dead.kill(signal.SIGKILL)  # the agent and its worker: a whole node
+    return [n for n in nodes if n is not dead], attempt, info, killed_at
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_node_killed_survivors_resume_at_world_2(cluster, tmp_path, reference):
     """Rank 1's node is SIGKILLed; the two survivors resume at world size 2 (rank 0's node,
     the host of the job's store, is killed in test_rank0_node_killed_then_a_node_joins)."""
     victim = 1
-    nodes = [cluster.add_node() for _ in range(3)]
-    attempt, info = job.wait_for(at_step(tmp_path / "run", 3, KILL_AT), JOB_TIMEOUT,
-                                 "training at world size 3", cluster=cluster)
-    dead = cluster.node_of(info["pids"][victim])
-    killed_at = dead.kill(signal.SIGKILL)  # the agent and its worker: a whole node
-    s = finish(cluster, [n for n in nodes if n is not dead], tmp_path)
+    survivors, attempt, info, killed_at = kill_a_node_at_world_3(cluster, tmp_path, victim)
+    s = finish(cluster, survivors, tmp_path)
 
     assert s.world_sizes[-1] == 2 and 3 in s.world_sizes, s.world_sizes
     detect = check_node_loss(s, s.recoveries[-1], tmp_path, victim, attempt, killed_at)
@@ -377,12 +385,7 @@ def test_rank0_node_killed_then_a_node_joins(cluster, tmp_path, reference):
     not let the job finish first); the agents SIGTERM them and training continues at world
     size 3."""
     victim = 0
-    nodes = [cluster.add_node() for _ in range(3)]
-    attempt, info = job.wait_for(at_step(tmp_path / "run", 3, KILL_AT), JOB_TIMEOUT,
-                                 "training at world size 3", cluster=cluster)
-    dead = cluster.node_of(info["pids"][victim])
-    killed_at = dead.kill(signal.SIGKILL)  # the agent and its worker: a whole node
-    survivors = [n for n in nodes if n is not dead]
+    survivors, attempt, info, killed_at = kill_a_node_at_world_3(cluster, tmp_path, victim)
     shrunk, shrunk_info = job.wait_for(at_step(tmp_path / "run", 2, KILL_AT), JOB_TIMEOUT,
                                        "training at world size 2", cluster=cluster)
     restarts_before_join = max(r["restart_count"] for r in shrunk_info["events"]

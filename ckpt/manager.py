@@ -790,8 +790,10 @@ class CheckpointManager:
         if self._memory is not None and self._memory.ranked:
             from .memory_restore import candidates as in_memory, local_holdings
 
-            mine = local_holdings(self._memory.shm_dir, self._memory.job, self._memory.node)
-            self._memory_plan = {c.step: c for c in in_memory(mine, self._memory_pg)
+            docs: dict = {}  # the rank documents read while listing, not read again
+            mine = local_holdings(self._memory.shm_dir, self._memory.job, self._memory.node,
+                                  docs)
+            self._memory_plan = {c.step: c for c in in_memory(mine, self._memory_pg, docs)
                                  if step in (None, c.step)}
             order += [(s, "memory") for s in self._memory_plan]
             # A copy found corrupt: the same step from the other copies before the root's.

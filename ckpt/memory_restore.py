@@ -9,6 +9,7 @@ on one rank become an agreed failure on all, so no rank is left waiting in a col
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import mmap
@@ -252,14 +253,30 @@ class MemorySource(ShmReader):
         # (path, start) -> (bytes, the message that brings them)
         self.fetched: dict[tuple[str, int], tuple[memoryview, _Arrival]] = {}
         self.exchange: list[_Arrival] = []    # every message sent or received
+        self._starts: dict[str, list[int]] | None = None  # path -> fetched starts, sorted
         self.tier = "memory"
 
     def _got(self, path: str, start: int, length: int) -> memoryview:
         data, arrival = self.fetched.get((path, start), (None, None))
+        if data is None:  # a read inside a fetched chunk (a load digesting block by block)
+            data, arrival = self._inside(path, start)
         if data is None or len(data) < length:
             raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not fetched")
         arrival.wait()
         return data[:length]
+
+    def _inside(self, path: str, start: int) -> tuple[Any, Any]:
+        """The fetched bytes of ``path`` from ``start`` on, within the piece holding it."""
+        if self._starts is None:
+            self._starts = {}
+            for p, s in sorted(self.fetched):
+                self._starts.setdefault(p, []).append(s)
+        starts = self._starts.get(path, [])
+        i = bisect.bisect_right(starts, start) - 1
+        if i < 0:
+            return None, None
+        data, arrival = self.fetched[(path, starts[i])]
+        return data[start - starts[i]:], arrival
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         if path == f"{self.location}/{MANIFEST_NAME}":

@@ -9,6 +9,7 @@ on one rank become an agreed failure on all, so no rank is left waiting in a col
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -23,14 +24,19 @@ import torch.distributed as dist
 from storage_backends.base import PathReader
 from storage_backends.posix import pread_blocks, pread_into
 
-from .engine import RankTable, StepPayload, build_manifest
 from .errors import CorruptCheckpointError
-from .format import MANIFEST_NAME, Manifest, step_dir
+from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, step_dir
+from .incremental import CHAIN_KEY
 from .memory_tier import PREFIX, node_prefix, plain_name, rank_steps, read_rank_doc
-from .sharding import local_piece, overlapping
-from .state import flatten, is_stateful
+from .reader import needed_tensors
+from .sharding import overlapping, read_box, source_rank
+from .state import flatten, is_stateful, item_tree
 
 log = logging.getLogger("ckpt")
+
+#: The largest peer message, unless one chunk is larger: a receiver digests and copies the
+#: bytes of one message while the next ones are still arriving.
+MESSAGE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -51,20 +57,25 @@ class Candidate:
     """One save (step, token) that live nodes hold completely: origin -> [(rank, holding)].
 
     ``second``: read each origin's data from the copy the first attempt did not prefer
-    (replicas and other nodes first), for when that attempt found a copy corrupt."""
+    (replicas and other nodes first), for when that attempt found a copy corrupt.
+    ``docs``: segment -> this step's rank document, as this rank read it while listing
+    (not read twice)."""
 
     step: int
     token: str
     world: int
     holders: dict[int, list[tuple[int, Holding]]] = field(default_factory=dict)
     second: bool = False
+    docs: dict[str, dict] = field(default_factory=dict, repr=False)
 
     def has_second_copies(self) -> bool:
         return any(len(h) > 1 for h in self.holders.values())
 
 
-def local_holdings(shm_dir: str, job: str, node: str) -> list[Holding]:
-    """Every readable rank step in this node's segments (not collective)."""
+def local_holdings(shm_dir: str, job: str, node: str,
+                   docs: dict[tuple[str, int], dict] | None = None) -> list[Holding]:
+    """Every readable rank step in this node's segments (not collective); ``docs``, when
+    given, receives each one's rank document by (segment, step)."""
     prefix = node_prefix(job, node)
     out = []
     try:
@@ -89,12 +100,15 @@ def local_holdings(shm_dir: str, job: str, node: str) -> list[Holding]:
                 continue
             out.append(Holding(name, s, doc["rank"], doc["world_size"], doc["token"],
                                float(doc["created"]), "-replica-" in name[len(prefix) - 1:]))
+            if docs is not None:
+                docs[(name, s)] = doc
     return out
 
 
-def candidates(mine: list[Holding], pg: Any) -> list[Candidate]:
+def candidates(mine: list[Holding], pg: Any,
+               docs: dict[tuple[str, int], dict] | None = None) -> list[Candidate]:
     """Saves that the live ranks' nodes hold completely, newest first (one per step: the
-    latest save of that step number). Collective."""
+    latest save of that step number); ``docs``: what ``local_holdings`` read. Collective."""
     gathered: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(gathered, [h.__dict__ for h in mine], group=pg)
     saves: dict[tuple[int, str], Candidate] = {}
@@ -111,6 +125,9 @@ def candidates(mine: list[Holding], pg: Any) -> list[Candidate]:
     for key, c in sorted(saves.items(), key=lambda kv: created[kv[0]]):
         if set(c.holders) == set(range(c.world)):
             best[c.step] = c  # a later save of the same step number wins
+    for c in best.values():
+        c.docs = {seg: d for (seg, s), d in (docs or {}).items()
+                  if s == c.step and d["token"] == c.token}
     return [best[s] for s in sorted(best, reverse=True)]
 
 
@@ -217,24 +234,31 @@ class MemorySource(ShmReader):
     """The storage of one agreed save: the merged manifest, chunk bytes from this node's
     segments (``local``: path -> file) or fetched from peers (``fetched``).
 
+    Fetched bytes may still be on their way when the load begins: a read of them waits for
+    the message that carries them (so the load digests and copies the first messages while
+    the later ones arrive). ``close`` waits for every message this rank sends or receives.
+
     ``tier`` is "memory" when every byte this rank needs lies in its node's own segments,
     "peer" when any comes from a replica or another node.
     """
 
-    def __init__(self, url: str, location: str, manifest: Manifest) -> None:
+    def __init__(self, url: str, location: str, manifest: Manifest, raw: bytes) -> None:
         super().__init__(url, lambda path: self.local.get(path))
         self.location = location
-        self.parsed_manifest = manifest  # validated (built from the rank steps, parsed)
-        self._manifest = manifest.to_json()
+        self.parsed_manifest = manifest  # validated (parsed from ``raw``)
+        self._manifest = raw
         self.local: dict[str, str] = {}       # path -> file on this node
         self.sizes: dict[str, int] = {}       # path -> the size its rank step recorded
-        self.fetched: dict[tuple[str, int], memoryview] = {}  # (path, start) -> bytes
+        # (path, start) -> (bytes, the message that brings them)
+        self.fetched: dict[tuple[str, int], tuple[memoryview, _Arrival]] = {}
+        self.exchange: list[_Arrival] = []    # every message sent or received
         self.tier = "memory"
 
     def _got(self, path: str, start: int, length: int) -> memoryview:
-        data = self.fetched.get((path, start))
+        data, arrival = self.fetched.get((path, start), (None, None))
         if data is None or len(data) < length:
             raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not fetched")
+        arrival.wait()
         return data[:length]
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
@@ -243,7 +267,7 @@ class MemorySource(ShmReader):
         if path in self.local:
             return super().read(path, start, length)
         if length is None:
-            length = len(self.fetched.get((path, start), b""))
+            length = len(self.fetched.get((path, start), (b"",))[0])
         return bytes(self._got(path, start, length))
 
     def read_into(self, path: str, start: int, out: memoryview) -> None:
@@ -261,10 +285,11 @@ class MemorySource(ShmReader):
         # run of adjacent chunks spans several fetched pieces).
         end = start + length
         while start < end:
-            data = self.fetched.get((path, start))
+            data, arrival = self.fetched.get((path, start), (None, None))
             if not data:
                 raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not "
                                         "fetched")
+            arrival.wait()
             data = data[:end - start]
             yield data
             start += len(data)
@@ -277,12 +302,48 @@ class MemorySource(ShmReader):
     def exists(self, path: str) -> bool:
         return path in self.local or path in self.sizes
 
+    def close(self) -> None:
+        """Wait for every message of the exchange (a peer may still be receiving what this
+        rank sends), then release the buffers, mappings and descriptors."""
+        exchange, self.exchange = getattr(self, "exchange", []), []
+        error = None
+        for arrival in exchange:
+            try:
+                arrival.wait()
+            except Exception as e:  # a peer died: the others' messages still finish
+                error = error or e
+        self.fetched = {}
+        super().close()
+        if error is not None:
+            raise error
+
+    def __del__(self) -> None:
+        ShmReader.close(self)  # descriptors only: waiting is close()'s (never at exit)
+
+
+class _Arrival:
+    """One message of the exchange (a gloo send or receive) and what must live until it is
+    done (the tensor it reads or fills); ``wait`` returns once it is (thread-safe)."""
+
+    def __init__(self, work: Any, keep: Any = None) -> None:
+        self._work, self._keep = work, keep
+        self._lock = threading.Lock()
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        with self._lock:
+            if self._work is not None:
+                self._work.wait()
+                self._work = self._keep = None
+
 
 def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: str, job: str,
                    node: str, rank: int, pg: Any) -> MemorySource:
-    """Agree on who serves each origin rank's files, merge the manifest and fetch the bytes
-    this rank needs. Collective; raises CorruptCheckpointError on every rank when any rank
-    cannot read or serve its part (the caller falls through to the next tier)."""
+    """Agree on who serves each origin rank's files, merge the manifest and start fetching
+    the bytes this rank needs (they arrive while the load runs). Collective; raises
+    CorruptCheckpointError on every rank when any rank cannot read or serve its part (the
+    caller falls through to the next tier)."""
     world = dist.get_world_size(pg)
     prefix = node_prefix(job, node)
     # Each origin's rank step document comes from its first holder (any copy: the digests
@@ -292,7 +353,8 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
         holder_rank, h = holders[0]
         if holder_rank == rank:
             try:
-                docs[origin] = read_rank_doc(os.path.join(shm_dir, h.segment), c.step)
+                docs[origin] = c.docs.get(h.segment) or read_rank_doc(
+                    os.path.join(shm_dir, h.segment), c.step)
             except CorruptCheckpointError as e:
                 error = str(e)
     everyone: list[Any] = [None] * world
@@ -307,8 +369,7 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
         source, requests = _plan(c, docs, state, location, shm_dir, prefix, rank)
     except Exception as e:
         error = f"rank {rank} cannot use step {c.step} in memory: {e!r}"
-    fetched = _exchange(requests, error, c.step, location, shm_dir, prefix, rank, pg)
-    source.fetched = fetched
+    _exchange(source, requests, error, c.step, location, shm_dir, prefix, rank, pg)
     return source
 
 
@@ -349,60 +410,68 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
 def _merge(c: Candidate, docs: dict[int, dict], location: str,
            order: list[int]) -> tuple[MemorySource, dict]:
     """The manifest of the whole save, from every origin rank's table; a box that several
-    ranks hold (a replicated tensor) is taken from the first of them in ``order``."""
+    ranks hold (a replicated tensor) is taken from the first of them in ``order``. Merged
+    as JSON and parsed once: the same validation as any manifest read from a root."""
     first = docs[0]
     try:
-        tables = {o: RankTable.from_json(d["table"]) for o, d in docs.items()}
         for o, d in docs.items():
             if d["token"] != c.token or d["rank"] != o:
                 raise ValueError(f"rank {o}'s document names another save")
-        payload = StepPayload(
-            step=c.step, name=location, pieces={},
-            tensors={k: (d, tuple(s)) for k, (d, s) in first["tensors"].items()},
-            items=first["items"], aliases=first["aliases"], metadata=first["metadata"],
-            world_size=c.world)
+        tensors = {k: {"dtype": dtype, "shape": shape, "chunks": []}
+                   for k, (dtype, shape) in first["tensors"].items()}
+        files: dict[str, int] = {}
         seen: set = set()
-        merged = []
         for o in order:
-            table = tables[o]
-            chunks = [(k, ch) for k, ch in table.chunks if (k, ch.offsets) not in seen]
-            seen.update((k, ch.offsets) for k, ch in chunks)
-            merged.append(RankTable(table.files, chunks))
-        # Parsed back from its JSON: the same validation as any manifest read from a root.
-        manifest = Manifest.from_json(build_manifest(payload, merged).to_json(),
-                                      where=f"step {c.step} in memory")
-        files = {o: [plain_name(f) for f in t.files] for o, t in tables.items()}
+            table = docs[o]["table"]
+            files.update(table["files"])
+            for key, chunk in table["chunks"]:
+                box = (key, tuple(chunk["offsets"]))
+                if box not in seen:
+                    seen.add(box)
+                    tensors[key]["chunks"].append(chunk)
+        for t in tensors.values():
+            t["chunks"].sort(key=lambda chunk: chunk["offsets"])
+        doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": c.step,
+               "world_size": c.world, "created": first["created"], "tensors": tensors,
+               "aliases": first["aliases"], "items": first["items"], "files": files,
+               "metadata": {**first["metadata"], CHAIN_KEY: 0}}
+        raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        manifest = Manifest.from_json(raw, where=f"step {c.step} in memory")
+        files_of = {o: [plain_name(f) for f in d["table"]["files"]] for o, d in docs.items()}
+        sizes = {f"{location}/{name}": size for d in docs.values()
+                 for name, size in d["table"]["files"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"step {c.step} in memory: a rank step is malformed "
                                      f"({e!r})") from e
-    source = MemorySource(f"memory:{c.step}", location, manifest)
-    source.sizes = {f"{location}/{name}": size for t in tables.values()
-                    for name, size in t.files.items()}
-    return source, files
+    source = MemorySource(f"memory:{c.step}", location, manifest, raw)
+    source.sizes = sizes
+    return source, files_of
 
 
 def _needed_chunks(manifest: Manifest, state: MutableMapping[str, Any], rank: int) -> list:
-    """(key, chunk) this rank's load reads: the chunks overlapping its live boxes, and every
-    chunk of a tensor it holds no (same-shaped) live tensor for."""
+    """(key, chunk) this rank's load reads, planned as the loader plans it: the stored
+    tensors its items refer to (``needed_tensors``, of the saved rank whose per-rank values
+    it gets), in the box ``read_box`` gives for its live tensor, the chunks ``overlapping``
+    finds there."""
+    src = source_rank(rank, manifest.world_size)
     live = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) or is_stateful(v)}
-    tensors = flatten(live, allow_pickle=True, rank=rank, keep_vars=True).tensors
+    tensors = flatten(live, allow_pickle=True, rank=src, keep_vars=True).tensors
+    wanted = {name: item_tree(manifest.items[name], src) for name in state
+              if name in manifest.items}
     out = []
-    for key, entry in manifest.tensors.items():
-        target = tensors.get(key)
-        box = ((0,) * len(entry.shape), entry.shape)
-        if target is not None:
-            _, offsets, local = local_piece(target)
-            if tuple(target.shape) == entry.shape:
-                box = (offsets, tuple(local.shape))
-        out += [(key, chunk) for chunk, _ in overlapping(entry, box)]
+    for key in sorted(needed_tensors(None, "", manifest, wanted, allow_pickle=True)):
+        entry = manifest.tensors[key]
+        out += [(key, chunk) for chunk, _ in overlapping(entry, read_box(entry,
+                                                                         tensors.get(key)))]
     return out
 
 
-def _exchange(requests: dict[int, list[tuple[str, str, int, int]]], error: str | None,
-              step: int, location: str, shm_dir: str, prefix: str, rank: int, pg: Any) -> dict:
-    """Send every rank the byte ranges it asked this rank for; receive what this rank asked
-    for. Returns (path, start) -> bytes. ``error``: this rank could not plan its reads (all
-    ranks then raise)."""
+def _exchange(source: MemorySource | None, requests: dict[int, list[tuple[str, str, int, int]]],
+              error: str | None, step: int, location: str, shm_dir: str, prefix: str,
+              rank: int, pg: Any) -> None:
+    """Start sending every rank the byte ranges it asked this rank for, and receiving what
+    this rank asked for (into ``source.fetched``; ``source.exchange`` holds every message).
+    ``error``: this rank could not plan its reads (all ranks then raise)."""
     world = dist.get_world_size(pg)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (requests, error), group=pg)
@@ -439,38 +508,41 @@ def _exchange(requests: dict[int, list[tuple[str, str, int, int]]], error: str |
     failed = [e for e in errors if e]
     if failed:
         raise CorruptCheckpointError(failed[0])
-    # One message per run of adjacent byte ranges, sent straight from the segment's pages;
-    # both sides cut the same request list into the same runs, numbered by tag.
-    incoming = {src: torch.empty(sum(r[3] for r in reqs), dtype=torch.uint8)
-                for src, reqs in requests.items()}
-    works = []
+    # One message per run of adjacent byte ranges (at most MESSAGE_BYTES, unless one chunk
+    # is larger), sent straight from the segment's pages; both sides cut the same request
+    # list into the same runs, numbered by tag. Nobody waits here: a read of fetched bytes
+    # waits for its message, and MemorySource.close for all of them.
+    arrivals = source.exchange
     for src, reqs in requests.items():
-        at = 0
+        incoming = torch.empty(sum(r[3] for r in reqs), dtype=torch.uint8)
+        view, at, pieces = memoryview(incoming.numpy()), 0, iter(reqs)
         for tag, (_, _, _, length) in enumerate(_runs(reqs)):
+            arrival = _Arrival(None)
             if length:
-                works.append(dist.irecv(incoming[src][at:at + length],
-                                        src=dist.get_global_rank(pg, src), group=pg, tag=tag))
-            at += length
+                arrival = _Arrival(dist.irecv(incoming[at:at + length],
+                                              src=dist.get_global_rank(pg, src), group=pg,
+                                              tag=tag), incoming)
+                arrivals.append(arrival)
+            end = at + length
+            while at < end:  # the requests this message carries
+                _, name, start, n = next(pieces)
+                source.fetched[(f"{location}/{name}", start)] = (view[at:at + n], arrival)
+                at += n
+        for _, name, start, n in pieces:  # empty requests after the last message
+            source.fetched[(f"{location}/{name}", start)] = (view[at:at], _Arrival(None))
     for dst, parts in outgoing.items():
-        works += [dist.isend(part, dst=dist.get_global_rank(pg, dst), group=pg, tag=tag)
-                  for tag, part in enumerate(parts) if part is not None]
-    for w in works:
-        w.wait()
-    del outgoing, maps  # the mappings go with the last tensor over them
-    fetched: dict[tuple[str, int], memoryview] = {}
-    for src, reqs in requests.items():
-        view, at = memoryview(incoming[src].numpy()), 0
-        for _, name, start, length in reqs:
-            fetched[(f"{location}/{name}", start)] = view[at:at + length]
-            at += length
-    return fetched
+        arrivals += [_Arrival(dist.isend(part, dst=dist.get_global_rank(pg, dst), group=pg,
+                                         tag=tag), (part, maps))
+                     for tag, part in enumerate(parts) if part is not None]
 
 
 def _runs(reqs: list[tuple[str, str, int, int]]) -> list[tuple[str, str, int, int]]:
-    """Requests with adjacent byte ranges of one file merged, in order."""
+    """Requests with adjacent byte ranges of one file merged, in order, up to MESSAGE_BYTES
+    a run (a larger request is a run of its own)."""
     out: list[tuple[str, str, int, int]] = []
     for segment, name, start, length in reqs:
-        if out and out[-1][:2] == (segment, name) and out[-1][2] + out[-1][3] == start:
+        if out and out[-1][:2] == (segment, name) and out[-1][2] + out[-1][3] == start \
+                and out[-1][3] + length <= MESSAGE_BYTES:
             out[-1] = (segment, name, out[-1][2], out[-1][3] + length)
         else:
             out.append((segment, name, start, length))
@@ -479,15 +551,15 @@ def _runs(reqs: list[tuple[str, str, int, int]]) -> list[tuple[str, str, int, in
 
 def _map(path: str) -> Any:
     """A read-only shared mapping of a segment's file (never through a symbolic link); its
-    pages are in RAM already (tmpfs), so mapping them costs page-table entries, no copy.
+    pages are in RAM already (tmpfs), so mapping them costs page-table entries, no copy, and
+    they are entered as the send reads them (measured faster than MAP_POPULATE here).
     Nothing truncates a committed step's files (writers publish new directories by rename)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         if not size:
             return b""
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                         prot=mmap.PROT_READ)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
 

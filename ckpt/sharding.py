@@ -45,6 +45,16 @@ def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torc
     return tuple(t.shape), (0,) * t.dim(), t
 
 
+def read_box(entry, target: torch.Tensor | None) -> Box:
+    """The box of a stored tensor (manifest ``entry``) that a load reads for its live
+    ``target``: the target's local piece (its shard of a DTensor), or the whole tensor when
+    the rank holds no live tensor for it (None). The one rule of every load's read plan."""
+    if target is None:
+        return (0,) * len(entry.shape), tuple(entry.shape)
+    _, offsets, local = local_piece(target)
+    return offsets, tuple(local.shape)
+
+
 @dataclass(frozen=True)
 class PieceSpec:
     """One rank's box of one tensor: what ranks exchange before a save."""

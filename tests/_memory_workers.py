@@ -149,3 +149,43 @@ def flip_chunk(step_path: str, key: str) -> None:
                 byte = f.read(1)[0]
                 f.seek(-1, os.SEEK_CUR)
                 f.write(bytes([byte ^ 0x01]))
+
+
+def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
+                         nodes: list[str]) -> dict:
+    """Each rank seeds its RNGs differently, saves step 1 to memory only (the root never
+    holds it) with a replica on the other node, and records what its generators give next.
+    Then, with other draws in between, restores from its own memory; then rank 1's node
+    loses its memory and both restore again (rank 1's values from the replica on node 0).
+    Returns, per restore, the tier and whether the next draws equal the recorded ones."""
+    import random
+
+    random.seed(100 + rank)
+    torch.manual_seed(100 + rank)
+    w = {"w": torch.full((4, 2), float(rank))}
+
+    def state() -> dict:
+        return {"w": w["w"].clone(), "rng": ckpt.RNGState()}
+
+    mgr = manager(root, shm, job, nodes[rank], persist_every=1_000_000)
+    mgr.save(1, state(), force=True)
+    assert mgr.wait_replicated(60)
+    expected = (torch.rand(4).tolist(), random.random())
+    dist.barrier()
+    mgr.close()
+    out = {}
+    for case in ("own", "peer"):
+        if case == "peer" and rank == 0:  # node 1's own segment is gone (its RAM)
+            shutil.rmtree(os.path.join(shm, f"ckpt-{job}-{nodes[1]}-r1"))
+        dist.barrier()
+        torch.manual_seed(7)  # other draws: the restore must put each rank's back
+        random.seed(7)
+        mgr = manager(root, shm, job, nodes[rank], persist_every=1_000_000)
+        step = mgr.restore(state())
+        got = (torch.rand(4).tolist(), random.random())
+        out[case] = {"step": step, "tier": mgr.last_restore.tier if mgr.last_restore else None,
+                     "same": got == expected}
+        mgr.close()
+        dist.barrier()
+    out["differs_from_rank0"] = expected
+    return out

@@ -132,3 +132,20 @@ def test_a_newer_step_in_the_root_wins_over_memory(node_loss):
     for r in node_loss:
         out = r["root_newer"]
         assert (out["step"], out["tier"], out["mismatches"]) == (4, "storage", [])
+
+
+def test_each_rank_restores_its_own_rng_state_from_memory(tmp_path):
+    """Per-rank values (RNGState) of a step held in memory only: the memory tier builds the
+    step's manifest from the rank steps, and each rank gets its own generators back, from
+    its own segment and, after its node's memory is lost, from the replica."""
+    from _memory_workers import rng_save_and_restore
+
+    root, shm = str(tmp_path / "root"), tmp_path / "shm"
+    shm.mkdir()
+    out = run_ranks(2, rng_save_and_restore, root, str(shm), "rng", ["hostR_n0", "hostR_n1"],
+                    timeout=100)
+    assert out[0]["differs_from_rank0"] != out[1]["differs_from_rank0"]  # a real per-rank test
+    for rank, r in enumerate(out):
+        assert r["own"] == {"step": 1, "tier": "memory", "same": True}
+        assert r["peer"] == {"step": 1, "tier": "peer" if rank == 1 else "memory",
+                             "same": True}

@@ -233,14 +233,17 @@ class MemorySource(ShmReader):
     """The storage of one agreed save: the merged manifest, chunk bytes from this node's
     segments (``local``: path -> file) or read from the peer that holds them (``remote``).
 
-    A peer's bytes are read when the load asks for them, straight into where the load wants
-    them, so a restore needs no buffer for them (new memory is dear: docs/elastic.md): each
-    read sends the holder a small request and receives the bytes into the reader's
-    destination (the live tensor, in the apply pass); the verify pass streams them through
-    two reused pieces per thread, one arriving while the other is digested. Each rank
-    serves its peers' requests from a thread (``_serve``) until every peer it serves has
-    closed its source. ``close`` tells the holders this rank read from that it is done and
-    waits for its own server.
+    A peer's bytes are received when the load reads them, straight into where the load
+    wants them, so a restore needs no buffer for them (new memory is dear here:
+    docs/elastic.md). A pass's first read from a holder asks it for a *round*: the holder
+    posts a send of every byte range this rank planned to read from it (for the verify
+    pass in pieces of ``piece`` bytes, received into two reused buffers per thread, one
+    arriving while the other is digested; for the apply pass each range whole, received
+    into the live tensor), and gloo moves each one as soon as the reader posts its receive,
+    with no Python in between. A read that is not one whole planned piece or range asks
+    for its bytes alone. Each rank answers its peers from a thread (``_serve``) until
+    every peer it serves has closed its source; ``close`` first receives (and drops) what a
+    round sent that the load did not read.
 
     ``tier`` is "memory" when every byte this rank needs lies in its node's own segments,
     "peer" when any comes from a replica or another node.
@@ -262,13 +265,50 @@ class MemorySource(ShmReader):
         self._holders: set[int] = set()  # the peers this rank reads from
         self._index: dict[str, tuple[tuple, tuple]] = {}  # path -> (starts, remote's)
         self._pieces = threading.local()
+        self._lengths: dict[int, list[int]] = {}  # holder -> length of each planned range
+        self._rounds: dict[tuple[int, int], dict] = {}  # (holder, kind) -> key -> (tag, n)
+        self._unread: dict[tuple[int, int], int] = {}  # (holder, tag) -> bytes, sent, not read
+        self._round_lock = threading.Lock()
         self._server: threading.Thread | None = None
         self._served: list[BaseException] = []
 
     # -- reading a peer's bytes -----------------------------------------------------------
+    def _round(self, holder: int, kind: int) -> dict[tuple[int, int], tuple[int, int]]:
+        """(range index, offset) -> (tag, bytes) of the messages of a round from ``holder``
+        (``_VERIFY`` or ``_APPLY``); asks the holder for the round on first use."""
+        with self._round_lock:
+            found = self._rounds.get((holder, kind))
+            if found is None:
+                keys = _round_keys(self._lengths[holder], kind, self.piece)
+                with _TAG_LOCK:
+                    base = next(_TAGS)
+                    for _ in keys[1:]:
+                        next(_TAGS)
+                found = {(i, o): (base + k, n) for k, (i, o, n) in enumerate(keys)}
+                self._unread.update({(holder, tag): n for tag, n in found.values()})
+                self._rounds[(holder, kind)] = found
+                ask = torch.tensor([_ROUND, kind, base, self.piece, 0], dtype=torch.int64)
+                dist.isend(ask, dst=dist.get_global_rank(self._pg, holder), group=self._pg,
+                           tag=_REQUEST).wait()
+            return found
+
+    def _receive(self, holder: int, kind: int, index: int, offset: int,
+                 out: torch.Tensor) -> Any:
+        """Start receiving bytes [offset, offset + len(out)) of planned range ``index`` from
+        ``holder`` into ``out``: the round's message that carries exactly them, when it has
+        not been received yet, else a request of their own. Returns the receive."""
+        tag, n = self._round(holder, kind).get((index, offset), (None, -1))
+        with self._round_lock:
+            if n != out.numel() or self._unread.pop((holder, tag), None) is None:
+                tag = None
+        if tag is None:
+            return self._ask(holder, index, offset, out)
+        return dist.irecv(out, src=dist.get_global_rank(self._pg, holder), group=self._pg,
+                          tag=tag)
+
     def _ask(self, holder: int, index: int, offset: int, out: torch.Tensor) -> Any:
-        """Request bytes [offset, offset + len(out)) of request ``index`` from ``holder``;
-        returns the receive that fills ``out`` (to wait for)."""
+        """Request bytes [offset, offset + len(out)) of planned range ``index`` from
+        ``holder`` alone; returns the receive that fills ``out``."""
         with _TAG_LOCK:  # never reused in this process: a message of an attempt that
             tag = next(_TAGS)  # failed half-way can never be taken for one of a later one
         dst = dist.get_global_rank(self._pg, holder)
@@ -278,7 +318,7 @@ class MemorySource(ShmReader):
         return received
 
     def _spans(self, path: str, start: int, length: int) -> list[tuple[int, int, int, int]]:
-        """(holder, request index, offset in it, bytes) covering a peer's byte range."""
+        """(holder, planned range index, offset in it, bytes) covering a peer's bytes."""
         starts, found = self._index.get(path, ((), ()))
         out, pos, end = [], start, start + length
         while pos < end:
@@ -292,10 +332,13 @@ class MemorySource(ShmReader):
         return out
 
     def index_remote(self) -> None:
-        """Index ``remote`` by file for ``_spans`` (once it is complete)."""
+        """Index ``remote`` by file and holder (once it is complete)."""
         by_path: dict[str, list] = {}
-        for (path, start), found in self.remote.items():
-            by_path.setdefault(path, []).append((start, found))
+        for (path, start), (holder, index, n) in self.remote.items():
+            by_path.setdefault(path, []).append((start, (holder, index, n)))
+            lengths = self._lengths.setdefault(holder, [])
+            lengths += [0] * (index + 1 - len(lengths))
+            lengths[index] = n
         self._index = {path: (tuple(s for s, _ in sorted(v)), tuple(f for _, f in sorted(v)))
                        for path, v in by_path.items()}
 
@@ -304,7 +347,7 @@ class MemorySource(ShmReader):
             return self._manifest[start:None if length is None else start + length]
         if path in self.local:
             return super().read(path, start, length)
-        if length is None:  # to the end of the request that starts there
+        if length is None:  # to the end of the planned range that starts there
             length = self.remote.get((path, start), (0, 0, 0))[2]
         buf = bytearray(length)
         self.read_into(path, start, memoryview(buf))
@@ -314,12 +357,14 @@ class MemorySource(ShmReader):
         if path in self.local:
             return super().read_into(path, start, out)
         out = memoryview(out).cast("B")
+        if not len(out):
+            return
         with warnings.catch_warnings():  # writable: the destination's own bytes
             warnings.simplefilter("ignore", UserWarning)
-            dest = torch.frombuffer(out, dtype=torch.uint8) if len(out) else None
+            dest = torch.frombuffer(out, dtype=torch.uint8)
         received, at = [], 0
         for holder, index, offset, n in self._spans(path, start, len(out)):
-            received.append(self._ask(holder, index, offset, dest[at:at + n]))
+            received.append(self._receive(holder, _APPLY, index, offset, dest[at:at + n]))
             at += n
         for r in received:
             r.wait()
@@ -329,9 +374,9 @@ class MemorySource(ShmReader):
         if path in self.local:
             yield from super().read_blocks(path, start, length, buffer)
             return
-        # A run of adjacent chunks, served by their holders in pieces received into this
-        # thread's two buffers in turn: the next piece arrives while the reader digests
-        # this one (a buffer is asked for again only once the reader has moved past it).
+        # A run of adjacent chunks in pieces, received into this thread's two buffers in
+        # turn: the next piece arrives while the reader digests this one (a buffer is
+        # received into again only once the reader has moved past it).
         pieces = [(holder, index, offset + o, min(self.piece, n - o))
                   for holder, index, offset, n in self._spans(path, start, length)
                   for o in range(0, n, self.piece)]
@@ -342,19 +387,15 @@ class MemorySource(ShmReader):
         pending: collections.deque = collections.deque()
         try:
             for k, (holder, index, offset, n) in enumerate(pieces):
-                pending.append((self._ask(holder, index, offset, bufs[k % 2][:n]), k % 2, n))
+                out = bufs[k % 2][:n]
+                pending.append((self._receive(holder, _VERIFY, index, offset, out), out))
                 if len(pending) == 2:
-                    yield self._arrived(bufs, *pending.popleft())
+                    yield _arrived(*pending.popleft())
             while pending:
-                yield self._arrived(bufs, *pending.popleft())
+                yield _arrived(*pending.popleft())
         finally:  # the reader stopped early (a digest failed): nothing left in flight
-            for received, _, _ in pending:
+            for received, _ in pending:
                 received.wait()
-
-    @staticmethod
-    def _arrived(bufs: list[torch.Tensor], received: Any, b: int, n: int) -> memoryview:
-        received.wait()
-        return memoryview(bufs[b][:n].numpy())
 
     def size(self, path: str) -> int:
         if path in self.local:
@@ -366,8 +407,8 @@ class MemorySource(ShmReader):
 
     # -- serving peers -------------------------------------------------------------------
     def _serve(self, pg: Any, parts: dict[int, list[tuple[Any, int, int]]]) -> None:
-        """Answer the peers' requests (``parts``: peer -> its requests to this rank, each
-        (mapping, start, length)) until every one of them has said it is done."""
+        """Answer the peers' requests (``parts``: peer -> what it planned to read from this
+        rank, each (mapping, start, length)) until every one of them has said it is done."""
         sends = []
         try:
             left = set(parts)
@@ -375,18 +416,24 @@ class MemorySource(ShmReader):
             while left:
                 src = dist.recv(ask, src=None, group=pg, tag=_REQUEST)
                 peer = dist.get_group_rank(pg, src)
-                op, index, offset, length, tag = ask.tolist()
+                op, a, b, c, tag = ask.tolist()
+                mine = parts.get(peer, [])
                 if op == _DONE:
                     left.discard(peer)
                     continue
-                mine = parts.get(peer, [])
+                if op == _ROUND:  # (kind, first tag, piece): every message of the round
+                    keys = _round_keys([n for _, _, n in mine], a, c)
+                    sends += [dist.isend(_bytes_of(mine[i][0], mine[i][1] + o, n), dst=src,
+                                         group=pg, tag=b + k)
+                              for k, (i, o, n) in enumerate(keys)]
+                    continue
+                index, offset, length = a, b, c  # _READ: one range
                 if 0 <= index < len(mine) and 0 <= offset and 0 < length \
                         and offset + length <= mine[index][2]:
-                    mapping, start, _ = mine[index]
-                    data = _bytes_of(mapping, start + offset, length)
+                    data = _bytes_of(mine[index][0], mine[index][1] + offset, length)
                 else:  # not from ckpt's own reads: bytes that fail their digests
                     log.error("ckpt.memory_restore rank %d asked for bytes it was not "
-                              "promised (request %d, %d+%d)", peer, index, offset, length)
+                              "promised (range %d, %d+%d)", peer, index, offset, length)
                     data = torch.zeros(max(0, length), dtype=torch.uint8)
                 sends.append(dist.isend(data, dst=src, group=pg, tag=tag))
             for w in sends:
@@ -395,18 +442,24 @@ class MemorySource(ShmReader):
             self._served.append(e)
 
     def close(self) -> None:
-        """Tell the holders this rank read from that it is done, wait until the peers it
-        serves are done too, then release the mappings and descriptors."""
+        """Receive (and drop) what a round sent that the load did not read, tell the
+        holders this rank read from that it is done, wait until the peers it serves are
+        done too, then release the mappings and descriptors."""
         pg, self._pg = getattr(self, "_pg", None), None
         errors = []
         if pg is not None:
-            for holder in sorted(self._holders):
-                try:
+            unread, self._unread = self._unread, {}
+            scratch = torch.empty(max(unread.values(), default=0), dtype=torch.uint8)
+            try:
+                for r in [dist.irecv(scratch[:n], src=dist.get_global_rank(pg, holder),
+                                     group=pg, tag=tag) for (holder, tag), n in unread.items()]:
+                    r.wait()
+                for holder in sorted(self._holders):
                     dist.isend(torch.tensor([_DONE, 0, 0, 0, 0], dtype=torch.int64),
                                dst=dist.get_global_rank(pg, holder), group=pg,
                                tag=_REQUEST).wait()
-                except Exception as e:  # the holder died
-                    errors.append(e)
+            except Exception as e:  # a holder died
+                errors.append(e)
         server, self._server = getattr(self, "_server", None), None
         if server is not None:
             server.join()
@@ -419,10 +472,24 @@ class MemorySource(ShmReader):
         ShmReader.close(self)  # descriptors only: the peers' protocol is close()'s
 
 
+def _arrived(received: Any, out: torch.Tensor) -> memoryview:
+    received.wait()
+    return memoryview(out.numpy())
+
+
+def _round_keys(lengths: list[int], kind: int, piece: int) -> list[tuple[int, int, int]]:
+    """The messages of a round, in order: (range index, offset, bytes); the holder and the
+    reader cut them alike. _VERIFY: each planned range in pieces; _APPLY: each whole."""
+    if kind == _APPLY:
+        return [(i, 0, n) for i, n in enumerate(lengths) if n]
+    return [(i, o, min(piece, n - o)) for i, n in enumerate(lengths) for o in range(0, n, piece)]
+
+
 _REQUEST = 0  # the tag of requests; data messages use tags from 1
 _TAGS = itertools.count(1)
 _TAG_LOCK = threading.Lock()
-_READ, _DONE = 1, 0
+_DONE, _READ, _ROUND = 0, 1, 2  # requests: [op, ...] (see _serve)
+_VERIFY, _APPLY = 0, 1  # rounds
 
 
 def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: str, job: str,

@@ -177,6 +177,9 @@ def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
     for case in ("own", "peer"):
         if case == "peer" and rank == 0:  # node 1's own segment is gone (its RAM)
             shutil.rmtree(os.path.join(shm, f"ckpt-{job}-{nodes[1]}-r1"))
+        if case == "peer":  # the RNG tensor (5 KB) crosses in several pieces
+            from ckpt.memory_restore import MemorySource
+            MemorySource.piece = 1024
         dist.barrier()
         torch.manual_seed(7)  # other draws: the restore must put each rank's back
         random.seed(7)

@@ -35,6 +35,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_integrations.py
 	$(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_memory_tier.py
+	$(PY) benchmarks/bench_load_fixed.py
 
 clean:
 	rm -rf $(VENV) demo-run bench-out

@@ -11,6 +11,10 @@ parallel streams. A third for loads, "raw, read twice": the one file read cold a
 again from the page cache, the least a load costs that checks every byte before it changes
 the first live one and holds no second copy of the state (docs/design.md, "Loading").
 
+Two one-pass rows: ``ckpt.load(atomic=False)`` and ``CheckpointManager.restore()`` of the
+newest step (which reads once and digests each block where it lands; a corrupt chunk sends it
+to the next step, which overwrites whatever the bad one wrote).
+
 Every load ends with the bytes in preallocated tensors, as a restore into a live model does:
 raw, ckpt and DCP read in place; torch.load and safetensors return new tensors, which are
 then copied into the destinations (the copy ``load_state_dict`` would do) inside the timing.
@@ -58,6 +62,24 @@ def ckpt_load(dest: State, path: str) -> None:
 
 def ckpt_load_in_place(dest: State, path: str) -> None:
     ckpt.load(dest, path, atomic=False)
+
+
+def ckpt_restore(state: State, dest: State, root: str) -> dict[str, float]:
+    """``CheckpointManager.restore`` of the newest step (one pass; docs/design.md,
+    "Loading"): the save untimed, the restore timed with its peak extra memory."""
+    with ckpt.CheckpointManager(root, async_save=False, handle_sigterm=False,
+                                metrics=False) as mgr:
+        mgr.save(1, state)
+    for t in dest.values():
+        t.zero_()
+    common.drop_page_cache()
+    with ckpt.CheckpointManager(root, read_only=True, metrics=False) as mgr:
+        with common.PeakMemory() as mem, common.Stopwatch() as sw:
+            step = mgr.restore(dest)
+    assert step == 1 and mgr.last_restore.tier == "storage"
+    common.remove(root)
+    return {"restore": sw.seconds, "restore_cpu": sw.cpu_seconds,
+            "restore_extra": mem.extra_bytes or 0}
 
 
 def torch_save(state: State, path: str) -> None:
@@ -116,6 +138,7 @@ METHODS: list[tuple[str, Callable[[State, str], None], Callable[[State, str], No
     ("DCP", dcp_save, dcp_load),
 ]
 CKPT_IN_PLACE = "ckpt load, atomic=False (one pass)"
+CKPT_RESTORE = "ckpt restore(), newest step (one pass)"
 RAW_TWICE = "raw, read twice"  # cold, then from the page cache: the floor of two passes
 
 
@@ -161,6 +184,11 @@ def make_case(name: str, save: Callable[[State, str], None], load: Callable[[Sta
             result["load_in_place"] = sw.seconds
             result["load_in_place_cpu"] = sw.cpu_seconds
             result["load_in_place_extra"] = mem.extra_bytes or 0
+            if cold:  # the manager's restore (the page cache dropped in it)
+                restored = ckpt_restore(state, dest, path + "-root")
+                if rep == 0 and not common.same_values(state, dest):
+                    raise AssertionError("ckpt restore: restored values differ")
+                result.update(restored)
         common.remove(path)
         return result
 
@@ -194,6 +222,10 @@ def bench_one(size: int, shape: str, reps: int, workdir: str, cold: bool,
         load_rows.insert(at, common.Row(CKPT_IN_PLACE, timings["ckpt"]["load_in_place"],
                                         timings["ckpt"]["load_in_place_cpu"]))
         extra[CKPT_IN_PLACE] = timings["ckpt"]["load_in_place_extra"]
+        if "restore" in timings["ckpt"]:
+            load_rows.insert(at + 1, common.Row(CKPT_RESTORE, timings["ckpt"]["restore"],
+                                                timings["ckpt"]["restore_cpu"]))
+            extra[CKPT_RESTORE] = timings["ckpt"]["restore_extra"]
     count = len(state)
     title = (f"{common.format_size(nbytes)} in {count} fp32 tensors "
              f"({common.format_size(nbytes // count)} each), {reps} reps")

@@ -58,6 +58,7 @@ SCRIPTS = {
                      ["--reps", "1", "--layers", "2", "--width", "128"]),
     "scale": ("bench_scale.py", [], ["--ranks", "8,64", "--layouts", "fsdp,hsdp"]),
     "memory_tier": ("bench_memory_tier.py", [], ["--quick"]),
+    "load_fixed": ("bench_load_fixed.py", [], ["--counts", "1000", "--reps", "3"]),
 }
 TITLES = {
     "save_load": "Save and load throughput (Foundation issue)",
@@ -73,6 +74,7 @@ TITLES = {
     "integrations": "Lightning, HF Trainer, Accelerate: blocking per checkpoint and bytes",
     "scale": "Save and load planning at 8 to 4,096 simulated ranks (issue 17)",
     "memory_tier": "Memory tier: restore by tier, recovery with and without it (issue 14)",
+    "load_fixed": "The fixed cost of a load: thousands of small tensors (issue 16)",
 }
 COMMIT_TAG = "<!-- measured at commit {} -->"
 

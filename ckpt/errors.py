@@ -45,7 +45,18 @@ class StateMismatchError(CheckpointError, KeyError):
 
 class PartialLoadError(CheckpointError):
     """A load failed after it had begun to write live tensors; the message names which
-    tensors hold the new values, which are partly written and which are unchanged."""
+    tensors hold the new values, which are partly written and which are unchanged.
+
+    ``changed`` holds the live tensors' keys that were written (wholly or partly), and
+    ``corrupt`` says whether the cause was the step's data (a digest mismatch or an
+    unreadable chunk): loading another good step that holds those tensors repairs the state.
+    Both are process-local (not kept when the error is pickled).
+    """
+
+    def __init__(self, message: str, *, path: str | None = None,
+                 changed: frozenset[str] = frozenset(), corrupt: bool = False) -> None:
+        super().__init__(message, path=path)
+        self.changed, self.corrupt = changed, corrupt
 
 
 class UnsupportedValueError(CheckpointError, TypeError):

@@ -309,12 +309,21 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = MAX_BYTES) -> int:
     raise _Invalid(f"{what} must be an integer in [{lo}, {hi}]")
 
 
-def _dims(value: Any, what: str) -> tuple[int, ...]:
-    if not (isinstance(value, list) and len(value) <= MAX_DIMS):
-        raise _Invalid(f"{what} must be a list of at most {MAX_DIMS} ints")
-    if all(type(v) is int and 0 <= v <= MAX_BYTES for v in value):
-        return tuple(value)
-    raise _Invalid(f"{what} must be a list of integers in [0, {MAX_BYTES}]")
+def _dims(value: Any, what: str, of: str | None = None) -> tuple[int, ...]:
+    """A validated box shape or offsets; messages name ``what`` (``of`` key ``of``), built
+    only on failure."""
+    if isinstance(value, list) and len(value) <= MAX_DIMS:
+        for v in value:  # a loop, not all(<generator>): this runs for every chunk
+            if type(v) is not int or not 0 <= v <= MAX_BYTES:
+                break
+        else:
+            return tuple(value)
+        raise _Invalid(f"{_named(what, of)} must be a list of integers in [0, {MAX_BYTES}]")
+    raise _Invalid(f"{_named(what, of)} must be a list of at most {MAX_DIMS} ints")
+
+
+def _named(what: str, of: str | None) -> str:
+    return what if of is None else f"{what} of {of!r}"
 
 
 def file_name(value: Any, what: str = "file") -> str:
@@ -354,8 +363,8 @@ def _parse(doc: Any) -> Manifest:
     aliases = doc.get("aliases", {})
     _check(isinstance(aliases, dict), "aliases must be an object")
     for k, v in aliases.items():
-        _check(isinstance(v, str) and v in tensors and k not in tensors,
-               f"alias {k!r} -> {v!r} is dangling")
+        if not (isinstance(v, str) and v in tensors and k not in tensors):
+            raise _Invalid(f"alias {k!r} -> {v!r} is dangling")
     items = doc.get("items")
     _check(isinstance(items, dict), "items must be an object")
     for name, item in items.items():
@@ -468,21 +477,27 @@ def _parse_refs(doc: Any, step: int) -> dict[tuple[int, str], int]:
 
 
 def _parse_tensor(key: str, doc: Any, step: int, files: dict[str, int]) -> TensorEntry:
-    _check(isinstance(doc, dict), f"tensor {key!r} must be an object")
+    # Messages are built only on failure: this runs once per tensor of a manifest.
+    if not isinstance(doc, dict):
+        raise _Invalid(f"tensor {key!r} must be an object")
     dtype = doc.get("dtype")
-    _check(isinstance(dtype, str) and dtype in DTYPES, f"tensor {key!r} has unknown dtype {dtype!r}")
-    shape = _dims(doc.get("shape"), f"shape of {key!r}")
+    if not (isinstance(dtype, str) and dtype in DTYPES):
+        raise _Invalid(f"tensor {key!r} has unknown dtype {dtype!r}")
+    shape = _dims(doc.get("shape"), "shape", key)
     itemsize = DTYPES[dtype].itemsize
-    _check(math.prod(shape) * itemsize <= MAX_BYTES, f"tensor {key!r} is absurdly large")
+    if math.prod(shape) * itemsize > MAX_BYTES:
+        raise _Invalid(f"tensor {key!r} is absurdly large")
     chunks_doc = doc.get("chunks")
-    _check(isinstance(chunks_doc, list), f"chunks of {key!r} must be a list")
+    if not isinstance(chunks_doc, list):
+        raise _Invalid(f"chunks of {key!r} must be a list")
     chunks = []
     for i, c in enumerate(chunks_doc):
         try:
             chunks.append(_parse_chunk(c, shape, itemsize, step, files))
         except _Invalid as e:
             raise _Invalid(f"chunk {i} of {key!r} {e}") from None
-    _check_tiling(key, shape, chunks)
+    if not (len(chunks) == 1 and chunks[0].shape == shape and not any(chunks[0].offsets)):
+        _check_tiling(key, shape, chunks)  # (one chunk that is the whole tensor tiles it)
     return TensorEntry(dtype, shape, tuple(chunks))
 
 
@@ -490,17 +505,24 @@ def _parse_chunk(c: Any, shape: tuple[int, ...], itemsize: int, step: int,
                  files: dict[str, int]) -> Chunk:
     """One chunk of a tensor; messages are built only on failure (manifests of large jobs
     hold millions of chunks) and are prefixed with the chunk by the caller."""
-    _check(isinstance(c, dict), "must be an object")
+    if not isinstance(c, dict):
+        raise _Invalid("must be an object")
     offsets = _dims(c.get("offsets"), "offsets")
     box = _dims(c.get("shape"), "shape")
-    if not len(offsets) == len(shape) == len(box):
+    if box != shape or any(offsets):  # (a chunk that is the whole tensor lies inside it)
+        if not len(offsets) == len(shape) == len(box):
+            raise _Invalid("has the wrong rank")
+        for o, b, s in zip(offsets, box, shape):
+            if o + b > s:
+                raise _Invalid(f"lies outside the tensor's shape {list(shape)}")
+    elif len(offsets) != len(shape):
         raise _Invalid("has the wrong rank")
-    if not all(o + b <= s for o, b, s in zip(offsets, box, shape)):
-        raise _Invalid(f"lies outside the tensor's shape {list(shape)}")
     codec = c.get("codec", "raw")
     if not (isinstance(codec, str) and codec in CODECS):
         raise _Invalid(f"has unknown codec {codec!r}")
-    length = _int(c.get("length"), "length")
+    length = c.get("length")
+    if type(length) is not int or not 0 <= length <= MAX_BYTES:
+        raise _Invalid(f"length must be an integer in [0, {MAX_BYTES}]")
     raw_len = math.prod(box) * itemsize
     if codec == "raw":
         if length != raw_len:
@@ -508,16 +530,21 @@ def _parse_chunk(c: Any, shape: tuple[int, ...], itemsize: int, step: int,
     elif not (length <= raw_len + 1024 and raw_len <= (length + 64) * MAX_ZSTD_RATIO):
         raise _Invalid(f"claims {raw_len} bytes compressed into {length}: no zstd frame "
                        "expands that much")
-    start = _int(c.get("start"), "start")
+    start = c.get("start")
+    if type(start) is not int or not 0 <= start <= MAX_BYTES:
+        raise _Invalid(f"start must be an integer in [0, {MAX_BYTES}]")
     ref = c.get("step")
-    fname = file_name(c.get("file"), "file")
+    fname = c.get("file")
     if ref is None:
-        if fname not in files:
-            raise _Invalid(f"names {fname!r}, which is not among files")
+        # The keys of `files` are validated file names: one of them needs no second check.
+        if not (isinstance(fname, str) and fname in files):
+            raise _Invalid(f"names {file_name(fname, 'file')!r}, which is not among files")
         if start + length > files[fname]:
             raise _Invalid(f"ends at byte {start + length}, past the end of {fname!r}")
-    elif not (type(ref) is int and 0 <= ref < step):
-        raise _Invalid(f"refers to step {ref!r}, which is not an earlier step")
+    else:
+        fname = file_name(fname, "file")
+        if not (type(ref) is int and 0 <= ref < step):
+            raise _Invalid(f"refers to step {ref!r}, which is not an earlier step")
     digest = c.get("digest")
     if not (isinstance(digest, str) and _DIGEST.match(digest)):
         raise _Invalid("has a malformed digest")
@@ -634,23 +661,27 @@ def check_tree(tree: Any, tensors: dict[str, TensorEntry], aliases: dict[str, st
     """A JSON tree of ckpt.state's encoding is well formed: bounded depth, tags with bodies
     of the right type, every tensor it names stored. Iterative: a hostile tree cannot
     exhaust the stack. Raises _Invalid (parse) for the caller to turn into corruption."""
+    # Messages are built only on failure: a state's tree has a leaf per tensor.
     stack = [(tree, 1)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, list):
-            _check(depth <= MAX_DEPTH, f"{what} nests deeper than {MAX_DEPTH} levels")
+            if depth > MAX_DEPTH:
+                raise _Invalid(f"{what} nests deeper than {MAX_DEPTH} levels")
             stack.extend((v, depth + 1) for v in node)
             continue
         if not isinstance(node, dict):
             continue
-        _check(depth <= MAX_DEPTH, f"{what} nests deeper than {MAX_DEPTH} levels")
+        if depth > MAX_DEPTH:
+            raise _Invalid(f"{what} nests deeper than {MAX_DEPTH} levels")
         if len(node) != 1 or next(iter(node)) not in _TAGGED:
             stack.extend((v, depth + 1) for v in node.values())
             continue
         (tag, body), = node.items()
-        if tag in ("__tensor__", "__ndarray__"):
-            _check(isinstance(body, str) and (body in tensors or body in aliases),
-                   f"{what} refers to tensor {body!r}, which the manifest does not hold")
+        if tag == "__tensor__" or tag == "__ndarray__":
+            if not (isinstance(body, str) and (body in tensors or body in aliases)):
+                raise _Invalid(f"{what} refers to tensor {body!r}, which the manifest does "
+                               "not hold")
             if tag == "__ndarray__":
                 entry = tensors[aliases.get(body, body)]
                 _check(entry.dtype in _NUMPY_DTYPES,
@@ -664,9 +695,9 @@ def check_tree(tree: Any, tensors: dict[str, TensorEntry], aliases: dict[str, st
                    f"{what}: a dict's body must be a list of [key, value] pairs")
             stack.extend((v, depth + 2) for p in body for v in p)
             for k, _ in body:
-                _check(k is None or isinstance(k, (bool, int, float, str))
-                       or _is_hashable_tag(k),
-                       f"{what}: dict key {str(k)[:40]!r} cannot be a key")
+                if not (k is None or isinstance(k, (bool, int, float, str))
+                        or _is_hashable_tag(k)):
+                    raise _Invalid(f"{what}: dict key {str(k)[:40]!r} cannot be a key")
         elif tag == "__float__":
             _check(body in _NON_FINITE, f"{what}: {str(body)[:40]!r} is not a non-finite float")
         elif tag == "__bytes__":

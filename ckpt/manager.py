@@ -21,7 +21,7 @@ from storage_backends.locks import describe_owner
 from .distributed import Group
 from .engine import BackgroundWriter, SaveHandle, Stager
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
-                     CorruptCheckpointError, StorageError)
+                     CorruptCheckpointError, PartialLoadError, StorageError)
 from .format import MANIFEST_NAME, Manifest, step_dir
 from .gate import Gate, verify_level
 from .incremental import GcReport, chain_length, collect, step_dirs
@@ -31,7 +31,7 @@ from .replication import Replicator
 from .metrics import CheckpointMetrics, default_labels
 from .options import KeepBest, SaveOptions
 from .probe import PROBE_ITEM, Probe
-from .reader import load_step
+from .reader import few_keys, load_step
 from .snapshot import snapshot
 from .structure import MapLocation, read_structure
 
@@ -481,9 +481,14 @@ class CheckpointManager:
         mismatch) is skipped with a warning and the one before it is tried; with ``strict``
         (or an explicit ``step``) the error is raised instead.
 
-        Every chunk of a step is verified before the first live tensor is written, so a
-        step that fails changes nothing and the next one is tried on an untouched state
-        (the bytes are read twice, the second time from the page cache; see docs/design.md).
+        The newest step is read once, each block digested where it lands (``verify=
+        "digest"``, no ``step``, not ``strict``). Should a chunk fail its digest there, the
+        step that loads after it (the same step from another tier, or an older one) writes
+        every live tensor and so repairs what the failed read touched; when none loads,
+        restore raises :class:`PartialLoadError` naming those tensors. An explicit ``step``,
+        ``strict`` and the forward level verify every chunk before the first live tensor is
+        written instead, so a step that fails changes nothing (the bytes are read twice, the
+        second time from the page cache; see docs/design.md, "Loading").
 
         ``verify`` chooses what a step must pass (ckpt/gate.py): ``"structure"`` (manifest
         and file sizes; chunk digests not computed, so a flipped bit is loaded as it is),
@@ -502,8 +507,12 @@ class CheckpointManager:
             CorruptCheckpointError: every committed step failed validation (or ``strict``).
             ForwardCheckError: every step failed its forward check; the message lists each
                 step's reason (and says so when the model's code changed).
+            PartialLoadError: a step read in one pass failed after it had written live
+                tensors, and no step after it could repair them; the message names them.
         """
         gate = Gate(verify_level(verify), state)
+        one_pass = step is None and not strict and gate.level == "digest"
+        dirty: frozenset[str] = frozenset()  # live tensors that failed steps left changed
         if not self.read_only and not self._closed:
             self.wait()
         try:
@@ -512,25 +521,35 @@ class CheckpointManager:
             raise StorageError(f"listing the steps of {self.root} failed: {e}",
                                path=self.root) from e
         tiers = self._restore_order(candidates, step)
-        failures = []
+        failures: list[str] = []
+        in_memory_only: list[str] = []  # memory tiers' failures (the root may hold the step)
         root = _CountedReads(self.storage)  # what this restore reads from the root
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool, gate:
             for s, tier in tiers:
-                # Never in place: a step that fails must leave nothing behind, also when the
-                # step fallen back to then does not fit the state (issue #15, defect 3).
+                # In one pass, a step that fails leaves `dirty` tensors behind. A step that
+                # loads writes every live tensor (load_step), so it repairs them; when none
+                # does, the error names them (issue #15, defect 3: never silently mixed).
+                wrote: frozenset[str] = frozenset()
                 try:
                     storage = root if tier == "storage" else self._tier_storage(tier, s, state)
                 except CorruptCheckpointError as e:  # every rank raised it: agreed
                     storage, error = None, e
                 if storage is not None:
-                    error = self._try_load(s, state, pool, in_place=False, gate=gate,
-                                           storage=storage)
+                    error, wrote = self._try_load(s, state, pool, in_place=one_pass, gate=gate,
+                                                  storage=storage)
                     if storage is not root:
                         storage.close()  # a memory tier's open files
                 # Every rank must restore the same step: agree on this one's outcome first.
                 outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
                     _describe(error)]
                 fatal = [o for o in outcomes if o and o[0] == "fatal"]
+                if fatal and dirty and not isinstance(error, PartialLoadError):
+                    raise PartialLoadError(
+                        f"{error or fatal[0][1]}; and a failed one-pass read of a newer step "
+                        f"had already overwritten {len(dirty)} live tensors "
+                        f"({few_keys(sorted(dirty))}): the live state is mixed; restore a good "
+                        "step before training on",
+                        path=self.root, changed=dirty) from error
                 if fatal:
                     if isinstance(error, OSError) and not isinstance(error, CheckpointError):
                         raise StorageError(f"restoring step {s} from {self.root} failed: "
@@ -540,6 +559,9 @@ class CheckpointManager:
                     raise CheckpointError(f"another rank failed to restore step {s}: "
                                           f"{fatal[0][1]}", path=self.root)
                 bad = [o[1] for o in outcomes if o]
+                if not gate.forward:  # (that level puts the models back itself)
+                    # A step another rank failed on: what this rank wrote needs repair too.
+                    dirty |= error.changed if isinstance(error, PartialLoadError) else wrote
                 if not bad:
                     log.info("ckpt.restore step=%d root=%s skipped=%d tier=%s", s, self.root,
                              len(failures), tier)
@@ -552,6 +574,7 @@ class CheckpointManager:
                 if tier != "storage":  # other copies, or the root, may hold the step good
                     log.warning("ckpt.restore memory tier step=%d unusable, falling through: "
                                 "%s", s, bad[0])
+                    in_memory_only.append(f"step {s} ({tier} tier): {bad[0]}")
                     continue
                 if strict or step is not None:
                     if isinstance(error, CheckpointError):
@@ -560,17 +583,26 @@ class CheckpointManager:
                 log.warning("ckpt.restore skipping step=%d reason=%s", s, bad[0])
                 self.skipped.append((s, bad[0]))
                 failures.append(f"step {s}: {bad[0]}")
+        # A step whose every copy was bad: never "no checkpoint yet" (a fresh start).
+        failures += in_memory_only
         if failures:
             gate.all_failed(self.root, failures)
-            raise CorruptCheckpointError(
-                f"no committed step under {self.root} could be loaded; `ckpt verify --all "
-                f"{self.root}` gives details:\n  " + "\n  ".join(failures), path=self.root)
+            message = (f"no committed step under {self.root} could be loaded; `ckpt verify "
+                       f"--all {self.root}` gives details:\n  " + "\n  ".join(failures))
+            if dirty:
+                raise PartialLoadError(
+                    f"{message}\nReading them in one pass overwrote {len(dirty)} live "
+                    f"tensors ({few_keys(sorted(dirty))}) that no step could repair: the live "
+                    "state is mixed; rebuild it before training on", path=self.root,
+                    changed=dirty)
+            raise CorruptCheckpointError(message, path=self.root)
         return None
 
     def _try_load(self, step: int, state: MutableMapping[str, Any],
                   pool: cf.ThreadPoolExecutor, *, in_place: bool,
-                  gate: Gate | None = None,
-                  storage: Storage | None = None) -> BaseException | None:
+                  gate: Gate | None = None, storage: Storage | None = None,
+                  ) -> tuple[BaseException | None, frozenset[str]]:
+        """Load ``step`` into ``state``: (the error, or None; the live tensors written)."""
         location = step_dir(step)
         gate = gate or Gate("digest", state)
         storage = storage or self.storage
@@ -578,17 +610,17 @@ class CheckpointManager:
             # A memory tier's agreed save comes with its manifest validated already.
             manifest = getattr(storage, "parsed_manifest", None) or read_manifest(
                 storage, location, step)
-            load_step(storage, location, manifest, gate.target(manifest),
-                      rank=self.group.rank, allow_pickle=self.allow_pickle, pool=pool,
-                      in_place=in_place, verify=gate.digests)
+            wrote = load_step(storage, location, manifest, gate.target(manifest),
+                              rank=self.group.rank, allow_pickle=self.allow_pickle, pool=pool,
+                              in_place=in_place, verify=gate.digests)
         except Exception as e:  # classified by _describe; re-raised by restore
             gate.agree(self.group, False)  # ranks run the forward check all or none
-            return e
+            return e, frozenset()
         forward_error = gate.check(step, manifest, self.group, f"{self.root}/{location}")
         if forward_error is not None:
-            return forward_error
+            return forward_error, wrote
         self._base = manifest
-        return None
+        return None, wrote
 
     def load(self, step: int | None = None, *,
              map_location: MapLocation = None) -> dict[str, Any] | None:
@@ -898,7 +930,8 @@ def _describe(error: BaseException | None) -> tuple[str, str] | None:
     """A picklable verdict on one rank's load attempt: None, ("bad", why) or ("fatal", why)."""
     if error is None:
         return None
-    if isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError)):
+    if isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError)) or (
+            isinstance(error, PartialLoadError) and error.corrupt):  # another step repairs
         return ("bad", str(error))
     return ("fatal", f"{type(error).__name__}: {error}")
 

@@ -236,20 +236,20 @@ class MemorySource(ShmReader):
     A peer's bytes are received when the load reads them, straight into where the load
     wants them, so a restore needs no buffer for them (new memory is dear here:
     docs/elastic.md). A pass's first read from a holder asks it for a *round*: the holder
-    posts a send of every byte range this rank planned to read from it (for the verify
-    pass in pieces of ``piece`` bytes, received into two reused buffers per thread, one
-    arriving while the other is digested; for the apply pass each range whole, received
-    into the live tensor), and gloo moves each one as soon as the reader posts its receive,
-    with no Python in between. A read that is not one whole planned piece or range asks
-    for its bytes alone. Each rank answers its peers from a thread (``_serve``) until
-    every peer it serves has closed its source; ``close`` first receives (and drops) what a
-    round sent that the load did not read.
+    posts a send of every byte range this rank planned to read from it, cut into pieces of
+    ``piece`` bytes (the block a one-pass load reads and digests at once), and gloo moves
+    each piece as soon as the reader posts its receive, with no Python in between: into the
+    live tensor (``read_into``), or, for a verify pass (``read_blocks``), into two reused
+    buffers per thread, one arriving while the other is digested. A read of anything but
+    whole pieces asks for the rest alone. Each rank answers its peers from a thread
+    (``_serve``) until every peer it serves has closed its source; ``close`` first receives
+    (and drops) what a round sent that the load did not read.
 
     ``tier`` is "memory" when every byte this rank needs lies in its node's own segments,
     "peer" when any comes from a replica or another node.
     """
 
-    piece = 4 << 20  # the verify pass's unit of a peer's bytes
+    piece = ShmReader.stream_block  # a round's message: what a one-pass load reads at once
 
     def __init__(self, url: str, location: str, manifest: Manifest, raw: bytes) -> None:
         super().__init__(url, lambda path: self.local.get(path))
@@ -279,7 +279,7 @@ class MemorySource(ShmReader):
         with self._round_lock:
             found = self._rounds.get((holder, kind))
             if found is None:
-                keys = _round_keys(self._lengths[holder], kind, self.piece)
+                keys = _round_keys(self._lengths[holder], self.piece)
                 with _TAG_LOCK:
                     base = next(_TAGS)
                     for _ in keys[1:]:
@@ -293,18 +293,25 @@ class MemorySource(ShmReader):
             return found
 
     def _receive(self, holder: int, kind: int, index: int, offset: int,
-                 out: torch.Tensor) -> Any:
+                 out: torch.Tensor) -> list:
         """Start receiving bytes [offset, offset + len(out)) of planned range ``index`` from
-        ``holder`` into ``out``: the round's message that carries exactly them, when it has
-        not been received yet, else a request of their own. Returns the receive."""
-        tag, n = self._round(holder, kind).get((index, offset), (None, -1))
-        with self._round_lock:
-            if n != out.numel() or self._unread.pop((holder, tag), None) is None:
-                tag = None
-        if tag is None:
-            return self._ask(holder, index, offset, out)
-        return dist.irecv(out, src=dist.get_global_rank(self._pg, holder), group=self._pg,
-                          tag=tag)
+        ``holder`` into ``out``, cut where the round's messages are cut: each whole message
+        not received yet is received into its place, any other part is asked for alone.
+        Returns the receives."""
+        src, received, at, n = dist.get_global_rank(self._pg, holder), [], 0, out.numel()
+        messages = self._round(holder, kind)
+        while at < n:
+            o = offset + at
+            take = min((o // self.piece + 1) * self.piece, offset + n) - o
+            tag, size = messages.get((index, o), (None, -1))
+            with self._round_lock:
+                if size != take or self._unread.pop((holder, tag), None) is None:
+                    tag = None
+            part = out[at:at + take]
+            received.append(self._ask(holder, index, o, part) if tag is None else
+                            dist.irecv(part, src=src, group=self._pg, tag=tag))
+            at += take
+        return received
 
     def _ask(self, holder: int, index: int, offset: int, out: torch.Tensor) -> Any:
         """Request bytes [offset, offset + len(out)) of planned range ``index`` from
@@ -364,7 +371,7 @@ class MemorySource(ShmReader):
             dest = torch.frombuffer(out, dtype=torch.uint8)
         received, at = [], 0
         for holder, index, offset, n in self._spans(path, start, len(out)):
-            received.append(self._receive(holder, _APPLY, index, offset, dest[at:at + n]))
+            received += self._receive(holder, _APPLY, index, offset, dest[at:at + n])
             at += n
         for r in received:
             r.wait()
@@ -395,7 +402,8 @@ class MemorySource(ShmReader):
                 yield _arrived(*pending.popleft())
         finally:  # the reader stopped early (a digest failed): nothing left in flight
             for received, _ in pending:
-                received.wait()
+                for r in received:
+                    r.wait()
 
     def size(self, path: str) -> int:
         if path in self.local:
@@ -422,7 +430,7 @@ class MemorySource(ShmReader):
                     left.discard(peer)
                     continue
                 if op == _ROUND:  # (kind, first tag, piece): every message of the round
-                    keys = _round_keys([n for _, _, n in mine], a, c)
+                    keys = _round_keys([n for _, _, n in mine], c)
                     sends += [dist.isend(_bytes_of(mine[i][0], mine[i][1] + o, n), dst=src,
                                          group=pg, tag=b + k)
                               for k, (i, o, n) in enumerate(keys)]
@@ -472,16 +480,15 @@ class MemorySource(ShmReader):
         ShmReader.close(self)  # descriptors only: the peers' protocol is close()'s
 
 
-def _arrived(received: Any, out: torch.Tensor) -> memoryview:
-    received.wait()
+def _arrived(received: list, out: torch.Tensor) -> memoryview:
+    for r in received:
+        r.wait()
     return memoryview(out.numpy())
 
 
-def _round_keys(lengths: list[int], kind: int, piece: int) -> list[tuple[int, int, int]]:
-    """The messages of a round, in order: (range index, offset, bytes); the holder and the
-    reader cut them alike. _VERIFY: each planned range in pieces; _APPLY: each whole."""
-    if kind == _APPLY:
-        return [(i, 0, n) for i, n in enumerate(lengths) if n]
+def _round_keys(lengths: list[int], piece: int) -> list[tuple[int, int, int]]:
+    """The messages of a round, in order: (range index, offset, bytes), each planned range
+    cut into pieces; the holder and the reader cut them alike."""
     return [(i, o, min(piece, n - o)) for i, n in enumerate(lengths) for o in range(0, n, piece)]
 
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, MutableMapping
 import torch
 
 from storage_backends import Storage
-from storage_backends.base import Reader
+from storage_backends.base import PathReader, Reader
 
 from .engine import byte_view
 from .errors import (CorruptCheckpointError, PartialLoadError, StateMismatchError,
@@ -65,19 +65,27 @@ def read_chunk(storage: Storage, location: str, key: str, chunk: Chunk,
     (through ``files``' open readers when given)."""
     path = chunk_path(location, chunk)
     view = byte_view(out)
+    found = None  # the digest of what was read, when taken block by block as it landed
     try:
         if chunk.codec == "raw":
-            if files is None:
-                storage.read_into(path, chunk.start, view)
+            reader = PathReader(storage, path) if files is None else files.get(path)
+            block = getattr(storage, "stream_block", None)
+            if verify and block:  # digest each block while it is still in the CPU's cache
+                hashing = Digest()
+                for at in range(0, len(view), block):
+                    part = view[at:at + block]
+                    reader.read_into(chunk.start + at, part)
+                    hashing.update(part)
+                found = hashing.hexdigest()
             else:
-                files.get(path).read_into(chunk.start, view)
+                reader.read_into(chunk.start, view)
         else:
             from .codec import decode_into  # compression is optional on the read path
 
             decode_into(chunk.codec, storage.read(path, chunk.start, chunk.length), view, out.dtype)
     except (EOFError, FileNotFoundError, ValueError) as e:
         raise _unreadable(storage, path, key, chunk, e) from e
-    if verify and digest(view) != chunk.digest:
+    if verify and (found if found is not None else digest(view)) != chunk.digest:
         raise _mismatch(storage, path, key, chunk)
 
 
@@ -377,15 +385,21 @@ def needed_tensors(storage: Storage, location: str, manifest: Manifest,
 def load_step(storage: Storage, location: str, manifest: Manifest,
               state: MutableMapping[str, Any], *, rank: int = 0, allow_pickle: bool = False,
               verify: bool = True, pool: cf.ThreadPoolExecutor | None = None,
-              in_place: bool = False) -> None:
-    """Load ``manifest``'s step into this rank's ``state`` (see the module docstring).
+              in_place: bool = False) -> frozenset[str]:
+    """Load ``manifest``'s step into this rank's ``state`` (see the module docstring);
+    returns the keys of the live tensors it wrote.
 
     By default (and always with ``verify``) a chunk that fails its digest changes nothing:
     every chunk is verified before the first live byte is written. ``in_place`` skips the
-    verify pass (one read instead of two): a digest mismatch then leaves tensors partly
-    overwritten, and the error says which. Without ``verify`` nothing is checked against
-    digests. Everything that can be checked without the data (manifest, files, keys, shapes,
-    dtypes, parameter groups, pickle, value tags) is checked before the first byte is read.
+    verify pass (one read instead of two; each block is digested where it lands): a digest
+    mismatch then leaves tensors partly overwritten, and the :class:`PartialLoadError` says
+    which. Without ``verify`` nothing is checked against digests. Everything that can be
+    checked without the data (manifest, files, keys, shapes, dtypes, parameter groups,
+    pickle, value tags) is checked before the first byte is read.
+
+    Every live tensor is written by a load that succeeds (a step that lacks one does not
+    fit the state: StateMismatchError before the first read), so loading a good step
+    repairs whatever a failed one-pass load of another step left partly overwritten.
 
     Raises:
         CorruptCheckpointError: a chunk is unreadable or fails its digest (nothing changed,
@@ -467,6 +481,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
                 f"'{name}'.load_state_dict refused the checkpoint: {e}. The live tensors "
                 f"already hold step {manifest.step}'s values; items loaded before it: "
                 f"{done or 'none'}; '{name}' and the items after it were not loaded") from e
+    return frozenset(written)
 
 
 def _partial(error: Exception, step: int, written: list[str], reads: list[_Read],
@@ -478,12 +493,15 @@ def _partial(error: Exception, step: int, written: list[str], reads: list[_Read]
     untouched = [k for k in written if k not in apply.started]
     return PartialLoadError(
         f"{error}; loading step {step} stopped part-way, so the live state is mixed: "
-        f"{len(full)} tensors hold step {step}'s values ({_few(full)}), {len(part)} are partly "
-        f"overwritten ({_few(part)}), {len(untouched)} are unchanged ({_few(untouched)}). "
-        "Load a good step again before training on", path=getattr(error, "path", None))
+        f"{len(full)} tensors hold step {step}'s values ({few_keys(full)}), {len(part)} are "
+        f"partly overwritten ({few_keys(part)}), {len(untouched)} are unchanged "
+        f"({few_keys(untouched)}). "
+        "Load a good step again before training on", path=getattr(error, "path", None),
+        changed=frozenset(full + part), corrupt=isinstance(error, CorruptCheckpointError))
 
 
-def _few(keys: list[str], n: int = 6) -> str:
+def few_keys(keys: list[str], n: int = 6) -> str:
+    """The first ``n`` keys for a message, and how many more there are."""
     return ", ".join(keys[:n]) + (f", +{len(keys) - n} more" if len(keys) > n else "") or "none"
 
 

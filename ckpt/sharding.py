@@ -132,6 +132,13 @@ def overlapping(entry, box: Box) -> list[tuple[object, Box]]:
     chunks = entry.chunks
     if not entry.shape:
         return [(c, ((), ())) for c in chunks if c.numel]
+    if len(chunks) == 1:  # most tensors: one chunk, the whole tensor; no index to build
+        c = chunks[0]
+        if not c.numel:
+            return []
+        whole = (c.offsets, c.shape)
+        overlap = whole if whole == box else intersect(whole, box)
+        return [] if overlap is None else [(c, overlap)]
     starts, reach, order = _dim0_index(entry)
     lo = bisect.bisect_left(starts, box[0][0] - reach + 1)
     hi = bisect.bisect_left(starts, box[0][0] + box[1][0])

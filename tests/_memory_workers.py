@@ -23,7 +23,9 @@ import ckpt
 def values(step: int) -> dict[str, torch.Tensor]:
     """The global tensors of ``step`` (the same on every rank and world size)."""
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(12, 8, generator=g), "lin": torch.randn(4, 8, generator=g),
+    # "w": 1 MiB per shard at world 3, so a chunk spans several 512 KiB read blocks (a
+    # one-pass load digests them where they land, at offsets inside fetched chunks)
+    return {"w": torch.randn(12, 65536, generator=g), "lin": torch.randn(4, 8, generator=g),
             "grad": torch.randn(4, 8, generator=g)}
 
 

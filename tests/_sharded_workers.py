@@ -148,3 +148,18 @@ def fsdp_save_load(rank: int, world: int, root: str, mode: str) -> dict:
     opt.step()
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return {k: v.tolist() for k, v in full.items()}
+
+
+def restore_outcome(rank: int, world: int, root: str) -> dict:
+    """Restore the newest step into a zeroed state: the step, or the error and what it
+    says was changed."""
+    state = build_state(world, zeros=True, seed=7)
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        try:
+            step = mgr.restore(state)
+        except ckpt.CheckpointError as e:
+            return {"error": type(e).__name__, "message": str(e),
+                    "changed": sorted(getattr(e, "changed", ()))}
+    g = global_tensors()
+    mismatches = [k for k in g if not torch.equal(state[k].full_tensor(), g[k])]
+    return {"step": step, "mismatches": mismatches}

@@ -473,6 +473,7 @@ def test_environment_errors_are_one_line_and_exit_2(tmp_path, capsys, monkeypatc
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{s.getsockname()[1]}")
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+        s3fs.S3FileSystem.clear_instance_cache()  # not one cached by an earlier test's server
         try:
             code, out, err = cli(capsys, "gc", "s3://bucket/run", "--yes")
         finally:  # fsspec caches the file system, endpoint included: later tests need theirs

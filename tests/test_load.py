@@ -2,6 +2,8 @@
 
 A chunk's digest is checked before the first live tensor is written, so a corrupt *last*
 chunk is the hard case: a one-pass load would already have overwritten everything before it.
+``restore()`` of the newest step is that one-pass load: there the step loaded next must
+repair what it overwrote, or the error must name it.
 """
 
 from __future__ import annotations
@@ -88,9 +90,9 @@ def test_corrupt_last_chunk_under_ckpt_load_changes_nothing(tmp_path):
     assert_unchanged(live, before)
 
 
-def test_fallback_past_a_corrupt_step_to_a_mismatched_one_changes_nothing(tmp_path):
-    """Issue #15, defect 3: step 2 has a flipped byte, step 1 lacks an item. The error says
-    nothing was loaded, and that must be true."""
+def test_strict_fallback_past_a_corrupt_step_to_a_mismatched_one_changes_nothing(tmp_path):
+    """Issue #15, defect 3: step 2 has a flipped byte, step 1 lacks an item. Verified before
+    writing (strict), the error says nothing was loaded, and that must be true."""
     old = make_state(1)
     save_step(tmp_path, 1, {"model": old["model"], "epoch": 1})  # no "extra"
     save_step(tmp_path, 2, make_state(2))
@@ -98,10 +100,65 @@ def test_fallback_past_a_corrupt_step_to_a_mismatched_one_changes_nothing(tmp_pa
     live = make_state(3)
     before = snapshot(live)
     with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
-        with pytest.raises(StateMismatchError, match="nothing was loaded"):
+        with pytest.raises(CorruptCheckpointError, match="digest mismatch"):
+            mgr.restore(live, strict=True)
+    assert_unchanged(live, before)
+
+
+def test_one_pass_fallback_to_a_mismatched_step_names_the_overwritten_tensors(tmp_path):
+    """Issue #15, defect 3, for the newest step read in one pass: step 2's corrupt last
+    chunk is found after the other tensors were written; step 1 cannot repair them (it
+    lacks an item), so the error must say the state is mixed and name them."""
+    old = make_state(1)
+    save_step(tmp_path, 1, {"model": old["model"], "epoch": 1})  # no "extra"
+    saved = make_state(2)
+    save_step(tmp_path, 2, saved)
+    flip_byte(*last_chunk(tmp_path / "step-00000002"))  # in "extra", stored last
+    live = make_state(3)
+    before, new = snapshot(live), snapshot(saved)
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        with pytest.raises(PartialLoadError, match="'extra' is not in the checkpoint") as info:
             mgr.restore(live)
         assert [s for s, _ in mgr.skipped] == [2]
-    assert_unchanged(live, before)
+    now = snapshot(live)
+    written = {k for k in now if not torch.equal(now[k], before[k])}
+    assert {k for k in now if torch.equal(now[k], new[k])} == written - {"extra"}
+    assert "extra" in written  # partly overwritten before its corrupt chunk
+    assert info.value.changed == {k.replace("model.", "model/") for k in written}
+    assert "the live state is mixed" in str(info.value)
+
+
+def test_one_pass_restore_falls_back_and_repairs_every_tensor_it_overwrote(tmp_path):
+    """The newest step is read once; its corrupt last chunk is found after every other
+    tensor was written; the older step loaded next overwrites them all."""
+    save_step(tmp_path, 1, make_state(1))
+    save_step(tmp_path, 2, make_state(2))
+    data_file, last_byte = last_chunk(tmp_path / "step-00000002")
+    flip_byte(data_file, last_byte)
+    live = make_state(3)
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        assert mgr.restore(live) == 1
+        assert [s for s, _ in mgr.skipped] == [2]
+        info = mgr.last_restore
+    assert_unchanged(live, snapshot(make_state(1)))
+    assert live["epoch"] == 1
+    # each byte read once: step 2 up to its corrupt chunk, then step 1 whole (no verify
+    # pass, which would read step 1 twice), and the two manifests
+    data = sum(f.stat().st_size for f in (tmp_path / "step-00000001").glob("data-*"))
+    manifests = sum(f.stat().st_size for f in tmp_path.glob("step-*/manifest.json"))
+    assert last_byte > data / 2  # (so a second read of step 1 would show)
+    assert data + last_byte - 4096 < info.bytes_from_storage <= data + last_byte + 1 + manifests
+
+
+def test_one_pass_restore_of_a_step_that_no_step_repairs_says_so(tmp_path):
+    save_step(tmp_path, 1, make_state(1))
+    flip_byte(*last_chunk(tmp_path / "step-00000001"))
+    live = make_state(2)
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        with pytest.raises(PartialLoadError, match="no committed step") as info:
+            mgr.restore(live)
+    assert "extra" in info.value.changed and "model/0.weight" in info.value.changed
+    assert "digest mismatch" in str(info.value) and "the live state is mixed" in str(info.value)
 
 
 class _OddBlocks(PosixStorage):
@@ -243,9 +300,14 @@ def test_a_restore_that_fails_after_writing_says_what_it_wrote_and_stops(tmp_pat
     live = make_state(3)
     with CheckpointManager(storage, read_only=True, metrics=False) as mgr:
         with pytest.raises(PartialLoadError, match="injected") as info:
-            mgr.restore(live)
+            mgr.restore(live)  # the newest step: one pass, no verify pass before it
         assert mgr.skipped == []  # not taken for a bad step: step 1 was not tried on top
     assert "partly overwritten" in str(info.value) and "are unchanged" in str(info.value)
+    assert storage.failed and not storage.verified
+    storage.failed = False
+    with CheckpointManager(storage, read_only=True, metrics=False) as mgr:
+        with pytest.raises(PartialLoadError, match="injected") as info:
+            mgr.restore(live, strict=True)  # verified first, then the read fails
     assert storage.verified and storage.failed
 
 

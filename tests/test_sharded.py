@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 import pytest
 import torch
@@ -90,3 +91,25 @@ def test_fsdp2_model_and_optimizer_state_reshard(tmp_path):
     # After restoring at world 3 and taking the same step, parameters equal the world-2 run's.
     for k, v in expected[0].items():
         assert torch.allclose(torch.tensor(got[0][k]), torch.tensor(v), atol=1e-6), k
+
+
+def test_one_pass_restore_that_fails_on_one_rank_is_repaired_or_named_on_all(tmp_path):
+    """Rank 1's file of the newest step is corrupt; rank 0 reads its own files in one pass
+    and loads step 2 whole. Both fall back to step 1, which overwrites everything; with no
+    step 1, rank 0 must say its live state holds a step the job rejected (not "nothing")."""
+    root = str(tmp_path)
+    run_ranks(2, W.save_world, root, 1)
+    run_ranks(2, W.save_world, root, 2)
+    victim = sorted(glob.glob(os.path.join(root, "step-00000002", "data-*-r00001-*")))[0]
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) - 1)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last[0] ^ 0x40]))
+    for r in run_ranks(2, W.restore_outcome, root):
+        assert r == {"step": 1, "mismatches": []}
+    shutil.rmtree(os.path.join(root, "step-00000001"))
+    rank0, rank1 = run_ranks(2, W.restore_outcome, root)
+    assert rank1["error"] == "PartialLoadError" and "digest mismatch" in rank1["message"]
+    assert rank0["error"] == "PartialLoadError", rank0
+    assert "row" in rank0["changed"] and "the live state is mixed" in rank0["message"]

@@ -521,7 +521,8 @@ class CheckpointManager:
             raise StorageError(f"listing the steps of {self.root} failed: {e}",
                                path=self.root) from e
         tiers = self._restore_order(candidates, step)
-        failures = []
+        failures: list[str] = []
+        in_memory_only: list[str] = []  # memory tiers' failures (the root may hold the step)
         root = _CountedReads(self.storage)  # what this restore reads from the root
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool, gate:
             for s, tier in tiers:
@@ -573,6 +574,7 @@ class CheckpointManager:
                 if tier != "storage":  # other copies, or the root, may hold the step good
                     log.warning("ckpt.restore memory tier step=%d unusable, falling through: "
                                 "%s", s, bad[0])
+                    in_memory_only.append(f"step {s} ({tier} tier): {bad[0]}")
                     continue
                 if strict or step is not None:
                     if isinstance(error, CheckpointError):
@@ -581,6 +583,8 @@ class CheckpointManager:
                 log.warning("ckpt.restore skipping step=%d reason=%s", s, bad[0])
                 self.skipped.append((s, bad[0]))
                 failures.append(f"step {s}: {bad[0]}")
+        # A step whose every copy was bad: never "no checkpoint yet" (a fresh start).
+        failures += in_memory_only
         if failures:
             gate.all_failed(self.root, failures)
             message = (f"no committed step under {self.root} could be loaded; `ckpt verify "

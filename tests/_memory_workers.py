@@ -23,7 +23,9 @@ import ckpt
 def values(step: int) -> dict[str, torch.Tensor]:
     """The global tensors of ``step`` (the same on every rank and world size)."""
     g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(12, 8, generator=g), "lin": torch.randn(4, 8, generator=g),
+    # "w": 1 MiB per shard at world 3, so a chunk spans several 512 KiB read blocks (a
+    # one-pass load digests them where they land, at offsets inside fetched chunks)
+    return {"w": torch.randn(12, 65536, generator=g), "lin": torch.randn(4, 8, generator=g),
             "grad": torch.randn(4, 8, generator=g)}
 
 
@@ -177,6 +179,9 @@ def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
     for case in ("own", "peer"):
         if case == "peer" and rank == 0:  # node 1's own segment is gone (its RAM)
             shutil.rmtree(os.path.join(shm, f"ckpt-{job}-{nodes[1]}-r1"))
+        if case == "peer":  # the RNG tensor (5 KB) crosses in several pieces
+            from ckpt.memory_restore import MemorySource
+            MemorySource.piece = 1024
         dist.barrier()
         torch.manual_seed(7)  # other draws: the restore must put each rank's back
         random.seed(7)

@@ -150,3 +150,29 @@ def test_corrupt_last_chunk_leaves_every_cuda_tensor_unchanged(tmp_path):
         ckpt.load({"model": live}, tmp_path / "c")
     torch.cuda.synchronize()
     assert all(torch.equal(v, before[k]) for k, v in cpu_copy(live).items())
+
+
+def test_one_pass_restore_onto_cuda_falls_back_and_repairs_what_it_overwrote(tmp_path):
+    """restore() reads the newest step once, through pinned bounce buffers; its corrupt last
+    chunk is found after the other tensors' host-to-device copies were issued; step 1,
+    loaded next, must overwrite every one of them."""
+    options = SaveOptions(chunk_bytes=4096, write_threads=1)
+    with CheckpointManager(tmp_path, async_save=False, options=options,
+                           handle_sigterm=False, metrics=False) as mgr:
+        for step, seed in ((1, 1), (2, 2)):
+            model, _ = make_training(seed)
+            mgr.save(step, {"model": model})
+    first = cpu_copy(make_training(1)[0])
+    manifest = json.loads((tmp_path / "step-00000002" / "manifest.json").read_text())
+    chunks = [c for e in manifest["tensors"].values() for c in e["chunks"]]
+    last = max(chunks, key=lambda c: (c["file"], c["start"]))
+    path: Path = tmp_path / "step-00000002" / last["file"]
+    data = bytearray(path.read_bytes())
+    data[last["start"] + last["length"] - 1] ^= 0x40
+    path.write_bytes(bytes(data))
+    live, _ = make_training(seed=3)
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        assert mgr.restore({"model": live}) == 1
+        assert [s for s, _ in mgr.skipped] == [2]
+    torch.cuda.synchronize()
+    assert all(torch.equal(v, first[k]) for k, v in cpu_copy(live).items())

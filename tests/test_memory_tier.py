@@ -365,3 +365,25 @@ def test_persist_schedule_continues_across_a_restart(tmp_path, job):
     assert ckpt.CheckpointManager(tmp_path, read_only=True).steps() == [4]
     assert run(10) == ["6", "memory"]
     assert ckpt.CheckpointManager(tmp_path, read_only=True).steps() == [4, 8]
+
+
+def test_a_step_whose_only_copy_in_memory_is_bad_raises_never_a_fresh_start(tmp_path, job):
+    """Step 3 lives only in memory (persist_every=2 put step 2 in the root; its data is
+    removed here too): with step 3's segment corrupt, restore must raise, not return None
+    (which a caller takes for "no checkpoint yet" and trains from scratch)."""
+    root = tmp_path / "root"
+    save_steps(root, job, [1, 2, 3], persist=2)
+    for f in step_data_files(root, 2):
+        os.remove(f)
+    [seg] = segments(job)
+    for step in (2, 3):
+        d = os.path.join(seg, f"step-{step:08d}")
+        for name in os.listdir(d):
+            if name != "manifest.json":
+                flip(os.path.join(d, name))
+    model = torch.nn.Linear(32, 64, bias=False)
+    with ckpt.CheckpointManager(root, memory_tier=True, persist_every=2,
+                                memory_job=job) as mgr:
+        with pytest.raises(CheckpointError, match="no committed step") as info:
+            mgr.restore({"model": model})
+    assert "step 3 (memory tier)" in str(info.value)

@@ -150,9 +150,11 @@ def timed(fn: Callable[[], Any]) -> Callable[[int], dict[str, float]]:
 def profile_load(storage: PosixStorage, state: dict[str, Any], top: int = 12) -> str:
     """Own time of one load (``read_manifest`` and ``load_step`` without a thread pool, so
     that every read runs in the profiled thread) grouped by module, then the costliest
-    functions."""
+    functions. The GC is paused (its collections would be charged to whichever function
+    allocated last; the tables above give its share)."""
     prof = cProfile.Profile()
-    prof.runcall(lambda: load_step(storage, "one", read_manifest(storage, "one"), state))
+    with paused_gc():
+        prof.runcall(lambda: load_step(storage, "one", read_manifest(storage, "one"), state))
     stats = pstats.Stats(prof)
     total = sum(v[2] for v in stats.stats.values())
     by_module: dict[str, float] = {}
@@ -259,7 +261,7 @@ def measure(args: argparse.Namespace, base: str, kind: str, count: int) -> str:
            f"warm page cache; median of {args.reps}, interleaved\n\n{table}\n\n{per}\n")
     if args.profile:
         out += (f"\n#### where one load spends its time ({kind}, {ntensors} tensors; "
-                "read_manifest + load_step without a pool)\n\n")
+                "read_manifest + load_step without a pool, GC paused)\n\n")
         out += profile_load(storage, live) + "\n"
     common.remove(work)
     return out

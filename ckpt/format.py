@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .errors import CorruptCheckpointError, UnsupportedValueError
+from .layout import BoxLayout, Mesh, MeshLayout
 
 FORMAT_NAME = "ckpt"
 FORMAT_VERSION = 1  # one JSON manifest holding every chunk (small worlds)
@@ -47,6 +48,7 @@ ITEM_KINDS = ("module", "stateful", "tensor", "value")
 
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 _DIGEST = re.compile(r"^[0-9a-f]{16}$")
+_SHARD = re.compile(r"S(0|[1-9][0-9]?)")  # a placement that shards a dimension
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -378,8 +380,6 @@ def _parse(doc: Any) -> Manifest:
 
 
 def _layout_doc(layout: Any, meshes: dict[Any, int]) -> dict[str, Any]:
-    from .layout import BoxLayout
-
     if isinstance(layout, BoxLayout):
         return {"boxes": [[list(o), list(s), w] for o, s, w in layout.boxes]}
     index = meshes.setdefault(layout.mesh, len(meshes))
@@ -388,8 +388,6 @@ def _layout_doc(layout: Any, meshes: dict[Any, int]) -> dict[str, Any]:
 
 
 def _parse_meshes(doc: Any, world: int) -> list:
-    from .layout import Mesh
-
     _check(isinstance(doc, list) and len(doc) <= 4096, "meshes must be a list")
     meshes = []
     for i, m in enumerate(doc):
@@ -407,43 +405,55 @@ def _parse_meshes(doc: Any, world: int) -> list:
 
 
 def _parse_laid_out(key: str, doc: Any, meshes: list, world: int) -> TensorEntry:
-    """A format-2 tensor: dtype, shape and the layout that says which rank wrote which box."""
-    from .layout import BoxLayout, MeshLayout
-
-    _check(isinstance(doc, dict), f"tensor {key!r} must be an object")
+    """A format-2 tensor: dtype, shape and the layout that says which rank wrote which box.
+    (Messages are built only on failure: this runs once per tensor and box.)"""
+    if not isinstance(doc, dict):
+        raise _Invalid(f"tensor {key!r} must be an object")
     dtype = doc.get("dtype")
-    _check(isinstance(dtype, str) and dtype in DTYPES, f"tensor {key!r} has unknown dtype {dtype!r}")
-    shape = _dims(doc.get("shape"), f"shape of {key!r}")
-    _check(math.prod(shape) * DTYPES[dtype].itemsize <= MAX_BYTES, f"tensor {key!r} is absurdly large")
+    if not (isinstance(dtype, str) and dtype in DTYPES):
+        raise _Invalid(f"tensor {key!r} has unknown dtype {dtype!r}")
+    shape = _dims(doc.get("shape"), "shape", key)
+    if math.prod(shape) * DTYPES[dtype].itemsize > MAX_BYTES:
+        raise _Invalid(f"tensor {key!r} is absurdly large")
     layout = doc.get("layout")
-    _check(isinstance(layout, dict), f"tensor {key!r} has no layout")
+    if not isinstance(layout, dict):
+        raise _Invalid(f"tensor {key!r} has no layout")
     if "boxes" in layout:
         boxes_doc = layout["boxes"]
-        _check(isinstance(boxes_doc, list), f"boxes of {key!r} must be a list")
+        if not isinstance(boxes_doc, list):
+            raise _Invalid(f"boxes of {key!r} must be a list")
         boxes = []
         for i, b in enumerate(boxes_doc):
-            _check(isinstance(b, list) and len(b) == 3, f"box {i} of {key!r} must be "
-                   "[offsets, shape, writer]")
-            offsets, box = _dims(b[0], f"box {i} of {key!r}"), _dims(b[1], f"box {i} of {key!r}")
-            _check(len(offsets) == len(box) == len(shape), f"box {i} of {key!r} has the wrong rank")
-            _check(all(o + n <= s for o, n, s in zip(offsets, box, shape)),
-                   f"box {i} of {key!r} lies outside the tensor's shape {list(shape)}")
-            writer = _int(b[2], f"writer of box {i} of {key!r}", hi=world - 1)
+            if not (isinstance(b, list) and len(b) == 3):
+                raise _Invalid(f"box {i} of {key!r} must be [offsets, shape, writer]")
+            offsets, box = _dims(b[0], f"box {i}", key), _dims(b[1], f"box {i}", key)
+            if not len(offsets) == len(box) == len(shape):
+                raise _Invalid(f"box {i} of {key!r} has the wrong rank")
+            for o, n, size in zip(offsets, box, shape):
+                if o + n > size:
+                    raise _Invalid(f"box {i} of {key!r} lies outside the tensor's shape "
+                                   f"{list(shape)}")
+            writer = b[2]
+            if type(writer) is not int or not 0 <= writer <= world - 1:
+                raise _Invalid(f"writer of box {i} of {key!r} must be an integer in "
+                               f"[0, {world - 1}]")
             boxes.append((offsets, box, writer))
         if not (len(boxes) == 1 and boxes[0][1] == shape and not any(boxes[0][0])):
             # (one box that is the whole tensor, such as a rank's RNG state, tiles it)
             _check_tiling(key, shape, [(o, s) for o, s, _ in boxes])
         return TensorEntry(dtype, shape, None, BoxLayout(tuple(boxes)))
     mesh = layout.get("mesh")
-    _check(type(mesh) is int and 0 <= mesh < len(meshes), f"tensor {key!r} names mesh {mesh!r}")
+    if not (type(mesh) is int and 0 <= mesh < len(meshes)):
+        raise _Invalid(f"tensor {key!r} names mesh {mesh!r}")
     placements_doc = layout.get("placements")
-    _check(isinstance(placements_doc, list) and len(placements_doc) == len(meshes[mesh].shape),
-           f"tensor {key!r} needs one placement per dimension of mesh {mesh}")
+    if not (isinstance(placements_doc, list) and len(placements_doc) == len(meshes[mesh].shape)):
+        raise _Invalid(f"tensor {key!r} needs one placement per dimension of mesh {mesh}")
     placements = []
     for p in placements_doc:
-        _check(p == "R" or (isinstance(p, str) and re.fullmatch(r"S(0|[1-9][0-9]?)", p) is not None
-                            and int(p[1:]) < len(shape)),
-               f"tensor {key!r} has placement {p!r} (\"R\" or \"S<dim>\" of its {len(shape)} dims)")
+        if not (p == "R" or (isinstance(p, str) and _SHARD.fullmatch(p) is not None
+                             and int(p[1:]) < len(shape))):
+            raise _Invalid(f"tensor {key!r} has placement {p!r} (\"R\" or \"S<dim>\" of its "
+                           f"{len(shape)} dims)")
         placements.append(None if p == "R" else int(p[1:]))
     return TensorEntry(dtype, shape, None, MeshLayout(meshes[mesh], tuple(placements)))
 

@@ -10,6 +10,8 @@ on one rank become an agreed failure on all, so no rank is left waiting in a col
 from __future__ import annotations
 
 import bisect
+import collections
+import itertools
 import json
 import logging
 import mmap
@@ -34,10 +36,6 @@ from .sharding import overlapping, read_box, source_rank
 from .state import flatten, is_stateful, item_tree
 
 log = logging.getLogger("ckpt")
-
-#: The largest peer message, unless one chunk is larger: a receiver digests and copies the
-#: bytes of one message while the next ones are still arriving.
-MESSAGE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -233,15 +231,25 @@ class ShmReader:
 
 class MemorySource(ShmReader):
     """The storage of one agreed save: the merged manifest, chunk bytes from this node's
-    segments (``local``: path -> file) or fetched from peers (``fetched``).
+    segments (``local``: path -> file) or read from the peer that holds them (``remote``).
 
-    Fetched bytes may still be on their way when the load begins: a read of them waits for
-    the message that carries them (so the load digests and copies the first messages while
-    the later ones arrive). ``close`` waits for every message this rank sends or receives.
+    A peer's bytes are received when the load reads them, straight into where the load
+    wants them, so a restore needs no buffer for them (new memory is dear here:
+    docs/elastic.md). A pass's first read from a holder asks it for a *round*: the holder
+    posts a send of every byte range this rank planned to read from it, cut into pieces of
+    ``piece`` bytes (the block a one-pass load reads and digests at once), and gloo moves
+    each piece as soon as the reader posts its receive, with no Python in between: into the
+    live tensor (``read_into``), or, for a verify pass (``read_blocks``), into two reused
+    buffers per thread, one arriving while the other is digested. A read of anything but
+    whole pieces asks for the rest alone. Each rank answers its peers from a thread
+    (``_serve``) until every peer it serves has closed its source; ``close`` first receives
+    (and drops) what a round sent that the load did not read.
 
     ``tier`` is "memory" when every byte this rank needs lies in its node's own segments,
     "peer" when any comes from a replica or another node.
     """
+
+    piece = ShmReader.stream_block  # a round's message: what a one-pass load reads at once
 
     def __init__(self, url: str, location: str, manifest: Manifest, raw: bytes) -> None:
         super().__init__(url, lambda path: self.local.get(path))
@@ -250,66 +258,152 @@ class MemorySource(ShmReader):
         self._manifest = raw
         self.local: dict[str, str] = {}       # path -> file on this node
         self.sizes: dict[str, int] = {}       # path -> the size its rank step recorded
-        # (path, start) -> (bytes, the message that brings them)
-        self.fetched: dict[tuple[str, int], tuple[memoryview, _Arrival]] = {}
-        self.exchange: list[_Arrival] = []    # every message sent or received
-        self._starts: dict[str, list[int]] | None = None  # path -> fetched starts, sorted
+        # (path, start) -> (holder, index of the request, length): what a peer serves
+        self.remote: dict[tuple[str, int], tuple[int, int, int]] = {}
         self.tier = "memory"
+        self._pg: Any = None
+        self._holders: set[int] = set()  # the peers this rank reads from
+        self._index: dict[str, tuple[tuple, tuple]] = {}  # path -> (starts, remote's)
+        self._pieces = threading.local()
+        self._lengths: dict[int, list[int]] = {}  # holder -> length of each planned range
+        self._rounds: dict[tuple[int, int], dict] = {}  # (holder, kind) -> key -> (tag, n)
+        self._unread: dict[tuple[int, int], int] = {}  # (holder, tag) -> bytes, sent, not read
+        self._round_lock = threading.Lock()
+        self._server: threading.Thread | None = None
+        self._served: list[BaseException] = []
 
-    def _got(self, path: str, start: int, length: int) -> memoryview:
-        data, arrival = self.fetched.get((path, start), (None, None))
-        if data is None:  # a read inside a fetched chunk (a load digesting block by block)
-            data, arrival = self._inside(path, start)
-        if data is None or len(data) < length:
-            raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not fetched")
-        arrival.wait()
-        return data[:length]
+    # -- reading a peer's bytes -----------------------------------------------------------
+    def _round(self, holder: int, kind: int) -> dict[tuple[int, int], tuple[int, int]]:
+        """(range index, offset) -> (tag, bytes) of the messages of a round from ``holder``
+        (``_VERIFY`` or ``_APPLY``); asks the holder for the round on first use."""
+        with self._round_lock:
+            found = self._rounds.get((holder, kind))
+            if found is None:
+                keys = _round_keys(self._lengths[holder], self.piece)
+                with _TAG_LOCK:
+                    base = next(_TAGS)
+                    for _ in keys[1:]:
+                        next(_TAGS)
+                found = {(i, o): (base + k, n) for k, (i, o, n) in enumerate(keys)}
+                self._unread.update({(holder, tag): n for tag, n in found.values()})
+                self._rounds[(holder, kind)] = found
+                ask = torch.tensor([_ROUND, kind, base, self.piece, 0], dtype=torch.int64)
+                dist.isend(ask, dst=dist.get_global_rank(self._pg, holder), group=self._pg,
+                           tag=_REQUEST).wait()
+            return found
 
-    def _inside(self, path: str, start: int) -> tuple[Any, Any]:
-        """The fetched bytes of ``path`` from ``start`` on, within the piece holding it."""
-        if self._starts is None:
-            self._starts = {}
-            for p, s in sorted(self.fetched):
-                self._starts.setdefault(p, []).append(s)
-        starts = self._starts.get(path, [])
-        i = bisect.bisect_right(starts, start) - 1
-        if i < 0:
-            return None, None
-        data, arrival = self.fetched[(path, starts[i])]
-        return data[start - starts[i]:], arrival
+    def _receive(self, holder: int, kind: int, index: int, offset: int,
+                 out: torch.Tensor) -> list:
+        """Start receiving bytes [offset, offset + len(out)) of planned range ``index`` from
+        ``holder`` into ``out``, cut where the round's messages are cut: each whole message
+        not received yet is received into its place, any other part is asked for alone.
+        Returns the receives."""
+        src, received, at, n = dist.get_global_rank(self._pg, holder), [], 0, out.numel()
+        messages = self._round(holder, kind)
+        while at < n:
+            o = offset + at
+            take = min((o // self.piece + 1) * self.piece, offset + n) - o
+            tag, size = messages.get((index, o), (None, -1))
+            with self._round_lock:
+                if size != take or self._unread.pop((holder, tag), None) is None:
+                    tag = None
+            part = out[at:at + take]
+            received.append(self._ask(holder, index, o, part) if tag is None else
+                            dist.irecv(part, src=src, group=self._pg, tag=tag))
+            at += take
+        return received
+
+    def _ask(self, holder: int, index: int, offset: int, out: torch.Tensor) -> Any:
+        """Request bytes [offset, offset + len(out)) of planned range ``index`` from
+        ``holder`` alone; returns the receive that fills ``out``."""
+        with _TAG_LOCK:  # never reused in this process: a message of an attempt that
+            tag = next(_TAGS)  # failed half-way can never be taken for one of a later one
+        dst = dist.get_global_rank(self._pg, holder)
+        received = dist.irecv(out, src=dst, group=self._pg, tag=tag)
+        ask = torch.tensor([_READ, index, offset, out.numel(), tag], dtype=torch.int64)
+        dist.isend(ask, dst=dst, group=self._pg, tag=_REQUEST).wait()
+        return received
+
+    def _spans(self, path: str, start: int, length: int) -> list[tuple[int, int, int, int]]:
+        """(holder, planned range index, offset in it, bytes) covering a peer's bytes."""
+        starts, found = self._index.get(path, ((), ()))
+        out, pos, end = [], start, start + length
+        while pos < end:
+            i = bisect.bisect_right(starts, pos) - 1
+            if i < 0 or pos >= starts[i] + found[i][2]:
+                raise FileNotFoundError(f"{self.url}/{path}: bytes at {pos} were not planned")
+            holder, index, n = found[i]
+            take = min(starts[i] + n, end) - pos
+            out.append((holder, index, pos - starts[i], take))
+            pos += take
+        return out
+
+    def index_remote(self) -> None:
+        """Index ``remote`` by file and holder (once it is complete)."""
+        by_path: dict[str, list] = {}
+        for (path, start), (holder, index, n) in self.remote.items():
+            by_path.setdefault(path, []).append((start, (holder, index, n)))
+            lengths = self._lengths.setdefault(holder, [])
+            lengths += [0] * (index + 1 - len(lengths))
+            lengths[index] = n
+        self._index = {path: (tuple(s for s, _ in sorted(v)), tuple(f for _, f in sorted(v)))
+                       for path, v in by_path.items()}
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         if path == f"{self.location}/{MANIFEST_NAME}":
             return self._manifest[start:None if length is None else start + length]
         if path in self.local:
             return super().read(path, start, length)
-        if length is None:
-            length = len(self.fetched.get((path, start), (b"",))[0])
-        return bytes(self._got(path, start, length))
+        if length is None:  # to the end of the planned range that starts there
+            length = self.remote.get((path, start), (0, 0, 0))[2]
+        buf = bytearray(length)
+        self.read_into(path, start, memoryview(buf))
+        return bytes(buf)
 
     def read_into(self, path: str, start: int, out: memoryview) -> None:
         if path in self.local:
             return super().read_into(path, start, out)
         out = memoryview(out).cast("B")
-        out[:] = self._got(path, start, len(out))
+        if not len(out):
+            return
+        with warnings.catch_warnings():  # writable: the destination's own bytes
+            warnings.simplefilter("ignore", UserWarning)
+            dest = torch.frombuffer(out, dtype=torch.uint8)
+        received, at = [], 0
+        for holder, index, offset, n in self._spans(path, start, len(out)):
+            received += self._receive(holder, _APPLY, index, offset, dest[at:at + n])
+            at += n
+        for r in received:
+            r.wait()
 
     def read_blocks(self, path: str, start: int, length: int,
                     buffer: memoryview) -> Iterator[memoryview]:
         if path in self.local:
             yield from super().read_blocks(path, start, length, buffer)
             return
-        # The fetched bytes are in this process already: digest them where they lie (a
-        # run of adjacent chunks spans several fetched pieces).
-        end = start + length
-        while start < end:
-            data, arrival = self.fetched.get((path, start), (None, None))
-            if not data:
-                raise FileNotFoundError(f"{self.url}/{path}: bytes at {start} were not "
-                                        "fetched")
-            arrival.wait()
-            data = data[:end - start]
-            yield data
-            start += len(data)
+        # A run of adjacent chunks in pieces, received into this thread's two buffers in
+        # turn: the next piece arrives while the reader digests this one (a buffer is
+        # received into again only once the reader has moved past it).
+        pieces = [(holder, index, offset + o, min(self.piece, n - o))
+                  for holder, index, offset, n in self._spans(path, start, length)
+                  for o in range(0, n, self.piece)]
+        bufs = getattr(self._pieces, "bufs", None)
+        if bufs is None:
+            bufs = self._pieces.bufs = [torch.empty(self.piece, dtype=torch.uint8)
+                                        for _ in range(2)]
+        pending: collections.deque = collections.deque()
+        try:
+            for k, (holder, index, offset, n) in enumerate(pieces):
+                out = bufs[k % 2][:n]
+                pending.append((self._receive(holder, _VERIFY, index, offset, out), out))
+                if len(pending) == 2:
+                    yield _arrived(*pending.popleft())
+            while pending:
+                yield _arrived(*pending.popleft())
+        finally:  # the reader stopped early (a digest failed): nothing left in flight
+            for received, _ in pending:
+                for r in received:
+                    r.wait()
 
     def size(self, path: str) -> int:
         if path in self.local:
@@ -319,46 +413,98 @@ class MemorySource(ShmReader):
     def exists(self, path: str) -> bool:
         return path in self.local or path in self.sizes
 
+    # -- serving peers -------------------------------------------------------------------
+    def _serve(self, pg: Any, parts: dict[int, list[tuple[Any, int, int]]]) -> None:
+        """Answer the peers' requests (``parts``: peer -> what it planned to read from this
+        rank, each (mapping, start, length)) until every one of them has said it is done."""
+        sends = []
+        try:
+            left = set(parts)
+            ask = torch.empty(5, dtype=torch.int64)
+            while left:
+                src = dist.recv(ask, src=None, group=pg, tag=_REQUEST)
+                peer = dist.get_group_rank(pg, src)
+                op, a, b, c, tag = ask.tolist()
+                mine = parts.get(peer, [])
+                if op == _DONE:
+                    left.discard(peer)
+                    continue
+                if op == _ROUND:  # (kind, first tag, piece): every message of the round
+                    keys = _round_keys([n for _, _, n in mine], c)
+                    sends += [dist.isend(_bytes_of(mine[i][0], mine[i][1] + o, n), dst=src,
+                                         group=pg, tag=b + k)
+                              for k, (i, o, n) in enumerate(keys)]
+                    continue
+                index, offset, length = a, b, c  # _READ: one range
+                if 0 <= index < len(mine) and 0 <= offset and 0 < length \
+                        and offset + length <= mine[index][2]:
+                    data = _bytes_of(mine[index][0], mine[index][1] + offset, length)
+                else:  # not from ckpt's own reads: bytes that fail their digests
+                    log.error("ckpt.memory_restore rank %d asked for bytes it was not "
+                              "promised (range %d, %d+%d)", peer, index, offset, length)
+                    data = torch.zeros(max(0, length), dtype=torch.uint8)
+                sends.append(dist.isend(data, dst=src, group=pg, tag=tag))
+            for w in sends:
+                w.wait()
+        except BaseException as e:  # a peer died: close() raises it
+            self._served.append(e)
+
     def close(self) -> None:
-        """Wait for every message of the exchange (a peer may still be receiving what this
-        rank sends), then release the buffers, mappings and descriptors."""
-        exchange, self.exchange = getattr(self, "exchange", []), []
-        error = None
-        for arrival in exchange:
+        """Receive (and drop) what a round sent that the load did not read, tell the
+        holders this rank read from that it is done, wait until the peers it serves are
+        done too, then release the mappings and descriptors."""
+        pg, self._pg = getattr(self, "_pg", None), None
+        errors = []
+        if pg is not None:
+            unread, self._unread = self._unread, {}
+            scratch = torch.empty(max(unread.values(), default=0), dtype=torch.uint8)
             try:
-                arrival.wait()
-            except Exception as e:  # a peer died: the others' messages still finish
-                error = error or e
-        self.fetched = {}
+                for r in [dist.irecv(scratch[:n], src=dist.get_global_rank(pg, holder),
+                                     group=pg, tag=tag) for (holder, tag), n in unread.items()]:
+                    r.wait()
+                for holder in sorted(self._holders):
+                    dist.isend(torch.tensor([_DONE, 0, 0, 0, 0], dtype=torch.int64),
+                               dst=dist.get_global_rank(pg, holder), group=pg,
+                               tag=_REQUEST).wait()
+            except Exception as e:  # a holder died
+                errors.append(e)
+        server, self._server = getattr(self, "_server", None), None
+        if server is not None:
+            server.join()
+        errors += getattr(self, "_served", [])
         super().close()
-        if error is not None:
-            raise error
+        if errors:
+            raise errors[0]
 
     def __del__(self) -> None:
-        ShmReader.close(self)  # descriptors only: waiting is close()'s (never at exit)
+        ShmReader.close(self)  # descriptors only: the peers' protocol is close()'s
 
 
-class _Arrival:
-    """One message of the exchange (a gloo send or receive) and what must live until it is
-    done (the tensor it reads or fills); ``wait`` returns once it is (thread-safe)."""
+def _arrived(received: list, out: torch.Tensor) -> memoryview:
+    for r in received:
+        r.wait()
+    return memoryview(out.numpy())
 
-    def __init__(self, work: Any, keep: Any = None) -> None:
-        self._work, self._keep = work, keep
-        self._lock = threading.Lock()
 
-    def wait(self) -> None:
-        if self._work is None:
-            return
-        with self._lock:
-            if self._work is not None:
-                self._work.wait()
-                self._work = self._keep = None
+def _round_keys(lengths: list[int], piece: int) -> list[tuple[int, int, int]]:
+    """The messages of a round, in order: (range index, offset, bytes), each planned range
+    cut into pieces; the holder and the reader cut them alike."""
+    return [(i, o, min(piece, n - o)) for i, n in enumerate(lengths) for o in range(0, n, piece)]
+
+
+#: The loader's block (and a round's piece) when a rank reads from peers.
+PEER_BLOCK = 4 << 20
+_REQUEST = 0  # the tag of requests; data messages use tags from 1
+_TAGS = itertools.count(1)
+_TAG_LOCK = threading.Lock()
+_DONE, _READ, _ROUND = 0, 1, 2  # requests: [op, ...] (see _serve)
+_VERIFY, _APPLY = 0, 1  # rounds
 
 
 def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: str, job: str,
                    node: str, rank: int, pg: Any) -> MemorySource:
-    """Agree on who serves each origin rank's files, merge the manifest and start fetching
-    the bytes this rank needs (they arrive while the load runs). Collective; raises
+    """Agree on who serves each origin rank's files, merge the manifest and start serving
+    the peers (a rank reads the bytes it needs from them as its load asks). Collective; raises
     CorruptCheckpointError on every rank when any rank cannot read or serve its part (the
     caller falls through to the next tier)."""
     world = dist.get_world_size(pg)
@@ -486,9 +632,10 @@ def _needed_chunks(manifest: Manifest, state: MutableMapping[str, Any], rank: in
 def _exchange(source: MemorySource | None, requests: dict[int, list[tuple[str, str, int, int]]],
               error: str | None, step: int, location: str, shm_dir: str, prefix: str,
               rank: int, pg: Any) -> None:
-    """Start sending every rank the byte ranges it asked this rank for, and receiving what
-    this rank asked for (into ``source.fetched``; ``source.exchange`` holds every message).
-    ``error``: this rank could not plan its reads (all ranks then raise)."""
+    """Agree on what each rank reads from which peer (``requests``: holder -> [(segment,
+    file, start, length)]), check that this rank can serve what it is asked for, and start
+    serving (``MemorySource._serve``); every rank raises when one cannot plan or serve.
+    ``error``: this rank could not plan its reads."""
     world = dist.get_world_size(pg)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (requests, error), group=pg)
@@ -497,15 +644,12 @@ def _exchange(source: MemorySource | None, requests: dict[int, list[tuple[str, s
         raise CorruptCheckpointError(failed[0])
     asked = [r for r, _ in gathered]
     maps: dict[str, Any] = {}
-    outgoing: dict[int, list[torch.Tensor | None]] = {}
+    parts: dict[int, list[tuple[Any, int, int]]] = {}
     error = None
     for dst in range(world):
         mine = asked[dst].get(rank, []) if dst != rank else []  # own node's: read locally
-        if not mine:
-            continue
-        parts: list[torch.Tensor | None] = []
         try:
-            for segment, name, start, length in _runs(mine):
+            for segment, name, start, length in mine:
                 if not segment.startswith(prefix) or not segment.startswith(PREFIX) \
                         or "/" in segment:
                     raise CorruptCheckpointError(f"asked for {segment}, not a segment of "
@@ -515,55 +659,27 @@ def _exchange(source: MemorySource | None, requests: dict[int, list[tuple[str, s
                     maps[path] = _map(path)
                 if start + length > len(maps[path]):
                     raise CorruptCheckpointError(f"{path} ends before byte {start + length}")
-                parts.append(_bytes_of(maps[path], start, length) if length else None)
+                parts.setdefault(dst, []).append((maps[path], start, length))
         except (OSError, ValueError, CorruptCheckpointError) as e:
             error = f"rank {rank} cannot serve step {step} from memory: {e}"
             break
-        outgoing[dst] = parts
     errors: list[Any] = [None] * world
     dist.all_gather_object(errors, error, group=pg)
     failed = [e for e in errors if e]
     if failed:
         raise CorruptCheckpointError(failed[0])
-    # One message per run of adjacent byte ranges (at most MESSAGE_BYTES, unless one chunk
-    # is larger), sent straight from the segment's pages; both sides cut the same request
-    # list into the same runs, numbered by tag. Nobody waits here: a read of fetched bytes
-    # waits for its message, and MemorySource.close for all of them.
-    arrivals = source.exchange
-    for src, reqs in requests.items():
-        incoming = torch.empty(sum(r[3] for r in reqs), dtype=torch.uint8)
-        view, at, pieces = memoryview(incoming.numpy()), 0, iter(reqs)
-        for tag, (_, _, _, length) in enumerate(_runs(reqs)):
-            arrival = _Arrival(None)
-            if length:
-                arrival = _Arrival(dist.irecv(incoming[at:at + length],
-                                              src=dist.get_global_rank(pg, src), group=pg,
-                                              tag=tag), incoming)
-                arrivals.append(arrival)
-            end = at + length
-            while at < end:  # the requests this message carries
-                _, name, start, n = next(pieces)
-                source.fetched[(f"{location}/{name}", start)] = (view[at:at + n], arrival)
-                at += n
-        for _, name, start, n in pieces:  # empty requests after the last message
-            source.fetched[(f"{location}/{name}", start)] = (view[at:at], _Arrival(None))
-    for dst, parts in outgoing.items():
-        arrivals += [_Arrival(dist.isend(part, dst=dist.get_global_rank(pg, dst), group=pg,
-                                         tag=tag), (part, maps))
-                     for tag, part in enumerate(parts) if part is not None]
-
-
-def _runs(reqs: list[tuple[str, str, int, int]]) -> list[tuple[str, str, int, int]]:
-    """Requests with adjacent byte ranges of one file merged, in order, up to MESSAGE_BYTES
-    a run (a larger request is a run of its own)."""
-    out: list[tuple[str, str, int, int]] = []
-    for segment, name, start, length in reqs:
-        if out and out[-1][:2] == (segment, name) and out[-1][2] + out[-1][3] == start \
-                and out[-1][3] + length <= MESSAGE_BYTES:
-            out[-1] = (segment, name, out[-1][2], out[-1][3] + length)
-        else:
-            out.append((segment, name, start, length))
-    return out
+    source._pg = pg
+    if requests:  # fewer, larger messages: each is a wait for a peer (measured faster)
+        source.stream_block = source.piece = PEER_BLOCK
+    for holder, reqs in requests.items():
+        source._holders.add(holder)
+        for index, (_, name, start, length) in enumerate(reqs):
+            source.remote[(f"{location}/{name}", start)] = (holder, index, length)
+    source.index_remote()
+    if parts:
+        source._server = threading.Thread(target=source._serve, args=(pg, parts), daemon=True,
+                                          name="ckpt-memory-serve")
+        source._server.start()
 
 
 def _map(path: str) -> Any:

@@ -42,7 +42,8 @@ def local_piece(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torc
         if tuple(shape) != tuple(local.shape):
             raise ValueError(f"DTensor local shape {tuple(local.shape)} != computed {tuple(shape)}")
         return tuple(t.shape), tuple(int(o) for o in offsets), local
-    return tuple(t.shape), (0,) * t.dim(), t
+    shape = tuple(t.shape)
+    return shape, (0,) * len(shape), t
 
 
 def read_box(entry, target: torch.Tensor | None) -> Box:

@@ -158,7 +158,8 @@ def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
     """Each rank seeds its RNGs differently, saves step 1 to memory only (the root never
     holds it) with a replica on the other node, and records what its generators give next.
     Then, with other draws in between, restores from its own memory; then rank 1's node
-    loses its memory and both restore again (rank 1's values from the replica on node 0).
+    loses its memory and both restore again, strict (rank 1's values from the replica on
+    node 0, in 1 KiB pieces: verify pass and apply pass).
     Returns, per restore, the tier and whether the next draws equal the recorded ones."""
     import random
 
@@ -179,11 +180,15 @@ def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
     for case in ("own", "peer"):
         if case == "peer" and rank == 0:  # node 1's own segment is gone (its RAM)
             shutil.rmtree(os.path.join(shm, f"ckpt-{job}-{nodes[1]}-r1"))
+        if case == "peer":  # the RNG tensor (5 KB) crosses in several pieces
+            from ckpt import memory_restore
+            memory_restore.PEER_BLOCK = 1024
         dist.barrier()
         torch.manual_seed(7)  # other draws: the restore must put each rank's back
         random.seed(7)
         mgr = manager(root, shm, job, nodes[rank], persist_every=1_000_000)
-        step = mgr.restore(state())
+        # strict: verify, then apply (two passes over the peer's bytes; else one pass)
+        step = mgr.restore(state(), strict=case == "peer")
         got = (torch.rand(4).tolist(), random.random())
         out[case] = {"step": step, "tier": mgr.last_restore.tier if mgr.last_restore else None,
                      "same": got == expected}

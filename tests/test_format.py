@@ -128,3 +128,56 @@ def test_flatten_pauses_the_collector_and_restores_it():
         assert not gc.isenabled()  # a caller's choice is kept
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------ format 2: layouts
+@pytest.fixture(scope="module")
+def laid_out(tmp_path_factory) -> dict:
+    """A real format-2 manifest (rank tables), as parsed JSON."""
+    import ckpt
+
+    root = tmp_path_factory.mktemp("f2") / "root"
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(rank_tables=True)) as mgr:
+        mgr.save(1, {"t": torch.zeros(4, 2)}, force=True)
+    doc = json.loads((root / "step-00000001" / "manifest.json").read_text())
+    assert doc["format_version"] == 2 and doc["tensors"]["t"]["layout"] == {
+        "boxes": [[[0, 0], [4, 2], 0]]}
+    return doc
+
+
+MESH = {"mesh": 0, "placements": ["S0"]}
+
+
+@pytest.mark.parametrize("layout, message", [
+    ({"boxes": [[[0, 0], [4, 2], 1]]}, "writer of box 0 of 't' must be an integer in [0, 0]"),
+    ({"boxes": [[[0, 0], [4, 2], True]]}, "writer of box 0 of 't' must be an integer"),
+    ({"boxes": [[[1, 0], [4, 2], 0]]}, "box 0 of 't' lies outside the tensor's shape [4, 2]"),
+    ({"boxes": [[[0], [4], 0]]}, "box 0 of 't' has the wrong rank"),
+    ({"boxes": [[[0, 0], [4, 2]]]}, "box 0 of 't' must be [offsets, shape, writer]"),
+    ({"boxes": [[[0, 0.5], [4, 2], 0]]}, "box 0 of 't' must be a list of integers"),
+    ({"boxes": {}}, "boxes of 't' must be a list"),
+    ({"boxes": [[[0, 0], [2, 2], 0]]}, "the chunks of 't' cover 4 of 8 elements (a gap)"),
+    ({**MESH, "mesh": 1}, "tensor 't' names mesh 1"),
+    ({**MESH, "placements": []}, "tensor 't' needs one placement per dimension of mesh 0"),
+    ({**MESH, "placements": ["S2"]}, "tensor 't' has placement 'S2'"),
+    ({**MESH, "placements": ["S01"]}, "tensor 't' has placement 'S01'"),
+    ("boxes", "tensor 't' has no layout"),
+])
+def test_format2_layouts_are_checked(laid_out, layout, message):
+    doc = {**laid_out, "meshes": [{"shape": [1], "ranks": [0]}],
+           "tensors": {"t": {**laid_out["tensors"]["t"], "layout": layout}}}
+    with pytest.raises(CorruptCheckpointError, match="invalid manifest") as err:
+        _parse(doc)
+    assert message in str(err.value)
+
+
+def test_format2_layouts_parse(laid_out):
+    from ckpt.layout import BoxLayout, Mesh, MeshLayout
+
+    assert _parse(laid_out).tensors["t"].layout == BoxLayout((((0, 0), (4, 2), 0),))
+    for placements, dims in ((["S0"], (0,)), (["S1"], (1,)), (["R"], (None,))):
+        doc = {**laid_out, "meshes": [{"shape": [1], "ranks": [0]}],
+               "tensors": {"t": {**laid_out["tensors"]["t"],
+                                 "layout": {**MESH, "placements": placements}}}}
+        assert _parse(doc).tensors["t"].layout == MeshLayout(Mesh((1,), (0,)), dims)

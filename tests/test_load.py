@@ -206,6 +206,28 @@ def test_a_corrupt_byte_in_any_chunk_changes_nothing(tmp_path, storage_type):
         flip_byte(step_dir / c["file"], offset)  # repaired for the next round
 
 
+@pytest.mark.parametrize("storage_type", [PosixStorage, _OddBlocks])
+def test_a_corrupt_byte_in_any_block_of_any_chunk_fails_a_one_pass_restore(tmp_path,
+                                                                           storage_type):
+    """restore() reads the newest step once, digesting block by block as the blocks land
+    (with _OddBlocks: 1000-byte blocks, so chunks end mid-block): a flipped byte anywhere
+    must still fail the step (only step 1 exists: PartialLoadError names what it wrote)."""
+    save_step(tmp_path, 1, make_state(1))
+    step_dir = tmp_path / "step-00000001"
+    records = chunk_records(step_dir)
+    for n, c in enumerate(records):
+        offset = c["start"] + [0, c["length"] // 2, c["length"] - 1][n % 3]
+        flip_byte(step_dir / c["file"], offset)
+        with CheckpointManager(storage_type(tmp_path), read_only=True, metrics=False) as mgr:
+            with pytest.raises(PartialLoadError, match="digest mismatch"):
+                mgr.restore(make_state(2))
+        flip_byte(step_dir / c["file"], offset)  # repaired for the next round
+    live = make_state(2)
+    with CheckpointManager(storage_type(tmp_path), read_only=True, metrics=False) as mgr:
+        assert mgr.restore(live) == 1
+    assert_unchanged(live, snapshot(make_state(1)))
+
+
 def test_a_one_pass_load_that_fails_names_what_it_overwrote(tmp_path):
     saved = make_state(1)
     ckpt.save(saved, tmp_path / "c", options=OPTIONS)

@@ -137,7 +137,8 @@ def test_a_newer_step_in_the_root_wins_over_memory(node_loss):
 def test_each_rank_restores_its_own_rng_state_from_memory(tmp_path):
     """Per-rank values (RNGState) of a step held in memory only: the memory tier builds the
     step's manifest from the rank steps, and each rank gets its own generators back, from
-    its own segment and, after its node's memory is lost, from the replica."""
+    its own segment (one pass) and, after its node's memory is lost, from the replica
+    (strict: verify, then apply; the RNG tensor crosses in several pieces each time)."""
     from _memory_workers import rng_save_and_restore
 
     root, shm = str(tmp_path / "root"), tmp_path / "shm"

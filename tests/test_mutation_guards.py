@@ -363,9 +363,9 @@ def _restore_from_peers(rank: int, world: int, root: str, shm: str, nodes: list[
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_peer_serving_several_chunks_of_a_lost_rank_sends_each_one_right(tmp_path):
-    """Mutant: ckpt/memory_restore.py's peer exchange not advancing ``at`` while it cuts a
-    source's incoming bytes into the chunks asked for (every chunk would get the first
-    one's bytes; the digests fail and the restore falls to the root)."""
+    """Mutant: ckpt/memory_restore.py's holder serving every range of a round from the
+    first range asked for (``mine[0]`` for ``mine[i]`` in MemorySource._serve: every chunk
+    would get the first one's bytes; the digests fail and the restore falls to the root)."""
     from _dist import run_ranks
 
     root, shm = str(tmp_path / "root"), tmp_path / "shm"

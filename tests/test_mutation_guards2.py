@@ -6,12 +6,15 @@ the test fail."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+import ckpt
 from ckpt import CheckpointManager, CorruptCheckpointError, PartialLoadError, SaveOptions
+from ckpt.format import MAX_DIMS, Manifest
 from storage_backends import PosixStorage
 
 # Small chunks, one writer thread: every tensor spans several chunks of one data file.
@@ -135,3 +138,102 @@ def test_a_one_pass_restore_names_what_every_failed_step_overwrote(tmp_path):
     assert info.value.changed == overwritten
     assert f"overwrote {len(overwritten)} live tensors" in str(info.value)
 
+
+def test_tensors_whose_paths_collide_are_saved_and_loaded_apart(tmp_path):
+    """Mutant: ckpt/state.py _Flattener.tensor without ``key = self._unique(key)`` (the
+    second tensor of a path, such as a dict's int key 1 and str key "1", would overwrite
+    the first: both load as one of them)."""
+    saved = {"m": {1: torch.arange(4.0), "1": torch.arange(4.0) + 10,
+                   "x/y": torch.full((2,), 7.0), "x": {"y": torch.full((2,), 8.0)}}}
+    ckpt.save(saved, tmp_path / "c")
+    live = {"m": None}
+    ckpt.load(live, tmp_path / "c")
+    got = live["m"]
+    assert torch.equal(got[1], saved["m"][1]) and torch.equal(got["1"], saved["m"]["1"])
+    assert torch.equal(got["x/y"], saved["m"]["x/y"])
+    assert torch.equal(got["x"]["y"], saved["m"]["x"]["y"])
+
+
+def test_a_plain_tensor_that_requires_grad_loads_through_a_bounce_buffer(tmp_path):
+    """Mutant: ckpt/state.py _Flattener.tensor keeping a plain tensor that requires grad
+    undetached (``type(t) is torch.Tensor`` without ``and not t.requires_grad``): a load
+    whose destination is not contiguous (as every CUDA destination) copies into it, which
+    autograd refuses for a leaf that requires grad."""
+    saved = torch.randn(96, 80)
+    ckpt.save({"t": saved}, tmp_path / "c", options=OPTIONS)
+    live = torch.zeros(80, 96).t()  # a transposed view: the bounce path
+    live.requires_grad_()
+    ckpt.load({"t": live}, tmp_path / "c")
+    assert torch.equal(live, saved) and live.requires_grad
+
+
+def _manifest(tensor: dict, **top: object) -> bytes:
+    doc = {"format": "ckpt", "format_version": 1, "step": 1, "world_size": 1, "created": 0.0,
+           "files": {"data-0.bin": 1 << 20}, "tensors": {"t": tensor}, "aliases": {},
+           "items": {"t": {"kind": "tensor", "tree": {"__tensor__": "t"}}}, **top}
+    return json.dumps(doc).encode()
+
+
+def _whole(shape: list[int]) -> dict:
+    n = 1
+    for s in shape:
+        n *= s
+    return {"dtype": "float32", "shape": shape, "chunks": [{
+        "offsets": [0] * len(shape), "shape": shape, "file": "data-0.bin", "start": 0,
+        "length": 4 * n, "digest": "0123456789abcdef"}]}
+
+
+@pytest.mark.parametrize("raw, message", [
+    (_manifest(_whole([1] * (MAX_DIMS + 1))), f"at most {MAX_DIMS} ints"),
+    (_manifest(_whole([4]), aliases={"t": "t"}), "alias 't' -> 't' is dangling"),
+])
+def test_a_manifest_beyond_the_formats_bounds_is_refused_as_corrupt(raw, message):
+    """Mutants: ckpt/format.py _dims without ``len(value) <= MAX_DIMS`` (a hostile shape
+    reaches torch, which raises its own error, not the corruption a restore falls back
+    past) and _parse's alias check without ``k not in tensors`` (an alias that shadows a
+    stored tensor)."""
+    assert Manifest.from_json(_manifest(_whole([4])), where="m").tensors["t"].shape == (4,)
+    with pytest.raises(CorruptCheckpointError, match="invalid manifest") as info:
+        Manifest.from_json(raw, where="m")
+    assert message in str(info.value)
+
+
+def test_a_format2_box_written_by_a_float_rank_is_refused_as_corrupt(tmp_path):
+    """Mutant: ckpt/format.py _parse_laid_out without ``type(writer) is not int`` (a
+    writer of 0.0 passes the range check and later indexes the rank tables)."""
+    root = tmp_path / "root"
+    with CheckpointManager(root, async_save=False, metrics=False, handle_sigterm=False,
+                           options=SaveOptions(rank_tables=True)) as mgr:
+        mgr.save(1, {"t": torch.zeros(4, 2)}, force=True)
+    doc = json.loads((root / "step-00000001" / "manifest.json").read_text())
+    assert doc["tensors"]["t"]["layout"] == {"boxes": [[[0, 0], [4, 2], 0]]}
+    doc["tensors"]["t"]["layout"]["boxes"][0][2] = 0.0
+    with pytest.raises(CorruptCheckpointError, match="invalid manifest") as info:
+        Manifest.from_json(json.dumps(doc).encode(), where="m")
+    assert "writer of box 0 of 't' must be an integer" in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_peer_fetched_chunk_is_read_only_once_its_message_arrived(tmp_path):
+    """Mutants: ckpt/memory_restore.py MemorySource.read_into and _arrived without their
+    ``r.wait()`` (the load digests a peer's chunk, in the live tensor or in the verify
+    pass's buffer, before the message that brings it has arrived). The holder here sends
+    only once the reader waits, so a read that does not wait finds no byte of the step: the
+    restore must still come from the peer, exact, in one pass and with the verify pass."""
+    from _dist import run_ranks
+    from _mutation_workers import restore_with_late_peer_messages, save_in_memory_then_lose_node0
+
+    root, shm, flags = tmp_path / "root", tmp_path / "shm", tmp_path / "flags"
+    shm.mkdir()
+    flags.mkdir()
+    nodes = ["hostG_n0", "hostG_n1"]
+    run_ranks(2, save_in_memory_then_lose_node0, str(root), str(shm), "late", nodes,
+              timeout=100)
+    out = run_ranks(2, restore_with_late_peer_messages, str(root), str(shm), "late", nodes,
+                    str(flags), timeout=150)
+    # rank 0's bytes come from rank 1's node; rank 1 reads its own
+    assert out == [{case: {"step": step, "tier": tier, "exact": True}
+                    for case, step in (("newest", 2), ("step 1", 1))}
+                   for tier in ("peer", "memory")]
+    assert sorted(os.listdir(flags)) == ["newest", "step 1"]  # rank 0 waited each time

@@ -594,9 +594,15 @@ def _merge(c: Candidate, docs: dict[int, dict], location: str,
                     tensors[key]["chunks"].append(chunk)
         for t in tensors.values():
             t["chunks"].sort(key=lambda chunk: chunk["offsets"])
+        # Each rank's values of per-rank items (RNG states) from its own document: a rank
+        # step needs to carry no other rank's.
+        items = {name: {**item, "per_rank": {str(o): d["items"][name]["per_rank"][str(o)]
+                                             for o, d in docs.items()}}
+                 if isinstance(item.get("per_rank"), dict) else item
+                 for name, item in first["items"].items()}
         doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": c.step,
                "world_size": c.world, "created": first["created"], "tensors": tensors,
-               "aliases": first["aliases"], "items": first["items"], "files": files,
+               "aliases": first["aliases"], "items": items, "files": files,
                "metadata": {**first["metadata"], CHAIN_KEY: 0}}
         raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         manifest = Manifest.from_json(raw, where=f"step {c.step} in memory")

@@ -32,7 +32,7 @@ from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, step_d
 from .incremental import CHAIN_KEY
 from .memory_tier import PREFIX, node_prefix, plain_name, rank_steps, read_rank_doc
 from .reader import needed_tensors
-from .sharding import overlapping, read_box, source_rank
+from .sharding import dtensor_type, overlapping, read_box, source_rank
 from .state import flatten, is_stateful, item_tree
 
 log = logging.getLogger("ckpt")
@@ -594,9 +594,15 @@ def _merge(c: Candidate, docs: dict[int, dict], location: str,
                     tensors[key]["chunks"].append(chunk)
         for t in tensors.values():
             t["chunks"].sort(key=lambda chunk: chunk["offsets"])
+        # Each rank's values of per-rank items (RNG states) from its own document: a rank
+        # step needs to carry no other rank's.
+        items = {name: {**item, "per_rank": {str(o): d["items"][name]["per_rank"][str(o)]
+                                             for o, d in docs.items()}}
+                 if isinstance(item.get("per_rank"), dict) else item
+                 for name, item in first["items"].items()}
         doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": c.step,
                "world_size": c.world, "created": first["created"], "tensors": tensors,
-               "aliases": first["aliases"], "items": first["items"], "files": files,
+               "aliases": first["aliases"], "items": items, "files": files,
                "metadata": {**first["metadata"], CHAIN_KEY: 0}}
         raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         manifest = Manifest.from_json(raw, where=f"step {c.step} in memory")
@@ -621,11 +627,17 @@ def _needed_chunks(manifest: Manifest, state: MutableMapping[str, Any], rank: in
     tensors = flatten(live, allow_pickle=True, rank=src, keep_vars=True).tensors
     wanted = {name: item_tree(manifest.items[name], src) for name in state
               if name in manifest.items}
+    dtensor, boxes = dtensor_type(), {}
     out = []
     for key in sorted(needed_tensors(None, "", manifest, wanted, allow_pickle=True)):
-        entry = manifest.tensors[key]
-        out += [(key, chunk) for chunk, _ in overlapping(entry, read_box(entry,
-                                                                         tensors.get(key)))]
+        entry, target = manifest.tensors[key], tensors.get(key)
+        if dtensor is not None and isinstance(target, dtensor):
+            # DTensors of one shape, mesh and placements share this rank's box: computed once
+            spec = (tuple(target.shape), target.device_mesh, tuple(target.placements))
+            box = boxes.get(spec) or boxes.setdefault(spec, read_box(entry, target))
+        else:
+            box = read_box(entry, target)
+        out += [(key, chunk) for chunk, _ in overlapping(entry, box)]
     return out
 
 

@@ -7,6 +7,7 @@ directory (``memory_dir=``) instead of /dev/shm.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -160,7 +161,9 @@ def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
     Then, with other draws in between, restores from its own memory; then rank 1's node
     loses its memory and both restore again, strict (rank 1's values from the replica on
     node 0, in 1 KiB pieces: verify pass and apply pass).
-    Returns, per restore, the tier and whether the next draws equal the recorded ones."""
+    Each rank step is then cut down to its own rank's RNG values (what a rank needs to
+    carry). Returns, per restore, the tier and whether the next draws equal the recorded
+    ones."""
     import random
 
     random.seed(100 + rank)
@@ -176,6 +179,15 @@ def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
     expected = (torch.rand(4).tolist(), random.random())
     dist.barrier()
     mgr.close()
+    if rank == 0:  # every rank step (and replica) carries only its own rank's RNG values
+        for doc_path in glob.glob(os.path.join(shm, "*", "step-*", "rank.json")):
+            with open(doc_path) as f:
+                doc = json.load(f)
+            doc["items"]["rng"]["per_rank"] = {str(doc["rank"]):
+                                               doc["items"]["rng"]["per_rank"][str(doc["rank"])]}
+            with open(doc_path, "w") as f:
+                json.dump(doc, f)
+    dist.barrier()
     out = {}
     for case in ("own", "peer"):
         if case == "peer" and rank == 0:  # node 1's own segment is gone (its RAM)

@@ -543,13 +543,13 @@ class CheckpointManager:
                 outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
                     _describe(error)]
                 fatal = [o for o in outcomes if o and o[0] == "fatal"]
-                if fatal and dirty and not isinstance(error, PartialLoadError):
+                if fatal and dirty:  # (also over this step's own PartialLoadError)
                     raise PartialLoadError(
                         f"{error or fatal[0][1]}; and a failed one-pass read of a newer step "
                         f"had already overwritten {len(dirty)} live tensors "
                         f"({few_keys(sorted(dirty))}): the live state is mixed; restore a good "
                         "step before training on",
-                        path=self.root, changed=dirty) from error
+                        path=self.root, changed=dirty | getattr(error, "changed", dirty)) from error
                 if fatal:
                     if isinstance(error, OSError) and not isinstance(error, CheckpointError):
                         raise StorageError(f"restoring step {s} from {self.root} failed: "

@@ -213,6 +213,52 @@ def test_a_format2_box_written_by_a_float_rank_is_refused_as_corrupt(tmp_path):
     assert "writer of box 0 of 't' must be an integer" in str(info.value)
 
 
+class _DiskErrorInStep1(PosixStorage):
+    """Step 1's data files fail with an I/O error after their first read (a disk error:
+    not the step's corruption, so no older step is tried after it)."""
+
+    def open_reader(self, path):
+        reader = super().open_reader(path)
+        if "step-00000001" not in path:
+            return reader
+
+        class Failing:
+            reads = 0
+
+            def read_into(self, start, out):
+                self.reads += 1
+                if self.reads > 1:
+                    raise OSError(5, "Input/output error")
+                reader.read_into(start, out)
+
+            def close(self):
+                reader.close()
+
+        return Failing()
+
+
+def test_a_fallback_step_that_fails_on_a_disk_error_names_what_the_newer_step_overwrote(
+        tmp_path):
+    """Mutant (and the bug it showed, fixed): ckpt/manager.py restore re-raising the
+    fallback step's own PartialLoadError when a disk error stops it part-way (``and not
+    isinstance(error, PartialLoadError)``). Step 2 was read in one pass and overwrote every
+    tensor before its last chunk failed; that error named only what step 1 wrote and called
+    the rest "unchanged"."""
+    save_step(tmp_path, 1, make_state(1))
+    save_step(tmp_path, 2, make_state(2))
+    last = chunks(tmp_path / "step-00000002")[-1]
+    flip_byte(tmp_path / "step-00000002" / last["file"], last["start"] + last["length"] - 1)
+    live = make_state(3)
+    before = values(live)
+    with CheckpointManager(_DiskErrorInStep1(tmp_path), read_only=True, metrics=False) as mgr:
+        with pytest.raises(PartialLoadError, match="Input/output error") as info:
+            mgr.restore(live)
+    overwritten = changed(live, before)
+    assert overwritten == set(before)  # step 2 wrote them all (the case needs it)
+    assert info.value.changed == overwritten
+    assert f"had already overwritten {len(overwritten)} live tensors" in str(info.value)
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_peer_fetched_chunk_is_read_only_once_its_message_arrived(tmp_path):

@@ -186,31 +186,39 @@ def _whole(shape: list[int]) -> dict:
 @pytest.mark.parametrize("raw, message", [
     (_manifest(_whole([1] * (MAX_DIMS + 1))), f"at most {MAX_DIMS} ints"),
     (_manifest(_whole([4]), aliases={"t": "t"}), "alias 't' -> 't' is dangling"),
+    (_manifest({**_whole([4]), "dtype": "float99"}), "tensor 't' has unknown dtype 'float99'"),
 ])
 def test_a_manifest_beyond_the_formats_bounds_is_refused_as_corrupt(raw, message):
     """Mutants: ckpt/format.py _dims without ``len(value) <= MAX_DIMS`` (a hostile shape
     reaches torch, which raises its own error, not the corruption a restore falls back
-    past) and _parse's alias check without ``k not in tensors`` (an alias that shadows a
-    stored tensor)."""
+    past), _parse's alias check without ``k not in tensors`` (an alias that shadows a
+    stored tensor) and _parse_tensor's without ``dtype in DTYPES`` (a KeyError escapes)."""
     assert Manifest.from_json(_manifest(_whole([4])), where="m").tensors["t"].shape == (4,)
     with pytest.raises(CorruptCheckpointError, match="invalid manifest") as info:
         Manifest.from_json(raw, where="m")
     assert message in str(info.value)
 
 
-def test_a_format2_box_written_by_a_float_rank_is_refused_as_corrupt(tmp_path):
-    """Mutant: ckpt/format.py _parse_laid_out without ``type(writer) is not int`` (a
-    writer of 0.0 passes the range check and later indexes the rank tables)."""
+@pytest.mark.parametrize("layout, message", [
+    ({"boxes": [[[0, 0], [4, 2], 0.0]]}, "writer of box 0 of 't' must be an integer"),
+    ({"mesh": 0.0, "placements": ["S0"]}, "tensor 't' names mesh 0.0"),
+])
+def test_a_format2_layout_with_a_float_index_is_refused_as_corrupt(tmp_path, layout, message):
+    """Mutants: ckpt/format.py _parse_laid_out without ``type(writer) is not int`` and
+    without ``type(mesh) is int`` (0.0 passes the range checks; the mesh then indexes a
+    list: a TypeError escapes the parse instead of the corruption a restore falls back
+    past)."""
     root = tmp_path / "root"
     with CheckpointManager(root, async_save=False, metrics=False, handle_sigterm=False,
                            options=SaveOptions(rank_tables=True)) as mgr:
         mgr.save(1, {"t": torch.zeros(4, 2)}, force=True)
     doc = json.loads((root / "step-00000001" / "manifest.json").read_text())
     assert doc["tensors"]["t"]["layout"] == {"boxes": [[[0, 0], [4, 2], 0]]}
-    doc["tensors"]["t"]["layout"]["boxes"][0][2] = 0.0
+    doc = {**doc, "meshes": [{"shape": [1], "ranks": [0]}],
+           "tensors": {"t": {**doc["tensors"]["t"], "layout": layout}}}
     with pytest.raises(CorruptCheckpointError, match="invalid manifest") as info:
         Manifest.from_json(json.dumps(doc).encode(), where="m")
-    assert "writer of box 0 of 't' must be an integer" in str(info.value)
+    assert message in str(info.value)
 
 
 class _DiskErrorInStep1(PosixStorage):

@@ -222,20 +222,24 @@ def test_a_format2_layout_with_a_float_index_is_refused_as_corrupt(tmp_path, lay
 
 
 class _DiskErrorInStep1(PosixStorage):
-    """Step 1's data files fail with an I/O error after their first read (a disk error:
-    not the step's corruption, so no older step is tried after it)."""
+    """Step 1's data files fail with an I/O error after ``reads`` reads (a disk error: not
+    the step's corruption, so no older step is tried after it)."""
+
+    reads = 1
 
     def open_reader(self, path):
         reader = super().open_reader(path)
         if "step-00000001" not in path:
             return reader
 
+        allowed = self.reads
+
         class Failing:
             reads = 0
 
             def read_into(self, start, out):
                 self.reads += 1
-                if self.reads > 1:
+                if self.reads > allowed:
                     raise OSError(5, "Input/output error")
                 reader.read_into(start, out)
 
@@ -245,27 +249,32 @@ class _DiskErrorInStep1(PosixStorage):
         return Failing()
 
 
+@pytest.mark.parametrize("corrupt, reads", [(-1, 1), (0, 3)])
 def test_a_fallback_step_that_fails_on_a_disk_error_names_what_the_newer_step_overwrote(
-        tmp_path):
+        tmp_path, corrupt, reads):
     """Mutant (and the bug it showed, fixed): ckpt/manager.py restore re-raising the
     fallback step's own PartialLoadError when a disk error stops it part-way (``and not
-    isinstance(error, PartialLoadError)``). Step 2 was read in one pass and overwrote every
-    tensor before its last chunk failed; that error named only what step 1 wrote and called
-    the rest "unchanged"."""
+    isinstance(error, PartialLoadError)``); and, with that fixed, naming only the newer
+    step's tensors (``changed=dirty``). Step 2 is read in one pass and fails its digest at
+    its last chunk (after overwriting every tensor) or its first; step 1 then fails on a
+    disk error after ``reads`` chunks. The error must name every tensor either wrote (it
+    named only step 1's and called the rest "unchanged")."""
     save_step(tmp_path, 1, make_state(1))
     save_step(tmp_path, 2, make_state(2))
-    last = chunks(tmp_path / "step-00000002")[-1]
-    flip_byte(tmp_path / "step-00000002" / last["file"], last["start"] + last["length"] - 1)
+    c = chunks(tmp_path / "step-00000002")[corrupt]
+    flip_byte(tmp_path / "step-00000002" / c["file"], c["start"] + c["length"] - 1)
     live = make_state(3)
     before = values(live)
-    with CheckpointManager(_DiskErrorInStep1(tmp_path), read_only=True, metrics=False) as mgr:
+    storage = type("Disk", (_DiskErrorInStep1,), {"reads": reads})(tmp_path)
+    with CheckpointManager(storage, read_only=True, metrics=False) as mgr:
         with pytest.raises(PartialLoadError, match="Input/output error") as info:
             mgr.restore(live)
+        assert [s for s, _ in mgr.skipped] == [2]
     overwritten = changed(live, before)
-    assert overwritten == set(before)  # step 2 wrote them all (the case needs it)
-    assert info.value.changed == overwritten
-    assert f"had already overwritten {len(overwritten)} live tensors" in str(info.value)
-
+    assert len(overwritten) >= 2  # (the case needs two tensors changed)
+    # every tensor that changed is named (a read that failed may have begun to write one)
+    assert overwritten <= info.value.changed <= set(before)
+    assert "a failed one-pass read of a newer step had already overwritten" in str(info.value)
 
 @pytest.mark.slow
 @pytest.mark.multiproc

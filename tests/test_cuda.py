@@ -133,17 +133,22 @@ def test_cuda_rng_state_round_trips(tmp_path):
     assert torch.equal(torch.rand(4, device="cuda"), expected)
 
 
+def flip_last_stored_byte(step_dir: Path) -> None:
+    """Flip the last byte of the chunk stored last in ``step_dir`` (read last by a load)."""
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    chunks = [c for e in manifest["tensors"].values() for c in e["chunks"]]
+    last = max(chunks, key=lambda c: (c["file"], c["start"]))
+    path: Path = step_dir / last["file"]
+    data = bytearray(path.read_bytes())
+    data[last["start"] + last["length"] - 1] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
 def test_corrupt_last_chunk_leaves_every_cuda_tensor_unchanged(tmp_path):
     model, optimizer = make_training()
     ckpt.save({"model": model}, tmp_path / "c", options=SaveOptions(chunk_bytes=4096,
                                                                      write_threads=1))
-    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    chunks = [c for e in manifest["tensors"].values() for c in e["chunks"]]
-    last = max(chunks, key=lambda c: (c["file"], c["start"]))
-    path: Path = tmp_path / "c" / last["file"]
-    data = bytearray(path.read_bytes())
-    data[last["start"] + last["length"] - 1] ^= 0x40
-    path.write_bytes(bytes(data))
+    flip_last_stored_byte(tmp_path / "c")
     live, _ = make_training(seed=1)
     before = cpu_copy(live)
     with pytest.raises(CorruptCheckpointError, match="digest mismatch"):
@@ -163,13 +168,7 @@ def test_one_pass_restore_onto_cuda_falls_back_and_repairs_what_it_overwrote(tmp
             model, _ = make_training(seed)
             mgr.save(step, {"model": model})
     first = cpu_copy(make_training(1)[0])
-    manifest = json.loads((tmp_path / "step-00000002" / "manifest.json").read_text())
-    chunks = [c for e in manifest["tensors"].values() for c in e["chunks"]]
-    last = max(chunks, key=lambda c: (c["file"], c["start"]))
-    path: Path = tmp_path / "step-00000002" / last["file"]
-    data = bytearray(path.read_bytes())
-    data[last["start"] + last["length"] - 1] ^= 0x40
-    path.write_bytes(bytes(data))
+    flip_last_stored_byte(tmp_path / "step-00000002")
     live, _ = make_training(seed=3)
     with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
         assert mgr.restore({"model": live}) == 1

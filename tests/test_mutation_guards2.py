@@ -16,6 +16,7 @@ import ckpt
 from ckpt import CheckpointManager, CorruptCheckpointError, PartialLoadError, SaveOptions
 from ckpt.format import MAX_DIMS, Manifest
 from storage_backends import PosixStorage
+from test_load import flip_byte
 
 # Small chunks, one writer thread: every tensor spans several chunks of one data file.
 OPTIONS = SaveOptions(chunk_bytes=4096, write_threads=1)
@@ -48,14 +49,6 @@ def chunks(step_dir: Path) -> list[dict]:
     manifest = json.loads((step_dir / "manifest.json").read_text())
     return sorted((c for e in manifest["tensors"].values() for c in e["chunks"]),
                   key=lambda c: (c["file"], c["start"]))
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x40]))
 
 
 def changed(state: dict, before: dict[str, torch.Tensor]) -> set[str]:

@@ -549,7 +549,8 @@ class CheckpointManager:
                         f"had already overwritten {len(dirty)} live tensors "
                         f"({few_keys(sorted(dirty))}): the live state is mixed; restore a good "
                         "step before training on",
-                        path=self.root, changed=dirty | getattr(error, "changed", dirty)) from error
+                        path=self.root,
+                        changed=dirty | getattr(error, "changed", dirty)) from error
                 if fatal:
                     if isinstance(error, OSError) and not isinstance(error, CheckpointError):
                         raise StorageError(f"restoring step {s} from {self.root} failed: "

@@ -43,8 +43,8 @@ from .errors import (CorruptCheckpointError, PartialLoadError, StateMismatchErro
                      UnsupportedValueError)
 from .format import Chunk, Manifest
 from .integrity import Digest, check_structure, chunk_path, digest
-from .sharding import (Box, dtensor_type, local_piece, overlapping, prefetch, source_rank,
-                       sub_slices)
+from .sharding import (Box, dtensor_type, local_piece, overlapping, prefetch, read_box,
+                       source_rank, sub_slices)
 from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
                     item_tree, load_stateful, tensor_keys)
 
@@ -429,10 +429,7 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
             loaded[key] = live.originals[key]  # load_state_dict's copy_ onto itself skips
             written.append(key)
         else:
-            box: Box = ((0,) * len(entry.shape), entry.shape)
-            if target is not None:
-                _, offsets, local = local_piece(target)
-                box = (offsets, tuple(local.shape))
+            box = read_box(entry, target)
             buf = torch.empty(box[1], dtype=entry.torch_dtype)
             pending.append((key, buf, box))
             loaded[key] = buf if target is None else _like(target, buf)

@@ -11,9 +11,11 @@ commands run in subprocesses, a few at a time (``run_all``); the rest run in-pro
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import pty
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -481,6 +483,22 @@ def test_environment_errors_are_one_line_and_exit_2(tmp_path, capsys, monkeypatc
     one_line_exit_2(code, err, "gc", "Could not connect to the endpoint URL")
 
 
+@contextlib.contextmanager
+def as_nobody():
+    """Run the block as an unprivileged user when the tests run as root (root ignores file
+    permissions)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
 def test_gc_on_a_read_only_root_is_one_line_and_exit_2(tmp_path, capsys):
     import tempfile
 
@@ -489,23 +507,40 @@ def test_gc_on_a_read_only_root_is_one_line_and_exit_2(tmp_path, capsys):
         base.chmod(0o755)
         root = root_of_steps(base, steps=(1, 2))
         root.chmod(0o555)
-        if os.geteuid() == 0:  # root ignores permissions: act as nobody for the command
-            os.setegid(65534)
-            os.seteuid(65534)
-        try:
+        with as_nobody():
             code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes")
             dry = cli(capsys, "gc", root, "--keep-last", "1")
-        finally:
-            if os.getuid() == 0:
-                os.seteuid(0)
-                os.setegid(0)
         one_line_exit_2(code, err, "gc", "needs write access")
         assert dry[0] == 0 and "would remove: 1 steps [1]" in dry[1]  # reading is fine
         assert committed(root) == [1, 2]
     finally:
         root.chmod(0o755)
-        import shutil
+        shutil.rmtree(base)
 
+
+def test_verify_all_checks_every_step_when_one_cannot_be_read(tmp_path, capsys):
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="ckpt-perm-"))  # readable by another user
+    try:
+        base.chmod(0o755)
+        root = root_of_steps(base, steps=(1, 2, 3))
+        for path in root.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        unreadable = next((root / "step-00000002").glob("data-*"))
+        unreadable.chmod(0o000)
+        with as_nobody():
+            code, out, err = cli(capsys, "verify", root, "--all")
+            doc = cli(capsys, "verify", root, "--all", "--json")
+        assert code == 2 and "Traceback" not in err, err
+        lines = out.splitlines()
+        assert lines[0].startswith("step 1: OK") and lines[-1].startswith("step 3: OK"), out
+        assert "step 2: NOT VERIFIED" in out and str(unreadable) in out
+        assert "permissions" in out
+        assert doc[0] == 2
+        status = {s["step"]: s["status"] for s in json.loads(doc[1])["steps"]}
+        assert status == {1: "ok", 2: "error", 3: "ok"}
+    finally:
         shutil.rmtree(base)
 
 

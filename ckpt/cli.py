@@ -51,7 +51,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "STATUS"], [
         [r["step"], _when(r["created"]), size(r["bytes"]) if r["bytes"] is not None else "-",
          r["files"] or "-", r["tensors"] or "-", r["world_size"] or "-",
-         r["status"][:60]] for r in rows]))
+         r["status"] if r["status"] == "committed" else "bad (below)"] for r in rows]))
+    for r in rows:  # in full: the reason follows a long path
+        if r["status"] != "committed":
+            print(f"step {r['step']}: {r['status']}")
     return EXIT_OK
 
 

@@ -558,6 +558,18 @@ def test_ls_shows_an_absurd_creation_time_instead_of_crashing(tmp_path, capsys, 
     assert code == 0 and json.loads(out)["steps"][0]["status"] == "committed"
 
 
+def test_ls_gives_the_whole_reason_a_step_is_bad_with_its_path(tmp_path, capsys):
+    root = root_of_steps(tmp_path / "a-long-directory-name-that-fills-a-table-column", (1, 2))
+    manifest = root / "step-00000001/manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])  # truncated
+    code, out, err = cli(capsys, "ls", root)
+    assert code == 0, err
+    rows = out.splitlines()
+    assert rows[2].split()[0] == "1" and rows[2].split()[-1] == "(below)"
+    assert rows[3].split()[-1] == "committed"
+    assert rows[4].startswith(f"step 1: bad: {manifest}: manifest is not valid JSON"), out
+
+
 @pytest.mark.s3
 def test_a_step_directory_on_s3_is_one_checkpoint_too(request, capsys, monkeypatch):
     endpoint = request.getfixturevalue("s3")

@@ -558,6 +558,27 @@ def test_ls_shows_an_absurd_creation_time_instead_of_crashing(tmp_path, capsys, 
     assert code == 0 and json.loads(out)["steps"][0]["status"] == "committed"
 
 
+def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
+    import stat
+
+    root = root_of_steps(tmp_path, steps=(1,))
+    kept = tmp_path / "kept.pt"
+    kept.write_text("the user's file")
+    link = tmp_path / "link.pt"
+    link.symlink_to(kept)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target, needle in ((tmp_path, "is a directory: give the path of the file"),
+                           (link, "is not a regular file"), (fifo, "is not a regular file")):
+        code, out, err = cli(capsys, "export", root, "--to", "torch", target, "--force")
+        one_line_exit_2(code, err, "export", needle)
+    assert link.is_symlink() and kept.read_text() == "the user's file"
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    code, out, err = cli(capsys, "export", root, "--to", "torch", kept, "--force")
+    assert code == 0, err  # a regular file is replaced, as asked
+    assert torch.equal(torch.load(kept, weights_only=True)["w"], torch.full((64,), 1.0))
+
+
 def test_ls_gives_the_whole_reason_a_step_is_bad_with_its_path(tmp_path, capsys):
     root = root_of_steps(tmp_path / "a-long-directory-name-that-fills-a-table-column", (1, 2))
     manifest = root / "step-00000001/manifest.json"

@@ -397,6 +397,16 @@ def _positive(text: str) -> int:
     return value
 
 
+MAX_THREADS = 256  # each reading thread holds a chunk buffer (8 MiB by default)
+
+
+def _threads(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_THREADS}, not {value}")
+    return value
+
+
 def _count(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -489,8 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, p in sub.choices.items():
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         if name in ("verify", "diff", "export", "gc"):
-            p.add_argument("--threads", type=_positive, default=4,
-                           help="parallel reads (default 4)")
+            p.add_argument("--threads", type=_threads, default=4,
+                           help=f"parallel reads (default 4, at most {MAX_THREADS})")
     return parser
 
 

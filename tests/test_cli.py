@@ -558,6 +558,28 @@ def test_ls_shows_an_absurd_creation_time_instead_of_crashing(tmp_path, capsys, 
     assert code == 0 and json.loads(out)["steps"][0]["status"] == "committed"
 
 
+def test_threads_is_bounded_and_verify_starts_no_more_threads_than_chunks(
+        tmp_path, capsys, monkeypatch):
+    import concurrent.futures as cf
+
+    import verify.integrity
+
+    root = root_of_steps(tmp_path, steps=(1,))  # one chunk
+    code, out, err = cli(capsys, "verify", root, "--threads", "99999999999999999999")
+    assert code == 2 and "--threads: must be at most 256" in err
+    started = []
+
+    class Pool(cf.ThreadPoolExecutor):
+        def __init__(self, max_workers=None, *args, **kwargs):
+            started.append(max_workers)
+            super().__init__(max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(verify.integrity.cf, "ThreadPoolExecutor", Pool)
+    code, out, err = cli(capsys, "verify", root, "--threads", "256")
+    assert code == 0 and out.startswith("step 1: OK"), err
+    assert started == [1]  # a thread (and its chunk buffer) per chunk at most
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

@@ -156,7 +156,7 @@ def check_digests(cps: Checkpoints, step: int, manifest: Manifest, *, threads: i
         return None
 
     problems = []
-    threads = max(1, threads)
+    threads = max(1, min(threads, len(jobs)))  # a thread and its buffer per chunk at most
     with cf.ThreadPoolExecutor(threads) as pool:
         futures = {pool.submit(one, key, chunk): chunk.length
                    for _, _, key, chunk in _interleave(jobs, threads)}

@@ -51,7 +51,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "STATUS"], [
         [r["step"], _when(r["created"]), size(r["bytes"]) if r["bytes"] is not None else "-",
          r["files"] or "-", r["tensors"] or "-", r["world_size"] or "-",
-         r["status"][:60]] for r in rows]))
+         r["status"] if r["status"] == "committed" else "bad (below)"] for r in rows]))
+    for r in rows:  # in full: the reason follows a long path
+        if r["status"] != "committed":
+            print(f"step {r['step']}: {r['status']}")
     return EXIT_OK
 
 
@@ -394,6 +397,16 @@ def _positive(text: str) -> int:
     return value
 
 
+MAX_THREADS = 256  # each reading thread holds a chunk buffer (8 MiB by default)
+
+
+def _threads(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_THREADS}, not {value}")
+    return value
+
+
 def _count(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -486,8 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, p in sub.choices.items():
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         if name in ("verify", "diff", "export", "gc"):
-            p.add_argument("--threads", type=_positive, default=4,
-                           help="parallel reads (default 4)")
+            p.add_argument("--threads", type=_threads, default=4,
+                           help=f"parallel reads (default 4, at most {MAX_THREADS})")
     return parser
 
 

@@ -11,9 +11,11 @@ commands run in subprocesses, a few at a time (``run_all``); the rest run in-pro
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import pty
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -481,6 +483,22 @@ def test_environment_errors_are_one_line_and_exit_2(tmp_path, capsys, monkeypatc
     one_line_exit_2(code, err, "gc", "Could not connect to the endpoint URL")
 
 
+@contextlib.contextmanager
+def as_nobody():
+    """Run the block as an unprivileged user when the tests run as root (root ignores file
+    permissions)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
 def test_gc_on_a_read_only_root_is_one_line_and_exit_2(tmp_path, capsys):
     import tempfile
 
@@ -489,23 +507,40 @@ def test_gc_on_a_read_only_root_is_one_line_and_exit_2(tmp_path, capsys):
         base.chmod(0o755)
         root = root_of_steps(base, steps=(1, 2))
         root.chmod(0o555)
-        if os.geteuid() == 0:  # root ignores permissions: act as nobody for the command
-            os.setegid(65534)
-            os.seteuid(65534)
-        try:
+        with as_nobody():
             code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes")
             dry = cli(capsys, "gc", root, "--keep-last", "1")
-        finally:
-            if os.getuid() == 0:
-                os.seteuid(0)
-                os.setegid(0)
         one_line_exit_2(code, err, "gc", "needs write access")
         assert dry[0] == 0 and "would remove: 1 steps [1]" in dry[1]  # reading is fine
         assert committed(root) == [1, 2]
     finally:
         root.chmod(0o755)
-        import shutil
+        shutil.rmtree(base)
 
+
+def test_verify_all_checks_every_step_when_one_cannot_be_read(tmp_path, capsys):
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="ckpt-perm-"))  # readable by another user
+    try:
+        base.chmod(0o755)
+        root = root_of_steps(base, steps=(1, 2, 3))
+        for path in root.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        unreadable = next((root / "step-00000002").glob("data-*"))
+        unreadable.chmod(0o000)
+        with as_nobody():
+            code, out, err = cli(capsys, "verify", root, "--all")
+            doc = cli(capsys, "verify", root, "--all", "--json")
+        assert code == 2 and "Traceback" not in err, err
+        lines = out.splitlines()
+        assert lines[0].startswith("step 1: OK") and lines[-1].startswith("step 3: OK"), out
+        assert "step 2: NOT VERIFIED" in out and str(unreadable) in out
+        assert "permissions" in out
+        assert doc[0] == 2
+        status = {s["step"]: s["status"] for s in json.loads(doc[1])["steps"]}
+        assert status == {1: "ok", 2: "error", 3: "ok"}
+    finally:
         shutil.rmtree(base)
 
 
@@ -521,6 +556,61 @@ def test_ls_shows_an_absurd_creation_time_instead_of_crashing(tmp_path, capsys, 
     assert "invalid" in out.splitlines()[2]
     code, out, err = cli(capsys, "ls", root, "--json")
     assert code == 0 and json.loads(out)["steps"][0]["status"] == "committed"
+
+
+def test_threads_is_bounded_and_verify_starts_no_more_threads_than_chunks(
+        tmp_path, capsys, monkeypatch):
+    import concurrent.futures as cf
+
+    import verify.integrity
+
+    root = root_of_steps(tmp_path, steps=(1,))  # one chunk
+    code, out, err = cli(capsys, "verify", root, "--threads", "99999999999999999999")
+    assert code == 2 and "--threads: must be at most 256" in err
+    started = []
+
+    class Pool(cf.ThreadPoolExecutor):
+        def __init__(self, max_workers=None, *args, **kwargs):
+            started.append(max_workers)
+            super().__init__(max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(verify.integrity.cf, "ThreadPoolExecutor", Pool)
+    code, out, err = cli(capsys, "verify", root, "--threads", "256")
+    assert code == 0 and out.startswith("step 1: OK"), err
+    assert started == [1]  # a thread (and its chunk buffer) per chunk at most
+
+
+def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
+    import stat
+
+    root = root_of_steps(tmp_path, steps=(1,))
+    kept = tmp_path / "kept.pt"
+    kept.write_text("the user's file")
+    link = tmp_path / "link.pt"
+    link.symlink_to(kept)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target, needle in ((tmp_path, "is a directory: give the path of the file"),
+                           (link, "is not a regular file"), (fifo, "is not a regular file")):
+        code, out, err = cli(capsys, "export", root, "--to", "torch", target, "--force")
+        one_line_exit_2(code, err, "export", needle)
+    assert link.is_symlink() and kept.read_text() == "the user's file"
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    code, out, err = cli(capsys, "export", root, "--to", "torch", kept, "--force")
+    assert code == 0, err  # a regular file is replaced, as asked
+    assert torch.equal(torch.load(kept, weights_only=True)["w"], torch.full((64,), 1.0))
+
+
+def test_ls_gives_the_whole_reason_a_step_is_bad_with_its_path(tmp_path, capsys):
+    root = root_of_steps(tmp_path / "a-long-directory-name-that-fills-a-table-column", (1, 2))
+    manifest = root / "step-00000001/manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])  # truncated
+    code, out, err = cli(capsys, "ls", root)
+    assert code == 0, err
+    rows = out.splitlines()
+    assert rows[2].split()[0] == "1" and rows[2].split()[-1] == "(below)"
+    assert rows[3].split()[-1] == "committed"
+    assert rows[4].startswith(f"step 1: bad: {manifest}: manifest is not valid JSON"), out
 
 
 @pytest.mark.s3

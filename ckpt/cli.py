@@ -399,8 +399,15 @@ With --json every subcommand prints one JSON document on stdout, errors included
 """
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
@@ -416,8 +423,18 @@ def _threads(text: str) -> int:
     return value
 
 
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return value
+
+
 def _count(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
@@ -454,8 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward: builds a fresh model (default: the probe's recorded factory)")
     p.add_argument("--loss", metavar="MOD:FN",
                    help="forward: loss_fn(output, inputs), to recheck a recorded loss")
-    p.add_argument("--rtol", type=float, help="forward: relative tolerance (default by dtype)")
-    p.add_argument("--atol", type=float, help="forward: absolute tolerance (default by dtype)")
+    p.add_argument("--rtol", type=_tolerance,
+                   help="forward: relative tolerance (default by dtype)")
+    p.add_argument("--atol", type=_tolerance,
+                   help="forward: absolute tolerance (default by dtype)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser(

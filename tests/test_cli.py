@@ -594,6 +594,27 @@ def test_threads_is_bounded_and_verify_starts_no_more_threads_than_chunks(
     assert started == [1]  # a thread (and its chunk buffer) per chunk at most
 
 
+def test_forward_options_are_checked_and_a_failing_loss_function_is_named(
+        tmp_path, capsys, monkeypatch):
+    make_root(tmp_path)
+    root = tmp_path / "root"
+    for option, value in (("--rtol", "-1"), ("--atol", "nan"), ("--rtol", "inf"),
+                          ("--atol", "abc")):
+        code, out, err = cli(capsys, "verify", root, "--level", "forward", option, value)
+        assert code == 2 and f"{option}: must be a finite number >= 0, not {value}" in err
+    code, out, err = cli(capsys, "gc", root, "--keep-last", "x")
+    assert code == 2 and "--keep-last: must be a whole number, not 'x'" in err
+    (tmp_path / "userloss.py").write_text(
+        "def broken(output, inputs):\n    raise ZeroDivisionError('loss exploded')\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, "verify", root, "--level", "forward", "--loss",
+                         "userloss:broken")
+    assert code == 2, out
+    assert "! the loss function userloss:broken raised ZeroDivisionError: loss exploded" \
+        in out and "forward pass" not in out
+    sys.modules.pop("userloss", None)
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

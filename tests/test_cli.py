@@ -499,6 +499,20 @@ def as_nobody():
         os.setegid(0)
 
 
+def test_gc_yes_under_a_live_writer_names_its_host_and_pid_and_deletes_nothing(
+        tmp_path, capsys):
+    import socket
+
+    root = root_of_steps(tmp_path)
+    with ckpt.CheckpointManager(root):  # a live writer holds the lock
+        code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes", "--json")
+    one_line_exit_2(code, err, "gc", f"in use by a writer (host {socket.gethostname()}, "
+                    f"pid {os.getpid()}, since 20")
+    assert "stop that job first" in err
+    assert json.loads(out)["exit_code"] == 2
+    assert committed(root) == [1, 2, 3, 4]
+
+
 def test_gc_on_a_read_only_root_is_one_line_and_exit_2(tmp_path, capsys):
     import tempfile
 

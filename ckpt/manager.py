@@ -676,10 +676,8 @@ class CheckpointManager:
         self._closed = True
         try:
             if not self.read_only:
-                h = self._inflight
                 self._writer.close()
-                if h is not None and h.failed() and not h.error_reported:
-                    h.wait()
+                self._raise_failed_save()
                 self._close_memory_tier()
         finally:
             if self._lock is not None:

@@ -428,15 +428,9 @@ class CheckpointManager:
     def _retained(self, newest: int) -> set[int]:
         """The steps the retention policy keeps once ``newest`` is committed."""
         steps = self.steps()
-        if self.keep_best is None:
-            return retention(steps, self.keep_last, self.keep_every, newest)
-        keep = {newest} | self.keep_best.select(
+        best = None if self.keep_best is None else self.keep_best.select(
             {s: self._metric(s, self.keep_best.metric) for s in steps})
-        if self.keep_last is not None:
-            keep |= set(steps[-self.keep_last:])
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        return keep
+        return retention(steps, self.keep_last, self.keep_every, newest, best)
 
     def _metric(self, step: int, name: str) -> float | None:
         """A metric saved with ``step``, or None (none saved, or the manifest is bad)."""
@@ -682,10 +676,8 @@ class CheckpointManager:
         self._closed = True
         try:
             if not self.read_only:
-                h = self._inflight
                 self._writer.close()
-                if h is not None and h.failed() and not h.error_reported:
-                    h.wait()
+                self._raise_failed_save()
                 self._close_memory_tier()
         finally:
             if self._lock is not None:
@@ -968,9 +960,13 @@ def _checked_metrics(metrics: dict[str, float]) -> dict[str, float | str]:
 
 
 def retention(steps: list[int], keep_last: int | None, keep_every: int | None,
-              newest: int | None = None) -> set[int]:
-    """The steps a keep_last/keep_every policy keeps (the newest is always kept)."""
-    keep = set(steps if keep_last is None else steps[-keep_last:])
+              newest: int | None = None, best: set[int] | None = None) -> set[int]:
+    """The steps a keep_last/keep_every/keep_best policy keeps (``best``: the keep_best
+    steps; the newest is always kept). Without keep_last or keep_best, every step."""
+    if keep_last is None:
+        keep = set(steps) if best is None else set(best)
+    else:
+        keep = set(steps[-keep_last:]) | (best or set())
     if newest is not None:
         keep.add(newest)
     if keep_every:

@@ -615,6 +615,23 @@ def test_forward_options_are_checked_and_a_failing_loss_function_is_named(
     sys.modules.pop("userloss", None)
 
 
+def test_diff_checks_sizes_before_sizing_buffers_from_a_hostile_manifest(tmp_path, capsys):
+    root = root_of_steps(tmp_path, steps=(1, 2))
+    n = 10**12  # a 4 TB chunk "in" a file of a few hundred bytes, sizes recorded to match
+    for step, digest in ((1, "a" * 16), (2, "b" * 16)):
+        path = root / f"step-{step:08d}/manifest.json"
+        m = json.loads(path.read_text())
+        entry = m["tensors"]["w"]
+        chunk = entry["chunks"][0]
+        entry["shape"] = chunk["shape"] = [n]
+        chunk["length"], chunk["digest"] = 4 * n, digest
+        m["files"][chunk["file"]] = chunk["start"] + 4 * n
+        path.write_text(json.dumps(m))
+    code, out, err = cli(capsys, "diff", root, 1, 2, "--json")
+    assert code == 1 and "Traceback" not in err
+    assert "the manifest recorded 4000000000" in json.loads(out)["error"]
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

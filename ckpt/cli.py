@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,8 +31,28 @@ from .inspect import Checkpoints
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
 
 
+def _open(path: str) -> Checkpoints:
+    """:func:`ckpt.inspect.open`, following a framework integration's pointer (Lightning's
+    ``last.ckpt``, HF's ``checkpoint-N/``, Accelerate's ``checkpoint_N/``) to its step."""
+    if "://" in path:
+        return inspect.open(path)
+    from trainer.integrations._steps import POINTER_NAME, read_pointer
+
+    step = read_pointer(os.path.join(path, POINTER_NAME) if os.path.isdir(path) else path)
+    if step is None:
+        return inspect.open(path)
+    root = os.path.dirname(os.path.abspath(path))
+    target = os.path.join(root, f"step-{step:08d}")
+    if not os.path.isdir(target):
+        raise CheckpointNotFoundError(
+            f"{path} points to step {step} of {root}, which is not committed (its save never "
+            f"finished, or it was retired); `ckpt ls {root}` lists the steps there", path=path)
+    print(f"ckpt: {path} points to step {step}: reading {target}", file=sys.stderr)
+    return inspect.open(target)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     rows = []
     for step in cps.steps():
         try:
@@ -69,7 +90,7 @@ def _when(created: float | None) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     step = _steps(cps, args)[0]
     m = cps.manifest(step)
     tensors = [{"key": k, "dtype": e.dtype, "shape": list(e.shape), "chunks": len(e.chunks),
@@ -152,7 +173,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                     or args.atol is not None):
         raise verify.UsageError("--model, --loss, --rtol and --atol are for --level forward")
     reports = []
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     for step in _steps(cps, args):
         progress = None
         if args.level != "structure":  # drawn only when stderr is a terminal
@@ -181,9 +202,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
         except ValueError:
             raise verify.UsageError(f"ckpt diff ROOT A B takes two step numbers, not "
                                     f"{operands[1]!r} {operands[2]!r}") from None
-        side_a = side_b = inspect.open(operands[0])
+        side_a = side_b = _open(operands[0])
     elif len(operands) == 2:  # PATH_A PATH_B: two runs or two checkpoint directories
-        side_a, side_b = inspect.open(operands[0]), inspect.open(operands[1])
+        side_a, side_b = _open(operands[0]), _open(operands[1])
         a = _step_of(side_a, args.step_a)
         b = _step_of(side_b, args.step_b)
     else:
@@ -206,7 +227,7 @@ def _step_of(cps: Checkpoints, step: int | None) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     if args.to == "hf":
         return _export_hf(args)
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     step = _steps(cps, args)[0]
     result = verify.export_step(cps, step, args.to, args.file, item=args.item,
                                 force=args.force, threads=args.threads)
@@ -218,7 +239,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     from verify.export_hf import DEFAULT_SHARD_BYTES, export_hf, parse_size, render_hf_export
 
     shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_SHARD_BYTES
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     result = export_hf(cps, _steps(cps, args)[0], args.file, item=args.item,
                        force=args.force, max_shard_bytes=shard, threads=args.threads)
     print(verify.to_json(vars(result)) if args.json else render_hf_export(result))
@@ -230,7 +251,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return _gc_memory(args)
     if args.root is None:
         raise verify.UsageError("gc needs ROOT (or --memory for shared-memory segments)")
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     if not cps.is_root:
         raise verify.UsageError(
             f"{cps.url} is one checkpoint directory, not a root: gc collects the steps of a "

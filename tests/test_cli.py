@@ -632,6 +632,22 @@ def test_diff_checks_sizes_before_sizing_buffers_from_a_hostile_manifest(tmp_pat
     assert "the manifest recorded 4000000000" in json.loads(out)["error"]
 
 
+def test_a_framework_pointer_is_followed_to_its_step(tmp_path, capsys):
+    from trainer.integrations._steps import POINTER_NAME, write_pointer
+
+    root = root_of_steps(tmp_path, steps=(1, 2))
+    write_pointer(str(root / "last.ckpt"), 2)  # Lightning
+    write_pointer(str(root / "checkpoint-1" / POINTER_NAME), 1)  # HF, Accelerate
+    write_pointer(str(root / "checkpoint-3" / POINTER_NAME), 3)  # its save never committed
+    code, out, err = cli(capsys, "ls", root / "last.ckpt", "--json")
+    assert code == 0 and [s["step"] for s in json.loads(out)["steps"]] == [2], err
+    assert f"points to step 2: reading {root / 'step-00000002'}" in err
+    code, out, err = cli(capsys, "verify", root / "checkpoint-1")
+    assert code == 0 and out.startswith("step 1: OK"), err
+    code, out, err = cli(capsys, "inspect", root / "checkpoint-3")
+    one_line_exit_2(code, err, "inspect", f"points to step 3 of {root}, which is not committed")
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

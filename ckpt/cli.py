@@ -569,8 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (see the epilog)."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "gc" and args.keep_every is not None and args.keep_last is None:
-            raise verify.UsageError("--keep-every only adds to --keep-last: give both")
+        _check_combinations(args)
         return args.func(args)
     except (CheckpointNotFoundError, CheckpointLockedError, StorageError,
             verify.UsageError) as e:
@@ -579,6 +578,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(args, e, EXIT_FAILED)
     except (OSError, ImportError) as e:  # the environment: permissions, a missing library
         return _error(args, f"{type(e).__name__}: {e}", EXIT_USAGE)
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Options that mean nothing with the others given are refused, not ignored."""
+    if args.command == "gc":
+        if args.keep_every is not None and args.keep_last is None:
+            raise verify.UsageError("--keep-every only adds to --keep-last: give both")
+        if args.memory and (args.root is not None or args.keep_last is not None):
+            raise verify.UsageError("gc --memory collects shared-memory segments and takes no "
+                                    "ROOT or --keep-last: run it separately")
+        if args.job is not None and not args.memory:
+            raise verify.UsageError("--job is for gc --memory")
+    if args.command == "export" and args.max_shard_size and args.to != "hf":
+        raise verify.UsageError("--max-shard-size is for --to hf")
 
 
 def _error(args: argparse.Namespace, error: Exception | str, code: int) -> int:

@@ -648,6 +648,20 @@ def test_a_framework_pointer_is_followed_to_its_step(tmp_path, capsys):
     one_line_exit_2(code, err, "inspect", f"points to step 3 of {root}, which is not committed")
 
 
+def test_options_that_do_not_apply_are_refused_not_ignored(tmp_path, capsys):
+    root = root_of_steps(tmp_path, steps=(1, 2))
+    for args, needle in (
+            (["gc", "--memory", root, "--yes"], "gc --memory collects shared-memory segments"),
+            (["gc", "--memory", "--keep-last", "1", "--yes"], "takes no ROOT or --keep-last"),
+            (["gc", root, "--keep-last", "0", "--job", "j", "--yes"], "--job is for gc --memory"),
+            (["export", root, "--to", "torch", tmp_path / "m.pt", "--max-shard-size", "5GB"],
+             "--max-shard-size is for --to hf")):
+        code, out, err = cli(capsys, *args, "--json")
+        one_line_exit_2(code, err, args[0], needle)
+        assert json.loads(out)["exit_code"] == 2
+    assert committed(root) == [1, 2] and not (tmp_path / "m.pt").exists()
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

@@ -222,8 +222,11 @@ class _Sized:
 def payload(tensors: list[TensorSpec], world: int, layouts: dict, rank: int = 0,
             step: int = 1, token: str = "000000000000", rng: RNG | None = None) -> StepPayload:
     """A rank's view of a save: every tensor's global dtype, shape and layout (and with
-    ``rng``, every rank's RNG state: its tree among the items, its tensors)."""
+    ``rng``, every rank's RNG tensors and this rank's RNG tree among the items: a save
+    exchanges no other rank's trees)."""
     items, own = rng or ({}, {})
+    items = {name: {**item, "per_rank": {str(rank): item["per_rank"][str(rank)]}}
+             for name, item in items.items()}
     return StepPayload(step=step, name=f"step-{step:08d}", pieces={},
                        tensors={**{t.key: (t.dtype, t.shape) for t in tensors},
                                 **{k: (d, shape) for k, (d, shape, _) in own.items()}},

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,8 +31,28 @@ from .inspect import Checkpoints
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
 
 
+def _open(path: str) -> Checkpoints:
+    """:func:`ckpt.inspect.open`, following a framework integration's pointer (Lightning's
+    ``last.ckpt``, HF's ``checkpoint-N/``, Accelerate's ``checkpoint_N/``) to its step."""
+    if "://" in path:
+        return inspect.open(path)
+    from trainer.integrations._steps import POINTER_NAME, read_pointer
+
+    step = read_pointer(os.path.join(path, POINTER_NAME) if os.path.isdir(path) else path)
+    if step is None:
+        return inspect.open(path)
+    root = os.path.dirname(os.path.abspath(path))
+    target = os.path.join(root, f"step-{step:08d}")
+    if not os.path.isdir(target):
+        raise CheckpointNotFoundError(
+            f"{path} points to step {step} of {root}, which is not committed (its save never "
+            f"finished, or it was retired); `ckpt ls {root}` lists the steps there", path=path)
+    print(f"ckpt: {path} points to step {step}: reading {target}", file=sys.stderr)
+    return inspect.open(target)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     rows = []
     for step in cps.steps():
         try:
@@ -51,7 +72,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "STATUS"], [
         [r["step"], _when(r["created"]), size(r["bytes"]) if r["bytes"] is not None else "-",
          r["files"] or "-", r["tensors"] or "-", r["world_size"] or "-",
-         r["status"][:60]] for r in rows]))
+         r["status"] if r["status"] == "committed" else "bad (below)"] for r in rows]))
+    for r in rows:  # in full: the reason follows a long path
+        if r["status"] != "committed":
+            print(f"step {r['step']}: {r['status']}")
     return EXIT_OK
 
 
@@ -66,7 +90,7 @@ def _when(created: float | None) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     step = _steps(cps, args)[0]
     m = cps.manifest(step)
     tensors = [{"key": k, "dtype": e.dtype, "shape": list(e.shape), "chunks": len(e.chunks),
@@ -149,7 +173,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                     or args.atol is not None):
         raise verify.UsageError("--model, --loss, --rtol and --atol are for --level forward")
     reports = []
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     for step in _steps(cps, args):
         progress = None
         if args.level != "structure":  # drawn only when stderr is a terminal
@@ -178,9 +202,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
         except ValueError:
             raise verify.UsageError(f"ckpt diff ROOT A B takes two step numbers, not "
                                     f"{operands[1]!r} {operands[2]!r}") from None
-        side_a = side_b = inspect.open(operands[0])
+        side_a = side_b = _open(operands[0])
     elif len(operands) == 2:  # PATH_A PATH_B: two runs or two checkpoint directories
-        side_a, side_b = inspect.open(operands[0]), inspect.open(operands[1])
+        side_a, side_b = _open(operands[0]), _open(operands[1])
         a = _step_of(side_a, args.step_a)
         b = _step_of(side_b, args.step_b)
     else:
@@ -203,7 +227,7 @@ def _step_of(cps: Checkpoints, step: int | None) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     if args.to == "hf":
         return _export_hf(args)
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     step = _steps(cps, args)[0]
     result = verify.export_step(cps, step, args.to, args.file, item=args.item,
                                 force=args.force, threads=args.threads)
@@ -215,7 +239,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     from verify.export_hf import DEFAULT_SHARD_BYTES, export_hf, parse_size, render_hf_export
 
     shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_SHARD_BYTES
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     result = export_hf(cps, _steps(cps, args)[0], args.file, item=args.item,
                        force=args.force, max_shard_bytes=shard, threads=args.threads)
     print(verify.to_json(vars(result)) if args.json else render_hf_export(result))
@@ -227,7 +251,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return _gc_memory(args)
     if args.root is None:
         raise verify.UsageError("gc needs ROOT (or --memory for shared-memory segments)")
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     if not cps.is_root:
         raise verify.UsageError(
             f"{cps.url} is one checkpoint directory, not a root: gc collects the steps of a "
@@ -301,8 +325,10 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
         try:
             lock = storage.lock(describe_owner())
         except LockHeldError as e:
-            raise CheckpointLockedError(f"{root} is in use by a writer ({e.holder}); "
-                                        "gc --yes needs the root to itself", path=root) from None
+            raise CheckpointLockedError(
+                f"{root} is in use by a writer ({_holder(e.holder)}); gc --yes needs the root "
+                "to itself: stop that job first, or run gc without --yes for a dry run",
+                path=root) from None
         except OSError as e:
             raise StorageError(f"cannot take the writer lock of {root}: {e}; gc --yes needs "
                                "write access to the root", path=root) from e
@@ -342,6 +368,13 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
     result.retired_steps, result.deleted_files = report.retired_steps, report.deleted_files
     result.kept_files, result.freed_bytes = report.kept_files, report.freed_bytes
     return result
+
+
+def _holder(holder: dict) -> str:
+    """A lock holder for people: host, pid and since when (not a dict and epoch seconds)."""
+    since = holder.get("since")
+    when = _when(since) if isinstance(since, (int, float)) else "an unknown time"
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {when}"
 
 
 def _policy(steps: list[int], keep_last: int | None, keep_every: int | None) -> set[int] | None:
@@ -387,15 +420,42 @@ With --json every subcommand prints one JSON document on stdout, errors included
 """
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
 
 
+MAX_THREADS = 256  # each reading thread holds a chunk buffer (8 MiB by default)
+
+
+def _threads(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_THREADS}, not {value}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, not {text}")
+    return value
+
+
 def _count(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
@@ -432,8 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward: builds a fresh model (default: the probe's recorded factory)")
     p.add_argument("--loss", metavar="MOD:FN",
                    help="forward: loss_fn(output, inputs), to recheck a recorded loss")
-    p.add_argument("--rtol", type=float, help="forward: relative tolerance (default by dtype)")
-    p.add_argument("--atol", type=float, help="forward: absolute tolerance (default by dtype)")
+    p.add_argument("--rtol", type=_tolerance,
+                   help="forward: relative tolerance (default by dtype)")
+    p.add_argument("--atol", type=_tolerance,
+                   help="forward: absolute tolerance (default by dtype)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser(
@@ -486,8 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, p in sub.choices.items():
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         if name in ("verify", "diff", "export", "gc"):
-            p.add_argument("--threads", type=_positive, default=4,
-                           help="parallel reads (default 4)")
+            p.add_argument("--threads", type=_threads, default=4,
+                           help=f"parallel reads (default 4, at most {MAX_THREADS})")
     return parser
 
 

@@ -428,15 +428,9 @@ class CheckpointManager:
     def _retained(self, newest: int) -> set[int]:
         """The steps the retention policy keeps once ``newest`` is committed."""
         steps = self.steps()
-        if self.keep_best is None:
-            return retention(steps, self.keep_last, self.keep_every, newest)
-        keep = {newest} | self.keep_best.select(
+        best = None if self.keep_best is None else self.keep_best.select(
             {s: self._metric(s, self.keep_best.metric) for s in steps})
-        if self.keep_last is not None:
-            keep |= set(steps[-self.keep_last:])
-        if self.keep_every:
-            keep |= {s for s in steps if s % self.keep_every == 0}
-        return keep
+        return retention(steps, self.keep_last, self.keep_every, newest, best)
 
     def _metric(self, step: int, name: str) -> float | None:
         """A metric saved with ``step``, or None (none saved, or the manifest is bad)."""
@@ -521,7 +515,7 @@ class CheckpointManager:
             raise StorageError(f"listing the steps of {self.root} failed: {e}",
                                path=self.root) from e
         tiers = self._restore_order(candidates, step)
-        failures: list[str] = []
+        tried = _Fallback(self, "restore")
         in_memory_only: list[str] = []  # memory tiers' failures (the root may hold the step)
         root = _CountedReads(self.storage)  # what this restore reads from the root
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool, gate:
@@ -540,12 +534,10 @@ class CheckpointManager:
                     if storage is not root:
                         storage.close()  # a memory tier's open files
                 # Every rank must restore the same step: agree on this one's outcome first.
-                outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
-                    _describe(error)]
-                fatal = [o for o in outcomes if o and o[0] == "fatal"]
+                fatal, bad = tried.agree(error)
                 if fatal and dirty:  # (also over this step's own PartialLoadError)
                     raise PartialLoadError(
-                        f"{error or fatal[0][1]}; and a failed one-pass read of a newer step "
+                        f"{error or fatal[0]}; and a failed one-pass read of a newer step "
                         f"had already overwritten {len(dirty)} live tensors "
                         f"({few_keys(sorted(dirty))}): the live state is mixed; restore a good "
                         "step before training on",
@@ -558,19 +550,18 @@ class CheckpointManager:
                     if error is not None and not isinstance(error, CorruptCheckpointError):
                         raise error
                     raise CheckpointError(f"another rank failed to restore step {s}: "
-                                          f"{fatal[0][1]}", path=self.root)
-                bad = [o[1] for o in outcomes if o]
+                                          f"{fatal[0]}", path=self.root)
                 if not gate.forward:  # (that level puts the models back itself)
                     # A step another rank failed on: what this rank wrote needs repair too.
                     dirty |= error.changed if isinstance(error, PartialLoadError) else wrote
                 if not bad:
                     log.info("ckpt.restore step=%d root=%s skipped=%d tier=%s", s, self.root,
-                             len(failures), tier)
+                             len(tried.failures), tier)
                     here = (getattr(storage, "tier", tier), root.bytes_read)
                     ranks = tuple(self.group.all_gather(here))
                     self.last_restore = RestoreInfo(s, here[0], here[1], ranks)
                     if self.metrics:
-                        self.metrics.restored(len(failures))
+                        self.metrics.restored(len(tried.failures))
                     return s
                 if tier != "storage":  # other copies, or the root, may hold the step good
                     log.warning("ckpt.restore memory tier step=%d unusable, falling through: "
@@ -581,15 +572,12 @@ class CheckpointManager:
                     if isinstance(error, CheckpointError):
                         raise error
                     raise CorruptCheckpointError(bad[0], path=self.root)
-                log.warning("ckpt.restore skipping step=%d reason=%s", s, bad[0])
-                self.skipped.append((s, bad[0]))
-                failures.append(f"step {s}: {bad[0]}")
+                tried.skip(s, bad[0])
         # A step whose every copy was bad: never "no checkpoint yet" (a fresh start).
-        failures += in_memory_only
-        if failures:
-            gate.all_failed(self.root, failures)
-            message = (f"no committed step under {self.root} could be loaded; `ckpt verify "
-                       f"--all {self.root}` gives details:\n  " + "\n  ".join(failures))
+        tried.failures += in_memory_only
+        if tried.failures:
+            gate.all_failed(self.root, tried.failures)
+            message = tried.none_loaded()
             if dirty:
                 raise PartialLoadError(
                     f"{message}\nReading them in one pass overwrote {len(dirty)} live "
@@ -641,7 +629,7 @@ class CheckpointManager:
         """
         if not self.read_only and not self._closed:
             self.wait()
-        failures = []
+        tried = _Fallback(self, "load")
         with cf.ThreadPoolExecutor(self.options.write_threads) as pool:
             for s in [step] if step is not None else list(reversed(self.steps())):
                 location, error, value = step_dir(s), None, None
@@ -653,26 +641,20 @@ class CheckpointManager:
                                            skip=frozenset({PROBE_ITEM}))
                 except Exception as e:  # classified as restore does; every rank agrees
                     error = e
-                outcomes = self.group.all_gather(_describe(error)) if self.group.enabled else [
-                    _describe(error)]
-                fatal = [o[1] for o in outcomes if o and o[0] == "fatal"]
+                fatal, bad = tried.agree(error)
                 if error is not None and (step is not None or _describe(error)[0] == "fatal"):
                     raise error
                 if fatal:
                     raise CheckpointError(f"another rank failed to load step {s}: {fatal[0]}",
                                           path=self.root)
-                bad = [o[1] for o in outcomes if o]
                 if not bad:
                     self._base, self.loaded_step = manifest, s
-                    log.info("ckpt.load step=%d root=%s skipped=%d", s, self.root, len(failures))
+                    log.info("ckpt.load step=%d root=%s skipped=%d", s, self.root,
+                             len(tried.failures))
                     return value
-                log.warning("ckpt.load skipping step=%d reason=%s", s, bad[0])
-                self.skipped.append((s, bad[0]))
-                failures.append(f"step {s}: {bad[0]}")
-        if failures:
-            raise CorruptCheckpointError(
-                f"no committed step under {self.root} could be loaded; `ckpt verify --all "
-                f"{self.root}` gives details:\n  " + "\n  ".join(failures), path=self.root)
+                tried.skip(s, bad[0])
+        if tried.failures:
+            raise CorruptCheckpointError(tried.none_loaded(), path=self.root)
         return None
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -694,10 +676,8 @@ class CheckpointManager:
         self._closed = True
         try:
             if not self.read_only:
-                h = self._inflight
                 self._writer.close()
-                if h is not None and h.failed() and not h.error_reported:
-                    h.wait()
+                self._raise_failed_save()
                 self._close_memory_tier()
         finally:
             if self._lock is not None:
@@ -927,6 +907,31 @@ def _log_memory_failure(handle: SaveHandle) -> None:
         log.error("ckpt.memory_tier publish of step %d failed: %s", handle.step, error)
 
 
+class _Fallback:
+    """The steps a restore or load tried, newest first: every rank's verdict on each (all
+    ranks must load the same step) and the reasons of those skipped."""
+
+    def __init__(self, manager: CheckpointManager, verb: str) -> None:
+        self.manager, self.verb = manager, verb
+        self.failures: list[str] = []
+
+    def agree(self, error: BaseException | None) -> tuple[list[str], list[str]]:
+        """(why ranks failed for good, why ranks failed at all) for this step (collective)."""
+        group, mine = self.manager.group, _describe(error)
+        outcomes = group.all_gather(mine) if group.enabled else [mine]
+        return [o[1] for o in outcomes if o and o[0] == "fatal"], [o[1] for o in outcomes if o]
+
+    def skip(self, step: int, reason: str) -> None:
+        log.warning("ckpt.%s skipping step=%d reason=%s", self.verb, step, reason)
+        self.manager.skipped.append((step, reason))
+        self.failures.append(f"step {step}: {reason}")
+
+    def none_loaded(self) -> str:
+        root = self.manager.root
+        return (f"no committed step under {root} could be loaded; `ckpt verify --all {root}` "
+                "gives details:\n  " + "\n  ".join(self.failures))
+
+
 def _describe(error: BaseException | None) -> tuple[str, str] | None:
     """A picklable verdict on one rank's load attempt: None, ("bad", why) or ("fatal", why)."""
     if error is None:
@@ -955,9 +960,13 @@ def _checked_metrics(metrics: dict[str, float]) -> dict[str, float | str]:
 
 
 def retention(steps: list[int], keep_last: int | None, keep_every: int | None,
-              newest: int | None = None) -> set[int]:
-    """The steps a keep_last/keep_every policy keeps (the newest is always kept)."""
-    keep = set(steps if keep_last is None else steps[-keep_last:])
+              newest: int | None = None, best: set[int] | None = None) -> set[int]:
+    """The steps a keep_last/keep_every/keep_best policy keeps (``best``: the keep_best
+    steps; the newest is always kept). Without keep_last or keep_best, every step."""
+    if keep_last is None:
+        keep = set(steps) if best is None else set(best)
+    else:
+        keep = set(steps[-keep_last:]) | (best or set())
     if newest is not None:
         keep.add(newest)
     if keep_every:

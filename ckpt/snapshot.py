@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from .distributed import Group
 from .engine import Stager, StepPayload
+from .errors import CheckpointError
 from .format import Manifest, dtype_name
 from .integrity import digest
 from .options import SaveOptions
@@ -41,26 +42,18 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
         return _snapshot_tables(state, flat, specs, locals_, token, step=step, name=name,
                                 group=group, stager=stager, options=options, copy=copy,
                                 metadata=metadata, previous=previous, hold_all=hold_all)
-    if group.enabled:
-        gathered = group.all_gather({"specs": specs, "items": flat.items,
-                                     "aliases": flat.aliases, "token": token})
-    else:
-        gathered = [{"specs": specs, "items": flat.items, "aliases": flat.aliases,
-                     "token": token}]
+    gathered = group.all_gather({"specs": specs, "items": flat.items, "aliases": flat.aliases,
+                                 "token": token})
     writers = assign_writers([g["specs"] for g in gathered])
-    mine = {s.key: locals_[s.key] for s in specs if writers[(s.key, s.offsets)] == group.rank}
-    guards = optimizers_in(state) if options.overlap_device_copy else []
-    held = {s.key: locals_[s.key] for s in specs if hold_all and s.key not in mine}
-    staged, ready = stager.stage({k: t for k, (_, t) in {**mine, **held}.items()}, copy=copy,
-                                 guards=guards)
+    mine = [s.key for s in specs if writers[(s.key, s.offsets)] == group.rank]
+    pieces, held, ready = _stage(state, specs, locals_, mine, stager=stager, options=options,
+                                 copy=copy, hold_all=hold_all)
     tensors = {s.key: (s.dtype, s.global_shape) for g in gathered for s in g["specs"]}
     return StepPayload(
-        step=step, name=name,
-        pieces={k: (offsets, staged[k]) for k, (offsets, _) in mine.items()},
-        held={k: (offsets, staged[k]) for k, (offsets, _) in held.items()},
-        tensors=tensors, items=_merge_items([g["items"] for g in gathered]),
-        aliases=gathered[0]["aliases"], ready=ready, metadata=metadata, previous=previous,
-        rank=group.rank, world_size=group.world_size, token=gathered[0]["token"])
+        step=step, name=name, pieces=pieces, held=held, tensors=tensors,
+        items=_merge_items([g["items"] for g in gathered]), aliases=gathered[0]["aliases"],
+        ready=ready, metadata=metadata, previous=previous, rank=group.rank,
+        world_size=group.world_size, token=gathered[0]["token"])
 
 
 def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[PieceSpec],
@@ -70,9 +63,11 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
     """Format 2: who writes what follows from each tensor's layout, computed locally.
 
     Ranks exchange only a digest of their tensors' descriptions (keys, dtypes, shapes,
-    layouts), their per-rank values and a token: O(1) per rank plus per-rank values. Only
-    when ranks disagree (they hold different tensors) or a layout is not one that
-    ``ckpt.layout`` describes are every rank's boxes gathered, as in format 1.
+    layouts), the names of their per-rank items and tensors, and a token: O(1) per rank,
+    whatever the size of the per-rank values (each rank's trees go into its own table and
+    rank step; nothing reads another rank's). Only when ranks disagree (they hold different
+    tensors) or a layout is not one that ``ckpt.layout`` describes are every rank's boxes
+    gathered, as in format 1.
     """
     group_rank = None
     if group.enabled and group.pg is not None:
@@ -105,11 +100,12 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         [s.key, s.dtype, s.global_shape,
          [mesh_ids[layouts[s.key].mesh], layouts[s.key].placements] if s.key in layouts
          else None] for s in specs if s.key not in own])
-    per_rank = {k: item["per_rank"] for k, item in flat.items.items() if "per_rank" in item}
+    per_rank = sorted(k for k, item in flat.items.items() if "per_rank" in item)
     mine = {"sig": digest(description.encode()), "described": described, "token": token,
             "per_rank": per_rank,
             "own": [[s.key, s.dtype, list(s.global_shape)] for s in specs if s.key in own]}
     gathered = group.all_gather(mine)
+    _check_per_rank_names([g["per_rank"] for g in gathered])
     world = group.world_size
     if all(g["described"] and g["sig"] == mine["sig"] for g in gathered):
         layouts.update(balance_plain(plain, world))
@@ -122,26 +118,38 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         all_specs = group.all_gather(specs)
         layouts = boxes_layouts(all_specs)
         tensors = {s.key: (s.dtype, s.global_shape) for r in all_specs for s in r}
-    mine_keys = written_here(specs, layouts, group.rank)
-    mine_set = set(mine_keys)
-    held_keys = [s.key for s in specs if hold_all and s.key not in mine_set]
-    guards = optimizers_in(state) if options.overlap_device_copy else []
-    staged, ready = stager.stage({k: locals_[k][1] for k in [*mine_keys, *held_keys]},
-                                 copy=copy, guards=guards)
-    items = dict(flat.items)
-    for item_name, item in items.items():
-        if "per_rank" in item:
-            trees = {}
-            for g in gathered:
-                trees.update(g["per_rank"][item_name])
-            items[item_name] = {"kind": item["kind"], "per_rank": trees}
+    pieces, held, ready = _stage(state, specs, locals_, written_here(specs, layouts, group.rank),
+                                 stager=stager, options=options, copy=copy, hold_all=hold_all)
+    # Per-rank items carry this rank's tree only: it goes into this rank's table (and rank
+    # step); the manifest marks them "in the tables".
     return StepPayload(
-        step=step, name=name,
-        pieces={k: (locals_[k][0], staged[k]) for k in mine_keys},
-        held={k: (locals_[k][0], staged[k]) for k in held_keys},
-        tensors=tensors, items=items, aliases=flat.aliases, ready=ready, metadata=metadata,
-        previous=previous, rank=group.rank, world_size=world, token=gathered[0]["token"],
-        layouts=layouts)
+        step=step, name=name, pieces=pieces, held=held, tensors=tensors, items=dict(flat.items),
+        aliases=flat.aliases, ready=ready, metadata=metadata, previous=previous, rank=group.rank,
+        world_size=world, token=gathered[0]["token"], layouts=layouts)
+
+
+def _check_per_rank_names(by_rank: list[list[str]]) -> None:
+    """Every rank must save the same per-rank items: the manifest (rank 0's items) says each
+    table holds a tree for each of them. Every rank sees the same lists, so all raise."""
+    differ = [r for r, names in enumerate(by_rank) if names != by_rank[0]]
+    if differ:
+        raise CheckpointError(
+            f"ranks save different per-rank items (rank 0: {by_rank[0]}, rank {differ[0]}: "
+            f"{by_rank[differ[0]]}); nothing was saved: pass the same state keys on every rank")
+
+
+def _stage(state: Mapping[str, Any], specs: list[PieceSpec], locals_: dict,
+           mine: list[str], *, stager: Stager, options: SaveOptions, copy: bool,
+           hold_all: bool) -> tuple[dict, dict, Any]:
+    """Copy to host the boxes this rank writes (``mine``, in the order of ``specs``) and,
+    with ``hold_all``, the others it holds (for the memory tier): (pieces, held, ready)."""
+    writes = set(mine)
+    held = [s.key for s in specs if hold_all and s.key not in writes]
+    guards = optimizers_in(state) if options.overlap_device_copy else []
+    staged, ready = stager.stage({k: locals_[k][1] for k in [*mine, *held]}, copy=copy,
+                                 guards=guards)
+    return ({k: (locals_[k][0], staged[k]) for k in mine},
+            {k: (locals_[k][0], staged[k]) for k in held}, ready)
 
 
 def written_here(specs: list[PieceSpec], layouts: dict[str, Layout], rank: int) -> list[str]:

@@ -57,10 +57,11 @@ def build_state(world: int, *, zeros: bool, seed: int) -> dict:
     return state
 
 
-def save_world(rank: int, world: int, root: str, step: int) -> dict:
+def save_world(rank: int, world: int, root: str, step: int, options: dict | None = None) -> dict:
     torch.manual_seed(100 + rank)  # per-rank RNG differs
     state = build_state(world, zeros=False, seed=0)
-    with ckpt.CheckpointManager(root, async_save=True) as mgr:
+    with ckpt.CheckpointManager(root, async_save=True,
+                                options=ckpt.SaveOptions(**(options or {}))) as mgr:
         result = mgr.save(step, state, force=True).wait()
     return {"rng_next": torch.rand(3).tolist(), "bytes": result.bytes_written}
 

@@ -11,9 +11,11 @@ commands run in subprocesses, a few at a time (``run_all``); the rest run in-pro
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import pty
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -481,6 +483,36 @@ def test_environment_errors_are_one_line_and_exit_2(tmp_path, capsys, monkeypatc
     one_line_exit_2(code, err, "gc", "Could not connect to the endpoint URL")
 
 
+@contextlib.contextmanager
+def as_nobody():
+    """Run the block as an unprivileged user when the tests run as root (root ignores file
+    permissions)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+def test_gc_yes_under_a_live_writer_names_its_host_and_pid_and_deletes_nothing(
+        tmp_path, capsys):
+    import socket
+
+    root = root_of_steps(tmp_path)
+    with ckpt.CheckpointManager(root):  # a live writer holds the lock
+        code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes", "--json")
+    one_line_exit_2(code, err, "gc", f"in use by a writer (host {socket.gethostname()}, "
+                    f"pid {os.getpid()}, since 20")
+    assert "stop that job first" in err
+    assert json.loads(out)["exit_code"] == 2
+    assert committed(root) == [1, 2, 3, 4]
+
+
 def test_gc_on_a_read_only_root_is_one_line_and_exit_2(tmp_path, capsys):
     import tempfile
 
@@ -489,23 +521,40 @@ def test_gc_on_a_read_only_root_is_one_line_and_exit_2(tmp_path, capsys):
         base.chmod(0o755)
         root = root_of_steps(base, steps=(1, 2))
         root.chmod(0o555)
-        if os.geteuid() == 0:  # root ignores permissions: act as nobody for the command
-            os.setegid(65534)
-            os.seteuid(65534)
-        try:
+        with as_nobody():
             code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes")
             dry = cli(capsys, "gc", root, "--keep-last", "1")
-        finally:
-            if os.getuid() == 0:
-                os.seteuid(0)
-                os.setegid(0)
         one_line_exit_2(code, err, "gc", "needs write access")
         assert dry[0] == 0 and "would remove: 1 steps [1]" in dry[1]  # reading is fine
         assert committed(root) == [1, 2]
     finally:
         root.chmod(0o755)
-        import shutil
+        shutil.rmtree(base)
 
+
+def test_verify_all_checks_every_step_when_one_cannot_be_read(tmp_path, capsys):
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="ckpt-perm-"))  # readable by another user
+    try:
+        base.chmod(0o755)
+        root = root_of_steps(base, steps=(1, 2, 3))
+        for path in root.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        unreadable = next((root / "step-00000002").glob("data-*"))
+        unreadable.chmod(0o000)
+        with as_nobody():
+            code, out, err = cli(capsys, "verify", root, "--all")
+            doc = cli(capsys, "verify", root, "--all", "--json")
+        assert code == 2 and "Traceback" not in err, err
+        lines = out.splitlines()
+        assert lines[0].startswith("step 1: OK") and lines[-1].startswith("step 3: OK"), out
+        assert "step 2: NOT VERIFIED" in out and str(unreadable) in out
+        assert "permissions" in out
+        assert doc[0] == 2
+        status = {s["step"]: s["status"] for s in json.loads(doc[1])["steps"]}
+        assert status == {1: "ok", 2: "error", 3: "ok"}
+    finally:
         shutil.rmtree(base)
 
 
@@ -521,6 +570,115 @@ def test_ls_shows_an_absurd_creation_time_instead_of_crashing(tmp_path, capsys, 
     assert "invalid" in out.splitlines()[2]
     code, out, err = cli(capsys, "ls", root, "--json")
     assert code == 0 and json.loads(out)["steps"][0]["status"] == "committed"
+
+
+def test_threads_is_bounded_and_verify_starts_no_more_threads_than_chunks(
+        tmp_path, capsys, monkeypatch):
+    import concurrent.futures as cf
+
+    import verify.integrity
+
+    root = root_of_steps(tmp_path, steps=(1,))  # one chunk
+    code, out, err = cli(capsys, "verify", root, "--threads", "99999999999999999999")
+    assert code == 2 and "--threads: must be at most 256" in err
+    started = []
+
+    class Pool(cf.ThreadPoolExecutor):
+        def __init__(self, max_workers=None, *args, **kwargs):
+            started.append(max_workers)
+            super().__init__(max_workers, *args, **kwargs)
+
+    monkeypatch.setattr(verify.integrity.cf, "ThreadPoolExecutor", Pool)
+    code, out, err = cli(capsys, "verify", root, "--threads", "256")
+    assert code == 0 and out.startswith("step 1: OK"), err
+    assert started == [1]  # a thread (and its chunk buffer) per chunk at most
+
+
+def test_forward_options_are_checked_and_a_failing_loss_function_is_named(
+        tmp_path, capsys, monkeypatch):
+    make_root(tmp_path)
+    root = tmp_path / "root"
+    for option, value in (("--rtol", "-1"), ("--atol", "nan"), ("--rtol", "inf"),
+                          ("--atol", "abc")):
+        code, out, err = cli(capsys, "verify", root, "--level", "forward", option, value)
+        assert code == 2 and f"{option}: must be a finite number >= 0, not {value}" in err
+    code, out, err = cli(capsys, "gc", root, "--keep-last", "x")
+    assert code == 2 and "--keep-last: must be a whole number, not 'x'" in err
+    (tmp_path / "userloss.py").write_text(
+        "def broken(output, inputs):\n    raise ZeroDivisionError('loss exploded')\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = cli(capsys, "verify", root, "--level", "forward", "--loss",
+                         "userloss:broken")
+    assert code == 2, out
+    assert "! the loss function userloss:broken raised ZeroDivisionError: loss exploded" \
+        in out and "forward pass" not in out
+    sys.modules.pop("userloss", None)
+
+
+def test_diff_checks_sizes_before_sizing_buffers_from_a_hostile_manifest(tmp_path, capsys):
+    root = root_of_steps(tmp_path, steps=(1, 2))
+    n = 10**12  # a 4 TB chunk "in" a file of a few hundred bytes, sizes recorded to match
+    for step, digest in ((1, "a" * 16), (2, "b" * 16)):
+        path = root / f"step-{step:08d}/manifest.json"
+        m = json.loads(path.read_text())
+        entry = m["tensors"]["w"]
+        chunk = entry["chunks"][0]
+        entry["shape"] = chunk["shape"] = [n]
+        chunk["length"], chunk["digest"] = 4 * n, digest
+        m["files"][chunk["file"]] = chunk["start"] + 4 * n
+        path.write_text(json.dumps(m))
+    code, out, err = cli(capsys, "diff", root, 1, 2, "--json")
+    assert code == 1 and "Traceback" not in err
+    assert "the manifest recorded 4000000000" in json.loads(out)["error"]
+
+
+def test_a_framework_pointer_is_followed_to_its_step(tmp_path, capsys):
+    from trainer.integrations._steps import POINTER_NAME, write_pointer
+
+    root = root_of_steps(tmp_path, steps=(1, 2))
+    write_pointer(str(root / "last.ckpt"), 2)  # Lightning
+    write_pointer(str(root / "checkpoint-1" / POINTER_NAME), 1)  # HF, Accelerate
+    write_pointer(str(root / "checkpoint-3" / POINTER_NAME), 3)  # its save never committed
+    code, out, err = cli(capsys, "ls", root / "last.ckpt", "--json")
+    assert code == 0 and [s["step"] for s in json.loads(out)["steps"]] == [2], err
+    assert f"points to step 2: reading {root / 'step-00000002'}" in err
+    code, out, err = cli(capsys, "verify", root / "checkpoint-1")
+    assert code == 0 and out.startswith("step 1: OK"), err
+    code, out, err = cli(capsys, "inspect", root / "checkpoint-3")
+    one_line_exit_2(code, err, "inspect", f"points to step 3 of {root}, which is not committed")
+
+
+def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
+    import stat
+
+    root = root_of_steps(tmp_path, steps=(1,))
+    kept = tmp_path / "kept.pt"
+    kept.write_text("the user's file")
+    link = tmp_path / "link.pt"
+    link.symlink_to(kept)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for target, needle in ((tmp_path, "is a directory: give the path of the file"),
+                           (link, "is not a regular file"), (fifo, "is not a regular file")):
+        code, out, err = cli(capsys, "export", root, "--to", "torch", target, "--force")
+        one_line_exit_2(code, err, "export", needle)
+    assert link.is_symlink() and kept.read_text() == "the user's file"
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
+    code, out, err = cli(capsys, "export", root, "--to", "torch", kept, "--force")
+    assert code == 0, err  # a regular file is replaced, as asked
+    assert torch.equal(torch.load(kept, weights_only=True)["w"], torch.full((64,), 1.0))
+
+
+def test_ls_gives_the_whole_reason_a_step_is_bad_with_its_path(tmp_path, capsys):
+    root = root_of_steps(tmp_path / "a-long-directory-name-that-fills-a-table-column", (1, 2))
+    manifest = root / "step-00000001/manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:100])  # truncated
+    code, out, err = cli(capsys, "ls", root)
+    assert code == 0, err
+    rows = out.splitlines()
+    assert rows[2].split()[0] == "1" and rows[2].split()[-1] == "(below)"
+    assert rows[3].split()[-1] == "committed"
+    assert rows[4].startswith(f"step 1: bad: {manifest}: manifest is not valid JSON"), out
 
 
 @pytest.mark.s3

@@ -325,3 +325,24 @@ def test_per_rank_values_live_in_their_ranks_tables_and_old_manifests_still_load
     inline = Manifest.from_json(json.dumps(old_doc).encode(), where="old").bind(
         old_files.__getitem__, "old")
     assert item_tree(inline.items["count"], 3) == {"n": 3}
+
+
+@pytest.mark.multiproc
+def test_a_save_exchanges_no_per_rank_values_and_each_rank_restores_its_own(tmp_path):
+    """Format 2 keeps each rank's per-rank trees in its own table, so a save's collectives
+    carry none of them: what each rank receives stays small however large the values (at
+    4,096 ranks an RNGState's tree alone was 31 MB to every rank). Each rank still restores
+    its own RNG state and value from the root, bit-exact; ranks that disagree on their
+    per-rank items are refused on every rank."""
+    blob = 256 * 1024
+    seen = run_ranks(2, W.save_recording_the_exchange, str(tmp_path), blob, timeout=300)
+    with open(tmp_path / "step-00000002" / "manifest.json", "rb") as f:
+        items = json.loads(f.read())["items"]
+    assert items["blob"] == {"kind": "stateful", "per_rank": "tables"}
+    assert not (tmp_path / "step-00000001").exists()
+    for rank, s in enumerate(seen):
+        assert s["mismatch"] and "different per-rank items" in s["mismatch"], rank
+        assert s["received"], "the save ran no recorded collective"
+        assert s["blobs_seen"] == [], (rank, s["blobs_seen"])
+        assert sum(s["received"]) < blob // 16, (rank, s["received"])
+        assert s["step"] == 2 and s["rng_exact"] and s["blob_exact"], (rank, s)

@@ -43,6 +43,18 @@ def test_save_at_1_loads_at_4(tmp_path):
         assert r["rng_next"] == saved[0]["rng_next"]  # rank r gets saved rank r % 1
 
 
+def test_a_format_1_save_by_two_ranks_restores_each_ranks_values(tmp_path):
+    """``rank_tables=False`` under a process group: one manifest holding every chunk and
+    every rank's per-rank tree (gathered at save); each rank restores its own RNG stream."""
+    root = str(tmp_path)
+    saved = run_ranks(2, W.save_world, root, 4, {"rank_tables": False})
+    m = ckpt.inspect.open(root).manifest(4)
+    assert m.format_version == 1 and sorted(m.items["rng"]["per_rank"]) == ["0", "1"]
+    for rank, r in enumerate(run_ranks(2, W.load_world, root)):
+        assert r["step"] == 4 and r["mismatches"] == [], rank
+        assert r["rng_next"] == saved[rank]["rng_next"], rank
+
+
 def test_single_process_reads_a_four_rank_checkpoint(saved_at_4):
     root, _ = saved_at_4
     g = W.global_tensors()

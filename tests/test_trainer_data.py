@@ -94,6 +94,34 @@ def test_exactly_once_across_resumes_that_change_world_size(worlds):
     assert per_rank_seen == ResumableSampler(n, seed=5).next_indices(total)
 
 
+@pytest.mark.parametrize("stop", [13, 20, 29])  # mid-epoch, at an epoch's end, in the last
+def test_the_guides_epoch_loop_resumed_trains_the_batches_of_an_uninterrupted_run(stop):
+    """docs/guide.md: ``for epoch in range(loader.epoch, epochs): for batch in loader``."""
+    from torch.utils.data import DataLoader
+
+    from trainer import ResumableLoader
+
+    def loader() -> ResumableLoader:
+        return ResumableLoader(DataLoader(list(range(40)), batch_size=4,
+                                          sampler=ResumableSampler(40, seed=3)))
+
+    def run(data: ResumableLoader, trained: list, stop_at: int | None = None) -> dict | None:
+        for epoch in range(data.epoch, 3):
+            for batch in data:
+                trained.append(batch.tolist())
+                if len(trained) == stop_at:
+                    return json.loads(json.dumps(data.state_dict()))  # as saved
+        return None
+
+    reference, before, after = [], [], []
+    run(loader(), reference)
+    saved = run(loader(), before, stop_at=stop)
+    resumed = loader()
+    resumed.load_state_dict(saved)
+    run(resumed, after)
+    assert len(reference) == 30 and before + after == reference
+
+
 def test_rank_slice_and_load_reject_bad_input():
     with pytest.raises(ValueError):
         ResumableSampler.rank_slice(list(range(10)), 0, 3)

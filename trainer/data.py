@@ -167,7 +167,7 @@ class ResumableLoader:
                                                     num_workers=2))
         state = {"model": model, "optim": optim, "rng": ckpt.RNGState(), "data": loader}
         mgr.restore(state)
-        for epoch in range(epochs):
+        for epoch in range(loader.epoch, epochs):  # not range(epochs): resumes mid-run
             for batch in loader:
                 ...
     """

@@ -135,7 +135,8 @@ def diff_steps(source: Checkpoints | ckpt.CheckpointManager, a: int, b: int, *,
 
     Raises:
         CheckpointNotFoundError: a step does not exist.
-        CorruptCheckpointError: a manifest is invalid or a chunk read fails its digest.
+        CorruptCheckpointError: a manifest is invalid, a file is missing or shorter than
+            recorded, or a chunk read fails its digest.
     """
     t0 = time.perf_counter()
     side_a = _open(source)
@@ -143,6 +144,9 @@ def diff_steps(source: Checkpoints | ckpt.CheckpointManager, a: int, b: int, *,
     side_a.require(a)
     side_b.require(b)
     ma, mb = side_a.manifest(a), side_b.manifest(b)
+    # Sizes and byte ranges checked before any buffer is sized from a manifest's shapes.
+    side_a.check_structure(a, ma)
+    side_b.check_structure(b, mb)
     result = StepDiff(side_a.url, a, b, other=None if other is None else side_b.url,
                       filters=list(filters))
     names = {**named_tensors(ma), **named_tensors(mb)}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -104,8 +105,15 @@ def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: st
     if fmt not in FORMATS:
         raise UsageError(f"format must be one of {FORMATS}, not {fmt!r}")
     path = os.path.abspath(path)
-    if os.path.exists(path) and not force:
-        raise UsageError(f"{path} exists; pass --force to overwrite it")
+    if os.path.isdir(path):
+        raise UsageError(f"{path} is a directory: give the path of the file to write")
+    if os.path.lexists(path):
+        # --force replaces the file by a rename: never a device, a pipe or a link's target
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise UsageError(f"{path} exists and is not a regular file (a link, a device, a "
+                             "pipe): give the path of a new file")
+        if not force:
+            raise UsageError(f"{path} exists; pass --force to overwrite it")
     if not os.path.isdir(os.path.dirname(path)):
         raise UsageError(f"{os.path.dirname(path)} is not a directory")
     cps = source if isinstance(source, Checkpoints) else ckpt.inspect.open(source)

@@ -134,8 +134,13 @@ def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
     problems = nonfinite_weights(cps, step, net, manifest, model_key)
     loss_fn = _loss_function(loss, probe.get("loss_fn"))
     try:
-        output, loss_now = run_forward(net, probe["inputs"], loss_fn)
-    except Exception as e:  # the user's model or loss code, not the checkpoint's bytes
+        output, loss_now = run_forward(net, probe["inputs"],
+                                       None if loss_fn is None else _LossCall(loss_fn))
+    except _LossFailed as e:
+        raise UsageError(f"the loss function {e.name} raised {type(e.error).__name__}: "
+                         f"{e.error} on the probe's output; fix it or pass another with "
+                         "--loss module.path:callable") from e.error
+    except Exception as e:  # the user's model code, not the checkpoint's bytes
         raise UsageError(f"the forward pass of the model built by {factory} on the probe's "
                          f"inputs raised {type(e).__name__}: {e}") from e
     recorded = probe["output"]
@@ -243,6 +248,27 @@ def _loss_function(loss: Any, recorded: Any) -> Callable | None:
     if spec is None:
         return None
     return resolve(spec, "--loss") if isinstance(spec, str) else spec
+
+
+class _LossFailed(Exception):
+    def __init__(self, name: str, error: Exception) -> None:
+        super().__init__(name, error)
+        self.name, self.error = name, error
+
+
+class _LossCall:
+    """The loss function, its failures (or a value that is no number) told apart from the
+    model's."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.name = getattr(fn, "__module__", "?") + ":" + getattr(fn, "__qualname__", "?")
+
+    def __call__(self, output: Any, inputs: Any) -> float:
+        try:
+            return float(self.fn(output, inputs))
+        except Exception as e:
+            raise _LossFailed(self.name, e) from e
 
 
 def _compare_loss(recorded: Any, now: float | None, rtol: float, atol: float,

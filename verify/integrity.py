@@ -156,7 +156,7 @@ def check_digests(cps: Checkpoints, step: int, manifest: Manifest, *, threads: i
         return None
 
     problems = []
-    threads = max(1, threads)
+    threads = max(1, min(threads, len(jobs)))  # a thread and its buffer per chunk at most
     with cf.ThreadPoolExecutor(threads) as pool:
         futures = {pool.submit(one, key, chunk): chunk.length
                    for _, _, key, chunk in _interleave(jobs, threads)}
@@ -202,6 +202,9 @@ def verify_step(source: Checkpoints | ckpt.CheckpointManager, step: int,
     Raises:
         ValueError: an unknown level.
         CheckpointNotFoundError: the step does not exist.
+
+    A step that cannot be read (permissions, I/O errors) gives a report with ``error`` set
+    (exit status 2) rather than an exception, so ``--all`` still checks the other steps.
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, not {level!r}")
@@ -213,6 +216,11 @@ def verify_step(source: Checkpoints | ckpt.CheckpointManager, step: int,
                     rtol=rtol, atol=atol, threads=threads)
     except UsageError as e:
         report.error = str(e)
+    except ckpt.CheckpointNotFoundError:
+        raise
+    except OSError as e:  # unreadable storage: this step is not checked, others still are
+        report.error = (f"step {step} could not be read: {type(e).__name__}: {e}; fix the "
+                        "storage or its permissions and verify again")
     report.ok = not report.problems and report.error is None
     report.seconds = time.perf_counter() - t0
     return report

@@ -1,0 +1,41 @@
+"""Rank bodies for test_mutation_guards3.py (top-level functions: spawn imports them by name)."""
+
+from __future__ import annotations
+
+import torch
+
+import ckpt
+from ckpt.engine import Stager
+from _scale_workers import Blob
+
+
+def save_keys_in_rank_order_recording_staged(rank: int, world: int, root: str) -> dict:
+    """Save a replicated tensor and two per-rank items, rank 1 listing the state's keys in
+    the opposite order, recording the tensors each rank stages to host; then restore."""
+    torch.manual_seed(100 + rank)
+    blob = Blob(rank, 16)
+    saved = blob.value
+    items = [("w", torch.arange(4096.0)), ("rng", ckpt.RNGState()),
+             ("blob", ckpt.PerRank(blob))]
+    state = dict(items if rank == 0 else reversed(items))
+    staged: list[str] = []
+    original = Stager.stage
+
+    def recording(self, tensors, *args, **kwargs):
+        staged.extend(tensors)
+        return original(self, tensors, *args, **kwargs)
+
+    Stager.stage = recording
+    try:
+        with ckpt.CheckpointManager(root, async_save=False) as mgr:
+            mgr.save(1, state, force=True)
+    finally:
+        Stager.stage = original
+    want = torch.rand(3)
+    torch.manual_seed(999)
+    blob.value = ""
+    state["w"] = torch.zeros(4096)
+    with ckpt.CheckpointManager(root) as mgr:
+        step = mgr.restore(state)
+    return {"step": step, "staged": sorted(staged), "rng_exact": bool(torch.rand(3).equal(want)),
+            "blob_exact": blob.value == saved, "w_exact": bool(state["w"].equal(torch.arange(4096.0)))}

@@ -1,0 +1,31 @@
+"""The retention policy: keep_last, keep_every and keep_best together (each adds steps), and
+the newest step always kept."""
+
+from __future__ import annotations
+
+import torch
+
+import ckpt
+from ckpt.manager import retention
+
+
+def test_each_rule_adds_its_steps_and_the_newest_is_always_kept(tmp_path):
+    with ckpt.CheckpointManager(tmp_path, async_save=False, keep_last=2, keep_every=4,
+                                keep_best=1, best_metric="loss") as mgr:
+        for step in range(1, 11):
+            mgr.save(step, {"w": torch.full((4,), float(step))},
+                     metrics={"loss": abs(step - 3) + 0.5})
+        # last 2: 9, 10; every 4th: 4, 8; the best loss: 3
+        assert mgr.steps() == [3, 4, 8, 9, 10]
+    with ckpt.CheckpointManager(tmp_path / "best", async_save=False, keep_best=1,
+                                best_metric="loss") as mgr:
+        for step in range(1, 5):
+            mgr.save(step, {"w": torch.zeros(2)}, metrics={"loss": float(step)})
+        assert mgr.steps() == [1, 4]  # the best, and the newest (not by count: no keep_last)
+
+
+def test_without_keep_last_or_keep_best_every_step_is_kept():
+    steps = list(range(1, 11))
+    assert retention(steps, None, 4) == set(steps)
+    assert retention(steps, 3, None) == {8, 9, 10}
+    assert retention(steps, 1, 5, newest=10, best={2}) == {2, 5, 10}

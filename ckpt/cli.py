@@ -183,9 +183,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 progress = verify.ProgressBar(total, f"step {step}")
             except CheckpointError:
                 pass  # the verifier reports it
-        reports.append(verify.verify_step(
-            cps, step, args.level, progress, model=args.model, loss=args.loss,
-            rtol=args.rtol, atol=args.atol, threads=args.threads))
+        try:
+            reports.append(verify.verify_step(
+                cps, step, args.level, progress, model=args.model, loss=args.loss,
+                rtol=args.rtol, atol=args.atol, threads=args.threads))
+        except CheckpointNotFoundError as e:
+            if not args.all:
+                raise
+            print(f"ckpt verify: skipped step {step}, no longer committed: {e}",
+                  file=sys.stderr)  # a live writer's retention deleted it after the listing
     report = verify.Report(cps.url, reports)
     print(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
     return report.exit_code
@@ -338,7 +344,10 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
         keep = _policy(steps, keep_last, keep_every)
         if keep is not None and set(steps) - keep:  # a step would be retired: check first
             for step in reversed(steps):
-                checked = verify.verify_step(cps, step, "digest", threads=threads)
+                try:
+                    checked = verify.verify_step(cps, step, "digest", threads=threads)
+                except CheckpointNotFoundError:
+                    continue  # a live writer retired it (a dry run holds no lock)
                 if checked.ok:
                     result.newest_good = step
                     break

@@ -662,6 +662,50 @@ def test_options_that_do_not_apply_are_refused_not_ignored(tmp_path, capsys):
     assert committed(root) == [1, 2] and not (tmp_path / "m.pt").exists()
 
 
+def test_verify_all_on_a_live_root_skips_a_step_its_writer_retires_midway(
+        tmp_path, capsys, monkeypatch):
+    import verify
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False,
+                                options=ckpt.SaveOptions(chunk_bytes=4096)) as writer:
+        for step in (1, 2):  # 16 chunks each
+            writer.save(step, {"w": torch.full((16384,), float(step))})
+
+        def progress(total: int, label: str):  # made after step 1's manifest was read
+            if label == "step 1":
+                writer.save(3, {"w": torch.full((16384,), 3.0)})  # retires step 1
+            return lambda nbytes: None
+
+        monkeypatch.setattr(verify, "ProgressBar", progress)
+        code, out, err = cli(capsys, "verify", root, "--all")
+    assert committed(root) == [2, 3]
+    assert code == 0, out + err
+    assert out.splitlines() == [ln for ln in out.splitlines() if ln.startswith("step 2: OK")]
+    assert "skipped step 1, no longer committed: no committed checkpoint at" in err
+
+
+def test_a_step_retired_while_verify_reads_it_is_not_reported_as_damaged(tmp_path):
+    import verify
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        cps = ckpt.inspect.open(str(root))
+        files = cps.files
+
+        def files_then_retire(step, manifest):  # the manifest is read, no data file yet
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            return files(step, manifest)
+
+        cps.files = files_then_retire
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="step 1 of .* was retired "
+                           r"\(deleted by its writer's retention\) while it was being checked"):
+            verify.verify_step(cps, 1, "digest")
+    assert committed(root) == [2, 3]
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

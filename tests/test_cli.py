@@ -706,6 +706,28 @@ def test_a_step_retired_while_verify_reads_it_is_not_reported_as_damaged(tmp_pat
     assert committed(root) == [2, 3]
 
 
+def test_a_gc_dry_run_passes_over_a_step_its_writer_retires_while_it_is_checked(tmp_path):
+    from ckpt.cli import collect_root
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=1, keep_every=2, async_save=False) as writer:
+        for step in (1, 2, 3):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        assert committed(root) == [2, 3]
+        cps = ckpt.inspect.open(str(root))
+        files = cps.files
+
+        def files_then_retire(step, manifest):
+            if step == 3:
+                writer.save(4, {"w": torch.full((64,), 4.0)})  # retires step 3
+            return files(step, manifest)
+
+        cps.files = files_then_retire
+        result = collect_root(cps, keep_last=1)  # a dry run: the writer keeps its lock
+    assert committed(root) == [2, 4]
+    assert result.newest_good == 2 and result.failed == {} and result.exit_code == 0
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

@@ -60,6 +60,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows.append({"step": step, "created": m.created, "bytes": sum(m.files.values()),
                          "files": len(m.files), "tensors": len(m.tensors),
                          "world_size": m.world_size, "status": "committed"})
+        except CheckpointNotFoundError:
+            continue  # retired by a live writer since the listing
         except CheckpointError as e:
             rows.append({"step": step, "created": None, "bytes": None, "files": None,
                          "tensors": None, "world_size": None, "status": f"bad: {e}"})

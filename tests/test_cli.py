@@ -728,6 +728,25 @@ def test_a_gc_dry_run_passes_over_a_step_its_writer_retires_while_it_is_checked(
     assert result.newest_good == 2 and result.failed == {} and result.exit_code == 0
 
 
+def test_ls_on_a_live_root_leaves_out_a_step_retired_after_the_listing(tmp_path, capsys,
+                                                                       monkeypatch):
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        steps = ckpt.inspect.Checkpoints.steps
+
+        def steps_then_retire(self):
+            listed = steps(self)
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            return listed
+
+        monkeypatch.setattr(ckpt.inspect.Checkpoints, "steps", steps_then_retire)
+        code, out, err = cli(capsys, "ls", root)
+    assert code == 0, err
+    assert [ln.split()[0] for ln in out.splitlines()[2:]] == ["2"], out  # not "1 ... bad"
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

@@ -9,7 +9,12 @@
    - the POSIX root with the page cache dropped before each restore ("cold", needs root;
      otherwise the row says "warm") and, for reference, with a warm page cache;
    - S3 (moto's server on loopback, as in bench_storage.py: a Python server, so the S3
-     figure says more about moto than about AWS; a smaller state, ``--s3-max``).
+     figure says more about moto than about AWS; a smaller state, ``--s3-max``);
+   - anchors, the floor of each tier on this machine: the same data files read raw (two
+     threads, 512 KiB ``pread`` blocks straight into one preallocated buffer, each block
+     digested with xxh3; no parsing, planning or checks) from the segment in ``/dev/shm`` and
+     from the root with the page cache dropped. Their ratio is the most the memory tier's
+     speed-up over a cold disk can be here.
 
    Then at world 2 (two gloo ranks, each one "node"): from own memory, from a peer's replica
    (node B's segments moved out of sight: its shards come from the replica on node A) and
@@ -40,13 +45,15 @@
 Run from the repository root::
 
     python benchmarks/bench_memory_tier.py [--sizes 1G] [--reps 3] [--quick]
-        [--no-restore] [--no-timeline] [--pad-mb 0] [--timeline-reps 1]
+        [--no-restore] [--no-peer] [--no-timeline] [--pad-mb 0] [--timeline-reps 1]
 
 It never asserts on timings.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import itertools
 import logging
 import os
 import shutil
@@ -62,9 +69,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "tests"))
 
 import common  # noqa: E402  (puts the repository root on sys.path too)
+import torch  # noqa: E402
+import xxhash  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.memory_tier import PREFIX, SHM_DIR  # noqa: E402
+from ckpt.format import step_dir  # noqa: E402
+from ckpt.memory_tier import PREFIX, SHM_DIR, node_name  # noqa: E402
 from storage_backends import open_storage  # noqa: E402
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -72,7 +82,41 @@ logging.getLogger("ckpt").setLevel(logging.ERROR)  # "segment kept: step in memo
 
 GOALS = {"S3 (moto)": 10.0, "POSIX root, cold": 3.0}  # memory at least this many times faster
 NO_DIGESTS = "memory tier, digests not checked"
+RAW_SHM = "raw read of the segment's files"
+RAW_COLD = "raw read of the root's files, cold"
 ALL_CASES = ("memory tier", NO_DIGESTS, "POSIX root, cold", "POSIX root, warm", "S3 (moto)")
+RAW_THREADS, RAW_BLOCK = 2, 512 << 10  # as the restore reads: a thread per core, 512 KiB
+
+
+def raw_read(paths: list[str], into: torch.Tensor, threads: int = RAW_THREADS,
+             block: int = RAW_BLOCK) -> None:
+    """The floor of a restore: every byte of ``paths`` (back to back) read with ``pread`` in
+    ``block``-byte blocks straight into ``into`` (a preallocated, resident uint8 tensor),
+    each block digested (xxh3) as it lands; the bytes are cut into ``threads`` contiguous
+    runs, one per thread. Nothing is parsed, planned or checked."""
+    sizes = [os.path.getsize(p) for p in paths]
+    ends = list(itertools.accumulate(sizes))
+    out = common.byte_view(into)
+
+    def read_run(i: int) -> None:
+        lo, hi = ends[-1] * i // threads, ends[-1] * (i + 1) // threads
+        hashing = xxhash.xxh3_64()
+        for path, size, end in zip(paths, sizes, ends):
+            first, last = max(lo, end - size), min(hi, end)
+            if first >= last:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                for at in range(first, last, block):
+                    part = out[at:min(at + block, last)]
+                    if os.preadv(fd, [part], at - (end - size)) != len(part):
+                        raise EOFError(path)
+                    hashing.update(part)
+            finally:
+                os.close(fd)
+
+    with cf.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read_run, range(threads)))
 
 
 class Tiers:
@@ -109,6 +153,22 @@ class Tiers:
                                         handle_sigterm=False) as mgr:
                 mgr.save(1, self.s3_state)
         self.seen: dict[str, set[tuple[str, int]]] = {}
+        self.files = {RAW_SHM: _data_files(os.path.join(
+            SHM_DIR, f"{PREFIX}{self.job}-{node_name()}-r0", step_dir(1))),
+            RAW_COLD: _data_files(os.path.join(self.disk_root, step_dir(1)))}
+        for name, paths in self.files.items():
+            self.nbytes[name] = sum(os.path.getsize(p) for p in paths)
+        self.raw_dest = torch.zeros(max(self.nbytes[RAW_SHM], self.nbytes[RAW_COLD]),
+                                    dtype=torch.uint8)  # resident before any timed read
+
+    def raw(self, name: str):
+        def case(rep: int) -> dict[str, float]:
+            if name == RAW_COLD:
+                common.drop_page_cache()
+            with common.Stopwatch() as sw:
+                raw_read(self.files[name], self.raw_dest)
+            return {"restore": sw.seconds}
+        return case
 
     def _restore(self, name: str, mgr: ckpt.CheckpointManager,
                  verify: str = "digest") -> dict[str, float]:
@@ -157,6 +217,11 @@ class Tiers:
             self.s3_root.delete("")
 
 
+def _data_files(step: str) -> list[str]:
+    """The data files of a step directory (what a restore of the whole state reads)."""
+    return sorted(os.path.join(step, f) for f in os.listdir(step) if f.startswith("data-"))
+
+
 def disk_name(cold: bool) -> str:
     return "POSIX root, cold" if cold else "POSIX root, warm"
 
@@ -193,6 +258,16 @@ def goals(timings: common.Timings, nbytes: dict[str, int]) -> list[str]:
         got = rate("memory tier") / rate(anchor)
         out.append(f"- memory vs {anchor}: {got:.1f}x faster by GB/s (goal >= {want:g}x: "
                    f"{'met' if got >= want else 'NOT met'})")
+    if RAW_SHM in timings and RAW_COLD in timings:
+        out.append(f"- this machine's ceiling for that ratio: the {RAW_SHM} is "
+                   f"{rate(RAW_SHM) / rate(RAW_COLD):.1f}x as fast as the {RAW_COLD} "
+                   f"({RAW_THREADS} threads, {RAW_BLOCK >> 10} KiB blocks, each digested, "
+                   "straight into one preallocated buffer: no parsing, planning or checks)")
+    if RAW_SHM in timings:
+        extra = (common.median(timings["memory tier"]["restore"])
+                 - common.median(timings[RAW_SHM]["restore"]))
+        out.append(f"- the memory tier's restore takes {extra * 1e3:.0f} ms more than the "
+                   f"{RAW_SHM} (medians)")
     return out
 
 
@@ -216,7 +291,9 @@ def bench_restore(args) -> None:
                                  (NO_DIGESTS, tiers.memory(False)),
                                  (disk_name(tiers.cold), tiers.disk(True))]
                         if tiers.cold:
-                            cases.append((disk_name(False), tiers.disk(False)))
+                            cases += [(disk_name(False), tiers.disk(False)),
+                                      (RAW_COLD, tiers.raw(RAW_COLD))]
+                        cases.append((RAW_SHM, tiers.raw(RAW_SHM)))
                         if s3 is not None:
                             cases.append(("S3 (moto)", tiers.s3))
                         timings = common.run_interleaved(
@@ -227,7 +304,7 @@ def bench_restore(args) -> None:
                 print(f"\n### Restore by tier: {common.format_size(nbytes)} per rank, {label}, "
                       f"one process, {args.reps} reps\n")
                 print(restore_table(timings, tiers.seen, tiers.nbytes,
-                                    [a for a in GOALS if a in timings]))
+                                    [a for a in (*GOALS, RAW_COLD) if a in timings]))
                 print("\n" + "\n".join(goals(timings, tiers.nbytes)))
     finally:
         if server is not None:
@@ -539,7 +616,8 @@ def main() -> None:
         p.add_argument("--s3-max", type=common.parse_size, default=common.parse_size("256M"),
                        help="the S3 tier's state is at most this big (moto fails large "
                             "uploads on a busy machine; default 256M)")
-        p.add_argument("--no-restore", action="store_true", help="skip the restore table")
+        p.add_argument("--no-restore", action="store_true", help="skip the restore tables")
+        p.add_argument("--no-peer", action="store_true", help="skip the world-2 restore table")
         p.add_argument("--no-timeline", action="store_true", help="skip the timeline")
         p.add_argument("--timeline-steps", type=int, default=60)
         p.add_argument("--timeline-reps", type=int, default=1,
@@ -556,7 +634,8 @@ def main() -> None:
     if not args.no_restore:
         bench_restore(args)
         print("\n" + common.GATE.summary())
-        bench_peer(args)
+        if not args.no_peer:
+            bench_peer(args)
     if not args.no_timeline:
         bench_timeline(args)
     print(f"\nload average at the end: {common.load_average()}")

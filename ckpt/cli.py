@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,8 +31,28 @@ from .inspect import Checkpoints
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
 
 
+def _open(path: str) -> Checkpoints:
+    """:func:`ckpt.inspect.open`, following a framework integration's pointer (Lightning's
+    ``last.ckpt``, HF's ``checkpoint-N/``, Accelerate's ``checkpoint_N/``) to its step."""
+    if "://" in path:
+        return inspect.open(path)
+    from trainer.integrations._steps import POINTER_NAME, read_pointer
+
+    step = read_pointer(os.path.join(path, POINTER_NAME) if os.path.isdir(path) else path)
+    if step is None:
+        return inspect.open(path)
+    root = os.path.dirname(os.path.abspath(path))
+    target = os.path.join(root, f"step-{step:08d}")
+    if not os.path.isdir(target):
+        raise CheckpointNotFoundError(
+            f"{path} points to step {step} of {root}, which is not committed (its save never "
+            f"finished, or it was retired); `ckpt ls {root}` lists the steps there", path=path)
+    print(f"ckpt: {path} points to step {step}: reading {target}", file=sys.stderr)
+    return inspect.open(target)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     rows = []
     for step in cps.steps():
         try:
@@ -39,6 +60,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows.append({"step": step, "created": m.created, "bytes": sum(m.files.values()),
                          "files": len(m.files), "tensors": len(m.tensors),
                          "world_size": m.world_size, "status": "committed"})
+        except CheckpointNotFoundError:
+            continue  # retired by a live writer since the listing
         except CheckpointError as e:
             rows.append({"step": step, "created": None, "bytes": None, "files": None,
                          "tensors": None, "world_size": None, "status": f"bad: {e}"})
@@ -69,7 +92,7 @@ def _when(created: float | None) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     step = _steps(cps, args)[0]
     m = cps.manifest(step)
     tensors = [{"key": k, "dtype": e.dtype, "shape": list(e.shape), "chunks": len(e.chunks),
@@ -152,7 +175,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                     or args.atol is not None):
         raise verify.UsageError("--model, --loss, --rtol and --atol are for --level forward")
     reports = []
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     for step in _steps(cps, args):
         progress = None
         if args.level != "structure":  # drawn only when stderr is a terminal
@@ -162,9 +185,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 progress = verify.ProgressBar(total, f"step {step}")
             except CheckpointError:
                 pass  # the verifier reports it
-        reports.append(verify.verify_step(
-            cps, step, args.level, progress, model=args.model, loss=args.loss,
-            rtol=args.rtol, atol=args.atol, threads=args.threads))
+        try:
+            reports.append(verify.verify_step(
+                cps, step, args.level, progress, model=args.model, loss=args.loss,
+                rtol=args.rtol, atol=args.atol, threads=args.threads))
+        except CheckpointNotFoundError as e:
+            if not args.all:
+                raise
+            print(f"ckpt verify: skipped step {step}, no longer committed: {e}",
+                  file=sys.stderr)  # a live writer's retention deleted it after the listing
     report = verify.Report(cps.url, reports)
     print(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
     return report.exit_code
@@ -181,9 +210,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
         except ValueError:
             raise verify.UsageError(f"ckpt diff ROOT A B takes two step numbers, not "
                                     f"{operands[1]!r} {operands[2]!r}") from None
-        side_a = side_b = inspect.open(operands[0])
+        side_a = side_b = _open(operands[0])
     elif len(operands) == 2:  # PATH_A PATH_B: two runs or two checkpoint directories
-        side_a, side_b = inspect.open(operands[0]), inspect.open(operands[1])
+        side_a, side_b = _open(operands[0]), _open(operands[1])
         a = _step_of(side_a, args.step_a)
         b = _step_of(side_b, args.step_b)
     else:
@@ -206,7 +235,7 @@ def _step_of(cps: Checkpoints, step: int | None) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     if args.to == "hf":
         return _export_hf(args)
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     step = _steps(cps, args)[0]
     result = verify.export_step(cps, step, args.to, args.file, item=args.item,
                                 force=args.force, threads=args.threads)
@@ -218,7 +247,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     from verify.export_hf import DEFAULT_SHARD_BYTES, export_hf, parse_size, render_hf_export
 
     shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_SHARD_BYTES
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     result = export_hf(cps, _steps(cps, args)[0], args.file, item=args.item,
                        force=args.force, max_shard_bytes=shard, threads=args.threads)
     print(verify.to_json(vars(result)) if args.json else render_hf_export(result))
@@ -230,7 +259,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return _gc_memory(args)
     if args.root is None:
         raise verify.UsageError("gc needs ROOT (or --memory for shared-memory segments)")
-    cps = inspect.open(args.root)
+    cps = _open(args.root)
     if not cps.is_root:
         raise verify.UsageError(
             f"{cps.url} is one checkpoint directory, not a root: gc collects the steps of a "
@@ -317,7 +346,10 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
         keep = _policy(steps, keep_last, keep_every)
         if keep is not None and set(steps) - keep:  # a step would be retired: check first
             for step in reversed(steps):
-                checked = verify.verify_step(cps, step, "digest", threads=threads)
+                try:
+                    checked = verify.verify_step(cps, step, "digest", threads=threads)
+                except CheckpointNotFoundError:
+                    continue  # a live writer retired it (a dry run holds no lock)
                 if checked.ok:
                     result.newest_good = step
                     break
@@ -548,8 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (see the epilog)."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "gc" and args.keep_every is not None and args.keep_last is None:
-            raise verify.UsageError("--keep-every only adds to --keep-last: give both")
+        _check_combinations(args)
         return args.func(args)
     except (CheckpointNotFoundError, CheckpointLockedError, StorageError,
             verify.UsageError) as e:
@@ -558,6 +589,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(args, e, EXIT_FAILED)
     except (OSError, ImportError) as e:  # the environment: permissions, a missing library
         return _error(args, f"{type(e).__name__}: {e}", EXIT_USAGE)
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Options that mean nothing with the others given are refused, not ignored."""
+    if args.command == "gc":
+        if args.keep_every is not None and args.keep_last is None:
+            raise verify.UsageError("--keep-every only adds to --keep-last: give both")
+        if args.memory and (args.root is not None or args.keep_last is not None):
+            raise verify.UsageError("gc --memory collects shared-memory segments and takes no "
+                                    "ROOT or --keep-last: run it separately")
+        if args.job is not None and not args.memory:
+            raise verify.UsageError("--job is for gc --memory")
+    if args.command == "export" and args.max_shard_size and args.to != "hf":
+        raise verify.UsageError("--max-shard-size is for --to hf")
 
 
 def _error(args: argparse.Namespace, error: Exception | str, code: int) -> int:

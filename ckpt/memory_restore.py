@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, MutableMapping
@@ -271,6 +272,9 @@ class MemorySource(ShmReader):
         self._round_lock = threading.Lock()
         self._server: threading.Thread | None = None
         self._served: list[BaseException] = []
+        self._sends: list = []  # what _serve posted (close watches them complete)
+        self._requests = 0  # how many requests _serve has received
+        self._waiting: set[int] = set()  # the peers _serve still waits for
 
     # -- reading a peer's bytes -----------------------------------------------------------
     def _round(self, holder: int, kind: int) -> dict[tuple[int, int], tuple[int, int]]:
@@ -417,12 +421,13 @@ class MemorySource(ShmReader):
     def _serve(self, pg: Any, parts: dict[int, list[tuple[Any, int, int]]]) -> None:
         """Answer the peers' requests (``parts``: peer -> what it planned to read from this
         rank, each (mapping, start, length)) until every one of them has said it is done."""
-        sends = []
+        sends = self._sends
         try:
-            left = set(parts)
+            left = self._waiting = set(parts)
             ask = torch.empty(5, dtype=torch.int64)
             while left:
                 src = dist.recv(ask, src=None, group=pg, tag=_REQUEST)
+                self._requests += 1
                 peer = dist.get_group_rank(pg, src)
                 op, a, b, c, tag = ask.tolist()
                 mine = parts.get(peer, [])
@@ -470,11 +475,33 @@ class MemorySource(ShmReader):
                 errors.append(e)
         server, self._server = getattr(self, "_server", None), None
         if server is not None:
-            server.join()
+            self._join(server)
         errors += getattr(self, "_served", [])
         super().close()
         if errors:
             raise errors[0]
+
+    def _join(self, server: threading.Thread) -> None:
+        """Wait until the peers this rank serves are done; give up, with a warning, once
+        they have neither asked for nor taken any bytes for ``STALL_S`` seconds (a peer
+        alive but stuck would otherwise hold this rank here forever)."""
+        def progress() -> int:
+            return self._requests + sum(w.is_completed() for w in list(self._sends))
+
+        seen, since = progress(), time.monotonic()
+        while True:
+            server.join(timeout=min(1.0, STALL_S))
+            if not server.is_alive():
+                return
+            now = progress()
+            if now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since >= STALL_S:
+                log.warning("ckpt.memory_restore serving %s: ranks %s have neither asked for "
+                            "nor received bytes for %.0f s; giving up on them (their restore "
+                            "cannot finish; a stuck or overloaded peer?)", self.url,
+                            sorted(self._waiting), STALL_S)
+                return
 
     def __del__(self) -> None:
         ShmReader.close(self)  # descriptors only: the peers' protocol is close()'s
@@ -494,6 +521,8 @@ def _round_keys(lengths: list[int], piece: int) -> list[tuple[int, int, int]]:
 
 #: The loader's block (and a round's piece) when a rank reads from peers.
 PEER_BLOCK = 4 << 20
+#: Seconds without progress after which a rank stops serving the peers still reading from it.
+STALL_S = 120.0
 _REQUEST = 0  # the tag of requests; data messages use tags from 1
 _TAGS = itertools.count(1)
 _TAG_LOCK = threading.Lock()

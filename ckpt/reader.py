@@ -63,8 +63,13 @@ def read_chunk(storage: Storage, location: str, key: str, chunk: Chunk,
                out: torch.Tensor, verify: bool = True, files: _Files | None = None) -> None:
     """Fill ``out`` (a contiguous CPU tensor of the chunk's shape) with the chunk's data
     (through ``files``' open readers when given)."""
+    _read_into(storage, location, key, chunk, byte_view(out), out.dtype, verify, files)
+
+
+def _read_into(storage: Storage, location: str, key: str, chunk: Chunk, view: memoryview,
+               dtype: torch.dtype, verify: bool = True, files: _Files | None = None) -> None:
+    """:func:`read_chunk` into ``view``, the bytes of the chunk's destination."""
     path = chunk_path(location, chunk)
-    view = byte_view(out)
     found = None  # the digest of what was read, when taken block by block as it landed
     try:
         if chunk.codec == "raw":
@@ -82,7 +87,7 @@ def read_chunk(storage: Storage, location: str, key: str, chunk: Chunk,
         else:
             from .codec import decode_into  # compression is optional on the read path
 
-            decode_into(chunk.codec, storage.read(path, chunk.start, chunk.length), view, out.dtype)
+            decode_into(chunk.codec, storage.read(path, chunk.start, chunk.length), view, dtype)
     except (EOFError, FileNotFoundError, ValueError) as e:
         raise _unreadable(storage, path, key, chunk, e) from e
     if verify and (found if found is not None else digest(view)) != chunk.digest:
@@ -190,25 +195,35 @@ class _Read:
     overlap: Box
     dest: torch.Tensor  # holds dest_box of the tensor: a live tensor, its local shard, or new
     dest_box: Box
+    into: memoryview | None  # the bytes of dest the chunk is read straight into, or None
 
 
 ReadJob = tuple[str, int, Callable[[], None]]  # (file path, start, read that fills dest)
 
 
 def _reads_for(manifest: Manifest, key: str, dest: torch.Tensor, dest_box: Box) -> list[_Read]:
-    return [_Read(key, chunk, overlap, dest, dest_box)
+    whole = _direct_bytes(dest)  # once per tensor: the per-chunk part is a slice of it
+    return [_Read(key, chunk, overlap, dest, dest_box, _direct(whole, dest, dest_box, chunk))
             for chunk, overlap in overlapping(manifest.tensors[key], dest_box)]
 
 
-def _direct(r: _Read) -> torch.Tensor | None:
-    """The slice of ``r.dest`` the chunk can be read straight into, or None (bounce)."""
-    d = r.dest
-    if (d.device.type != "cpu" or not d.is_contiguous() or d.is_conj() or d.is_neg()
-            or not _rows_of(r.dest_box, r.chunk)):
+def _direct_bytes(dest: torch.Tensor) -> memoryview | None:
+    """The bytes of ``dest`` when chunks can be read straight into it, or None (bounce)."""
+    if (dest.device.type != "cpu" or not dest.is_contiguous() or dest.is_conj()
+            or dest.is_neg()):
         return None
-    row = math.prod(d.shape[1:])
-    start = (r.chunk.offsets[0] - r.dest_box[0][0]) * row if d.dim() else 0
-    return d.reshape(-1)[start:start + r.chunk.numel].view(r.chunk.shape)
+    return byte_view(dest)
+
+
+def _direct(whole: memoryview | None, dest: torch.Tensor, dest_box: Box,
+            chunk: Chunk) -> memoryview | None:
+    """The part of ``whole`` (the bytes of ``dest``, which holds ``dest_box``) that
+    ``chunk`` fills when it is a run of whole rows of it, or None (bounce)."""
+    if whole is None or not _rows_of(dest_box, chunk):
+        return None
+    start = (chunk.offsets[0] - dest_box[0][0]) * math.prod(dest.shape[1:]) if dest.dim() else 0
+    size = dest.element_size()
+    return whole[start * size:(start + chunk.numel) * size]
 
 
 class _Applier:
@@ -235,9 +250,9 @@ class _Applier:
     def __call__(self, r: _Read) -> None:
         with self._lock:
             self.started.add(r.key)
-        out = _direct(r)
-        if out is not None:
-            read_chunk(self.storage, self.location, r.key, r.chunk, out, self.verify, self.files)
+        if r.into is not None:
+            _read_into(self.storage, self.location, r.key, r.chunk, r.into, r.dest.dtype,
+                       self.verify, self.files)
         else:
             cuda = r.dest.device.type == "cuda"
             tmp = self.scratch.take(r.chunk, r.dest.dtype, pinned=cuda)
@@ -326,9 +341,8 @@ def box_reads(storage: Storage, location: str, manifest: Manifest, key: str,
     """The reads that fill CPU ``dest``, which holds ``dest_box`` of ``key``: one per
     overlapping chunk, tagged with its file and offset so a caller can order them."""
     def one(r: _Read) -> None:
-        out = _direct(r)
-        if out is not None:
-            read_chunk(storage, location, key, r.chunk, out, verify)
+        if r.into is not None:
+            _read_into(storage, location, key, r.chunk, r.into, dest.dtype, verify)
             return
         tmp = torch.empty(r.chunk.shape, dtype=dest.dtype)
         read_chunk(storage, location, key, r.chunk, tmp, verify)

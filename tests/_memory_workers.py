@@ -208,3 +208,51 @@ def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
         dist.barrier()
     out["differs_from_rank0"] = expected
     return out
+
+
+def serve_a_stuck_peer(rank: int, world: int, root: str, shm: str, job: str,
+                       nodes: list[str], flag: str) -> dict:
+    """Step 1 in memory only, with replicas; node 1's own segment is lost, so rank 1 must
+    read its shard from its replica on node 0, served by rank 0. Both open the save; then
+    rank 1 is stuck (alive, reading nothing, never done) until rank 0's ``close`` has
+    returned, which it must do once its peer made no progress for ``STALL_S`` (short here),
+    with a warning. Rank 1 then recovers and closes, which ends rank 0's serving thread."""
+    import logging
+
+    from ckpt import memory_restore
+    from ckpt.memory_restore import candidates, local_holdings, open_candidate
+
+    mgr = manager(root, shm, job, nodes[rank], persist_every=1_000_000)
+    mgr.save(1, build(world, 1), force=True)
+    assert mgr.wait_replicated(60)
+    dist.barrier()
+    mgr.close()
+    if rank == 0:
+        shutil.rmtree(os.path.join(shm, f"ckpt-{job}-{nodes[1]}-r1"))
+    dist.barrier()
+    docs: dict = {}
+    found = candidates(local_holdings(shm, job, nodes[rank], docs), dist.group.WORLD, docs)
+    source = open_candidate(found[0], build(world, None), shm_dir=shm, job=job,
+                            node=nodes[rank], rank=rank, pg=dist.group.WORLD)
+    out = {"tier": source.tier}
+    pause = threading.Event()
+    if rank == 1:
+        while not os.path.exists(flag):  # stuck: no read, no "done"
+            pause.wait(0.01)
+        source.close()  # recovered: tells its holder it is done
+        return out
+    memory_restore.STALL_S = 0.5
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("ckpt").addHandler(handler)
+    server = source._server
+    try:
+        source.close()  # returns although rank 1 never said it was done
+    finally:
+        logging.getLogger("ckpt").removeHandler(handler)
+    out.update(warnings=seen, serving_after_close=server.is_alive())
+    open(flag, "w").close()
+    server.join(60)  # rank 1's "done" ends it
+    out["serving_at_end"] = server.is_alive()
+    return out

@@ -632,6 +632,121 @@ def test_diff_checks_sizes_before_sizing_buffers_from_a_hostile_manifest(tmp_pat
     assert "the manifest recorded 4000000000" in json.loads(out)["error"]
 
 
+def test_a_framework_pointer_is_followed_to_its_step(tmp_path, capsys):
+    from trainer.integrations._steps import POINTER_NAME, write_pointer
+
+    root = root_of_steps(tmp_path, steps=(1, 2))
+    write_pointer(str(root / "last.ckpt"), 2)  # Lightning
+    write_pointer(str(root / "checkpoint-1" / POINTER_NAME), 1)  # HF, Accelerate
+    write_pointer(str(root / "checkpoint-3" / POINTER_NAME), 3)  # its save never committed
+    code, out, err = cli(capsys, "ls", root / "last.ckpt", "--json")
+    assert code == 0 and [s["step"] for s in json.loads(out)["steps"]] == [2], err
+    assert f"points to step 2: reading {root / 'step-00000002'}" in err
+    code, out, err = cli(capsys, "verify", root / "checkpoint-1")
+    assert code == 0 and out.startswith("step 1: OK"), err
+    code, out, err = cli(capsys, "inspect", root / "checkpoint-3")
+    one_line_exit_2(code, err, "inspect", f"points to step 3 of {root}, which is not committed")
+
+
+def test_options_that_do_not_apply_are_refused_not_ignored(tmp_path, capsys):
+    root = root_of_steps(tmp_path, steps=(1, 2))
+    for args, needle in (
+            (["gc", "--memory", root, "--yes"], "gc --memory collects shared-memory segments"),
+            (["gc", "--memory", "--keep-last", "1", "--yes"], "takes no ROOT or --keep-last"),
+            (["gc", root, "--keep-last", "0", "--job", "j", "--yes"], "--job is for gc --memory"),
+            (["export", root, "--to", "torch", tmp_path / "m.pt", "--max-shard-size", "5GB"],
+             "--max-shard-size is for --to hf")):
+        code, out, err = cli(capsys, *args, "--json")
+        one_line_exit_2(code, err, args[0], needle)
+        assert json.loads(out)["exit_code"] == 2
+    assert committed(root) == [1, 2] and not (tmp_path / "m.pt").exists()
+
+
+def test_verify_all_on_a_live_root_skips_a_step_its_writer_retires_midway(
+        tmp_path, capsys, monkeypatch):
+    import verify
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False,
+                                options=ckpt.SaveOptions(chunk_bytes=4096)) as writer:
+        for step in (1, 2):  # 16 chunks each
+            writer.save(step, {"w": torch.full((16384,), float(step))})
+
+        def progress(total: int, label: str):  # made after step 1's manifest was read
+            if label == "step 1":
+                writer.save(3, {"w": torch.full((16384,), 3.0)})  # retires step 1
+            return lambda nbytes: None
+
+        monkeypatch.setattr(verify, "ProgressBar", progress)
+        code, out, err = cli(capsys, "verify", root, "--all")
+    assert committed(root) == [2, 3]
+    assert code == 0, out + err
+    assert out.splitlines() == [ln for ln in out.splitlines() if ln.startswith("step 2: OK")]
+    assert "skipped step 1, no longer committed: no committed checkpoint at" in err
+
+
+def test_a_step_retired_while_verify_reads_it_is_not_reported_as_damaged(tmp_path):
+    import verify
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        cps = ckpt.inspect.open(str(root))
+        files = cps.files
+
+        def files_then_retire(step, manifest):  # the manifest is read, no data file yet
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            return files(step, manifest)
+
+        cps.files = files_then_retire
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="step 1 of .* was retired "
+                           r"\(deleted by its writer's retention\) while it was being checked"):
+            verify.verify_step(cps, 1, "digest")
+    assert committed(root) == [2, 3]
+
+
+def test_a_gc_dry_run_passes_over_a_step_its_writer_retires_while_it_is_checked(tmp_path):
+    from ckpt.cli import collect_root
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=1, keep_every=2, async_save=False) as writer:
+        for step in (1, 2, 3):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        assert committed(root) == [2, 3]
+        cps = ckpt.inspect.open(str(root))
+        files = cps.files
+
+        def files_then_retire(step, manifest):
+            if step == 3:
+                writer.save(4, {"w": torch.full((64,), 4.0)})  # retires step 3
+            return files(step, manifest)
+
+        cps.files = files_then_retire
+        result = collect_root(cps, keep_last=1)  # a dry run: the writer keeps its lock
+    assert committed(root) == [2, 4]
+    assert result.newest_good == 2 and result.failed == {} and result.exit_code == 0
+
+
+def test_ls_on_a_live_root_leaves_out_a_step_retired_after_the_listing(tmp_path, capsys,
+                                                                       monkeypatch):
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        steps = ckpt.inspect.Checkpoints.steps
+
+        def steps_then_retire(self):
+            listed = steps(self)
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            return listed
+
+        monkeypatch.setattr(ckpt.inspect.Checkpoints, "steps", steps_then_retire)
+        code, out, err = cli(capsys, "ls", root)
+    assert code == 0, err
+    assert [ln.split()[0] for ln in out.splitlines()[2:]] == ["2"], out  # not "1 ... bad"
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

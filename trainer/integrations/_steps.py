@@ -25,6 +25,7 @@ import ckpt
 log = logging.getLogger("ckpt")
 
 POINTER_FORMAT = "ckpt-pointer"
+POINTER_NAME = "ckpt-step.json"  # the pointer inside an HF or Accelerate checkpoint folder
 MAX_POINTER_BYTES = 4096
 
 

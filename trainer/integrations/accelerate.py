@@ -29,9 +29,9 @@ from accelerate import Accelerator
 
 import ckpt
 
-from ._steps import StepStore, load_newest_good, read_pointer, write_pointer
+from ._steps import (POINTER_NAME, StepStore, load_newest_good, read_pointer,
+                     write_pointer)
 
-POINTER_NAME = "ckpt-step.json"
 CONFIG_KEY = "hf_config"
 _FOLDER = re.compile(r"^checkpoint_(\d+)$")
 

@@ -28,11 +28,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 import ckpt
 
-from ._steps import StepStore, load_newest_good, read_pointer, write_pointer
+from ._steps import (POINTER_NAME, StepStore, load_newest_good, read_pointer,
+                     write_pointer)
 
 log = logging.getLogger("ckpt")
 
-POINTER_NAME = "ckpt-step.json"
 TRAINER_STATE_NAME = "trainer_state.json"
 CONFIG_KEY = "hf_config"  # manifest metadata: the model's config.json, for `ckpt export --to hf`
 

@@ -69,3 +69,67 @@ def test_load_raises_this_ranks_fatal_error_as_it_is(tmp_path):
         with pytest.raises(ckpt.UnsupportedValueError) as caught:
             mgr.load()
         assert "another rank" not in str(caught.value) and mgr.skipped == []
+
+
+def test_an_odd_lock_owner_file_still_gives_one_line_naming_the_lock(tmp_path, capsys):
+    """``gc --yes`` on a root a live writer holds names the holder; a hand-edited owner file
+    with a "since" that is no time says "an unknown time" (mutant: ``_when(since)`` without
+    its isinstance check raised TypeError), and one that is no JSON object gives no holder
+    (it was AttributeError: 'list' object has no attribute 'get', in gc and the manager)."""
+    from ckpt.cli import main
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as writer:
+        writer.save(1, {"w": torch.zeros(4)})
+        for owner, needle in (('{"host": "h", "pid": 7, "since": "yesterday"}',
+                               "(host h, pid 7, since an unknown time)"),
+                              ("[1, 2]", "(host ?, pid ?, since an unknown time)")):
+            (root / ".lock.owner").write_text(owner)
+            assert main(["gc", str(root), "--keep-last", "1", "--yes"]) == 2
+            err = capsys.readouterr().err
+            assert f"is in use by a writer {needle}" in err and "Traceback" not in err, err
+        with pytest.raises(ckpt.CheckpointLockedError, match="an unknown process"):
+            ckpt.CheckpointManager(root)
+    assert (root / "step-00000001" / "manifest.json").exists()
+
+
+def test_export_refuses_a_dangling_link_and_tolerances_may_be_zero(tmp_path, capsys):
+    """A dangling symbolic link where the export goes is refused, not replaced (mutant:
+    ``os.path.exists`` for ``os.path.lexists`` sees no file there and writes over the
+    link, even without --force); ``--rtol 0 --atol 0`` (an exact check) is accepted
+    (mutant: ``value <= 0`` refuses it)."""
+    from ckpt.cli import build_parser, main
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(8)})
+    link = tmp_path / "out.pt"
+    link.symlink_to(tmp_path / "missing.pt")
+    assert main(["export", str(root), "--to", "torch", str(link)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert link.is_symlink() and not (tmp_path / "missing.pt").exists()
+    args = build_parser().parse_args(["verify", str(root), "--rtol", "0", "--atol", "0"])
+    assert (args.rtol, args.atol) == (0.0, 0.0)
+
+
+def test_a_loss_function_that_returns_no_number_is_named(tmp_path, capsys, monkeypatch):
+    """``verify --loss`` with a function returning text blames that function (mutant:
+    ``_LossCall`` returning ``self.fn(...)`` unconverted lets run_forward's float() fail
+    outside it, reported as "the forward pass of the model ... raised")."""
+    import sys
+
+    from ckpt.cli import main
+    from test_cli import make_root
+
+    make_root(tmp_path)
+    (tmp_path / "userloss3.py").write_text("def text(output, inputs):\n    return 'low'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code = main(["verify", str(tmp_path / "root"), "--level", "forward",
+                     "--loss", "userloss3:text"])
+    finally:
+        sys.modules.pop("userloss3", None)
+    out = capsys.readouterr().out
+    assert code == 2 and "the loss function userloss3:text raised ValueError" in out, out
+    assert "forward pass" not in out

@@ -747,6 +747,39 @@ def test_ls_on_a_live_root_leaves_out_a_step_retired_after_the_listing(tmp_path,
     assert [ln.split()[0] for ln in out.splitlines()[2:]] == ["2"], out  # not "1 ... bad"
 
 
+def test_a_probe_recorded_from_a_training_script_names_what_to_pass(tmp_path, capsys,
+                                                                     monkeypatch):
+    make_root(tmp_path)  # usermodels.py in tmp_path
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import usermodels
+
+    def my_loss(output, inputs):
+        return output.float().pow(2).mean()
+
+    my_loss.__module__, my_loss.__qualname__ = "__main__", "my_loss"  # as in train.py
+    inputs = torch.randint(0, 50, (3, 7))
+    for name, factory in (("script-loss", "usermodels:build"), ("script-factory",
+                                                                "__main__:build")):
+        probe = ckpt.Probe(model_key="model", inputs=inputs, factory=factory, loss_fn=my_loss)
+        with ckpt.CheckpointManager(tmp_path / name, probe=probe, async_save=False) as mgr:
+            mgr.save(1, {"model": usermodels.build()})
+    sys.modules.pop("usermodels", None)
+    code, out, err = cli(capsys, "verify", tmp_path / "script-loss", "--level", "forward")
+    assert code == 0, out + err  # the weights and the output were checked
+    assert ("recorded, not rechecked (the probe's recorded loss "
+            "function: __main__:my_loss was defined in the training script, so it cannot be "
+            "imported here; pass --loss module.path:callable)") in out, out
+    code, out, err = cli(capsys, "verify", tmp_path / "script-factory", "--level", "forward")
+    assert code == 2
+    assert ("! the probe's recorded factory: __main__:build was defined in the training "
+            "script, so it cannot be imported here; pass --model module.path:callable") in out
+    code, out, err = cli(capsys, "verify", tmp_path / "script-factory", "--level", "forward",
+                         "--model", "usermodels:build", "--loss", "nosuch:f")
+    assert code == 2 and "cannot import 'nosuch' for --loss 'nosuch:f'" in out
+    sys.modules.pop("usermodels", None)
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

@@ -588,7 +588,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:
         return _error(args, e, EXIT_FAILED)
     except (OSError, ImportError) as e:  # the environment: permissions, a missing library
-        return _error(args, f"{type(e).__name__}: {e}", EXIT_USAGE)
+        hint = "; check the path and its permissions" if isinstance(e, OSError) else ""
+        return _error(args, f"{type(e).__name__}: {e}{hint}", EXIT_USAGE,
+                      path=getattr(e, "filename", None))
 
 
 def _check_combinations(args: argparse.Namespace) -> None:
@@ -605,11 +607,12 @@ def _check_combinations(args: argparse.Namespace) -> None:
         raise verify.UsageError("--max-shard-size is for --to hf")
 
 
-def _error(args: argparse.Namespace, error: Exception | str, code: int) -> int:
+def _error(args: argparse.Namespace, error: Exception | str, code: int,
+           path: str | None = None) -> int:
     print(f"ckpt {args.command}: {error}", file=sys.stderr)
     if getattr(args, "json", False):
         print(verify.to_json({"ok": False, "exit_code": code, "error": str(error),
-                              "path": getattr(error, "path", None)}))
+                              "path": path or getattr(error, "path", None)}))
     return code
 
 

@@ -546,6 +546,9 @@ def test_verify_all_checks_every_step_when_one_cannot_be_read(tmp_path, capsys):
         with as_nobody():
             code, out, err = cli(capsys, "verify", root, "--all")
             doc = cli(capsys, "verify", root, "--all", "--json")
+            diff = cli(capsys, "diff", root, 1, 2, "--json")
+        one_line_exit_2(diff[0], diff[2], "diff", "check the path and its permissions")
+        assert json.loads(diff[1])["path"] == str(unreadable)
         assert code == 2 and "Traceback" not in err, err
         lines = out.splitlines()
         assert lines[0].startswith("step 1: OK") and lines[-1].startswith("step 3: OK"), out
@@ -778,6 +781,28 @@ def test_a_probe_recorded_from_a_training_script_names_what_to_pass(tmp_path, ca
                          "--model", "usermodels:build", "--loss", "nosuch:f")
     assert code == 2 and "cannot import 'nosuch' for --loss 'nosuch:f'" in out
     sys.modules.pop("usermodels", None)
+
+
+def test_export_into_a_folder_it_cannot_write_names_the_target(tmp_path, capsys):
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="ckpt-export-"))  # readable by another user
+    try:
+        base.chmod(0o755)
+        root = root_of_steps(base, steps=(1,))
+        for path in root.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        closed = base / "closed"
+        closed.mkdir(mode=0o555)
+        target = closed / "model.safetensors"
+        with as_nobody():
+            code, out, err = cli(capsys, "export", root, "--to", "safetensors", target,
+                                 "--json")
+        one_line_exit_2(code, err, "export",
+                        f"cannot write {target}: Permission denied in {closed}")
+        assert json.loads(out)["exit_code"] == 2 and list(closed.iterdir()) == []
+    finally:
+        shutil.rmtree(base)
 
 
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):

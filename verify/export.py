@@ -128,7 +128,12 @@ def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: st
     tmp = f"{path}.tmp-{os.getpid()}"
     nbytes = sum(manifest.tensors[k].nbytes for k in stored.values())
     try:
-        with open(tmp, "wb") as f, cf.ThreadPoolExecutor(threads) as pool:
+        out = open(tmp, "xb")
+    except OSError as e:  # the target's folder (the temporary file is only a detail)
+        raise UsageError(f"cannot write {path}: {e.strerror} in {os.path.dirname(path)}; "
+                         "choose a folder you can write to") from e
+    try:
+        with out as f, cf.ThreadPoolExecutor(threads) as pool:
             def read(key: str) -> torch.Tensor:
                 return cps.read_tensor(step, key, manifest, pool)
 

@@ -798,8 +798,11 @@ def test_export_into_a_folder_it_cannot_write_names_the_target(tmp_path, capsys)
         with as_nobody():
             code, out, err = cli(capsys, "export", root, "--to", "safetensors", target,
                                  "--json")
+            hf = cli(capsys, "export", root, "--to", "hf", closed / "hf", "--item", "w")
         one_line_exit_2(code, err, "export",
                         f"cannot write {target}: Permission denied in {closed}")
+        one_line_exit_2(hf[0], hf[2], "export",
+                        f"cannot write {closed / 'hf'}: Permission denied in {closed}")
         assert json.loads(out)["exit_code"] == 2 and list(closed.iterdir()) == []
     finally:
         shutil.rmtree(base)

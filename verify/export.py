@@ -129,9 +129,8 @@ def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: st
     nbytes = sum(manifest.tensors[k].nbytes for k in stored.values())
     try:
         out = open(tmp, "xb")
-    except OSError as e:  # the target's folder (the temporary file is only a detail)
-        raise UsageError(f"cannot write {path}: {e.strerror} in {os.path.dirname(path)}; "
-                         "choose a folder you can write to") from e
+    except OSError as e:
+        raise cannot_write(path, e) from e
     try:
         with out as f, cf.ThreadPoolExecutor(threads) as pool:
             def read(key: str) -> torch.Tensor:
@@ -153,6 +152,12 @@ def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: st
             os.unlink(tmp)
     return ExportResult(path, fmt, step, len(stored) + len(aliases), nbytes, aliases, item,
                         time.perf_counter() - t0)
+
+
+def cannot_write(path: str, error: OSError) -> UsageError:
+    """The target's folder cannot be written (the temporary name next to it is a detail)."""
+    return UsageError(f"cannot write {path}: {error.strerror} in {os.path.dirname(path)}; "
+                      "choose a folder you can write to")
 
 
 def _write_safetensors(f: BinaryIO, manifest: Manifest, stored: dict[str, str],

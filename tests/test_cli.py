@@ -808,6 +808,23 @@ def test_export_into_a_folder_it_cannot_write_names_the_target(tmp_path, capsys)
         shutil.rmtree(base)
 
 
+@pytest.mark.parametrize("field,value,why", [
+    ("output", 0, "its recorded output is a int, not a tensor"),
+    ("loss", "low", "its recorded loss is a str, not a number")])
+def test_a_hand_edited_probe_is_a_failed_check_not_a_traceback(tmp_path, capsys, monkeypatch,
+                                                                field, value, why):
+    make_root(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    manifest = tmp_path / "root/step-00000002/manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["items"]["__probe__"]["tree"][field] = value
+    manifest.write_text(json.dumps(doc))
+    code, out, err = cli(capsys, "verify", tmp_path / "root", "--level", "forward")
+    assert code == 1, out + err
+    assert f"  - output: {manifest.parent}: the probe item is damaged: {why}" in out
+    sys.modules.pop("usermodels", None)
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

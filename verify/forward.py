@@ -138,6 +138,10 @@ def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
     except ckpt.CorruptCheckpointError as e:
         return [Problem("weights", str(e), e.path)], {"factory": factory}
     probe = state[PROBE_ITEM]
+    damaged = _damaged_probe(probe)
+    if damaged is not None:
+        return [Problem("output", f"{where}: the probe item is damaged: {damaged}", where)], \
+            {"factory": factory}
     problems = nonfinite_weights(cps, step, net, manifest, model_key)
     loss_fn, loss_note = _loss_function(loss, probe.get("loss_fn"))
     try:
@@ -163,6 +167,20 @@ def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
         problems += _compare_loss(probe.get("loss"), loss_now, r, a, where)
     figures["seconds"] = time.perf_counter() - t0
     return problems, figures
+
+
+def _damaged_probe(probe: Any) -> str | None:
+    """What is wrong with a loaded probe item (a hand-edited or damaged manifest), or None."""
+    if not isinstance(probe, dict):
+        return f"it is a {type(probe).__name__}, not the recorded fields"
+    if "inputs" not in probe:
+        return "it has no recorded inputs"
+    if not isinstance(probe.get("output"), torch.Tensor):
+        return f"its recorded output is a {type(probe.get('output')).__name__}, not a tensor"
+    loss = probe.get("loss")
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+        return f"its recorded loss is a {type(loss).__name__}, not a number"
+    return None
 
 
 def nonfinite_weights(cps: Checkpoints, step: int, net: torch.nn.Module, manifest: Manifest,

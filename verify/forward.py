@@ -33,7 +33,7 @@ import torch
 import ckpt
 # TOLERANCES is re-exported by verify/__init__.py (its table lives in ckpt.probe, for restore)
 from ckpt.inspect import (PROBE_ITEM, TOLERANCES, Checkpoints, Manifest,  # noqa: F401
-                          item_tree, run_forward, tensor_leaves, tolerance_for)
+                          damaged_probe, item_tree, run_forward, tensor_leaves, tolerance_for)
 
 from .report import Problem, UsageError
 
@@ -173,10 +173,9 @@ def _damaged_probe(probe: Any) -> str | None:
     """What is wrong with a loaded probe item (a hand-edited or damaged manifest), or None."""
     if not isinstance(probe, dict):
         return f"it is a {type(probe).__name__}, not the recorded fields"
-    if "inputs" not in probe:
-        return "it has no recorded inputs"
-    if not isinstance(probe.get("output"), torch.Tensor):
-        return f"its recorded output is a {type(probe.get('output')).__name__}, not a tensor"
+    damaged = damaged_probe(probe)
+    if damaged is not None:
+        return damaged
     loss = probe.get("loss")
     if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
         return f"its recorded loss is a {type(loss).__name__}, not a number"

@@ -585,8 +585,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointNotFoundError, CheckpointLockedError, StorageError,
             verify.UsageError) as e:
         return _error(args, e, EXIT_USAGE)
-    except CheckpointError as e:
-        return _error(args, e, EXIT_FAILED)
+    except CheckpointError as e:  # damage: say where the good steps are
+        hint = "; `ckpt verify --all` tells which steps are good"
+        if args.command in ("inspect", "export") and args.step is None:
+            hint += " and --step N picks one"
+        return _error(args, f"{e}{hint}", EXIT_FAILED, path=getattr(e, "path", None))
     except (OSError, ImportError) as e:  # the environment: permissions, a missing library
         hint = "; check the path and its permissions" if isinstance(e, OSError) else ""
         return _error(args, f"{type(e).__name__}: {e}{hint}", EXIT_USAGE,

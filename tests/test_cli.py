@@ -856,6 +856,10 @@ def test_ls_gives_the_whole_reason_a_step_is_bad_with_its_path(tmp_path, capsys)
     assert rows[2].split()[0] == "1" and rows[2].split()[-1] == "(below)"
     assert rows[3].split()[-1] == "committed"
     assert rows[4].startswith(f"step 1: bad: {manifest}: manifest is not valid JSON"), out
+    (root / "step-00000002/manifest.json").write_text("{")  # now the newest is bad too
+    code, out, err = cli(capsys, "inspect", root)
+    assert code == 1 and err.startswith("ckpt inspect: ") and err.strip().endswith(
+        "`ckpt verify --all` tells which steps are good and --step N picks one"), err
 
 
 @pytest.mark.s3

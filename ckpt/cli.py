@@ -60,6 +60,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows.append({"step": step, "created": m.created, "bytes": sum(m.files.values()),
                          "files": len(m.files), "tensors": len(m.tensors),
                          "world_size": m.world_size, "status": "committed"})
+        except CheckpointNotFoundError:
+            continue  # retired by a live writer since the listing
         except CheckpointError as e:
             rows.append({"step": step, "created": None, "bytes": None, "files": None,
                          "tensors": None, "world_size": None, "status": f"bad: {e}"})
@@ -183,9 +185,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 progress = verify.ProgressBar(total, f"step {step}")
             except CheckpointError:
                 pass  # the verifier reports it
-        reports.append(verify.verify_step(
-            cps, step, args.level, progress, model=args.model, loss=args.loss,
-            rtol=args.rtol, atol=args.atol, threads=args.threads))
+        try:
+            reports.append(verify.verify_step(
+                cps, step, args.level, progress, model=args.model, loss=args.loss,
+                rtol=args.rtol, atol=args.atol, threads=args.threads))
+        except CheckpointNotFoundError as e:
+            if not args.all:
+                raise
+            print(f"ckpt verify: skipped step {step}, no longer committed: {e}",
+                  file=sys.stderr)  # a live writer's retention deleted it after the listing
     report = verify.Report(cps.url, reports)
     print(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
     return report.exit_code
@@ -338,7 +346,10 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
         keep = _policy(steps, keep_last, keep_every)
         if keep is not None and set(steps) - keep:  # a step would be retired: check first
             for step in reversed(steps):
-                checked = verify.verify_step(cps, step, "digest", threads=threads)
+                try:
+                    checked = verify.verify_step(cps, step, "digest", threads=threads)
+                except CheckpointNotFoundError:
+                    continue  # a live writer retired it (a dry run holds no lock)
                 if checked.ok:
                     result.newest_good = step
                     break
@@ -569,8 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status (see the epilog)."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "gc" and args.keep_every is not None and args.keep_last is None:
-            raise verify.UsageError("--keep-every only adds to --keep-last: give both")
+        _check_combinations(args)
         return args.func(args)
     except (CheckpointNotFoundError, CheckpointLockedError, StorageError,
             verify.UsageError) as e:
@@ -578,14 +588,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:
         return _error(args, e, EXIT_FAILED)
     except (OSError, ImportError) as e:  # the environment: permissions, a missing library
-        return _error(args, f"{type(e).__name__}: {e}", EXIT_USAGE)
+        hint = "; check the path and its permissions" if isinstance(e, OSError) else ""
+        return _error(args, f"{type(e).__name__}: {e}{hint}", EXIT_USAGE,
+                      path=getattr(e, "filename", None))
 
 
-def _error(args: argparse.Namespace, error: Exception | str, code: int) -> int:
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Options that mean nothing with the others given are refused, not ignored."""
+    if args.command == "gc":
+        if args.keep_every is not None and args.keep_last is None:
+            raise verify.UsageError("--keep-every only adds to --keep-last: give both")
+        if args.memory and (args.root is not None or args.keep_last is not None):
+            raise verify.UsageError("gc --memory collects shared-memory segments and takes no "
+                                    "ROOT or --keep-last: run it separately")
+        if args.job is not None and not args.memory:
+            raise verify.UsageError("--job is for gc --memory")
+    if args.command == "export" and args.max_shard_size and args.to != "hf":
+        raise verify.UsageError("--max-shard-size is for --to hf")
+
+
+def _error(args: argparse.Namespace, error: Exception | str, code: int,
+           path: str | None = None) -> int:
     print(f"ckpt {args.command}: {error}", file=sys.stderr)
     if getattr(args, "json", False):
         print(verify.to_json({"ok": False, "exit_code": code, "error": str(error),
-                              "path": getattr(error, "path", None)}))
+                              "path": path or getattr(error, "path", None)}))
     return code
 
 

@@ -44,6 +44,7 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
                                 metadata=metadata, previous=previous, hold_all=hold_all)
     gathered = group.all_gather({"specs": specs, "items": flat.items, "aliases": flat.aliases,
                                  "token": token})
+    _check_per_rank_names([_per_rank_names(g["items"]) for g in gathered])
     writers = assign_writers([g["specs"] for g in gathered])
     mine = [s.key for s in specs if writers[(s.key, s.offsets)] == group.rank]
     pieces, held, ready = _stage(state, specs, locals_, mine, stager=stager, options=options,
@@ -100,7 +101,7 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         [s.key, s.dtype, s.global_shape,
          [mesh_ids[layouts[s.key].mesh], layouts[s.key].placements] if s.key in layouts
          else None] for s in specs if s.key not in own])
-    per_rank = sorted(k for k, item in flat.items.items() if "per_rank" in item)
+    per_rank = _per_rank_names(flat.items)
     mine = {"sig": digest(description.encode()), "described": described, "token": token,
             "per_rank": per_rank,
             "own": [[s.key, s.dtype, list(s.global_shape)] for s in specs if s.key in own]}
@@ -128,9 +129,15 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         world_size=world, token=gathered[0]["token"], layouts=layouts)
 
 
+def _per_rank_names(items: dict[str, dict]) -> list[str]:
+    """The names of the per-rank items, sorted (ranks may list the state's keys in any order)."""
+    return sorted(name for name, item in items.items() if "per_rank" in item)
+
+
 def _check_per_rank_names(by_rank: list[list[str]]) -> None:
-    """Every rank must save the same per-rank items: the manifest (rank 0's items) says each
-    table holds a tree for each of them. Every rank sees the same lists, so all raise."""
+    """Every rank must save the same per-rank items: the manifest (rank 0's items) holds each
+    rank's tree of each of them (format 2: in each rank's table). Every rank sees the same
+    lists, so all raise (format 1 failed on a bare KeyError)."""
     differ = [r for r, names in enumerate(by_rank) if names != by_rank[0]]
     if differ:
         raise CheckpointError(

@@ -10,7 +10,8 @@ from _scale_workers import Blob
 
 
 def save_keys_in_rank_order_recording_staged(rank: int, world: int, root: str) -> dict:
-    """Save a replicated tensor and two per-rank items, rank 1 listing the state's keys in
+    """A format-1 save whose ranks disagree on their per-rank items is tried first. Then
+    save a replicated tensor and two per-rank items, rank 1 listing the state's keys in
     the opposite order, recording the tensors each rank stages to host; then restore."""
     torch.manual_seed(100 + rank)
     blob = Blob(rank, 16)
@@ -25,6 +26,14 @@ def save_keys_in_rank_order_recording_staged(rank: int, world: int, root: str) -
         staged.extend(tensors)
         return original(self, tensors, *args, **kwargs)
 
+    mismatch = None
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(rank_tables=False)) as mgr:
+        try:  # format 1, rank 1 without its per-rank Blob: refused on every rank, by name
+            mgr.save(5, state if rank == 0 else {k: state[k] for k in ("w", "rng")},
+                     force=True)
+        except ckpt.CheckpointError as e:
+            mismatch = str(e)
     Stager.stage = recording
     try:
         with ckpt.CheckpointManager(root, async_save=False) as mgr:
@@ -37,5 +46,6 @@ def save_keys_in_rank_order_recording_staged(rank: int, world: int, root: str) -
     state["w"] = torch.zeros(4096)
     with ckpt.CheckpointManager(root) as mgr:
         step = mgr.restore(state)
-    return {"step": step, "staged": sorted(staged), "rng_exact": bool(torch.rand(3).equal(want)),
-            "blob_exact": blob.value == saved, "w_exact": bool(state["w"].equal(torch.arange(4096.0)))}
+    return {"mismatch": mismatch, "step": step, "staged": sorted(staged),
+            "rng_exact": bool(torch.rand(3).equal(want)), "blob_exact": blob.value == saved,
+            "w_exact": bool(state["w"].equal(torch.arange(4096.0)))}

@@ -546,6 +546,9 @@ def test_verify_all_checks_every_step_when_one_cannot_be_read(tmp_path, capsys):
         with as_nobody():
             code, out, err = cli(capsys, "verify", root, "--all")
             doc = cli(capsys, "verify", root, "--all", "--json")
+            diff = cli(capsys, "diff", root, 1, 2, "--json")
+        one_line_exit_2(diff[0], diff[2], "diff", "check the path and its permissions")
+        assert json.loads(diff[1])["path"] == str(unreadable)
         assert code == 2 and "Traceback" not in err, err
         lines = out.splitlines()
         assert lines[0].startswith("step 1: OK") and lines[-1].startswith("step 3: OK"), out
@@ -646,6 +649,180 @@ def test_a_framework_pointer_is_followed_to_its_step(tmp_path, capsys):
     assert code == 0 and out.startswith("step 1: OK"), err
     code, out, err = cli(capsys, "inspect", root / "checkpoint-3")
     one_line_exit_2(code, err, "inspect", f"points to step 3 of {root}, which is not committed")
+
+
+def test_options_that_do_not_apply_are_refused_not_ignored(tmp_path, capsys):
+    root = root_of_steps(tmp_path, steps=(1, 2))
+    for args, needle in (
+            (["gc", "--memory", root, "--yes"], "gc --memory collects shared-memory segments"),
+            (["gc", "--memory", "--keep-last", "1", "--yes"], "takes no ROOT or --keep-last"),
+            (["gc", root, "--keep-last", "0", "--job", "j", "--yes"], "--job is for gc --memory"),
+            (["export", root, "--to", "torch", tmp_path / "m.pt", "--max-shard-size", "5GB"],
+             "--max-shard-size is for --to hf")):
+        code, out, err = cli(capsys, *args, "--json")
+        one_line_exit_2(code, err, args[0], needle)
+        assert json.loads(out)["exit_code"] == 2
+    assert committed(root) == [1, 2] and not (tmp_path / "m.pt").exists()
+
+
+def test_verify_all_on_a_live_root_skips_a_step_its_writer_retires_midway(
+        tmp_path, capsys, monkeypatch):
+    import verify
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False,
+                                options=ckpt.SaveOptions(chunk_bytes=4096)) as writer:
+        for step in (1, 2):  # 16 chunks each
+            writer.save(step, {"w": torch.full((16384,), float(step))})
+
+        def progress(total: int, label: str):  # made after step 1's manifest was read
+            if label == "step 1":
+                writer.save(3, {"w": torch.full((16384,), 3.0)})  # retires step 1
+            return lambda nbytes: None
+
+        monkeypatch.setattr(verify, "ProgressBar", progress)
+        code, out, err = cli(capsys, "verify", root, "--all")
+    assert committed(root) == [2, 3]
+    assert code == 0, out + err
+    assert out.splitlines() == [ln for ln in out.splitlines() if ln.startswith("step 2: OK")]
+    assert "skipped step 1, no longer committed: no committed checkpoint at" in err
+
+
+def test_a_step_retired_while_verify_reads_it_is_not_reported_as_damaged(tmp_path):
+    import verify
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        cps = ckpt.inspect.open(str(root))
+        files = cps.files
+
+        def files_then_retire(step, manifest):  # the manifest is read, no data file yet
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            return files(step, manifest)
+
+        cps.files = files_then_retire
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="step 1 of .* was retired "
+                           r"\(deleted by its writer's retention\) while it was being checked"):
+            verify.verify_step(cps, 1, "digest")
+    assert committed(root) == [2, 3]
+
+
+def test_a_gc_dry_run_passes_over_a_step_its_writer_retires_while_it_is_checked(tmp_path):
+    from ckpt.cli import collect_root
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=1, keep_every=2, async_save=False) as writer:
+        for step in (1, 2, 3):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        assert committed(root) == [2, 3]
+        cps = ckpt.inspect.open(str(root))
+        files = cps.files
+
+        def files_then_retire(step, manifest):
+            if step == 3:
+                writer.save(4, {"w": torch.full((64,), 4.0)})  # retires step 3
+            return files(step, manifest)
+
+        cps.files = files_then_retire
+        result = collect_root(cps, keep_last=1)  # a dry run: the writer keeps its lock
+    assert committed(root) == [2, 4]
+    assert result.newest_good == 2 and result.failed == {} and result.exit_code == 0
+
+
+def test_ls_on_a_live_root_leaves_out_a_step_retired_after_the_listing(tmp_path, capsys,
+                                                                       monkeypatch):
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        steps = ckpt.inspect.Checkpoints.steps
+
+        def steps_then_retire(self):
+            listed = steps(self)
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            return listed
+
+        monkeypatch.setattr(ckpt.inspect.Checkpoints, "steps", steps_then_retire)
+        code, out, err = cli(capsys, "ls", root)
+    assert code == 0, err
+    assert [ln.split()[0] for ln in out.splitlines()[2:]] == ["2"], out  # not "1 ... bad"
+
+
+def test_a_probe_recorded_from_a_training_script_names_what_to_pass(tmp_path, capsys,
+                                                                     monkeypatch):
+    make_root(tmp_path)  # usermodels.py in tmp_path
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import usermodels
+
+    def my_loss(output, inputs):
+        return output.float().pow(2).mean()
+
+    my_loss.__module__, my_loss.__qualname__ = "__main__", "my_loss"  # as in train.py
+    inputs = torch.randint(0, 50, (3, 7))
+    for name, factory in (("script-loss", "usermodels:build"), ("script-factory",
+                                                                "__main__:build")):
+        probe = ckpt.Probe(model_key="model", inputs=inputs, factory=factory, loss_fn=my_loss)
+        with ckpt.CheckpointManager(tmp_path / name, probe=probe, async_save=False) as mgr:
+            mgr.save(1, {"model": usermodels.build()})
+    sys.modules.pop("usermodels", None)
+    code, out, err = cli(capsys, "verify", tmp_path / "script-loss", "--level", "forward")
+    assert code == 0, out + err  # the weights and the output were checked
+    assert ("recorded, not rechecked (the probe's recorded loss "
+            "function: __main__:my_loss was defined in the training script, so it cannot be "
+            "imported here; pass --loss module.path:callable)") in out, out
+    code, out, err = cli(capsys, "verify", tmp_path / "script-factory", "--level", "forward")
+    assert code == 2
+    assert ("! the probe's recorded factory: __main__:build was defined in the training "
+            "script, so it cannot be imported here; pass --model module.path:callable") in out
+    code, out, err = cli(capsys, "verify", tmp_path / "script-factory", "--level", "forward",
+                         "--model", "usermodels:build", "--loss", "nosuch:f")
+    assert code == 2 and "cannot import 'nosuch' for --loss 'nosuch:f'" in out
+    sys.modules.pop("usermodels", None)
+
+
+def test_export_into_a_folder_it_cannot_write_names_the_target(tmp_path, capsys):
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="ckpt-export-"))  # readable by another user
+    try:
+        base.chmod(0o755)
+        root = root_of_steps(base, steps=(1,))
+        for path in root.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        closed = base / "closed"
+        closed.mkdir(mode=0o555)
+        target = closed / "model.safetensors"
+        with as_nobody():
+            code, out, err = cli(capsys, "export", root, "--to", "safetensors", target,
+                                 "--json")
+            hf = cli(capsys, "export", root, "--to", "hf", closed / "hf", "--item", "w")
+        one_line_exit_2(code, err, "export",
+                        f"cannot write {target}: Permission denied in {closed}")
+        one_line_exit_2(hf[0], hf[2], "export",
+                        f"cannot write {closed / 'hf'}: Permission denied in {closed}")
+        assert json.loads(out)["exit_code"] == 2 and list(closed.iterdir()) == []
+    finally:
+        shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("output", 0, "its recorded output is a int, not a tensor"),
+    ("loss", "low", "its recorded loss is a str, not a number")])
+def test_a_hand_edited_probe_is_a_failed_check_not_a_traceback(tmp_path, capsys, monkeypatch,
+                                                                field, value, why):
+    make_root(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    manifest = tmp_path / "root/step-00000002/manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["items"]["__probe__"]["tree"][field] = value
+    manifest.write_text(json.dumps(doc))
+    code, out, err = cli(capsys, "verify", tmp_path / "root", "--level", "forward")
+    assert code == 1, out + err
+    assert f"  - output: {manifest.parent}: the probe item is damaged: {why}" in out
+    sys.modules.pop("usermodels", None)
 
 
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):

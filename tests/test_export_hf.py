@@ -86,6 +86,20 @@ def test_export_to_hf_of_a_damaged_step_leaves_nothing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
 
 
+def test_export_to_hf_without_a_model_item_names_the_items_holding_tensors(tmp_path, capsys):
+    model = torch.nn.Linear(4, 2)
+    ckpt.save({"state_dict": model.state_dict(), "epoch": 3, "rng": ckpt.RNGState()},
+              str(tmp_path / "lightning-like"))
+    assert cli.main(["export", str(tmp_path / "lightning-like"), "--to", "hf",
+                     str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "name the model with --item (items holding tensors: state_dict;" in err
+    assert cli.main(["export", str(tmp_path / "lightning-like"), "--to", "hf",
+                     str(tmp_path / "hf"), "--item", "state_dict"]) == 0
+    exported = load_file(str(tmp_path / "hf/model-00001-of-00001.safetensors"))
+    assert torch.equal(exported["weight"], model.weight.detach())
+
+
 @pytest.mark.parametrize("text,expected", [("5GB", 5 * 10**9), ("1MiB", 2**20), ("123", 123)])
 def test_shard_sizes_parse(text, expected):
     from verify.export_hf import parse_size

@@ -24,9 +24,9 @@ import torch
 
 import ckpt
 import ckpt.inspect
-from ckpt.inspect import SAFETENSORS_DTYPES, Checkpoints, Manifest
+from ckpt.inspect import SAFETENSORS_DTYPES, Checkpoints, Manifest, item_tree, tensor_leaves
 
-from .export import _write_safetensors, plan, select
+from .export import _write_safetensors, cannot_write, plan, select
 from .report import UsageError, size
 
 CONFIG_KEY = "hf_config"
@@ -68,8 +68,12 @@ def _model_item(manifest: Manifest, item: str | None) -> str:
         return "model"
     if len(modules) == 1:
         return modules[0]
+    with_tensors = sorted(n for n, it in manifest.items.items() if "per_rank" not in it
+                          and tensor_leaves(item_tree(it)))
     raise UsageError(f"step {manifest.step} has no item 'model' and {len(modules)} modules "
-                     f"({modules}); name the model with --item")
+                     f"({modules}); name the model with --item (items holding tensors: "
+                     f"{', '.join(with_tensors) or 'none'}; a Lightning step keeps the "
+                     "LightningModule's weights in 'state_dict')")
 
 
 def export_hf(source: Checkpoints | ckpt.CheckpointManager, step: int, path: str, *,
@@ -106,7 +110,10 @@ def export_hf(source: Checkpoints | ckpt.CheckpointManager, step: int, path: str
     total = sum(manifest.tensors[k].nbytes for k in stored.values())
     config = manifest.metadata.get(CONFIG_KEY)
     tmp = f"{path}.tmp-{os.getpid()}"
-    os.makedirs(tmp)
+    try:
+        os.mkdir(tmp)
+    except OSError as e:
+        raise cannot_write(path, e) from e
     try:
         with cf.ThreadPoolExecutor(threads) as pool:
             def read(key: str) -> torch.Tensor:

@@ -201,7 +201,8 @@ def verify_step(source: Checkpoints | ckpt.CheckpointManager, step: int,
 
     Raises:
         ValueError: an unknown level.
-        CheckpointNotFoundError: the step does not exist.
+        CheckpointNotFoundError: the step does not exist, or a writer retired it while it
+            was being checked.
 
     A step that cannot be read (permissions, I/O errors) gives a report with ``error`` set
     (exit status 2) rather than an exception, so ``--all`` still checks the other steps.
@@ -221,9 +222,21 @@ def verify_step(source: Checkpoints | ckpt.CheckpointManager, step: int,
     except OSError as e:  # unreadable storage: this step is not checked, others still are
         report.error = (f"step {step} could not be read: {type(e).__name__}: {e}; fix the "
                         "storage or its permissions and verify again")
+    if (report.problems or report.error is not None) and cps.is_root and _retired(cps, step):
+        # A live writer's retention deleted the step under us: no damage to report.
+        raise ckpt.CheckpointNotFoundError(
+            f"step {step} of {cps.url} was retired (deleted by its writer's retention) while "
+            "it was being checked", path=cps.step_url(step))
     report.ok = not report.problems and report.error is None
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _retired(cps: Checkpoints, step: int) -> bool:
+    try:
+        return step not in cps.steps()
+    except ckpt.CheckpointError:
+        return False  # cannot tell: report what was found
 
 
 def _run_levels(cps: Checkpoints, step: int, level: str, report: StepReport,

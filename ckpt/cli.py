@@ -116,9 +116,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for alias, target in m.aliases.items():
         print(f"{alias} -> {target} (same storage)")
     lines = [f"  {path}: {_short(value)}" for path, value in
-             inspect.plain_values(values).items()]
+             (inspect.plain_values(values) if values else {}).items()]
     lines += [f"  {item}/{path}: {_short(value)}" for item, found in saved.items()
               for path, value in found.items()]
+    lines += [f"  {path}: {_short(value)}" for path, value in verify.user_metadata(m).items()]
     if lines:
         print("saved values:")
         print("\n".join(lines[:MAX_VALUE_LINES]))

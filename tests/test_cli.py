@@ -825,6 +825,15 @@ def test_a_hand_edited_probe_is_a_failed_check_not_a_traceback(tmp_path, capsys,
     sys.modules.pop("usermodels", None)
 
 
+def test_inspect_shows_the_metrics_saved_with_a_step_and_no_empty_value_line(tmp_path, capsys):
+    with ckpt.CheckpointManager(tmp_path / "root", async_save=False) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(2, 2)}, metrics={"val_loss": 0.25})
+    code, out, err = cli(capsys, "inspect", tmp_path / "root")
+    assert code == 0, err
+    values = out.split("saved values:\n")[1].splitlines()
+    assert values == ["  metadata/metrics/val_loss: 0.25"], out  # no "  : {}" line either
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 

@@ -27,6 +27,7 @@ from . import inspect
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      StorageError)
 from .inspect import Checkpoints
+from .pointer import POINTER_NAME, read_pointer
 
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
 
@@ -36,8 +37,6 @@ def _open(path: str) -> Checkpoints:
     ``last.ckpt``, HF's ``checkpoint-N/``, Accelerate's ``checkpoint_N/``) to its step."""
     if "://" in path:
         return inspect.open(path)
-    from trainer.integrations._steps import POINTER_NAME, read_pointer
-
     step = read_pointer(os.path.join(path, POINTER_NAME) if os.path.isdir(path) else path)
     if step is None:
         return inspect.open(path)

@@ -636,7 +636,7 @@ def test_diff_checks_sizes_before_sizing_buffers_from_a_hostile_manifest(tmp_pat
 
 
 def test_a_framework_pointer_is_followed_to_its_step(tmp_path, capsys):
-    from trainer.integrations._steps import POINTER_NAME, write_pointer
+    from ckpt.pointer import POINTER_NAME, write_pointer
 
     root = root_of_steps(tmp_path, steps=(1, 2))
     write_pointer(str(root / "last.ckpt"), 2)  # Lightning

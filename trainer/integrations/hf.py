@@ -27,9 +27,9 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 import ckpt
+from ckpt.pointer import POINTER_NAME, read_pointer, write_pointer
 
-from ._steps import (POINTER_NAME, StepStore, load_newest_good, read_pointer,
-                     write_pointer)
+from ._steps import StepStore, load_newest_good
 
 log = logging.getLogger("ckpt")
 

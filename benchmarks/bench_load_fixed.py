@@ -11,8 +11,9 @@ For each ``--counts`` N and each ``--kinds`` state, one step is saved and then l
 
 Rows: ckpt's phases (``read_manifest``: read, parse and validate the manifest;
 ``load_step``: everything after it, without a thread pool and with one as ``ckpt.load``
-makes), ``ckpt.load`` (atomic, ``atomic=False``, and with the cyclic GC paused around it:
-what the collector costs) and ``CheckpointManager.restore``, against ``torch.load(mmap=True)``
+makes; on a file system, chunks of less than 64 KiB on average are read on the calling
+thread whatever the pool), ``ckpt.load`` (atomic, ``atomic=False``, and with the cyclic GC
+paused around it: what the collector costs outside ``load_step``, which pauses it itself) and ``CheckpointManager.restore``, against ``torch.load(mmap=True)``
 of the same state dicts followed by ``load_state_dict``, safetensors' ``load_file`` of the
 same tensors followed by a copy into the live ones, and a raw read of ckpt's own data files.
 Per-tensor microseconds are the median divided by the tensor count; the time spent in the

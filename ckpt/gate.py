@@ -108,7 +108,9 @@ class Gate:
             log.warning("ckpt.restore %s: the probe's model %r is not an nn.Module of the "
                         "state being restored: the forward check was skipped", name, model_key)
             return None
-        failure = check_model(model, probe)
+        damaged = damaged_probe(probe)
+        failure = (ProbeFailure(f"the probe item is damaged: {damaged}") if damaged else
+                   check_model(model, probe))
         if failure is None:
             log.info("ckpt.restore %s passed the forward check", name)
             return None
@@ -147,6 +149,16 @@ class Gate:
         with torch.no_grad():
             for live, saved in self._backup:
                 live.copy_(saved)
+
+
+def damaged_probe(probe: dict) -> str | None:
+    """What is wrong with a loaded probe item's inputs or output (a hand-edited or damaged
+    manifest), or None."""
+    if "inputs" not in probe:
+        return "it has no recorded inputs"
+    if not isinstance(probe.get("output"), torch.Tensor):
+        return f"its recorded output is a {type(probe.get('output')).__name__}, not a tensor"
+    return None
 
 
 def _copy_modules(state: MutableMapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -18,8 +18,8 @@ missing root or step as :class:`ckpt.CheckpointNotFoundError`.
 
 Also here, for tools that interpret what a step holds: the tree helpers
 (:func:`item_tree`, :func:`tensor_leaves`, :func:`plain_values`, :func:`parameter_names`),
-the probe's item name, forward and tolerances (:data:`PROBE_ITEM`, :func:`run_forward`,
-:func:`tolerance_for`) and the
+the probe's item name, forward, tolerances and sanity check (:data:`PROBE_ITEM`,
+:func:`run_forward`, :func:`tolerance_for`, :func:`damaged_probe`) and the
 safetensors dtype codes of the data files. They are kept stable with the format version.
 """
 
@@ -40,6 +40,7 @@ from .engine import byte_view
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      StorageError)
 from .format import MANIFEST_NAME, STEP_DIR, Chunk, Manifest, TensorEntry, step_dir
+from .gate import damaged_probe
 from .integrity import check_structure as _check_structure
 from .integrity import chunk_path, digest, read_manifest
 from .probe import PROBE_ITEM, TOLERANCES, run_forward, tolerance_for
@@ -49,9 +50,9 @@ from .state import BYTES, DICT, FLOAT, NDARRAY, PICKLE, TENSOR, TUPLE, item_tree
 
 __all__ = [
     "PROBE_ITEM", "SAFETENSORS_DTYPES", "TOLERANCES", "Checkpoints", "Chunk", "Manifest",
-    "TensorEntry", "byte_view", "digest", "is_tensor_leaf", "item_tree", "named_tensors",
-    "open", "parameter_names", "plain_values", "run_forward", "step_dir", "tensor_leaves",
-    "tolerance_for",
+    "TensorEntry", "byte_view", "damaged_probe", "digest", "is_tensor_leaf", "item_tree",
+    "named_tensors", "open", "parameter_names", "plain_values", "run_forward", "step_dir",
+    "tensor_leaves", "tolerance_for",
 ]
 
 

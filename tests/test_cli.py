@@ -546,6 +546,9 @@ def test_verify_all_checks_every_step_when_one_cannot_be_read(tmp_path, capsys):
         with as_nobody():
             code, out, err = cli(capsys, "verify", root, "--all")
             doc = cli(capsys, "verify", root, "--all", "--json")
+            diff = cli(capsys, "diff", root, 1, 2, "--json")
+        one_line_exit_2(diff[0], diff[2], "diff", "check the path and its permissions")
+        assert json.loads(diff[1])["path"] == str(unreadable)
         assert code == 2 and "Traceback" not in err, err
         lines = out.splitlines()
         assert lines[0].startswith("step 1: OK") and lines[-1].startswith("step 3: OK"), out
@@ -633,7 +636,7 @@ def test_diff_checks_sizes_before_sizing_buffers_from_a_hostile_manifest(tmp_pat
 
 
 def test_a_framework_pointer_is_followed_to_its_step(tmp_path, capsys):
-    from trainer.integrations._steps import POINTER_NAME, write_pointer
+    from ckpt.pointer import POINTER_NAME, write_pointer
 
     root = root_of_steps(tmp_path, steps=(1, 2))
     write_pointer(str(root / "last.ckpt"), 2)  # Lightning
@@ -747,6 +750,90 @@ def test_ls_on_a_live_root_leaves_out_a_step_retired_after_the_listing(tmp_path,
     assert [ln.split()[0] for ln in out.splitlines()[2:]] == ["2"], out  # not "1 ... bad"
 
 
+def test_a_probe_recorded_from_a_training_script_names_what_to_pass(tmp_path, capsys,
+                                                                     monkeypatch):
+    make_root(tmp_path)  # usermodels.py in tmp_path
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import usermodels
+
+    def my_loss(output, inputs):
+        return output.float().pow(2).mean()
+
+    my_loss.__module__, my_loss.__qualname__ = "__main__", "my_loss"  # as in train.py
+    inputs = torch.randint(0, 50, (3, 7))
+    for name, factory in (("script-loss", "usermodels:build"), ("script-factory",
+                                                                "__main__:build")):
+        probe = ckpt.Probe(model_key="model", inputs=inputs, factory=factory, loss_fn=my_loss)
+        with ckpt.CheckpointManager(tmp_path / name, probe=probe, async_save=False) as mgr:
+            mgr.save(1, {"model": usermodels.build()})
+    sys.modules.pop("usermodels", None)
+    code, out, err = cli(capsys, "verify", tmp_path / "script-loss", "--level", "forward")
+    assert code == 0, out + err  # the weights and the output were checked
+    assert ("recorded, not rechecked (the probe's recorded loss "
+            "function: __main__:my_loss was defined in the training script, so it cannot be "
+            "imported here; pass --loss module.path:callable)") in out, out
+    code, out, err = cli(capsys, "verify", tmp_path / "script-factory", "--level", "forward")
+    assert code == 2
+    assert ("! the probe's recorded factory: __main__:build was defined in the training "
+            "script, so it cannot be imported here; pass --model module.path:callable") in out
+    code, out, err = cli(capsys, "verify", tmp_path / "script-factory", "--level", "forward",
+                         "--model", "usermodels:build", "--loss", "nosuch:f")
+    assert code == 2 and "cannot import 'nosuch' for --loss 'nosuch:f'" in out
+    sys.modules.pop("usermodels", None)
+
+
+def test_export_into_a_folder_it_cannot_write_names_the_target(tmp_path, capsys):
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="ckpt-export-"))  # readable by another user
+    try:
+        base.chmod(0o755)
+        root = root_of_steps(base, steps=(1,))
+        for path in root.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        closed = base / "closed"
+        closed.mkdir(mode=0o555)
+        target = closed / "model.safetensors"
+        with as_nobody():
+            code, out, err = cli(capsys, "export", root, "--to", "safetensors", target,
+                                 "--json")
+            hf = cli(capsys, "export", root, "--to", "hf", closed / "hf", "--item", "w")
+        one_line_exit_2(code, err, "export",
+                        f"cannot write {target}: Permission denied in {closed}")
+        one_line_exit_2(hf[0], hf[2], "export",
+                        f"cannot write {closed / 'hf'}: Permission denied in {closed}")
+        assert json.loads(out)["exit_code"] == 2 and list(closed.iterdir()) == []
+    finally:
+        shutil.rmtree(base)
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("output", 0, "its recorded output is a int, not a tensor"),
+    ("loss", "low", "its recorded loss is a str, not a number")])
+def test_a_hand_edited_probe_is_a_failed_check_not_a_traceback(tmp_path, capsys, monkeypatch,
+                                                                field, value, why):
+    make_root(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    manifest = tmp_path / "root/step-00000002/manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["items"]["__probe__"]["tree"][field] = value
+    manifest.write_text(json.dumps(doc))
+    code, out, err = cli(capsys, "verify", tmp_path / "root", "--level", "forward")
+    assert code == 1, out + err
+    assert f"  - output: {manifest.parent}: the probe item is damaged: {why}" in out
+    sys.modules.pop("usermodels", None)
+
+
+def test_inspect_shows_the_metrics_saved_with_a_step_and_no_empty_value_line(tmp_path, capsys):
+    with ckpt.CheckpointManager(tmp_path / "root", async_save=False) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(2, 2)}, metrics={"val_loss": 0.25})
+    code, out, err = cli(capsys, "inspect", tmp_path / "root")
+    assert code == 0, err
+    values = out.split("saved values:\n")[1].splitlines()
+    assert values == ["  metadata/metrics/val_loss: 0.25"], out  # no "  : {}" line either
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 
@@ -778,6 +865,10 @@ def test_ls_gives_the_whole_reason_a_step_is_bad_with_its_path(tmp_path, capsys)
     assert rows[2].split()[0] == "1" and rows[2].split()[-1] == "(below)"
     assert rows[3].split()[-1] == "committed"
     assert rows[4].startswith(f"step 1: bad: {manifest}: manifest is not valid JSON"), out
+    (root / "step-00000002/manifest.json").write_text("{")  # now the newest is bad too
+    code, out, err = cli(capsys, "inspect", root)
+    assert code == 1 and err.startswith("ckpt inspect: ") and err.strip().endswith(
+        "`ckpt verify --all` tells which steps are good and --step N picks one"), err
 
 
 @pytest.mark.s3

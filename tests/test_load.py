@@ -386,3 +386,74 @@ def test_each_pass_opens_each_file_once_per_thread_not_once_per_chunk(tmp_path):
     assert all(torch.equal(live[k], state[k]) for k in state)
     # verify: one streamed run per file; apply: each file once per reading thread (<= 3)
     assert storage.opens <= 2 + 2 * 3, f"{storage.opens} opens for 2 files"
+
+
+class GcProbe:
+    """A stateful item that records whether the cyclic GC is enabled while it is loaded."""
+
+    def __init__(self) -> None:
+        self.w = torch.zeros(8)
+        self.gc_enabled: list[bool] = []
+
+    def state_dict(self) -> dict:
+        return {"w": self.w}
+
+    def load_state_dict(self, sd: dict) -> None:
+        import gc
+
+        self.gc_enabled.append(gc.isenabled())
+        self.w.copy_(sd["w"])
+
+
+def test_a_load_runs_with_the_cyclic_gc_paused_and_restores_it(tmp_path):
+    import gc
+
+    probe = GcProbe()
+    with CheckpointManager(str(tmp_path), async_save=False) as mgr:
+        mgr.save(1, {"probe": probe})
+        assert gc.isenabled()
+        assert mgr.restore({"probe": probe}) == 1
+        assert probe.gc_enabled == [False]  # a full collection never runs inside the load
+        assert gc.isenabled()  # and the collector is back afterwards
+
+
+class CountingPool:
+    """A thread pool that counts the tasks it is given."""
+
+    def __init__(self) -> None:
+        import concurrent.futures as cf
+
+        self.pool, self.submitted = cf.ThreadPoolExecutor(2), 0
+
+    def submit(self, *args, **kwargs):
+        self.submitted += 1
+        return self.pool.submit(*args, **kwargs)
+
+
+class RequestStorage(PosixStorage):
+    """Reads as an object store's: no streamed blocks, every read a request of its own."""
+
+    stream_block = None
+
+
+@pytest.mark.parametrize("rows,storage_type,threads", [
+    (4, PosixStorage, False),  # 16 KiB chunks: the per-chunk Python outweighs the bytes
+    (256, PosixStorage, True),  # 1 MiB chunks
+    (4, RequestStorage, True),  # small requests: threads overlap their latency
+])
+def test_chunks_too_small_for_threads_are_read_on_the_calling_thread(tmp_path, rows,
+                                                                     storage_type, threads):
+    from ckpt.integrity import read_manifest
+    from ckpt.reader import load_step
+
+    state = {f"t{i}": torch.randn(rows, 1024) for i in range(8)}  # in 2 files
+    with CheckpointManager(tmp_path, async_save=False, handle_sigterm=False, metrics=False,
+                           options=SaveOptions(write_threads=2)) as mgr:
+        mgr.save(1, state)
+    storage = storage_type(str(tmp_path))
+    live, pool = {k: torch.zeros_like(v) for k, v in state.items()}, CountingPool()
+    load_step(storage, "step-00000001", read_manifest(storage, "step-00000001", 1), live,
+              pool=pool)
+    pool.pool.shutdown()
+    assert all(torch.equal(live[k], state[k]) for k in state)
+    assert (pool.submitted > 0) == threads

@@ -128,7 +128,11 @@ def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: st
     tmp = f"{path}.tmp-{os.getpid()}"
     nbytes = sum(manifest.tensors[k].nbytes for k in stored.values())
     try:
-        with open(tmp, "wb") as f, cf.ThreadPoolExecutor(threads) as pool:
+        out = open(tmp, "xb")
+    except OSError as e:
+        raise cannot_write(path, e) from e
+    try:
+        with out as f, cf.ThreadPoolExecutor(threads) as pool:
             def read(key: str) -> torch.Tensor:
                 return cps.read_tensor(step, key, manifest, pool)
 
@@ -148,6 +152,12 @@ def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: st
             os.unlink(tmp)
     return ExportResult(path, fmt, step, len(stored) + len(aliases), nbytes, aliases, item,
                         time.perf_counter() - t0)
+
+
+def cannot_write(path: str, error: OSError) -> UsageError:
+    """The target's folder cannot be written (the temporary name next to it is a detail)."""
+    return UsageError(f"cannot write {path}: {error.strerror} in {os.path.dirname(path)}; "
+                      "choose a folder you can write to")
 
 
 def _write_safetensors(f: BinaryIO, manifest: Manifest, stored: dict[str, str],

@@ -26,7 +26,7 @@ import ckpt
 import ckpt.inspect
 from ckpt.inspect import SAFETENSORS_DTYPES, Checkpoints, Manifest, item_tree, tensor_leaves
 
-from .export import _write_safetensors, plan, select
+from .export import _write_safetensors, cannot_write, plan, select
 from .report import UsageError, size
 
 CONFIG_KEY = "hf_config"
@@ -110,7 +110,10 @@ def export_hf(source: Checkpoints | ckpt.CheckpointManager, step: int, path: str
     total = sum(manifest.tensors[k].nbytes for k in stored.values())
     config = manifest.metadata.get(CONFIG_KEY)
     tmp = f"{path}.tmp-{os.getpid()}"
-    os.makedirs(tmp)
+    try:
+        os.mkdir(tmp)
+    except OSError as e:
+        raise cannot_write(path, e) from e
     try:
         with cf.ThreadPoolExecutor(threads) as pool:
             def read(key: str) -> torch.Tensor:

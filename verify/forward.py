@@ -33,7 +33,7 @@ import torch
 import ckpt
 # TOLERANCES is re-exported by verify/__init__.py (its table lives in ckpt.probe, for restore)
 from ckpt.inspect import (PROBE_ITEM, TOLERANCES, Checkpoints, Manifest,  # noqa: F401
-                          item_tree, run_forward, tensor_leaves, tolerance_for)
+                          damaged_probe, item_tree, run_forward, tensor_leaves, tolerance_for)
 
 from .report import Problem, UsageError
 
@@ -94,7 +94,14 @@ def build_model(model: Any, recorded: str | None) -> tuple[torch.nn.Module, str]
     if isinstance(model, torch.nn.Module):
         return model, type(model).__qualname__
     name = model if isinstance(model, str) else getattr(model, "__qualname__", repr(model))
-    factory = resolve(model) if isinstance(model, str) else model
+    try:
+        factory = (resolve(model, "--model" if model is not recorded else "factory")
+                   if isinstance(model, str) else model)
+    except UsageError as e:
+        if model is not recorded:
+            raise
+        raise UsageError(f"the probe's recorded factory: {_unimportable(e, recorded)}; pass "
+                         "--model module.path:callable") from e
     with _cwd_on_path():
         try:
             built = factory()
@@ -131,8 +138,12 @@ def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
     except ckpt.CorruptCheckpointError as e:
         return [Problem("weights", str(e), e.path)], {"factory": factory}
     probe = state[PROBE_ITEM]
+    damaged = _damaged_probe(probe)
+    if damaged is not None:
+        return [Problem("output", f"{where}: the probe item is damaged: {damaged}", where)], \
+            {"factory": factory}
     problems = nonfinite_weights(cps, step, net, manifest, model_key)
-    loss_fn = _loss_function(loss, probe.get("loss_fn"))
+    loss_fn, loss_note = _loss_function(loss, probe.get("loss_fn"))
     try:
         output, loss_now = run_forward(net, probe["inputs"],
                                        None if loss_fn is None else _LossCall(loss_fn))
@@ -150,12 +161,25 @@ def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
         "factory": factory, "model_key": model_key, "output_shape": list(output.shape),
         "output_dtype": str(output.dtype).removeprefix("torch."), "rtol": r, "atol": a,
         "max_abs_diff": None, "max_rel_diff": None, "mismatched": None,
-        "loss_recorded": probe.get("loss"), "loss_now": loss_now}
+        "loss_recorded": probe.get("loss"), "loss_now": loss_now, "loss_note": loss_note}
     problems += compare_output(output, recorded, r, a, where, figures)
     if loss_fn is not None:
         problems += _compare_loss(probe.get("loss"), loss_now, r, a, where)
     figures["seconds"] = time.perf_counter() - t0
     return problems, figures
+
+
+def _damaged_probe(probe: Any) -> str | None:
+    """What is wrong with a loaded probe item (a hand-edited or damaged manifest), or None."""
+    if not isinstance(probe, dict):
+        return f"it is a {type(probe).__name__}, not the recorded fields"
+    damaged = damaged_probe(probe)
+    if damaged is not None:
+        return damaged
+    loss = probe.get("loss")
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float))):
+        return f"its recorded loss is a {type(loss).__name__}, not a number"
+    return None
 
 
 def nonfinite_weights(cps: Checkpoints, step: int, net: torch.nn.Module, manifest: Manifest,
@@ -243,11 +267,27 @@ def compare_output(output: torch.Tensor, recorded: torch.Tensor, rtol: float, at
     return problems
 
 
-def _loss_function(loss: Any, recorded: Any) -> Callable | None:
-    spec = loss if loss is not None else recorded
-    if spec is None:
-        return None
-    return resolve(spec, "--loss") if isinstance(spec, str) else spec
+def _loss_function(loss: Any, recorded: Any) -> tuple[Callable | None, str | None]:
+    """The loss function to recheck the recorded loss with, or (None, why not). A recorded
+    one that cannot be imported here (defined in the training script, ``__main__``) leaves
+    the loss unchecked rather than failing the level; a bad ``--loss`` is an error."""
+    if loss is not None:
+        return (resolve(loss, "--loss") if isinstance(loss, str) else loss), None
+    if not isinstance(recorded, str):
+        return recorded, None
+    try:
+        return resolve(recorded, "loss function"), None
+    except UsageError as e:
+        return None, (f"the probe's recorded loss function: {_unimportable(e, recorded)}; "
+                      "pass --loss module.path:callable")
+
+
+def _unimportable(error: UsageError, spec: str) -> str:
+    """Why a recorded ``module:callable`` cannot be used here; a training script's own
+    function (``__main__``) is the usual case."""
+    if spec.startswith("__main__:"):
+        return f"{spec} was defined in the training script, so it cannot be imported here"
+    return str(error)
 
 
 class _LossFailed(Exception):

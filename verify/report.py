@@ -195,8 +195,8 @@ def _forward_line(f: dict[str, Any]) -> str:
             parts.append(f"loss {number(f['loss_now'], 6)} vs recorded "
                          f"{number(f['loss_recorded'], 6)}")
         else:
-            parts.append(f"loss {number(f['loss_recorded'], 6)} recorded, not rechecked "
-                         "(no loss function: pass --loss module:callable)")
+            why = f.get("loss_note") or "no loss function: pass --loss module:callable"
+            parts.append(f"loss {number(f['loss_recorded'], 6)} recorded, not rechecked ({why})")
     return "; ".join(parts)
 
 

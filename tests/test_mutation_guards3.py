@@ -133,3 +133,28 @@ def test_a_loss_function_that_returns_no_number_is_named(tmp_path, capsys, monke
     out = capsys.readouterr().out
     assert code == 2 and "the loss function userloss3:text raised ValueError" in out, out
     assert "forward pass" not in out
+
+
+def test_verify_of_one_named_step_its_writer_retires_midway_fails(tmp_path, capsys,
+                                                                   monkeypatch):
+    """Only ``--all`` passes over a step retired while it is checked; ``verify --step 1``
+    says it is gone, exit 2 (mutant: without ``if not args.all: raise`` it printed
+    "skipped" and exited 0, having verified nothing)."""
+    import verify
+    from ckpt.cli import main
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+
+        def progress(total: int, label: str):  # made after step 1's manifest was read
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            return lambda nbytes: None
+
+        monkeypatch.setattr(verify, "ProgressBar", progress)
+        code = main(["verify", str(root), "--step", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "skipped step" not in err, err
+    assert "no committed checkpoint at" in err and "step-00000001" in err, err
+    assert not (root / "step-00000001").exists()

@@ -27,6 +27,7 @@ from . import inspect
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      StorageError)
 from .inspect import Checkpoints
+from .pointer import POINTER_NAME, read_pointer
 
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
 
@@ -36,8 +37,6 @@ def _open(path: str) -> Checkpoints:
     ``last.ckpt``, HF's ``checkpoint-N/``, Accelerate's ``checkpoint_N/``) to its step."""
     if "://" in path:
         return inspect.open(path)
-    from trainer.integrations._steps import POINTER_NAME, read_pointer
-
     step = read_pointer(os.path.join(path, POINTER_NAME) if os.path.isdir(path) else path)
     if step is None:
         return inspect.open(path)
@@ -116,9 +115,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for alias, target in m.aliases.items():
         print(f"{alias} -> {target} (same storage)")
     lines = [f"  {path}: {_short(value)}" for path, value in
-             inspect.plain_values(values).items()]
+             (inspect.plain_values(values) if values else {}).items()]
     lines += [f"  {item}/{path}: {_short(value)}" for item, found in saved.items()
               for path, value in found.items()]
+    lines += [f"  {path}: {_short(value)}" for path, value in verify.user_metadata(m).items()]
     if lines:
         print("saved values:")
         print("\n".join(lines[:MAX_VALUE_LINES]))
@@ -585,8 +585,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointNotFoundError, CheckpointLockedError, StorageError,
             verify.UsageError) as e:
         return _error(args, e, EXIT_USAGE)
-    except CheckpointError as e:
-        return _error(args, e, EXIT_FAILED)
+    except CheckpointError as e:  # damage: say where the good steps are
+        hint = "; `ckpt verify --all` tells which steps are good"
+        if args.command in ("inspect", "export") and args.step is None:
+            hint += " and --step N picks one"
+        return _error(args, f"{e}{hint}", EXIT_FAILED, path=getattr(e, "path", None))
     except (OSError, ImportError) as e:  # the environment: permissions, a missing library
         hint = "; check the path and its permissions" if isinstance(e, OSError) else ""
         return _error(args, f"{type(e).__name__}: {e}{hint}", EXIT_USAGE,

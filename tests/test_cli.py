@@ -636,7 +636,7 @@ def test_diff_checks_sizes_before_sizing_buffers_from_a_hostile_manifest(tmp_pat
 
 
 def test_a_framework_pointer_is_followed_to_its_step(tmp_path, capsys):
-    from trainer.integrations._steps import POINTER_NAME, write_pointer
+    from ckpt.pointer import POINTER_NAME, write_pointer
 
     root = root_of_steps(tmp_path, steps=(1, 2))
     write_pointer(str(root / "last.ckpt"), 2)  # Lightning
@@ -825,6 +825,15 @@ def test_a_hand_edited_probe_is_a_failed_check_not_a_traceback(tmp_path, capsys,
     sys.modules.pop("usermodels", None)
 
 
+def test_inspect_shows_the_metrics_saved_with_a_step_and_no_empty_value_line(tmp_path, capsys):
+    with ckpt.CheckpointManager(tmp_path / "root", async_save=False) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(2, 2)}, metrics={"val_loss": 0.25})
+    code, out, err = cli(capsys, "inspect", tmp_path / "root")
+    assert code == 0, err
+    values = out.split("saved values:\n")[1].splitlines()
+    assert values == ["  metadata/metrics/val_loss: 0.25"], out  # no "  : {}" line either
+
+
 def test_export_force_replaces_only_a_regular_file(tmp_path, capsys):
     import stat
 
@@ -856,6 +865,10 @@ def test_ls_gives_the_whole_reason_a_step_is_bad_with_its_path(tmp_path, capsys)
     assert rows[2].split()[0] == "1" and rows[2].split()[-1] == "(below)"
     assert rows[3].split()[-1] == "committed"
     assert rows[4].startswith(f"step 1: bad: {manifest}: manifest is not valid JSON"), out
+    (root / "step-00000002/manifest.json").write_text("{")  # now the newest is bad too
+    code, out, err = cli(capsys, "inspect", root)
+    assert code == 1 and err.startswith("ckpt inspect: ") and err.strip().endswith(
+        "`ckpt verify --all` tells which steps are good and --step N picks one"), err
 
 
 @pytest.mark.s3

@@ -205,3 +205,33 @@ def test_accelerate_save_state_and_load_state_go_through_ckpt(tmp_path, killed_j
     assert not same_weights(out / "acc6.pt", out / "acc4.pt")  # the comparison can fail
     assert "skipping step 2" in stderr and "digest mismatch" in stderr
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004", "step-00000005"]
+
+
+def test_hf_trainer_records_the_best_checkpoint_as_hfs_own_trainer_does(tmp_path):
+    """The step being saved can be the best one: HF names it best_model_checkpoint (what
+    load_best_model_at_end loads and rotation keeps) as it saves it, and so must CkptTrainer."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from trainer.integrations.hf import CkptTrainer
+
+    def train(cls: type, out: Path):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50,
+                                           n_positions=16))
+        ids = torch.randint(0, 50, (32, 16), generator=torch.Generator().manual_seed(0))
+        data = [{"input_ids": row, "labels": row} for row in ids]
+        args = TrainingArguments(
+            output_dir=str(out), max_steps=6, save_steps=2, eval_strategy="steps", eval_steps=2,
+            per_device_train_batch_size=4, learning_rate=1e-3, use_cpu=True, report_to=[],
+            disable_tqdm=True, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+            greater_is_better=False)
+        job = cls(model=model, args=args, train_dataset=data, eval_dataset=data[:8])
+        job.train()
+        return job.state
+
+    theirs = train(Trainer, tmp_path / "hf")
+    ours = train(CkptTrainer, tmp_path / "ckpt")
+    assert theirs.best_global_step == ours.best_global_step == 6  # the last save is the best
+    assert theirs.best_model_checkpoint == str(tmp_path / "hf" / "checkpoint-6")
+    assert ours.best_model_checkpoint == str(tmp_path / "ckpt" / "checkpoint-6")

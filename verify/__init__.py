@@ -11,7 +11,7 @@ headers), ``digest`` (every chunk's xxh3), ``forward`` (load into a fresh model,
 weights are finite, rerun the recorded :class:`ckpt.Probe`).
 """
 
-from .diff import StepDiff, TensorDiff, ValueDiff, diff_steps
+from .diff import StepDiff, TensorDiff, ValueDiff, diff_steps, user_metadata
 from .export import FORMATS, ExportResult, export_step
 from .forward import TOLERANCES, check_forward, tolerance_for
 from .integrity import LEVELS, check_digests, check_structure, verify, verify_step
@@ -24,5 +24,5 @@ __all__ = [
     "UsageError", "ValueDiff",
     "check_digests", "check_forward", "check_structure", "diff_steps", "export_step",
     "render_diff", "render_export", "render_verify", "to_json", "tolerance_for", "verify",
-    "verify_step",
+    "user_metadata", "verify_step",
 ]

@@ -245,10 +245,15 @@ def diff_values(ma: Manifest, mb: Manifest) -> list[ValueDiff]:
             out.append(ValueDiff(f"{name} (kind)", ia.get("kind"), ib.get("kind")))
         else:
             out += _differing(plain_values(_trees(ia), name), plain_values(_trees(ib), name))
-    meta_a = {k: v for k, v in ma.metadata.items() if not k.startswith("ckpt_")}
-    meta_b = {k: v for k, v in mb.metadata.items() if not k.startswith("ckpt_")}
-    out += _differing(plain_values(meta_a, "metadata"), plain_values(meta_b, "metadata"))
+    out += _differing(user_metadata(ma), user_metadata(mb))
     return out
+
+
+def user_metadata(manifest: Manifest) -> dict[str, Any]:
+    """The step's metadata as plain values under ``metadata/`` (``save(..., metrics=...)``,
+    user keys), without ckpt's own ``ckpt_*`` keys."""
+    meta = {k: v for k, v in manifest.metadata.items() if not k.startswith("ckpt_")}
+    return plain_values(meta, "metadata") if meta else {}
 
 
 def _kind(item: dict | None) -> Any:

@@ -13,7 +13,6 @@ deleted: a crash at any moment leaves a step to resume from.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any, Mapping
@@ -23,39 +22,6 @@ import torch
 import ckpt
 
 log = logging.getLogger("ckpt")
-
-POINTER_FORMAT = "ckpt-pointer"
-POINTER_NAME = "ckpt-step.json"  # the pointer inside an HF or Accelerate checkpoint folder
-MAX_POINTER_BYTES = 4096
-
-
-def write_pointer(path: str, step: int) -> None:
-    """Atomically (temp file, fsync, rename) write a pointer to ``step`` at ``path``."""
-    directory, name = os.path.split(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.part")
-    with open(tmp, "w") as f:
-        json.dump({"format": POINTER_FORMAT, "step": step}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_pointer(path: str) -> int | None:
-    """The step a pointer file names, or None when ``path`` is not a pointer file."""
-    try:
-        if os.path.islink(path) or not os.path.isfile(path):
-            return None
-        if os.path.getsize(path) > MAX_POINTER_BYTES:
-            return None
-        with open(path, "rb") as f:
-            doc = json.loads(f.read())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
-        return None
-    step = doc.get("step")
-    return step if type(step) is int and step >= 0 else None
 
 
 def solo_group() -> Any:

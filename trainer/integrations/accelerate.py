@@ -28,9 +28,9 @@ from typing import Any
 from accelerate import Accelerator
 
 import ckpt
+from ckpt.pointer import POINTER_NAME, read_pointer, write_pointer
 
-from ._steps import (POINTER_NAME, StepStore, load_newest_good, read_pointer,
-                     write_pointer)
+from ._steps import StepStore, load_newest_good
 
 CONFIG_KEY = "hf_config"
 _FOLDER = re.compile(r"^checkpoint_(\d+)$")

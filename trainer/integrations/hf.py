@@ -27,9 +27,9 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 import ckpt
+from ckpt.pointer import POINTER_NAME, read_pointer, write_pointer
 
-from ._steps import (POINTER_NAME, StepStore, load_newest_good, read_pointer,
-                     write_pointer)
+from ._steps import StepStore, load_newest_good
 
 log = logging.getLogger("ckpt")
 
@@ -60,6 +60,8 @@ class CkptTrainer(Trainer):
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
+        if self.args.should_save:  # first, as HF does: the step being saved may be the best
+            os.makedirs(folder, exist_ok=True)
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if os.path.exists(best):
@@ -81,7 +83,6 @@ class CkptTrainer(Trainer):
             else None
         store = self._store(run_dir)
         store.save(step, state, metadata=metadata)
-        os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
             f.write(state["trainer_state"])
         write_pointer(os.path.join(folder, POINTER_NAME), step)

@@ -22,7 +22,9 @@ from typing import Any
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from ._steps import StepStore, load_newest_good, read_pointer, write_pointer
+from ckpt.pointer import read_pointer, write_pointer
+
+from ._steps import StepStore, load_newest_good
 
 log = logging.getLogger("ckpt")
 

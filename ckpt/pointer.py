@@ -1,0 +1,53 @@
+"""Pointer files: the step a framework's checkpoint path stands for.
+
+A framework integration (``trainer.integrations``) names checkpoints by the framework's paths
+(Lightning's ``last.ckpt``, HF's ``checkpoint-500/``); ckpt keeps steps. A pointer (a small JSON
+document: a format tag and the step, no paths) at such a path names the step. The integrations
+write pointers; ``ckpt``'s command line follows them. It lives here, not in ``trainer``, so that
+``ckpt`` never imports ``trainer``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+POINTER_FORMAT = "ckpt-pointer"
+POINTER_NAME = "ckpt-step.json"  # the pointer inside an HF or Accelerate checkpoint folder
+MAX_POINTER_BYTES = 4096
+
+
+def write_pointer(path: str, step: int) -> None:
+    """Atomically (temp file, fsync, rename) write a pointer to ``step`` at ``path``."""
+    directory, name = os.path.split(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.part")
+    with open(tmp, "w") as f:
+        json.dump({"format": POINTER_FORMAT, "step": step}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_pointer(path: str) -> int | None:
+    """The step a pointer file names, or None when ``path`` is not a pointer file (a link, a
+    FIFO, a directory, a file too large to be one: each is opened without following or
+    blocking, and checked on the open descriptor)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_POINTER_BYTES:
+            return None
+        doc = json.loads(os.read(fd, MAX_POINTER_BYTES + 1))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(doc, dict) or doc.get("format") != POINTER_FORMAT:
+        return None
+    step = doc.get("step")
+    return step if type(step) is int and step >= 0 else None

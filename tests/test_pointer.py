@@ -1,0 +1,62 @@
+"""Pointer files (ckpt.pointer): what the CLI follows must be a small regular file, read
+without following a link or blocking on a FIFO."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ckpt.pointer import MAX_POINTER_BYTES, POINTER_FORMAT, read_pointer, write_pointer
+
+
+def test_a_written_pointer_reads_back_its_step(tmp_path):
+    write_pointer(str(tmp_path / "last.ckpt"), 42)
+    assert read_pointer(str(tmp_path / "last.ckpt")) == 42
+
+
+def test_a_fifo_is_not_a_pointer_and_does_not_block(tmp_path):
+    fifo = tmp_path / "last.ckpt"
+    os.mkfifo(fifo)
+    result = []
+    reader = threading.Thread(target=lambda: result.append(read_pointer(str(fifo))),
+                              daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # unblock the thread (a writer end opens the FIFO) before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert not reader.is_alive(), "read_pointer blocked on a FIFO"
+    assert result == [None]
+    # A FIFO holding a pointer's bytes is still no pointer (only regular files are read).
+    keep = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        os.write(writer, f'{{"format": "{POINTER_FORMAT}", "step": 5}}'.encode())
+        assert read_pointer(str(fifo)) is None
+    finally:
+        os.close(writer)
+        os.close(keep)
+
+
+def test_a_link_to_a_pointer_is_not_followed(tmp_path):
+    write_pointer(str(tmp_path / "real.ckpt"), 3)
+    os.symlink(tmp_path / "real.ckpt", tmp_path / "last.ckpt")
+    assert read_pointer(str(tmp_path / "last.ckpt")) is None
+
+
+def test_a_directory_or_an_oversized_file_is_not_a_pointer(tmp_path):
+    assert read_pointer(str(tmp_path)) is None
+    big = tmp_path / "big.ckpt"
+    doc = f'{{"format": "{POINTER_FORMAT}", "step": 1}}'
+    big.write_text(doc + " " * (MAX_POINTER_BYTES + 1 - len(doc)))
+    assert read_pointer(str(big)) is None
+    big.write_text(doc)
+    assert read_pointer(str(big)) == 1
+
+
+def test_a_pointer_names_a_whole_non_negative_step(tmp_path):
+    path = tmp_path / "last.ckpt"
+    for step in ("-1", "1.5", "true", '"7"'):
+        path.write_text(f'{{"format": "{POINTER_FORMAT}", "step": {step}}}')
+        assert read_pointer(str(path)) is None, step
+    path.write_text('{"format": "other", "step": 1}')
+    assert read_pointer(str(path)) is None

@@ -106,9 +106,10 @@ class FlockWriterLock:
     def _read_owner(self) -> dict:
         try:
             with open(os.open(self._owner_path, os.O_RDONLY | _NOFOLLOW)) as f:
-                return json.load(f)
+                owner = json.load(f)
         except (OSError, ValueError):
             return {}
+        return owner if isinstance(owner, dict) else {}  # (hand-edited: a holder is a dict)
 
     @property
     def is_locked(self) -> bool:

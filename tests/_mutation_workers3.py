@@ -49,3 +49,16 @@ def save_keys_in_rank_order_recording_staged(rank: int, world: int, root: str) -
     return {"mismatch": mismatch, "step": step, "staged": sorted(staged),
             "rng_exact": bool(torch.rand(3).equal(want)), "blob_exact": blob.value == saved,
             "w_exact": bool(state["w"].equal(torch.arange(4096.0)))}
+
+
+def load_where_one_rank_refuses_pickle(rank: int, world: int, root: str) -> str:
+    """Save one step holding a pickled value; rank 1 then loads without ``allow_pickle``
+    (its own refusal is fatal), rank 0 with it. What each rank's ``load()`` raised."""
+    with ckpt.CheckpointManager(root, async_save=False, allow_pickle=True) as mgr:
+        mgr.save(1, {"w": torch.arange(8.0), "odd": {1, 2}}, force=True)
+    with ckpt.CheckpointManager(root, read_only=True, allow_pickle=rank == 0) as mgr:
+        try:
+            mgr.load()
+        except ckpt.CheckpointError as e:
+            return f"{type(e).__name__}: {e}"
+    return "loaded"

@@ -6,6 +6,9 @@ The mutant is named in each docstring; applying it makes the test fail."""
 from __future__ import annotations
 
 import pytest
+import torch
+
+import ckpt
 
 import _mutation_workers3 as W
 from _dist import run_ranks
@@ -26,3 +29,107 @@ def test_per_rank_items_in_another_key_order_save_and_each_rank_stages_only_its_
         assert s["step"] == 1 and s["rng_exact"] and s["blob_exact"] and s["w_exact"], (rank, s)
     stages_w = [rank for rank, s in enumerate(seen) if "w" in s["staged"]]
     assert len(stages_w) == 1, seen  # one writer; the other rank holds no copy of it
+
+
+@pytest.mark.multiproc
+def test_a_rank_whose_peer_fails_for_good_on_load_says_so_and_tries_no_older_step(tmp_path):
+    """``load()``: one rank's fatal error (here its refusal to unpickle) stops every rank
+    on that step; the others name it (mutant: without ``if fatal: raise`` rank 0 skips the
+    step as if it were corrupt and reports "no committed step could be loaded")."""
+    got = run_ranks(2, W.load_where_one_rank_refuses_pickle, str(tmp_path), timeout=120)
+    assert got[1].startswith("UnsupportedValueError: "), got
+    assert got[0].startswith("CheckpointError: another rank failed to load step 1: "
+                             "UnsupportedValueError"), got
+
+
+def _two_steps(root) -> None:
+    with ckpt.CheckpointManager(root, async_save=False, allow_pickle=True) as mgr:
+        mgr.save(1, {"w": torch.arange(8.0)})
+        mgr.save(2, {"w": torch.arange(8.0), "odd": {1, 2}})
+
+
+def test_load_of_a_named_step_raises_that_steps_own_error_and_skips_nothing(tmp_path):
+    """``load(step=...)`` raises the step's own error (mutant: dropping ``step is not None
+    or`` skips it, so a missing step reads as CorruptCheckpointError "no committed step ...
+    could be loaded", not CheckpointNotFoundError, and is recorded in ``mgr.skipped``)."""
+    _two_steps(tmp_path)
+    with ckpt.CheckpointManager(tmp_path, read_only=True, allow_pickle=True) as mgr:
+        with pytest.raises(ckpt.CheckpointNotFoundError) as caught:
+            mgr.load(step=7)
+        assert "could be loaded" not in str(caught.value)
+        assert mgr.skipped == []
+
+
+def test_load_raises_this_ranks_fatal_error_as_it_is(tmp_path):
+    """Without ``allow_pickle`` the newest step's pickled value is refused with
+    UnsupportedValueError, and no older step is tried (mutant: dropping
+    ``_describe(error)[0] == "fatal"`` turns it into "another rank failed to load")."""
+    _two_steps(tmp_path)
+    with ckpt.CheckpointManager(tmp_path, read_only=True) as mgr:
+        with pytest.raises(ckpt.UnsupportedValueError) as caught:
+            mgr.load()
+        assert "another rank" not in str(caught.value) and mgr.skipped == []
+
+
+def test_an_odd_lock_owner_file_still_gives_one_line_naming_the_lock(tmp_path, capsys):
+    """``gc --yes`` on a root a live writer holds names the holder; a hand-edited owner file
+    with a "since" that is no time says "an unknown time" (mutant: ``_when(since)`` without
+    its isinstance check raised TypeError), and one that is no JSON object gives no holder
+    (it was AttributeError: 'list' object has no attribute 'get', in gc and the manager)."""
+    from ckpt.cli import main
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as writer:
+        writer.save(1, {"w": torch.zeros(4)})
+        for owner, needle in (('{"host": "h", "pid": 7, "since": "yesterday"}',
+                               "(host h, pid 7, since an unknown time)"),
+                              ("[1, 2]", "(host ?, pid ?, since an unknown time)")):
+            (root / ".lock.owner").write_text(owner)
+            assert main(["gc", str(root), "--keep-last", "1", "--yes"]) == 2
+            err = capsys.readouterr().err
+            assert f"is in use by a writer {needle}" in err and "Traceback" not in err, err
+        with pytest.raises(ckpt.CheckpointLockedError, match="an unknown process"):
+            ckpt.CheckpointManager(root)
+    assert (root / "step-00000001" / "manifest.json").exists()
+
+
+def test_export_refuses_a_dangling_link_and_tolerances_may_be_zero(tmp_path, capsys):
+    """A dangling symbolic link where the export goes is refused, not replaced (mutant:
+    ``os.path.exists`` for ``os.path.lexists`` sees no file there and writes over the
+    link, even without --force); ``--rtol 0 --atol 0`` (an exact check) is accepted
+    (mutant: ``value <= 0`` refuses it)."""
+    from ckpt.cli import build_parser, main
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(8)})
+    link = tmp_path / "out.pt"
+    link.symlink_to(tmp_path / "missing.pt")
+    assert main(["export", str(root), "--to", "torch", str(link)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert link.is_symlink() and not (tmp_path / "missing.pt").exists()
+    args = build_parser().parse_args(["verify", str(root), "--rtol", "0", "--atol", "0"])
+    assert (args.rtol, args.atol) == (0.0, 0.0)
+
+
+def test_a_loss_function_that_returns_no_number_is_named(tmp_path, capsys, monkeypatch):
+    """``verify --loss`` with a function returning text blames that function (mutant:
+    ``_LossCall`` returning ``self.fn(...)`` unconverted lets run_forward's float() fail
+    outside it, reported as "the forward pass of the model ... raised")."""
+    import sys
+
+    from ckpt.cli import main
+    from test_cli import make_root
+
+    make_root(tmp_path)
+    (tmp_path / "userloss3.py").write_text("def text(output, inputs):\n    return 'low'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code = main(["verify", str(tmp_path / "root"), "--level", "forward",
+                     "--loss", "userloss3:text"])
+    finally:
+        sys.modules.pop("userloss3", None)
+    out = capsys.readouterr().out
+    assert code == 2 and "the loss function userloss3:text raised ValueError" in out, out
+    assert "forward pass" not in out

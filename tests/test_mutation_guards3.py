@@ -5,6 +5,8 @@ The mutant is named in each docstring; applying it makes the test fail."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -73,10 +75,10 @@ def test_load_raises_this_ranks_fatal_error_as_it_is(tmp_path):
 
 def test_an_odd_lock_owner_file_still_gives_one_line_naming_the_lock(tmp_path, capsys):
     """``gc --yes`` on a root a live writer holds names the holder; a hand-edited owner file
-    with a "since" that is no time says "an unknown time" (mutant: ``_when(since)`` without
-    its isinstance check raised TypeError), and one that is no JSON object gives no holder
-    (it was AttributeError: 'list' object has no attribute 'get', in gc and the manager; the
-    manager raised TypeError on the odd "since")."""
+    with a "since" that is no time says "an unknown time" (mutant: ``describe_holder``
+    without TypeError among the errors it catches raises it), and one that is no JSON object
+    gives no holder (it was AttributeError: 'list' object has no attribute 'get', in gc and
+    the manager; the manager raised TypeError on the odd "since")."""
     from ckpt.cli import main
 
     root = tmp_path / "root"
@@ -160,3 +162,33 @@ def test_verify_of_one_named_step_its_writer_retires_midway_fails(tmp_path, caps
     assert code == 2 and "skipped step" not in err, err
     assert "no committed checkpoint at" in err and "step-00000001" in err, err
     assert not (root / "step-00000001").exists()
+
+
+def test_refused_opens_leave_no_descriptor_and_export_never_writes_through_a_link(
+        tmp_path, capsys):
+    """The POSIX storage refuses a FIFO or a directory where it reads a file and closes
+    what it opened (mutant: without ``os.close(fd)`` before the refusal each one leaks a
+    descriptor); export creates its temporary file exclusively (mutant: ``open(tmp, "wb")``
+    follows a link planted at that name and overwrites its target)."""
+    from ckpt.cli import main
+    from storage_backends import open_storage
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(8)})
+    os.mkfifo(root / "fifo")
+    (root / "a-dir").mkdir()
+    storage = open_storage(str(root))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        for name in ("fifo", "a-dir"):
+            with pytest.raises(OSError):
+                storage.read(name)
+    assert len(os.listdir("/proc/self/fd")) == before
+    victim = tmp_path / "notes.txt"
+    victim.write_text("the user's notes")
+    target = tmp_path / "model.pt"
+    os.symlink(victim, f"{target}.tmp-{os.getpid()}")  # the export's temporary name
+    assert main(["export", str(root), "--to", "torch", str(target)]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert victim.read_text() == "the user's notes" and not target.exists()

@@ -192,3 +192,26 @@ def test_refused_opens_leave_no_descriptor_and_export_never_writes_through_a_lin
     assert main(["export", str(root), "--to", "torch", str(target)]) == 2
     assert "cannot write" in capsys.readouterr().err
     assert victim.read_text() == "the user's notes" and not target.exists()
+
+
+def test_a_step_retired_while_its_read_fails_is_retired_not_unreadable(tmp_path):
+    """A step whose read fails with an I/O error (report.error, not a problem) because its
+    writer deleted it meanwhile is reported retired, as a damaged one is (mutant: checking
+    only ``report.problems`` calls it "could not be read", exit 2, in a --all run)."""
+    import errno
+
+    import verify
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        cps = ckpt.inspect.open(str(root))
+
+        def retire_then_fail(step, manifest):  # as an object store answers for a gone key
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            raise OSError(errno.EIO, "read failed", str(root / "step-00000001"))
+
+        cps.files = retire_then_fail
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="was retired"):
+            verify.verify_step(cps, 1, "digest")

@@ -334,7 +334,7 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
             lock = storage.lock(describe_owner())
         except LockHeldError as e:
             raise CheckpointLockedError(
-                f"{root} is in use by a writer ({_holder(e.holder)}); gc --yes needs the root "
+                f"{root} is in use by a writer ({e.who}); gc --yes needs the root "
                 "to itself: stop that job first, or run gc without --yes for a dry run",
                 path=root) from None
         except OSError as e:
@@ -379,13 +379,6 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
     result.retired_steps, result.deleted_files = report.retired_steps, report.deleted_files
     result.kept_files, result.freed_bytes = report.kept_files, report.freed_bytes
     return result
-
-
-def _holder(holder: dict) -> str:
-    """A lock holder for people: host, pid and since when (not a dict and epoch seconds)."""
-    since = holder.get("since")
-    when = _when(since) if isinstance(since, (int, float)) else "an unknown time"
-    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {when}"
 
 
 def _policy(steps: list[int], keep_last: int | None, keep_every: int | None) -> set[int] | None:

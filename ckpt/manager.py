@@ -229,12 +229,8 @@ class CheckpointManager:
         try:
             self._lock = self.storage.lock(describe_owner())
         except LockHeldError as e:
-            h = e.holder
-            who = (f"host {h.get('host')}, pid {h.get('pid')}, since "
-                   f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h['since']))}"
-                   if h.get("since") else "an unknown process")
             raise CheckpointLockedError(
-                f"{self.root} is locked by another writer ({who}); stop that job, point this "
+                f"{self.root} is locked by another writer ({e.who}); stop that job, point this "
                 "one at another root, or open it with read_only=True to only read",
                 path=self.root) from None
         except OSError as e:

@@ -17,6 +17,7 @@ Paths are relative to the root and use ``/``. Nothing here knows about torch.
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence, Union
 
@@ -24,15 +25,30 @@ Buffer = Union[bytes, bytearray, memoryview]
 
 
 class LockHeldError(BlockingIOError):
-    """Another live writer holds the root's lock; ``holder`` describes it (host, pid, since)."""
+    """Another live writer holds the root's lock; ``holder`` is what it recorded (host, pid,
+    since: a hand-edited or torn record may hold anything), ``who`` that for people."""
 
     def __init__(self, path: str, holder: dict) -> None:
-        super().__init__(f"{path} is locked by {holder or 'an unknown writer'}")
         self.path = path
         self.holder = holder
+        self.who = describe_holder(holder)
+        super().__init__(f"{path} is locked by {self.who}")
 
     def __reduce__(self):
         return (type(self), (self.path, self.holder))
+
+
+def describe_holder(holder: Any) -> str:
+    """A lock holder for people: "host H, pid P, since 2026-12-01 10:00:00" (local time), or
+    "an unknown process" when the record names none of them."""
+    if not isinstance(holder, dict) or not holder.keys() & {"host", "pid", "since"}:
+        return "an unknown process"
+    since = holder.get("since")
+    try:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since))
+    except (TypeError, ValueError, OverflowError, OSError):
+        when = "an unknown time"
+    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {when}"
 
 
 class WriterLock(Protocol):

@@ -14,6 +14,7 @@ through a link is treated as absent and logged once.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -125,7 +126,18 @@ class PosixStorage(Storage):
         return total
 
     def _open_read(self, path: str) -> int:
-        return os.open(self._abs(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        """A descriptor of a regular file under the root. Opened without blocking, so a FIFO
+        planted in a checkpoint cannot hang a reader; refused unless the open descriptor is
+        a regular file (a directory, FIFO, socket or device there is damage, not data)."""
+        target = self._abs(path)
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise OSError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+                          f"{kind} where a checkpoint file was expected", target)
+        return fd
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         with open(self._open_read(path), "rb") as f:

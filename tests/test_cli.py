@@ -889,3 +889,27 @@ def test_a_step_directory_on_s3_is_one_checkpoint_too(request, capsys, monkeypat
     doc = json.loads(out)
     assert (doc["a"], doc["b"]) == (1, 2)  # the directory's step against the root's newest
     assert {v["path"]: (v["a"], v["b"]) for v in doc["values"]} == {"step": (1, 2)}
+
+
+def test_a_fifo_or_directory_planted_as_a_checkpoint_file_is_damage_not_a_hang(tmp_path):
+    """Opening a FIFO for reading blocks until a writer comes: `ckpt ls` (and every reader)
+    must report a FIFO in a manifest's place as damage, by name, instead of hanging; the POSIX
+    storage refuses a FIFO or a directory where it reads a file, naming it."""
+    from storage_backends import open_storage
+
+    make_root(tmp_path)
+    root = tmp_path / "root"
+    fifo_manifest = root / "step-00000002" / "manifest.json"
+    fifo_manifest.unlink()
+    os.mkfifo(fifo_manifest)
+    (ls,) = run_all(tmp_path, ["ls", "root", "--json"])
+    bad = {r["step"]: r["status"] for r in ls.json()["steps"]}
+    assert "not a regular file" in bad[2] and "manifest.json" in bad[2], ls.out
+    assert bad[1] == "committed"
+    storage = open_storage(str(root))
+    (root / "a-dir").mkdir()
+    for name, what in (("step-00000002/manifest.json", "not a regular file"),
+                       ("a-dir", "a directory")):
+        with pytest.raises(OSError, match=what) as caught:
+            storage.read(name)
+        assert caught.value.filename == str(root / name)

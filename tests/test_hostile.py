@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -192,16 +193,19 @@ def test_save_refuses_a_step_that_is_not_an_int(tmp_path, step):
         assert mgr.steps() == []
 
 
-def _in_private_mount(script: str) -> dict:
-    """Run ``script`` as root of a user+mount namespace with a 1 MiB tmpfs at MNT."""
+def _in_private_mount(script: str, where: Path) -> dict:
+    """Run ``script`` as root of a user+mount namespace with a 1 MiB tmpfs at MNT, a new
+    directory under ``where`` (so nothing is left outside the test's own directory)."""
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1)")
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
     body = textwrap.dedent(script)
-    shell = ("mkdir -p /tmp/ckpt-mnt-$$ && mount -t tmpfs -o size=1m tmpfs /tmp/ckpt-mnt-$$ "
-             f"&& MNT=/tmp/ckpt-mnt-$$ {sys.executable} -c \"$0\"")
+    mnt = where / "mnt"
+    mnt.mkdir()
+    shell = (f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(str(mnt))} "
+             f"&& MNT={shlex.quote(str(mnt))} {sys.executable} -c \"$0\"")
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell, body], cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=120)
@@ -226,7 +230,7 @@ def attempt(name, fn):
 
 
 @pytest.mark.slow  # a subprocess that imports torch inside a private mount namespace
-def test_writer_on_a_full_disk_or_a_read_only_root_raises_a_checkpoint_error():
+def test_writer_on_a_full_disk_or_a_read_only_root_raises_a_checkpoint_error(tmp_path):
     out = _in_private_mount(SCRIPT_HEAD + """
 os.makedirs(root)
 mgr = ckpt.CheckpointManager(root, async_save=False)
@@ -255,7 +259,7 @@ state = {"w": torch.zeros(16)}
 attempt("read", lambda: ckpt.CheckpointManager(ro, read_only=True).restore(state))
 out["restored"] = state["w"].tolist() == [1.0] * 16
 print(json.dumps(out))
-""")
+""", tmp_path)
     # A full disk: the save fails and its staging directory is gone; opening a writer fails
     # without leaving its half-written owner file.
     assert out["save"].startswith("CheckpointError:") and "root" in out["save"], out

@@ -5,6 +5,8 @@ The mutant is named in each docstring; applying it makes the test fail."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -73,9 +75,10 @@ def test_load_raises_this_ranks_fatal_error_as_it_is(tmp_path):
 
 def test_an_odd_lock_owner_file_still_gives_one_line_naming_the_lock(tmp_path, capsys):
     """``gc --yes`` on a root a live writer holds names the holder; a hand-edited owner file
-    with a "since" that is no time says "an unknown time" (mutant: ``_when(since)`` without
-    its isinstance check raised TypeError), and one that is no JSON object gives no holder
-    (it was AttributeError: 'list' object has no attribute 'get', in gc and the manager)."""
+    with a "since" that is no time says "an unknown time" (mutant: ``describe_holder``
+    without TypeError among the errors it catches raises it), and one that is no JSON object
+    gives no holder (it was AttributeError: 'list' object has no attribute 'get', in gc and
+    the manager; the manager raised TypeError on the odd "since")."""
     from ckpt.cli import main
 
     root = tmp_path / "root"
@@ -83,13 +86,14 @@ def test_an_odd_lock_owner_file_still_gives_one_line_naming_the_lock(tmp_path, c
         writer.save(1, {"w": torch.zeros(4)})
         for owner, needle in (('{"host": "h", "pid": 7, "since": "yesterday"}',
                                "(host h, pid 7, since an unknown time)"),
-                              ("[1, 2]", "(host ?, pid ?, since an unknown time)")):
+                              ("[1, 2]", "(an unknown process)")):
             (root / ".lock.owner").write_text(owner)
             assert main(["gc", str(root), "--keep-last", "1", "--yes"]) == 2
             err = capsys.readouterr().err
             assert f"is in use by a writer {needle}" in err and "Traceback" not in err, err
-        with pytest.raises(ckpt.CheckpointLockedError, match="an unknown process"):
-            ckpt.CheckpointManager(root)
+            with pytest.raises(ckpt.CheckpointLockedError) as caught:  # the same words
+                ckpt.CheckpointManager(root)
+            assert f"locked by another writer {needle}" in str(caught.value)
     assert (root / "step-00000001" / "manifest.json").exists()
 
 
@@ -133,3 +137,81 @@ def test_a_loss_function_that_returns_no_number_is_named(tmp_path, capsys, monke
     out = capsys.readouterr().out
     assert code == 2 and "the loss function userloss3:text raised ValueError" in out, out
     assert "forward pass" not in out
+
+
+def test_verify_of_one_named_step_its_writer_retires_midway_fails(tmp_path, capsys,
+                                                                   monkeypatch):
+    """Only ``--all`` passes over a step retired while it is checked; ``verify --step 1``
+    says it is gone, exit 2 (mutant: without ``if not args.all: raise`` it printed
+    "skipped" and exited 0, having verified nothing)."""
+    import verify
+    from ckpt.cli import main
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+
+        def progress(total: int, label: str):  # made after step 1's manifest was read
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            return lambda nbytes: None
+
+        monkeypatch.setattr(verify, "ProgressBar", progress)
+        code = main(["verify", str(root), "--step", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "skipped step" not in err, err
+    assert "no committed checkpoint at" in err and "step-00000001" in err, err
+    assert not (root / "step-00000001").exists()
+
+
+def test_refused_opens_leave_no_descriptor_and_export_never_writes_through_a_link(
+        tmp_path, capsys):
+    """The POSIX storage refuses a FIFO or a directory where it reads a file and closes
+    what it opened (mutant: without ``os.close(fd)`` before the refusal each one leaks a
+    descriptor); export creates its temporary file exclusively (mutant: ``open(tmp, "wb")``
+    follows a link planted at that name and overwrites its target)."""
+    from ckpt.cli import main
+    from storage_backends import open_storage
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(8)})
+    os.mkfifo(root / "fifo")
+    (root / "a-dir").mkdir()
+    storage = open_storage(str(root))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        for name in ("fifo", "a-dir"):
+            with pytest.raises(OSError):
+                storage.read(name)
+    assert len(os.listdir("/proc/self/fd")) == before
+    victim = tmp_path / "notes.txt"
+    victim.write_text("the user's notes")
+    target = tmp_path / "model.pt"
+    os.symlink(victim, f"{target}.tmp-{os.getpid()}")  # the export's temporary name
+    assert main(["export", str(root), "--to", "torch", str(target)]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert victim.read_text() == "the user's notes" and not target.exists()
+
+
+def test_a_step_retired_while_its_read_fails_is_retired_not_unreadable(tmp_path):
+    """A step whose read fails with an I/O error (report.error, not a problem) because its
+    writer deleted it meanwhile is reported retired, as a damaged one is (mutant: checking
+    only ``report.problems`` calls it "could not be read", exit 2, in a --all run)."""
+    import errno
+
+    import verify
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        cps = ckpt.inspect.open(str(root))
+
+        def retire_then_fail(step, manifest):  # as an object store answers for a gone key
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            raise OSError(errno.EIO, "read failed", str(root / "step-00000001"))
+
+        cps.files = retire_then_fail
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="was retired"):
+            verify.verify_step(cps, 1, "digest")

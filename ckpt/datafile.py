@@ -1,6 +1,7 @@
 """Data files in the safetensors layout: 8-byte little-endian header length, a JSON header
-(padded with spaces so the data starts 64-byte aligned), then the pieces back to back. Uncompressed pieces carry their real dtype and shape, so the
-safetensors library can open the file; compressed pieces are stored as ``U8`` byte strings.
+(padded with spaces so the data starts 64-byte aligned), then the pieces back to back.
+Uncompressed pieces carry their real dtype and shape, so the safetensors library can open
+the file; compressed pieces are stored as ``U8`` byte strings.
 The manifest, not this header, is the source of truth for reading.
 """
 

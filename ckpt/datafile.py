@@ -1,6 +1,7 @@
-"""Data files in the safetensors layout: 8-byte little-endian header length, a JSON header,
-then the pieces back to back. Uncompressed pieces carry their real dtype and shape, so the
-safetensors library can open the file; compressed pieces are stored as ``U8`` byte strings.
+"""Data files in the safetensors layout: 8-byte little-endian header length, a JSON header
+(padded with spaces so the data starts 64-byte aligned), then the pieces back to back.
+Uncompressed pieces carry their real dtype and shape, so the safetensors library can open
+the file; compressed pieces are stored as ``U8`` byte strings.
 The manifest, not this header, is the source of truth for reading.
 """
 
@@ -39,12 +40,18 @@ class Piece:
         return {"dtype": code or "U8", "shape": shape, "data_offsets": [start, start + len(self.data)]}
 
 
+ALIGN = 64  # where the data (and each piece whose predecessors are whole cache lines) starts
+
+
 def encode_header(pieces: list[Piece]) -> bytes:
-    """The header bytes (length prefix included), padded so the data starts 8-byte aligned."""
+    """The header bytes (length prefix included), padded with spaces so the data starts
+    64-byte aligned: a chunk whose bytes lie at another offset modulo 64 than its destination
+    in memory is copied by the kernel at ~20% more CPU per byte (benchmarks/
+    bench_memory_tier.py; docs/elastic.md, "Memory tier")."""
     entries, offset = {}, 0
     for p in pieces:
         entries[p.name] = p.header_entry(offset)
         offset += len(p.data)
     body = json.dumps(entries, separators=(",", ":")).encode()
-    body += b" " * (-(len(body) + 8) % 8)
+    body += b" " * (-(len(body) + 8) % ALIGN)
     return struct.pack("<Q", len(body)) + body

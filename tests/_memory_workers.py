@@ -227,6 +227,7 @@ def serve_a_stuck_peer(rank: int, world: int, root: str, shm: str, job: str,
     assert mgr.wait_replicated(60)
     dist.barrier()
     mgr.close()
+    dist.barrier()  # rank 1's close is done with its segment before it is lost
     if rank == 0:
         shutil.rmtree(os.path.join(shm, f"ckpt-{job}-{nodes[1]}-r1"))
     dist.barrier()

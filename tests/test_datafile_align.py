@@ -1,0 +1,27 @@
+"""Data files start their data 64-byte aligned (ckpt/datafile.py): a chunk read straight into
+a tensor (64-byte aligned by torch's allocator) from a file offset that differs from it modulo
+64 costs the kernel's copy about 20% more CPU per byte (benchmarks/bench_memory_tier.py)."""
+
+from __future__ import annotations
+
+import safetensors.torch
+import torch
+
+import ckpt
+from ckpt.format import step_dir
+
+
+def test_every_chunk_of_cache_line_sized_tensors_starts_64_byte_aligned(tmp_path):
+    # Key names of many lengths: an 8-byte padded header would put the data at offsets
+    # 8 (mod 64) apart from one save to another, so some of these would miss.
+    for n in range(1, 9):
+        state = {f"{'k' * n}{i}": torch.rand(2, 16 * (i + 1)) for i in range(n)}
+        root = tmp_path / f"r{n}"
+        with ckpt.CheckpointManager(str(root), async_save=False) as mgr:
+            mgr.save(1, state)
+            manifest = mgr.manifest(1)
+        starts = {c.start for e in manifest.tensors.values() for c in e.chunks}
+        assert starts and all(s % 64 == 0 for s in starts), sorted(s % 64 for s in starts)
+        for name in manifest.files:  # still a safetensors file, padding and all
+            loaded = safetensors.torch.load_file(str(root / step_dir(1) / name))
+            assert all(torch.equal(loaded[k], state[k.split("#")[0]]) for k in loaded)

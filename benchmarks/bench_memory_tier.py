@@ -266,7 +266,7 @@ def goals(timings: common.Timings, nbytes: dict[str, int]) -> list[str]:
     if RAW_SHM in timings:
         extra = (common.median(timings["memory tier"]["restore"])
                  - common.median(timings[RAW_SHM]["restore"]))
-        more = "more" if extra >= 0 else "less (the anchor's spread is as wide)"
+        more = "more" if extra >= 0 else "less"
         out.append(f"- the memory tier's restore takes {abs(extra) * 1e3:.0f} ms {more} than "
                    f"the {RAW_SHM} (medians)")
     return out

@@ -25,7 +25,7 @@ from storage_backends import Storage
 from storage_backends.faults import fault_point
 
 from .codec import encode
-from .datafile import Piece, encode_header
+from .datafile import ALIGN, Piece, encode_header
 from .errors import CheckpointError, StorageError
 from .format import (FORMAT_VERSION_TABLES, MANIFEST_NAME, PER_RANK_IN_TABLES, Chunk, Manifest,
                      TensorEntry, chunk_doc)
@@ -319,6 +319,9 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
 
     def write_file(index: int, encoded: list) -> tuple[str, int, list]:
         name = data_file_name(payload.token, payload.rank, index)
+        # Pieces of whole cache lines first: each then starts 64-byte aligned in the file, as
+        # its destination is in memory (see ALIGN); one odd-sized piece would shift all after it.
+        encoded = sorted(encoded, key=lambda e: len(e[3]) % ALIGN != 0)
         pieces = [Piece(f"{c.key}#{list(c.offsets)}", memoryview(stored),
                         payload.pieces[c.key][1].dtype, c.shape, stored_raw=codec == "raw")
                   for c, _, codec, stored in encoded]

@@ -25,3 +25,18 @@ def test_every_chunk_of_cache_line_sized_tensors_starts_64_byte_aligned(tmp_path
         for name in manifest.files:  # still a safetensors file, padding and all
             loaded = safetensors.torch.load_file(str(root / step_dir(1) / name))
             assert all(torch.equal(loaded[k], state[k.split("#")[0]]) for k in loaded)
+
+
+def test_an_odd_sized_tensor_does_not_misalign_the_chunks_after_it(tmp_path):
+    # Saved in this order, "a" (12 bytes) would put every later piece at 12 (mod 64).
+    state = {"a": torch.rand(3), "b": torch.rand(4, 16), "c": torch.rand(8, 32), "d": torch.rand(5)}
+    with ckpt.CheckpointManager(str(tmp_path), async_save=False,
+                                options=ckpt.SaveOptions(write_threads=1)) as mgr:
+        mgr.save(1, state)
+        manifest = mgr.manifest(1)
+        restored = {k: torch.zeros_like(v) for k, v in state.items()}
+        mgr.restore(restored)
+    assert len(manifest.files) == 1
+    for key in ("b", "c"):
+        assert all(c.start % 64 == 0 for c in manifest.tensors[key].chunks), key
+    assert all(torch.equal(restored[k], state[k]) for k in state)

@@ -266,8 +266,9 @@ def goals(timings: common.Timings, nbytes: dict[str, int]) -> list[str]:
     if RAW_SHM in timings:
         extra = (common.median(timings["memory tier"]["restore"])
                  - common.median(timings[RAW_SHM]["restore"]))
-        out.append(f"- the memory tier's restore takes {extra * 1e3:.0f} ms more than the "
-                   f"{RAW_SHM} (medians)")
+        more = "more" if extra >= 0 else "less"
+        out.append(f"- the memory tier's restore takes {abs(extra) * 1e3:.0f} ms {more} than "
+                   f"the {RAW_SHM} (medians)")
     return out
 
 

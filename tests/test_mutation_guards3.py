@@ -256,3 +256,31 @@ def test_a_conjugate_view_restores_its_values_not_their_conjugates(tmp_path):
     with ckpt.CheckpointManager(tmp_path, read_only=True) as mgr:
         assert mgr.restore({"z": live}) == 1
     assert torch.equal(live, want)
+
+
+def test_forward_level_names_a_bool_loss_and_a_bad_model_option(tmp_path, capsys,
+                                                                      monkeypatch):
+    """``verify --level forward`` on a hand-edited probe: a recorded loss of ``true`` is no
+    number (mutant: without ``isinstance(loss, bool) or`` it passed as 1.0); a bad
+    ``--model`` is the user's error, not the recorded factory's (mutant: without ``if model
+    is not recorded: raise`` it said "the probe's recorded factory")."""
+    import json
+
+    from ckpt.cli import main
+    from test_cli import make_root
+
+    make_root(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = tmp_path / "root"
+    manifest = root / "step-00000002" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["items"]["__probe__"]["tree"]["loss"] = True
+    manifest.write_text(json.dumps(doc))
+    code = main(["verify", str(root), "--level", "forward", "--step", "2"])
+    out = capsys.readouterr().out
+    assert code == 1 and "the probe item is damaged: its recorded loss is a bool" in out, out
+    assert main(["verify", str(root), "--level", "forward", "--step", "1",
+                 "--model", "usermodels:no_such_builder"]) == 2
+    out = capsys.readouterr().out
+    assert "--model" in out and "no_such_builder" in out and "recorded factory" not in out, out

@@ -44,7 +44,7 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
                                 metadata=metadata, previous=previous, hold_all=hold_all)
     gathered = group.all_gather({"specs": specs, "items": flat.items, "aliases": flat.aliases,
                                  "token": token})
-    _check_per_rank_names([_per_rank_names(g["items"]) for g in gathered])
+    _check_same_items([_item_names(g["items"]) for g in gathered])
     writers = assign_writers([g["specs"] for g in gathered])
     mine = [s.key for s in specs if writers[(s.key, s.offsets)] == group.rank]
     pieces, held, ready = _stage(state, specs, locals_, mine, stager=stager, options=options,
@@ -101,12 +101,11 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         [s.key, s.dtype, s.global_shape,
          [mesh_ids[layouts[s.key].mesh], layouts[s.key].placements] if s.key in layouts
          else None] for s in specs if s.key not in own])
-    per_rank = _per_rank_names(flat.items)
     mine = {"sig": digest(description.encode()), "described": described, "token": token,
-            "per_rank": per_rank,
+            "names": _item_names(flat.items),
             "own": [[s.key, s.dtype, list(s.global_shape)] for s in specs if s.key in own]}
     gathered = group.all_gather(mine)
-    _check_per_rank_names([g["per_rank"] for g in gathered])
+    _check_same_items([g["names"] for g in gathered])
     world = group.world_size
     if all(g["described"] and g["sig"] == mine["sig"] for g in gathered):
         layouts.update(balance_plain(plain, world))
@@ -129,20 +128,26 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         world_size=world, token=gathered[0]["token"], layouts=layouts)
 
 
-def _per_rank_names(items: dict[str, dict]) -> list[str]:
-    """The names of the per-rank items, sorted (ranks may list the state's keys in any order)."""
-    return sorted(name for name, item in items.items() if "per_rank" in item)
+def _item_names(items: dict[str, dict]) -> dict[str, list[str]]:
+    """The names of the state's items and of its per-rank items, sorted (ranks may list the
+    state's keys in any order)."""
+    return {"items": sorted(items),
+            "per_rank": sorted(name for name, item in items.items() if "per_rank" in item)}
 
 
-def _check_per_rank_names(by_rank: list[list[str]]) -> None:
-    """Every rank must save the same per-rank items: the manifest (rank 0's items) holds each
-    rank's tree of each of them (format 2: in each rank's table). Every rank sees the same
-    lists, so all raise (format 1 failed on a bare KeyError)."""
-    differ = [r for r, names in enumerate(by_rank) if names != by_rank[0]]
-    if differ:
-        raise CheckpointError(
-            f"ranks save different per-rank items (rank 0: {by_rank[0]}, rank {differ[0]}: "
-            f"{by_rank[differ[0]]}); nothing was saved: pass the same state keys on every rank")
+def _check_same_items(by_rank: list[dict[str, list[str]]]) -> None:
+    """Every rank must save the same items: the manifest holds rank 0's items (and each rank's
+    tree of a per-rank item), so an item only another rank holds would be lost without a
+    word (a save committed, a restore missing it). Every rank sees the same lists, so all
+    raise, before anything is written."""
+    for what, label in (("per_rank", "per-rank items"), ("items", "items")):
+        lists = [names[what] for names in by_rank]
+        differ = [r for r, names in enumerate(lists) if names != lists[0]]
+        if differ:
+            raise CheckpointError(
+                f"ranks save different {label} (rank 0: {lists[0]}, rank {differ[0]}: "
+                f"{lists[differ[0]]}); nothing was saved: pass the same state keys on every "
+                "rank (a value only some ranks have: wrap it in ckpt.PerRank on every rank)")
 
 
 def _stage(state: Mapping[str, Any], specs: list[PieceSpec], locals_: dict,

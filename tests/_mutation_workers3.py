@@ -62,3 +62,22 @@ def load_where_one_rank_refuses_pickle(rank: int, world: int, root: str) -> str:
         except ckpt.CheckpointError as e:
             return f"{type(e).__name__}: {e}"
     return "loaded"
+
+
+def save_an_item_only_rank_1_holds(rank: int, world: int, root: str) -> dict:
+    """Rank 1 saves an item (a plain value and a tensor) rank 0 does not have: refused on
+    every rank, by name, in both formats, nothing committed; the same keys everywhere save."""
+    state = {"w": torch.ones(8)}
+    if rank == 1:
+        state.update(extra={"lr": 0.5}, t1=torch.arange(3.0))
+    refused = []
+    for tables in (False, True):
+        with ckpt.CheckpointManager(root, async_save=False,
+                                    options=ckpt.SaveOptions(rank_tables=tables)) as mgr:
+            try:
+                mgr.save(1, state, force=True)
+                refused.append(None)
+            except ckpt.CheckpointError as e:
+                refused.append(str(e))
+            steps = mgr.steps()
+    return {"refused": refused, "steps": steps}

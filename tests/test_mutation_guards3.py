@@ -284,3 +284,17 @@ def test_forward_level_names_a_bool_loss_and_a_bad_model_option(tmp_path, capsys
                  "--model", "usermodels:no_such_builder"]) == 2
     out = capsys.readouterr().out
     assert "--model" in out and "no_such_builder" in out and "recorded factory" not in out, out
+
+
+@pytest.mark.multiproc
+def test_an_item_only_one_rank_holds_is_refused_not_dropped(tmp_path):
+    """The manifest holds rank 0's items: an item only rank 1 saved (a plain value, a
+    tensor) was dropped without a word — the save committed, ``load()`` returned rank 0's
+    items only (found by h-mutate3). Now every rank refuses the save, in both formats, and
+    nothing is committed (mutant: dropping the "items" comparison commits step 1)."""
+    got = run_ranks(2, W.save_an_item_only_rank_1_holds, str(tmp_path), timeout=120)
+    for rank, s in enumerate(got):
+        assert s["steps"] == [], (rank, s)
+        for message in s["refused"]:
+            assert message and "ranks save different items" in message, (rank, s)
+            assert "'extra', 't1'" in message and "ckpt.PerRank" in message, (rank, s)

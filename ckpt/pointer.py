@@ -13,13 +13,16 @@ import json
 import os
 import stat
 
+from storage_backends import posix
+
 POINTER_FORMAT = "ckpt-pointer"
 POINTER_NAME = "ckpt-step.json"  # the pointer inside an HF or Accelerate checkpoint folder
 MAX_POINTER_BYTES = 4096
 
 
 def write_pointer(path: str, step: int) -> None:
-    """Atomically (temp file, fsync, rename) write a pointer to ``step`` at ``path``."""
+    """Atomically and durably (temp file, fsync, rename, fsync of the folder) write a
+    pointer to ``step`` at ``path``."""
     directory, name = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{name}.{os.getpid()}.part")
@@ -28,6 +31,7 @@ def write_pointer(path: str, step: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    posix.fsync_dir(directory)  # else a power loss may bring back the previous pointer
 
 
 def read_pointer(path: str) -> int | None:

@@ -44,7 +44,8 @@ class SymlinkRefusedError(FileNotFoundError):
         return (type(self), (self.filename,))
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (a rename, a new or removed file) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -175,7 +176,7 @@ class PosixStorage(Storage):
             trash = self._abs(f"{TRASH_PREFIX}{uuid.uuid4().hex}")
             os.rename(target, trash)
             # Durable before its files go: else a crash could keep the name, lose the files.
-            _fsync_dir(os.path.dirname(target))
+            fsync_dir(os.path.dirname(target))
             shutil.rmtree(trash, ignore_errors=True)  # rmtree unlinks links, never follows
         else:
             try:
@@ -184,7 +185,7 @@ class PosixStorage(Storage):
                 return
             # A retired step's manifest must be gone for good before its files are deleted
             # (tests/test_crash_states.py found a torn step visible after a crash otherwise).
-            _fsync_dir(os.path.dirname(target))
+            fsync_dir(os.path.dirname(target))
 
     def begin(self, name: str, token: str) -> str:
         staging = f"{STAGING_PREFIX}{name}-{token}"
@@ -197,14 +198,14 @@ class PosixStorage(Storage):
 
     def commit(self, staging: str, name: str, manifest: bytes, manifest_name: str) -> None:
         self.write(f"{staging}/{manifest_name}", [manifest])
-        _fsync_dir(self._abs(staging))
+        fsync_dir(self._abs(staging))
         final = self._abs(name)
         if os.path.lexists(final):
             self._commit_over(staging, final, manifest_name)
             return
         # The commit point: after this rename (and the root's fsync) the step exists.
         os.rename(self._abs(staging), final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def _commit_over(self, staging: str, final: str, manifest_name: str) -> None:
         """Re-save a step whose directory exists (a rollback re-saving its number, or a step
@@ -221,12 +222,12 @@ class PosixStorage(Storage):
             if entry != manifest_name:
                 os.rename(os.path.join(source, entry), os.path.join(final, entry))
         # A rename is durable once both of its directories are.
-        _fsync_dir(final)
-        _fsync_dir(source)
+        fsync_dir(final)
+        fsync_dir(source)
         # The commit point of a re-saved step: the manifest names only the new files.
         os.rename(os.path.join(source, manifest_name), os.path.join(final, manifest_name))
-        _fsync_dir(final)
-        _fsync_dir(source)
+        fsync_dir(final)
+        fsync_dir(source)
         shutil.rmtree(source, ignore_errors=True)
 
     def abort(self, staging: str) -> None:

@@ -60,3 +60,19 @@ def test_a_pointer_names_a_whole_non_negative_step(tmp_path):
         assert read_pointer(str(path)) is None, step
     path.write_text('{"format": "other", "step": 1}')
     assert read_pointer(str(path)) is None
+
+
+def test_a_written_pointer_is_durable_after_its_rename(tmp_path, monkeypatch):
+    """The rename that publishes a pointer is made durable by an fsync of its folder,
+    after the rename (else a power loss can bring back the previous step's pointer)."""
+    from storage_backends import posix
+
+    events = []
+    real_replace, real_fsync_dir = os.replace, posix.fsync_dir
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"),
+                                                     real_replace(a, b))[1])
+    monkeypatch.setattr(posix, "fsync_dir", lambda d: (events.append(("fsync_dir", d)),
+                                                       real_fsync_dir(d))[1])
+    write_pointer(str(tmp_path / "last.ckpt"), 7)
+    assert events == ["replace", ("fsync_dir", str(tmp_path))]
+    assert read_pointer(str(tmp_path / "last.ckpt")) == 7

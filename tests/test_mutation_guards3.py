@@ -217,32 +217,6 @@ def test_a_step_retired_while_its_read_fails_is_retired_not_unreadable(tmp_path)
             verify.verify_step(cps, 1, "digest")
 
 
-def test_a_probe_item_without_inputs_is_skipped_with_the_reason(tmp_path, caplog):
-    """restore(verify="forward") skips a step whose probe lost its recorded inputs (a
-    hand-edited manifest), saying so (mutant: without the "no recorded inputs" check of
-    ``damaged_probe`` the reason blamed the model: "running the probe's inputs through the
-    model raised KeyError: 'inputs'")."""
-    import json
-    import logging
-
-    from test_verify import make_net, save
-
-    root = tmp_path / "root"
-    first = save(root, 1, net=make_net(1))
-    save(root, 2, net=make_net(2))
-    manifest = root / "step-00000002/manifest.json"
-    doc = json.loads(manifest.read_text())
-    del doc["items"]["__probe__"]["tree"]["inputs"]
-    manifest.write_text(json.dumps(doc))
-    net = make_net(3)
-    with caplog.at_level(logging.WARNING, logger="ckpt"), \
-            ckpt.CheckpointManager(root, read_only=True) as mgr:
-        assert mgr.restore({"model": net}, verify="forward") == 1
-    assert "the probe item is damaged: it has no recorded inputs" in caplog.text
-    for key, value in first["model"].state_dict().items():
-        assert torch.equal(net.state_dict()[key], value)
-
-
 def test_a_conjugate_view_restores_its_values_not_their_conjugates(tmp_path):
     """A live complex tensor that is a conjugate view (its bytes hold the conjugate) is
     filled through a copy (mutant: without ``dest.is_conj()`` among the bounce cases the

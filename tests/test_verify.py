@@ -645,19 +645,34 @@ def test_inspect_names_optimizer_state_only_when_a_module_fits(tmp_path):
     cps.check_chunk(0, key, entry.chunks[0], entry.torch_dtype)
 
 
-def test_restore_at_the_forward_level_skips_a_step_whose_probe_item_is_damaged(tmp_path, caplog):
+def _record_a_number_as_output(tree: dict) -> None:
+    tree["output"] = 0
+
+
+def _drop_the_inputs(tree: dict) -> None:
+    del tree["inputs"]
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_record_a_number_as_output, "its recorded output is a int, not a tensor"),
+    # Without its own check, the reason blamed the model: "running the probe's inputs
+    # through the model raised KeyError: 'inputs'" (a mutant h-mutate3 found surviving).
+    (_drop_the_inputs, "it has no recorded inputs"),
+])
+def test_restore_at_the_forward_level_skips_a_step_whose_probe_item_is_damaged(
+        tmp_path, caplog, damage, reason):
     root = tmp_path / "root"
     first = save(root, 1, net=make_net(1))
     save(root, 2, net=make_net(2))
     manifest = root / "step-00000002/manifest.json"
     doc = json.loads(manifest.read_text())
-    doc["items"]["__probe__"]["tree"]["output"] = 0  # hand-edited: a number, not a tensor
+    damage(doc["items"]["__probe__"]["tree"])  # a hand-edited manifest
     manifest.write_text(json.dumps(doc))
     net = make_net(3)
     with caplog.at_level(logging.WARNING, logger="ckpt"), \
             ckpt.CheckpointManager(root, read_only=True) as mgr:
         assert mgr.restore({"model": net}, verify="forward") == 1
     assert "skipping step=2" in caplog.text
-    assert "the probe item is damaged: its recorded output is a int, not a tensor" in caplog.text
+    assert f"the probe item is damaged: {reason}" in caplog.text
     for key, value in first["model"].state_dict().items():
         assert torch.equal(net.state_dict()[key], value)

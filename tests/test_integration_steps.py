@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ckpt
-from trainer.integrations._steps import (StepStore, load_newest_good, read_pointer,
-                                         write_pointer)
+from ckpt.pointer import read_pointer, write_pointer
+from trainer.integrations._steps import StepStore, load_newest_good
 
 
 def test_pointers_round_trip_and_nothing_else_reads_as_one(tmp_path):

@@ -326,6 +326,7 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
     from storage_backends.locks import describe_owner
 
     from .incremental import collect
+    from .manager import retention
 
     storage, root = cps.storage, cps.url
     lock = None
@@ -343,7 +344,7 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
     result = GcResult(root, dry_run=not delete)
     try:
         steps = cps.steps()
-        keep = _policy(steps, keep_last, keep_every)
+        keep = None if keep_last is None else retention(steps, keep_last, keep_every)
         if keep is not None and set(steps) - keep:  # a step would be retired: check first
             for step in reversed(steps):
                 try:
@@ -379,17 +380,6 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
     result.retired_steps, result.deleted_files = report.retired_steps, report.deleted_files
     result.kept_files, result.freed_bytes = report.kept_files, report.freed_bytes
     return result
-
-
-def _policy(steps: list[int], keep_last: int | None, keep_every: int | None) -> set[int] | None:
-    """The steps a policy keeps (None: no policy, keep all). ``keep_last`` 0 keeps none by
-    count; ``keep_every`` alone keeps everything (it only adds to ``keep_last``)."""
-    if keep_last is None:
-        return None
-    keep = set(steps[len(steps) - keep_last:]) if keep_last else set()
-    if keep_every:
-        keep |= {s for s in steps if s % keep_every == 0}
-    return keep
 
 
 EPILOG = """\

@@ -958,11 +958,12 @@ def _checked_metrics(metrics: dict[str, float]) -> dict[str, float | str]:
 def retention(steps: list[int], keep_last: int | None, keep_every: int | None,
               newest: int | None = None, best: set[int] | None = None) -> set[int]:
     """The steps a keep_last/keep_every/keep_best policy keeps (``best``: the keep_best
-    steps; the newest is always kept). Without keep_last or keep_best, every step."""
+    steps; the newest is always kept). Without keep_last or keep_best, every step;
+    ``keep_last`` 0 (``ckpt gc --keep-last 0``) keeps none by count."""
     if keep_last is None:
         keep = set(steps) if best is None else set(best)
     else:
-        keep = set(steps[-keep_last:]) | (best or set())
+        keep = set(steps[len(steps) - keep_last:]) | (best or set())
     if newest is not None:
         keep.add(newest)
     if keep_every:

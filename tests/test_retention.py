@@ -29,3 +29,12 @@ def test_without_keep_last_or_keep_best_every_step_is_kept():
     assert retention(steps, None, 4) == set(steps)
     assert retention(steps, 3, None) == {8, 9, 10}
     assert retention(steps, 1, 5, newest=10, best={2}) == {2, 5, 10}
+
+
+def test_keep_last_zero_keeps_none_by_count():
+    """``ckpt gc --keep-last 0`` (the manager refuses 0): only keep_every's steps, and the
+    newest when given (``steps[-0:]`` would have been every step)."""
+    steps = list(range(1, 7))
+    assert retention(steps, 0, None) == set()
+    assert retention(steps, 0, 3) == {3, 6}
+    assert retention(steps, 0, None, newest=6) == {6}

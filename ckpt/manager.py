@@ -932,8 +932,12 @@ def _describe(error: BaseException | None) -> tuple[str, str] | None:
     """A picklable verdict on one rank's load attempt: None, ("bad", why) or ("fatal", why)."""
     if error is None:
         return None
-    if isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError)) or (
-            isinstance(error, PartialLoadError) and error.corrupt):  # another step repairs
+    if isinstance(error, PartialLoadError) and error.corrupt:  # another step repairs
+        # Its cause, not its advice ("load a good step again"): the fallback does just that,
+        # and if no step can, restore's own error names the overwritten tensors.
+        return ("bad", f"{error.__cause__ or error} (read in one pass: the tensors it "
+                       "overwrote are reloaded from the next step tried)")
+    if isinstance(error, (CorruptCheckpointError, CheckpointNotFoundError)):
         return ("bad", str(error))
     return ("fatal", f"{type(error).__name__}: {error}")
 

@@ -139,6 +139,9 @@ def test_one_pass_restore_falls_back_and_repairs_every_tensor_it_overwrote(tmp_p
     with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
         assert mgr.restore(live) == 1
         assert [s for s, _ in mgr.skipped] == [2]
+        why = mgr.skipped[0][1]  # the corruption, not the advice to load a good step again
+        assert "digest mismatch" in why and "reloaded from the next step" in why, why
+        assert "live state is mixed" not in why, why
         info = mgr.last_restore
     assert_unchanged(live, snapshot(make_state(1)))
     assert live["epoch"] == 1

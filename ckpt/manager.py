@@ -967,7 +967,7 @@ def retention(steps: list[int], keep_last: int | None, keep_every: int | None,
     if keep_last is None:
         keep = set(steps) if best is None else set(best)
     else:
-        keep = set(steps[len(steps) - keep_last:]) | (best or set())
+        keep = set(steps[max(0, len(steps) - keep_last):]) | (best or set())
     if newest is not None:
         keep.add(newest)
     if keep_every:

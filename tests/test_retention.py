@@ -38,3 +38,13 @@ def test_keep_last_zero_keeps_none_by_count():
     assert retention(steps, 0, None) == set()
     assert retention(steps, 0, 3) == {3, 6}
     assert retention(steps, 0, None, newest=6) == {6}
+
+
+def test_keep_last_above_the_number_of_steps_keeps_them_all():
+    """``steps[len(steps) - 3:]`` of two steps is the last one alone: a manager with
+    keep_last=3 retired its first step on the second's commit (tests/test_health.py's
+    rollback found no step before the NaN one), and ``ckpt gc --keep-last 5`` of three steps
+    retired the oldest (that bug predates the rule's move into retention())."""
+    assert retention([0, 5], 3, None, newest=5) == {0, 5}
+    assert retention([1, 2, 3], 5, None) == {1, 2, 3}
+    assert retention([1, 2, 3], 3, None) == {1, 2, 3}

@@ -26,6 +26,7 @@ from verify.report import EXIT_FAILED, EXIT_OK, EXIT_USAGE, size, table
 from . import inspect
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      StorageError)
+from .format import step_dir
 from .inspect import Checkpoints
 from .pointer import POINTER_NAME, read_pointer
 
@@ -41,7 +42,7 @@ def _open(path: str) -> Checkpoints:
     if step is None:
         return inspect.open(path)
     root = os.path.dirname(os.path.abspath(path))
-    target = os.path.join(root, f"step-{step:08d}")
+    target = os.path.join(root, step_dir(step))
     if not os.path.isdir(target):
         raise CheckpointNotFoundError(
             f"{path} points to step {step} of {root}, which is not committed (its save never "

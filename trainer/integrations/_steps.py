@@ -113,8 +113,8 @@ def load_newest_good(root: str, step: int | None, *, allow_pickle: bool = False,
     failures = []
     for s in reversed(candidates):
         try:
-            return s, ckpt.load(os.path.join(root, f"step-{s:08d}"), allow_pickle=allow_pickle,
-                                map_location=location)
+            return s, ckpt.load(os.path.join(root, ckpt.inspect.step_dir(s)),
+                                allow_pickle=allow_pickle, map_location=location)
         except (ckpt.CorruptCheckpointError, ckpt.CheckpointNotFoundError) as e:
             log.warning("ckpt: skipping step %d under %s: %s", s, root, e)
             failures.append(f"step {s}: {e}")

@@ -178,6 +178,49 @@ def test_stray_directories_spelling_a_steps_number_otherwise_never_cost_that_ste
     assert all((root / name).is_dir() for name in strays)  # not ckpt's: left alone
 
 
+# ------------------------------------------- a directory or FIFO where a checkpoint file is
+def plant(path: Path, kind: str) -> None:
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+
+
+@pytest.mark.parametrize("rank_tables", [False, True])
+def test_a_directory_or_fifo_for_a_manifest_or_table_is_damage_restore_falls_back(
+        tmp_path, capsys, rank_tables):
+    """Such a step once made restore raise (instead of falling back), a writer fail to open
+    the root with a bare IsADirectoryError, and gc fail with no hint of what to do."""
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False, options=ckpt.SaveOptions(
+            rank_tables=rank_tables)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_of(step))
+    name = "table-*.ckt" if rank_tables else "manifest.json"
+    plant(next((root / "step-00000003").glob(name)), "fifo")
+    plant(next((root / "step-00000002").glob(name)), "dir")
+    for read_only in (True, False):
+        with ckpt.CheckpointManager(root, read_only=read_only, async_save=False) as mgr:
+            state = fresh()
+            assert mgr.restore(state) == 1
+            assert [s for s, _ in mgr.skipped] == [3, 2]
+            if not rank_tables:
+                assert "not a regular file" in mgr.skipped[0][1] and (
+                    "a directory" in mgr.skipped[1][1])
+            assert all(name.split("*")[0] in why for _, why in mgr.skipped)
+    assert_equal(state, state_of(1))
+    capsys.readouterr()
+    assert cli(["inspect", str(root), "--step", "2"]) == 1
+    assert f"step-00000002/{name.split('*')[0]}" in capsys.readouterr().err
+    if not rank_tables:
+        assert cli(["gc", str(root), "--keep-last", "1", "--yes"]) == 1
+        err = capsys.readouterr().err
+        assert "gc stopped before deleting anything" in err and "step 3" in err, err
+    assert cli(["verify", str(root), "--step", "3"]) == 1
+    assert "not a" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------- a reused step number (rollback)
 @pytest.mark.parametrize("url", ["posix", "memory"])
 def test_rollback_resave_keeps_every_later_step_loadable(tmp_path, url):

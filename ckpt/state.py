@@ -62,6 +62,26 @@ def load_stateful(obj: Any, value: Any) -> None:
         if any(own_key != plain for plain, own_key in own.items()):
             value = type(value)((own.get(k, k), v) for k, v in value.items())
     obj.load_state_dict(value)
+    if isinstance(obj, torch.utils.data.DataLoader):
+        _settle_single_process_loader(obj, value)
+
+
+def _settle_single_process_loader(loader: torch.utils.data.DataLoader, value: Any) -> None:
+    """Put a single-process StatefulDataLoader's generator where the saved run had it.
+
+    torchdata restores the shuffling sampler's generator to the epoch's start and draws the
+    epoch's permutation again, but the saved run had also drawn the iterator's base seed
+    after that permutation (torch's ``_BaseDataLoaderIter`` draws it after creating the
+    sampler iterator): without that draw every epoch after the resumed one is shuffled
+    differently. With workers, torchdata restores the base seed itself."""
+    sampler_iter = value.get("_sampler_iter_state") if isinstance(value, Mapping) else None
+    shuffled = isinstance(sampler_iter, Mapping) and isinstance(
+        sampler_iter.get("sampler_iter_state"), Mapping) and \
+        "generator" in sampler_iter["sampler_iter_state"]
+    if not shuffled or loader.num_workers != 0 or loader.generator is None:
+        return
+    loader.state_dict()  # builds the resumed iterator now; the next iter() continues it
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
 
 def is_stateful(obj: Any) -> bool:

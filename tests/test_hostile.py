@@ -139,6 +139,45 @@ def test_linked_lock_file_is_refused_with_a_checkpoint_error(tmp_path, victim):
     assert [p.name for p in root.iterdir() if p.name.startswith(".lock.owner")] == []
 
 
+# ------------------------------------------------- other spellings of a step's directory name
+def spellings(step: int) -> list[str]:
+    """Names that are not step_dir(step) but whose digits int() reads as ``step``: more
+    zeros, fewer, a final newline (which ``$`` matches before), other scripts' digits."""
+    digits = f"{step:08d}"
+    return [f"step-{step:09d}", f"step-{step}", f"step-{digits}\n",
+            "step-" + digits.translate({ord(d): ord(d) - ord("0") + 0x660 for d in "0123456789"}),
+            "step-" + digits.translate({ord(d): ord(d) - ord("0") + 0xFF10 for d in "0123456789"})]
+
+
+def test_only_the_canonical_name_of_a_step_is_a_step():
+    from ckpt.format import STEP_DIR
+    assert [int(STEP_DIR.match(n).group(1)) for n in
+            ("step-00000000", "step-00000007", "step-99999999", "step-100000000")] == [
+        0, 7, 99999999, 100000000]
+    for name in spellings(7) + ["step-012345678", "step-0000000a", "step-"]:
+        assert STEP_DIR.match(name) is None, name
+
+
+def test_stray_directories_spelling_a_steps_number_otherwise_never_cost_that_step(tmp_path):
+    """An empty `step-000000002` (or `step-٠٠٠٠٠٠٠٢`) read as step 2 once made the collector
+    take step 2 for uncommitted whenever it was listed after the real one, and delete it."""
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_of(step))
+    strays = [name for step in (1, 2, 3) for name in spellings(step)]
+    for name in strays:
+        (root / name).mkdir()
+    assert cli(["gc", str(root), "--yes"]) == 0
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:  # a writer's open collects too
+        assert mgr.steps() == [1, 2, 3]
+        for step in (1, 2, 3):
+            state = fresh()
+            assert mgr.restore(state, step=step) == step
+            assert_equal(state, state_of(step))
+    assert all((root / name).is_dir() for name in strays)  # not ckpt's: left alone
+
+
 # ------------------------------------------------------------- a reused step number (rollback)
 @pytest.mark.parametrize("url", ["posix", "memory"])
 def test_rollback_resave_keeps_every_later_step_loadable(tmp_path, url):

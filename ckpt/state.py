@@ -360,6 +360,15 @@ def check_compatible(current: FlatState, saved_items: Mapping[str, dict],
         if saved.get("kind") != item["kind"]:
             problems.append(f"'{name}' was saved as a {saved.get('kind')}, but is a {item['kind']} now")
             continue
+        workers = _loader_workers(item_tree(saved, source_rank)), \
+            _loader_workers(item_tree(item, source_rank))
+        if None not in workers and workers[0] != workers[1]:
+            problems.append(
+                f"'{name}': a StatefulDataLoader saved with num_workers={workers[0]} cannot "
+                f"continue with num_workers={workers[1]} (torchdata keeps its position per "
+                f"worker): build it with num_workers={workers[0]} to resume, or restore a "
+                f"state without '{name}' and start the data at a new epoch")
+            continue
         live_keys = set(tensor_keys(item_tree(item, source_rank)))
         saved_keys = set(tensor_keys(item_tree(saved, source_rank)))
         missing = sorted(live_keys - saved_keys)
@@ -381,6 +390,19 @@ def check_compatible(current: FlatState, saved_items: Mapping[str, dict],
             "the checkpoint does not match the state to restore; nothing was loaded:\n  "
             + "\n  ".join(problems[:50]) + (f"\n  ... and {len(problems) - 50} more"
                                             if len(problems) > 50 else ""))
+
+
+def _loader_workers(tree: Any) -> int | None:
+    """The ``num_workers`` a torchdata StatefulDataLoader's saved state was taken with
+    (None: not such a state)."""
+    if not isinstance(tree, dict):
+        return None
+    if "_num_yielded" in tree and "_sampler_iter_state" in tree:
+        return 0
+    main = tree.get("_snapshot", {}).get("_main_snapshot") \
+        if isinstance(tree.get("_snapshot"), dict) else None
+    workers = main.get("_num_workers") if isinstance(main, dict) else None
+    return workers if isinstance(workers, int) else None
 
 
 def _few(keys: list[str], n: int = 8) -> str:

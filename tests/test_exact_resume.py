@@ -182,6 +182,29 @@ def test_single_process_stateful_dataloader_shuffles_the_later_epochs_as_before(
     assert seen + rest == want
 
 
+@pytest.mark.parametrize("saved_workers, workers", [(2, 0), (0, 1), (2, 1)])
+def test_stateful_dataloader_with_other_num_workers_is_refused_before_loading(
+        tmp_path, saved_workers, workers):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make(n: int) -> StatefulDataLoader:
+        return StatefulDataLoader(list(range(20)), batch_size=4, shuffle=True, num_workers=n,
+                                  generator=torch.Generator().manual_seed(1))
+
+    net = _net()
+    ckpt.save({"model": net, "data": make(saved_workers)}, tmp_path / "c")
+    fresh, loader = torch.nn.Linear(4, 3), make(workers)
+    target = torch.nn.Sequential(fresh, torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    before = fresh.weight.detach().clone()
+    with pytest.raises(ckpt.StateMismatchError,
+                       match=f"saved with num_workers={saved_workers} cannot continue with "
+                             f"num_workers={workers}.*build it with num_workers={saved_workers}"):
+        ckpt.load({"model": target, "data": loader}, tmp_path / "c")
+    assert torch.equal(fresh.weight, before)  # refused before anything was loaded
+    ckpt.load({"model": target}, tmp_path / "c")  # the advice: restore without the loader
+    assert_same(target.state_dict(), net.state_dict())
+
+
 # ------------------------------------------------------------------------ the whole loop, SIGKILLed
 
 # What every run of the loop imports, a fork server (multiprocessing's forkserver, started

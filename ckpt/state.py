@@ -389,7 +389,29 @@ def check_compatible(current: FlatState, saved_items: Mapping[str, dict],
         raise StateMismatchError(
             "the checkpoint does not match the state to restore; nothing was loaded:\n  "
             + "\n  ".join(problems[:50]) + (f"\n  ... and {len(problems) - 50} more"
-                                            if len(problems) > 50 else ""))
+                                            if len(problems) > 50 else "")
+            + "".join(f"\n{advice}" for advice in _advice(problems)))
+
+
+def _advice(problems: list[str]) -> list[str]:
+    """What to do about the kinds of mismatch in ``problems``."""
+    text = "\n".join(problems)
+    advice = []
+    if "missing from the checkpoint" in text or "unexpected in the checkpoint" in text \
+            or "shape" in text:
+        advice.append(
+            "If layers were renamed, added or removed since the save: read the saved tensors "
+            "with ckpt.load(path) (no state; mgr.load() for a manager's newest step), rename "
+            "or drop what changed, and load them with load_state_dict(..., strict=False); "
+            "or restore a state holding only the items that still match.")
+    if "dtype" in text:
+        advice.append(
+            "If the model's dtype changed (fp32 -> bf16): restore into the model in the saved "
+            "dtype (model.float()) and convert it after, or read the tensors with "
+            "ckpt.load(path) and convert them.")
+    if "is not in the checkpoint" in text:
+        advice.append("Restore a state without the items the checkpoint lacks.")
+    return advice
 
 
 def _loader_workers(tree: Any) -> int | None:

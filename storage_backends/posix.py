@@ -22,7 +22,7 @@ import stat
 import uuid
 from typing import Iterator, Sequence
 
-from .base import Buffer, Entry, Storage, WriterLock
+from .base import Buffer, Entry, NotAFileError, Storage, WriterLock
 from .locks import FlockWriterLock
 
 STAGING_PREFIX = ".tmp-"
@@ -136,7 +136,7 @@ class PosixStorage(Storage):
         if not stat.S_ISREG(mode):
             os.close(fd)
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-            raise OSError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+            raise NotAFileError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
                           f"{kind} where a checkpoint file was expected", target)
         return fd
 

@@ -139,6 +139,88 @@ def test_linked_lock_file_is_refused_with_a_checkpoint_error(tmp_path, victim):
     assert [p.name for p in root.iterdir() if p.name.startswith(".lock.owner")] == []
 
 
+# ------------------------------------------------- other spellings of a step's directory name
+def spellings(step: int) -> list[str]:
+    """Names that are not step_dir(step) but whose digits int() reads as ``step``: more
+    zeros, fewer, a final newline (which ``$`` matches before), other scripts' digits."""
+    digits = f"{step:08d}"
+    return [f"step-{step:09d}", f"step-{step}", f"step-{digits}\n",
+            "step-" + digits.translate({ord(d): ord(d) - ord("0") + 0x660 for d in "0123456789"}),
+            "step-" + digits.translate({ord(d): ord(d) - ord("0") + 0xFF10 for d in "0123456789"})]
+
+
+def test_only_the_canonical_name_of_a_step_is_a_step():
+    from ckpt.format import STEP_DIR
+    assert [int(STEP_DIR.match(n).group(1)) for n in
+            ("step-00000000", "step-00000007", "step-99999999", "step-100000000")] == [
+        0, 7, 99999999, 100000000]
+    for name in spellings(7) + ["step-012345678", "step-0000000a", "step-"]:
+        assert STEP_DIR.match(name) is None, name
+
+
+def test_stray_directories_spelling_a_steps_number_otherwise_never_cost_that_step(tmp_path):
+    """An empty `step-000000002` (or `step-٠٠٠٠٠٠٠٢`) read as step 2 once made the collector
+    take step 2 for uncommitted whenever it was listed after the real one, and delete it."""
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_of(step))
+    strays = [name for step in (1, 2, 3) for name in spellings(step)]
+    for name in strays:
+        (root / name).mkdir()
+    assert cli(["gc", str(root), "--yes"]) == 0
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:  # a writer's open collects too
+        assert mgr.steps() == [1, 2, 3]
+        for step in (1, 2, 3):
+            state = fresh()
+            assert mgr.restore(state, step=step) == step
+            assert_equal(state, state_of(step))
+    assert all((root / name).is_dir() for name in strays)  # not ckpt's: left alone
+
+
+# ------------------------------------------- a directory or FIFO where a checkpoint file is
+def plant(path: Path, kind: str) -> None:
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+
+
+@pytest.mark.parametrize("rank_tables", [False, True])
+def test_a_directory_or_fifo_for_a_manifest_or_table_is_damage_restore_falls_back(
+        tmp_path, capsys, rank_tables):
+    """Such a step once made restore raise (instead of falling back), a writer fail to open
+    the root with a bare IsADirectoryError, and gc fail with no hint of what to do."""
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False, options=ckpt.SaveOptions(
+            rank_tables=rank_tables)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_of(step))
+    name = "table-*.ckt" if rank_tables else "manifest.json"
+    plant(next((root / "step-00000003").glob(name)), "fifo")
+    plant(next((root / "step-00000002").glob(name)), "dir")
+    for read_only in (True, False):
+        with ckpt.CheckpointManager(root, read_only=read_only, async_save=False) as mgr:
+            state = fresh()
+            assert mgr.restore(state) == 1
+            assert [s for s, _ in mgr.skipped] == [3, 2]
+            if not rank_tables:
+                assert "not a regular file" in mgr.skipped[0][1] and (
+                    "a directory" in mgr.skipped[1][1])
+            assert all(name.split("*")[0] in why for _, why in mgr.skipped)
+    assert_equal(state, state_of(1))
+    capsys.readouterr()
+    assert cli(["inspect", str(root), "--step", "2"]) == 1
+    assert f"step-00000002/{name.split('*')[0]}" in capsys.readouterr().err
+    if not rank_tables:
+        assert cli(["gc", str(root), "--keep-last", "1", "--yes"]) == 1
+        err = capsys.readouterr().err
+        assert "gc stopped before deleting anything" in err and "step 3" in err, err
+    assert cli(["verify", str(root), "--step", "3"]) == 1
+    assert "not a" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------- a reused step number (rollback)
 @pytest.mark.parametrize("url", ["posix", "memory"])
 def test_rollback_resave_keeps_every_later_step_loadable(tmp_path, url):

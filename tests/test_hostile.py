@@ -105,6 +105,29 @@ def test_gc_api_and_cli_never_follow_planted_links(tmp_path, victim, capsys):
     assert_equal(state, state_of(2))
 
 
+def test_only_links_named_like_checkpoint_entries_are_warned_about(tmp_path, victim, caplog):
+    """Listing warns about a link where ckpt would look (a step, a staging or trash directory,
+    the lock, anything inside a step), once each; not about every link of any directory
+    given as a root (`ckpt ls /` warned about /bin)."""
+    from storage_backends import open_storage
+
+    root = tmp_path / "root"
+    ckpt.save(state_of(1), root / "step-00000001", step=1)
+    plant_links(root, victim)
+    for name in ("bin", "lib64", "notes.txt"):
+        os.symlink(victim, root / name)
+    storage = open_storage(str(root))
+    with caplog.at_level("WARNING", logger="ckpt"):
+        assert {e.name for e in storage.list()} == {"step-00000001"}
+        assert [e.name for e in storage.list("step-00000001")] != []
+        storage.list()  # once each
+    warned = sorted(r.getMessage().split("ignored=")[1].split(":")[0] for r in caplog.records)
+    assert warned == sorted(str(root / n) for n in (
+        ".tmp-step-00000005-0123456789ab", ".trash-0123456789ab", "step-00000000",
+        "step-00000001/data-planted.safetensors", "step-00000099"))
+    assert cli(["ls", str(root)]) == 0
+
+
 def test_linked_data_file_in_a_step_is_refused_and_restore_falls_back(tmp_path, victim):
     root = tmp_path / "root"
     with ckpt.CheckpointManager(root, async_save=False) as mgr:

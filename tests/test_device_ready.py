@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import _fake_cuda
+import ckpt
 from ckpt.engine import Stager
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,3 +107,52 @@ def test_without_guards_training_waits_for_every_copy(device, monkeypatch):
     sim, optimizer, _, _, copies, _ = staged_on(device, monkeypatch, guard=False)
     assert all(sim.covered(s, i, sim.defaults[device]) for s, i in copies.values())
     assert not optimizer._optimizer_step_pre_hooks
+
+
+# -- the CUDA generators of RNGState, on a machine with another number of devices ------------
+
+def fake_cuda_rng(monkeypatch, count: int, current: int) -> dict[int, torch.Tensor]:
+    """torch.cuda's RNG calls on ``count`` fake devices: returns each device's state as set
+    (an index out of range raises, as torch.cuda.default_generators[index] does)."""
+    states: dict[int, torch.Tensor] = {}
+
+    def set_rng_state(new_state, device="cuda"):
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index is None:
+            index = current
+        if not 0 <= index < count:
+            raise IndexError("tuple index out of range")
+        states[index] = new_state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    return states
+
+
+def saved_rng(devices: int, current: int) -> dict:
+    state = ckpt.RNGState().state_dict()
+    state["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(devices)]
+    state["cuda_device"] = current
+    return state
+
+
+def test_cuda_rng_states_restore_on_as_many_devices_one_per_device(monkeypatch):
+    states = fake_cuda_rng(monkeypatch, count=2, current=1)
+    ckpt.RNGState().load_state_dict(saved_rng(devices=2, current=1))
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}
+
+
+def test_cuda_rng_of_a_rank_on_cuda3_of_8_goes_on_on_the_one_device_it_has_now(monkeypatch):
+    states = fake_cuda_rng(monkeypatch, count=1, current=0)
+    ckpt.RNGState().load_state_dict(saved_rng(devices=8, current=3))
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 3}
+
+
+def test_cuda_rng_saved_by_an_old_version_without_its_device_restores_what_fits(monkeypatch):
+    states = fake_cuda_rng(monkeypatch, count=2, current=0)
+    old = saved_rng(devices=4, current=0)
+    del old["cuda_device"]
+    ckpt.RNGState().load_state_dict(old)
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}

@@ -24,7 +24,6 @@ import torch
 from storage_backends import Storage
 from storage_backends.faults import fault_point
 
-from .codec import encode
 from .datafile import ALIGN, Piece, encode_header
 from .errors import CheckpointError, StorageError
 from .format import (FORMAT_VERSION_TABLES, MANIFEST_NAME, PER_RANK_IN_TABLES, Chunk, Manifest,
@@ -295,10 +294,23 @@ def _same_layout(payload: StepPayload, key: str) -> bool:
     return old is not None and old.dtype == dtype and old.shape == shape
 
 
+def _encoder() -> Callable:
+    """:func:`ckpt.codec.encode`, imported only when a save compresses: zstandard is an
+    optional dependency (GPU images often lack it), and nothing else needs it."""
+    try:
+        from .codec import encode
+    except ImportError as e:
+        raise CheckpointError(f"compression='zstd' needs the zstandard package ({e}); "
+                              "install it (pip install zstandard) or save uncompressed "
+                              "(SaveOptions(compression=None))") from e
+    return encode
+
+
 def write_rank(storage: Storage, staging: str, payload: StepPayload, options: SaveOptions,
                pool: cf.ThreadPoolExecutor | None) -> RankTable:
     """Write this rank's new chunks into ``staging``; returns its table (nothing committed)."""
     fault_point("before_data")
+    encode = _encoder() if options.compression else None
     reused, to_write = _plan(payload, options)
     new_bytes = sum(len(data) for _, data, _ in to_write)
     # Compressed: several files per thread, so one file's write overlaps the next's compression.

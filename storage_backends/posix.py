@@ -9,7 +9,8 @@ loss at any instant leaves either the old state or the new one.
 Symbolic links are never followed: a root is a tree of plain files and directories that ckpt
 made, and a link planted in it (a step directory, a data file, a staging directory) could
 otherwise make a read, a write or a collection reach outside the root. A path that passes
-through a link is treated as absent and logged once.
+through a link is treated as absent and logged once (when listing a root, only links named
+as ckpt names its entries are logged).
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ import stat
 import uuid
 from typing import Iterator, Sequence
 
-from .base import Buffer, Entry, Storage, WriterLock
+from .base import Buffer, Entry, NotAFileError, Storage, WriterLock
 from .locks import FlockWriterLock
 
 STAGING_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+# What ckpt names the entries of a root (steps, staging and trash directories, the lock): a
+# link listed there under another name is none of ckpt's business, and not worth a warning
+# (`ckpt ls /` would warn about /bin). Inside a step directory every name is ckpt's.
+ROOT_NAMES = ("step-", STAGING_PREFIX, TRASH_PREFIX, ".lock")
 
 log = logging.getLogger("ckpt")
 
@@ -94,7 +99,8 @@ class PosixStorage(Storage):
                 entries = []
                 for e in it:
                     if e.is_symlink():
-                        self._report(e.path)
+                        if path or e.name.startswith(ROOT_NAMES):
+                            self._report(e.path)
                         continue
                     entries.append(Entry(e.name, e.is_dir(follow_symlinks=False)))
                 return entries
@@ -136,7 +142,7 @@ class PosixStorage(Storage):
         if not stat.S_ISREG(mode):
             os.close(fd)
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-            raise OSError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+            raise NotAFileError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
                           f"{kind} where a checkpoint file was expected", target)
         return fd
 

@@ -105,6 +105,29 @@ def test_gc_api_and_cli_never_follow_planted_links(tmp_path, victim, capsys):
     assert_equal(state, state_of(2))
 
 
+def test_only_links_named_like_checkpoint_entries_are_warned_about(tmp_path, victim, caplog):
+    """Listing warns about a link where ckpt would look (a step, a staging or trash directory,
+    the lock, anything inside a step), once each; not about every link of any directory
+    given as a root (`ckpt ls /` warned about /bin)."""
+    from storage_backends import open_storage
+
+    root = tmp_path / "root"
+    ckpt.save(state_of(1), root / "step-00000001", step=1)
+    plant_links(root, victim)
+    for name in ("bin", "lib64", "notes.txt"):
+        os.symlink(victim, root / name)
+    storage = open_storage(str(root))
+    with caplog.at_level("WARNING", logger="ckpt"):
+        assert {e.name for e in storage.list()} == {"step-00000001"}
+        assert [e.name for e in storage.list("step-00000001")] != []
+        storage.list()  # once each
+    warned = sorted(r.getMessage().split("ignored=")[1].split(":")[0] for r in caplog.records)
+    assert warned == sorted(str(root / n) for n in (
+        ".tmp-step-00000005-0123456789ab", ".trash-0123456789ab", "step-00000000",
+        "step-00000001/data-planted.safetensors", "step-00000099"))
+    assert cli(["ls", str(root)]) == 0
+
+
 def test_linked_data_file_in_a_step_is_refused_and_restore_falls_back(tmp_path, victim):
     root = tmp_path / "root"
     with ckpt.CheckpointManager(root, async_save=False) as mgr:
@@ -176,6 +199,49 @@ def test_stray_directories_spelling_a_steps_number_otherwise_never_cost_that_ste
             assert mgr.restore(state, step=step) == step
             assert_equal(state, state_of(step))
     assert all((root / name).is_dir() for name in strays)  # not ckpt's: left alone
+
+
+# ------------------------------------------- a directory or FIFO where a checkpoint file is
+def plant(path: Path, kind: str) -> None:
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+
+
+@pytest.mark.parametrize("rank_tables", [False, True])
+def test_a_directory_or_fifo_for_a_manifest_or_table_is_damage_restore_falls_back(
+        tmp_path, capsys, rank_tables):
+    """Such a step once made restore raise (instead of falling back), a writer fail to open
+    the root with a bare IsADirectoryError, and gc fail with no hint of what to do."""
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False, options=ckpt.SaveOptions(
+            rank_tables=rank_tables)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_of(step))
+    name = "table-*.ckt" if rank_tables else "manifest.json"
+    plant(next((root / "step-00000003").glob(name)), "fifo")
+    plant(next((root / "step-00000002").glob(name)), "dir")
+    for read_only in (True, False):
+        with ckpt.CheckpointManager(root, read_only=read_only, async_save=False) as mgr:
+            state = fresh()
+            assert mgr.restore(state) == 1
+            assert [s for s, _ in mgr.skipped] == [3, 2]
+            if not rank_tables:
+                assert "not a regular file" in mgr.skipped[0][1] and (
+                    "a directory" in mgr.skipped[1][1])
+            assert all(name.split("*")[0] in why for _, why in mgr.skipped)
+    assert_equal(state, state_of(1))
+    capsys.readouterr()
+    assert cli(["inspect", str(root), "--step", "2"]) == 1
+    assert f"step-00000002/{name.split('*')[0]}" in capsys.readouterr().err
+    if not rank_tables:
+        assert cli(["gc", str(root), "--keep-last", "1", "--yes"]) == 1
+        err = capsys.readouterr().err
+        assert "gc stopped before deleting anything" in err and "step 3" in err, err
+    assert cli(["verify", str(root), "--step", "3"]) == 1
+    assert "not a" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------- a reused step number (rollback)

@@ -12,6 +12,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import torch
+
+import _fake_cuda
+import ckpt
+from ckpt.engine import Stager
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Python that behaves as if zstandard, moto and s3fs were not installed (a None entry in
@@ -42,3 +49,110 @@ def test_ckpt_saves_and_loads_without_zstandard_and_names_it_when_asked_to_compr
     assert result.returncode == 0, result.stderr
     assert "refused: compression='zstd' needs the zstandard package" in result.stdout
     assert "pip install zstandard" in result.stdout
+
+
+# -- the device-to-host copies of a save, on fake CUDA streams (tests/_fake_cuda.py) ---------
+
+def staged_on(device: int, monkeypatch, guard: bool):
+    """A parameter (guarded by its optimizer when ``guard``) and a buffer on ``device``
+    while the current device is cuda:0 (cuda:1: a model moved there without
+    torch.cuda.set_device)."""
+    sim = _fake_cuda.install(monkeypatch)
+    weight = sim.tensor(torch.randn(8, 4), device=device)
+    buffer = sim.tensor(torch.randn(4), device=device)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    stager = Stager()
+    staged, ready = stager.stage({"w": weight, "bn": buffer}, copy=True,
+                                 guards=[optimizer] if guard else [])
+    copies = {ptr: (s, i) for s, i, ptr in sim.copies()}
+    sim.keep = stager  # its optimizer hook holds it weakly (a manager holds it for real)
+    return sim, optimizer, staged, ready, {
+        "w": copies[weight.untyped_storage().data_ptr()],
+        "bn": copies[buffer.untyped_storage().data_ptr()]}, (weight, buffer)
+
+
+ON_DEVICE = pytest.mark.parametrize("device", [0, 1], ids=["cuda0", "cuda1-not-current"])
+
+
+@ON_DEVICE
+def test_each_copy_runs_on_a_stream_of_its_tensors_device_and_ready_waits_for_it(
+        device, monkeypatch):
+    sim, _, staged, ready, copies, (weight, buffer) = staged_on(device, monkeypatch, guard=True)
+    assert {s.device for s, _ in copies.values()} == {torch.device("cuda", device)}
+    assert all(s in sim.side for s, _ in copies.values())  # not training's stream
+    ready.synchronize()
+    assert all(c in sim.done for c in copies.values()), "the writer could read unfinished copies"
+    assert torch.equal(staged["w"], weight.as_subclass(torch.Tensor))
+    assert torch.equal(staged["bn"], buffer.as_subclass(torch.Tensor))
+    assert all(t.is_pinned() for t in staged.values())
+    # the allocator may not reuse a source's memory before the side stream's copy ran
+    assert sorted((p, s.name) for p, s in sim.recorded_uses) == sorted(
+        (t.untyped_storage().data_ptr(), copies[k][0].name)
+        for k, t in (("w", weight), ("bn", buffer)))
+
+
+@ON_DEVICE
+def test_training_waits_at_once_for_a_buffer_and_at_the_optimizer_step_for_a_parameter(
+        device, monkeypatch):
+    sim, optimizer, _, _, copies, _ = staged_on(device, monkeypatch, guard=True)
+    training = sim.defaults[device]  # the stream where the model's kernels run
+    assert sim.covered(*copies["bn"], training), "a forward pass could change the buffer mid-copy"
+    assert not sim.covered(*copies["w"], training), "the parameter's copy was not overlapped"
+    optimizer.step()  # no gradients: only the step pre-hook does something
+    assert sim.covered(*copies["w"], training), "the step could change the parameter mid-copy"
+
+
+@ON_DEVICE
+def test_without_guards_training_waits_for_every_copy(device, monkeypatch):
+    sim, optimizer, _, _, copies, _ = staged_on(device, monkeypatch, guard=False)
+    assert all(sim.covered(s, i, sim.defaults[device]) for s, i in copies.values())
+    assert not optimizer._optimizer_step_pre_hooks
+
+
+# -- the CUDA generators of RNGState, on a machine with another number of devices ------------
+
+def fake_cuda_rng(monkeypatch, count: int, current: int) -> dict[int, torch.Tensor]:
+    """torch.cuda's RNG calls on ``count`` fake devices: returns each device's state as set
+    (an index out of range raises, as torch.cuda.default_generators[index] does)."""
+    states: dict[int, torch.Tensor] = {}
+
+    def set_rng_state(new_state, device="cuda"):
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index is None:
+            index = current
+        if not 0 <= index < count:
+            raise IndexError("tuple index out of range")
+        states[index] = new_state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    return states
+
+
+def saved_rng(devices: int, current: int) -> dict:
+    state = ckpt.RNGState().state_dict()
+    state["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(devices)]
+    state["cuda_device"] = current
+    return state
+
+
+def test_cuda_rng_states_restore_on_as_many_devices_one_per_device(monkeypatch):
+    states = fake_cuda_rng(monkeypatch, count=2, current=1)
+    ckpt.RNGState().load_state_dict(saved_rng(devices=2, current=1))
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}
+
+
+def test_cuda_rng_of_a_rank_on_cuda3_of_8_goes_on_on_the_one_device_it_has_now(monkeypatch):
+    states = fake_cuda_rng(monkeypatch, count=1, current=0)
+    ckpt.RNGState().load_state_dict(saved_rng(devices=8, current=3))
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 3}
+
+
+def test_cuda_rng_saved_by_an_old_version_without_its_device_restores_what_fits(monkeypatch):
+    states = fake_cuda_rng(monkeypatch, count=2, current=0)
+    old = saved_rng(devices=4, current=0)
+    del old["cuda_device"]
+    ckpt.RNGState().load_state_dict(old)
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}

@@ -189,3 +189,13 @@ def test_bench_cuda_without_a_gpu_says_so_and_exits_0():
     result = run_bench_cuda("--sizes", "4M")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("No CUDA device: bench_cuda.py measured nothing")
+
+
+def test_test_cuda_runs_on_the_cpu_where_it_is_not_about_cuda_itself():
+    """tests/test_cuda.py with CKPT_TEST_DEVICE=cpu: the tests of saves and restores run."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "CKPT_TEST_DEVICE": "cpu"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "5 passed" in result.stdout, result.stdout[-3000:]

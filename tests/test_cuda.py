@@ -133,6 +133,22 @@ def test_cuda_rng_state_round_trips(tmp_path):
     assert torch.equal(torch.rand(4, device="cuda"), expected)
 
 
+def test_cuda_rng_saved_with_more_devices_restores_the_savers_generator_here():
+    """A state saved by a process that saw one more GPU than this one and drew from the
+    last: set_rng_state_all would raise on the index; the saver's generator goes on here."""
+    torch.zeros(1, device="cuda")
+    torch.cuda.manual_seed(5)
+    other = torch.cuda.get_rng_state()
+    torch.cuda.manual_seed(7)
+    drawn = torch.cuda.get_rng_state()
+    expected = torch.rand(4, device="cuda")
+    state = ckpt.RNGState().state_dict()
+    state["cuda"] = [other] * torch.cuda.device_count() + [drawn]
+    state["cuda_device"] = torch.cuda.device_count()
+    ckpt.RNGState().load_state_dict(state)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
 def flip_last_stored_byte(step_dir: Path) -> None:
     """Flip the last byte of the chunk stored last in ``step_dir`` (read last by a load)."""
     manifest = json.loads((step_dir / "manifest.json").read_text())

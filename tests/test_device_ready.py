@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import _fake_cuda
+import ckpt
 from ckpt.engine import Stager
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,3 +107,85 @@ def test_without_guards_training_waits_for_every_copy(device, monkeypatch):
     sim, optimizer, _, _, copies, _ = staged_on(device, monkeypatch, guard=False)
     assert all(sim.covered(s, i, sim.defaults[device]) for s, i in copies.values())
     assert not optimizer._optimizer_step_pre_hooks
+
+
+# -- the CUDA generators of RNGState, on a machine with another number of devices ------------
+
+def fake_cuda_rng(monkeypatch, count: int, current: int) -> dict[int, torch.Tensor]:
+    """torch.cuda's RNG calls on ``count`` fake devices: returns each device's state as set
+    (an index out of range raises, as torch.cuda.default_generators[index] does)."""
+    states: dict[int, torch.Tensor] = {}
+
+    def set_rng_state(new_state, device="cuda"):
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index is None:
+            index = current
+        if not 0 <= index < count:
+            raise IndexError("tuple index out of range")
+        states[index] = new_state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    return states
+
+
+def saved_rng(devices: int, current: int) -> dict:
+    state = ckpt.RNGState().state_dict()
+    state["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(devices)]
+    state["cuda_device"] = current
+    return state
+
+
+def test_cuda_rng_states_restore_on_as_many_devices_one_per_device(monkeypatch):
+    states = fake_cuda_rng(monkeypatch, count=2, current=1)
+    ckpt.RNGState().load_state_dict(saved_rng(devices=2, current=1))
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}
+
+
+def test_cuda_rng_of_a_rank_on_cuda3_of_8_goes_on_on_the_one_device_it_has_now(monkeypatch):
+    states = fake_cuda_rng(monkeypatch, count=1, current=0)
+    ckpt.RNGState().load_state_dict(saved_rng(devices=8, current=3))
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 3}
+
+
+def test_cuda_rng_saved_by_an_old_version_without_its_device_restores_what_fits(monkeypatch):
+    states = fake_cuda_rng(monkeypatch, count=2, current=0)
+    old = saved_rng(devices=4, current=0)
+    del old["cuda_device"]
+    ckpt.RNGState().load_state_dict(old)
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}
+
+
+# -- benchmarks/bench_cuda.py: its code run on the CPU ---------------------------------------
+
+def run_bench_cuda(*args: str) -> subprocess.CompletedProcess:
+    return run_python(f"""
+        import runpy
+        sys.argv = ["bench_cuda.py", *{list(args)!r}]
+        runpy.run_path("benchmarks/bench_cuda.py", run_name="__main__")
+        """, timeout=300)
+
+
+def test_bench_cuda_dry_run_on_the_cpu_prints_every_row(tmp_path):
+    result = run_bench_cuda("--device", "cpu", "--sizes", "4M", "--reps", "1",
+                            "--quiet-wait", "0", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    for row in ("training step, no save", "device-to-host copy floor (pinned)",
+                "ckpt save() blocks (overlapped)", "ckpt next step (overlap off)",
+                "ckpt step during the write (overlapped)", "DCP async_save blocks (default)",
+                "DCP async_save blocks (DefaultStager, pinned)", "ckpt restore (warm)",
+                "dcp.load (warm)"):
+        assert f"| {row} " in result.stdout, (row, result.stdout)
+    assert "Restore " in result.stdout and "failed after" not in result.stdout
+    assert "a dry run" in result.stdout
+    assert not (tmp_path / "cuda").exists()  # its data removed
+
+
+def test_bench_cuda_without_a_gpu_says_so_and_exits_0():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    result = run_bench_cuda("--sizes", "4M")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("No CUDA device: bench_cuda.py measured nothing")

@@ -67,15 +67,23 @@ def plant_links(root: Path, victim: Path) -> None:
     os.symlink(victim, root / ".tmp-step-00000005-0123456789ab")
     os.symlink(victim, root / ".trash-0123456789ab")
     os.symlink(victim / "precious.txt", root / "step-00000001" / "data-planted.safetensors")
+    os.symlink(victim, root / "step-00000001" / "planted-dir")
 
 
+# tensorstore's file driver follows links: its backend once listed, read and deleted through
+# them (gc emptied a linked directory outside the root).
+BACKENDS = {"posix": str, "tensorstore+file": lambda path: f"tensorstore+file://{path}"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_writer_open_retention_and_restore_never_follow_planted_links(tmp_path, victim,
-                                                                      caplog):
+                                                                      caplog, backend):
     root = tmp_path / "root"
-    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+    url = BACKENDS[backend](root)
+    with ckpt.CheckpointManager(url, async_save=False) as mgr:
         mgr.save(1, state_of(1))
     plant_links(root, victim)
-    with ckpt.CheckpointManager(root, async_save=False, keep_last=1) as mgr:  # cleanup at open
+    with ckpt.CheckpointManager(url, async_save=False, keep_last=1) as mgr:  # cleanup at open
         assert mgr.steps() == [1]  # the linked step 99 is not a step of this root
         for step in (2, 3):
             mgr.save(step, state_of(step))  # retention retires 1 and 2, never a link
@@ -85,23 +93,28 @@ def test_writer_open_retention_and_restore_never_follow_planted_links(tmp_path, 
         assert_equal(state, state_of(3))
         with pytest.raises(ckpt.CheckpointNotFoundError):
             mgr.restore(fresh(), step=99)  # reading through the link is refused
+        os.symlink(victim, root / "step-00000004")
+        with pytest.raises(ckpt.CheckpointError, match="step-00000004"):
+            mgr.save(4, state_of(4))  # never written into
     assert "ckpt.symlink ignored" in caplog.text
     assert (root / "step-00000099").is_symlink()  # ignored, not deleted
 
 
-def test_gc_api_and_cli_never_follow_planted_links(tmp_path, victim, capsys):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gc_api_and_cli_never_follow_planted_links(tmp_path, victim, capsys, backend):
     root = tmp_path / "root"
-    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+    url = BACKENDS[backend](root)
+    with ckpt.CheckpointManager(url, async_save=False) as mgr:
         for step in (1, 2):
             mgr.save(step, state_of(step))
     plant_links(root, victim)
-    report = collect(ckpt.CheckpointManager(root, read_only=True).storage, {2}, dry_run=True)
+    report = collect(ckpt.CheckpointManager(url, read_only=True).storage, {2}, dry_run=True)
     assert report.retired_steps == [1]
     assert not any("planted" in f or "step-00000099" in f for f in report.deleted_files)
-    assert cli(["gc", str(root), "--keep-last", "1", "--yes"]) == 0
+    assert cli(["gc", url, "--keep-last", "1", "--yes"]) == 0
     assert "removed: 1 steps" in capsys.readouterr().out
     state = fresh()
-    assert ckpt.CheckpointManager(root, read_only=True).restore(state) == 2
+    assert ckpt.CheckpointManager(url, read_only=True).restore(state) == 2
     assert_equal(state, state_of(2))
 
 
@@ -124,7 +137,8 @@ def test_only_links_named_like_checkpoint_entries_are_warned_about(tmp_path, vic
     warned = sorted(r.getMessage().split("ignored=")[1].split(":")[0] for r in caplog.records)
     assert warned == sorted(str(root / n) for n in (
         ".tmp-step-00000005-0123456789ab", ".trash-0123456789ab", "step-00000000",
-        "step-00000001/data-planted.safetensors", "step-00000099"))
+        "step-00000001/data-planted.safetensors", "step-00000001/planted-dir",
+        "step-00000099"))
     assert cli(["ls", str(root)]) == 0
 
 

@@ -156,3 +156,46 @@ def test_cuda_rng_saved_by_an_old_version_without_its_device_restores_what_fits(
     del old["cuda_device"]
     ckpt.RNGState().load_state_dict(old)
     assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}
+
+
+# -- benchmarks/bench_cuda.py: its code run on the CPU ---------------------------------------
+
+def run_bench_cuda(*args: str) -> subprocess.CompletedProcess:
+    return run_python(f"""
+        import runpy
+        sys.argv = ["bench_cuda.py", *{list(args)!r}]
+        runpy.run_path("benchmarks/bench_cuda.py", run_name="__main__")
+        """, timeout=300)
+
+
+def test_bench_cuda_dry_run_on_the_cpu_prints_every_row(tmp_path):
+    result = run_bench_cuda("--device", "cpu", "--sizes", "4M", "--reps", "1",
+                            "--quiet-wait", "0", "--dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    for row in ("training step, no save", "device-to-host copy floor (pinned)",
+                "ckpt save() blocks (overlapped)", "ckpt next step (overlap off)",
+                "ckpt step during the write (overlapped)", "DCP async_save blocks (default)",
+                "DCP async_save blocks (DefaultStager, pinned)", "ckpt restore (warm)",
+                "dcp.load (warm)"):
+        assert f"| {row} " in result.stdout, (row, result.stdout)
+    assert "Restore " in result.stdout and "failed after" not in result.stdout
+    assert "a dry run" in result.stdout
+    assert not (tmp_path / "cuda").exists()  # its data removed
+
+
+def test_bench_cuda_without_a_gpu_says_so_and_exits_0():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    result = run_bench_cuda("--sizes", "4M")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("No CUDA device: bench_cuda.py measured nothing")
+
+
+def test_test_cuda_runs_on_the_cpu_where_it_is_not_about_cuda_itself():
+    """tests/test_cuda.py with CKPT_TEST_DEVICE=cpu: the tests of saves and restores run."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "CKPT_TEST_DEVICE": "cpu"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "5 passed" in result.stdout, result.stdout[-3000:]

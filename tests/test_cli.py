@@ -958,3 +958,21 @@ def test_an_empty_path_is_a_usage_error_not_the_current_directory(tmp_path, caps
         assert main(args) == 2
         assert "PATH is empty" in capsys.readouterr().err
     assert (tmp_path / "root" / ".tmp-step-00000003-0123456789ab").is_dir()
+
+
+def test_a_tensor_named_metadata_is_refused_by_safetensors_exports_and_kept_by_torch(tmp_path,
+                                                                                   capsys):
+    """A state dict may hold a tensor named '__metadata__'; exporting it to safetensors wrote
+    that tensor's entry over the header's metadata: a file no safetensors reader opens."""
+    from ckpt.cli import main
+
+    ckpt.save({"model": {"__metadata__": torch.ones(3), "w": torch.zeros(2)}}, tmp_path / "c")
+    for to, out in (("safetensors", "o.safetensors"), ("hf", "hf")):
+        assert main(["export", str(tmp_path / "c"), "--to", to, str(tmp_path / out),
+                     "--item", "model"]) == 2
+        assert "'__metadata__'" in capsys.readouterr().err
+        assert not (tmp_path / out).exists()
+    assert main(["export", str(tmp_path / "c"), "--to", "torch", str(tmp_path / "o.pt"),
+                 "--item", "model"]) == 0
+    assert torch.equal(torch.load(tmp_path / "o.pt", weights_only=True)["__metadata__"],
+                       torch.ones(3))

@@ -189,3 +189,42 @@ def test_bench_cuda_without_a_gpu_says_so_and_exits_0():
     result = run_bench_cuda("--sizes", "4M")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("No CUDA device: bench_cuda.py measured nothing")
+
+
+def test_test_cuda_runs_on_the_cpu_where_it_is_not_about_cuda_itself():
+    """tests/test_cuda.py with CKPT_TEST_DEVICE=cpu: the tests of saves and restores run."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "CKPT_TEST_DEVICE": "cpu"})
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "5 passed" in result.stdout, result.stdout[-3000:]
+
+
+# -- benchmarks/device_check.sh: the one script run on a device machine ----------------------
+
+def run_device_check(out: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "benchmarks/device_check.sh"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out),
+                               "PYTHON": sys.executable, **env})
+
+
+def test_device_check_runs_every_step_keeps_their_logs_and_exits_with_the_first_failure(
+        tmp_path):
+    """One run with a test step that times out and a benchmark that refuses its sizes: every
+    step still runs, each keeps its log under $OUT, the status is the first failure's."""
+    result = run_device_check(tmp_path, CKPT_COMMIT="abc1234", TEST_TIMEOUT="1",
+                              BENCH_SIZES="bogus")
+    log = (tmp_path / "device_check.log").read_text()
+    assert "commit abc1234" in log
+    for line in ("import: exit 0", "test_cuda: TIMED OUT after 1s", "bench_cuda: exit 1"):
+        assert line in log, log
+    assert "invalid literal" in (tmp_path / "bench_cuda.log").read_text()
+    assert {"versions.log", "import.log", "test_cuda.log", "bench_cuda.log"} <= {
+        p.name for p in tmp_path.iterdir()}
+    if torch.cuda.is_available():
+        assert result.returncode == 124, log
+    else:  # the versions step failed first
+        assert "NO CUDA DEVICE" in log and "versions: exit 3" in log, log
+        assert result.returncode == 3, log

@@ -284,3 +284,38 @@ def test_hf_best_model_at_end_loads_that_step_or_keeps_the_model(tmp_path, caplo
         job._load_best_model()
     assert torch.equal(model.weight, torch.full((4, 4), 7.0))  # not step 2's weights
     assert "best checkpoint" in caplog.text and "step 4" in caplog.text
+
+
+def test_accelerate_resumes_a_seedable_stateful_loader_in_its_epochs_order(tmp_path):
+    """torchdata's state holds the position in the epoch, not the epoch, which seeds a
+    seedable sampler's order: CkptAccelerator saves the loader's epoch with it. A loader
+    whose order cannot be restored (a plain shuffling sampler) is warned about."""
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+
+    from trainer.integrations.accelerate import CkptAccelerator
+
+    def prepared(seedable: bool = True):
+        set_seed(0)
+        acc = CkptAccelerator(cpu=True, project_config=ProjectConfiguration(
+            project_dir=str(tmp_path / f"run{seedable}"), automatic_checkpoint_naming=True),
+            dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True,
+                                                      use_seedable_sampler=seedable))
+        return acc, acc.prepare(torch.utils.data.DataLoader(list(range(10)), batch_size=4,
+                                                            shuffle=True))
+
+    _, ref = prepared()
+    want = [b.tolist() for _ in range(3) for b in ref]
+    acc, loader = prepared()
+    seen = [b.tolist() for b in loader]  # epoch 0, then a batch of epoch 1
+    seen.append(next(iter(loader)).tolist())
+    acc.save_state()
+    acc.wait_for_checkpoints()
+    acc, resumed = prepared()
+    acc.load_state()
+    assert seen + [b.tolist() for _ in range(2) for b in resumed] == want
+
+    acc, plain = prepared(seedable=False)
+    with pytest.warns(RuntimeWarning, match="use_seedable_sampler=True"):
+        acc.save_state()
+    acc.wait_for_checkpoints()

@@ -95,6 +95,7 @@ def run_lightning(args: argparse.Namespace, use_ckpt: bool, work: Path) -> tuple
 
 def run_hf(args: argparse.Namespace, use_ckpt: bool, work: Path) -> tuple[list, int]:
     from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers.trainer_callback import PrinterCallback
 
     from trainer.integrations.hf import CkptTrainer
 
@@ -114,6 +115,7 @@ def run_hf(args: argparse.Namespace, use_ckpt: bool, work: Path) -> tuple[list, 
                               logging_steps=1000)
     cls = CkptTrainer if use_ckpt else Trainer
     trainer = cls(model=GPT2LMHeadModel(model_config(args)), args=targs, train_dataset=Data())
+    trainer.remove_callback(PrinterCallback)  # it prints the run's metrics into the table
     blocked = []
     original = trainer._save_checkpoint
 

@@ -14,6 +14,9 @@ import argparse
 import json
 import math
 import os
+import re
+import select
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,11 +34,26 @@ from .inspect import Checkpoints
 from .pointer import POINTER_NAME, read_pointer
 
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
+# Output cut short by a closed pipe (`ckpt ls ROOT | head -1`): quiet, with the status a shell
+# shows for a process killed by SIGPIPE.
+EXIT_PIPE = 128 + signal.SIGPIPE
+# Control characters (but newline and tab), lone surrogates and bidirectional overrides, as
+# tensor keys, item names and file names read from a checkpoint may hold: printed escaped, so
+# a hostile name can neither rewrite the terminal nor make the output encoder raise.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _print(text: str, file: Any = None) -> None:
+    """print() of text for people or machines, unprintable characters escaped (``\\x1b``)."""
+    print(_UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode(), text),
+          file=file if file is not None else sys.stdout)
 
 
 def _open(path: str) -> Checkpoints:
     """:func:`ckpt.inspect.open`, following a framework integration's pointer (Lightning's
     ``last.ckpt``, HF's ``checkpoint-N/``, Accelerate's ``checkpoint_N/``) to its step."""
+    if not path.strip():  # an unset shell variable: never the current directory by accident
+        raise verify.UsageError("PATH is empty: give a checkpoint root or directory")
     if "://" in path:
         return inspect.open(path)
     step = read_pointer(os.path.join(path, POINTER_NAME) if os.path.isdir(path) else path)
@@ -47,7 +65,7 @@ def _open(path: str) -> Checkpoints:
         raise CheckpointNotFoundError(
             f"{path} points to step {step} of {root}, which is not committed (its save never "
             f"finished, or it was retired); `ckpt ls {root}` lists the steps there", path=path)
-    print(f"ckpt: {path} points to step {step}: reading {target}", file=sys.stderr)
+    _print(f"ckpt: {path} points to step {step}: reading {target}", file=sys.stderr)
     return inspect.open(target)
 
 
@@ -66,18 +84,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
             rows.append({"step": step, "created": None, "bytes": None, "files": None,
                          "tensors": None, "world_size": None, "status": f"bad: {e}"})
     if args.json:
-        print(verify.to_json({"root": cps.url, "steps": rows}))
+        _print(verify.to_json({"root": cps.url, "steps": rows}))
         return EXIT_OK
     if not rows:
-        print(f"{cps.url}: no committed steps")
+        _print(f"{cps.url}: no committed steps")
         return EXIT_OK
-    print(table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "STATUS"], [
+    _print(table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "STATUS"], [
         [r["step"], _when(r["created"]), size(r["bytes"]) if r["bytes"] is not None else "-",
          r["files"] or "-", r["tensors"] or "-", r["world_size"] or "-",
          r["status"] if r["status"] == "committed" else "bad (below)"] for r in rows]))
     for r in rows:  # in full: the reason follows a long path
         if r["status"] != "committed":
-            print(f"step {r['step']}: {r['status']}")
+            _print(f"step {r['step']}: {r['status']}")
     return EXIT_OK
 
 
@@ -101,30 +119,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     values = {k: inspect.item_tree(v) for k, v in m.items.items() if v.get("kind") == "value"}
     saved = saved_values(m)
     if args.json:
-        print(verify.to_json({
+        _print(verify.to_json({
             "path": cps.step_url(step), "step": m.step, "world_size": m.world_size,
             "created": m.created, "tensors": tensors, "aliases": m.aliases,
             "items": {k: v.get("kind") for k, v in m.items.items()}, "values": values,
             "state": saved, "parameter_names": inspect.parameter_names(m),
             "metadata": m.metadata}))
         return EXIT_OK
-    print(f"{cps.step_url(step)}  step {m.step}  world size {m.world_size}  "
+    _print(f"{cps.step_url(step)}  step {m.step}  world size {m.world_size}  "
           f"{len(tensors)} tensors  {size(sum(t['bytes'] for t in tensors))}")
-    print(table(["TENSOR", "DTYPE", "SHAPE", "CHUNKS", "SIZE"],
+    _print(table(["TENSOR", "DTYPE", "SHAPE", "CHUNKS", "SIZE"],
                  [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar",
                    t["chunks"], size(t["bytes"])] for t in tensors]))
     for alias, target in m.aliases.items():
-        print(f"{alias} -> {target} (same storage)")
+        _print(f"{alias} -> {target} (same storage)")
     lines = [f"  {path}: {_short(value)}" for path, value in
              (inspect.plain_values(values) if values else {}).items()]
     lines += [f"  {item}/{path}: {_short(value)}" for item, found in saved.items()
               for path, value in found.items()]
     lines += [f"  {path}: {_short(value)}" for path, value in verify.user_metadata(m).items()]
     if lines:
-        print("saved values:")
-        print("\n".join(lines[:MAX_VALUE_LINES]))
+        _print("saved values:")
+        _print("\n".join(lines[:MAX_VALUE_LINES]))
         if len(lines) > MAX_VALUE_LINES:
-            print(f"  ... and {len(lines) - MAX_VALUE_LINES} more (see --json)")
+            _print(f"  ... and {len(lines) - MAX_VALUE_LINES} more (see --json)")
     return EXIT_OK
 
 
@@ -193,10 +211,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         except CheckpointNotFoundError as e:
             if not args.all:
                 raise
-            print(f"ckpt verify: skipped step {step}, no longer committed: {e}",
+            _print(f"ckpt verify: skipped step {step}, no longer committed: {e}",
                   file=sys.stderr)  # a live writer's retention deleted it after the listing
     report = verify.Report(cps.url, reports)
-    print(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
+    _print(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
     return report.exit_code
 
 
@@ -222,7 +240,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     result = verify.diff_steps(side_a, a, b, threads=args.threads,
                                other=None if side_b is side_a else side_b,
                                filters=args.filter or ())
-    print(verify.to_json(result.to_dict()) if args.json else verify.render_diff(result))
+    _print(verify.to_json(result.to_dict()) if args.json else verify.render_diff(result))
     return EXIT_OK
 
 
@@ -240,7 +258,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     step = _steps(cps, args)[0]
     result = verify.export_step(cps, step, args.to, args.file, item=args.item,
                                 force=args.force, threads=args.threads)
-    print(verify.to_json(vars(result)) if args.json else verify.render_export(result))
+    _print(verify.to_json(vars(result)) if args.json else verify.render_export(result))
     return EXIT_OK
 
 
@@ -251,7 +269,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     cps = _open(args.root)
     result = export_hf(cps, _steps(cps, args)[0], args.file, item=args.item,
                        force=args.force, max_shard_bytes=shard, threads=args.threads)
-    print(verify.to_json(vars(result)) if args.json else render_hf_export(result))
+    _print(verify.to_json(vars(result)) if args.json else render_hf_export(result))
     return EXIT_OK
 
 
@@ -267,7 +285,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             "root (the directory holding step-XXXXXXXX directories)")
     result = collect_root(cps, keep_last=args.keep_last, keep_every=args.keep_every,
                           delete=args.yes, threads=args.threads)
-    print(verify.to_json(result.to_dict()) if args.json else result.render())
+    _print(verify.to_json(result.to_dict()) if args.json else result.render())
     return result.exit_code
 
 
@@ -397,6 +415,7 @@ exit status:
      a root locked by a writer (gc --yes), storage that cannot be opened or written
      (a file, a read-only root, an unknown protocol, a missing backend library, an
      unreachable endpoint), bad arguments
+  141  stdout closed by its reader (ckpt ls ROOT | head -1): quiet, as after SIGPIPE
 
 examples:
   ckpt ls /ckpt/run1
@@ -553,10 +572,10 @@ def _gc_memory(args: argparse.Namespace) -> int:
 
     paths = gc_segments(job=args.job, dry_run=not args.yes)
     if getattr(args, "json", False):
-        print(verify.to_json({"ok": True, "dry_run": not args.yes, "segments": paths}))
+        _print(verify.to_json({"ok": True, "dry_run": not args.yes, "segments": paths}))
     else:
         verb = "removed" if args.yes else "would remove (pass --yes)"
-        print(f"{verb} {len(paths)} memory segment(s)" + "".join(f"\n  {p}" for p in paths))
+        _print(f"{verb} {len(paths)} memory segment(s)" + "".join(f"\n  {p}" for p in paths))
     return EXIT_OK
 
 
@@ -565,7 +584,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check_combinations(args)
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+        return code
+    except BrokenPipeError as e:
+        if _stdout_closed():
+            return EXIT_PIPE
+        return _error(args, f"{type(e).__name__}: {e}", EXIT_USAGE)
     except (CheckpointNotFoundError, CheckpointLockedError, StorageError,
             verify.UsageError) as e:
         return _error(args, e, EXIT_USAGE)
@@ -578,6 +603,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "; check the path and its permissions" if isinstance(e, OSError) else ""
         return _error(args, f"{type(e).__name__}: {e}{hint}", EXIT_USAGE,
                       path=getattr(e, "filename", None))
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe (or socket) that its reader closed, as opposed to a broken
+    connection of a storage backend; if so, point it at /dev/null so that Python's flush at
+    exit prints no "Exception ignored" message."""
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poll.poll(0)):
+            return False
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+        return True
+    except (OSError, ValueError, AttributeError):
+        return False  # not a real file descriptor (captured output)
 
 
 def _check_combinations(args: argparse.Namespace) -> None:
@@ -596,9 +639,9 @@ def _check_combinations(args: argparse.Namespace) -> None:
 
 def _error(args: argparse.Namespace, error: Exception | str, code: int,
            path: str | None = None) -> int:
-    print(f"ckpt {args.command}: {error}", file=sys.stderr)
+    _print(f"ckpt {args.command}: {error}", file=sys.stderr)
     if getattr(args, "json", False):
-        print(verify.to_json({"ok": False, "exit_code": code, "error": str(error),
+        _print(verify.to_json({"ok": False, "exit_code": code, "error": str(error),
                               "path": path or getattr(error, "path", None)}))
     return code
 

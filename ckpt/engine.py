@@ -24,7 +24,6 @@ import torch
 from storage_backends import Storage
 from storage_backends.faults import fault_point
 
-from .codec import encode
 from .datafile import ALIGN, Piece, encode_header
 from .errors import CheckpointError, StorageError
 from .format import (FORMAT_VERSION_TABLES, MANIFEST_NAME, PER_RANK_IN_TABLES, Chunk, Manifest,
@@ -61,10 +60,21 @@ def _storage_ptr(t: torch.Tensor) -> int:
 def _wait_before_step(stager_ref: Callable[[], Stager | None]) -> Callable:
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         stager = stager_ref()
-        if stager is not None and stager._pending is not None:
+        for device, event in (stager._pending if stager is not None else {}).items():
             # the step's kernels wait on the GPU for the save's copies; the CPU does not
-            torch.cuda.current_stream().wait_event(stager._pending)
+            torch.cuda.current_stream(device).wait_event(event)
     return hook
+
+
+class _Ready:
+    """The end of a save's device-to-host copies: one event per device copied from."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def synchronize(self) -> None:
+        for event in self.events:
+            event.synchronize()
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -124,6 +134,12 @@ class SaveHandle:
         self._future.add_done_callback(lambda _: fn(self))
 
 
+def _record(stream: Any) -> Any:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
 class Stager:
     """Host buffers reused across saves (one set: at most one save is in flight).
 
@@ -136,13 +152,15 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._stream = None
-        self._pending = None  # the event the guarded optimizers' next step waits for
+        self._streams: dict[torch.device, Any] = {}  # one side stream per device
+        # per device: the event the guarded optimizers' next step waits for
+        self._pending: dict[torch.device, Any] = {}
         self._hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def stage(self, tensors: dict[str, torch.Tensor], copy: bool,
               guards: Sequence[torch.optim.Optimizer] = ()) -> tuple[dict[str, torch.Tensor], object]:
-        """Host-memory, contiguous copies of ``tensors`` and an event to wait on (CUDA) or None.
+        """Host-memory, contiguous copies of ``tensors``, and what to ``synchronize()`` on
+        before reading them (CUDA) or None.
 
         With ``copy=False`` (a synchronous save: training waits anyway) CPU tensors that are
         already contiguous are used as they are.
@@ -157,8 +175,9 @@ class Stager:
                 staged[key] = t.resolve_conj().resolve_neg().contiguous()
                 continue
             buf = self._buffers.get(key)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                pin = t.device.type == "cuda"
+            pin = t.device.type == "cuda"
+            if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
+                    or (pin and not buf.is_pinned())):
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
                 self._buffers[key] = buf
             if t.device.type == "cuda":
@@ -173,32 +192,46 @@ class Stager:
         return staged, self._copy_from_cuda(cuda_sources, deferred, guards)
 
     def _copy_from_cuda(self, first: list, deferred: list,
-                        guards: Sequence[torch.optim.Optimizer]) -> object:
+                        guards: Sequence[torch.optim.Optimizer]) -> _Ready | None:
+        """Issue the copies of ``first`` (awaited by training's stream at once) and of
+        ``deferred`` (awaited by the guards' next step), per device on its side stream."""
+        self._pending = {}
         if not first and not deferred:
             return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        main = torch.cuda.current_stream()
-        self._stream.wait_stream(main)  # copy what training has computed so far
-        with torch.cuda.stream(self._stream):
-            for buf, t in first + deferred:
-                buf.copy_(t, non_blocking=True)
-                t.record_stream(self._stream)  # keep t's memory alive until the copy ran
-                if first and (buf, t) is first[-1]:
-                    # later in-place updates of these (a forward pass) wait for the copy
-                    main.wait_event(self._record())
-        event = self._record()
+        events = []
+        for device in dict.fromkeys(t.device for _, t in first + deferred):
+            now = [(b, t) for b, t in first if t.device == device]
+            later = [(b, t) for b, t in deferred if t.device == device]
+            events.append(self._copy_on(device, now, later))
         if deferred:
-            self._pending = event
             for optimizer in guards:
                 if optimizer not in self._hooked:
                     self._hooked[optimizer] = optimizer.register_step_pre_hook(
                         _wait_before_step(weakref.ref(self)))
-        return event
+        return _Ready(events)
 
-    def _record(self) -> object:
-        event = torch.cuda.Event()
-        event.record(self._stream)
+    def _copy_on(self, device: torch.device, now: list, later: list) -> Any:
+        # A copy runs on the current stream of its tensor's device: the side stream and the
+        # training stream are those of the tensors' device, not of the current device (a
+        # model put on cuda:1 without torch.cuda.set_device).
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        main = torch.cuda.current_stream(device)
+        stream.wait_stream(main)  # copy what training has computed so far
+        with torch.cuda.stream(stream):
+            for buf, t in now:
+                buf.copy_(t, non_blocking=True)
+                t.record_stream(stream)  # keep t's memory alive until the copy ran
+            if now:
+                # training's later in-place updates of these (a forward pass) wait for them
+                main.wait_event(_record(stream))
+            for buf, t in later:
+                buf.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+        event = _record(stream)
+        if later:
+            self._pending[device] = event
         return event
 
     def nbytes(self) -> int:
@@ -295,10 +328,23 @@ def _same_layout(payload: StepPayload, key: str) -> bool:
     return old is not None and old.dtype == dtype and old.shape == shape
 
 
+def _encoder() -> Callable:
+    """:func:`ckpt.codec.encode`, imported only when a save compresses: zstandard is an
+    optional dependency (GPU images often lack it), and nothing else needs it."""
+    try:
+        from .codec import encode
+    except ImportError as e:
+        raise CheckpointError(f"compression='zstd' needs the zstandard package ({e}); "
+                              "install it (pip install zstandard) or save uncompressed "
+                              "(SaveOptions(compression=None))") from e
+    return encode
+
+
 def write_rank(storage: Storage, staging: str, payload: StepPayload, options: SaveOptions,
                pool: cf.ThreadPoolExecutor | None) -> RankTable:
     """Write this rank's new chunks into ``staging``; returns its table (nothing committed)."""
     fault_point("before_data")
+    encode = _encoder() if options.compression else None
     reused, to_write = _plan(payload, options)
     new_bytes = sum(len(data) for _, data, _ in to_write)
     # Compressed: several files per thread, so one file's write overlaps the next's compression.

@@ -46,10 +46,15 @@ MAX_ZSTD_RATIO = 1 << 15
 MAX_TILING_CORNERS = 1 << 22  # bound of the tiling check's work (see _check_tiling)
 ITEM_KINDS = ("module", "stateful", "tensor", "value")
 
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
-_DIGEST = re.compile(r"^[0-9a-f]{16}$")
+# Patterns end in \Z, not $ (which also matches before a final newline), and spell digits
+# [0-9] (\d also matches other scripts' digits, which int() reads).
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}\Z")
+_DIGEST = re.compile(r"[0-9a-f]{16}\Z")
 _SHARD = re.compile(r"S(0|[1-9][0-9]?)")  # a placement that shards a dimension
-STEP_DIR = re.compile(r"^step-(\d{8,})$")
+# Only the name step_dir() gives a step: another spelling of its number (step-000000005,
+# step-5, other digits) would name the same step twice, and the collector would take the
+# stray directory's state (no manifest) for the real step's and delete it.
+STEP_DIR = re.compile(r"step-([0-9]{8}|[1-9][0-9]{8,})\Z")
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -335,6 +340,13 @@ def file_name(value: Any, what: str = "file") -> str:
     raise _Invalid(f"{what} {value!r} is not a plain file name")
 
 
+def is_decimal(value: Any) -> bool:
+    """A string of ASCII digits, as ckpt writes a number used as a key (a step of ``refs``,
+    a rank of ``per_rank``). str.isdigit() also accepts other scripts' digits and
+    superscripts, which int() reads as another number or refuses with a ValueError."""
+    return isinstance(value, str) and value.isascii() and value.isdigit()
+
+
 def _parse(doc: Any) -> Manifest:
     _check(isinstance(doc, dict), "top level must be an object")
     _check(doc.get("format") == FORMAT_NAME, f"format must be {FORMAT_NAME!r}")
@@ -478,7 +490,7 @@ def _parse_refs(doc: Any, step: int) -> dict[tuple[int, str], int]:
     _check(isinstance(doc, dict), "refs must be an object")
     refs = {}
     for s, names in doc.items():
-        _check(isinstance(s, str) and s.isdigit() and int(s) < step,
+        _check(is_decimal(s) and int(s) < step,
                f"refs names step {s!r}, which is not an earlier step")
         _check(isinstance(names, dict), f"refs of step {s} must be an object")
         for name, size in names.items():
@@ -640,7 +652,7 @@ def _check_item(name: Any, item: Any, tensors: dict[str, TensorEntry],
     if "per_rank" in item:
         per_rank = item["per_rank"]
         _check(isinstance(per_rank, dict) and bool(per_rank)
-               and all(isinstance(r, str) and r.isdigit() for r in per_rank),
+               and all(is_decimal(r) for r in per_rank),
                f"{what}: per_rank must map rank numbers to trees")
         trees = list(per_rank.values())
     else:

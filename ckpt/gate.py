@@ -95,22 +95,25 @@ class Gate:
         if not self.forward or (group is not None and not self.agree(group, True)):
             return None
         name = f"step {step}" if step is not None else where
-        probe = self._target.probe if self._target is not None else self._state.get(PROBE_ITEM)
-        if not isinstance(probe, dict) or "output" not in probe:
+        if PROBE_ITEM not in manifest.items:
             log.warning("ckpt.restore %s has no probe: the forward check was skipped "
                         "(digests were checked); save with CheckpointManager(probe="
                         "ckpt.Probe(...)) to record one", name)
             return None
-        model_key = probe.get("model_key") or item_tree(manifest.items[PROBE_ITEM]).get(
-            "model_key")
-        model = model_of(self._state.get(model_key))
-        if model is None:
-            log.warning("ckpt.restore %s: the probe's model %r is not an nn.Module of the "
-                        "state being restored: the forward check was skipped", name, model_key)
-            return None
+        probe = self._target.probe if self._target is not None else self._state.get(PROBE_ITEM)
         damaged = damaged_probe(probe)
-        failure = (ProbeFailure(f"the probe item is damaged: {damaged}") if damaged else
-                   check_model(model, probe))
+        if damaged is not None:
+            failure = ProbeFailure(f"the probe item is damaged: {damaged}")
+        else:
+            model_key = probe.get("model_key") or item_tree(manifest.items[PROBE_ITEM]).get(
+                "model_key")
+            model = model_of(self._state.get(model_key))
+            if model is None:
+                log.warning("ckpt.restore %s: the probe's model %r is not an nn.Module of the "
+                            "state being restored: the forward check was skipped", name,
+                            model_key)
+                return None
+            failure = check_model(model, probe)
         if failure is None:
             log.info("ckpt.restore %s passed the forward check", name)
             return None
@@ -151,9 +154,13 @@ class Gate:
                 live.copy_(saved)
 
 
-def damaged_probe(probe: dict) -> str | None:
+def damaged_probe(probe: Any) -> str | None:
     """What is wrong with a loaded probe item's inputs or output (a hand-edited or damaged
     manifest), or None."""
+    if not isinstance(probe, dict):
+        return f"it is a {type(probe).__name__}, not the recorded fields"
+    if "output" not in probe:
+        return "it has no recorded output"
     if "inputs" not in probe:
         return "it has no recorded inputs"
     if not isinstance(probe.get("output"), torch.Tensor):

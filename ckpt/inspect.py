@@ -39,7 +39,8 @@ from .datafile import SAFETENSORS_DTYPES
 from .engine import byte_view
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      StorageError)
-from .format import MANIFEST_NAME, STEP_DIR, Chunk, Manifest, TensorEntry, step_dir
+from .format import (MANIFEST_NAME, STEP_DIR, Chunk, Manifest, TensorEntry, is_decimal,
+                     step_dir)
 from .gate import damaged_probe
 from .integrity import check_structure as _check_structure
 from .integrity import chunk_path, digest, read_manifest
@@ -458,7 +459,7 @@ def _int_keyed(tree: Any) -> dict[int, Any]:
         return {k: v for k, v in (p for p in tree[DICT] if isinstance(p, list) and len(p) == 2)
                 if isinstance(k, int)}
     if isinstance(tree, dict):
-        return {int(k): v for k, v in tree.items() if isinstance(k, str) and k.isdigit()}
+        return {int(k): v for k, v in tree.items() if is_decimal(k)}
     return {}
 
 

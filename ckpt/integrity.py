@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import xxhash
 
-from storage_backends import Storage
+from storage_backends import NotAFileError, Storage
 
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format import MANIFEST_NAME, Chunk, Manifest, step_dir
@@ -41,6 +41,9 @@ def read_manifest(storage: Storage, location: str, step: int | None = None) -> M
         raise CheckpointNotFoundError(
             f"no committed checkpoint at {storage.url}/{location} (no {MANIFEST_NAME}); "
             "list a root's steps with `ckpt ls ROOT`", path=where) from None
+    except NotAFileError as e:  # damage: a restore falls back past it, gc names the step
+        raise CorruptCheckpointError(f"{where}: {e.strerror}; the step cannot be loaded",
+                                     path=where) from None
     manifest = Manifest.from_json(raw, where=where).bind(
         lambda name: storage.read(f"{location}/{name}"), f"{storage.url}/{location}")
     if step is not None and manifest.step != step:

@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from storage_backends import NotAFileError
+
 from .format import (CODECS, DTYPES, MAX_BYTES, MAX_DIMS, MAX_TILING_CORNERS, MAX_ZSTD_RATIO,
                      Chunk, Invalid, check_item_tree, file_name, paused_gc)
 from .errors import CorruptCheckpointError
@@ -481,8 +483,9 @@ class Tables:
         where = f"{self.where}/{name}"
         try:
             raw = self.read(name)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"{where} (rank {rank}'s chunk table) is missing; "
+        except (FileNotFoundError, NotAFileError):
+            raise CorruptCheckpointError(f"{where} (rank {rank}'s chunk table) is missing "
+                                         "or not a file; "
                                          "the step cannot be loaded", path=where) from None
         if len(raw) != size or content_digest(raw) != want:
             raise CorruptCheckpointError(

@@ -566,4 +566,6 @@ def _check_optimizers(state: MutableMapping[str, Any], wanted: dict[str, Any]) -
         if saved != live:
             raise StateMismatchError(
                 f"'{name}': the checkpoint's optimizer has parameter groups of sizes {saved}, "
-                f"this optimizer {live}; nothing was loaded")
+                f"this optimizer {live}; nothing was loaded. Build it with the saved groups "
+                f"(the same parameters, in the same order) to resume, or restore without "
+                f"'{name}' to start the optimizer afresh")

@@ -28,6 +28,7 @@ class RNGState:
             pass
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state_all()
+            state["cuda_device"] = torch.cuda.current_device()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -38,4 +39,16 @@ class RNGState:
 
             np.random.set_state(state["numpy"])
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+            _set_cuda_states(list(state["cuda"]), state.get("cuda_device"))
+
+
+def _set_cuda_states(states: list[torch.Tensor], saved_device: int | None) -> None:
+    """Each visible device gets the saved state of its index. With another number of devices
+    than the saver's (fewer visible: torch.cuda.set_rng_state_all would fail on an index
+    out of range), the generator the saver drew from (its current device's) goes on
+    drawing here, on this process's current device."""
+    count = torch.cuda.device_count()
+    for index, rng in enumerate(states[:count]):
+        torch.cuda.set_rng_state(rng, index)
+    if saved_device is not None and len(states) != count and 0 <= saved_device < len(states):
+        torch.cuda.set_rng_state(states[saved_device], torch.cuda.current_device())

@@ -62,6 +62,26 @@ def load_stateful(obj: Any, value: Any) -> None:
         if any(own_key != plain for plain, own_key in own.items()):
             value = type(value)((own.get(k, k), v) for k, v in value.items())
     obj.load_state_dict(value)
+    if isinstance(obj, torch.utils.data.DataLoader):
+        _settle_single_process_loader(obj, value)
+
+
+def _settle_single_process_loader(loader: torch.utils.data.DataLoader, value: Any) -> None:
+    """Put a single-process StatefulDataLoader's generator where the saved run had it.
+
+    torchdata restores the shuffling sampler's generator to the epoch's start and draws the
+    epoch's permutation again, but the saved run had also drawn the iterator's base seed
+    after that permutation (torch's ``_BaseDataLoaderIter`` draws it after creating the
+    sampler iterator): without that draw every epoch after the resumed one is shuffled
+    differently. With workers, torchdata restores the base seed itself."""
+    sampler_iter = value.get("_sampler_iter_state") if isinstance(value, Mapping) else None
+    shuffled = isinstance(sampler_iter, Mapping) and isinstance(
+        sampler_iter.get("sampler_iter_state"), Mapping) and \
+        "generator" in sampler_iter["sampler_iter_state"]
+    if not shuffled or loader.num_workers != 0 or loader.generator is None:
+        return
+    loader.state_dict()  # builds the resumed iterator now; the next iter() continues it
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
 
 def is_stateful(obj: Any) -> bool:
@@ -340,6 +360,15 @@ def check_compatible(current: FlatState, saved_items: Mapping[str, dict],
         if saved.get("kind") != item["kind"]:
             problems.append(f"'{name}' was saved as a {saved.get('kind')}, but is a {item['kind']} now")
             continue
+        workers = _loader_workers(item_tree(saved, source_rank)), \
+            _loader_workers(item_tree(item, source_rank))
+        if None not in workers and workers[0] != workers[1]:
+            problems.append(
+                f"'{name}': a StatefulDataLoader saved with num_workers={workers[0]} cannot "
+                f"continue with num_workers={workers[1]} (torchdata keeps its position per "
+                f"worker): build it with num_workers={workers[0]} to resume, or restore a "
+                f"state without '{name}' and start the data at a new epoch")
+            continue
         live_keys = set(tensor_keys(item_tree(item, source_rank)))
         saved_keys = set(tensor_keys(item_tree(saved, source_rank)))
         missing = sorted(live_keys - saved_keys)
@@ -360,7 +389,42 @@ def check_compatible(current: FlatState, saved_items: Mapping[str, dict],
         raise StateMismatchError(
             "the checkpoint does not match the state to restore; nothing was loaded:\n  "
             + "\n  ".join(problems[:50]) + (f"\n  ... and {len(problems) - 50} more"
-                                            if len(problems) > 50 else ""))
+                                            if len(problems) > 50 else "")
+            + "".join(f"\n{advice}" for advice in _advice(problems)))
+
+
+def _advice(problems: list[str]) -> list[str]:
+    """What to do about the kinds of mismatch in ``problems``."""
+    text = "\n".join(problems)
+    advice = []
+    if "missing from the checkpoint" in text or "unexpected in the checkpoint" in text \
+            or "shape" in text:
+        advice.append(
+            "If layers were renamed, added or removed since the save: read the saved tensors "
+            "with ckpt.load(path) (no state; mgr.load() for a manager's newest step), rename "
+            "or drop what changed, and load them with load_state_dict(..., strict=False); "
+            "or restore a state holding only the items that still match.")
+    if "dtype" in text:
+        advice.append(
+            "If the model's dtype changed (fp32 -> bf16): restore into the model in the saved "
+            "dtype (model.float()) and convert it after, or read the tensors with "
+            "ckpt.load(path) and convert them.")
+    if "is not in the checkpoint" in text:
+        advice.append("Restore a state without the items the checkpoint lacks.")
+    return advice
+
+
+def _loader_workers(tree: Any) -> int | None:
+    """The ``num_workers`` a torchdata StatefulDataLoader's saved state was taken with
+    (None: not such a state)."""
+    if not isinstance(tree, dict):
+        return None
+    if "_num_yielded" in tree and "_sampler_iter_state" in tree:
+        return 0
+    main = tree.get("_snapshot", {}).get("_main_snapshot") \
+        if isinstance(tree.get("_snapshot"), dict) else None
+    workers = main.get("_num_workers") if isinstance(main, dict) else None
+    return workers if isinstance(workers, int) else None
 
 
 def _few(keys: list[str], n: int = 8) -> str:

@@ -38,6 +38,11 @@ class LockHeldError(BlockingIOError):
         return (type(self), (self.path, self.holder))
 
 
+class NotAFileError(OSError):
+    """A directory, FIFO, socket or device lies where a checkpoint file is read: damage in the
+    checkpoint, not a file that is absent (``filename`` names it)."""
+
+
 def describe_holder(holder: Any) -> str:
     """A lock holder for people: "host H, pid P, since 2026-12-01 10:00:00" (local time), or
     "an unknown process" when the record names none of them."""

@@ -9,7 +9,8 @@ loss at any instant leaves either the old state or the new one.
 Symbolic links are never followed: a root is a tree of plain files and directories that ckpt
 made, and a link planted in it (a step directory, a data file, a staging directory) could
 otherwise make a read, a write or a collection reach outside the root. A path that passes
-through a link is treated as absent and logged once.
+through a link is treated as absent and logged once (when listing a root, only links named
+as ckpt names its entries are logged).
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ import stat
 import uuid
 from typing import Iterator, Sequence
 
-from .base import Buffer, Entry, Storage, WriterLock
+from .base import Buffer, Entry, NotAFileError, Storage, WriterLock
 from .locks import FlockWriterLock
 
 STAGING_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+# What ckpt names the entries of a root (steps, staging and trash directories, the lock): a
+# link listed there under another name is none of ckpt's business, and not worth a warning
+# (`ckpt ls /` would warn about /bin). Inside a step directory every name is ckpt's.
+ROOT_NAMES = ("step-", STAGING_PREFIX, TRASH_PREFIX, ".lock")
 
 log = logging.getLogger("ckpt")
 
@@ -35,10 +40,8 @@ class SymlinkRefusedError(FileNotFoundError):
     """A path inside a root passes through a symbolic link; ckpt treats it as absent."""
 
     def __init__(self, path: str) -> None:
-        super().__init__(
-            f"{path} is a symbolic link: ckpt never follows links in a checkpoint root (they "
-            "could lead outside it); remove the link")
-        self.filename = path
+        super().__init__(errno.ELOOP, "a symbolic link: ckpt never follows links in a "
+                         "checkpoint root (they could lead outside it); remove the link", path)
 
     def __reduce__(self):
         return (type(self), (self.filename,))
@@ -69,7 +72,7 @@ class PosixStorage(Storage):
             log.warning("ckpt.symlink ignored=%s: symbolic links in a checkpoint root are never "
                         "followed; remove it", path)
 
-    def _abs(self, path: str) -> str:
+    def local_path(self, path: str) -> str:
         """The absolute path of ``path``; raises SymlinkRefusedError when it (or a directory
         on the way to it) is a symbolic link. Missing components are left to the caller."""
         if not path:
@@ -90,11 +93,12 @@ class PosixStorage(Storage):
 
     def list(self, path: str = "") -> list[Entry]:
         try:
-            with os.scandir(self._abs(path)) as it:
+            with os.scandir(self.local_path(path)) as it:
                 entries = []
                 for e in it:
                     if e.is_symlink():
-                        self._report(e.path)
+                        if path or e.name.startswith(ROOT_NAMES):
+                            self._report(e.path)
                         continue
                     entries.append(Entry(e.name, e.is_dir(follow_symlinks=False)))
                 return entries
@@ -103,16 +107,16 @@ class PosixStorage(Storage):
 
     def exists(self, path: str) -> bool:
         try:
-            return os.path.lexists(self._abs(path))
+            return os.path.lexists(self.local_path(path))
         except SymlinkRefusedError:
             return False
 
     def size(self, path: str) -> int:
-        return os.stat(self._abs(path), follow_symlinks=False).st_size
+        return os.stat(self.local_path(path), follow_symlinks=False).st_size
 
     def write(self, path: str, buffers: Sequence[Buffer]) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(self._abs(path), flags, 0o644)
+        fd = os.open(self.local_path(path), flags, 0o644)
         total = 0
         try:
             for buf in buffers:
@@ -130,13 +134,13 @@ class PosixStorage(Storage):
         """A descriptor of a regular file under the root. Opened without blocking, so a FIFO
         planted in a checkpoint cannot hang a reader; refused unless the open descriptor is
         a regular file (a directory, FIFO, socket or device there is damage, not data)."""
-        target = self._abs(path)
+        target = self.local_path(path)
         fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-            raise OSError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
+            raise NotAFileError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
                           f"{kind} where a checkpoint file was expected", target)
         return fd
 
@@ -153,7 +157,7 @@ class PosixStorage(Storage):
             reader.close()
 
     def open_reader(self, path: str) -> _FileReader:
-        return _FileReader(self._open_read(path), self._abs(path))
+        return _FileReader(self._open_read(path), self.local_path(path))
 
     # 512 KiB: a block read from the page cache is still in the CPU's cache when it is digested.
     stream_block = 512 << 10
@@ -162,18 +166,18 @@ class PosixStorage(Storage):
                     buffer: memoryview) -> Iterator[memoryview]:
         fd = self._open_read(path)  # once for the whole range
         try:
-            yield from pread_blocks(fd, start, length, buffer, self._abs(path))
+            yield from pread_blocks(fd, start, length, buffer, self.local_path(path))
         finally:
             os.close(fd)
 
     def delete(self, path: str) -> None:
         try:
-            target = self._abs(path)
+            target = self.local_path(path)
         except SymlinkRefusedError:
             return  # ignored (and reported): never delete through, or a planted, link
         if stat.S_ISDIR(_lmode(target)):
             # Rename first so a crash mid-delete never leaves a half-deleted visible step.
-            trash = self._abs(f"{TRASH_PREFIX}{uuid.uuid4().hex}")
+            trash = self.local_path(f"{TRASH_PREFIX}{uuid.uuid4().hex}")
             os.rename(target, trash)
             # Durable before its files go: else a crash could keep the name, lose the files.
             fsync_dir(os.path.dirname(target))
@@ -190,21 +194,21 @@ class PosixStorage(Storage):
     def begin(self, name: str, token: str) -> str:
         staging = f"{STAGING_PREFIX}{name}-{token}"
         try:
-            os.mkdir(self._abs(staging))
+            os.mkdir(self.local_path(staging))
         except FileExistsError:  # another rank of this save made it
-            if not stat.S_ISDIR(_lmode(self._abs(staging))):
+            if not stat.S_ISDIR(_lmode(self.local_path(staging))):
                 raise
         return staging
 
     def commit(self, staging: str, name: str, manifest: bytes, manifest_name: str) -> None:
         self.write(f"{staging}/{manifest_name}", [manifest])
-        fsync_dir(self._abs(staging))
-        final = self._abs(name)
+        fsync_dir(self.local_path(staging))
+        final = self.local_path(name)
         if os.path.lexists(final):
             self._commit_over(staging, final, manifest_name)
             return
         # The commit point: after this rename (and the root's fsync) the step exists.
-        os.rename(self._abs(staging), final)
+        os.rename(self.local_path(staging), final)
         fsync_dir(self.root)
 
     def _commit_over(self, staging: str, final: str, manifest_name: str) -> None:
@@ -217,7 +221,7 @@ class PosixStorage(Storage):
         any more are removed by the next collection."""
         if not stat.S_ISDIR(_lmode(final)):
             raise FileExistsError(f"{final} exists and is not a step directory; remove it")
-        source = self._abs(staging)
+        source = self.local_path(staging)
         for entry in os.listdir(source):
             if entry != manifest_name:
                 os.rename(os.path.join(source, entry), os.path.join(final, entry))
@@ -232,7 +236,7 @@ class PosixStorage(Storage):
 
     def abort(self, staging: str) -> None:
         try:
-            path = self._abs(staging)
+            path = self.local_path(staging)
         except SymlinkRefusedError:
             return
         shutil.rmtree(path, ignore_errors=True)

@@ -18,6 +18,8 @@ What the Python API lacks: a stat call. ``size`` uses ``os.stat`` on the ``file`
 other drivers it asks for a byte range past any object and reads the size from the store's
 ``InvalidRange`` answer (``ActualObjectSize``), and reads the whole object if that fails.
 Listing is by key range (no delimiter), so listing the root lists every key under it.
+The ``file`` driver follows symbolic links; ckpt does not: on that driver every path is
+checked as the POSIX backend checks it, and a path through a link is absent (and logged).
 Objects are written in one request (no multipart: at most 5 GiB each on S3).
 """
 
@@ -32,6 +34,7 @@ from urllib.parse import urlparse
 
 from .base import Buffer, Entry
 from .lease import DEFAULT_LEASE_TTL, ConditionalStorage, children
+from .posix import PosixStorage, SymlinkRefusedError
 
 _DRIVERS = {"file": "file", "s3": "s3", "gs": "gcs"}
 _SIZE_IN_ERROR = re.compile(rb"ActualObjectSize>(\d+)<|value of size (\d+)")
@@ -80,8 +83,10 @@ class TensorstoreStorage(ConditionalStorage):
             spec: dict[str, Any] = {"driver": "file", "path": self.local_root + "/"}
             if create:
                 os.makedirs(self.local_root, exist_ok=True)
+            # Its link checks (tensorstore's file driver follows links, in and out of the root).
+            self._local: PosixStorage | None = PosixStorage(self.local_root, create=False)
         else:
-            self.local_root = None
+            self.local_root = self._local = None
             prefix = parsed.path.strip("/")
             spec = {"driver": self.driver, "bucket": parsed.netloc,
                     "path": f"{prefix}/" if prefix else ""}
@@ -122,7 +127,15 @@ class TensorstoreStorage(ConditionalStorage):
                 raise FileNotFoundError(errno.ENOENT, text, where) from e
             raise OSError(errno.EIO, f"{what} {where} failed: {text}") from e
 
+    def _inside(self, path: str) -> None:
+        """``file`` driver: raise SymlinkRefusedError (a FileNotFoundError) when ``path`` is,
+        or passes through, a symbolic link."""
+        if self._local is not None:
+            self._local.local_path(path)
+
     def _read(self, path: str, byte_range: slice | None = None):
+        self._inside(path)
+
         def read():
             r = self.kv.read(path, byte_range=byte_range).result()
             if r.state != "value":
@@ -133,21 +146,30 @@ class TensorstoreStorage(ConditionalStorage):
 
     # -- bytes ----------------------------------------------------------------------------------
     def list(self, path: str = "") -> list[Entry]:
+        try:
+            self._inside(path)
+        except SymlinkRefusedError:
+            return []
         keys = self._call("listing", path, lambda: self.kv.list(_range(path)).result())
-        return children(path, [k.decode() for k in keys])
+        entries = children(path, [k.decode() for k in keys])
+        if self._local is not None:  # without the links (reported as the POSIX backend does)
+            plain = {e.name for e in self._local.list(path)}
+            entries = [e for e in entries if e.name in plain]
+        return entries
 
     def exists(self, path: str) -> bool:
         if not path:
             return self.local_root is None or os.path.isdir(self.local_root)
         try:
+            self._inside(path)
             self._read(path, slice(0, 0))
             return True
         except FileNotFoundError:
             return bool(self.list(path))
 
     def size(self, path: str) -> int:
-        if self.local_root is not None:
-            return os.stat(os.path.join(self.local_root, path)).st_size
+        if self._local is not None:
+            return self._local.size(path)
         try:
             self.kv.read(path, byte_range=slice(_FAR, None)).result()
         except Exception as e:  # the expected answer: a range past the end, with the size
@@ -157,6 +179,7 @@ class TensorstoreStorage(ConditionalStorage):
         return len(self._read(path).value)
 
     def write(self, path: str, buffers: Sequence[Buffer]) -> int:
+        self._inside(path)  # never into a linked directory
         data = b"".join(memoryview(b).cast("B") for b in buffers)
         self._call("writing", path, lambda: self.kv.write(path, data).result())
         return len(data)
@@ -187,6 +210,10 @@ class TensorstoreStorage(ConditionalStorage):
         view[:] = data
 
     def delete(self, path: str) -> None:
+        try:
+            self._inside(path)
+        except SymlinkRefusedError:
+            return  # ignored (and reported): never delete through, or a planted, link
         local = os.path.join(self.local_root, path) if self.local_root is not None else None
 
         def rm() -> None:

@@ -913,3 +913,66 @@ def test_a_fifo_or_directory_planted_as_a_checkpoint_file_is_damage_not_a_hang(t
         with pytest.raises(OSError, match=what) as caught:
             storage.read(name)
         assert caught.value.filename == str(root / name)
+
+
+HOSTILE_KEY = "\ud800\x1b]0;pwned\x07\x1b[2J\u202etxt.exe"
+
+
+def test_hostile_names_in_a_manifest_are_printed_escaped_and_a_closed_pipe_is_quiet(tmp_path):
+    """A tensor key holding a lone surrogate made `ckpt inspect` and `ckpt diff` die with a
+    UnicodeEncodeError traceback, and terminal escapes in names reached the terminal raw. A
+    reader that closes the pipe early (`| head -1`) got 'BrokenPipeError ... check the path
+    and its permissions' and status 2."""
+    make_root(tmp_path)
+    root = tmp_path / "root"
+    path = root / "step-00000002" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["aliases"][HOSTILE_KEY] = "model/mix.weight"
+    doc["metadata"][HOSTILE_KEY] = HOSTILE_KEY
+    path.write_text(json.dumps(doc))
+    inspect_, diff, as_json = run_all(tmp_path, ["inspect", "root"], ["diff", "root", "1", "2"],
+                                      ["inspect", "root", "--json"])
+    for r in (inspect_, diff):
+        assert r.code == 0 and not r.err, (r.args, r.err)
+        assert "\x1b" not in r.out and "\u202e" not in r.out and "\x07" not in r.out
+        assert "\\ud800\\x1b]0;pwned\\x07\\x1b[2J\\u202etxt.exe" in r.out, r.out
+    assert as_json.json()["aliases"][HOSTILE_KEY] == "model/mix.weight"  # JSON: exact
+    for args in (["ls", "root"], ["verify", "root", "--all", "--json"]):
+        p = subprocess.Popen([sys.executable, "-m", "ckpt", *args], cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": str(REPO)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p.stdout.close()  # before the command (which starts by importing torch) writes
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 141 and err == "", (args, err)
+
+
+def test_an_empty_path_is_a_usage_error_not_the_current_directory(tmp_path, capsys,
+                                                                   monkeypatch):
+    """`ckpt gc "$ROOT" --yes` with ROOT unset collected the current directory."""
+    from ckpt.cli import main
+
+    make_root(tmp_path)
+    monkeypatch.chdir(tmp_path / "root")
+    (tmp_path / "root" / ".tmp-step-00000003-0123456789ab").mkdir()
+    for args in (["gc", "", "--yes"], ["ls", " "], ["verify", ""]):
+        assert main(args) == 2
+        assert "PATH is empty" in capsys.readouterr().err
+    assert (tmp_path / "root" / ".tmp-step-00000003-0123456789ab").is_dir()
+
+
+def test_a_tensor_named_metadata_is_refused_by_safetensors_exports_and_kept_by_torch(tmp_path,
+                                                                                   capsys):
+    """A state dict may hold a tensor named '__metadata__'; exporting it to safetensors wrote
+    that tensor's entry over the header's metadata: a file no safetensors reader opens."""
+    from ckpt.cli import main
+
+    ckpt.save({"model": {"__metadata__": torch.ones(3), "w": torch.zeros(2)}}, tmp_path / "c")
+    for to, out in (("safetensors", "o.safetensors"), ("hf", "hf")):
+        assert main(["export", str(tmp_path / "c"), "--to", to, str(tmp_path / out),
+                     "--item", "model"]) == 2
+        assert "'__metadata__'" in capsys.readouterr().err
+        assert not (tmp_path / out).exists()
+    assert main(["export", str(tmp_path / "c"), "--to", "torch", str(tmp_path / "o.pt"),
+                 "--item", "model"]) == 0
+    assert torch.equal(torch.load(tmp_path / "o.pt", weights_only=True)["__metadata__"],
+                       torch.ones(3))

@@ -154,6 +154,57 @@ def test_stateful_dataloader_without_generator_warns_next_to_rng_state(tmp_path)
         ckpt.load({"data": seeded, "rng": ckpt.RNGState()}, tmp_path / "b")
 
 
+@pytest.mark.parametrize("taken", [5, "last", "epoch"])  # mid-epoch, its last batch, StopIteration
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_single_process_stateful_dataloader_shuffles_the_later_epochs_as_before(
+        tmp_path, taken, drop_last):
+    """num_workers=0: torchdata alone resumes the epoch but reshuffles the next ones."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make() -> StatefulDataLoader:  # 103 samples: the last batch is short (or dropped)
+        return StatefulDataLoader(list(range(103)), batch_size=8, shuffle=True,
+                                  drop_last=drop_last, generator=torch.Generator().manual_seed(1))
+
+    def epochs(loader: StatefulDataLoader, n: int) -> list[list[int]]:
+        return [b.tolist() for _ in range(n) for b in loader]
+
+    want = epochs(make(), 3)
+    first = make()
+    if taken == "epoch":
+        seen = epochs(first, 1)
+    else:
+        it = iter(first)
+        seen = [next(it).tolist() for _ in range(len(first) if taken == "last" else taken)]
+    ckpt.save({"data": first}, tmp_path / "c")
+    resumed = make()
+    ckpt.load({"data": resumed}, tmp_path / "c")
+    rest = epochs(resumed, 2 if taken == "epoch" else 3)
+    assert seen + rest == want
+
+
+@pytest.mark.parametrize("saved_workers, workers", [(2, 0), (0, 1), (2, 1)])
+def test_stateful_dataloader_with_other_num_workers_is_refused_before_loading(
+        tmp_path, saved_workers, workers):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def make(n: int) -> StatefulDataLoader:
+        return StatefulDataLoader(list(range(20)), batch_size=4, shuffle=True, num_workers=n,
+                                  generator=torch.Generator().manual_seed(1))
+
+    net = _net()
+    ckpt.save({"model": net, "data": make(saved_workers)}, tmp_path / "c")
+    fresh, loader = torch.nn.Linear(4, 3), make(workers)
+    target = torch.nn.Sequential(fresh, torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    before = fresh.weight.detach().clone()
+    with pytest.raises(ckpt.StateMismatchError,
+                       match=f"saved with num_workers={saved_workers} cannot continue with "
+                             f"num_workers={workers}.*build it with num_workers={saved_workers}"):
+        ckpt.load({"model": target, "data": loader}, tmp_path / "c")
+    assert torch.equal(fresh.weight, before)  # refused before anything was loaded
+    ckpt.load({"model": target}, tmp_path / "c")  # the advice: restore without the loader
+    assert_same(target.state_dict(), net.state_dict())
+
+
 # ------------------------------------------------------------------------ the whole loop, SIGKILLed
 
 # What every run of the loop imports, a fork server (multiprocessing's forkserver, started

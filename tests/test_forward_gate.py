@@ -330,3 +330,34 @@ def test_an_fsdp2_model_is_gated_on_every_rank_and_put_back_when_every_step_fail
         assert "passed the forward check" in message, message
         assert "step 2: weight 0.weight of the model hold NaN/Inf" in message
         assert "step 1: the probe's output differs" in message
+
+
+def _drop_the_output(tree: dict) -> dict:
+    del tree["output"]
+    return tree
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_drop_the_output, "it has no recorded output"),
+    (lambda tree: [tree["inputs"]], "it is a list, not the recorded fields"),
+    (lambda tree: "probe", "it is a str, not the recorded fields")])
+def test_a_probe_item_damaged_beyond_its_fields_fails_the_step_not_skips_its_check(
+        tmp_path, caplog, damage, reason):
+    """A step whose manifest records a probe item that no longer holds a probe (hand-edited)
+    is skipped as damaged; before, the gate took it for a step saved without a probe and
+    restored it with only a note that the check was skipped."""
+    import json
+
+    step1 = save_two_steps(tmp_path / "root")
+    manifest = tmp_path / "root/step-00000002/manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["items"]["__probe__"]["tree"] = damage(doc["items"]["__probe__"]["tree"])
+    manifest.write_text(json.dumps(doc))
+    state = make_state(1)
+    with caplog.at_level(logging.WARNING, logger="ckpt"), \
+            manager(tmp_path / "root", read_only=True) as mgr:
+        assert mgr.restore(state, verify="forward") == 1
+        assert [s for s, _ in mgr.skipped] == [2]
+        assert f"the probe item is damaged: {reason}" in mgr.skipped[0][1]
+    assert_same(state, step1)
+    assert "no probe" not in caplog.text

@@ -184,6 +184,66 @@ def test_deep_nesting_is_refused_as_corrupt(real_step, opener):
         Manifest.from_json(text.encode(), where="fuzz")
 
 
+def _first_file(doc):
+    return next(iter(doc["files"]))
+
+
+def _rename_file(doc, new):
+    old = _first_file(doc)
+    doc["files"][new] = doc["files"].pop(old)
+    for entry in doc["tensors"].values():
+        for c in entry.get("chunks", []):
+            if c["file"] == old:
+                c["file"] = new
+    return doc
+
+
+# Strings that Python's str methods and `$` accept as digits or as a whole name, but that are
+# another spelling: int("²") raises ValueError, int("١") is 1, "$" matches before a newline.
+SPELLINGS = {
+    "file name ending in a newline": lambda d: _rename_file(d, _first_file(d) + "\n"),
+    "digest ending in a newline": lambda d: d["tensors"]["w"]["chunks"][0].update(
+        digest=d["tensors"]["w"]["chunks"][0]["digest"] + "\n"),
+    "per_rank keyed by a superscript": lambda d: d["items"].update(
+        r={"kind": "stateful", "per_rank": {"\u00b2": {"x": 1}}}),
+    "per_rank keyed by an Arabic-Indic digit": lambda d: d["items"].update(
+        r={"kind": "stateful", "per_rank": {"\u0661": {"x": 1}}}),
+    "refs to a superscript step": lambda d: d.update(refs={"\u00b2": {"data-x": 1}}),
+    "table name ending in a newline": lambda d: d["tables"][0].__setitem__(
+        0, d["tables"][0][0] + "\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def table_step(tmp_path_factory):
+    """A committed format-2 step (rank tables) to mutate."""
+    root = tmp_path_factory.mktemp("fuzz2") / "root"
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(rank_tables=True)) as mgr:
+        mgr.save(1, {"w": torch.randn(8), "rng": ckpt.RNGState()})
+    return json.loads((root / "step-00000001" / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("what", SPELLINGS)
+def test_other_spellings_of_names_and_numbers_are_refused_as_corrupt(real_step, table_step,
+                                                                     what):
+    if "table" in what or "refs" in what:
+        doc = copy.deepcopy(table_step)
+    else:
+        doc = copy.deepcopy(real_step[1])
+    Manifest.from_json(_encode(doc), where="fuzz")  # the unchanged step is valid
+    SPELLINGS[what](doc)
+    with pytest.raises(CorruptCheckpointError):
+        Manifest.from_json(_encode(doc), where="fuzz")
+
+
+def test_optimizer_state_keyed_by_other_digits_is_not_a_parameter_index():
+    from ckpt.inspect import _int_keyed
+
+    assert _int_keyed({"0": "a", "12": "b", "\u00b2": "c", "\u0661": "d", "x": "e"}) == {
+        0: "a", 12: "b"}
+
+
 # ------------------------------------------------------------------------ item trees
 TAGS = ["__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__",
         "__pickle__"]

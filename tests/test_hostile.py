@@ -67,15 +67,25 @@ def plant_links(root: Path, victim: Path) -> None:
     os.symlink(victim, root / ".tmp-step-00000005-0123456789ab")
     os.symlink(victim, root / ".trash-0123456789ab")
     os.symlink(victim / "precious.txt", root / "step-00000001" / "data-planted.safetensors")
+    os.symlink(victim, root / "step-00000001" / "planted-dir")
 
 
+# tensorstore's file driver follows links: its backend once listed, read and deleted through
+# them (gc emptied a linked directory outside the root).
+# fsspec's local:// did too (it is now the POSIX backend).
+BACKENDS = {"posix": str, "tensorstore+file": lambda path: f"tensorstore+file://{path}",
+            "local": lambda path: f"local://{path}"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_writer_open_retention_and_restore_never_follow_planted_links(tmp_path, victim,
-                                                                      caplog):
+                                                                      caplog, backend):
     root = tmp_path / "root"
-    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+    url = BACKENDS[backend](root)
+    with ckpt.CheckpointManager(url, async_save=False) as mgr:
         mgr.save(1, state_of(1))
     plant_links(root, victim)
-    with ckpt.CheckpointManager(root, async_save=False, keep_last=1) as mgr:  # cleanup at open
+    with ckpt.CheckpointManager(url, async_save=False, keep_last=1) as mgr:  # cleanup at open
         assert mgr.steps() == [1]  # the linked step 99 is not a step of this root
         for step in (2, 3):
             mgr.save(step, state_of(step))  # retention retires 1 and 2, never a link
@@ -85,24 +95,53 @@ def test_writer_open_retention_and_restore_never_follow_planted_links(tmp_path, 
         assert_equal(state, state_of(3))
         with pytest.raises(ckpt.CheckpointNotFoundError):
             mgr.restore(fresh(), step=99)  # reading through the link is refused
+        os.symlink(victim, root / "step-00000004")
+        with pytest.raises(ckpt.CheckpointError, match="step-00000004"):
+            mgr.save(4, state_of(4))  # never written into
     assert "ckpt.symlink ignored" in caplog.text
     assert (root / "step-00000099").is_symlink()  # ignored, not deleted
 
 
-def test_gc_api_and_cli_never_follow_planted_links(tmp_path, victim, capsys):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gc_api_and_cli_never_follow_planted_links(tmp_path, victim, capsys, backend):
     root = tmp_path / "root"
-    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+    url = BACKENDS[backend](root)
+    with ckpt.CheckpointManager(url, async_save=False) as mgr:
         for step in (1, 2):
             mgr.save(step, state_of(step))
     plant_links(root, victim)
-    report = collect(ckpt.CheckpointManager(root, read_only=True).storage, {2}, dry_run=True)
+    report = collect(ckpt.CheckpointManager(url, read_only=True).storage, {2}, dry_run=True)
     assert report.retired_steps == [1]
     assert not any("planted" in f or "step-00000099" in f for f in report.deleted_files)
-    assert cli(["gc", str(root), "--keep-last", "1", "--yes"]) == 0
+    assert cli(["gc", url, "--keep-last", "1", "--yes"]) == 0
     assert "removed: 1 steps" in capsys.readouterr().out
     state = fresh()
-    assert ckpt.CheckpointManager(root, read_only=True).restore(state) == 2
+    assert ckpt.CheckpointManager(url, read_only=True).restore(state) == 2
     assert_equal(state, state_of(2))
+
+
+def test_only_links_named_like_checkpoint_entries_are_warned_about(tmp_path, victim, caplog):
+    """Listing warns about a link where ckpt would look (a step, a staging or trash directory,
+    the lock, anything inside a step), once each; not about every link of any directory
+    given as a root (`ckpt ls /` warned about /bin)."""
+    from storage_backends import open_storage
+
+    root = tmp_path / "root"
+    ckpt.save(state_of(1), root / "step-00000001", step=1)
+    plant_links(root, victim)
+    for name in ("bin", "lib64", "notes.txt"):
+        os.symlink(victim, root / name)
+    storage = open_storage(str(root))
+    with caplog.at_level("WARNING", logger="ckpt"):
+        assert {e.name for e in storage.list()} == {"step-00000001"}
+        assert [e.name for e in storage.list("step-00000001")] != []
+        storage.list()  # once each
+    warned = sorted(r.getMessage().split("ignored=")[1].split(":")[0] for r in caplog.records)
+    assert warned == sorted(str(root / n) for n in (
+        ".tmp-step-00000005-0123456789ab", ".trash-0123456789ab", "step-00000000",
+        "step-00000001/data-planted.safetensors", "step-00000001/planted-dir",
+        "step-00000099"))
+    assert cli(["ls", str(root)]) == 0
 
 
 def test_linked_data_file_in_a_step_is_refused_and_restore_falls_back(tmp_path, victim):
@@ -137,6 +176,88 @@ def test_linked_lock_file_is_refused_with_a_checkpoint_error(tmp_path, victim):
         mgr.save(1, state_of(1))
     assert not (root / ".lock.owner").exists()
     assert [p.name for p in root.iterdir() if p.name.startswith(".lock.owner")] == []
+
+
+# ------------------------------------------------- other spellings of a step's directory name
+def spellings(step: int) -> list[str]:
+    """Names that are not step_dir(step) but whose digits int() reads as ``step``: more
+    zeros, fewer, a final newline (which ``$`` matches before), other scripts' digits."""
+    digits = f"{step:08d}"
+    return [f"step-{step:09d}", f"step-{step}", f"step-{digits}\n",
+            "step-" + digits.translate({ord(d): ord(d) - ord("0") + 0x660 for d in "0123456789"}),
+            "step-" + digits.translate({ord(d): ord(d) - ord("0") + 0xFF10 for d in "0123456789"})]
+
+
+def test_only_the_canonical_name_of_a_step_is_a_step():
+    from ckpt.format import STEP_DIR
+    assert [int(STEP_DIR.match(n).group(1)) for n in
+            ("step-00000000", "step-00000007", "step-99999999", "step-100000000")] == [
+        0, 7, 99999999, 100000000]
+    for name in spellings(7) + ["step-012345678", "step-0000000a", "step-"]:
+        assert STEP_DIR.match(name) is None, name
+
+
+def test_stray_directories_spelling_a_steps_number_otherwise_never_cost_that_step(tmp_path):
+    """An empty `step-000000002` (or `step-٠٠٠٠٠٠٠٢`) read as step 2 once made the collector
+    take step 2 for uncommitted whenever it was listed after the real one, and delete it."""
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_of(step))
+    strays = [name for step in (1, 2, 3) for name in spellings(step)]
+    for name in strays:
+        (root / name).mkdir()
+    assert cli(["gc", str(root), "--yes"]) == 0
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:  # a writer's open collects too
+        assert mgr.steps() == [1, 2, 3]
+        for step in (1, 2, 3):
+            state = fresh()
+            assert mgr.restore(state, step=step) == step
+            assert_equal(state, state_of(step))
+    assert all((root / name).is_dir() for name in strays)  # not ckpt's: left alone
+
+
+# ------------------------------------------- a directory or FIFO where a checkpoint file is
+def plant(path: Path, kind: str) -> None:
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+
+
+@pytest.mark.parametrize("rank_tables", [False, True])
+def test_a_directory_or_fifo_for_a_manifest_or_table_is_damage_restore_falls_back(
+        tmp_path, capsys, rank_tables):
+    """Such a step once made restore raise (instead of falling back), a writer fail to open
+    the root with a bare IsADirectoryError, and gc fail with no hint of what to do."""
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False, options=ckpt.SaveOptions(
+            rank_tables=rank_tables)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state_of(step))
+    name = "table-*.ckt" if rank_tables else "manifest.json"
+    plant(next((root / "step-00000003").glob(name)), "fifo")
+    plant(next((root / "step-00000002").glob(name)), "dir")
+    for read_only in (True, False):
+        with ckpt.CheckpointManager(root, read_only=read_only, async_save=False) as mgr:
+            state = fresh()
+            assert mgr.restore(state) == 1
+            assert [s for s, _ in mgr.skipped] == [3, 2]
+            if not rank_tables:
+                assert "not a regular file" in mgr.skipped[0][1] and (
+                    "a directory" in mgr.skipped[1][1])
+            assert all(name.split("*")[0] in why for _, why in mgr.skipped)
+    assert_equal(state, state_of(1))
+    capsys.readouterr()
+    assert cli(["inspect", str(root), "--step", "2"]) == 1
+    assert f"step-00000002/{name.split('*')[0]}" in capsys.readouterr().err
+    if not rank_tables:
+        assert cli(["gc", str(root), "--keep-last", "1", "--yes"]) == 1
+        err = capsys.readouterr().err
+        assert "gc stopped before deleting anything" in err and "step 3" in err, err
+    assert cli(["verify", str(root), "--step", "3"]) == 1
+    assert "not a" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------- a reused step number (rollback)

@@ -9,6 +9,7 @@ One job script per framework (tests/_pl_job.py, ...): these libraries import slo
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import ckpt
 
 from _fork_kill import RESUMING
 
@@ -235,3 +238,84 @@ def test_hf_trainer_records_the_best_checkpoint_as_hfs_own_trainer_does(tmp_path
     assert theirs.best_global_step == ours.best_global_step == 6  # the last save is the best
     assert theirs.best_model_checkpoint == str(tmp_path / "hf" / "checkpoint-6")
     assert ours.best_model_checkpoint == str(tmp_path / "ckpt" / "checkpoint-6")
+
+
+def test_hf_best_model_at_end_loads_that_step_or_keeps_the_model(tmp_path, caplog):
+    """load_best_model_at_end loads the best step itself; when that step is corrupt the model
+    stays as training left it (as HF's Trainer does without its best model), never an older
+    step that was not the best."""
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from trainer.integrations.hf import CkptTrainer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+
+    class Loss(torch.nn.Module):  # HF's Trainer wants a model that returns its loss
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return {"loss": self.inner(x).pow(2).mean()}
+
+    data = [{"x": torch.randn(4, generator=torch.Generator().manual_seed(i))} for i in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, save_steps=2,
+                             per_device_train_batch_size=4, learning_rate=0.1, use_cpu=True,
+                             report_to=[], disable_tqdm=True)
+    job = CkptTrainer(model=Loss(), args=args, train_dataset=data)
+    job.train()
+    steps = {s: ckpt.load(tmp_path / "out" / f"step-{s:08d}")["model"]["inner.weight"]
+             for s in (2, 4)}
+    assert not torch.equal(steps[2], steps[4])
+
+    job.state.best_model_checkpoint = str(tmp_path / "out" / "checkpoint-4")
+    job._load_best_model()
+    assert torch.equal(model.weight, steps[4])
+
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    data_file = next((tmp_path / "out" / "step-00000004").glob("data-*"))
+    blob = bytearray(data_file.read_bytes())
+    blob[-5] ^= 0x01  # inside the last tensor's bytes
+    data_file.write_bytes(bytes(blob))
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        job._load_best_model()
+    assert torch.equal(model.weight, torch.full((4, 4), 7.0))  # not step 2's weights
+    assert "best checkpoint" in caplog.text and "step 4" in caplog.text
+
+
+def test_accelerate_resumes_a_seedable_stateful_loader_in_its_epochs_order(tmp_path):
+    """torchdata's state holds the position in the epoch, not the epoch, which seeds a
+    seedable sampler's order: CkptAccelerator saves the loader's epoch with it. A loader
+    whose order cannot be restored (a plain shuffling sampler) is warned about."""
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+
+    from trainer.integrations.accelerate import CkptAccelerator
+
+    def prepared(seedable: bool = True):
+        set_seed(0)
+        acc = CkptAccelerator(cpu=True, project_config=ProjectConfiguration(
+            project_dir=str(tmp_path / f"run{seedable}"), automatic_checkpoint_naming=True),
+            dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True,
+                                                      use_seedable_sampler=seedable))
+        return acc, acc.prepare(torch.utils.data.DataLoader(list(range(10)), batch_size=4,
+                                                            shuffle=True))
+
+    _, ref = prepared()
+    want = [b.tolist() for _ in range(3) for b in ref]
+    acc, loader = prepared()
+    seen = [b.tolist() for b in loader]  # epoch 0, then a batch of epoch 1
+    seen.append(next(iter(loader)).tolist())
+    acc.save_state()
+    acc.wait_for_checkpoints()
+    acc, resumed = prepared()
+    acc.load_state()
+    assert seen + [b.tolist() for _ in range(2) for b in resumed] == want
+
+    acc, plain = prepared(seedable=False)
+    with pytest.warns(RuntimeWarning, match="use_seedable_sampler=True"):
+        acc.save_state()
+    acc.wait_for_checkpoints()

@@ -121,10 +121,7 @@ def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: st
     cps.check_structure(step, manifest)
     stored, aliases = plan(manifest, select(manifest, item))
     if fmt == "safetensors":
-        bad = {n: manifest.tensors[k].dtype for n, k in stored.items()
-               if manifest.tensors[k].torch_dtype not in SAFETENSORS_DTYPES}
-        if bad:
-            raise UsageError(f"safetensors cannot hold the dtypes of {bad}; use --to torch")
+        check_safetensors(manifest, stored, "; use --to torch")
     tmp = f"{path}.tmp-{os.getpid()}"
     nbytes = sum(manifest.tensors[k].nbytes for k in stored.values())
     try:
@@ -152,6 +149,19 @@ def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: st
             os.unlink(tmp)
     return ExportResult(path, fmt, step, len(stored) + len(aliases), nbytes, aliases, item,
                         time.perf_counter() - t0)
+
+
+def check_safetensors(manifest: Manifest, stored: dict[str, str], advice: str = "") -> None:
+    """Raise UsageError unless safetensors can hold these tensors: their dtypes, and their
+    names (``__metadata__`` is the header's own entry: a tensor of that name, which a state
+    dict may hold, made an export that no safetensors reader could open)."""
+    bad = {n: manifest.tensors[k].dtype for n, k in stored.items()
+           if manifest.tensors[k].torch_dtype not in SAFETENSORS_DTYPES}
+    if bad:
+        raise UsageError(f"safetensors cannot hold the dtypes of {bad}{advice}")
+    if "__metadata__" in stored:
+        raise UsageError("safetensors reserves the name '__metadata__' for its header, and a "
+                         f"tensor of step {manifest.step} has that name{advice}")
 
 
 def cannot_write(path: str, error: OSError) -> UsageError:

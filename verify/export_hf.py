@@ -24,9 +24,9 @@ import torch
 
 import ckpt
 import ckpt.inspect
-from ckpt.inspect import SAFETENSORS_DTYPES, Checkpoints, Manifest, item_tree, tensor_leaves
+from ckpt.inspect import Checkpoints, Manifest, item_tree, tensor_leaves
 
-from .export import _write_safetensors, cannot_write, plan, select
+from .export import _write_safetensors, cannot_write, check_safetensors, plan, select
 from .report import UsageError, size
 
 CONFIG_KEY = "hf_config"
@@ -101,10 +101,7 @@ def export_hf(source: Checkpoints | ckpt.CheckpointManager, step: int, path: str
     cps.check_structure(step, manifest)
     item = _model_item(manifest, item)
     stored, tied = plan(manifest, select(manifest, item))
-    bad = {n: manifest.tensors[k].dtype for n, k in stored.items()
-           if manifest.tensors[k].torch_dtype not in SAFETENSORS_DTYPES}
-    if bad:
-        raise UsageError(f"safetensors cannot hold the dtypes of {bad}")
+    check_safetensors(manifest, stored)
     shards = _shard(manifest, stored, max_shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     total = sum(manifest.tensors[k].nbytes for k in stored.values())

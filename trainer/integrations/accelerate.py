@@ -23,7 +23,10 @@ import json
 import os
 import re
 import shutil
+import warnings
 from typing import Any
+
+import torch
 
 from accelerate import Accelerator
 
@@ -33,6 +36,7 @@ from ckpt.pointer import POINTER_NAME, read_pointer, write_pointer
 from ._steps import StepStore, load_newest_good
 
 CONFIG_KEY = "hf_config"
+EPOCH = ".epoch"  # suffix of the item holding a prepared loader's epoch (its iteration)
 _FOLDER = re.compile(r"^checkpoint_(\d+)$")
 
 
@@ -67,6 +71,8 @@ class CkptAccelerator(Accelerator):
         for i, loader in enumerate(self._dataloaders):
             if getattr(loader, "use_stateful_dataloader", False):
                 state[_name("dataloader", i)] = loader
+                # the epoch seeds a seedable sampler's order; torchdata's state has no epoch
+                state[_name("dataloader", i) + EPOCH] = getattr(loader, "iteration", 0)
         for i, obj in enumerate(self._custom_objects):
             state[f"custom_{i}"] = obj
         if self.scaler is not None:
@@ -93,6 +99,7 @@ class CkptAccelerator(Accelerator):
         step = self.save_iteration
         store = self._store(root)
         models = self._ckpt_state()
+        self._warn_unseedable()
         config = getattr(models.get("model"), "config", None)
         metadata = ({CONFIG_KEY: json.loads(config.to_json_string())}
                     if hasattr(config, "to_json_string") else None)
@@ -104,6 +111,27 @@ class CkptAccelerator(Accelerator):
                 store.retire(self._rotate(root))
         self.project_configuration.iteration += 1
         return folder
+
+    def _warn_unseedable(self) -> None:
+        """Warn (once) about a shuffled stateful loader whose order cannot be restored."""
+        from accelerate.data_loader import SeedableRandomSampler
+
+        if getattr(self, "_ckpt_warned", False):
+            return
+        for loader in self._dataloaders:
+            sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
+            if getattr(loader, "use_stateful_dataloader", False) and isinstance(
+                    sampler, torch.utils.data.RandomSampler) and not isinstance(
+                    sampler, SeedableRandomSampler):
+                warnings.warn(
+                    "a shuffled stateful DataLoader without use_seedable_sampler=True: "
+                    "Accelerate saves its position but not its sampler's generator, so a "
+                    "resumed epoch takes its batches from another order. Pass "
+                    "DataLoaderConfiguration(use_stateful_dataloader=True, "
+                    "use_seedable_sampler=True) and call accelerate.utils.set_seed(SEED) "
+                    "before prepare()", RuntimeWarning, stacklevel=3)
+                self._ckpt_warned = True
+                return
 
     def _rotate(self, root: str) -> set[int]:
         """Keep the newest ``total_limit`` checkpoint folders; the steps no folder names."""
@@ -158,7 +186,8 @@ class CkptAccelerator(Accelerator):
             raise ValueError(f"no checkpoint was committed under {root}")
         loaded_step, saved = found
         live = self._ckpt_state()
-        missing = sorted(set(live) - set(saved))
+        # a step saved before ckpt recorded the loaders' epochs: their epoch stays
+        missing = sorted(n for n in set(live) - set(saved) if not n.endswith(EPOCH))
         if missing:
             raise ckpt.StateMismatchError(
                 f"step {loaded_step} under {root} has no {missing}: register the same objects "
@@ -166,6 +195,9 @@ class CkptAccelerator(Accelerator):
         for name, obj in live.items():
             if name == "accelerator_step":
                 self.step = saved[name]
+            elif name.endswith(EPOCH):
+                if name in saved:
+                    live[name[:-len(EPOCH)]].iteration = saved[name]
             else:
                 obj.load_state_dict(saved[name])
         if self.project_configuration.automatic_checkpoint_naming:

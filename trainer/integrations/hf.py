@@ -198,9 +198,15 @@ class CkptTrainer(Trainer):
             return super()._load_best_model()
         if self._ckpt_store is not None:
             self._ckpt_store.mgr.wait()
-        found = load_newest_good(os.path.dirname(best), step)
-        if found is not None:
-            self.accelerator.unwrap_model(self.model).load_state_dict(found[1]["model"])
+        path = os.path.join(os.path.dirname(best), ckpt.inspect.step_dir(step))
+        try:  # that step only: an older one is not the best model
+            saved = ckpt.load(path, allow_pickle=bool(self.ckpt_options.get("allow_pickle")))
+        except (ckpt.CorruptCheckpointError, ckpt.CheckpointNotFoundError) as e:
+            log.warning("ckpt: the best checkpoint %s (step %d) cannot be loaded, so the model "
+                        "stays as the last step left it (HF's Trainer does the same when it "
+                        "cannot find the best model): %s", best, step, e)
+            return
+        self.accelerator.unwrap_model(self.model).load_state_dict(saved["model"])
 
 
 __all__ = ["CkptTrainer"]

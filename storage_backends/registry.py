@@ -1,7 +1,8 @@
 """Choose a backend from a root's URL.
 
 =============================  ====================================================
-``/path``, ``file:///path``    :class:`~storage_backends.posix.PosixStorage`
+``/path``, ``file:///path``    :class:`~storage_backends.posix.PosixStorage` (also fsspec's
+                               ``local:///path``: a local file system is never fsspec's)
 ``tensorstore+file:///path``   :class:`~storage_backends.tensorstore_store.TensorstoreStorage`
 ``tensorstore+s3://b/prefix``  the same, tensorstore's ``s3`` driver (``+gs://``: ``gcs``)
 ``s3://b/prefix``, ``memory://x``, any other fsspec protocol
@@ -42,11 +43,11 @@ def open_storage(root: str | Storage, *, create: bool = True,
     root = str(root)
     merged = {**(storage_options or {}), **options}
     scheme = urlparse(root).scheme
-    if scheme in ("", "file"):
+    if scheme in ("", "file", "local"):  # fsspec's local:// would follow links, with no lock
         if merged:
             raise ValueError(f"storage options {sorted(merged)} do not apply to the local path "
                              f"{root!r}")
-        return PosixStorage(root[len("file://"):] if scheme == "file" else root, create=create)
+        return PosixStorage(root.split("://", 1)[1] if scheme else root, create=create)
     backend = {k: merged.pop(k) for k in BACKEND_OPTIONS if k in merged}
     if scheme.startswith("tensorstore+"):
         from .tensorstore_store import TensorstoreStorage

@@ -72,7 +72,9 @@ def plant_links(root: Path, victim: Path) -> None:
 
 # tensorstore's file driver follows links: its backend once listed, read and deleted through
 # them (gc emptied a linked directory outside the root).
-BACKENDS = {"posix": str, "tensorstore+file": lambda path: f"tensorstore+file://{path}"}
+# fsspec's local:// did too (it is now the POSIX backend).
+BACKENDS = {"posix": str, "tensorstore+file": lambda path: f"tensorstore+file://{path}",
+            "local": lambda path: f"local://{path}"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

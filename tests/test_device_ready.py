@@ -228,3 +228,35 @@ def test_device_check_runs_every_step_keeps_their_logs_and_exits_with_the_first_
     else:  # the versions step failed first
         assert "NO CUDA DEVICE" in log and "versions: exit 3" in log, log
         assert result.returncode == 3, log
+
+
+# -- a restore onto the GPU through pinned bounce buffers, on fake CUDA streams --------------
+
+@ON_DEVICE
+def test_restore_reuses_a_bounce_buffer_only_after_its_copy_and_returns_after_every_copy(
+        device, tmp_path, monkeypatch):
+    """Chunks are read into two pinned buffers in turn and copied to the device on a side
+    stream: no read may land in a buffer whose last copy out of it is still in flight, and
+    training may use the tensors once load() returns."""
+    from storage_backends import posix
+
+    saved = {"a": torch.randn(64, 256), "b": torch.randn(3, 1000)}
+    ckpt.save(saved, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096))
+    sim = _fake_cuda.install(monkeypatch)
+    live = {k: sim.tensor(torch.zeros_like(v), device=device) for k, v in saved.items()}
+    clobbered = []
+    real_read_into = posix._FileReader.read_into
+
+    def read_into(self, start, out):
+        clobbered.extend(sim.host_in_flight(*_fake_cuda.memory_range(out)))
+        real_read_into(self, start, out)
+
+    monkeypatch.setattr(posix._FileReader, "read_into", read_into)
+    ckpt.load(live, tmp_path / "c")
+    copies = sim.copies()
+    assert len(copies) == sum(-(-v.numel() * 4 // 4096) for v in saved.values())
+    assert {s.device for s, _, _ in copies} == {torch.device("cuda", device)}
+    assert clobbered == [], "a chunk was read into a buffer still being copied out"
+    training = sim.defaults[device]
+    assert all((s, i) in sim.done or sim.covered(s, i, training) for s, i, _ in copies)
+    assert all(torch.equal(live[k].as_subclass(torch.Tensor), v) for k, v in saved.items())

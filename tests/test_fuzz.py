@@ -279,6 +279,59 @@ def _entry(t: torch.Tensor):
     return TensorEntry(dtype_name(t.dtype), tuple(t.shape), ())
 
 
+@pytest.fixture(scope="module")
+def optimizer_step(tmp_path_factory):
+    """A manifest holding a module and an Adam optimizer over it, as parsed JSON."""
+    root = tmp_path_factory.mktemp("optim") / "root"
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    ckpt.save({"model": model, "optim": opt}, root)
+    return json.loads((root / "manifest.json").read_text())
+
+
+def _in_optimizer(tree):
+    return {"state": {"0": tree}, "param_groups": [{"params": [0, tree], "lr": tree}]}
+
+
+@settings(FUZZ, max_examples=60)
+@given(tree=tagged, where=st.sampled_from(["state", "params", "group", "whole"]))
+def test_what_tools_read_from_an_optimizer_tree_never_raises(optimizer_step, tree, where):
+    """inspect and diff name optimizer state by parameter and list its plain values; a
+    parameter list holding a dict once made `ckpt diff` die with TypeError (unhashable)."""
+    import verify
+    from ckpt.cli import saved_values
+
+    doc = copy.deepcopy(optimizer_step)
+    optim = doc["items"]["optim"]["tree"]
+    if where == "state":
+        optim["state"]["0"] = tree
+    elif where == "params":
+        optim["param_groups"][0]["params"].append(tree)
+    elif where == "group":
+        optim["param_groups"].append(tree)
+    else:
+        doc["items"]["optim"]["tree"] = _in_optimizer(tree)
+    try:
+        manifest = Manifest.from_json(_encode(doc), where="fuzz")
+    except CorruptCheckpointError:
+        return
+    ckpt.inspect.parameter_names(manifest)
+    ckpt.inspect.named_tensors(manifest)
+    saved_values(manifest)
+    verify.user_metadata(manifest)
+
+
+def test_an_optimizer_whose_parameter_list_holds_no_numbers_keeps_its_numbers(
+        optimizer_step):
+    doc = copy.deepcopy(optimizer_step)
+    assert ckpt.inspect.parameter_names(Manifest.from_json(_encode(doc), where="x")) == {
+        "optim": {0: "weight", 1: "bias"}}
+    doc["items"]["optim"]["tree"]["param_groups"][0]["params"][1] = {"x": 1}
+    assert ckpt.inspect.parameter_names(Manifest.from_json(_encode(doc), where="x")) == {}
+
+
 # ------------------------------------------------------------------------ tiling
 @st.composite
 def layouts(draw):

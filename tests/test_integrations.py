@@ -319,3 +319,40 @@ def test_accelerate_resumes_a_seedable_stateful_loader_in_its_epochs_order(tmp_p
     with pytest.warns(RuntimeWarning, match="use_seedable_sampler=True"):
         acc.save_state()
     acc.wait_for_checkpoints()
+
+
+def test_lightning_module_loads_from_a_ckpt_pointer_for_inference(tmp_path):
+    """MyModule.load_from_checkpoint("last.ckpt") reads the file with torch.load, which a
+    pointer is not (an UnpicklingError that advises weights_only=False); the integration's
+    load_from_checkpoint gives the module with its hyperparameters and trained weights."""
+    pytest.importorskip("lightning")
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from trainer.integrations.lightning import CkptCheckpointIO, load_from_checkpoint
+
+    class Net(L.LightningModule):
+        def __init__(self, width: int = 3) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = torch.nn.Linear(4, width)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    trained = Net(width=5)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)),
+                                       batch_size=4)
+    L.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+              enable_model_summary=False, plugins=[CkptCheckpointIO()],
+              callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)]).fit(trained, data)
+    last = tmp_path / "last.ckpt"
+    with pytest.raises(Exception):  # Lightning's own reader on a pointer
+        Net.load_from_checkpoint(last)
+    loaded = load_from_checkpoint(Net, last, map_location="cpu")
+    assert loaded.hparams.width == 5
+    assert torch.equal(loaded.layer.weight, trained.layer.weight)

@@ -11,14 +11,20 @@ IO) is loaded with ``torch.load`` as Lightning would.
 
 Under DDP, Lightning saves from rank 0 only: rank 0 writes alone (its own one-rank group),
 every rank reads.
+
+``MyModule.load_from_checkpoint("ckpts/last.ckpt")`` reads the file with ``torch.load``,
+which a pointer is not: use :func:`load_from_checkpoint` (``Trainer.fit/validate/test/
+predict(ckpt_path=...)`` read through the plugin and need nothing).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 from typing import Any
 
+import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
@@ -123,3 +129,20 @@ class CkptCheckpointIO(CheckpointIO):
         if self._store is not None:
             store, self._store = self._store, None
             store.close()
+
+
+def load_from_checkpoint(cls: type, path: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(path, map_location, **kwargs)`` where ``path`` is a pointer
+    written by :class:`CkptCheckpointIO` (or a ``.ckpt`` of Lightning's own format).
+
+    ``cls`` is a LightningModule or LightningDataModule class. Example::
+
+        model = load_from_checkpoint(MyModule, "ckpts/last.ckpt", map_location="cpu")
+    """
+    if read_pointer(os.path.abspath(os.fspath(path))) is None:
+        return cls.load_from_checkpoint(path, map_location=map_location, **kwargs)
+    checkpoint = CkptCheckpointIO().load_checkpoint(path, map_location=map_location)
+    buffer = io.BytesIO()  # Lightning's loader reads a file object with torch.load
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return cls.load_from_checkpoint(buffer, map_location=map_location, **kwargs)

@@ -1,0 +1,196 @@
+"""Guards found by mutation testing (h-mutate4) of the first-wave, safety-critical code: the
+manifest's validation, the integrity checks, the storage backends, the collector. Each test
+kills one-line mutants that the suite let survive; the mutants are named in its docstring
+(``file: what the mutant does``), and applying any of them makes the test fail."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckpt import format as fmt
+from ckpt.errors import CorruptCheckpointError
+from ckpt.format import Manifest
+
+DIGEST = "0123456789abcdef"
+CHUNK = {"offsets": [0], "shape": [4], "file": "data-0.bin", "start": 0, "length": 16,
+         "digest": DIGEST}
+
+
+def _v1(chunks: list | None = None, **top: object) -> dict:
+    """A valid format-1 manifest of one float32 tensor ``t`` of shape [4]; ``top`` replaces
+    top-level fields."""
+    return {"format": "ckpt", "format_version": 1, "step": 1, "world_size": 1, "created": 0.0,
+            "files": {"data-0.bin": 64},
+            "tensors": {"t": {"dtype": "float32", "shape": [4],
+                              "chunks": [CHUNK] if chunks is None else chunks}},
+            "aliases": {}, "items": {"t": {"kind": "tensor", "tree": {"__tensor__": "t"}}},
+            **top}
+
+
+def _v2(layout: dict | None = None, **top: object) -> dict:
+    """A valid format-2 manifest (rank tables, two ranks) of one tensor ``t`` [4, 2]."""
+    return {"format": "ckpt", "format_version": 2, "step": 1, "world_size": 2, "created": 0.0,
+            "files": {"data-0.bin": 64},
+            "tensors": {"t": {"dtype": "float32", "shape": [4, 2],
+                              "layout": layout or {"mesh": 0, "placements": ["S0"]}}},
+            "meshes": [{"shape": [2], "ranks": [0, 1]}],
+            "tables": [["table-0.json", 100, DIGEST], ["table-1.json", 100, DIGEST]],
+            "refs": {}, "aliases": {},
+            "items": {"t": {"kind": "tensor", "tree": {"__tensor__": "t"}}}, **top}
+
+
+def _refused(doc: dict, message: str) -> None:
+    with pytest.raises(CorruptCheckpointError, match="invalid manifest") as info:
+        Manifest.from_json(json.dumps(doc).encode(), where="m")
+    assert message in str(info.value)
+
+
+def _deep(levels: int) -> dict:
+    doc: dict = {}
+    for _ in range(levels - 1):
+        doc = {"x": doc}
+    return doc
+
+
+def test_the_valid_manifests_these_tests_damage_parse():
+    assert Manifest.from_json(json.dumps(_v1()).encode(), where="m").tensors["t"].shape == (4,)
+    two = Manifest.from_json(json.dumps(_v2()).encode(), where="m")
+    assert two.tables[1] == ("table-1.json", 100, DIGEST)
+    Manifest.from_json(json.dumps(_v1(metadata=_deep(fmt.MAX_DEPTH))).encode(), where="m")
+
+
+def _whole(**change: object) -> list:
+    return [{**CHUNK, **change}]
+
+
+FORMAT1 = {
+    # F02/F03: a document of another format, or of a version this ckpt cannot read
+    "other format": (_v1(format="zarr"), "format must be 'ckpt'"),
+    "future version": (_v1(format_version=3), "format_version 3 is not supported"),
+    # F04/F05: the step and world size are bounded integers
+    "negative step": (_v1(step=-1), "step must be an integer"),
+    "text step": (_v1(step="1"), "step must be an integer"),
+    "no ranks": (_v1(world_size=0), "world_size must be an integer in [1,"),
+    # F07/F13/F14/F15: every name in "files" is a plain file name
+    "file outside": (_v1(files={"../data-0.bin": 64}), "file '../data-0.bin' is not a plain"),
+    "file in a folder": (_v1(files={"a/b": 64}), "file 'a/b' is not a plain"),
+    "dot file": (_v1(files={".": 64}), "file '.' is not a plain"),
+    "hidden file": (_v1(files={".tmp-x": 64}), "file '.tmp-x' is not a plain"),
+    "dotted name": (_v1(files={"a..b": 64}), "file 'a..b' is not a plain"),
+    # F08: an alias names a stored tensor
+    "dangling alias": (_v1(aliases={"u": "nope"}), "alias 'u' -> 'nope' is dangling"),
+    # F11: metadata nesting is bounded (restore decodes it recursively)
+    "deep metadata": (_v1(metadata=_deep(fmt.MAX_DEPTH + 1)), "metadata nests deeper"),
+    # F12: offsets are not negative
+    "negative offset": (_v1(_whole(offsets=[-1])), "offsets must be a list of integers"),
+    # F16: a tensor's size is bounded before anything is allocated for it
+    "huge tensor": (_v1(tensors={"t": {"dtype": "float32", "shape": [1 << 49], "chunks": []}}),
+                    "tensor 't' is absurdly large"),
+    # F17: a format-1 tensor's chunks tile it (no overlap, no gap)
+    "overlap": (_v1([{**CHUNK, "shape": [2], "length": 8},
+                     {**CHUNK, "shape": [2], "length": 8, "start": 8}]), "overlap"),
+    # F19: a chunk's box has its tensor's rank
+    "box of another rank": (_v1(_whole(offsets=[0, 0], shape=[4, 1])), "has the wrong rank"),
+    # F21: the codec is one this ckpt decodes
+    "unknown codec": (_v1(_whole(codec="lz4")), "has unknown codec 'lz4'"),
+    # F23: a raw chunk holds exactly its box's bytes
+    "short raw chunk": (_v1(_whole(length=8)), "has length 8 but its box holds 16 bytes"),
+    # F24: a compressed chunk is never much larger than its raw bytes (a reader allocates it)
+    "fat zstd chunk": (_v1(_whole(codec="zstd", length=1041), files={"data-0.bin": 4096}),
+                       "claims 16 bytes compressed into 1041"),
+    # F26: a chunk does not start before its file
+    "negative start": (_v1(_whole(start=-1)), "start must be an integer"),
+    # F29: a reused chunk lies in an earlier step, not this one
+    "self reference": (_v1(_whole(step=1)), "refers to step 1, which is not an earlier step"),
+    # F30: digests are 16 hex digits
+    "bad digest": (_v1(_whole(digest="XYZ")), "has a malformed digest"),
+}
+
+
+@pytest.mark.parametrize("case", FORMAT1)
+def test_a_damaged_format1_manifest_is_refused_naming_the_damage(case):
+    """Mutants (ckpt/format.py): _parse without the format-name check (F02), the version
+    check (F03), the step's _int (F04), world_size's lo=1 (F05), file_name() on the keys of
+    ``files`` (F07), _FILE_NAME's first character (F14) or its lack of "/" (F15), the ".."
+    check (F13), the alias target check (F08), the metadata depth check (F11); _dims without
+    ``0 <=`` (F12); _parse_tensor without its size bound (F16) or its call of _check_tiling
+    (F17: two chunks over the same bytes parsed as one tensor); _parse_chunk comparing only
+    offsets with box (F19), accepting any codec (F21), only refusing a raw chunk that is too
+    long (F23), without ``length <= raw_len + 1024`` (F24), without ``0 <=`` on start (F26),
+    with ``ref <= step`` (F29), without the digest pattern (F30). Each let a damaged
+    manifest through (to fail later, elsewhere, or not at all) or named the wrong thing."""
+    doc, message = FORMAT1[case]
+    _refused(doc, message)
+
+
+def test_a_manifest_over_the_size_bound_is_refused_before_it_is_parsed(monkeypatch):
+    """Mutant: ckpt/format.py Manifest.from_json without ``len(raw) > MAX_MANIFEST_BYTES``
+    (F01; the bound is lowered here: a real one is a GiB)."""
+    raw = json.dumps(_v1()).encode()
+    monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", len(raw) - 1)
+    with pytest.raises(CorruptCheckpointError, match=f"manifest is {len(raw)} bytes"):
+        Manifest.from_json(raw, where="m")
+
+
+def test_the_tiling_checks_work_is_bounded(monkeypatch):
+    """Mutant: ckpt/format.py _check_tiling without ``len(boxes) << len(split) <=
+    MAX_TILING_CORNERS`` (F32; lowered here: 8 boxes over 3 split dimensions weigh 64
+    corners)."""
+    monkeypatch.setattr(fmt, "MAX_TILING_CORNERS", 63)
+    boxes = [((i, j, k), (1, 1, 1)) for i in (0, 1) for j in (0, 1) for k in (0, 1)]
+    with pytest.raises(fmt.Invalid, match="split 3 dimensions into 8 boxes"):
+        fmt._check_tiling("t", (2, 2, 2), boxes)
+    monkeypatch.setattr(fmt, "MAX_TILING_CORNERS", 64)
+    fmt._check_tiling("t", (2, 2, 2), boxes)  # exactly at the bound: checked, and a tiling
+
+
+def _tree(levels: int) -> dict:
+    """An item tree of plain dicts nested ``levels`` deep (a module's state, say)."""
+    tree: dict = {"__tensor__": "t"}
+    for _ in range(levels - 1):
+        tree = {"x": tree}
+    return tree
+
+
+FORMAT2 = {
+    # F36/F38: a mesh fits the world and names its ranks
+    "mesh too big": (_v2(meshes=[{"shape": [3], "ranks": [0, 1, 2]}]),
+                     "mesh 0 has shape [3], which does not fit 2 ranks"),
+    "rank past the world": (_v2(meshes=[{"shape": [2], "ranks": [0, 2]}]),
+                            "mesh 0: ranks must list 2 distinct ranks below 2"),
+    # F47/F48/F49/F50: each rank's table is bounded, has a digest, a name of its own
+    "huge table": (_v2(tables=[["table-0.json", 1 << 31, DIGEST], ["table-1.json", 1, DIGEST]]),
+                   "size of rank 0's table must be an integer"),
+    "table digest": (_v2(tables=[["table-0.json", 1, "nope"], ["table-1.json", 1, DIGEST]]),
+                     "table of rank 0 has a malformed digest"),
+    "table is data": (_v2(tables=[["data-0.bin", 64, DIGEST], ["table-1.json", 1, DIGEST]]),
+                      "table of rank 0 is also listed as a data file"),
+    "shared table": (_v2(tables=[["table-0.json", 1, DIGEST], ["table-0.json", 1, DIGEST]]),
+                     "two ranks name the same table"),
+    # F51/F52: references name earlier steps' plain files (paths are built from them)
+    "ref to itself": (_v2(refs={"1": {"data-0.bin": 8}}),
+                      "refs names step '1', which is not an earlier step"),
+    "ref outside": (_v2(refs={"0": {"../../x": 8}}), "file '../../x' is not a plain file name"),
+}
+
+
+@pytest.mark.parametrize("case", FORMAT2)
+def test_a_damaged_format2_manifest_is_refused_naming_the_damage(case):
+    """Mutants (ckpt/format.py): _parse_meshes without ``math.prod(shape) <= world`` (F36)
+    or with ``r <= world`` (F38); _parse_tables without ``hi=MAX_TABLE_BYTES`` (F47), the
+    digest pattern (F48), ``name not in files`` (F49) or the distinct-names check (F50);
+    _parse_refs with ``int(s) <= step`` (F51) or without file_name() (F52: a reference to
+    "step-00000000/../../x" passed on to the storage)."""
+    doc, message = FORMAT2[case]
+    _refused(doc, message)
+
+
+def test_an_item_tree_of_dicts_nested_too_deep_is_refused():
+    """Mutant: ckpt/format.py check_tree without its depth check on dicts (F55; the one on
+    lists is tests/test_hostile.py's): the decoder of a restore recurses through them."""
+    ok = _v1(items={"m": {"kind": "module", "tree": _tree(fmt.MAX_DEPTH)}})
+    assert "m" in Manifest.from_json(json.dumps(ok).encode(), where="m").items
+    _refused(_v1(items={"m": {"kind": "module", "tree": _tree(fmt.MAX_DEPTH + 1)}}),
+             "item 'm' nests deeper than 200 levels")

@@ -77,7 +77,9 @@ def step(model, optimizer, batch) -> float:
 def tensors_of(model, optimizer) -> list[torch.Tensor]:
     out = list(model.parameters())
     for s in optimizer.state.values():
-        out += [v for v in s.values() if isinstance(v, torch.Tensor) and v.device == DEVICE]
+        # by type: torch.device("cuda") != the tensors' torch.device("cuda", 0)
+        out += [v for v in s.values()
+                if isinstance(v, torch.Tensor) and v.device.type == DEVICE.type]
     return out
 
 
@@ -242,6 +244,9 @@ def bench(size: int, reps: int, workdir: str, drop: bool) -> str:
         f"min(disk {disk / 1e9:.2f}, host-to-device {h2d_bw / 1e9:.2f} GB/s) (goal >= 0.8x); "
         f"dcp.load {back['bytes'][0] / common.median(back['dcp.load']) / 1e9:.2f} GB/s.",
     ] + notes
+    if abs(nbytes - back["bytes"][0]) > 0.02 * back["bytes"][0]:
+        summary.append(f"WARNING: the copy floor moved {nbytes / 1e9:.3f} GB, ckpt's files hold "
+                       f"{back['bytes'][0] / 1e9:.3f} GB: the ratios above compare unlike things.")
     return f"### {common.format_size(size)} state on the GPU\n\n{table}\n\n" + "\n".join(summary)
 
 

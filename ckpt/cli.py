@@ -19,6 +19,7 @@ import select
 import signal
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from collections.abc import Mapping
 from typing import Any, Sequence
@@ -37,6 +38,9 @@ MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see 
 # Output cut short by a closed pipe (`ckpt ls ROOT | head -1`): quiet, with the status a shell
 # shows for a process killed by SIGPIPE.
 EXIT_PIPE = 128 + signal.SIGPIPE
+EXIT_INTERNAL = 3  # a bug in ckpt: still one line (or one JSON document), not a traceback
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+TRACEBACK_VARIABLE = "CKPT_TRACEBACK"  # set (to anything) to see a bug's traceback instead
 # Control characters (but newline and tab), lone surrogates and bidirectional overrides, as
 # tensor keys, item names and file names read from a checkpoint may hold: printed escaped, so
 # a hostile name can neither rewrite the terminal nor make the output encoder raise.
@@ -415,6 +419,8 @@ exit status:
      a root locked by a writer (gc --yes), storage that cannot be opened or written
      (a file, a read-only root, an unknown protocol, a missing backend library, an
      unreachable endpoint), bad arguments
+  3    an internal error, a bug in ckpt (one line; CKPT_TRACEBACK=1 shows the traceback)
+  130  interrupted (Ctrl-C)
   141  stdout closed by its reader (ckpt ls ROOT | head -1): quiet, as after SIGPIPE
 
 examples:
@@ -603,6 +609,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "; check the path and its permissions" if isinstance(e, OSError) else ""
         return _error(args, f"{type(e).__name__}: {e}{hint}", EXIT_USAGE,
                       path=getattr(e, "filename", None))
+    except KeyboardInterrupt:
+        return _error(args, "interrupted", EXIT_INTERRUPTED)
+    except Exception as e:  # whatever a checkpoint holds, a bug's report stays one line
+        if os.environ.get(TRACEBACK_VARIABLE):
+            raise
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        return _error(args, f"internal error (a bug in ckpt): {type(e).__name__}: {e} (in "
+                      f"{os.path.basename(frame.filename)}:{frame.lineno}); rerun with "
+                      f"{TRACEBACK_VARIABLE}=1 for the traceback and report it",
+                      EXIT_INTERNAL)
 
 
 def _stdout_closed() -> bool:

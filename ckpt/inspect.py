@@ -420,8 +420,9 @@ def parameter_names(manifest: Manifest) -> dict[str, dict[int, str]]:
         tree = item.get("tree")
         if item.get("kind") != "stateful" or not _is_optimizer(tree):
             continue
-        ids = [i for g in tree["param_groups"] for i in g.get("params", [])
-               if isinstance(g, dict)]
+        ids = [i for g in tree["param_groups"] for i in g["params"]]
+        if not all(type(i) is int for i in ids):
+            continue  # not parameter numbers (a hand-edited or foreign tree)
         shapes = _state_shapes(manifest, tree["state"])
         fits = [m for m, params in modules.items()
                 if len(params) == len(ids) and all(

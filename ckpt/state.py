@@ -223,6 +223,7 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, rank: int =
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of items, not {type(state).__name__}")
     _warn_global_rng_loaders(state)
+    _warn_stateless_shufflers(state)
     f = _Flattener(allow_pickle)
     with paused_gc():  # a leaf and a key per tensor: many small objects, no cycles
         for name, obj in state.items():
@@ -264,6 +265,28 @@ def _warn_global_rng_loaders(state: Mapping[str, Any]) -> None:
                 "random stream (dropout, sampling) differs from an uninterrupted run. Pass "
                 "generator=torch.Generator().manual_seed(SEED) (docs/guide.md, 'Exact "
                 "resume')", RuntimeWarning, stacklevel=4)
+
+
+_SHUFFLERS = (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampler,
+              torch.utils.data.WeightedRandomSampler)
+
+
+def _warn_stateless_shufflers(state: Mapping[str, Any]) -> None:
+    """Warn about a saved DataLoader (a StatefulDataLoader) that shuffles with one of torch's
+    samplers, which keep no state: torchdata resumes it by skipping batches of a permutation
+    drawn afresh, so after a resume in a later epoch the order is not the saved run's."""
+    for name, obj in state.items():
+        if not (isinstance(obj, torch.utils.data.DataLoader) and is_stateful(obj)):
+            continue
+        sampler = getattr(obj.batch_sampler, "sampler", None) or obj.sampler
+        if isinstance(sampler, _SHUFFLERS) and not is_stateful(sampler):
+            warnings.warn(
+                f"'{name}': its sampler ({type(sampler).__name__}) keeps no state, so after a "
+                "resume torchdata skips the batches already seen in a permutation drawn "
+                "afresh: from the second epoch on, not the saved run's order. Use "
+                "shuffle=True with generator=torch.Generator().manual_seed(SEED) instead of "
+                "sampler=, or a sampler with state_dict()/load_state_dict() (docs/guide.md, "
+                "'Exact resume')", RuntimeWarning, stacklevel=4)
 
 
 def decode(tree: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool = False) -> Any:

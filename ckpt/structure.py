@@ -41,6 +41,13 @@ def read_structure(storage: Storage, location: str, manifest: Manifest, *, rank:
             (checked before any tensor is read).
         CorruptCheckpointError: a chunk is missing, truncated or fails its digest.
     """
+    if map_location is not None:  # a device this process cannot use: say so before reading
+        try:
+            torch.empty(0, device=map_location)
+        except (RuntimeError, AssertionError) as e:
+            raise ValueError(f"map_location={map_location!r} cannot be used here ({e}); "
+                             "nothing was read: pass map_location='cpu' or leave it out "
+                             "(tensors come back on the CPU)") from e
     src = source_rank(rank, manifest.world_size)
     trees = {name: item_tree(item, src) for name, item in manifest.items.items()
              if name not in skip}

@@ -976,3 +976,35 @@ def test_a_tensor_named_metadata_is_refused_by_safetensors_exports_and_kept_by_t
                  "--item", "model"]) == 0
     assert torch.equal(torch.load(tmp_path / "o.pt", weights_only=True)["__metadata__"],
                        torch.ones(3))
+
+
+def test_a_bug_is_one_line_and_one_json_document_and_ctrl_c_is_quiet(tmp_path, capsys,
+                                                                      monkeypatch):
+    """The last line of defence of 'never a traceback': an exception nobody expected (here a
+    bug planted in the listing) is reported in one line with exit status 3, naming it and
+    where it was raised; CKPT_TRACEBACK=1 shows it whole."""
+    from ckpt import cli
+
+    make_root(tmp_path)
+    root = str(tmp_path / "root")
+
+    def bug(storage):
+        raise ValueError("planted bug")
+
+    monkeypatch.setattr("ckpt.manager.list_steps", bug)
+    assert cli.main(["ls", root, "--json"]) == 3
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"ok": False, "exit_code": 3, "path": None, "error": err.strip()[
+        len("ckpt ls: "):]}
+    assert err.count("\n") == 1 and "ValueError: planted bug (in test_cli.py:" in err, err
+    assert "CKPT_TRACEBACK=1" in err
+    monkeypatch.setenv("CKPT_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="planted bug"):
+        cli.main(["ls", root])
+
+    def interrupted(storage):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("ckpt.manager.list_steps", interrupted)
+    assert cli.main(["verify", root]) == 130
+    assert capsys.readouterr().err == "ckpt verify: interrupted\n"

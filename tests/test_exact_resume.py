@@ -205,6 +205,34 @@ def test_stateful_dataloader_with_other_num_workers_is_refused_before_loading(
     assert_same(target.state_dict(), net.state_dict())
 
 
+def test_stateful_dataloader_over_a_stateless_shuffling_sampler_warns(tmp_path):
+    """torch's RandomSampler keeps no state: a resumed StatefulDataLoader over it skips the
+    batches seen in a fresh permutation, so a later epoch resumes in another order."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = list(range(16))
+
+    def make() -> StatefulDataLoader:
+        return StatefulDataLoader(data, batch_size=4, sampler=torch.utils.data.RandomSampler(
+            data, generator=torch.Generator().manual_seed(1)))
+
+    first = make()
+    seen = [b.tolist() for b in first]  # epoch 0, then a batch of epoch 1
+    seen.append(next(iter(first)).tolist())
+    with pytest.warns(RuntimeWarning, match="RandomSampler.*keeps no state"):
+        ckpt.save({"data": first}, tmp_path / "c")
+    resumed = make()
+    ckpt.load({"data": resumed}, tmp_path / "c")
+    want = [b.tolist() for _ in range(2) for b in make()]
+    assert seen + [b.tolist() for b in resumed] != want  # what the warning is about
+
+    shuffled = StatefulDataLoader(data, batch_size=4, shuffle=True,
+                                  generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ckpt.save({"data": shuffled}, tmp_path / "d")
+
+
 # ------------------------------------------------------------------------ the whole loop, SIGKILLed
 
 # What every run of the loop imports, a fork server (multiprocessing's forkserver, started

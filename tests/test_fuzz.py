@@ -244,6 +244,44 @@ def test_optimizer_state_keyed_by_other_digits_is_not_a_parameter_index():
         0: "a", 12: "b"}
 
 
+@pytest.fixture(scope="module")
+def table_bytes(tmp_path_factory):
+    """A format-2 step's manifest (parsed) and its one rank table: header (parsed), records."""
+    import struct
+
+    root = tmp_path_factory.mktemp("fuzz3") / "root"
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(rank_tables=True)) as mgr:
+        mgr.save(1, {"w": torch.randn(8), "rng": ckpt.RNGState()})
+    step = root / "step-00000001"
+    doc = json.loads((step / "manifest.json").read_text())
+    raw = (step / doc["tables"][0][0]).read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[8:16])
+    return doc, json.loads(raw[16:16 + hlen]), raw[16 + hlen:]
+
+
+@settings(FUZZ, max_examples=80)
+@given(field=st.sampled_from(["step", "rank", "keys", "files", "dims", "rows", "values"]),
+       value=st.one_of(json_docs, st.sampled_from([[[1]], [{}], ["a", "a"], ["../x"], -1])))
+def test_rank_table_headers_are_refused_as_corrupt_or_accepted(table_bytes, field, value):
+    """Each field of a table header (whose bytes match the manifest's size and digest, as a
+    hand-edited or hostile step's would) is either accepted or the table is reported damaged;
+    a list of lists as its files once raised TypeError out of restore."""
+    import struct
+
+    from ckpt.integrity import digest
+
+    doc, head, records = copy.deepcopy(table_bytes)
+    head[field] = value
+    text = json.dumps(head).encode()
+    text += b" " * (-len(text) % 8)
+    raw = b"CKPTRT02" + struct.pack("<Q", len(text)) + text + records
+    doc["tables"][0][1:] = [len(raw), digest(raw)]
+    manifest = Manifest.from_json(_encode(doc), where="fuzz").bind(lambda name: raw, "fuzz")
+    for problem in manifest.table_problems():
+        assert isinstance(problem, CorruptCheckpointError)
+
+
 # ------------------------------------------------------------------------ item trees
 TAGS = ["__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__",
         "__pickle__"]
@@ -277,6 +315,59 @@ def _entry(t: torch.Tensor):
     from ckpt.format import TensorEntry, dtype_name
 
     return TensorEntry(dtype_name(t.dtype), tuple(t.shape), ())
+
+
+@pytest.fixture(scope="module")
+def optimizer_step(tmp_path_factory):
+    """A manifest holding a module and an Adam optimizer over it, as parsed JSON."""
+    root = tmp_path_factory.mktemp("optim") / "root"
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    ckpt.save({"model": model, "optim": opt}, root)
+    return json.loads((root / "manifest.json").read_text())
+
+
+def _in_optimizer(tree):
+    return {"state": {"0": tree}, "param_groups": [{"params": [0, tree], "lr": tree}]}
+
+
+@settings(FUZZ, max_examples=60)
+@given(tree=tagged, where=st.sampled_from(["state", "params", "group", "whole"]))
+def test_what_tools_read_from_an_optimizer_tree_never_raises(optimizer_step, tree, where):
+    """inspect and diff name optimizer state by parameter and list its plain values; a
+    parameter list holding a dict once made `ckpt diff` die with TypeError (unhashable)."""
+    import verify
+    from ckpt.cli import saved_values
+
+    doc = copy.deepcopy(optimizer_step)
+    optim = doc["items"]["optim"]["tree"]
+    if where == "state":
+        optim["state"]["0"] = tree
+    elif where == "params":
+        optim["param_groups"][0]["params"].append(tree)
+    elif where == "group":
+        optim["param_groups"].append(tree)
+    else:
+        doc["items"]["optim"]["tree"] = _in_optimizer(tree)
+    try:
+        manifest = Manifest.from_json(_encode(doc), where="fuzz")
+    except CorruptCheckpointError:
+        return
+    ckpt.inspect.parameter_names(manifest)
+    ckpt.inspect.named_tensors(manifest)
+    saved_values(manifest)
+    verify.user_metadata(manifest)
+
+
+def test_an_optimizer_whose_parameter_list_holds_no_numbers_keeps_its_numbers(
+        optimizer_step):
+    doc = copy.deepcopy(optimizer_step)
+    assert ckpt.inspect.parameter_names(Manifest.from_json(_encode(doc), where="x")) == {
+        "optim": {0: "weight", 1: "bias"}}
+    doc["items"]["optim"]["tree"]["param_groups"][0]["params"][1] = {"x": 1}
+    assert ckpt.inspect.parameter_names(Manifest.from_json(_encode(doc), where="x")) == {}
 
 
 # ------------------------------------------------------------------------ tiling

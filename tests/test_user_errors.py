@@ -76,3 +76,12 @@ def test_a_missing_item_is_told_to_restore_without_it(tmp_path):
     with pytest.raises(ckpt.StateMismatchError,
                        match=r"(?s)'ema' is not in the checkpoint.*without the items"):
         ckpt.load({"model": _net(), "ema": _net()}, tmp_path / "c")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_map_location_cuda_without_cuda_says_so_before_reading(tmp_path):
+    ckpt.save({"model": _net()}, tmp_path / "c")
+    with pytest.raises(ValueError, match=r"map_location='cuda' cannot be used here.*"
+                                         r"map_location='cpu'"):
+        ckpt.load(tmp_path / "c", map_location="cuda")
+    assert ckpt.load(tmp_path / "c", map_location="cpu")["model"]["0.weight"].device.type == "cpu"

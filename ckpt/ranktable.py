@@ -195,9 +195,11 @@ def _read_head(raw: bytes, manifest, rank: int) -> tuple:
     if not (isinstance(keys, list) and all(isinstance(k, str) and k in manifest.tensors
                                            for k in keys) and len(set(keys)) == len(keys)):
         raise Invalid("names tensors the manifest does not hold (or one twice)")
-    if not isinstance(files, list) or len(set(files)) != len(files):
+    if not isinstance(files, list):
         raise Invalid("files must be a list of distinct names")
-    files = [file_name(f) for f in files]
+    files = [file_name(f) for f in files]  # (names first: a list is no set member)
+    if len(set(files)) != len(files):
+        raise Invalid("files must be a list of distinct names")
     if not (type(dims) is int and 1 <= dims <= MAX_DIMS and type(rows) is int and rows >= 0):
         raise Invalid("dims or rows out of range")
     dtype = record_dtype(dims)

@@ -501,7 +501,7 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
                     state[name].copy_(value)
             else:
                 state[name] = value
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        except (RuntimeError, ValueError, KeyError, TypeError, OverflowError) as e:
             names = list(values)
             done = names[:names.index(name)]
             raise StateMismatchError(

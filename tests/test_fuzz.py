@@ -244,6 +244,44 @@ def test_optimizer_state_keyed_by_other_digits_is_not_a_parameter_index():
         0: "a", 12: "b"}
 
 
+@pytest.fixture(scope="module")
+def table_bytes(tmp_path_factory):
+    """A format-2 step's manifest (parsed) and its one rank table: header (parsed), records."""
+    import struct
+
+    root = tmp_path_factory.mktemp("fuzz3") / "root"
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(rank_tables=True)) as mgr:
+        mgr.save(1, {"w": torch.randn(8), "rng": ckpt.RNGState()})
+    step = root / "step-00000001"
+    doc = json.loads((step / "manifest.json").read_text())
+    raw = (step / doc["tables"][0][0]).read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[8:16])
+    return doc, json.loads(raw[16:16 + hlen]), raw[16 + hlen:]
+
+
+@settings(FUZZ, max_examples=80)
+@given(field=st.sampled_from(["step", "rank", "keys", "files", "dims", "rows", "values"]),
+       value=st.one_of(json_docs, st.sampled_from([[[1]], [{}], ["a", "a"], ["../x"], -1])))
+def test_rank_table_headers_are_refused_as_corrupt_or_accepted(table_bytes, field, value):
+    """Each field of a table header (whose bytes match the manifest's size and digest, as a
+    hand-edited or hostile step's would) is either accepted or the table is reported damaged;
+    a list of lists as its files once raised TypeError out of restore."""
+    import struct
+
+    from ckpt.integrity import digest
+
+    doc, head, records = copy.deepcopy(table_bytes)
+    head[field] = value
+    text = json.dumps(head).encode()
+    text += b" " * (-len(text) % 8)
+    raw = b"CKPTRT02" + struct.pack("<Q", len(text)) + text + records
+    doc["tables"][0][1:] = [len(raw), digest(raw)]
+    manifest = Manifest.from_json(_encode(doc), where="fuzz").bind(lambda name: raw, "fuzz")
+    for problem in manifest.table_problems():
+        assert isinstance(problem, CorruptCheckpointError)
+
+
 # ------------------------------------------------------------------------ item trees
 TAGS = ["__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__bytes__",
         "__pickle__"]

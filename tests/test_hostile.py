@@ -260,6 +260,18 @@ def test_a_directory_or_fifo_for_a_manifest_or_table_is_damage_restore_falls_bac
     assert "not a" in capsys.readouterr().out
 
 
+def test_an_rng_state_out_of_range_is_refused_as_a_mismatch_not_an_overflow(tmp_path):
+    """A hand-edited RNG state made restore raise a bare OverflowError from random.setstate
+    (not a CheckpointError: a caller catching those saw it escape)."""
+    ckpt.save({"rng": ckpt.RNGState(), "w": torch.ones(2)}, tmp_path / "c")
+    path = tmp_path / "c" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["items"]["rng"]["per_rank"]["0"]["python"]["__tuple__"][1]["__tuple__"][5] = 2**64
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ckpt.StateMismatchError, match="'rng'.load_state_dict refused"):
+        ckpt.load({"rng": ckpt.RNGState(), "w": torch.zeros(2)}, tmp_path / "c")
+
+
 # ------------------------------------------------------------- a reused step number (rollback)
 @pytest.mark.parametrize("url", ["posix", "memory"])
 def test_rollback_resave_keeps_every_later_step_loadable(tmp_path, url):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -356,3 +357,25 @@ def test_lightning_module_loads_from_a_ckpt_pointer_for_inference(tmp_path):
     loaded = load_from_checkpoint(Net, last, map_location="cpu")
     assert loaded.hparams.width == 5
     assert torch.equal(loaded.layer.weight, trained.layer.weight)
+
+
+def test_lightning_last_link_to_a_pointer_resumes_its_step(tmp_path):
+    """ModelCheckpoint(save_last="link") makes last.ckpt a link to the top-k file beside it;
+    fit(ckpt_path="last") loaded the link with torch.load (a pointer is JSON). A link out of
+    the folder is not followed to a pointer."""
+    pytest.importorskip("lightning")
+    from trainer.integrations.lightning import CkptCheckpointIO
+
+    io = CkptCheckpointIO(async_save=False)
+    io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.ones(2)}},
+                       tmp_path / "epoch=0-step=4.ckpt")
+    io.teardown()
+    os.symlink("epoch=0-step=4.ckpt", tmp_path / "last.ckpt")
+    loaded = CkptCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 4 and torch.equal(loaded["state_dict"]["w"], torch.ones(2))
+
+    elsewhere = tmp_path / "other"
+    elsewhere.mkdir()
+    os.symlink(tmp_path / "epoch=0-step=4.ckpt", elsewhere / "last.ckpt")
+    with pytest.raises(pickle.UnpicklingError):  # read as Lightning would: torch.load
+        CkptCheckpointIO().load_checkpoint(elsewhere / "last.ckpt")

@@ -35,6 +35,18 @@ from ._steps import StepStore, load_newest_good
 log = logging.getLogger("ckpt")
 
 
+def _same_folder_link(full: str) -> str:
+    """``save_last="link"`` makes ``last.ckpt`` a link to the top-k file beside it: the
+    file it names when that is in the same folder (pointers themselves are never links);
+    ``full`` otherwise."""
+    if not os.path.islink(full):
+        return full
+    target = os.path.realpath(full)
+    if os.path.dirname(target) != os.path.realpath(os.path.dirname(full)):
+        return full
+    return os.path.join(os.path.dirname(full), os.path.basename(target))
+
+
 class CkptCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves through a :class:`ckpt.CheckpointManager`.
 
@@ -82,7 +94,7 @@ class CkptCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint ``path`` points at (or the newest good one before it)."""
-        full = os.path.abspath(os.fspath(path))
+        full = _same_folder_link(os.path.abspath(os.fspath(path)))
         step = read_pointer(full)
         if step is None:
             if not os.path.exists(full):

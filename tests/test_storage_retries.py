@@ -107,7 +107,9 @@ def plain_protocol():
 
         @classmethod
         def _strip_protocol(cls, path):
-            return super()._strip_protocol(str(path).replace("plain://", "file://", 1))
+            path = str(path)
+            return super()._strip_protocol(path[len("plain://"):] if path.startswith(
+                "plain://") else path)
 
     fsspec.register_implementation("plain", PlainFileSystem, clobber=True)
     yield "plain"
@@ -124,6 +126,7 @@ def test_a_protocol_without_conditional_writes_refuses_writers(tmp_path, plain_p
     staging = storage.begin("step-00000001", "tok")
     with pytest.raises(OSError, match="allow_unsafe_commit"):
         storage.commit(staging, "step-00000001", b"{}", "manifest.json")
+    assert (tmp_path / "root" / "step-00000001" / "data").read_bytes() == b"x"  # there
     unsafe = open_storage(url, allow_unsafe_commit=True, **options)
     lock = unsafe.lock({"host": "h", "pid": 1, "since": 0.0})
     unsafe.commit(unsafe.begin("step-00000001", "tok"), "step-00000001", b"{}", "manifest.json")

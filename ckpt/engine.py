@@ -169,7 +169,8 @@ class Stager:
         _STAGERS.add(self)
 
     def stage(self, tensors: dict[str, torch.Tensor], copy: bool,
-              guards: Sequence[torch.optim.Optimizer] = ()) -> tuple[dict[str, torch.Tensor], object]:
+              guards: Sequence[torch.optim.Optimizer] = ()
+              ) -> tuple[dict[str, torch.Tensor], _Ready | None]:
         """Host-memory, contiguous copies of ``tensors``, and what to ``synchronize()`` on
         before reading them (CUDA) or None.
 

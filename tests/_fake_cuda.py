@@ -196,7 +196,8 @@ def install(monkeypatch: Any, devices: int = 2) -> Sim:
 
     monkeypatch.setattr(torch.cuda, "Stream", new_stream)
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(sim))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sim.current[index(device)])
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: sim.current[index(device)])
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "is_pinned",

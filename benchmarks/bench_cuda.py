@@ -267,9 +267,10 @@ def code_version() -> str:
 
 def main() -> None:
     global DEVICE
-    args = common.parse_args(__doc__.splitlines()[0], default_reps=3, extra=lambda p: p.add_argument(
-        "--device", choices=["cuda", "cpu"], default="cuda",
-        help="cpu: a dry run of every measurement on the CPU (default: cuda)"))
+    args = common.parse_args(
+        __doc__.splitlines()[0], default_reps=3, extra=lambda p: p.add_argument(
+            "--device", choices=["cuda", "cpu"], default="cuda",
+            help="cpu: a dry run of every measurement on the CPU (default: cuda)"))
     if args.device == "cuda" and not torch.cuda.is_available():
         print("No CUDA device: bench_cuda.py measured nothing (skipped; --device cpu runs "
               "the script's code on the CPU as a dry run).")

@@ -53,8 +53,9 @@ else
 fi
 step "versions" versions.log 60 "$PYTHON" - <<'EOF'
 import importlib.metadata as md, platform, torch
-print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
-      "| cuDNN", torch.backends.cudnn.version(), "| CUDA available:", torch.cuda.is_available())
+print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA",
+      torch.version.cuda, "| cuDNN", torch.backends.cudnn.version(), "| CUDA available:",
+      torch.cuda.is_available())
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
     print(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.0f} GiB, capability {p.major}.{p.minor}")
@@ -74,7 +75,8 @@ if ! "$PYTHON" -c "import ckpt" >>"$LOG" 2>&1; then
     step "install" install.log 120 "$PYTHON" -m pip install --no-deps --no-build-isolation \
         --no-index -e .
 fi
-step "import" import.log 60 "$PYTHON" -c "import ckpt, storage_backends; print('ckpt', ckpt.__version__, 'from', ckpt.__file__)"
+step "import" import.log 60 "$PYTHON" -c \
+    "import ckpt, storage_backends; print('ckpt', ckpt.__version__, 'from', ckpt.__file__)"
 
 step "test_cuda" test_cuda.log "$TEST_TIMEOUT" "$PYTHON" -u -m pytest -q -rA -p no:cacheprovider \
     --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py

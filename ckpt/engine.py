@@ -60,10 +60,20 @@ def _storage_ptr(t: torch.Tensor) -> int:
 def _wait_before_step(stager_ref: Callable[[], Stager | None]) -> Callable:
     def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         stager = stager_ref()
-        for device, event in (stager._pending if stager is not None else {}).items():
-            # the step's kernels wait on the GPU for the save's copies; the CPU does not
-            torch.cuda.current_stream(device).wait_event(event)
+        if stager is not None:
+            stager.await_copies()
     return hook
+
+
+_STAGERS: weakref.WeakSet = weakref.WeakSet()  # every live Stager (for await_device_copies)
+
+
+def await_device_copies() -> None:
+    """Make training's streams wait for every save's device-to-host copies still in flight
+    that only an optimizer step waits for: for code about to change those tensors in place
+    otherwise (a load into them, before the next step)."""
+    for stager in list(_STAGERS):
+        stager.await_copies()
 
 
 class _Ready:
@@ -156,9 +166,11 @@ class Stager:
         # per device: the event the guarded optimizers' next step waits for
         self._pending: dict[torch.device, Any] = {}
         self._hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        _STAGERS.add(self)
 
     def stage(self, tensors: dict[str, torch.Tensor], copy: bool,
-              guards: Sequence[torch.optim.Optimizer] = ()) -> tuple[dict[str, torch.Tensor], object]:
+              guards: Sequence[torch.optim.Optimizer] = ()
+              ) -> tuple[dict[str, torch.Tensor], _Ready | None]:
         """Host-memory, contiguous copies of ``tensors``, and what to ``synchronize()`` on
         before reading them (CUDA) or None.
 
@@ -233,6 +245,12 @@ class Stager:
         if later:
             self._pending[device] = event
         return event
+
+    def await_copies(self) -> None:
+        """Training's streams wait (on the GPU) for the copies the guards' step waits for;
+        the CPU does not."""
+        for device, event in self._pending.items():
+            torch.cuda.current_stream(device).wait_event(event)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

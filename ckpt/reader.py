@@ -38,7 +38,7 @@ import torch
 from storage_backends import Storage
 from storage_backends.base import PathReader, Reader
 
-from .engine import byte_view
+from .engine import await_device_copies, byte_view
 from .errors import (CorruptCheckpointError, PartialLoadError, StateMismatchError,
                      UnsupportedValueError)
 from .format import Chunk, Manifest, paused_gc
@@ -475,6 +475,9 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
         pool = None
     if verify and not in_place:
         run_reads(_verify_jobs(storage, location, reads, scratch), pool)
+    # A save's copies of parameters may still be waiting for the next optimizer step: the
+    # writes below (and load_state_dict's) must come after them on the GPU.
+    await_device_copies()
     files = _Files(storage)
     apply = _Applier(storage, location, scratch, verify=verify and in_place, files=files)
     try:

@@ -27,6 +27,7 @@ import atexit
 import errno
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -72,8 +73,8 @@ def _dead_here(holder: dict) -> bool:
     if "boot" not in here or any(holder.get(k) != here[k] for k in ("host", "boot", "pidns")):
         return False
     pid = holder.get("pid")
-    if not isinstance(pid, int) or pid == os.getpid():
-        return False
+    if not (type(pid) is int and 0 < pid < 1 << 31) or pid == os.getpid():
+        return False  # (os.kill raised OverflowError for a hand-edited pid of 2**64)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -93,8 +94,10 @@ def _parse(raw: bytes | None) -> dict:
 
 def _stale(holder: dict) -> bool:
     expires = holder.get("expires")
-    if not isinstance(expires, (int, float)):
-        return True  # not a lease we wrote (object writes are atomic: never a torn one)
+    if not isinstance(expires, (int, float)) or not math.isfinite(expires):
+        # not a lease we wrote (object writes are atomic: never a torn one); a NaN or an
+        # infinite expiry would otherwise hold the root forever
+        return True
     return expires < time.time() or _dead_here(holder)
 
 

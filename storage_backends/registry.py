@@ -56,7 +56,7 @@ def open_storage(root: str | Storage, *, create: bool = True,
         return TensorstoreStorage(root, create=create, storage_options=merged, **backend)
     import fsspec
 
-    if scheme not in fsspec.available_protocols():
+    if scheme not in fsspec.available_protocols() and scheme not in fsspec.registry:
         raise ValueError(f"no storage backend for {root!r}: {scheme}:// is neither a local "
                          "path, a tensorstore+ URL, nor an fsspec protocol")
     from .fsspec_store import FsspecStorage

@@ -17,6 +17,7 @@ that tests query (``Sim.covered``, ``Sim.host_in_flight``).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import numpy as np
@@ -26,10 +27,12 @@ import torch
 class FakeStream:
     def __init__(self, sim: Sim, device: torch.device, name: str) -> None:
         self.sim, self.device, self.name = sim, device, name
-        self.ops: list[tuple] = []  # ("copy", gpu_ptr, host_range) / ("record", event) / ...
+        # ("copy", device storage address, host byte range, "d2h"/"h2d"), ("record", event),
+        # ("wait_event", event), ("wait_stream", stream, how many of its ops it waits for)
+        self.ops: list[tuple] = []
 
     def wait_stream(self, other: FakeStream) -> None:
-        self.ops.append(("wait_stream", other))
+        self.ops.append(("wait_stream", other, len(other.ops)))
 
     def wait_event(self, event: FakeEvent) -> None:
         self.ops.append(("wait_event", event))
@@ -78,19 +81,27 @@ class Sim:
         self.devices[t.untyped_storage().data_ptr()] = torch.device("cuda", device)
         return t.as_subclass(FakeCuda)
 
-    def copy(self, gpu: FakeCuda, host: torch.Tensor) -> None:
+    def copy(self, gpu: FakeCuda, host: torch.Tensor, direction: str) -> None:
         stream = self.current[gpu.device.index]
-        stream.ops.append(("copy", gpu.untyped_storage().data_ptr(), _host_range(host)))
+        stream.ops.append(("copy", gpu.untyped_storage().data_ptr(), _host_range(host),
+                           direction))
 
-    def copies(self) -> list[tuple[FakeStream, int, int]]:
+    def copies(self, direction: str = "d2h") -> list[tuple[FakeStream, int, int]]:
         """Every copy queued: (stream, index in its ops, device storage address)."""
         return [(s, i, op[1]) for s in self._streams() for i, op in enumerate(s.ops)
-                if op[0] == "copy"]
+                if op[0] == "copy" and op[3] == direction]
 
-    def covered(self, stream: FakeStream, index: int, waiter: FakeStream) -> bool:
-        """Whether ``waiter`` was made to wait for op ``index`` of ``stream``."""
-        return stream is waiter or any(
-            op[0] == "wait_event" and op[1].covers(stream, index) for op in waiter.ops)
+    def covered(self, stream: FakeStream, index: int, waiter: FakeStream,
+                before: int | None = None) -> bool:
+        """Whether ``waiter``'s ops (its first ``before``) come after op ``index`` of
+        ``stream``: the same stream, a wait for an event that covers it, or a wait for a
+        stream whose ops up to then come after it."""
+        ops = waiter.ops if before is None else waiter.ops[:before]
+        if stream is waiter:
+            return index < len(ops)
+        return any((op[0] == "wait_event" and op[1].covers(stream, index))
+                   or (op[0] == "wait_stream" and self.covered(stream, index, op[1], op[2]))
+                   for op in ops)
 
     def host_in_flight(self, start: int, end: int) -> list:
         """The copies touching host bytes [start, end) that the host has not seen end."""
@@ -139,16 +150,22 @@ class FakeCuda(torch.Tensor):
         if func is torch.Tensor.copy_:
             dst, src = args[0], args[1]
             if isinstance(src, FakeCuda) and not isinstance(dst, FakeCuda):
-                SIM.copy(src, dst)
+                SIM.copy(src, dst, "d2h")
             elif isinstance(dst, FakeCuda) and not isinstance(src, FakeCuda):
-                SIM.copy(dst, src)
+                SIM.copy(dst, src, "h2d")
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
 def install(monkeypatch: Any, devices: int = 2) -> Sim:
-    """Replace torch.cuda's streams and events (and pinned allocation) with the fakes."""
-    global SIM
-    sim = SIM = Sim(devices)
+    """Replace torch.cuda's streams and events (and pinned allocation) with the fakes, for
+    one test: ckpt's registry of live stagers too, so no fake event outlives the test."""
+    import weakref
+
+    import ckpt.engine
+
+    sim = Sim(devices)
+    monkeypatch.setattr(sys.modules[__name__], "SIM", sim)
+    monkeypatch.setattr(ckpt.engine, "_STAGERS", weakref.WeakSet())
     real_empty = torch.empty
 
     def index(device: Any) -> int:
@@ -179,7 +196,8 @@ def install(monkeypatch: Any, devices: int = 2) -> Sim:
 
     monkeypatch.setattr(torch.cuda, "Stream", new_stream)
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(sim))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sim.current[index(device)])
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: sim.current[index(device)])
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.Tensor, "is_pinned",

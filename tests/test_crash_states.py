@@ -177,8 +177,8 @@ def test_explorer_finds_a_save_without_fsync(tmp_path, monkeypatch):
 
 def test_explorer_finds_the_manifest_written_after_the_rename(tmp_path, monkeypatch):
     def commit_then_manifest(self, staging, name, manifest, manifest_name):
-        posix.fsync_dir(self._abs(staging))
-        posix.os.rename(self._abs(staging), self._abs(name))
+        posix.fsync_dir(self.local_path(staging))
+        posix.os.rename(self.local_path(staging), self.local_path(name))
         posix.fsync_dir(self.root)
         self.write(f"{name}/{manifest_name}", [manifest])  # the manifest last, in place
 

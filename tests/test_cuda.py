@@ -139,6 +139,22 @@ def test_without_overlap_training_waits_for_every_copy(tmp_path):
     assert all(torch.equal(v, expected[k]) for k, v in cpu_copy(fresh).items())
 
 
+def test_a_load_right_after_save_returns_is_not_seen_by_the_save(tmp_path):
+    """save() returns with the parameters' copies waiting for the next optimizer step; a
+    load into the same model before that step comes after them on the GPU."""
+    model, optimizer = make_training()
+    train_step(model, optimizer, torch.randn(64, 256, device=DEVICE))
+    ckpt.save({"model": make_training(seed=1)[0]}, tmp_path / "other")
+    expected = cpu_copy(model)
+    with manager(tmp_path / "root", options=SMALL) as mgr:
+        mgr.save(1, {"model": model, "optim": optimizer})
+        ckpt.load({"model": model}, tmp_path / "other")
+        mgr.wait()
+    fresh, _ = make_training(seed=2)
+    ckpt.load({"model": fresh}, tmp_path / "root" / "step-00000001")
+    assert all(torch.equal(v, expected[k]) for k, v in cpu_copy(fresh).items())
+
+
 def test_restore_onto_cuda_tensors(tmp_path):
     model, optimizer = make_training()
     train_step(model, optimizer, torch.randn(64, 256, device=DEVICE))

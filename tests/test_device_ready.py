@@ -199,7 +199,7 @@ def test_test_cuda_runs_on_the_cpu_where_it_is_not_about_cuda_itself():
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "CKPT_TEST_DEVICE": "cpu"})
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "5 passed" in result.stdout, result.stdout[-3000:]
+    assert "6 passed" in result.stdout, result.stdout[-3000:]
 
 
 # -- benchmarks/device_check.sh: the one script run on a device machine ----------------------
@@ -254,10 +254,28 @@ def test_restore_reuses_a_bounce_buffer_only_after_its_copy_and_returns_after_ev
 
     monkeypatch.setattr(posix._FileReader, "read_into", read_into)
     ckpt.load(live, tmp_path / "c")
-    copies = sim.copies()
+    copies = sim.copies("h2d")
     assert len(copies) == sum(-(-v.numel() * 4 // 4096) for v in saved.values())
     assert {s.device for s, _, _ in copies} == {torch.device("cuda", device)}
     assert clobbered == [], "a chunk was read into a buffer still being copied out"
     training = sim.defaults[device]
     assert all((s, i) in sim.done or sim.covered(s, i, training) for s, i, _ in copies)
     assert all(torch.equal(live[k].as_subclass(torch.Tensor), v) for k, v in saved.items())
+
+
+@ON_DEVICE
+def test_a_load_right_after_a_save_writes_after_the_saves_deferred_copies(
+        device, tmp_path, monkeypatch):
+    """save() returns with the parameters' copies waiting for the optimizer's next step; a
+    load into them before that step must not overwrite them before they were copied."""
+    saved = {"w": torch.randn(16, 256)}
+    ckpt.save(saved, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096))
+    sim = _fake_cuda.install(monkeypatch)
+    weight = sim.tensor(torch.zeros(16, 256), device=device)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    stager = Stager()
+    stager.stage({"w": weight}, copy=True, guards=[optimizer])
+    [(save_stream, save_copy, _)] = sim.copies("d2h")
+    ckpt.load({"w": weight}, tmp_path / "c")
+    writes = sim.copies("h2d")
+    assert writes and all(sim.covered(save_stream, save_copy, s, before=i) for s, i, _ in writes)

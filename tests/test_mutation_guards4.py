@@ -6,12 +6,17 @@ kills one-line mutants that the suite let survive; the mutants are named in its 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch
 
+from ckpt import CheckpointManager, SaveOptions
 from ckpt import format as fmt
 from ckpt.errors import CorruptCheckpointError
-from ckpt.format import Manifest
+from ckpt.format import MANIFEST_NAME, Manifest
+from ckpt.integrity import check_structure, read_manifest
+from storage_backends import PosixStorage
 
 DIGEST = "0123456789abcdef"
 CHUNK = {"offsets": [0], "shape": [4], "file": "data-0.bin", "start": 0, "length": 16,
@@ -106,6 +111,11 @@ FORMAT1 = {
     "self reference": (_v1(_whole(step=1)), "refers to step 1, which is not an earlier step"),
     # F30: digests are 16 hex digits
     "bad digest": (_v1(_whole(digest="XYZ")), "has a malformed digest"),
+    # F56: an array item's dtype is one numpy has (a restore makes a numpy array of it)
+    "bf16 array": (_v1(tensors={"t": {"dtype": "bfloat16", "shape": [4],
+                                      "chunks": [{**CHUNK, "length": 8}]}},
+                       items={"t": {"kind": "value", "tree": {"__ndarray__": "t"}}}),
+                   "array 't' has dtype bfloat16, which numpy lacks"),
 }
 
 
@@ -119,7 +129,8 @@ def test_a_damaged_format1_manifest_is_refused_naming_the_damage(case):
     (F17: two chunks over the same bytes parsed as one tensor); _parse_chunk comparing only
     offsets with box (F19), accepting any codec (F21), only refusing a raw chunk that is too
     long (F23), without ``length <= raw_len + 1024`` (F24), without ``0 <=`` on start (F26),
-    with ``ref <= step`` (F29), without the digest pattern (F30). Each let a damaged
+    with ``ref <= step`` (F29), without the digest pattern (F30); check_tree without the
+    numpy dtype check of an ``__ndarray__`` (F56). Each let a damaged
     manifest through (to fail later, elsewhere, or not at all) or named the wrong thing."""
     doc, message = FORMAT1[case]
     _refused(doc, message)
@@ -194,3 +205,114 @@ def test_an_item_tree_of_dicts_nested_too_deep_is_refused():
     assert "m" in Manifest.from_json(json.dumps(ok).encode(), where="m").items
     _refused(_v1(items={"m": {"kind": "module", "tree": _tree(fmt.MAX_DEPTH + 1)}}),
              "item 'm' nests deeper than 200 levels")
+
+
+# ------------------------------------------------------------------ ckpt/integrity.py
+def _save(root, steps: dict, **kw) -> None:
+    """Save ``steps`` (step -> state) in ``root`` (small chunks, one writer thread)."""
+    kw.setdefault("options", SaveOptions(chunk_bytes=16 << 10, write_threads=1))
+    with CheckpointManager(root, async_save=False, handle_sigterm=False, metrics=False,
+                           **kw) as mgr:
+        for step, state in steps.items():
+            mgr.save(step, state, force=True)
+
+
+def test_a_manifest_that_names_another_step_than_its_directory_is_corrupt(tmp_path):
+    """Mutant: ckpt/integrity.py read_manifest without ``manifest.step != step`` (I01): a
+    manifest copied or edited into another step's directory was read as that step."""
+    _save(tmp_path, {1: {"t": torch.ones(4)}, 2: {"t": torch.ones(4) * 2}})
+    path = tmp_path / "step-00000002" / MANIFEST_NAME
+    path.write_bytes(path.read_bytes().replace(b'"step":2', b'"step":5'))
+    storage = PosixStorage(str(tmp_path))
+    assert read_manifest(storage, "step-00000002").step == 5  # well formed on its own
+    with pytest.raises(CorruptCheckpointError, match="manifest says step 5, but lies in "
+                                                     "step-00000002"):
+        read_manifest(storage, "step-00000002", 2)
+
+
+def test_the_full_structure_check_compares_every_file_with_its_recorded_size(tmp_path):
+    """Mutant: ckpt/integrity.py check_structure passing no expected size for the step's
+    own files (I03): a data file that grew (bytes appended after its chunks) passed
+    ``ckpt verify``'s structure level, though it is not the file the step wrote."""
+    _save(tmp_path, {1: {"t": torch.ones(64)}})
+    storage = PosixStorage(str(tmp_path))
+    manifest = read_manifest(storage, "step-00000001", 1)
+    check_structure(storage, "step-00000001", manifest)
+    name, size = next(iter(manifest.files.items()))
+    with open(tmp_path / "step-00000001" / name, "ab") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(CorruptCheckpointError, match=f"is {size + 8} bytes, the manifest "
+                                                     f"recorded {size}"):
+        check_structure(storage, "step-00000001", manifest)
+
+
+def test_the_full_structure_check_of_a_format2_step_sizes_the_files_it_reuses(tmp_path):
+    """Mutant: ckpt/integrity.py check_structure without the ``< needed`` check of a
+    format-2 step's ``refs`` (I04): an incremental step whose earlier step's file was
+    truncated passed ``ckpt verify``'s structure level."""
+    frozen = torch.randn(64, 64)
+    _save(tmp_path, {1: {"frozen": frozen, "t": torch.zeros(4)},
+                     2: {"frozen": frozen, "t": torch.ones(4)}},
+          incremental=True, full_every=100,
+          options=SaveOptions(chunk_bytes=4 << 10, write_threads=1, rank_tables=True))
+    storage = PosixStorage(str(tmp_path))
+    manifest = read_manifest(storage, "step-00000002", 2)
+    assert manifest.format_version == 2 and manifest.refs
+    check_structure(storage, "step-00000002", manifest)
+    (step, name), needed = next(iter(manifest.refs.items()))
+    os.truncate(tmp_path / f"step-{step:08d}" / name, needed - 1)
+    with pytest.raises(CorruptCheckpointError, match=f"shorter than the {needed} bytes step 2 "
+                                                     "uses; the file is truncated"):
+        check_structure(storage, "step-00000002", manifest)
+
+
+def test_the_full_structure_check_of_a_format1_step_finds_a_reused_chunk_cut_short(tmp_path):
+    """Mutant: ckpt/integrity.py check_structure comparing only a chunk's start with its
+    file's size (I05): a format-1 incremental step whose earlier step's file was cut inside
+    the last chunk it reuses passed ``ckpt verify``'s structure level (that file's size is
+    recorded by the earlier step only)."""
+    frozen = torch.randn(64, 64)
+    _save(tmp_path, {1: {"frozen": frozen, "t": torch.zeros(4)},
+                     2: {"frozen": frozen, "t": torch.ones(4)}},
+          incremental=True, full_every=100,
+          options=SaveOptions(chunk_bytes=4 << 10, write_threads=1, rank_tables=False))
+    storage = PosixStorage(str(tmp_path))
+    manifest = read_manifest(storage, "step-00000002", 2)
+    reused = [c for c in manifest.tensors["frozen"].chunks if c.step == 1]
+    assert manifest.format_version == 1 and reused
+    check_structure(storage, "step-00000002", manifest)
+    last = max(reused, key=lambda c: c.start)
+    os.truncate(tmp_path / "step-00000001" / last.file, last.start + last.length - 1)
+    with pytest.raises(CorruptCheckpointError, match="needs bytes .*; the file is truncated"):
+        check_structure(storage, "step-00000002", manifest)
+
+
+def test_the_full_structure_check_sizes_a_format2_steps_rank_tables(tmp_path):
+    """Mutant: ckpt/integrity.py check_structure sizing ``manifest.files`` instead of
+    ``own_files()`` (I09): a rank table cut short passed ``ckpt verify``'s structure level."""
+    _save(tmp_path, {1: {"t": torch.ones(64)}},
+          options=SaveOptions(write_threads=1, rank_tables=True))
+    storage = PosixStorage(str(tmp_path))
+    manifest = read_manifest(storage, "step-00000001", 1)
+    check_structure(storage, "step-00000001", manifest)
+    name, size, _ = manifest.tables[0]
+    os.truncate(tmp_path / "step-00000001" / name, size - 1)
+    with pytest.raises(CorruptCheckpointError, match=f"{name} is {size - 1} bytes, the "
+                                                     f"manifest recorded {size}"):
+        check_structure(storage, "step-00000001", manifest)
+
+
+def test_a_structure_level_restore_refuses_a_data_file_of_another_size(tmp_path):
+    """Mutant: ckpt/integrity.py _check_files passing no recorded size for the step's own
+    files (I07): a data file replaced by a longer one (its chunks' ranges still inside) was
+    restored at the structure level, which reads no digest: the size is all it checks."""
+    _save(tmp_path, {1: {"t": torch.ones(64)}})
+    data = next((tmp_path / "step-00000001").glob("data-*"))
+    size = data.stat().st_size
+    data.write_bytes(b"\xff" * (size + 8))  # another file: every chunk's bytes are wrong
+    live = {"t": torch.zeros(64)}
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        with pytest.raises(CorruptCheckpointError, match=f"is {size + 8} bytes, the manifest "
+                                                         f"recorded {size}"):
+            mgr.restore(live, step=1, verify="structure")
+    assert not live["t"].any(), "a refused restore wrote"

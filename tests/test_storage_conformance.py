@@ -293,6 +293,23 @@ def test_lease_of_a_dead_process_on_this_machine_is_stale_at_once(object_store):
 
 
 @leases
+def test_a_lease_with_a_non_finite_expiry_or_an_impossible_pid_is_no_error(object_store):
+    """ckpt writes neither: a lease expiring at NaN or Infinity held the root forever (it is
+    taken over as any lease ckpt did not write), and one of this machine naming pid 2**64
+    made taking the lock raise OverflowError (it is now held until it expires)."""
+    from storage_backends.lease import _this_machine
+
+    for expires in (float("nan"), float("inf")):
+        _write_lease(object_store, expires=expires)
+        lock = object_store.lock(OWNER)
+        assert json.loads(object_store.read(LEASE_NAME))["pid"] == OWNER["pid"]
+        lock.release()
+    _write_lease(object_store, **_this_machine(), pid=2**64, expires=time.time() + 3600)
+    with pytest.raises(LockHeldError):
+        object_store.lock(OWNER)
+
+
+@leases
 def test_lost_lease_refuses_to_commit(object_store, opener):
     lock = object_store.lock(OWNER)
     staging = save(object_store, "step-00000001", "tok", {"data-tok-0": b"x"})

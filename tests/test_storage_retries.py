@@ -5,6 +5,7 @@ errors are the real exception classes of botocore and aiohttp, raised by a calla
 from __future__ import annotations
 
 import errno
+import sys
 import time
 
 import pytest
@@ -94,8 +95,29 @@ def test_permanent_errors_are_not_retried(store):
     assert len(calls) == 1
 
 
-def test_a_protocol_without_conditional_writes_refuses_writers(tmp_path):
-    url = f"local://{tmp_path}/root"
+@pytest.fixture
+def plain_protocol():
+    """``plain://``: fsspec's local file system under a protocol name ckpt knows nothing of
+    (``local://`` and ``file://`` open the POSIX backend), so it has no conditional write."""
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    class PlainFileSystem(LocalFileSystem):
+        protocol = ("plain",)
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            path = str(path)
+            return super()._strip_protocol(path[len("plain://"):] if path.startswith(
+                "plain://") else path)
+
+    fsspec.register_implementation("plain", PlainFileSystem, clobber=True)
+    yield "plain"
+    sys.modules["fsspec.registry"]._registry.pop("plain", None)
+
+
+def test_a_protocol_without_conditional_writes_refuses_writers(tmp_path, plain_protocol):
+    url = f"{plain_protocol}://{tmp_path}/root"
     options = {"storage_options": {"auto_mkdir": True}}
     storage = open_storage(url, **options)
     storage.write("step-00000001/data", [b"x"])  # plain bytes are fine
@@ -104,6 +126,7 @@ def test_a_protocol_without_conditional_writes_refuses_writers(tmp_path):
     staging = storage.begin("step-00000001", "tok")
     with pytest.raises(OSError, match="allow_unsafe_commit"):
         storage.commit(staging, "step-00000001", b"{}", "manifest.json")
+    assert (tmp_path / "root" / "step-00000001" / "data").read_bytes() == b"x"  # there
     unsafe = open_storage(url, allow_unsafe_commit=True, **options)
     lock = unsafe.lock({"host": "h", "pid": 1, "since": 0.0})
     unsafe.commit(unsafe.begin("step-00000001", "tok"), "step-00000001", b"{}", "manifest.json")

@@ -241,3 +241,33 @@ def test_restore_with_the_server_down_raises_a_storage_error(s3_restartable):
     fresh = make_state(17)
     assert reader.restore(fresh) == 1  # the same manager works once the server is back
     reader.close()
+
+
+def test_gc_deletes_only_under_its_own_prefix_whatever_keys_hold(s3, monkeypatch):
+    """Keys are literal on S3: `..`, `.`, empty parts, other spellings of a step, and
+    neighbouring prefixes (run-other/, run0/, run/step-00000010 next to step-00000001) are
+    nobody's business but their own. gc --yes removes only the retired step and the
+    manifest-less step prefixes of this root."""
+    with manager(s3) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, make_state(step)).wait()
+    foreign = ["run/../escape", "outside/precious", "run-other/step-00000001/manifest.json",
+               "run0/step-00000001/manifest.json", "run/step-000000002/manifest.json",
+               "run/step-0000000\u0662/x", "run/notes.txt"]
+    inside_retired = ["run/step-00000001/..", "run/step-00000001/../sneaky",
+                      "run/step-00000002//double", "run/step-00000010/x"]
+    client = s3.client()
+    for key in foreign + inside_retired:
+        client.put_object(Bucket=s3.bucket, Key=key, Body=b"x")
+    before = set(s3.keys())
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.url)
+    assert ckpt.cli.main(["gc", s3.root("run"), "--keep-last", "1", "--yes"]) == 0
+    gone = before - set(s3.keys())
+    assert all(key.startswith(("run/step-00000001/", "run/step-00000002/",
+                               "run/step-00000010/")) for key in gone), sorted(gone)
+    assert set(foreign) <= set(s3.keys())
+    with manager(s3, read_only=True) as mgr:
+        assert mgr.steps() == [3]
+        fresh = make_state(0)
+        assert mgr.restore(fresh) == 3
+    assert_same_state(make_state(3), fresh)

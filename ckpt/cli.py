@@ -41,10 +41,12 @@ EXIT_PIPE = 128 + signal.SIGPIPE
 EXIT_INTERNAL = 3  # a bug in ckpt: still one line (or one JSON document), not a traceback
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 TRACEBACK_VARIABLE = "CKPT_TRACEBACK"  # set (to anything) to see a bug's traceback instead
-# Control characters (but newline and tab), lone surrogates and bidirectional overrides, as
-# tensor keys, item names and file names read from a checkpoint may hold: printed escaped, so
-# a hostile name can neither rewrite the terminal nor make the output encoder raise.
-_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+# Control characters (but newline and tab), lone surrogates, zero-width characters and
+# bidirectional overrides, as tensor keys, item names and file names read from a checkpoint
+# may hold: printed escaped, so a hostile name can neither rewrite the terminal, hide in it,
+# nor make the output encoder raise.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e"
+                          "\u2066-\u2069\ufeff\ud800-\udfff]")
 
 
 def _print(text: str, file: Any = None) -> None:

@@ -915,7 +915,7 @@ def test_a_fifo_or_directory_planted_as_a_checkpoint_file_is_damage_not_a_hang(t
         assert caught.value.filename == str(root / name)
 
 
-HOSTILE_KEY = "\ud800\x1b]0;pwned\x07\x1b[2J\u202etxt.exe"
+HOSTILE_KEY = "\ud800\x1b]0;pwned\x07\x1b[2J\u202etxt.exe\u200b"
 
 
 def test_hostile_names_in_a_manifest_are_printed_escaped_and_a_closed_pipe_is_quiet(tmp_path):
@@ -934,8 +934,8 @@ def test_hostile_names_in_a_manifest_are_printed_escaped_and_a_closed_pipe_is_qu
                                       ["inspect", "root", "--json"])
     for r in (inspect_, diff):
         assert r.code == 0 and not r.err, (r.args, r.err)
-        assert "\x1b" not in r.out and "\u202e" not in r.out and "\x07" not in r.out
-        assert "\\ud800\\x1b]0;pwned\\x07\\x1b[2J\\u202etxt.exe" in r.out, r.out
+        assert not {"\x1b", "\u202e", "\x07", "\u200b"} & set(r.out)
+        assert "\\ud800\\x1b]0;pwned\\x07\\x1b[2J\\u202etxt.exe\\u200b" in r.out, r.out
     assert as_json.json()["aliases"][HOSTILE_KEY] == "model/mix.weight"  # JSON: exact
     for args in (["ls", "root"], ["verify", "root", "--all", "--json"]):
         p = subprocess.Popen([sys.executable, "-m", "ckpt", *args], cwd=tmp_path,

@@ -285,3 +285,34 @@ def test_the_full_structure_check_of_a_format1_step_finds_a_reused_chunk_cut_sho
     os.truncate(tmp_path / "step-00000001" / last.file, last.start + last.length - 1)
     with pytest.raises(CorruptCheckpointError, match="needs bytes .*; the file is truncated"):
         check_structure(storage, "step-00000002", manifest)
+
+
+def test_the_full_structure_check_sizes_a_format2_steps_rank_tables(tmp_path):
+    """Mutant: ckpt/integrity.py check_structure sizing ``manifest.files`` instead of
+    ``own_files()`` (I09): a rank table cut short passed ``ckpt verify``'s structure level."""
+    _save(tmp_path, {1: {"t": torch.ones(64)}},
+          options=SaveOptions(write_threads=1, rank_tables=True))
+    storage = PosixStorage(str(tmp_path))
+    manifest = read_manifest(storage, "step-00000001", 1)
+    check_structure(storage, "step-00000001", manifest)
+    name, size, _ = manifest.tables[0]
+    os.truncate(tmp_path / "step-00000001" / name, size - 1)
+    with pytest.raises(CorruptCheckpointError, match=f"{name} is {size - 1} bytes, the "
+                                                     f"manifest recorded {size}"):
+        check_structure(storage, "step-00000001", manifest)
+
+
+def test_a_structure_level_restore_refuses_a_data_file_of_another_size(tmp_path):
+    """Mutant: ckpt/integrity.py _check_files passing no recorded size for the step's own
+    files (I07): a data file replaced by a longer one (its chunks' ranges still inside) was
+    restored at the structure level, which reads no digest: the size is all it checks."""
+    _save(tmp_path, {1: {"t": torch.ones(64)}})
+    data = next((tmp_path / "step-00000001").glob("data-*"))
+    size = data.stat().st_size
+    data.write_bytes(b"\xff" * (size + 8))  # another file: every chunk's bytes are wrong
+    live = {"t": torch.zeros(64)}
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        with pytest.raises(CorruptCheckpointError, match=f"is {size + 8} bytes, the manifest "
+                                                         f"recorded {size}"):
+            mgr.restore(live, step=1, verify="structure")
+    assert not live["t"].any(), "a refused restore wrote"

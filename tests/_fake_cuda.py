@@ -158,14 +158,17 @@ class FakeCuda(torch.Tensor):
 
 def install(monkeypatch: Any, devices: int = 2) -> Sim:
     """Replace torch.cuda's streams and events (and pinned allocation) with the fakes, for
-    one test: ckpt's registry of live stagers too, so no fake event outlives the test."""
+    one test: ckpt's registry of live stagers and the stager of ckpt.save/async_save too, so
+    no fake stream or event outlives the test."""
     import weakref
 
+    import ckpt.api
     import ckpt.engine
 
     sim = Sim(devices)
     monkeypatch.setattr(sys.modules[__name__], "SIM", sim)
     monkeypatch.setattr(ckpt.engine, "_STAGERS", weakref.WeakSet())
+    monkeypatch.setattr(ckpt.api._ONE_SHOT, "_stager", ckpt.engine.Stager())
     real_empty = torch.empty
 
     def index(device: Any) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from ckpt.errors import CorruptCheckpointError
 from ckpt.format import MANIFEST_NAME, Manifest
 from ckpt.integrity import check_structure, read_manifest
 from storage_backends import PosixStorage
+from storage_backends.fsspec_store import READ_BLOCK, FsspecStorage
+from tests.s3_fixture import _moto, s3_restartable  # noqa: F401  (fixtures)
 
 DIGEST = "0123456789abcdef"
 CHUNK = {"offsets": [0], "shape": [4], "file": "data-0.bin", "start": 0, "length": 16,
@@ -316,3 +319,44 @@ def test_a_structure_level_restore_refuses_a_data_file_of_another_size(tmp_path)
                                                          f"recorded {size}"):
             mgr.restore(live, step=1, verify="structure")
     assert not live["t"].any(), "a refused restore wrote"
+
+
+# ------------------------------------------------------- storage_backends/fsspec_store.py
+def test_an_object_stores_reads_follow_its_own_writes_and_deletes():
+    """Mutants: storage_backends/fsspec_store.py write() and delete() without
+    ``self._cache.forget`` (S14, S15), and _BlockCache.forget dropping only the path itself,
+    not what lies under it (S22): a read after a rewrite or a delete by this very instance
+    returned the bytes cached before it."""
+    storage = FsspecStorage(f"memory://ckpt-{uuid.uuid4().hex}/root")
+    out = memoryview(bytearray(16))
+    storage.write("step-1/f", [b"a" * 64])
+    storage.read_into("step-1/f", 8, out)
+    assert bytes(out) == b"a" * 16
+    storage.write("step-1/f", [b"b" * 64])
+    storage.read_into("step-1/f", 8, out)
+    assert bytes(out) == b"b" * 16
+    storage.delete("step-1")  # the directory: its files go with it
+    with pytest.raises(FileNotFoundError):
+        storage.read_into("step-1/f", 8, out)
+
+
+@pytest.mark.s3
+def test_a_large_read_from_a_server_that_is_down_is_an_io_error_not_a_short_object(
+        s3_restartable):
+    """Mutant: storage_backends/fsspec_store.py _cat_ranges taking any failed range for one
+    past the end of the object (dropping ``http_status(...) == 416``; S09): a read of 8 MiB
+    or more while the server was unreachable raised EOFError, the "object is truncated" of
+    corruption (a restore skips the step as damaged), instead of the I/O error it is."""
+    endpoint = s3_restartable
+    storage = FsspecStorage(endpoint.root("run"), storage_options=endpoint.storage_options,
+                            retries=1)
+    size = READ_BLOCK + 4096
+    storage.write("blob", [bytes(size)])
+    out = memoryview(bytearray(size))
+    storage.read_into("blob", 0, out)
+    endpoint.stop()
+    try:
+        with pytest.raises(OSError, match="reading .*/blob failed"):
+            storage.read_into("blob", 0, out)
+    finally:
+        endpoint.start()

@@ -324,6 +324,47 @@ def test_restore_reuses_a_bounce_buffer_only_after_its_copy_and_returns_after_ev
     assert all(torch.equal(live[k].as_subclass(torch.Tensor), v) for k, v in saved.items())
 
 
+
+@ON_DEVICE
+def test_a_load_on_reading_threads_writes_after_the_callers_stream(
+        device, tmp_path, monkeypatch):
+    """Training on a stream of its own, current on the calling thread only (CUDA's current
+    stream is per thread): the copies that the load's reading threads issue come after what
+    that stream queued (a write into a tensor) and after the save's deferred copies."""
+    import threading
+
+    import ckpt.reader
+    from storage_backends import posix
+
+    saved = {k: torch.randn(16, 256) for k in "abcd"}
+    ckpt.save(saved, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096))
+    sim = _fake_cuda.install(monkeypatch)
+    monkeypatch.setattr(ckpt.reader, "TINY_CHUNK_BYTES", 0)  # read on the pool's threads
+    readers = set()
+    real_read_into = posix._FileReader.read_into
+
+    def read_into(self, start, out):
+        readers.add(threading.get_ident())
+        real_read_into(self, start, out)
+
+    monkeypatch.setattr(posix._FileReader, "read_into", read_into)
+    live = {k: sim.tensor(torch.zeros(16, 256), device=device) for k in saved}
+    optimizer = torch.optim.SGD(list(live.values()), lr=0.1)
+    training = torch.cuda.Stream(device=torch.device("cuda", device))
+    with torch.cuda.stream(training):
+        live["a"].copy_(torch.ones(16, 256))  # queued on training's stream
+        stager = Stager()  # held, as a manager holds its own
+        stager.stage(dict(live), copy=True, guards=[optimizer])
+        earlier = [(training, 0)] + [(s, i) for s, i, _ in sim.copies("d2h")]
+        ckpt.load(live, tmp_path / "c")
+    assert readers - {threading.get_ident()}, "the load read nothing on another thread"
+    writes = [(s, i) for s, i, _ in sim.copies("h2d") if s is not training]
+    assert len(writes) == 4 * 4
+    assert all(sim.covered(s0, i0, s, before=i) for s, i in writes for s0, i0 in earlier), \
+        "a load's copy could overtake training's queued work or the save's copies"
+    assert all(torch.equal(live[k].as_subclass(torch.Tensor), v) for k, v in saved.items())
+
+
 @ON_DEVICE
 def test_a_load_right_after_a_save_writes_after_the_saves_deferred_copies(
         device, tmp_path, monkeypatch):

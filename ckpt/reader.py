@@ -480,6 +480,8 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
     await_device_copies()
     files = _Files(storage)
     apply = _Applier(storage, location, scratch, verify=verify and in_place, files=files)
+    for device in {r.dest.device for r in reads if r.dest.device.type == "cuda"}:
+        apply.stream(device)  # here: training's stream is the current one of this thread only
     try:
         try:
             run_reads([(chunk_path(location, r.chunk), r.chunk.start, lambda r=r: apply(r))

@@ -274,12 +274,14 @@ _SHUFFLERS = (torch.utils.data.RandomSampler, torch.utils.data.SubsetRandomSampl
 def _warn_stateless_shufflers(state: Mapping[str, Any]) -> None:
     """Warn about a saved DataLoader (a StatefulDataLoader) that shuffles with one of torch's
     samplers, which keep no state: torchdata resumes it by skipping batches of a permutation
-    drawn afresh, so after a resume in a later epoch the order is not the saved run's."""
+    drawn afresh, so after a resume in a later epoch the order is not the saved run's. A
+    sampler with ``set_epoch`` (Accelerate's seedable one) draws its order from the epoch."""
     for name, obj in state.items():
         if not (isinstance(obj, torch.utils.data.DataLoader) and is_stateful(obj)):
             continue
         sampler = getattr(obj.batch_sampler, "sampler", None) or obj.sampler
-        if isinstance(sampler, _SHUFFLERS) and not is_stateful(sampler):
+        if isinstance(sampler, _SHUFFLERS) and not is_stateful(sampler) and \
+                not callable(getattr(sampler, "set_epoch", None)):
             warnings.warn(
                 f"'{name}': its sampler ({type(sampler).__name__}) keeps no state, so after a "
                 "resume torchdata skips the batches already seen in a permutation drawn "

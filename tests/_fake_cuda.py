@@ -8,7 +8,9 @@ for fakes that follow CUDA's rules where ckpt relies on them:
   device* (not on the current device's stream);
 - an event covers what its stream queued before it was recorded;
 - a copy into or out of host memory is in flight until an event that covers it (or its
-  stream) is synchronized on the host.
+  stream) is synchronized on the host;
+- the current device and each device's current stream are the calling thread's (a new
+  thread starts on the default streams).
 
 Nothing runs asynchronously: the copies happen at once, and the fakes only keep the books
 that tests query (``Sim.covered``, ``Sim.host_in_flight``).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -66,15 +69,30 @@ class Sim:
     """The books: streams per device, the current device, which queued ops the host saw end."""
 
     def __init__(self, devices: int = 2) -> None:
-        self.device = 0  # the current device's index
         self.defaults = [FakeStream(self, torch.device("cuda", i), f"default:{i}")
                          for i in range(devices)]
-        self.current = {i: s for i, s in enumerate(self.defaults)}
+        self._thread = threading.local()  # CUDA's current device and streams are per thread
         self.devices: dict[int, torch.device] = {}  # storage address -> fake device
         self.pinned: set[int] = set()
         self.done: set[tuple[FakeStream, int]] = set()
         self.recorded_uses: list[tuple[int, FakeStream]] = []  # (storage address, stream)
         self.side: list[FakeStream] = []  # streams made with torch.cuda.Stream()
+
+    @property
+    def device(self) -> int:
+        """This thread's current device's index."""
+        return getattr(self._thread, "device", 0)
+
+    @device.setter
+    def device(self, index: int) -> None:
+        self._thread.device = index
+
+    @property
+    def current(self) -> dict[int, FakeStream]:
+        """This thread's current stream of each device (a new thread: the default ones)."""
+        if not hasattr(self._thread, "current"):
+            self._thread.current = dict(enumerate(self.defaults))
+        return self._thread.current
 
     def tensor(self, t: torch.Tensor, device: int = 0) -> FakeCuda:
         t = t.clone()
@@ -158,14 +176,17 @@ class FakeCuda(torch.Tensor):
 
 def install(monkeypatch: Any, devices: int = 2) -> Sim:
     """Replace torch.cuda's streams and events (and pinned allocation) with the fakes, for
-    one test: ckpt's registry of live stagers too, so no fake event outlives the test."""
+    one test: ckpt's registry of live stagers and the stager of ckpt.save/async_save too, so
+    no fake stream or event outlives the test."""
     import weakref
 
+    import ckpt.api
     import ckpt.engine
 
     sim = Sim(devices)
     monkeypatch.setattr(sys.modules[__name__], "SIM", sim)
     monkeypatch.setattr(ckpt.engine, "_STAGERS", weakref.WeakSet())
+    monkeypatch.setattr(ckpt.api._ONE_SHOT, "_stager", ckpt.engine.Stager())
     real_empty = torch.empty
 
     def index(device: Any) -> int:

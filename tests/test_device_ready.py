@@ -17,7 +17,7 @@ import torch
 
 import _fake_cuda
 import ckpt
-from ckpt.engine import Stager
+from ckpt.engine import Stager, byte_view
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,6 +107,67 @@ def test_without_guards_training_waits_for_every_copy(device, monkeypatch):
     sim, optimizer, _, _, copies, _ = staged_on(device, monkeypatch, guard=False)
     assert all(sim.covered(s, i, sim.defaults[device]) for s, i in copies.values())
     assert not optimizer._optimizer_step_pre_hooks
+
+
+
+@ON_DEVICE
+def test_the_copies_read_what_training_queued_before_save(device, monkeypatch):
+    """The side stream waits for training's stream: a copy must not overtake the kernels
+    (here a write into the parameter and the buffer) queued before save() was called."""
+    sim = _fake_cuda.install(monkeypatch)
+    weight = sim.tensor(torch.zeros(8, 4), device=device)
+    buffer = sim.tensor(torch.zeros(4), device=device)
+    training = sim.defaults[device]
+    weight.copy_(torch.ones(8, 4))  # queued on training's stream (the current one)
+    buffer.copy_(torch.ones(4))
+    written = [i for i, op in enumerate(training.ops) if op[0] == "copy"]
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    stager = Stager()
+    stager.stage({"w": weight, "bn": buffer}, copy=True, guards=[optimizer])
+    copies = sim.copies("d2h")
+    assert len(copies) == 2 and len(written) == 2
+    assert all(sim.covered(training, w, s, before=i) for s, i, _ in copies for w in written), \
+        "a device-to-host copy could read the tensor before training's queued write"
+
+
+def test_a_key_staged_from_the_cpu_then_from_a_gpu_gets_a_pinned_buffer(monkeypatch):
+    """A non-blocking copy into pageable memory would make save() wait for the copy."""
+    sim = _fake_cuda.install(monkeypatch)
+    stager = Stager()
+    staged, _ = stager.stage({"t": torch.randn(4)}, copy=True)
+    assert not staged["t"].is_pinned()
+    staged, _ = stager.stage({"t": sim.tensor(torch.randn(4))}, copy=True)
+    assert staged["t"].is_pinned()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_the_writer_reads_a_staged_buffer_only_once_its_copy_is_done(
+        asynchronous, tmp_path, monkeypatch):
+    """ckpt.save/async_save of (fake) CUDA tensors on two devices: the writer thread starts
+    reading the pinned buffers only after the device-to-host copies into them ended."""
+    import ckpt.engine
+
+    sim = _fake_cuda.install(monkeypatch)
+    weight = sim.tensor(torch.randn(8, 4), device=1)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    state = {"w": weight, "bn": sim.tensor(torch.randn(4), device=0), "opt": optimizer}
+    in_flight = []
+    real_write_rank = ckpt.engine.write_rank
+
+    def write_rank(storage, staging, payload, options, pool):
+        for _, buf in payload.pieces.values():
+            in_flight.extend(sim.host_in_flight(*_fake_cuda.memory_range(byte_view(buf))))
+        return real_write_rank(storage, staging, payload, options, pool)
+
+    monkeypatch.setattr(ckpt.engine, "write_rank", write_rank)
+    if asynchronous:
+        ckpt.async_save(state, tmp_path / "c").wait()
+    else:
+        ckpt.save(state, tmp_path / "c")
+    assert len(sim.copies("d2h")) == 2
+    assert in_flight == [], "the writer read a pinned buffer while its copy was in flight"
+    back = ckpt.load(tmp_path / "c")
+    assert torch.equal(back["w"], weight.as_subclass(torch.Tensor))
 
 
 # -- the CUDA generators of RNGState, on a machine with another number of devices ------------
@@ -260,6 +321,47 @@ def test_restore_reuses_a_bounce_buffer_only_after_its_copy_and_returns_after_ev
     assert clobbered == [], "a chunk was read into a buffer still being copied out"
     training = sim.defaults[device]
     assert all((s, i) in sim.done or sim.covered(s, i, training) for s, i, _ in copies)
+    assert all(torch.equal(live[k].as_subclass(torch.Tensor), v) for k, v in saved.items())
+
+
+
+@ON_DEVICE
+def test_a_load_on_reading_threads_writes_after_the_callers_stream(
+        device, tmp_path, monkeypatch):
+    """Training on a stream of its own, current on the calling thread only (CUDA's current
+    stream is per thread): the copies that the load's reading threads issue come after what
+    that stream queued (a write into a tensor) and after the save's deferred copies."""
+    import threading
+
+    import ckpt.reader
+    from storage_backends import posix
+
+    saved = {k: torch.randn(16, 256) for k in "abcd"}
+    ckpt.save(saved, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096))
+    sim = _fake_cuda.install(monkeypatch)
+    monkeypatch.setattr(ckpt.reader, "TINY_CHUNK_BYTES", 0)  # read on the pool's threads
+    readers = set()
+    real_read_into = posix._FileReader.read_into
+
+    def read_into(self, start, out):
+        readers.add(threading.get_ident())
+        real_read_into(self, start, out)
+
+    monkeypatch.setattr(posix._FileReader, "read_into", read_into)
+    live = {k: sim.tensor(torch.zeros(16, 256), device=device) for k in saved}
+    optimizer = torch.optim.SGD(list(live.values()), lr=0.1)
+    training = torch.cuda.Stream(device=torch.device("cuda", device))
+    with torch.cuda.stream(training):
+        live["a"].copy_(torch.ones(16, 256))  # queued on training's stream
+        stager = Stager()  # held, as a manager holds its own
+        stager.stage(dict(live), copy=True, guards=[optimizer])
+        earlier = [(training, 0)] + [(s, i) for s, i, _ in sim.copies("d2h")]
+        ckpt.load(live, tmp_path / "c")
+    assert readers - {threading.get_ident()}, "the load read nothing on another thread"
+    writes = [(s, i) for s, i, _ in sim.copies("h2d") if s is not training]
+    assert len(writes) == 4 * 4
+    assert all(sim.covered(s0, i0, s, before=i) for s, i in writes for s0, i0 in earlier), \
+        "a load's copy could overtake training's queued work or the save's copies"
     assert all(torch.equal(live[k].as_subclass(torch.Tensor), v) for k, v in saved.items())
 
 

@@ -226,11 +226,18 @@ def test_stateful_dataloader_over_a_stateless_shuffling_sampler_warns(tmp_path):
     want = [b.tolist() for _ in range(2) for b in make()]
     assert seen + [b.tolist() for b in resumed] != want  # what the warning is about
 
+    class EpochSeeded(torch.utils.data.RandomSampler):  # its order is the epoch's (Accelerate)
+        def set_epoch(self, epoch: int) -> None:
+            self.generator.manual_seed(epoch)
+
     shuffled = StatefulDataLoader(data, batch_size=4, shuffle=True,
                                   generator=torch.Generator().manual_seed(1))
+    seeded = StatefulDataLoader(data, batch_size=4, sampler=EpochSeeded(
+        data, generator=torch.Generator()))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         ckpt.save({"data": shuffled}, tmp_path / "d")
+        ckpt.save({"data": seeded}, tmp_path / "e")
 
 
 # ------------------------------------------------------------------------ the whole loop, SIGKILLed

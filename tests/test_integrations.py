@@ -379,3 +379,27 @@ def test_lightning_last_link_to_a_pointer_resumes_its_step(tmp_path):
     os.symlink(tmp_path / "epoch=0-step=4.ckpt", elsewhere / "last.ckpt")
     with pytest.raises(pickle.UnpicklingError):  # read as Lightning would: torch.load
         CkptCheckpointIO().load_checkpoint(elsewhere / "last.ckpt")
+
+
+def test_lightning_plugin_leaves_sigterm_to_lightning(tmp_path):
+    """Lightning's SIGTERM handler sets trainer.received_sigterm and stops the loop through
+    on_exception and teardown (which finishes the write in flight); the manager the plugin
+    opens at its first save replaced it with ckpt's (exit 143 from inside the loop)."""
+    pytest.importorskip("lightning")
+    from trainer.integrations.lightning import CkptCheckpointIO
+
+    def lightnings(signum, frame):  # stands for Lightning's handler
+        pass
+
+    previous = signal.signal(signal.SIGTERM, lightnings)
+    try:
+        io = CkptCheckpointIO()
+        io.save_checkpoint({"global_step": 1, "w": torch.ones(2)}, tmp_path / "last.ckpt")
+        assert signal.getsignal(signal.SIGTERM) is lightnings
+        io.teardown()
+        io = CkptCheckpointIO(handle_sigterm=True)  # ckpt's own, when asked for
+        io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, tmp_path / "last.ckpt")
+        assert signal.getsignal(signal.SIGTERM) is not lightnings
+        io.teardown()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from ckpt.errors import CorruptCheckpointError
 from ckpt.format import MANIFEST_NAME, Manifest
 from ckpt.integrity import check_structure, read_manifest
 from storage_backends import PosixStorage
+from storage_backends.fsspec_store import READ_BLOCK, FsspecStorage
+from tests.s3_fixture import _moto, s3_restartable  # noqa: F401  (fixtures)
 
 DIGEST = "0123456789abcdef"
 CHUNK = {"offsets": [0], "shape": [4], "file": "data-0.bin", "start": 0, "length": 16,
@@ -316,3 +319,72 @@ def test_a_structure_level_restore_refuses_a_data_file_of_another_size(tmp_path)
                                                          f"recorded {size}"):
             mgr.restore(live, step=1, verify="structure")
     assert not live["t"].any(), "a refused restore wrote"
+
+
+# ------------------------------------------------------- storage_backends/fsspec_store.py
+def test_an_object_stores_reads_follow_its_own_writes_and_deletes():
+    """Mutants: storage_backends/fsspec_store.py write() and delete() without
+    ``self._cache.forget`` (S14, S15), and _BlockCache.forget dropping only the path itself,
+    not what lies under it (S22): a read after a rewrite or a delete by this very instance
+    returned the bytes cached before it."""
+    storage = FsspecStorage(f"memory://ckpt-{uuid.uuid4().hex}/root")
+    out = memoryview(bytearray(16))
+    storage.write("step-1/f", [b"a" * 64])
+    storage.read_into("step-1/f", 8, out)
+    assert bytes(out) == b"a" * 16
+    storage.write("step-1/f", [b"b" * 64])
+    storage.read_into("step-1/f", 8, out)
+    assert bytes(out) == b"b" * 16
+    storage.delete("step-1")  # the directory: its files go with it
+    with pytest.raises(FileNotFoundError):
+        storage.read_into("step-1/f", 8, out)
+
+
+@pytest.mark.s3
+def test_a_large_read_from_a_server_that_is_down_is_an_io_error_not_a_short_object(
+        s3_restartable):
+    """Mutant: storage_backends/fsspec_store.py _cat_ranges taking any failed range for one
+    past the end of the object (dropping ``http_status(...) == 416``; S09): a read of 8 MiB
+    or more while the server was unreachable raised EOFError, the "object is truncated" of
+    corruption (a restore skips the step as damaged), instead of the I/O error it is."""
+    endpoint = s3_restartable
+    storage = FsspecStorage(endpoint.root("run"), storage_options=endpoint.storage_options,
+                            retries=1)
+    size = READ_BLOCK + 4096
+    storage.write("blob", [bytes(size)])
+    out = memoryview(bytearray(size))
+    storage.read_into("blob", 0, out)
+    endpoint.stop()
+    try:
+        with pytest.raises(OSError, match="reading .*/blob failed"):
+            storage.read_into("blob", 0, out)
+    finally:
+        endpoint.start()
+
+
+def test_an_object_store_sizes_only_objects_and_lists_only_what_lies_under_a_path():
+    """Mutants: storage_backends/fsspec_store.py size() without its directory check (S18: a
+    prefix was sized 0 bytes, as an empty file) and list() without skipping the listed path
+    itself (S17: a listing of an object named the object as its own child)."""
+    storage = FsspecStorage(f"memory://ckpt-{uuid.uuid4().hex}/root")
+    storage.write("step-1/f", [b"a" * 64])
+    assert storage.size("step-1/f") == 64
+    with pytest.raises(IsADirectoryError):
+        storage.size("step-1")
+    assert storage.list("step-1/f") == []
+    assert [e.name for e in storage.list("step-1")] == ["f"]
+
+
+# ------------------------------------------------------------- storage_backends/posix.py
+@pytest.mark.parametrize("path", ["../victim.txt", "step-1/../../victim.txt", "./x", "step-1/./x"])
+def test_the_posix_storage_refuses_a_path_that_leaves_or_bends_its_root(tmp_path, path):
+    """Mutant: storage_backends/posix.py local_path refusing only empty components, not "."
+    and ".." (P12): a path through ".." read, sized and deleted a file outside the root."""
+    root = tmp_path / "root"
+    (tmp_path / "victim.txt").write_bytes(b"precious")
+    (root / "step-1").mkdir(parents=True)
+    storage = PosixStorage(str(root))
+    for call in (storage.read, storage.size, storage.delete, storage.exists):
+        with pytest.raises(ValueError, match="is not a plain path inside the root"):
+            call(path)
+    assert (tmp_path / "victim.txt").read_bytes() == b"precious"

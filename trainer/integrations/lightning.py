@@ -54,7 +54,9 @@ class CkptCheckpointIO(CheckpointIO):
         manager_options: passed to the manager (``async_save``, ``compression``,
             ``incremental``, ``allow_pickle``, ``options``, ``metrics_port``...). The save
             schedule and retention are Lightning's (``ModelCheckpoint``), so ``every_steps``,
-            ``keep_last`` and ``keep_every`` are refused.
+            ``keep_last`` and ``keep_every`` are refused. SIGTERM is Lightning's too
+            (``trainer.received_sigterm``, ``on_exception``; its teardown finishes the write
+            in flight): ``handle_sigterm`` defaults to False here.
 
     Example::
 
@@ -66,7 +68,7 @@ class CkptCheckpointIO(CheckpointIO):
 
     def __init__(self, **manager_options: Any) -> None:
         StepStore.check_options(manager_options)
-        self.manager_options = manager_options
+        self.manager_options = {"handle_sigterm": False, **manager_options}
         self._store: StepStore | None = None
 
     def _open(self, root: str) -> StepStore:

@@ -360,3 +360,31 @@ def test_a_large_read_from_a_server_that_is_down_is_an_io_error_not_a_short_obje
             storage.read_into("blob", 0, out)
     finally:
         endpoint.start()
+
+
+def test_an_object_store_sizes_only_objects_and_lists_only_what_lies_under_a_path():
+    """Mutants: storage_backends/fsspec_store.py size() without its directory check (S18: a
+    prefix was sized 0 bytes, as an empty file) and list() without skipping the listed path
+    itself (S17: a listing of an object named the object as its own child)."""
+    storage = FsspecStorage(f"memory://ckpt-{uuid.uuid4().hex}/root")
+    storage.write("step-1/f", [b"a" * 64])
+    assert storage.size("step-1/f") == 64
+    with pytest.raises(IsADirectoryError):
+        storage.size("step-1")
+    assert storage.list("step-1/f") == []
+    assert [e.name for e in storage.list("step-1")] == ["f"]
+
+
+# ------------------------------------------------------------- storage_backends/posix.py
+@pytest.mark.parametrize("path", ["../victim.txt", "step-1/../../victim.txt", "./x", "step-1/./x"])
+def test_the_posix_storage_refuses_a_path_that_leaves_or_bends_its_root(tmp_path, path):
+    """Mutant: storage_backends/posix.py local_path refusing only empty components, not "."
+    and ".." (P12): a path through ".." read, sized and deleted a file outside the root."""
+    root = tmp_path / "root"
+    (tmp_path / "victim.txt").write_bytes(b"precious")
+    (root / "step-1").mkdir(parents=True)
+    storage = PosixStorage(str(root))
+    for call in (storage.read, storage.size, storage.delete, storage.exists):
+        with pytest.raises(ValueError, match="is not a plain path inside the root"):
+            call(path)
+    assert (tmp_path / "victim.txt").read_bytes() == b"precious"

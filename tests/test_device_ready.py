@@ -170,6 +170,30 @@ def test_the_writer_reads_a_staged_buffer_only_once_its_copy_is_done(
     assert torch.equal(back["w"], weight.as_subclass(torch.Tensor))
 
 
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "overlap_off"])
+def test_async_save_of_a_model_and_its_optimizer_overlaps_only_when_asked(
+        overlap, tmp_path, monkeypatch):
+    """Through async_save (the state's optimizers found as guards): with
+    overlap_device_copy the parameters' copies are awaited at the optimizer's step; without
+    it (for code that changes parameters in place otherwise) training waits for every copy
+    at once."""
+    sim = _fake_cuda.install(monkeypatch)
+    weight = sim.tensor(torch.randn(8, 4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    state = {"w": weight, "bn": sim.tensor(torch.randn(4)), "opt": optimizer}
+    handle = ckpt.async_save(state, tmp_path / "c",
+                             options=ckpt.SaveOptions(overlap_device_copy=overlap))
+    copies = {ptr: (s, i) for s, i, ptr in sim.copies("d2h")}
+    training = sim.defaults[0]
+    assert sim.covered(*copies[state["bn"].untyped_storage().data_ptr()], training)
+    w_copy = copies[weight.untyped_storage().data_ptr()]
+    assert sim.covered(*w_copy, training) is not overlap
+    optimizer.step()
+    assert sim.covered(*w_copy, training)
+    handle.wait()
+
+
 # -- the CUDA generators of RNGState, on a machine with another number of devices ------------
 
 def fake_cuda_rng(monkeypatch, count: int, current: int) -> dict[int, torch.Tensor]:

@@ -460,3 +460,65 @@ def test_a_file_named_like_a_step_is_no_step_directory(tmp_path):
     assert step_dirs(storage) == {1: True}
     collect(storage)
     assert (tmp_path / "step-00000002").read_bytes() == b"a note, not a step"
+
+
+def test_a_dry_run_of_gc_deletes_nothing(tmp_path):
+    """Mutant: ckpt/incremental.py collect() deleting unreferenced files whatever
+    ``dry_run`` says (N07): a dry run emptied the steps it only reported, their manifests
+    left in place (committed steps without their data)."""
+    _save(tmp_path, {1: {"t": torch.ones(4)}, 2: {"t": torch.ones(4) * 2}})
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    report = collect(PosixStorage(str(tmp_path)), keep={2}, dry_run=True)
+    assert report.retired_steps == [1] and report.deleted_files
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_gc_leaves_a_directory_inside_a_kept_step_alone(tmp_path):
+    """Mutant: ckpt/incremental.py collect() without ``(is_kept and entry.is_dir)`` (N05): a
+    directory inside a kept step (none of ckpt's files) was deleted with what it holds."""
+    _save(tmp_path, {1: {"t": torch.ones(4)}})
+    (tmp_path / "step-00000001" / "notes").mkdir()
+    (tmp_path / "step-00000001" / "notes" / "a.txt").write_bytes(b"kept")
+    collect(PosixStorage(str(tmp_path)))
+    assert (tmp_path / "step-00000001" / "notes" / "a.txt").read_bytes() == b"kept"
+
+
+def test_an_incremental_chain_ends_in_a_full_save_every_full_every_steps(tmp_path):
+    """Mutant: ckpt/incremental.py chain_length() always 0 (N10): the manager never saw a
+    chain reach ``full_every``, and every save stayed incremental (each step depending on
+    ever older ones) forever."""
+    frozen = torch.randn(64, 64)
+    _save(tmp_path, {s: {"frozen": frozen, "t": torch.full((4,), float(s))} for s in (1, 2, 3)},
+          incremental=True, full_every=2)
+    storage = PosixStorage(str(tmp_path))
+    reused = {s: any(c.step is not None for e in read_manifest(storage, f"step-{s:08d}", s)
+                     .tensors.values() for c in e.chunks) for s in (1, 2, 3)}
+    assert reused == {1: False, 2: True, 3: False}
+
+
+def test_a_step_is_never_committed_over_a_file_of_its_name(tmp_path):
+    """Mutant: storage_backends/posix.py _commit_over without its ``S_ISDIR`` check (P19): a
+    file at the step's name failed the commit with a NotADirectoryError from moving the first
+    data file, not the FileExistsError that names the file to remove."""
+    storage = PosixStorage(str(tmp_path))
+    (tmp_path / "step-00000001").write_bytes(b"not a step")
+    staging = storage.begin("step-00000001", "tok")
+    storage.write(f"{staging}/data", [b"x"])
+    with pytest.raises(FileExistsError, match="exists and is not a step directory"):
+        storage.commit(staging, "step-00000001", b"{}", MANIFEST_NAME)
+    assert (tmp_path / "step-00000001").read_bytes() == b"not a step"
+
+
+def test_deleting_through_a_planted_link_is_ignored_not_an_error(tmp_path):
+    """Mutant: storage_backends/posix.py delete() letting SymlinkRefusedError out (P22): a
+    path through a link counts as absent, and deleting an absent path is no error."""
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    (victim / "step-00000001").mkdir(parents=True)
+    (victim / "step-00000001" / "f").write_bytes(b"precious")
+    root.mkdir()
+    os.symlink(victim / "step-00000001", root / "step-00000001")
+    storage = PosixStorage(str(root))
+    storage.delete("step-00000001/f")
+    storage.delete("step-00000001")
+    assert (victim / "step-00000001" / "f").read_bytes() == b"precious"
+    assert os.path.islink(root / "step-00000001")

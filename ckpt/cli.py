@@ -197,8 +197,9 @@ def _steps(cps: Checkpoints, args: argparse.Namespace) -> list[int]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     if args.level != "forward" and (args.model or args.loss or args.rtol is not None
-                                    or args.atol is not None):
-        raise verify.UsageError("--model, --loss, --rtol and --atol are for --level forward")
+                                    or args.atol is not None or args.trust_recorded):
+        raise verify.UsageError("--model, --loss, --rtol, --atol and --trust-recorded are for "
+                                "--level forward")
     reports = []
     cps = _open(args.root)
     for step in _steps(cps, args):
@@ -213,7 +214,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         try:
             reports.append(verify.verify_step(
                 cps, step, args.level, progress, model=args.model, loss=args.loss,
-                rtol=args.rtol, atol=args.atol, threads=args.threads))
+                rtol=args.rtol, atol=args.atol, threads=args.threads,
+                trust_recorded=args.trust_recorded))
         except CheckpointNotFoundError as e:
             if not args.all:
                 raise
@@ -431,6 +433,7 @@ examples:
   ckpt verify /ckpt/run1                               # newest step, digest level
   ckpt verify /ckpt/run1 --all --level structure --json
   ckpt verify /ckpt/run1 --level forward --model mypkg.models:build
+  ckpt verify /ckpt/run1 --level forward --trust-recorded   # the factory the probe names
   ckpt verify out/ckpt0                                # what ckpt.save wrote
   ckpt diff /ckpt/run1 400 500
   ckpt diff /ckpt/run1 /ckpt/run2 --filter 'optim/*'   # two runs, newest steps
@@ -511,7 +514,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--level", choices=verify.LEVELS, default="digest",
                    help="default: digest")
     p.add_argument("--model", metavar="MOD:FACTORY",
-                   help="forward: builds a fresh model (default: the probe's recorded factory)")
+                   help="forward: builds a fresh model")
+    p.add_argument("--trust-recorded", action="store_true",
+                   help="forward: import and run the factory and loss function the probe "
+                        "recorded (code the checkpoint names: only for checkpoints you trust)")
     p.add_argument("--loss", metavar="MOD:FN",
                    help="forward: loss_fn(output, inputs), to recheck a recorded loss")
     p.add_argument("--rtol", type=_tolerance,

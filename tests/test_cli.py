@@ -106,7 +106,7 @@ def test_the_command_in_a_terminal_on_a_good_root(tmp_path):
         tmp_path,
         ["--help"],
         ["verify", "root"],
-        ["verify", "root", "--all", "--level", "forward", "--json"],
+        ["verify", "root", "--all", "--level", "forward", "--trust-recorded", "--json"],
         ["diff", "root", "1", "2", "--json"],
         ["export", "root", "--step", "1", "--to", "safetensors", "out.safetensors"],
         ["export", "root", "--to", "torch", "out.pt", "--item", "model", "--json"],
@@ -603,14 +603,16 @@ def test_forward_options_are_checked_and_a_failing_loss_function_is_named(
     root = tmp_path / "root"
     for option, value in (("--rtol", "-1"), ("--atol", "nan"), ("--rtol", "inf"),
                           ("--atol", "abc")):
-        code, out, err = cli(capsys, "verify", root, "--level", "forward", option, value)
+        code, out, err = cli(capsys, "verify", root, "--level", "forward",
+                             "--trust-recorded", option, value)
         assert code == 2 and f"{option}: must be a finite number >= 0, not {value}" in err
     code, out, err = cli(capsys, "gc", root, "--keep-last", "x")
     assert code == 2 and "--keep-last: must be a whole number, not 'x'" in err
     (tmp_path / "userloss.py").write_text(
         "def broken(output, inputs):\n    raise ZeroDivisionError('loss exploded')\n")
     monkeypatch.chdir(tmp_path)
-    code, out, err = cli(capsys, "verify", root, "--level", "forward", "--loss",
+    code, out, err = cli(capsys, "verify", root, "--level", "forward",
+                         "--trust-recorded", "--loss",
                          "userloss:broken")
     assert code == 2, out
     assert "! the loss function userloss:broken raised ZeroDivisionError: loss exploded" \
@@ -768,12 +770,14 @@ def test_a_probe_recorded_from_a_training_script_names_what_to_pass(tmp_path, ca
         with ckpt.CheckpointManager(tmp_path / name, probe=probe, async_save=False) as mgr:
             mgr.save(1, {"model": usermodels.build()})
     sys.modules.pop("usermodels", None)
-    code, out, err = cli(capsys, "verify", tmp_path / "script-loss", "--level", "forward")
+    code, out, err = cli(capsys, "verify", tmp_path / "script-loss", "--level", "forward",
+                         "--trust-recorded")
     assert code == 0, out + err  # the weights and the output were checked
     assert ("recorded, not rechecked (the probe's recorded loss "
             "function: __main__:my_loss was defined in the training script, so it cannot be "
             "imported here; pass --loss module.path:callable)") in out, out
-    code, out, err = cli(capsys, "verify", tmp_path / "script-factory", "--level", "forward")
+    code, out, err = cli(capsys, "verify", tmp_path / "script-factory", "--level", "forward",
+                         "--trust-recorded")
     assert code == 2
     assert ("! the probe's recorded factory: __main__:build was defined in the training "
             "script, so it cannot be imported here; pass --model module.path:callable") in out
@@ -819,7 +823,8 @@ def test_a_hand_edited_probe_is_a_failed_check_not_a_traceback(tmp_path, capsys,
     doc = json.loads(manifest.read_text())
     doc["items"]["__probe__"]["tree"][field] = value
     manifest.write_text(json.dumps(doc))
-    code, out, err = cli(capsys, "verify", tmp_path / "root", "--level", "forward")
+    code, out, err = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
+                         "--trust-recorded")
     assert code == 1, out + err
     assert f"  - output: {manifest.parent}: the probe item is damaged: {why}" in out
     sys.modules.pop("usermodels", None)

@@ -130,7 +130,7 @@ def test_a_loss_function_that_returns_no_number_is_named(tmp_path, capsys, monke
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        code = main(["verify", str(tmp_path / "root"), "--level", "forward",
+        code = main(["verify", str(tmp_path / "root"), "--level", "forward", "--trust-recorded",
                      "--loss", "userloss3:text"])
     finally:
         sys.modules.pop("userloss3", None)
@@ -251,7 +251,7 @@ def test_forward_level_names_a_bool_loss_and_a_bad_model_option(tmp_path, capsys
     doc = json.loads(manifest.read_text())
     doc["items"]["__probe__"]["tree"]["loss"] = True
     manifest.write_text(json.dumps(doc))
-    code = main(["verify", str(root), "--level", "forward", "--step", "2"])
+    code = main(["verify", str(root), "--level", "forward", "--trust-recorded", "--step", "2"])
     out = capsys.readouterr().out
     assert code == 1 and "the probe item is damaged: its recorded loss is a bool" in out, out
     assert main(["verify", str(root), "--level", "forward", "--step", "1",

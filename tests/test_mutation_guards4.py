@@ -14,10 +14,12 @@ import torch
 
 from ckpt import CheckpointManager, SaveOptions
 from ckpt import format as fmt
-from ckpt.errors import CorruptCheckpointError
+from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.format import MANIFEST_NAME, Manifest
+from ckpt.incremental import collect, step_dirs
 from ckpt.integrity import check_structure, read_manifest
 from storage_backends import PosixStorage
+from storage_backends import fsspec_store
 from storage_backends.fsspec_store import READ_BLOCK, FsspecStorage
 from tests.s3_fixture import _moto, s3_restartable  # noqa: F401  (fixtures)
 
@@ -388,3 +390,73 @@ def test_the_posix_storage_refuses_a_path_that_leaves_or_bends_its_root(tmp_path
         with pytest.raises(ValueError, match="is not a plain path inside the root"):
             call(path)
     assert (tmp_path / "victim.txt").read_bytes() == b"precious"
+
+
+def test_a_file_where_a_save_stages_is_refused_not_written_through(tmp_path):
+    """Mutant: storage_backends/posix.py begin() without ``if not S_ISDIR(...): raise``
+    (P15): a regular file at the staging name was taken for the directory another rank had
+    made, and the save went on to fail on its first data file with an error naming no
+    cause. (Every rank of one save calls begin(): an existing directory is fine.)"""
+    storage = PosixStorage(str(tmp_path))
+    assert storage.begin("step-00000001", "tok") == storage.begin("step-00000001", "tok")
+    (tmp_path / ".tmp-step-00000002-tok").write_bytes(b"not a directory")
+    with pytest.raises(FileExistsError):
+        storage.begin("step-00000002", "tok")
+
+
+def test_only_directories_under_the_staging_prefixes_are_leftovers(tmp_path):
+    """Mutant: storage_backends/posix.py uncommitted() without ``and e.is_dir`` (P18): a
+    file whose name starts like a staging directory was listed as a save's leftovers."""
+    storage = PosixStorage(str(tmp_path))
+    staging = storage.begin("step-00000001", "tok")
+    (tmp_path / ".tmp-notes.txt").write_bytes(b"someone's file")
+    assert storage.uncommitted() == [staging]
+
+
+@pytest.mark.s3
+def test_a_huge_object_is_uploaded_in_no_more_parts_than_s3_allows(s3_restartable,
+                                                                   monkeypatch):
+    """Mutant: storage_backends/fsspec_store.py _put uploading in ``block_size`` parts
+    whatever the object's size (S23): an object over 9,000 parts (288 GiB at 32 MiB) failed
+    at S3's limit of 10,000 parts. The limit is lowered here to 2 parts: 12 MiB in 5 MiB
+    blocks must go up in two parts of 6 MiB, not three (S3's ETag of a multipart object
+    ends in its number of parts)."""
+    monkeypatch.setattr(fsspec_store, "_PART_LIMIT", 2)
+    endpoint = s3_restartable
+    storage = FsspecStorage(endpoint.root("run"), storage_options=endpoint.storage_options,
+                            block_size=5 << 20)
+    data = os.urandom(12 << 20)
+    storage.write("blob", [data])
+    etag = endpoint.client().head_object(Bucket=endpoint.bucket, Key="run/blob")["ETag"]
+    assert etag.strip('"').endswith("-2"), etag
+    assert storage.read("blob") == data
+
+
+# ------------------------------------------------------------------ ckpt/incremental.py
+def test_gc_deletes_nothing_when_a_kept_steps_references_cannot_be_read(tmp_path):
+    """Mutant: ckpt/incremental.py collect() skipping a kept step whose manifest it cannot
+    read instead of stopping (N02): its references unknown, the files of the earlier step
+    it reuses were deleted with that step."""
+    frozen = torch.randn(64, 64)
+    _save(tmp_path, {1: {"frozen": frozen, "t": torch.zeros(4)},
+                     2: {"frozen": frozen, "t": torch.ones(4)}},
+          incremental=True, full_every=100)
+    before = sorted(p.name for p in (tmp_path / "step-00000001").iterdir())
+    (tmp_path / "step-00000002" / MANIFEST_NAME).write_bytes(b"{not json")
+    storage = PosixStorage(str(tmp_path))
+    with pytest.raises(CheckpointError, match="gc stopped before deleting anything: cannot "
+                                              "read the references of kept step 2"):
+        collect(storage, keep={2})
+    assert sorted(p.name for p in (tmp_path / "step-00000001").iterdir()) == before
+
+
+def test_a_file_named_like_a_step_is_no_step_directory(tmp_path):
+    """Mutant: ckpt/incremental.py step_dirs without ``entry.is_dir`` (N01): a file named
+    step-00000002 in the root was taken for an uncommitted step, and the collector deleted
+    it as that step's leftovers."""
+    _save(tmp_path, {1: {"t": torch.ones(4)}})
+    (tmp_path / "step-00000002").write_bytes(b"a note, not a step")
+    storage = PosixStorage(str(tmp_path))
+    assert step_dirs(storage) == {1: True}
+    collect(storage)
+    assert (tmp_path / "step-00000002").read_bytes() == b"a note, not a step"

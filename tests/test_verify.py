@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,11 +89,12 @@ KINDS = {
 def test_a_good_checkpoint_passes_every_level(tmp_path, capsys, kind):
     save(tmp_path / "root", **KINDS[kind])
     for level in verify.LEVELS:
-        code, out, err = cli(capsys, "verify", tmp_path / "root", "--level", level)
+        trust = ["--trust-recorded"] if level == "forward" else []
+        code, out, err = cli(capsys, "verify", tmp_path / "root", "--level", level, *trust)
         assert code == 0, out + err
         assert "step 1: OK" in out
     assert "forward: model _verify_workers:build_net" in out
-    report = verify.verify(str(tmp_path / "root"), level="forward")
+    report = verify.verify(str(tmp_path / "root"), level="forward", trust_recorded=True)
     assert report.ok and report.problems == [] and report.error is None
     assert report.checks == ["manifest", "structure", "header", "digest", "weights", "output"]
     assert report.forward["max_abs_diff"] == 0.0  # the same machine: bit-identical rerun
@@ -110,7 +112,7 @@ def test_an_incremental_chain_passes_every_step(tmp_path, capsys):
     reused = [c for e in manifest_of(root / "step-00000004")["tensors"].values()
               for c in e["chunks"] if "step" in c]
     assert reused, "the chain reuses no chunk: the test would prove nothing"
-    code, out, err = cli(capsys, "verify", root, "--all", "--level", "forward")
+    code, out, err = cli(capsys, "verify", root, "--all", "--level", "forward", "--trust-recorded")
     assert code == 0, out + err
     assert [ln.split(":")[0] for ln in out.splitlines() if ln.startswith("step")] == [
         f"step {s}" for s in range(1, 5)]
@@ -237,7 +239,8 @@ def test_an_edited_manifest_is_rejected_before_any_data_file_is_opened(
     (step_dir / "manifest.json").write_text(json.dumps(doc))
     storage_reads.clear()
 
-    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward")
+    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
+                       "--trust-recorded")
 
     assert code == 1, out
     assert_names(out, step_dir / "manifest.json", "manifest")
@@ -282,7 +285,8 @@ def test_nan_and_inf_weights_fail_the_forward_level_naming_the_tensors(tmp_path,
 
     digest, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "digest")
     assert digest == 0, out  # the bytes are exactly what was saved: only forward sees it
-    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward")
+    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
+                       "--trust-recorded")
 
     assert code == 1, out
     doc = manifest_of(tmp_path / "root" / "step-00000001")
@@ -298,10 +302,12 @@ def test_nan_and_inf_weights_fail_the_forward_level_naming_the_tensors(tmp_path,
 
 def test_forward_without_a_probe_exits_2_saying_how_to_record_one(tmp_path, capsys):
     save(tmp_path / "root", with_probe=False)
-    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward")
+    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
+                       "--trust-recorded")
     assert code == 2, out
     assert "no probe" in out and "ckpt.Probe(" in out
-    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward", "--json")
+    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
+                       "--trust-recorded", "--json")
     doc = json.loads(out)
     assert code == 2 and doc["exit_code"] == 2 and doc["steps"][0]["status"] == "error"
 
@@ -309,7 +315,8 @@ def test_forward_without_a_probe_exits_2_saying_how_to_record_one(tmp_path, caps
 def test_a_corrupt_step_without_a_probe_still_exits_1(tmp_path, capsys):
     save(tmp_path / "root", with_probe=False)
     data_files(tmp_path / "root" / "step-00000001")[0].unlink()
-    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward")
+    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
+                       "--trust-recorded")
     assert code == 1, out
 
 
@@ -347,14 +354,17 @@ def test_forward_rechecks_a_recorded_loss(tmp_path, capsys):
     with ckpt.CheckpointManager(tmp_path / "root", probe=probe(local_loss),
                                 async_save=False) as mgr:
         mgr.save(1, {"model": make_net()})
-    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward")
+    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
+                       "--trust-recorded")
     assert code == 0 and "not rechecked" in out, out  # no loss function to recompute it
     code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
+                       "--trust-recorded",
                        "--loss", "_verify_workers:mse_loss", "--json")
     step = json.loads(out)["steps"][0]
     assert code == 0 and "loss" in step["checks"]
     assert step["forward"]["loss_now"] == pytest.approx(step["forward"]["loss_recorded"])
     code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
+                       "--trust-recorded",
                        "--loss", "_verify_workers:doubled_loss")
     assert code == 1 and "- loss: " in out, out
 
@@ -371,7 +381,8 @@ def test_forward_uses_a_loss_function_the_probe_names(tmp_path, capsys):
             "factory": FACTORY, "loss_fn": "_verify_workers:mse_loss", "finite": True}
     with ckpt.CheckpointManager(tmp_path / "root", async_save=False) as mgr:
         mgr.save(1, {"model": net, "__probe__": item})
-    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward")
+    code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
+                       "--trust-recorded")
     assert code == 1 and "- loss: " in out, out  # recorded 1.5x what it is: found
 
 
@@ -383,7 +394,7 @@ def test_bf16_outputs_get_the_bf16_tolerance(tmp_path):
                    factory="_verify_workers:build_bf16")
     with ckpt.CheckpointManager(tmp_path / "root", probe=p, async_save=False) as mgr:
         mgr.save(1, {"model": net})
-    report = verify.verify(str(tmp_path / "root"), level="forward")
+    report = verify.verify(str(tmp_path / "root"), level="forward", trust_recorded=True)
     assert report.ok, report.problems
     assert report.forward["output_dtype"] == "bfloat16"
     assert (report.forward["rtol"], report.forward["atol"]) == verify.tolerance_for(torch.bfloat16)
@@ -676,3 +687,43 @@ def test_restore_at_the_forward_level_skips_a_step_whose_probe_item_is_damaged(
     assert f"the probe item is damaged: {reason}" in caplog.text
     for key, value in first["model"].state_dict().items():
         assert torch.equal(net.state_dict()[key], value)
+
+
+def test_the_recorded_factory_and_loss_run_only_when_trusted(tmp_path, capsys, monkeypatch):
+    """A probe names code to import and call (its factory and loss function): like pickle,
+    nothing a checkpoint names is imported unless the user says so. A hostile manifest could
+    name any installed module; here the module's import leaves a mark."""
+    (tmp_path / "marking.py").write_text(
+        "import pathlib\npathlib.Path('imported').write_text('x')\n"
+        "from _verify_workers import build_net\n"
+        "def loss(output, inputs):\n    return output.float().pow(2).mean()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import marking
+
+    probe = ckpt.Probe(model_key="model", inputs=torch.randn(5, 8), factory="marking:build_net",
+                       loss_fn=marking.loss)
+    with ckpt.CheckpointManager("root", probe=probe, async_save=False) as mgr:
+        mgr.save(1, {"model": make_net()})
+    sys.modules.pop("marking")
+    (tmp_path / "imported").unlink()
+
+    code, out, _ = cli(capsys, "verify", "root", "--level", "forward")
+    assert code == 2 and not (tmp_path / "imported").exists(), out
+    assert ("the probe records the factory 'marking:build_net'; a factory a checkpoint names "
+            "is imported and run only when asked") in out
+    assert "pass --model marking:build_net to use it, or --trust-recorded" in out
+    assert not verify.verify("root", level="forward").ok
+    assert not (tmp_path / "imported").exists()
+
+    # --model names the factory: the recorded loss function is still not imported.
+    code, out, _ = cli(capsys, "verify", "root", "--level", "forward", "--model",
+                       "_verify_workers:build_net")
+    assert code == 0 and not (tmp_path / "imported").exists(), out
+    assert "the probe's recorded loss function 'marking:loss' was not run" in out
+
+    code, out, _ = cli(capsys, "verify", "root", "--level", "forward", "--trust-recorded",
+                       "--json")
+    assert code == 0 and (tmp_path / "imported").exists(), out
+    assert json.loads(out)["steps"][0]["forward"]["factory"] == "marking:build_net"
+    sys.modules.pop("marking", None)

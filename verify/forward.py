@@ -1,10 +1,11 @@
 """The ``forward`` level of ``ckpt verify``: load the step into a fresh model and rerun the
 probe recorded at save time (:class:`ckpt.Probe`).
 
-1. Build a fresh model with the factory: ``--model module.path:callable`` or the factory the
-   probe recorded. The module is imported with the current directory on ``sys.path`` (as
-   ``python -m`` does). Importing and calling it runs code: use the recorded factory only
-   for checkpoints you trust, as with pickle.
+1. Build a fresh model with the factory: ``--model module.path:callable``, or the factory the
+   probe recorded when the caller opts in (``--trust-recorded``): importing and calling a
+   module a checkpoint names runs code, so, as with pickle, nothing named by a checkpoint is
+   imported unless asked. The module is imported with the current directory on ``sys.path``
+   (as ``python -m`` does).
 2. Load the probe's model item into it (``ckpt.inspect.Checkpoints.load``: atomic, digests
    checked, no pickle); the probe's recorded inputs, output and loss come back with it.
 3. Every floating-point weight must be finite; a NaN or Inf is reported naming the tensor
@@ -84,12 +85,19 @@ def resolve(spec: str, what: str = "--model") -> Callable[..., Any]:
     return obj
 
 
-def build_model(model: Any, recorded: str | None) -> tuple[torch.nn.Module, str]:
-    """A fresh model from ``model`` (spec, callable or module) or the recorded factory."""
+def build_model(model: Any, recorded: str | None,
+                trust_recorded: bool = False) -> tuple[torch.nn.Module, str]:
+    """A fresh model from ``model`` (spec, callable or module), else the recorded factory
+    when ``trust_recorded``."""
     if model is None:
         if recorded is None:
             raise UsageError("the probe recorded no factory: pass --model module.path:callable "
                              "(a function returning a fresh model of the saved architecture)")
+        if not trust_recorded:
+            raise UsageError(f"the probe records the factory {recorded!r}; a factory a "
+                             "checkpoint names is imported and run only when asked (it runs "
+                             f"code, as pickle does): pass --model {recorded} to use it, or "
+                             "--trust-recorded for checkpoints you trust")
         model = recorded
     if isinstance(model, torch.nn.Module):
         return model, type(model).__qualname__
@@ -115,8 +123,11 @@ def build_model(model: Any, recorded: str | None) -> tuple[torch.nn.Module, str]
 
 def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
                   model: Any = None, loss: Any = None, rtol: float | None = None,
-                  atol: float | None = None) -> tuple[list[Problem], dict[str, Any]]:
-    """Run the forward level on ``step``; returns (problems, figures).
+                  atol: float | None = None,
+                  trust_recorded: bool = False) -> tuple[list[Problem], dict[str, Any]]:
+    """Run the forward level on ``step``; returns (problems, figures). ``trust_recorded``:
+    import and run the factory and loss function the probe recorded when ``model`` and
+    ``loss`` are not given (code a checkpoint names: only for checkpoints you trust).
 
     Raises:
         UsageError: no probe in the step, no usable factory, or a model that does not fit.
@@ -129,7 +140,7 @@ def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
         raise UsageError(f"step {step} has no probe, so the forward level cannot run: "
                          + NO_PROBE_HINT)
     model_key = tree["model_key"]
-    net, factory = build_model(model, tree.get("factory"))
+    net, factory = build_model(model, tree.get("factory"), trust_recorded)
     state: dict[str, Any] = {model_key: net, PROBE_ITEM: None}
     try:
         cps.load(state, step)
@@ -143,7 +154,7 @@ def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
         return [Problem("output", f"{where}: the probe item is damaged: {damaged}", where)], \
             {"factory": factory}
     problems = nonfinite_weights(cps, step, net, manifest, model_key)
-    loss_fn, loss_note = _loss_function(loss, probe.get("loss_fn"))
+    loss_fn, loss_note = _loss_function(loss, probe.get("loss_fn"), trust_recorded)
     try:
         output, loss_now = run_forward(net, probe["inputs"],
                                        None if loss_fn is None else _LossCall(loss_fn))
@@ -267,14 +278,20 @@ def compare_output(output: torch.Tensor, recorded: torch.Tensor, rtol: float, at
     return problems
 
 
-def _loss_function(loss: Any, recorded: Any) -> tuple[Callable | None, str | None]:
+def _loss_function(loss: Any, recorded: Any,
+                   trust_recorded: bool) -> tuple[Callable | None, str | None]:
     """The loss function to recheck the recorded loss with, or (None, why not). A recorded
-    one that cannot be imported here (defined in the training script, ``__main__``) leaves
-    the loss unchecked rather than failing the level; a bad ``--loss`` is an error."""
+    one that is not trusted, or cannot be imported here (defined in the training script,
+    ``__main__``), leaves the loss unchecked rather than failing the level; a bad ``--loss``
+    is an error."""
     if loss is not None:
         return (resolve(loss, "--loss") if isinstance(loss, str) else loss), None
     if not isinstance(recorded, str):
         return recorded, None
+    if not trust_recorded:
+        return None, (f"the probe's recorded loss function {recorded!r} was not run (code a "
+                      f"checkpoint names runs only when asked): pass --loss {recorded}, or "
+                      "--trust-recorded")
     try:
         return resolve(recorded, "loss function"), None
     except UsageError as e:

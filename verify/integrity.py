@@ -191,12 +191,14 @@ def _interleave(jobs: list, n: int) -> list:
 def verify_step(source: Checkpoints | ckpt.CheckpointManager, step: int,
                 level: str = "structure", progress: Callable[[int], None] | None = None, *,
                 model: Any = None, loss: Any = None, rtol: float | None = None,
-                atol: float | None = None, threads: int = 4) -> StepReport:
+                atol: float | None = None, threads: int = 4,
+                trust_recorded: bool = False) -> StepReport:
     """Verify one committed step at ``level`` (and the levels before).
 
     ``source``: checkpoints opened with :func:`ckpt.inspect.open` (a root or one checkpoint
     directory) or an open :class:`ckpt.CheckpointManager`. ``model``/``loss``/``rtol``/
-    ``atol`` are for the forward level (see :func:`verify.forward.check_forward`). A later
+    ``atol``/``trust_recorded`` are for the forward level (see
+    :func:`verify.forward.check_forward`). A later
     level runs only when the earlier ones passed.
 
     Raises:
@@ -214,7 +216,7 @@ def verify_step(source: Checkpoints | ckpt.CheckpointManager, step: int,
     report = StepReport(step, level, location=cps.step_url(step))
     try:
         _run_levels(cps, step, level, report, progress, model=model, loss=loss,
-                    rtol=rtol, atol=atol, threads=threads)
+                    rtol=rtol, atol=atol, threads=threads, trust_recorded=trust_recorded)
     except UsageError as e:
         report.error = str(e)
     except ckpt.CheckpointNotFoundError:
@@ -279,8 +281,9 @@ def verify(path: str, step: int | None = None, level: str = "structure", model: 
     step directory or a ``ckpt.save`` directory.
 
     ``model`` (forward level): a ``"module:callable"`` factory, a callable returning a fresh
-    ``nn.Module``, or a fresh module; None uses the factory recorded by the probe.
-    ``options``: ``loss``, ``rtol``, ``atol``, ``threads``, ``progress``.
+    ``nn.Module``, or a fresh module; None uses the factory recorded by the probe when
+    ``trust_recorded=True`` (it imports and runs code the checkpoint names).
+    ``options``: ``loss``, ``rtol``, ``atol``, ``threads``, ``progress``, ``trust_recorded``.
 
     Raises:
         CheckpointNotFoundError: ``path`` does not exist, holds no committed step, or not

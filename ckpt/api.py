@@ -69,6 +69,14 @@ class _OneShot:
             self._inflight = self._writer.submit(storage, payload, time.perf_counter() - t0)
             return self._inflight
 
+    def release(self, handle: SaveHandle) -> None:
+        """Drop the host buffers after ``handle``'s save when no save started since (a
+        synchronous save keeps no copy of the state; pinned ones for CUDA tensors)."""
+        with self._mutex:
+            if self._inflight is handle:
+                self._inflight = None
+                self._stager.release_buffers()
+
 
 _ONE_SHOT = _OneShot()
 
@@ -80,7 +88,8 @@ def async_save(state: MutableMapping[str, Any], path: str | os.PathLike, *, step
 
     Returns once the state is copied to host memory; the handle's ``wait()`` returns the
     :class:`SaveResult` or raises the writer's error. The directory appears complete or not
-    at all.
+    at all. The host copy (pinned memory for CUDA tensors) is kept for the next
+    ``async_save``, which refills it instead of allocating; :func:`save` frees it.
     """
     options = options or SaveOptions(allow_pickle=allow_pickle)
     return _ONE_SHOT.submit(state, path, step=step, copy=True, options=options, metadata=metadata)
@@ -97,8 +106,12 @@ def save(state: MutableMapping[str, Any], path: str | os.PathLike, *, step: int 
         StorageError: writing failed (nothing is left at ``path``).
     """
     options = options or SaveOptions(allow_pickle=allow_pickle)
-    return _ONE_SHOT.submit(state, path, step=step, copy=False, options=options,
-                            metadata=metadata).wait()
+    handle = _ONE_SHOT.submit(state, path, step=step, copy=False, options=options,
+                              metadata=metadata)
+    try:
+        return handle.wait()
+    finally:
+        _ONE_SHOT.release(handle)
 
 
 @overload

@@ -168,6 +168,10 @@ class Stager:
         self._hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         _STAGERS.add(self)
 
+    def release_buffers(self) -> None:
+        """Let the host buffers go (no save may be in flight)."""
+        self._buffers.clear()
+
     def stage(self, tensors: dict[str, torch.Tensor], copy: bool,
               guards: Sequence[torch.optim.Optimizer] = ()
               ) -> tuple[dict[str, torch.Tensor], _Ready | None]:

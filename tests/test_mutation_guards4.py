@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 import uuid
 
 import pytest
@@ -19,7 +22,7 @@ from ckpt.format import MANIFEST_NAME, Manifest
 from ckpt.incremental import collect, step_dirs
 from ckpt.integrity import check_structure, read_manifest
 from storage_backends import PosixStorage
-from storage_backends import fsspec_store
+from storage_backends import LockHeldError, fsspec_store, lease
 from storage_backends.fsspec_store import READ_BLOCK, FsspecStorage
 from tests.s3_fixture import _moto, s3_restartable  # noqa: F401  (fixtures)
 
@@ -522,3 +525,75 @@ def test_deleting_through_a_planted_link_is_ignored_not_an_error(tmp_path):
     storage.delete("step-00000001")
     assert (victim / "step-00000001" / "f").read_bytes() == b"precious"
     assert os.path.islink(root / "step-00000001")
+
+
+def test_abort_of_a_staging_name_that_is_a_planted_link_is_ignored(tmp_path):
+    """Mutant: storage_backends/posix.py abort() letting SymlinkRefusedError out (P24): a
+    failed save's clean-up raised over a link planted at its staging name (hiding the
+    save's own error) instead of leaving it, as every path through a link is left."""
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "f").write_bytes(b"precious")
+    root.mkdir()
+    os.symlink(victim, root / ".tmp-step-00000001-tok")
+    PosixStorage(str(root)).abort(".tmp-step-00000001-tok")
+    assert (victim / "f").read_bytes() == b"precious"
+
+
+def test_gc_stops_at_a_kept_step_whose_manifest_names_another_step(tmp_path):
+    """Mutant: ckpt/incremental.py collect() reading a kept step's manifest without the step
+    it must name (N13): a manifest copied into another step's directory was trusted for the
+    references that decide what gc deletes."""
+    _save(tmp_path, {1: {"t": torch.ones(4)}, 2: {"t": torch.ones(4) * 2}})
+    path = tmp_path / "step-00000002" / MANIFEST_NAME
+    path.write_bytes(path.read_bytes().replace(b'"step":2', b'"step":7'))
+    with pytest.raises(CheckpointError, match="cannot read the references of kept step 2"):
+        collect(PosixStorage(str(tmp_path)), keep={2})
+    assert (tmp_path / "step-00000001" / MANIFEST_NAME).exists()
+
+
+# ------------------------------------------------------------- storage_backends/lease.py
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("same_namespace", [True, False], ids=["here", "other-pidns"])
+def test_a_live_lease_is_taken_over_early_only_from_a_dead_process_of_this_pid_namespace(
+        same_namespace):
+    """Mutant: storage_backends/lease.py _dead_here comparing host and boot but not the pid
+    namespace (E06): a lease held by a process of another container on this node (its pid
+    means nothing here) was taken over before it expired while its writer was alive."""
+    here = lease._this_machine()
+    if "boot" not in here:
+        pytest.skip("no boot id on this machine")
+    pidns = here["pidns"] if same_namespace else here["pidns"] + 1
+    holder = {**here, "pidns": pidns, "pid": _dead_pid(), "since": time.time(),
+              "expires": time.time() + 600}
+    storage = FsspecStorage(f"memory://ckpt-{uuid.uuid4().hex}/root")
+    storage.write(lease.LEASE_NAME, [json.dumps(holder).encode()])
+    if same_namespace:
+        storage.lock({"host": "me", "pid": os.getpid(), "since": 0.0}).release()
+    else:
+        with pytest.raises(LockHeldError):
+            storage.lock({"host": "me", "pid": os.getpid(), "since": 0.0})
+
+
+def test_a_lease_taken_over_while_held_is_lost_and_commits_nothing():
+    """Mutant: storage_backends/lease.py _renew_loop ignoring a refused renewal (E07): the
+    writer whose lease another writer had taken over went on renewing its expiry in memory
+    (never ``lost``, always ``valid()``) and committed over the new holder's root."""
+    storage = FsspecStorage(f"memory://ckpt-{uuid.uuid4().hex}/root", lease_ttl=0.3)
+    lock = storage.lock({"host": "me", "pid": os.getpid(), "since": 0.0})
+    staging = storage.begin("step-00000001", "tok")
+    rival = {"host": "rival", "pid": 2, "since": time.time(), "expires": time.time() + 600}
+    storage.write(lease.LEASE_NAME, [json.dumps(rival).encode()])  # the rival's takeover
+    deadline = time.monotonic() + 30
+    while not lock.lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lock.lost and not lock.valid()
+    with pytest.raises(OSError, match="lease on the root was lost"):
+        storage.commit(staging, "step-00000001", b"{}", MANIFEST_NAME)
+    lock.release()  # must not delete the rival's lease
+    assert json.loads(storage.read(lease.LEASE_NAME))["host"] == "rival"

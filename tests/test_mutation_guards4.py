@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -21,6 +23,8 @@ from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.format import MANIFEST_NAME, Manifest
 from ckpt.incremental import collect, step_dirs
 from ckpt.integrity import check_structure, read_manifest
+from ckpt.memory_tier import replica_name
+from ckpt.replication import Replicator
 from storage_backends import PosixStorage
 from storage_backends import LockHeldError, fsspec_store, lease
 from storage_backends.fsspec_store import READ_BLOCK, FsspecStorage
@@ -597,3 +601,73 @@ def test_a_lease_taken_over_while_held_is_lost_and_commits_nothing():
         storage.commit(staging, "step-00000001", b"{}", MANIFEST_NAME)
     lock.release()  # must not delete the rival's lease
     assert json.loads(storage.read(lease.LEASE_NAME))["host"] == "rival"
+
+
+# ------------------------------------------------------------------ ckpt/replication.py
+def _send(address: tuple, header: dict, payload: bytes, *, close_early: bool = False) -> bytes:
+    """Speak the replication protocol to a receiver at ``address``; its reply (b"OK", or
+    b"" when it refused and hung up)."""
+    head = json.dumps(header).encode()
+    with socket.create_connection(("127.0.0.1", address[1]), timeout=30) as sock:
+        try:
+            sock.sendall(struct.pack("!Q", len(head)) + head + payload)
+            if close_early:
+                return b""
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:  # it hung up before reading everything: a refusal
+            pass
+        reply = b""
+        try:
+            while chunk := sock.recv(16):
+                reply += chunk
+        except OSError:
+            pass
+        return reply
+
+
+DOC = json.dumps({"step": 3, "rank": 1}).encode()
+GOOD = {"secret": "s3cret", "job": "j", "origin": 1, "step": 3, "files": [["data-0", 4]],
+        "doc": len(DOC)}
+HOSTILE = {
+    "wrong secret": ({**GOOD, "secret": "guess"}, b"abcd" + DOC),  # R02
+    "no secret yet": ({**GOOD, "secret": ""}, b"abcd" + DOC),  # R01 (before connect())
+    "path in a name": ({**GOOD, "files": [["../../evil", 4]]}, b"abcd" + DOC),  # R04, R14
+    "another step": ({**GOOD}, b"abcd" + json.dumps({"step": 4, "rank": 1}).encode()),  # R05
+    "negative rank": ({**GOOD, "origin": -1, "doc": len(DOC) + 1},
+                      b"abcd" + json.dumps({"step": 3, "rank": -1}).encode()),  # R13
+    "over budget": ({**GOOD, "files": [["data-0", 64]]}, bytes(64) + DOC),  # R06
+    "dropped": ({**GOOD, "files": [["data-0", 100]]}, bytes(10)),  # R08: the sender dies
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_replica_receiver_stores_nothing_a_peer_may_not_send(tmp_path, case):
+    """Mutants (ckpt/replication.py): _receive accepting any secret while the job's is still
+    unset (R01) or any at all (R02), taking file names as sent (R04: "../../evil" was
+    written outside the replica segment; R14: only the rank document's name checked),
+    storing a rank.json of another step (R05), a negative origin rank (R13), a step over
+    ``budget`` (R06), and _store leaving a dropped transfer's staging directory (R08)."""
+    counted: list[str] = []
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    rep = Replicator(shm_dir=str(shm), job="j", node="n", keep=2, timeout=10,
+                     budget=32 if case == "over budget" else None, count=counted.append)
+    try:
+        if case != "no secret yet":
+            rep.connect([], "s3cret")
+            assert _send(rep.address, GOOD, b"abcd" + DOC) == b"OK"  # the control
+            assert counted == []
+        header, payload = HOSTILE[case]
+        reply = _send(rep.address, header, payload, close_early=case == "dropped")
+        deadline = time.monotonic() + 30
+        while "failed" not in counted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert reply == b"" and counted == ["failed"]
+        stored = sorted(str(p.relative_to(shm)) for p in shm.rglob("*")
+                        if p.is_file() and p.name != "owner" and "owner" not in p.name)
+        assert stored == ([] if case == "no secret yet" else
+                          [f"{replica_name('j', 'n', 1)}/step-00000003/data-0",
+                           f"{replica_name('j', 'n', 1)}/step-00000003/rank.json"])
+        assert not list(shm.rglob(".tmp-*")) and not (shm / "evil").exists()
+    finally:
+        rep.close()

@@ -24,10 +24,11 @@ from ckpt.format import MANIFEST_NAME, Manifest
 from ckpt.incremental import collect, step_dirs
 from ckpt.integrity import check_structure, read_manifest
 from ckpt.memory_tier import replica_name
-from ckpt.replication import Replicator
+from ckpt.replication import Replicator, ring_targets
 from storage_backends import PosixStorage
-from storage_backends import LockHeldError, fsspec_store, lease
+from storage_backends import Entry, LockHeldError, fsspec_store, lease
 from storage_backends.fsspec_store import READ_BLOCK, FsspecStorage
+from storage_backends.locks import FlockWriterLock
 from tests.s3_fixture import _moto, s3_restartable  # noqa: F401  (fixtures)
 
 DIGEST = "0123456789abcdef"
@@ -128,6 +129,24 @@ FORMAT1 = {
                                       "chunks": [{**CHUNK, "length": 8}]}},
                        items={"t": {"kind": "value", "tree": {"__ndarray__": "t"}}}),
                    "array 't' has dtype bfloat16, which numpy lacks"),
+    # F62/F63/F66/F67/F68/F72: items are of a known kind, their trees of its shape
+    "pickle text": (_v1(items={"p": {"kind": "value", "tree": {"__pickle__": "no base64!"}}}),
+                    "a pickled value must be base64 text"),
+    "odd kind": (_v1(items={"t": {"kind": "weird", "tree": {"__tensor__": "t"}}}),
+                 "item 't' has kind 'weird'"),
+    "tensor item of a dict": (_v1(items={"t": {"kind": "tensor",
+                                               "tree": {"a": {"__tensor__": "t"}}}}),
+                              "item 't' is a tensor item, but its tree is not a tensor"),
+    "module of a list": (_v1(items={"m": {"kind": "module", "tree": [1]}}),
+                         "item 'm': a module's state must be an object"),
+    "format-1 tables": (_v1(items={"v": {"kind": "value", "per_rank": "tables"}}),
+                        "item 'v': per_rank must map rank numbers to trees"),
+    "dict as a key": (_v1(items={"v": {"kind": "value",
+                                       "tree": {"__dict__": [[{"__dict__": []}, 1]]}}}),
+                      "cannot be a key"),
+    # F73: nesting of lists counts too
+    "deep list metadata": (_v1(metadata={"x": json.loads("[" * 200 + "]" * 200)}),
+                           "metadata nests deeper"),
 }
 
 
@@ -142,7 +161,10 @@ def test_a_damaged_format1_manifest_is_refused_naming_the_damage(case):
     offsets with box (F19), accepting any codec (F21), only refusing a raw chunk that is too
     long (F23), without ``length <= raw_len + 1024`` (F24), without ``0 <=`` on start (F26),
     with ``ref <= step`` (F29), without the digest pattern (F30); check_tree without the
-    numpy dtype check of an ``__ndarray__`` (F56). Each let a damaged
+    numpy dtype check of an ``__ndarray__`` (F56), the base64 check of a pickle (F62), the
+    kind check (F63), a tensor item's or a module's tree shape (F66, F67), _check_item
+    taking per_rank "tables" for format 1 too (F68), _is_hashable_tag taking any tag for
+    a key (F72), _depth counting only dicts (F73). Each let a damaged
     manifest through (to fail later, elsewhere, or not at all) or named the wrong thing."""
     doc, message = FORMAT1[case]
     _refused(doc, message)
@@ -196,6 +218,10 @@ FORMAT2 = {
     "ref to itself": (_v2(refs={"1": {"data-0.bin": 8}}),
                       "refs names step '1', which is not an earlier step"),
     "ref outside": (_v2(refs={"0": {"../../x": 8}}), "file '../../x' is not a plain file name"),
+    # F74: a format-2 tensor's size is bounded too
+    "huge tensor": (_v2(tensors={"t": {"dtype": "float32", "shape": [1 << 49],
+                                       "layout": {"mesh": 0, "placements": ["R"]}}}),
+                    "tensor 't' is absurdly large"),
 }
 
 
@@ -205,7 +231,8 @@ def test_a_damaged_format2_manifest_is_refused_naming_the_damage(case):
     or with ``r <= world`` (F38); _parse_tables without ``hi=MAX_TABLE_BYTES`` (F47), the
     digest pattern (F48), ``name not in files`` (F49) or the distinct-names check (F50);
     _parse_refs with ``int(s) <= step`` (F51) or without file_name() (F52: a reference to
-    "step-00000000/../../x" passed on to the storage)."""
+    "step-00000000/../../x" passed on to the storage); _parse_laid_out without its size
+    bound (F74)."""
     doc, message = FORMAT2[case]
     _refused(doc, message)
 
@@ -671,3 +698,74 @@ def test_a_replica_receiver_stores_nothing_a_peer_may_not_send(tmp_path, case):
         assert not list(shm.rglob(".tmp-*")) and not (shm / "evil").exists()
     finally:
         rep.close()
+
+
+# ------------------------------------------------------------- storage_backends/locks.py
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_refused_lock_names_no_holder_from_an_odd_or_linked_owner_file_and_leaks_nothing(
+        tmp_path):
+    """Mutants: storage_backends/locks.py _read_owner returning a non-dict record as it is
+    (K07), opening the owner file without O_NOFOLLOW (K12: a link planted there made a
+    refused writer read, and report, a file outside the root), and __init__ not closing its
+    descriptor when the lock is refused (K15: a writer retrying the lock ran out of them)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    held = FlockWriterLock(str(root), {"host": "h", "pid": 1, "since": 0.0})
+    try:
+        (tmp_path / "outside.json").write_text(json.dumps({"host": "outside"}))
+        owner = root / ".lock.owner"
+        for planted in ("link", "list"):
+            owner.unlink()
+            if planted == "link":
+                os.symlink(tmp_path / "outside.json", owner)
+            else:
+                owner.write_text("[1, 2]")
+            before = _open_fds()
+            with pytest.raises(LockHeldError) as info:
+                FlockWriterLock(str(root), {"host": "me", "pid": 2, "since": 0.0})
+            assert info.value.holder == {}, planted
+            assert _open_fds() == before
+    finally:
+        held.release()
+
+
+def test_a_lock_whose_owner_record_cannot_be_written_is_released(tmp_path):
+    """Mutants: storage_backends/locks.py __init__ keeping the flock when writing the owner
+    record fails (K10: the root stayed locked by a writer that had raised), and
+    _write_owner not removing a leftover temporary file first (K05: a leftover of an
+    earlier process with this pid made every lock fail with FileExistsError)."""
+    root = tmp_path / "root"
+    (root / ".lock.owner").mkdir(parents=True)  # os.replace of the record onto it fails
+    with pytest.raises(OSError):
+        FlockWriterLock(str(root), {"host": "me", "pid": 1, "since": 0.0})
+    (root / ".lock.owner").rmdir()
+    (root / f".lock.owner.{os.getpid()}").write_text("left by a crash")
+    lock = FlockWriterLock(str(root), {"host": "me", "pid": 1, "since": 0.0})
+    assert json.loads((root / ".lock.owner").read_text())["host"] == "me"
+    lock.release()
+
+
+def test_lease_and_commit_arguments_are_checked():
+    """Mutants: storage_backends/lease.py LeaseLock without the ``ttl <= 0`` check (E20: a
+    lease that expires as it is taken), commit() without ``staging != name`` (E23), and
+    children() keeping only the last kind seen of a name that is both an object and a
+    prefix (E18)."""
+    storage = FsspecStorage(f"memory://ckpt-{uuid.uuid4().hex}/root", lease_ttl=0)
+    with pytest.raises(ValueError, match="ttl must be positive"):
+        storage.lock({"host": "me", "pid": 1, "since": 0.0})
+    storage.begin("step-00000001", "tok")
+    with pytest.raises(ValueError, match="is not the staging location"):
+        storage.commit("step-00000002", "step-00000001", b"{}", MANIFEST_NAME)
+    assert lease.children("", ["a/x", "a", "b"]) == [Entry("a", True), Entry("b", False)]
+
+
+def test_replicas_go_to_other_nodes_and_spread_over_a_smaller_nodes_ranks():
+    """Mutants: ckpt/replication.py ring_targets looping over every node, this one
+    included (R10: a rank sent its replica to itself), and sending every rank whose local
+    rank a node lacks to that node's first rank (R17)."""
+    assert ring_targets(0, ["a", "b"], [0, 0], replicas=3) == [1]
+    nodes, local = ["a", "a", "a", "a", "b", "b"], [0, 1, 2, 3, 0, 1]
+    assert [ring_targets(r, nodes, local, 1)[0] for r in range(4)] == [4, 5, 4, 5]

@@ -14,11 +14,15 @@ import sys
 import time
 import uuid
 
+import numpy as np
 import pytest
 import torch
+import zstandard
 
 from ckpt import CheckpointManager, SaveOptions
 from ckpt import format as fmt
+from ckpt.codec import decode_into, encode
+from ckpt.datafile import Piece
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.format import MANIFEST_NAME, Manifest
 from ckpt.incremental import collect, step_dirs
@@ -769,3 +773,47 @@ def test_replicas_go_to_other_nodes_and_spread_over_a_smaller_nodes_ranks():
     assert ring_targets(0, ["a", "b"], [0, 0], replicas=3) == [1]
     nodes, local = ["a", "a", "a", "a", "b", "b"], [0, 1, 2, 3, 0, 1]
     assert [ring_targets(r, nodes, local, 1)[0] for r in range(4)] == [4, 5, 4, 5]
+
+
+# ------------------------------------------------------------ ckpt/codec.py, ckpt/datafile.py
+def _unsized_frame(data: bytes) -> bytes:
+    """A zstd frame whose header does not record its content size (a streaming writer's)."""
+    return zstandard.ZstdCompressor(write_content_size=False).compress(data)
+
+
+def test_a_chunks_zstd_frame_is_checked_against_the_chunks_size_before_it_is_expanded():
+    """Mutants: ckpt/codec.py decode_into without the frame-size check (C02: a frame of
+    another size, or of an unrecorded one, was expanded before anything was compared) and
+    letting zstd's own error out (C05: damage must be a ValueError, which the reader
+    reports as corruption)."""
+    out = memoryview(bytearray(16))
+    with pytest.raises(ValueError, match="zstd frame says 32 bytes, the chunk holds 16"):
+        decode_into("zstd", zstandard.ZstdCompressor().compress(bytes(32)), out, torch.uint8)
+    with pytest.raises(ValueError, match="zstd frame says -1 bytes"):  # (size unrecorded)
+        decode_into("zstd", _unsized_frame(bytes(16)), out, torch.uint8)
+    with pytest.raises(ValueError, match="zstd: "):
+        decode_into("zstd", b"not a zstd frame", out, torch.uint8)
+    decode_into("zstd", zstandard.ZstdCompressor().compress(b"x" * 16), out, torch.uint8)
+    assert bytes(out) == b"x" * 16
+
+
+def test_complex_chunks_group_the_bytes_of_each_real_and_imaginary_part():
+    """Mutant: ckpt/codec.py _grouping_width giving a complex dtype its whole item size
+    (C06): it still round-trips, but the stored layout (the format) changes, so chunks
+    written before were decoded wrong."""
+    values = torch.arange(64, dtype=torch.float32).reshape(32, 2)
+    data = memoryview(torch.view_as_complex(values).numpy().tobytes())
+    codec, stored = encode(data, torch.complex64)
+    assert codec == "zstd-grouped"
+    raw = zstandard.ZstdDecompressor().decompress(bytes(stored))
+    assert raw == np.frombuffer(data, np.uint8).reshape(-1, 4).T.tobytes()
+
+
+def test_a_compressed_piece_is_labelled_as_the_bytes_it_holds():
+    """Mutant: ckpt/datafile.py header_entry giving a compressed piece its tensor's dtype
+    and shape (D03): the safetensors header then described 16 bytes of float32 where 3
+    bytes of zstd lie, and safetensors readers misread or refuse the file."""
+    piece = Piece("t", memoryview(b"abc"), torch.float32, (4,), stored_raw=False)
+    assert piece.header_entry(64) == {"dtype": "U8", "shape": [3], "data_offsets": [64, 67]}
+    raw = Piece("t", memoryview(bytes(16)), torch.float32, (4,))
+    assert raw.header_entry(0) == {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+import zlib
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.format import MANIFEST_NAME, Manifest
 from ckpt.incremental import collect, step_dirs
 from ckpt.integrity import check_structure, read_manifest
+from ckpt.layout import BoxLayout, Mesh, MeshLayout, cells_overlapping, writer, written_by
 from ckpt.memory_tier import replica_name
 from ckpt.replication import Replicator, ring_targets
 from storage_backends import PosixStorage
@@ -817,3 +819,35 @@ def test_a_compressed_piece_is_labelled_as_the_bytes_it_holds():
     assert piece.header_entry(64) == {"dtype": "U8", "shape": [3], "data_offsets": [64, 67]}
     raw = Piece("t", memoryview(bytes(16)), torch.float32, (4,))
     assert raw.header_entry(0) == {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+
+
+# ------------------------------------------------------------ ckpt/layout.py, ckpt/sharding.py
+def test_the_writer_of_a_replicated_box_is_the_replica_its_key_picks_row_major():
+    """Mutant: ckpt/layout.py writer() without ``pick //= ...`` (L04): over two Replicate
+    mesh dimensions only the diagonal replicas ever wrote (ranks 0 and 3 of a 2 x 2 mesh),
+    not the replica numbered crc32(key) % 4 that the format documents."""
+    layout = MeshLayout(Mesh((2, 2), (10, 11, 12, 13)), (None, None))
+    keys = [f"layer{i}.weight" for i in range(16)]
+    assert [writer(k, layout, (0, 0)) for k in keys] == [
+        10 + zlib.crc32(k.encode()) % 4 for k in keys]
+
+
+def test_no_rank_writes_an_empty_box():
+    """Mutants: ckpt/layout.py written_by without ``math.prod(s)`` for explicit boxes (L05)
+    and without ``not math.prod(box[1])`` for a mesh layout (L07): a rank whose shard is
+    empty (3 rows over 4 ranks) was told to write it."""
+    mesh = MeshLayout(Mesh((4,), (0, 1, 2, 3)), (0,))
+    assert [written_by("t", (3, 2), mesh, r) for r in range(4)] == [
+        [((0, 0), (1, 2))], [((1, 0), (1, 2))], [((2, 0), (1, 2))], []]
+    boxes = BoxLayout((((0, 0), (3, 2), 0), ((3, 0), (0, 2), 1)))
+    assert written_by("t", (3, 2), boxes, 1) == []
+
+
+def test_boxes_that_only_touch_do_not_overlap():
+    """Mutant: ckpt/layout.py cells_overlapping comparing explicit boxes with ``<=`` (L08):
+    the neighbour that only touches a wanted box was listed, and its writer's rank table
+    read for nothing."""
+    layout = BoxLayout((((0,), (2,), 0), ((2,), (2,), 1)))
+    assert cells_overlapping("t", (4,), layout, ((2,), (2,))) == [(((2,), (2,)), 1)]
+    assert cells_overlapping("t", (4,), layout, ((1,), (2,))) == [(((0,), (2,)), 0),
+                                                                   (((2,), (2,)), 1)]

@@ -851,3 +851,34 @@ def test_boxes_that_only_touch_do_not_overlap():
     assert cells_overlapping("t", (4,), layout, ((2,), (2,))) == [(((2,), (2,)), 1)]
     assert cells_overlapping("t", (4,), layout, ((1,), (2,))) == [(((0,), (2,)), 0),
                                                                    (((2,), (2,)), 1)]
+
+
+def test_a_replica_receiver_keeps_only_its_newest_generations(tmp_path):
+    """Mutant: ckpt/replication.py _store without ``retire_rank_steps`` (R15): every step a
+    peer sent stayed in memory (/dev/shm), however small ``keep``."""
+    rep = Replicator(shm_dir=str(tmp_path), job="j", node="n", keep=2, timeout=10)
+    try:
+        rep.connect([], "s3cret")
+        for step in (3, 4, 5):
+            doc = json.dumps({"step": step, "rank": 1}).encode()
+            assert _send(rep.address, {**GOOD, "step": step, "doc": len(doc)},
+                         b"abcd" + doc) == b"OK"
+        segment = tmp_path / replica_name("j", "n", 1)
+        assert sorted(p.name for p in segment.glob("step-*")) == ["step-00000004",
+                                                                  "step-00000005"]
+    finally:
+        rep.close()
+
+
+def test_meshes_of_one_shape_with_other_ranks_are_stored_apart():
+    """Mutant: ckpt/layout.py Mesh.__eq__ comparing shapes only (L12): the manifest stores
+    each distinct mesh once (a dict of meshes), and two meshes whose ranks differ only in
+    the middle (the hash looks at the first and last eight) became one: the second
+    tensor's boxes were attributed to the first mesh's ranks."""
+    ranks = list(range(20))
+    swapped = ranks[:9] + [ranks[10], ranks[9]] + ranks[11:]
+    a, b = Mesh((20,), tuple(ranks)), Mesh((20,), tuple(swapped))
+    assert hash(a) == hash(b) and a != b
+    meshes: dict = {}
+    docs = [fmt._layout_doc(MeshLayout(m, (0,)), meshes) for m in (a, b)]
+    assert [d["mesh"] for d in docs] == [0, 1] and list(meshes) == [a, b]

@@ -31,6 +31,7 @@ from ckpt.integrity import check_structure, read_manifest
 from ckpt.layout import BoxLayout, Mesh, MeshLayout, cells_overlapping, writer, written_by
 from ckpt.memory_tier import replica_name
 from ckpt.replication import Replicator, ring_targets
+from ckpt.sharding import overlapping, source_rank
 from storage_backends import PosixStorage
 from storage_backends import Entry, LockHeldError, fsspec_store, lease
 from storage_backends.fsspec_store import READ_BLOCK, FsspecStorage
@@ -882,3 +883,22 @@ def test_meshes_of_one_shape_with_other_ranks_are_stored_apart():
     meshes: dict = {}
     docs = [fmt._layout_doc(MeshLayout(m, (0,)), meshes) for m in (a, b)]
     assert [d["mesh"] for d in docs] == [0, 1] and list(meshes) == [a, b]
+
+
+def test_a_box_is_found_in_every_chunk_it_overlaps_and_new_ranks_wrap_around():
+    """Mutants: ckpt/sharding.py overlapping() starting its search one chunk late
+    (``- reach + 2``, H03: the chunk that starts before a wanted box and reaches into it
+    was missed, so that part of the box was never read), measuring its reach by the
+    shortest chunk instead of the longest (H05: the same, behind a long chunk), and
+    source_rank() with
+    ``rank <= saved_world`` (H02: the first new rank of a grown world got a saved rank
+    that does not exist instead of rank 0's values)."""
+    chunks = tuple(fmt.Chunk((o,), (2,), "f", 8 * o, 8, DIGEST) for o in (0, 2, 4))
+    entry = fmt.TensorEntry("float32", (6,), chunks)
+    assert overlapping(entry, ((1,), (2,))) == [(chunks[0], ((1,), (1,))),
+                                                (chunks[1], ((2,), (1,)))]
+    uneven = (fmt.Chunk((0,), (4,), "f", 0, 16, DIGEST), fmt.Chunk((4,), (1,), "f", 16, 4, DIGEST),
+              fmt.Chunk((5,), (1,), "f", 20, 4, DIGEST))
+    assert overlapping(fmt.TensorEntry("float32", (6,), uneven), ((3,), (2,))) == [
+        (uneven[0], ((3,), (1,))), (uneven[1], ((4,), (1,)))]
+    assert [source_rank(r, 2) for r in range(5)] == [0, 1, 0, 1, 0]

@@ -31,7 +31,8 @@ from ckpt.integrity import check_structure, read_manifest
 from ckpt.layout import BoxLayout, Mesh, MeshLayout, cells_overlapping, writer, written_by
 from ckpt.memory_tier import replica_name
 from ckpt.replication import Replicator, ring_targets
-from ckpt.sharding import overlapping, source_rank
+from ckpt.sharding import (PieceSpec, assign_writers, balance_plain, boxes_layouts, overlapping,
+                           source_rank, sub_slices)
 from storage_backends import PosixStorage
 from storage_backends import Entry, LockHeldError, fsspec_store, lease
 from storage_backends.fsspec_store import READ_BLOCK, FsspecStorage
@@ -902,3 +903,18 @@ def test_a_box_is_found_in_every_chunk_it_overlaps_and_new_ranks_wrap_around():
     assert overlapping(fmt.TensorEntry("float32", (6,), uneven), ((3,), (2,))) == [
         (uneven[0], ((3,), (1,))), (uneven[1], ((4,), (1,)))]
     assert [source_rank(r, 2) for r in range(5)] == [0, 1, 0, 1, 0]
+
+
+def test_writers_are_spread_over_the_ranks_and_boxes_index_their_slice():
+    """Mutants: ckpt/sharding.py assign_writers giving every box to its first holder (H06)
+    and balance_plain never counting what it assigned (H10): all of a DDP model's tensors
+    were written by rank 0; boxes_layouts keeping empty boxes (H09); sub_slices ending at
+    the box's end in the tensor instead of in the outer box (H14)."""
+    specs = [[PieceSpec(k, "float32", (4,), (0,), (4,), 16) for k in ("a", "b")]] * 2
+    assert sorted(assign_writers(specs).values()) == [0, 1]
+    plain = balance_plain({k: ((4,), 16) for k in ("a", "b", "c")}, world=3)
+    assert sorted(layout.boxes[0][2] for layout in plain.values()) == [0, 1, 2]
+    empty = [[PieceSpec("t", "float32", (4,), (0,), (4,), 16)],
+             [PieceSpec("t", "float32", (4,), (4,), (0,), 0)]]
+    assert boxes_layouts(empty)["t"].boxes == (((0,), (4,), 0),)
+    assert sub_slices(((2,), (4,)), ((3,), (2,))) == (slice(1, 3),)

@@ -77,8 +77,8 @@ def encode(data: memoryview, dtype: torch.dtype, level: int = 1,
 def decode_into(codec: str, stored: bytes, out: memoryview, dtype: torch.dtype) -> None:
     """Decompress ``stored`` into ``out`` (exactly the chunk's raw size)."""
     try:
-        size = zstandard.frame_content_size(stored)
-        if size not in (len(out), zstandard.CONTENTSIZE_UNKNOWN):
+        size = zstandard.frame_content_size(stored)  # -1: not recorded (ckpt records it)
+        if size != len(out):
             raise ValueError(f"zstd frame says {size} bytes, the chunk holds {len(out)}")
         raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=len(out))
     except zstandard.ZstdError as e:  # a damaged frame is corruption, not a crash

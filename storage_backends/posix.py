@@ -69,8 +69,9 @@ class PosixStorage(Storage):
     def _report(self, path: str) -> None:
         if path not in self._reported:
             self._reported.add(path)
+            # ascii(): a link's name is anyone's bytes; terminal escapes stay escaped in logs
             log.warning("ckpt.symlink ignored=%s: symbolic links in a checkpoint root are never "
-                        "followed; remove it", path)
+                        "followed; remove it", ascii(path))
 
     def local_path(self, path: str) -> str:
         """The absolute path of ``path``; raises SymlinkRefusedError when it (or a directory

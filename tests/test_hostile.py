@@ -4,6 +4,7 @@ data, and every failure is a CheckpointError that names the path and says what t
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -136,7 +137,8 @@ def test_only_links_named_like_checkpoint_entries_are_warned_about(tmp_path, vic
         assert {e.name for e in storage.list()} == {"step-00000001"}
         assert [e.name for e in storage.list("step-00000001")] != []
         storage.list()  # once each
-    warned = sorted(r.getMessage().split("ignored=")[1].split(":")[0] for r in caplog.records)
+    warned = sorted(ast.literal_eval(r.getMessage().split("ignored=")[1].split(": ")[0])
+                    for r in caplog.records)
     assert warned == sorted(str(root / n) for n in (
         ".tmp-step-00000005-0123456789ab", ".trash-0123456789ab", "step-00000000",
         "step-00000001/data-planted.safetensors", "step-00000001/planted-dir",
@@ -600,3 +602,19 @@ def test_resaved_step_moves_data_in_durably_before_its_manifest(tmp_path, os_cal
     last_move = _last(os_calls, lambda e: e in moved)
     assert last_move < _first(os_calls, lambda e: e == ("fsync", final)) < commit
     assert commit < _last(os_calls, lambda e: e == ("fsync", final))
+
+
+def test_the_warning_about_a_planted_link_escapes_its_name(tmp_path, caplog):
+    """A link named with a terminal escape (ESC [2J clears the screen) is logged escaped."""
+    import logging
+
+    from storage_backends.posix import PosixStorage
+
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(tmp_path, root / "step-\x1b[2J")
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        PosixStorage(str(root)).list("")
+    messages = [r.getMessage() for r in caplog.records if "ckpt.symlink" in r.getMessage()]
+    assert len(messages) == 1 and "step-\\x1b[2J" in messages[0], messages
+    assert "\x1b" not in messages[0]

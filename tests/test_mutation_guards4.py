@@ -293,17 +293,23 @@ def test_the_full_structure_check_compares_every_file_with_its_recorded_size(tmp
         check_structure(storage, "step-00000001", manifest)
 
 
-def test_the_full_structure_check_of_a_format2_step_sizes_the_files_it_reuses(tmp_path):
-    """Mutant: ckpt/integrity.py check_structure without the ``< needed`` check of a
-    format-2 step's ``refs`` (I04): an incremental step whose earlier step's file was
-    truncated passed ``ckpt verify``'s structure level."""
+def _two_incremental_steps(tmp_path, rank_tables: bool):
+    """Steps 1 and 2 of an incremental chain, step 2 reusing step 1's chunks of a frozen
+    tensor; returns the storage and step 2's manifest."""
     frozen = torch.randn(64, 64)
     _save(tmp_path, {1: {"frozen": frozen, "t": torch.zeros(4)},
                      2: {"frozen": frozen, "t": torch.ones(4)}},
           incremental=True, full_every=100,
-          options=SaveOptions(chunk_bytes=4 << 10, write_threads=1, rank_tables=True))
+          options=SaveOptions(chunk_bytes=4 << 10, write_threads=1, rank_tables=rank_tables))
     storage = PosixStorage(str(tmp_path))
-    manifest = read_manifest(storage, "step-00000002", 2)
+    return storage, read_manifest(storage, "step-00000002", 2)
+
+
+def test_the_full_structure_check_of_a_format2_step_sizes_the_files_it_reuses(tmp_path):
+    """Mutant: ckpt/integrity.py check_structure without the ``< needed`` check of a
+    format-2 step's ``refs`` (I04): an incremental step whose earlier step's file was
+    truncated passed ``ckpt verify``'s structure level."""
+    storage, manifest = _two_incremental_steps(tmp_path, rank_tables=True)
     assert manifest.format_version == 2 and manifest.refs
     check_structure(storage, "step-00000002", manifest)
     (step, name), needed = next(iter(manifest.refs.items()))
@@ -318,13 +324,7 @@ def test_the_full_structure_check_of_a_format1_step_finds_a_reused_chunk_cut_sho
     file's size (I05): a format-1 incremental step whose earlier step's file was cut inside
     the last chunk it reuses passed ``ckpt verify``'s structure level (that file's size is
     recorded by the earlier step only)."""
-    frozen = torch.randn(64, 64)
-    _save(tmp_path, {1: {"frozen": frozen, "t": torch.zeros(4)},
-                     2: {"frozen": frozen, "t": torch.ones(4)}},
-          incremental=True, full_every=100,
-          options=SaveOptions(chunk_bytes=4 << 10, write_threads=1, rank_tables=False))
-    storage = PosixStorage(str(tmp_path))
-    manifest = read_manifest(storage, "step-00000002", 2)
+    storage, manifest = _two_incremental_steps(tmp_path, rank_tables=False)
     reused = [c for c in manifest.tensors["frozen"].chunks if c.step == 1]
     assert manifest.format_version == 1 and reused
     check_structure(storage, "step-00000002", manifest)

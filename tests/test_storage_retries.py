@@ -9,7 +9,9 @@ import sys
 import time
 
 import pytest
-from botocore.exceptions import ClientError, EndpointConnectionError
+
+pytest.importorskip("s3fs", reason="the S3 extra (s3fs, botocore) is not installed")
+from botocore.exceptions import ClientError, EndpointConnectionError  # noqa: E402
 
 from storage_backends import open_storage
 from storage_backends.fsspec_store import FsspecStorage, is_transient

@@ -257,8 +257,17 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def manifest(self, step: int) -> Manifest:
-        """The validated manifest of a committed step."""
-        return read_manifest(self.storage, step_dir(step), step)
+        """The validated manifest of a committed step (a step saved in the background is
+        committed once :meth:`wait` returns)."""
+        try:
+            return read_manifest(self.storage, step_dir(step), step)
+        except CheckpointNotFoundError as e:
+            writing = self._inflight
+            if writing is None or writing.step != step or writing.done():
+                raise
+            raise CheckpointNotFoundError(
+                f"step {step} is still being written in the background, so it has no "
+                "committed manifest yet: call mgr.wait() first", path=e.path) from e
 
     @property
     def preempted(self) -> bool:

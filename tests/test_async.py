@@ -306,3 +306,30 @@ def test_prepare_allocates_the_staging_buffers_once_and_writes_nothing(tmp_path)
     with ckpt.CheckpointManager(tmp_path) as mgr:
         assert mgr.restore({"model": out}) == 1
     assert torch.equal(out.weight, model.weight)
+
+
+def test_the_manifest_of_a_step_still_being_written_says_to_wait(tmp_path, monkeypatch):
+    """mgr.manifest(step) right after an asynchronous save(step) finds no committed step;
+    the error says the step is being written and to call wait(), which then makes it
+    readable (a missing step keeps the plain not-found message)."""
+    import ckpt.engine
+
+    release = threading.Event()
+    real_write_rank = ckpt.engine.write_rank
+
+    def write_rank(*args, **kwargs):
+        release.wait(timeout=60)
+        return real_write_rank(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.engine, "write_rank", write_rank)
+    with ckpt.CheckpointManager(tmp_path / "root") as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+        with pytest.raises(ckpt.CheckpointNotFoundError,
+                           match="step 1 is still being written in the background.*mgr.wait"):
+            mgr.manifest(1)
+        with pytest.raises(ckpt.CheckpointNotFoundError) as missing:
+            mgr.manifest(2)
+        assert "still being written" not in str(missing.value)
+        release.set()
+        mgr.wait()
+        assert mgr.manifest(1).step == 1

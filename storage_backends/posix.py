@@ -131,10 +131,11 @@ class PosixStorage(Storage):
             os.close(fd)
         return total
 
-    def _open_read(self, path: str) -> int:
-        """A descriptor of a regular file under the root. Opened without blocking, so a FIFO
-        planted in a checkpoint cannot hang a reader; refused unless the open descriptor is
-        a regular file (a directory, FIFO, socket or device there is damage, not data)."""
+    def _open_read(self, path: str) -> tuple[int, str]:
+        """A descriptor of a regular file under the root, and the file's absolute path (for
+        messages). Opened without blocking, so a FIFO planted in a checkpoint cannot hang a
+        reader; refused unless the open descriptor is a regular file (a directory, FIFO,
+        socket or device there is damage, not data)."""
         target = self.local_path(path)
         fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         mode = os.fstat(fd).st_mode
@@ -143,10 +144,10 @@ class PosixStorage(Storage):
             kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
             raise NotAFileError(errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL,
                           f"{kind} where a checkpoint file was expected", target)
-        return fd
+        return fd, target
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
-        with open(self._open_read(path), "rb") as f:
+        with open(self._open_read(path)[0], "rb") as f:
             f.seek(start)
             return f.read() if length is None else f.read(length)
 
@@ -158,16 +159,16 @@ class PosixStorage(Storage):
             reader.close()
 
     def open_reader(self, path: str) -> _FileReader:
-        return _FileReader(self._open_read(path), self.local_path(path))
+        return _FileReader(*self._open_read(path))
 
     # 512 KiB: a block read from the page cache is still in the CPU's cache when it is digested.
     stream_block = 512 << 10
 
     def read_blocks(self, path: str, start: int, length: int,
                     buffer: memoryview) -> Iterator[memoryview]:
-        fd = self._open_read(path)  # once for the whole range
+        fd, target = self._open_read(path)  # once for the whole range
         try:
-            yield from pread_blocks(fd, start, length, buffer, self.local_path(path))
+            yield from pread_blocks(fd, start, length, buffer, target)
         finally:
             os.close(fd)
 

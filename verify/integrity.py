@@ -198,8 +198,8 @@ def verify_step(source: Checkpoints | ckpt.CheckpointManager, step: int,
     ``source``: checkpoints opened with :func:`ckpt.inspect.open` (a root or one checkpoint
     directory) or an open :class:`ckpt.CheckpointManager`. ``model``/``loss``/``rtol``/
     ``atol``/``trust_recorded`` are for the forward level (see
-    :func:`verify.forward.check_forward`). A later
-    level runs only when the earlier ones passed.
+    :func:`verify.forward.check_forward`). A later level runs only when the earlier ones
+    passed.
 
     Raises:
         ValueError: an unknown level.

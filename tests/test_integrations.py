@@ -357,6 +357,9 @@ def test_lightning_module_loads_from_a_ckpt_pointer_for_inference(tmp_path):
     loaded = load_from_checkpoint(Net, last, map_location="cpu")
     assert loaded.hparams.width == 5
     assert torch.equal(loaded.layer.weight, trained.layer.weight)
+    os.symlink("last.ckpt", tmp_path / "link.ckpt")  # as save_last="link" makes last.ckpt
+    linked = load_from_checkpoint(Net, tmp_path / "link.ckpt", map_location="cpu")
+    assert torch.equal(linked.layer.weight, trained.layer.weight)
 
 
 def test_lightning_last_link_to_a_pointer_resumes_its_step(tmp_path):

@@ -153,7 +153,7 @@ def load_from_checkpoint(cls: type, path: Any, map_location: Any = None, **kwarg
 
         model = load_from_checkpoint(MyModule, "ckpts/last.ckpt", map_location="cpu")
     """
-    if read_pointer(os.path.abspath(os.fspath(path))) is None:
+    if read_pointer(_same_folder_link(os.path.abspath(os.fspath(path)))) is None:
         return cls.load_from_checkpoint(path, map_location=map_location, **kwargs)
     checkpoint = CkptCheckpointIO().load_checkpoint(path, map_location=map_location)
     buffer = io.BytesIO()  # Lightning's loader reads a file object with torch.load

@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import zstandard  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.codec import encode  # noqa: E402
-from ckpt.engine import byte_view  # noqa: E402
+from ckpt._format.codec import encode  # noqa: E402
+from ckpt._save.engine import byte_view  # noqa: E402
 from storage_backends import PosixStorage  # noqa: E402
 
 LEVELS = [-3, -1, 1, 3]

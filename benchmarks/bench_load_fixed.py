@@ -44,9 +44,9 @@ import common  # noqa: E402  (puts the repository root on sys.path too)
 import torch  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.format import paused_gc  # noqa: E402
-from ckpt.integrity import read_manifest  # noqa: E402
-from ckpt.reader import load_step  # noqa: E402
+from ckpt._format.manifest import paused_gc  # noqa: E402
+from ckpt._step.integrity import read_manifest  # noqa: E402
+from ckpt._load.reader import load_step  # noqa: E402
 from storage_backends import PosixStorage  # noqa: E402
 
 

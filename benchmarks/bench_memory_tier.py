@@ -73,8 +73,8 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt.format import step_dir  # noqa: E402
-from ckpt.memory_tier import PREFIX, SHM_DIR, node_name  # noqa: E402
+from ckpt._format.manifest import step_dir  # noqa: E402
+from ckpt._memory.tier import PREFIX, SHM_DIR, node_name  # noqa: E402
 from storage_backends import open_storage  # noqa: E402
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)

@@ -50,14 +50,14 @@ import common  # noqa: E402  (also puts the repository root on sys.path)
 import scale_sim as sim  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
 
-from ckpt.distributed import Group  # noqa: E402
-from ckpt.engine import build_top_manifest  # noqa: E402
-from ckpt.format import Manifest  # noqa: E402
-from ckpt.layout import cells_overlapping  # noqa: E402
+from ckpt._shared.distributed import Group  # noqa: E402
+from ckpt._save.engine import build_top_manifest  # noqa: E402
+from ckpt._format.manifest import Manifest  # noqa: E402
+from ckpt._format.layout import cells_overlapping  # noqa: E402
 from ckpt.options import SaveOptions  # noqa: E402
-from ckpt.plan import data_file_name  # noqa: E402
-from ckpt.ranktable import table_name  # noqa: E402
-from ckpt.sharding import overlapping, prefetch  # noqa: E402
+from ckpt._save.plan import data_file_name  # noqa: E402
+from ckpt._format.ranktable import table_name  # noqa: E402
+from ckpt._shared.sharding import overlapping, prefetch  # noqa: E402
 
 LAYOUTS = ("fsdp", "hsdp", "tp_fsdp")
 TOKEN = "t" * 12

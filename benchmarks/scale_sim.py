@@ -24,14 +24,14 @@ from dataclasses import dataclass, replace
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from ckpt.datafile import Piece, encode_header
-from ckpt.engine import RankTable, StepPayload, build_top_manifest, table_file
-from ckpt.format import DTYPES, Chunk, Manifest
-from ckpt.layout import BoxLayout, Mesh, MeshLayout
+from ckpt._format.datafile import Piece, encode_header
+from ckpt._save.engine import RankTable, StepPayload, build_top_manifest, table_file
+from ckpt._format.manifest import DTYPES, Chunk, Manifest
+from ckpt._format.layout import BoxLayout, Mesh, MeshLayout
 from ckpt.options import SaveOptions
-from ckpt.plan import assign_files, chunk_tensor, data_file_name
-from ckpt.sharding import PieceSpec
-from ckpt.snapshot import written_here
+from ckpt._save.plan import assign_files, chunk_tensor, data_file_name
+from ckpt._shared.sharding import PieceSpec
+from ckpt._save.snapshot import written_here
 
 # A 70B-parameter decoder (Llama-3-70B's shapes): 80 layers, hidden 8192, MLP 28672,
 # 64 query heads and 8 key/value heads of 128, vocabulary 128256.
@@ -147,8 +147,8 @@ def rng_state(world: int) -> tuple[dict, dict[str, tuple[str, tuple[int, ...], i
     the item (one tree per rank: a real RNGState's tree, renamed per rank, ~7.6 KB of JSON)
     and each rank's own tensors (key -> (dtype, shape, the rank that holds and writes it))."""
     import ckpt
-    from ckpt.format import dtype_name
-    from ckpt.state import flatten
+    from ckpt._format.manifest import dtype_name
+    from ckpt._shared.state import flatten
 
     flat = flatten({"rng": ckpt.RNGState()}, rank=0)
     tree = json.dumps(flat.items["rng"]["per_rank"]["0"])
@@ -272,7 +272,7 @@ def count_chunks(tensors: list[TensorSpec], layouts: dict, options: SaveOptions)
     and a box's chunk count depends only on its shape."""
     from collections import Counter
 
-    from ckpt.layout import _intervals
+    from ckpt._format.layout import _intervals
 
     total = 0
     for t in tensors:

@@ -1,18 +1,18 @@
 """ckpt: fault-tolerant checkpoints for PyTorch training."""
 
 from . import inspect
-from .adapters import ModelOptimizer
-from .api import CheckpointExistsError, async_save, load, save
-from .engine import SaveHandle, SaveResult
-from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
+from ckpt._shared.adapters import ModelOptimizer
+from ckpt.api import CheckpointExistsError, async_save, load, save
+from ckpt._save.engine import SaveHandle, SaveResult
+from ckpt.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      CorruptCheckpointError, ForwardCheckError, PartialLoadError,
                      StateMismatchError,
                      StorageError, UnsupportedValueError)
-from .manager import CheckpointManager
-from .options import SaveOptions
-from .probe import Probe
-from .rng import RNGState
-from .state import PerRank
+from ckpt._manager.manager import CheckpointManager
+from ckpt.options import SaveOptions
+from ckpt._load.probe import Probe
+from ckpt._shared.rng import RNGState
+from ckpt._shared.state import PerRank
 
 __all__ = [
     "CheckpointError",

@@ -10,15 +10,15 @@ from typing import Any, MutableMapping, overload
 
 from storage_backends import PosixStorage
 
-from .distributed import Group
-from .engine import BackgroundWriter, SaveHandle, SaveResult, Stager
-from .errors import CheckpointError
-from .gate import Gate, verify_level
-from .integrity import read_manifest
-from .options import SaveOptions
-from .reader import load_step
-from .snapshot import snapshot
-from .structure import MapLocation, read_structure
+from ckpt._shared.distributed import Group
+from ckpt._save.engine import BackgroundWriter, SaveHandle, SaveResult, Stager
+from ckpt.errors import CheckpointError
+from ckpt._load.gate import Gate, verify_level
+from ckpt._step.integrity import read_manifest
+from ckpt.options import SaveOptions
+from ckpt._load.reader import load_step
+from ckpt._save.snapshot import snapshot
+from ckpt._load.structure import MapLocation, read_structure
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):

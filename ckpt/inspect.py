@@ -35,19 +35,19 @@ import torch
 
 from storage_backends import Storage, open_storage
 
-from .datafile import SAFETENSORS_DTYPES
-from .engine import byte_view
-from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+from ckpt._format.datafile import SAFETENSORS_DTYPES
+from ckpt._save.engine import byte_view
+from ckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      StorageError)
-from .format import (MANIFEST_NAME, STEP_DIR, Chunk, Manifest, TensorEntry, is_decimal,
+from ckpt._format.manifest import (MANIFEST_NAME, STEP_DIR, Chunk, Manifest, TensorEntry, is_decimal,
                      step_dir)
-from .gate import damaged_probe
-from .integrity import check_structure as _check_structure
-from .integrity import chunk_path, digest, read_manifest
-from .probe import PROBE_ITEM, TOLERANCES, run_forward, tolerance_for
-from .reader import load_step
-from .reader import read_chunk as _read_chunk
-from .state import BYTES, DICT, FLOAT, NDARRAY, PICKLE, TENSOR, TUPLE, item_tree
+from ckpt._load.gate import damaged_probe
+from ckpt._step.integrity import check_structure as _check_structure
+from ckpt._step.integrity import chunk_path, digest, read_manifest
+from ckpt._load.probe import PROBE_ITEM, TOLERANCES, run_forward, tolerance_for
+from ckpt._load.reader import load_step
+from ckpt._load.reader import read_chunk as _read_chunk
+from ckpt._shared.state import BYTES, DICT, FLOAT, NDARRAY, PICKLE, TENSOR, TUPLE, item_tree
 
 __all__ = [
     "PROBE_ITEM", "SAFETENSORS_DTYPES", "TOLERANCES", "Checkpoints", "Chunk", "Manifest",
@@ -87,7 +87,7 @@ class Checkpoints:
             StorageError: the storage cannot be listed.
         """
         if self.single is None:
-            from .manager import list_steps  # the same discovery as the manager's
+            from ckpt._manager.manager import list_steps  # the same discovery as the manager's
 
             try:
                 return list_steps(self.storage)

@@ -181,12 +181,12 @@ def install(monkeypatch: Any, devices: int = 2) -> Sim:
     import weakref
 
     import ckpt.api
-    import ckpt.engine
+    import ckpt._save.engine
 
     sim = Sim(devices)
     monkeypatch.setattr(sys.modules[__name__], "SIM", sim)
-    monkeypatch.setattr(ckpt.engine, "_STAGERS", weakref.WeakSet())
-    monkeypatch.setattr(ckpt.api._ONE_SHOT, "_stager", ckpt.engine.Stager())
+    monkeypatch.setattr(ckpt._save.engine, "_STAGERS", weakref.WeakSet())
+    monkeypatch.setattr(ckpt.api._ONE_SHOT, "_stager", ckpt._save.engine.Stager())
     real_empty = torch.empty
 
     def index(device: Any) -> int:

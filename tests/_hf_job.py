@@ -28,7 +28,7 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,  # 
                           Trainer, TrainerCallback, TrainingArguments)
 
 from _fork_kill import kill_then_wait  # noqa: E402
-from ckpt import cli  # noqa: E402
+from verify import cli  # noqa: E402
 from trainer.integrations.hf import CkptTrainer  # noqa: E402
 
 MAX_STEPS = 12

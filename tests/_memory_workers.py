@@ -193,7 +193,7 @@ def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
         if case == "peer" and rank == 0:  # node 1's own segment is gone (its RAM)
             shutil.rmtree(os.path.join(shm, f"ckpt-{job}-{nodes[1]}-r1"))
         if case == "peer":  # the RNG tensor (5 KB) crosses in several pieces
-            from ckpt import memory_restore
+            from ckpt._memory import restore as memory_restore
             memory_restore.PEER_BLOCK = 1024
         dist.barrier()
         torch.manual_seed(7)  # other draws: the restore must put each rank's back
@@ -219,8 +219,8 @@ def serve_a_stuck_peer(rank: int, world: int, root: str, shm: str, job: str,
     with a warning. Rank 1 then recovers and closes, which ends rank 0's serving thread."""
     import logging
 
-    from ckpt import memory_restore
-    from ckpt.memory_restore import candidates, local_holdings, open_candidate
+    from ckpt._memory import restore as memory_restore
+    from ckpt._memory.restore import candidates, local_holdings, open_candidate
 
     mgr = manager(root, shm, job, nodes[rank], persist_every=1_000_000)
     mgr.save(1, build(world, 1), force=True)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-import ckpt.memory_restore as memory_restore
+import ckpt._memory.restore as memory_restore
 
 SIDE = 128  # "w" is SIDE x SIDE floats (64 KiB: four chunks)
 
@@ -64,7 +64,7 @@ def _until(path: str) -> None:
 
 
 class _Dist:
-    """torch.distributed as ckpt.memory_restore sees it, with a holder's data messages
+    """torch.distributed as ckpt._memory.restore sees it, with a holder's data messages
     sent only once the reader waits for one (until then no byte of them has arrived),
     and a reader's waits for them recorded in _Flag.path."""
 

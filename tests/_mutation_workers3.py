@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import ckpt
-from ckpt.engine import Stager
+from ckpt._save.engine import Stager
 from _scale_workers import Blob
 
 

@@ -312,16 +312,16 @@ def test_the_manifest_of_a_step_still_being_written_says_to_wait(tmp_path, monke
     """mgr.manifest(step) right after an asynchronous save(step) finds no committed step;
     the error says the step is being written and to call wait(), which then makes it
     readable (a missing step keeps the plain not-found message)."""
-    import ckpt.engine
+    import ckpt._save.engine
 
     release = threading.Event()
-    real_write_rank = ckpt.engine.write_rank
+    real_write_rank = ckpt._save.engine.write_rank
 
     def write_rank(*args, **kwargs):
         release.wait(timeout=60)
         return real_write_rank(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt.engine, "write_rank", write_rank)
+    monkeypatch.setattr(ckpt._save.engine, "write_rank", write_rank)
     with ckpt.CheckpointManager(tmp_path / "root") as mgr:
         mgr.save(1, {"w": torch.ones(4)})
         with pytest.raises(ckpt.CheckpointNotFoundError,

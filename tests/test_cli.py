@@ -186,7 +186,7 @@ def test_the_command_in_a_terminal_exits_1_on_damage_and_2_on_a_missing_root(tmp
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
-    from ckpt.cli import main
+    from verify.cli import main
 
     try:
         code = main([str(a) for a in args])
@@ -638,7 +638,7 @@ def test_diff_checks_sizes_before_sizing_buffers_from_a_hostile_manifest(tmp_pat
 
 
 def test_a_framework_pointer_is_followed_to_its_step(tmp_path, capsys):
-    from ckpt.pointer import POINTER_NAME, write_pointer
+    from ckpt._step.pointer import POINTER_NAME, write_pointer
 
     root = root_of_steps(tmp_path, steps=(1, 2))
     write_pointer(str(root / "last.ckpt"), 2)  # Lightning
@@ -712,7 +712,7 @@ def test_a_step_retired_while_verify_reads_it_is_not_reported_as_damaged(tmp_pat
 
 
 def test_a_gc_dry_run_passes_over_a_step_its_writer_retires_while_it_is_checked(tmp_path):
-    from ckpt.cli import collect_root
+    from verify.cli import collect_root
 
     root = tmp_path / "root"
     with ckpt.CheckpointManager(root, keep_last=1, keep_every=2, async_save=False) as writer:
@@ -954,7 +954,7 @@ def test_hostile_names_in_a_manifest_are_printed_escaped_and_a_closed_pipe_is_qu
 def test_an_empty_path_is_a_usage_error_not_the_current_directory(tmp_path, capsys,
                                                                    monkeypatch):
     """`ckpt gc "$ROOT" --yes` with ROOT unset collected the current directory."""
-    from ckpt.cli import main
+    from verify.cli import main
 
     make_root(tmp_path)
     monkeypatch.chdir(tmp_path / "root")
@@ -969,7 +969,7 @@ def test_a_tensor_named_metadata_is_refused_by_safetensors_exports_and_kept_by_t
                                                                                    capsys):
     """A state dict may hold a tensor named '__metadata__'; exporting it to safetensors wrote
     that tensor's entry over the header's metadata: a file no safetensors reader opens."""
-    from ckpt.cli import main
+    from verify.cli import main
 
     ckpt.save({"model": {"__metadata__": torch.ones(3), "w": torch.zeros(2)}}, tmp_path / "c")
     for to, out in (("safetensors", "o.safetensors"), ("hf", "hf")):
@@ -988,7 +988,7 @@ def test_a_bug_is_one_line_and_one_json_document_and_ctrl_c_is_quiet(tmp_path, c
     """The last line of defence of 'never a traceback': an exception nobody expected (here a
     bug planted in the listing) is reported in one line with exit status 3, naming it and
     where it was raised; CKPT_TRACEBACK=1 shows it whole."""
-    from ckpt import cli
+    from verify import cli
 
     make_root(tmp_path)
     root = str(tmp_path / "root")
@@ -996,7 +996,7 @@ def test_a_bug_is_one_line_and_one_json_document_and_ctrl_c_is_quiet(tmp_path, c
     def bug(storage):
         raise ValueError("planted bug")
 
-    monkeypatch.setattr("ckpt.manager.list_steps", bug)
+    monkeypatch.setattr("ckpt._manager.manager.list_steps", bug)
     assert cli.main(["ls", root, "--json"]) == 3
     out, err = capsys.readouterr()
     assert json.loads(out) == {"ok": False, "exit_code": 3, "path": None, "error": err.strip()[
@@ -1010,6 +1010,6 @@ def test_a_bug_is_one_line_and_one_json_document_and_ctrl_c_is_quiet(tmp_path, c
     def interrupted(storage):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("ckpt.manager.list_steps", interrupted)
+    monkeypatch.setattr("ckpt._manager.manager.list_steps", interrupted)
     assert cli.main(["verify", root]) == 130
     assert capsys.readouterr().err == "ckpt verify: interrupted\n"

@@ -13,7 +13,7 @@ import os
 import pytest
 
 import ckpt
-from ckpt.cli import main as cli
+from verify.cli import main as cli
 from crashsim import explore, oracle
 from crashsim.record import Trace
 from crashsim.scenarios import OPTIONS, template, values

@@ -21,7 +21,7 @@ import torch
 
 import ckpt
 from ckpt import CheckpointManager, CorruptCheckpointError, SaveOptions
-from ckpt.engine import Stager
+from ckpt._save.engine import Stager
 
 DEVICE = os.environ.get("CKPT_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),

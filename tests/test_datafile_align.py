@@ -1,4 +1,4 @@
-"""Data files start their data 64-byte aligned (ckpt/datafile.py): a chunk read straight into
+"""Data files start their data 64-byte aligned (ckpt/_format/datafile.py): a chunk read straight into
 a tensor (64-byte aligned by torch's allocator) from a file offset that differs from it modulo
 64 costs the kernel's copy about 20% more CPU per byte (benchmarks/bench_memory_tier.py)."""
 
@@ -8,7 +8,7 @@ import safetensors.torch
 import torch
 
 import ckpt
-from ckpt.format import step_dir
+from ckpt._format.manifest import step_dir
 
 
 def test_every_chunk_of_cache_line_sized_tensors_starts_64_byte_aligned(tmp_path):

@@ -17,7 +17,7 @@ import torch
 
 import _fake_cuda
 import ckpt
-from ckpt.engine import Stager, byte_view
+from ckpt._save.engine import Stager, byte_view
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,21 +145,21 @@ def test_the_writer_reads_a_staged_buffer_only_once_its_copy_is_done(
         asynchronous, tmp_path, monkeypatch):
     """ckpt.save/async_save of (fake) CUDA tensors on two devices: the writer thread starts
     reading the pinned buffers only after the device-to-host copies into them ended."""
-    import ckpt.engine
+    import ckpt._save.engine
 
     sim = _fake_cuda.install(monkeypatch)
     weight = sim.tensor(torch.randn(8, 4), device=1)
     optimizer = torch.optim.SGD([weight], lr=0.1)
     state = {"w": weight, "bn": sim.tensor(torch.randn(4), device=0), "opt": optimizer}
     in_flight = []
-    real_write_rank = ckpt.engine.write_rank
+    real_write_rank = ckpt._save.engine.write_rank
 
     def write_rank(storage, staging, payload, options, pool):
         for _, buf in payload.pieces.values():
             in_flight.extend(sim.host_in_flight(*_fake_cuda.memory_range(byte_view(buf))))
         return real_write_rank(storage, staging, payload, options, pool)
 
-    monkeypatch.setattr(ckpt.engine, "write_rank", write_rank)
+    monkeypatch.setattr(ckpt._save.engine, "write_rank", write_rank)
     if asynchronous:
         ckpt.async_save(state, tmp_path / "c").wait()
     else:
@@ -357,13 +357,13 @@ def test_a_load_on_reading_threads_writes_after_the_callers_stream(
     that stream queued (a write into a tensor) and after the save's deferred copies."""
     import threading
 
-    import ckpt.reader
+    import ckpt._load.reader
     from storage_backends import posix
 
     saved = {k: torch.randn(16, 256) for k in "abcd"}
     ckpt.save(saved, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096))
     sim = _fake_cuda.install(monkeypatch)
-    monkeypatch.setattr(ckpt.reader, "TINY_CHUNK_BYTES", 0)  # read on the pool's threads
+    monkeypatch.setattr(ckpt._load.reader, "TINY_CHUNK_BYTES", 0)  # read on the pool's threads
     readers = set()
     real_read_into = posix._FileReader.read_into
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import ckpt
-from ckpt import cli
+from verify import cli
 
 
 class Tied(torch.nn.Module):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from ckpt.errors import CorruptCheckpointError, UnsupportedValueError
-from ckpt.format import Chunk, Manifest, TensorEntry
-from ckpt.sharding import overlapping
-from ckpt.state import flatten
+from ckpt._format.manifest import Chunk, Manifest, TensorEntry
+from ckpt._shared.sharding import overlapping
+from ckpt._shared.state import flatten
 
 DIGEST = "0123456789abcdef"
 
@@ -173,7 +173,7 @@ def test_format2_layouts_are_checked(laid_out, layout, message):
 
 
 def test_format2_layouts_parse(laid_out):
-    from ckpt.layout import BoxLayout, Mesh, MeshLayout
+    from ckpt._format.layout import BoxLayout, Mesh, MeshLayout
 
     assert _parse(laid_out).tensors["t"].layout == BoxLayout((((0, 0), (4, 2), 0),))
     for placements, dims in ((["S0"], (0,)), (["S1"], (1,)), (["R"], (None,))):

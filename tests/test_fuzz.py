@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 import ckpt
 import ckpt.inspect
 from ckpt.errors import CorruptCheckpointError, UnsupportedValueError
-from ckpt.format import (MAX_ZSTD_RATIO, STEP_DIR, Chunk, Manifest, _check_tiling, _Invalid,
+from ckpt._format.manifest import (MAX_ZSTD_RATIO, STEP_DIR, Chunk, Manifest, _check_tiling, _Invalid,
                          check_tree)
-from ckpt.integrity import chunk_path
-from ckpt.state import decode
+from ckpt._step.integrity import chunk_path
+from ckpt._shared.state import decode
 from storage_backends import PosixStorage
 
 FUZZ = settings(derandomize=True, database=None, deadline=None,
@@ -265,7 +265,7 @@ def test_rank_table_headers_are_refused_as_corrupt_or_accepted(table_bytes, fiel
     a list of lists as its files once raised TypeError out of restore."""
     import struct
 
-    from ckpt.integrity import digest
+    from ckpt._step.integrity import digest
 
     doc, head, records = copy.deepcopy(table_bytes)
     head[field] = value
@@ -308,7 +308,7 @@ def test_item_trees_are_refused_or_decode(tree):
 
 
 def _entry(t: torch.Tensor):
-    from ckpt.format import TensorEntry, dtype_name
+    from ckpt._format.manifest import TensorEntry, dtype_name
 
     return TensorEntry(dtype_name(t.dtype), tuple(t.shape), ())
 
@@ -335,7 +335,7 @@ def test_what_tools_read_from_an_optimizer_tree_never_raises(optimizer_step, tre
     """inspect and diff name optimizer state by parameter and list its plain values; a
     parameter list holding a dict once made `ckpt diff` die with TypeError (unhashable)."""
     import verify
-    from ckpt.cli import saved_values
+    from verify.cli import saved_values
 
     doc = copy.deepcopy(optimizer_step)
     optim = doc["items"]["optim"]["tree"]

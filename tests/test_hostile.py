@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.cli import main as cli
-from ckpt.incremental import collect
+from verify.cli import main as cli
+from ckpt._step.incremental import collect
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_CHUNKS = ckpt.SaveOptions(chunk_bytes=1 << 12, write_threads=1)
@@ -191,7 +191,7 @@ def spellings(step: int) -> list[str]:
 
 
 def test_only_the_canonical_name_of_a_step_is_a_step():
-    from ckpt.format import STEP_DIR
+    from ckpt._format.manifest import STEP_DIR
     assert [int(STEP_DIR.match(n).group(1)) for n in
             ("step-00000000", "step-00000007", "step-99999999", "step-100000000")] == [
         0, 7, 99999999, 100000000]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.cli import main as cli
+from verify.cli import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_CHUNKS = ckpt.SaveOptions(chunk_bytes=1 << 16, write_threads=2)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.pointer import read_pointer, write_pointer
+from ckpt._step.pointer import read_pointer, write_pointer
 from trainer.integrations._steps import StepStore, load_newest_good
 
 

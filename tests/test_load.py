@@ -446,8 +446,8 @@ class RequestStorage(PosixStorage):
 ])
 def test_chunks_too_small_for_threads_are_read_on_the_calling_thread(tmp_path, rows,
                                                                      storage_type, threads):
-    from ckpt.integrity import read_manifest
-    from ckpt.reader import load_step
+    from ckpt._step.integrity import read_manifest
+    from ckpt._load.reader import load_step
 
     state = {f"t{i}": torch.randn(rows, 1024) for i in range(8)}  # in 2 files
     with CheckpointManager(tmp_path, async_save=False, handle_sigterm=False, metrics=False,

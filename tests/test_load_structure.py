@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt.state import is_stateful
+from ckpt._shared.state import is_stateful
 
 
 class Tied(torch.nn.Module):

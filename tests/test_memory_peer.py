@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from ckpt.memory_tier import gc_segments
+from ckpt._memory.tier import gc_segments
 
 from _dist import run_ranks
 from _memory_workers import restore, restore_after_node_loss, save_steps

@@ -16,7 +16,7 @@ import torch
 
 import ckpt
 from ckpt.errors import CheckpointError
-from ckpt.memory_tier import OWNER_FILE, PREFIX, SHM_DIR, gc_segments
+from ckpt._memory.tier import OWNER_FILE, PREFIX, SHM_DIR, gc_segments
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -274,7 +274,7 @@ def test_segments_of_dead_jobs_are_removed_by_gc_and_later_runs(tmp_path, job):
 
 
 def test_cli_gc_memory_removes_dead_segments_only_with_yes(tmp_path, job, capsys):
-    from ckpt.cli import main
+    from verify.cli import main
 
     save_steps(tmp_path / "dead", job, [1], persist=100)  # closed: no live owner
     [seg] = segments(job)
@@ -285,7 +285,7 @@ def test_cli_gc_memory_removes_dead_segments_only_with_yes(tmp_path, job, capsys
 
 
 def test_full_dev_shm_raises_before_writing(tmp_path, job, monkeypatch):
-    import ckpt.memory_tier as mt
+    import ckpt._memory.tier as mt
 
     with ckpt.CheckpointManager(tmp_path, memory_tier=True, memory_job=job) as mgr:
         real = os.statvfs(SHM_DIR)
@@ -298,8 +298,8 @@ def test_full_dev_shm_raises_before_writing(tmp_path, job, monkeypatch):
 
 
 def test_node_names_and_the_replication_ring(monkeypatch):
-    from ckpt.memory_tier import node_name, replica_name, segment_name
-    from ckpt.replication import ring_targets
+    from ckpt._memory.tier import node_name, replica_name, segment_name
+    from ckpt._memory.replication import ring_targets
 
     monkeypatch.delenv("CKPT_NODE", raising=False)
     monkeypatch.setenv("GROUP_RANK", "3")

@@ -34,7 +34,7 @@ import pytest
 import _elastic_job as cluster_harness
 import _memory_job
 import ckpt
-from ckpt.memory_tier import PREFIX, SHM_DIR
+from ckpt._memory.tier import PREFIX, SHM_DIR
 from trainer.checkpointing import memory_job_id, memory_tier_options
 from trainer.elastic import read_jsonl
 

@@ -37,7 +37,7 @@ def open_files_under(root: Path) -> list[str]:
 
 def test_a_load_closes_every_data_file_it_opened_whether_it_succeeds_or_fails(tmp_path):
     """Mutants: storage_backends/posix.py _FileReader.close without os.close, and
-    ckpt/reader.py _Files.close without reader.close (a descriptor leaked per file per
+    ckpt/_load/reader.py _Files.close without reader.close (a descriptor leaked per file per
     thread per load: a trainer that restores often runs out of descriptors)."""
     state = {f"t{i}": torch.randn(64, 64) for i in range(16)}
     with CheckpointManager(tmp_path, async_save=False, handle_sigterm=False, metrics=False,
@@ -61,7 +61,7 @@ def test_a_load_closes_every_data_file_it_opened_whether_it_succeeds_or_fails(tm
 
 
 def test_a_truncated_file_of_an_earlier_step_is_refused_before_anything_changes(tmp_path):
-    """Mutant: ckpt/integrity.py _check_files without its ``end > size`` check. An
+    """Mutant: ckpt/_step/integrity.py _check_files without its ``end > size`` check. An
     incremental step reads its unchanged chunks from an earlier step's files, whose size
     the step's manifest does not record; truncated, a structure-only restore must refuse
     them before it writes, not die half-way (PartialLoadError) in the apply pass."""
@@ -253,13 +253,13 @@ def test_a_sigkilled_zygote_takes_its_worker_down_at_once(tmp_path):
 
 
 def test_verify_names_every_damaged_rank_table_not_only_the_first():
-    """Mutant: ckpt/ranktable.py Tables.problems returning only the first damaged table
+    """Mutant: ckpt/_format/ranktable.py Tables.problems returning only the first damaged table
     (``ckpt verify`` must list each damaged file, so one repair pass fixes them all)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import scale_sim as sim
     from torch.distributed.tensor import Shard
 
-    from ckpt.format import Manifest
+    from ckpt._format.manifest import Manifest
 
     specs = [sim.TensorSpec("rows", "float32", (300, 16), (Shard(0),))]
     manifest, files = sim.step_of((4,), specs, SaveOptions(chunk_bytes=4096))
@@ -284,9 +284,9 @@ def test_verify_names_every_damaged_rank_table_not_only_the_first():
 
 
 def test_the_memory_tiers_reader_never_follows_a_planted_link(tmp_path):
-    """Mutant: ckpt/memory_restore.py ShmReader._fd opening without O_NOFOLLOW (a link
+    """Mutant: ckpt/_memory/restore.py ShmReader._fd opening without O_NOFOLLOW (a link
     planted in a segment would make a restore read any file this user can)."""
-    from ckpt.memory_restore import ShmReader
+    from ckpt._memory.restore import ShmReader
 
     segment, secret = tmp_path / "segment", tmp_path / "secret"
     (segment / "step-00000001").mkdir(parents=True)
@@ -303,10 +303,10 @@ def test_the_memory_tiers_reader_never_follows_a_planted_link(tmp_path):
 
 
 def test_the_memory_tiers_reader_reports_a_file_that_ends_early_never_zero_fills(tmp_path):
-    """Mutant: ckpt/memory_restore.py ShmReader.read_into ending its loop at end of file
+    """Mutant: ckpt/_memory/restore.py ShmReader.read_into ending its loop at end of file
     instead of raising EOFError (a segment file truncated after the verify pass would be
     applied with the buffer's old bytes in place of the missing ones)."""
-    from ckpt.memory_restore import ShmReader
+    from ckpt._memory.restore import ShmReader
 
     (tmp_path / "step-00000001").mkdir()
     (tmp_path / "step-00000001" / "data.bin").write_bytes(b"0123456789")
@@ -363,7 +363,7 @@ def _restore_from_peers(rank: int, world: int, root: str, shm: str, nodes: list[
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_peer_serving_several_chunks_of_a_lost_rank_sends_each_one_right(tmp_path):
-    """Mutant: ckpt/memory_restore.py's holder serving every range of a round from the
+    """Mutant: ckpt/_memory/restore.py's holder serving every range of a round from the
     first range asked for (``mine[0]`` for ``mine[i]`` in MemorySource._serve: every chunk
     would get the first one's bytes; the digests fail and the restore falls to the root)."""
     from _dist import run_ranks

@@ -14,7 +14,7 @@ import torch
 
 import ckpt
 from ckpt import CheckpointManager, CorruptCheckpointError, PartialLoadError, SaveOptions
-from ckpt.format import MAX_DIMS, Manifest
+from ckpt._format.manifest import MAX_DIMS, Manifest
 from storage_backends import PosixStorage
 from test_load import flip_byte
 
@@ -73,7 +73,7 @@ class _OddBlocks(PosixStorage):
 @pytest.mark.parametrize("storage_type", [_NoStreaming, _OddBlocks])
 def test_a_one_pass_restore_reads_and_digests_every_byte_whatever_the_storage(
         tmp_path, storage_type):
-    """Mutants: ckpt/reader.py read_chunk checking only a digest taken block by block
+    """Mutants: ckpt/_load/reader.py read_chunk checking only a digest taken block by block
     (``found is not None and found != chunk.digest``: a storage without ``stream_block``, as
     S3, loads a flipped bit silently) and reading every block of a chunk at the chunk's start
     (``read_into(chunk.start, part)``)."""
@@ -95,7 +95,7 @@ def test_a_one_pass_restore_reads_and_digests_every_byte_whatever_the_storage(
 
 
 def test_the_forward_level_verifies_a_step_before_writing_any_live_tensor(tmp_path):
-    """Mutant: ckpt/manager.py restore reading in one pass at the forward level too
+    """Mutant: ckpt/_manager/manager.py restore reading in one pass at the forward level too
     (``gate.level != "structure"``). That level puts back only the models when it raises;
     a plain tensor written before the corrupt chunk was found would stay overwritten under
     an error that says nothing of it."""
@@ -112,7 +112,7 @@ def test_the_forward_level_verifies_a_step_before_writing_any_live_tensor(tmp_pa
 
 
 def test_a_one_pass_restore_names_what_every_failed_step_overwrote(tmp_path):
-    """Mutant: ckpt/manager.py restore keeping only the last failed step's tensors
+    """Mutant: ckpt/_manager/manager.py restore keeping only the last failed step's tensors
     (``dirty = ...`` for ``dirty |= ...``). Step 2 fails at its last chunk, after writing
     every tensor; step 1 at its first. The error must name every tensor either overwrote,
     not only the one step 1 touched."""
@@ -133,7 +133,7 @@ def test_a_one_pass_restore_names_what_every_failed_step_overwrote(tmp_path):
 
 
 def test_tensors_whose_paths_collide_are_saved_and_loaded_apart(tmp_path):
-    """Mutant: ckpt/state.py _Flattener.tensor without ``key = self._unique(key)`` (the
+    """Mutant: ckpt/_shared/state.py _Flattener.tensor without ``key = self._unique(key)`` (the
     second tensor of a path, such as a dict's int key 1 and str key "1", would overwrite
     the first: both load as one of them)."""
     saved = {"m": {1: torch.arange(4.0), "1": torch.arange(4.0) + 10,
@@ -148,7 +148,7 @@ def test_tensors_whose_paths_collide_are_saved_and_loaded_apart(tmp_path):
 
 
 def test_a_plain_tensor_that_requires_grad_loads_through_a_bounce_buffer(tmp_path):
-    """Mutant: ckpt/state.py _Flattener.tensor keeping a plain tensor that requires grad
+    """Mutant: ckpt/_shared/state.py _Flattener.tensor keeping a plain tensor that requires grad
     undetached (``type(t) is torch.Tensor`` without ``and not t.requires_grad``): a load
     whose destination is not contiguous (as every CUDA destination) copies into it, which
     autograd refuses for a leaf that requires grad."""
@@ -182,7 +182,7 @@ def _whole(shape: list[int]) -> dict:
     (_manifest({**_whole([4]), "dtype": "float99"}), "tensor 't' has unknown dtype 'float99'"),
 ])
 def test_a_manifest_beyond_the_formats_bounds_is_refused_as_corrupt(raw, message):
-    """Mutants: ckpt/format.py _dims without ``len(value) <= MAX_DIMS`` (a hostile shape
+    """Mutants: ckpt/_format/manifest.py _dims without ``len(value) <= MAX_DIMS`` (a hostile shape
     reaches torch, which raises its own error, not the corruption a restore falls back
     past), _parse's alias check without ``k not in tensors`` (an alias that shadows a
     stored tensor) and _parse_tensor's without ``dtype in DTYPES`` (a KeyError escapes)."""
@@ -197,7 +197,7 @@ def test_a_manifest_beyond_the_formats_bounds_is_refused_as_corrupt(raw, message
     ({"mesh": 0.0, "placements": ["S0"]}, "tensor 't' names mesh 0.0"),
 ])
 def test_a_format2_layout_with_a_float_index_is_refused_as_corrupt(tmp_path, layout, message):
-    """Mutants: ckpt/format.py _parse_laid_out without ``type(writer) is not int`` and
+    """Mutants: ckpt/_format/manifest.py _parse_laid_out without ``type(writer) is not int`` and
     without ``type(mesh) is int`` (0.0 passes the range checks; the mesh then indexes a
     list: a TypeError escapes the parse instead of the corruption a restore falls back
     past)."""
@@ -245,7 +245,7 @@ class _DiskErrorInStep1(PosixStorage):
 @pytest.mark.parametrize("corrupt, reads", [(-1, 1), (0, 3)])
 def test_a_fallback_step_that_fails_on_a_disk_error_names_what_the_newer_step_overwrote(
         tmp_path, corrupt, reads):
-    """Mutant (and the bug it showed, fixed): ckpt/manager.py restore re-raising the
+    """Mutant (and the bug it showed, fixed): ckpt/_manager/manager.py restore re-raising the
     fallback step's own PartialLoadError when a disk error stops it part-way (``and not
     isinstance(error, PartialLoadError)``); and, with that fixed, naming only the newer
     step's tensors (``changed=dirty``). Step 2 is read in one pass and fails its digest at
@@ -272,7 +272,7 @@ def test_a_fallback_step_that_fails_on_a_disk_error_names_what_the_newer_step_ov
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_peer_fetched_chunk_is_read_only_once_its_message_arrived(tmp_path):
-    """Mutants: ckpt/memory_restore.py MemorySource.read_into and _arrived without their
+    """Mutants: ckpt/_memory/restore.py MemorySource.read_into and _arrived without their
     ``r.wait()`` (the load digests a peer's chunk, in the live tensor or in the verify
     pass's buffer, before the message that brings it has arrived). The holder here sends
     only once the reader waits, so a read that does not wait finds no byte of the step: the

@@ -79,7 +79,7 @@ def test_an_odd_lock_owner_file_still_gives_one_line_naming_the_lock(tmp_path, c
     without TypeError among the errors it catches raises it), and one that is no JSON object
     gives no holder (it was AttributeError: 'list' object has no attribute 'get', in gc and
     the manager; the manager raised TypeError on the odd "since")."""
-    from ckpt.cli import main
+    from verify.cli import main
 
     root = tmp_path / "root"
     with ckpt.CheckpointManager(root, async_save=False) as writer:
@@ -102,7 +102,7 @@ def test_export_refuses_a_dangling_link_and_tolerances_may_be_zero(tmp_path, cap
     ``os.path.exists`` for ``os.path.lexists`` sees no file there and writes over the
     link, even without --force); ``--rtol 0 --atol 0`` (an exact check) is accepted
     (mutant: ``value <= 0`` refuses it)."""
-    from ckpt.cli import build_parser, main
+    from verify.cli import build_parser, main
 
     root = tmp_path / "root"
     with ckpt.CheckpointManager(root, async_save=False) as mgr:
@@ -122,7 +122,7 @@ def test_a_loss_function_that_returns_no_number_is_named(tmp_path, capsys, monke
     outside it, reported as "the forward pass of the model ... raised")."""
     import sys
 
-    from ckpt.cli import main
+    from verify.cli import main
     from test_cli import make_root
 
     make_root(tmp_path)
@@ -145,7 +145,7 @@ def test_verify_of_one_named_step_its_writer_retires_midway_fails(tmp_path, caps
     says it is gone, exit 2 (mutant: without ``if not args.all: raise`` it printed
     "skipped" and exited 0, having verified nothing)."""
     import verify
-    from ckpt.cli import main
+    from verify.cli import main
 
     root = tmp_path / "root"
     with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
@@ -170,7 +170,7 @@ def test_refused_opens_leave_no_descriptor_and_export_never_writes_through_a_lin
     what it opened (mutant: without ``os.close(fd)`` before the refusal each one leaks a
     descriptor); export creates its temporary file exclusively (mutant: ``open(tmp, "wb")``
     follows a link planted at that name and overwrites its target)."""
-    from ckpt.cli import main
+    from verify.cli import main
     from storage_backends import open_storage
 
     root = tmp_path / "root"
@@ -240,7 +240,7 @@ def test_forward_level_names_a_bool_loss_and_a_bad_model_option(tmp_path, capsys
     is not recorded: raise`` it said "the probe's recorded factory")."""
     import json
 
-    from ckpt.cli import main
+    from verify.cli import main
     from test_cli import make_root
 
     make_root(tmp_path)

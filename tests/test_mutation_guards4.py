@@ -21,17 +21,17 @@ import torch
 import zstandard
 
 from ckpt import CheckpointManager, SaveOptions
-from ckpt import format as fmt
-from ckpt.codec import decode_into, encode
-from ckpt.datafile import Piece
+from ckpt._format import manifest as fmt
+from ckpt._format.codec import decode_into, encode
+from ckpt._format.datafile import Piece
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from ckpt.format import MANIFEST_NAME, Manifest
-from ckpt.incremental import collect, step_dirs
-from ckpt.integrity import check_structure, read_manifest
-from ckpt.layout import BoxLayout, Mesh, MeshLayout, cells_overlapping, writer, written_by
-from ckpt.memory_tier import replica_name
-from ckpt.replication import Replicator, ring_targets
-from ckpt.sharding import (PieceSpec, assign_writers, balance_plain, boxes_layouts, overlapping,
+from ckpt._format.manifest import MANIFEST_NAME, Manifest
+from ckpt._step.incremental import collect, step_dirs
+from ckpt._step.integrity import check_structure, read_manifest
+from ckpt._format.layout import BoxLayout, Mesh, MeshLayout, cells_overlapping, writer, written_by
+from ckpt._memory.tier import replica_name
+from ckpt._memory.replication import Replicator, ring_targets
+from ckpt._shared.sharding import (PieceSpec, assign_writers, balance_plain, boxes_layouts, overlapping,
                            source_rank, sub_slices)
 from storage_backends import PosixStorage
 from storage_backends import Entry, LockHeldError, fsspec_store, lease
@@ -160,7 +160,7 @@ FORMAT1 = {
 
 @pytest.mark.parametrize("case", FORMAT1)
 def test_a_damaged_format1_manifest_is_refused_naming_the_damage(case):
-    """Mutants (ckpt/format.py): _parse without the format-name check (F02), the version
+    """Mutants (ckpt/_format/manifest.py): _parse without the format-name check (F02), the version
     check (F03), the step's _int (F04), world_size's lo=1 (F05), file_name() on the keys of
     ``files`` (F07), _FILE_NAME's first character (F14) or its lack of "/" (F15), the ".."
     check (F13), the alias target check (F08), the metadata depth check (F11); _dims without
@@ -179,7 +179,7 @@ def test_a_damaged_format1_manifest_is_refused_naming_the_damage(case):
 
 
 def test_a_manifest_over_the_size_bound_is_refused_before_it_is_parsed(monkeypatch):
-    """Mutant: ckpt/format.py Manifest.from_json without ``len(raw) > MAX_MANIFEST_BYTES``
+    """Mutant: ckpt/_format/manifest.py Manifest.from_json without ``len(raw) > MAX_MANIFEST_BYTES``
     (F01; the bound is lowered here: a real one is a GiB)."""
     raw = json.dumps(_v1()).encode()
     monkeypatch.setattr(fmt, "MAX_MANIFEST_BYTES", len(raw) - 1)
@@ -188,7 +188,7 @@ def test_a_manifest_over_the_size_bound_is_refused_before_it_is_parsed(monkeypat
 
 
 def test_the_tiling_checks_work_is_bounded(monkeypatch):
-    """Mutant: ckpt/format.py _check_tiling without ``len(boxes) << len(split) <=
+    """Mutant: ckpt/_format/manifest.py _check_tiling without ``len(boxes) << len(split) <=
     MAX_TILING_CORNERS`` (F32; lowered here: 8 boxes over 3 split dimensions weigh 64
     corners)."""
     monkeypatch.setattr(fmt, "MAX_TILING_CORNERS", 63)
@@ -235,7 +235,7 @@ FORMAT2 = {
 
 @pytest.mark.parametrize("case", FORMAT2)
 def test_a_damaged_format2_manifest_is_refused_naming_the_damage(case):
-    """Mutants (ckpt/format.py): _parse_meshes without ``math.prod(shape) <= world`` (F36)
+    """Mutants (ckpt/_format/manifest.py): _parse_meshes without ``math.prod(shape) <= world`` (F36)
     or with ``r <= world`` (F38); _parse_tables without ``hi=MAX_TABLE_BYTES`` (F47), the
     digest pattern (F48), ``name not in files`` (F49) or the distinct-names check (F50);
     _parse_refs with ``int(s) <= step`` (F51) or without file_name() (F52: a reference to
@@ -246,7 +246,7 @@ def test_a_damaged_format2_manifest_is_refused_naming_the_damage(case):
 
 
 def test_an_item_tree_of_dicts_nested_too_deep_is_refused():
-    """Mutant: ckpt/format.py check_tree without its depth check on dicts (F55; the one on
+    """Mutant: ckpt/_format/manifest.py check_tree without its depth check on dicts (F55; the one on
     lists is tests/test_hostile.py's): the decoder of a restore recurses through them."""
     ok = _v1(items={"m": {"kind": "module", "tree": _tree(fmt.MAX_DEPTH)}})
     assert "m" in Manifest.from_json(json.dumps(ok).encode(), where="m").items
@@ -254,7 +254,7 @@ def test_an_item_tree_of_dicts_nested_too_deep_is_refused():
              "item 'm' nests deeper than 200 levels")
 
 
-# ------------------------------------------------------------------ ckpt/integrity.py
+# ------------------------------------------------------------------ ckpt/_step/integrity.py
 def _save(root, steps: dict, **kw) -> None:
     """Save ``steps`` (step -> state) in ``root`` (small chunks, one writer thread)."""
     kw.setdefault("options", SaveOptions(chunk_bytes=16 << 10, write_threads=1))
@@ -265,7 +265,7 @@ def _save(root, steps: dict, **kw) -> None:
 
 
 def test_a_manifest_that_names_another_step_than_its_directory_is_corrupt(tmp_path):
-    """Mutant: ckpt/integrity.py read_manifest without ``manifest.step != step`` (I01): a
+    """Mutant: ckpt/_step/integrity.py read_manifest without ``manifest.step != step`` (I01): a
     manifest copied or edited into another step's directory was read as that step."""
     _save(tmp_path, {1: {"t": torch.ones(4)}, 2: {"t": torch.ones(4) * 2}})
     path = tmp_path / "step-00000002" / MANIFEST_NAME
@@ -278,7 +278,7 @@ def test_a_manifest_that_names_another_step_than_its_directory_is_corrupt(tmp_pa
 
 
 def test_the_full_structure_check_compares_every_file_with_its_recorded_size(tmp_path):
-    """Mutant: ckpt/integrity.py check_structure passing no expected size for the step's
+    """Mutant: ckpt/_step/integrity.py check_structure passing no expected size for the step's
     own files (I03): a data file that grew (bytes appended after its chunks) passed
     ``ckpt verify``'s structure level, though it is not the file the step wrote."""
     _save(tmp_path, {1: {"t": torch.ones(64)}})
@@ -306,7 +306,7 @@ def _two_incremental_steps(tmp_path, rank_tables: bool):
 
 
 def test_the_full_structure_check_of_a_format2_step_sizes_the_files_it_reuses(tmp_path):
-    """Mutant: ckpt/integrity.py check_structure without the ``< needed`` check of a
+    """Mutant: ckpt/_step/integrity.py check_structure without the ``< needed`` check of a
     format-2 step's ``refs`` (I04): an incremental step whose earlier step's file was
     truncated passed ``ckpt verify``'s structure level."""
     storage, manifest = _two_incremental_steps(tmp_path, rank_tables=True)
@@ -320,7 +320,7 @@ def test_the_full_structure_check_of_a_format2_step_sizes_the_files_it_reuses(tm
 
 
 def test_the_full_structure_check_of_a_format1_step_finds_a_reused_chunk_cut_short(tmp_path):
-    """Mutant: ckpt/integrity.py check_structure comparing only a chunk's start with its
+    """Mutant: ckpt/_step/integrity.py check_structure comparing only a chunk's start with its
     file's size (I05): a format-1 incremental step whose earlier step's file was cut inside
     the last chunk it reuses passed ``ckpt verify``'s structure level (that file's size is
     recorded by the earlier step only)."""
@@ -335,7 +335,7 @@ def test_the_full_structure_check_of_a_format1_step_finds_a_reused_chunk_cut_sho
 
 
 def test_the_full_structure_check_sizes_a_format2_steps_rank_tables(tmp_path):
-    """Mutant: ckpt/integrity.py check_structure sizing ``manifest.files`` instead of
+    """Mutant: ckpt/_step/integrity.py check_structure sizing ``manifest.files`` instead of
     ``own_files()`` (I09): a rank table cut short passed ``ckpt verify``'s structure level."""
     _save(tmp_path, {1: {"t": torch.ones(64)}},
           options=SaveOptions(write_threads=1, rank_tables=True))
@@ -350,7 +350,7 @@ def test_the_full_structure_check_sizes_a_format2_steps_rank_tables(tmp_path):
 
 
 def test_a_structure_level_restore_refuses_a_data_file_of_another_size(tmp_path):
-    """Mutant: ckpt/integrity.py _check_files passing no recorded size for the step's own
+    """Mutant: ckpt/_step/integrity.py _check_files passing no recorded size for the step's own
     files (I07): a data file replaced by a longer one (its chunks' ranges still inside) was
     restored at the structure level, which reads no digest: the size is all it checks."""
     _save(tmp_path, {1: {"t": torch.ones(64)}})
@@ -474,9 +474,9 @@ def test_a_huge_object_is_uploaded_in_no_more_parts_than_s3_allows(s3_restartabl
     assert storage.read("blob") == data
 
 
-# ------------------------------------------------------------------ ckpt/incremental.py
+# ------------------------------------------------------------------ ckpt/_step/incremental.py
 def test_gc_deletes_nothing_when_a_kept_steps_references_cannot_be_read(tmp_path):
-    """Mutant: ckpt/incremental.py collect() skipping a kept step whose manifest it cannot
+    """Mutant: ckpt/_step/incremental.py collect() skipping a kept step whose manifest it cannot
     read instead of stopping (N02): its references unknown, the files of the earlier step
     it reuses were deleted with that step."""
     frozen = torch.randn(64, 64)
@@ -493,7 +493,7 @@ def test_gc_deletes_nothing_when_a_kept_steps_references_cannot_be_read(tmp_path
 
 
 def test_a_file_named_like_a_step_is_no_step_directory(tmp_path):
-    """Mutant: ckpt/incremental.py step_dirs without ``entry.is_dir`` (N01): a file named
+    """Mutant: ckpt/_step/incremental.py step_dirs without ``entry.is_dir`` (N01): a file named
     step-00000002 in the root was taken for an uncommitted step, and the collector deleted
     it as that step's leftovers."""
     _save(tmp_path, {1: {"t": torch.ones(4)}})
@@ -505,7 +505,7 @@ def test_a_file_named_like_a_step_is_no_step_directory(tmp_path):
 
 
 def test_a_dry_run_of_gc_deletes_nothing(tmp_path):
-    """Mutant: ckpt/incremental.py collect() deleting unreferenced files whatever
+    """Mutant: ckpt/_step/incremental.py collect() deleting unreferenced files whatever
     ``dry_run`` says (N07): a dry run emptied the steps it only reported, their manifests
     left in place (committed steps without their data)."""
     _save(tmp_path, {1: {"t": torch.ones(4)}, 2: {"t": torch.ones(4) * 2}})
@@ -516,7 +516,7 @@ def test_a_dry_run_of_gc_deletes_nothing(tmp_path):
 
 
 def test_gc_leaves_a_directory_inside_a_kept_step_alone(tmp_path):
-    """Mutant: ckpt/incremental.py collect() without ``(is_kept and entry.is_dir)`` (N05): a
+    """Mutant: ckpt/_step/incremental.py collect() without ``(is_kept and entry.is_dir)`` (N05): a
     directory inside a kept step (none of ckpt's files) was deleted with what it holds."""
     _save(tmp_path, {1: {"t": torch.ones(4)}})
     (tmp_path / "step-00000001" / "notes").mkdir()
@@ -526,7 +526,7 @@ def test_gc_leaves_a_directory_inside_a_kept_step_alone(tmp_path):
 
 
 def test_an_incremental_chain_ends_in_a_full_save_every_full_every_steps(tmp_path):
-    """Mutant: ckpt/incremental.py chain_length() always 0 (N10): the manager never saw a
+    """Mutant: ckpt/_step/incremental.py chain_length() always 0 (N10): the manager never saw a
     chain reach ``full_every``, and every save stayed incremental (each step depending on
     ever older ones) forever."""
     frozen = torch.randn(64, 64)
@@ -580,7 +580,7 @@ def test_abort_of_a_staging_name_that_is_a_planted_link_is_ignored(tmp_path):
 
 
 def test_gc_stops_at_a_kept_step_whose_manifest_names_another_step(tmp_path):
-    """Mutant: ckpt/incremental.py collect() reading a kept step's manifest without the step
+    """Mutant: ckpt/_step/incremental.py collect() reading a kept step's manifest without the step
     it must name (N13): a manifest copied into another step's directory was trusted for the
     references that decide what gc deletes."""
     _save(tmp_path, {1: {"t": torch.ones(4)}, 2: {"t": torch.ones(4) * 2}})
@@ -638,7 +638,7 @@ def test_a_lease_taken_over_while_held_is_lost_and_commits_nothing():
     assert json.loads(storage.read(lease.LEASE_NAME))["host"] == "rival"
 
 
-# ------------------------------------------------------------------ ckpt/replication.py
+# ------------------------------------------------------------------ ckpt/_memory/replication.py
 def _send(address: tuple, header: dict, payload: bytes, *, close_early: bool = False) -> bytes:
     """Speak the replication protocol to a receiver at ``address``; its reply (b"OK", or
     b"" when it refused and hung up)."""
@@ -677,7 +677,7 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", HOSTILE)
 def test_a_replica_receiver_stores_nothing_a_peer_may_not_send(tmp_path, case):
-    """Mutants (ckpt/replication.py): _receive accepting any secret while the job's is still
+    """Mutants (ckpt/_memory/replication.py): _receive accepting any secret while the job's is still
     unset (R01) or any at all (R02), taking file names as sent (R04: "../../evil" was
     written outside the replica segment; R14: only the rank document's name checked),
     storing a rank.json of another step (R05), a negative origin rank (R13), a step over
@@ -771,7 +771,7 @@ def test_lease_and_commit_arguments_are_checked():
 
 
 def test_replicas_go_to_other_nodes_and_spread_over_a_smaller_nodes_ranks():
-    """Mutants: ckpt/replication.py ring_targets looping over every node, this one
+    """Mutants: ckpt/_memory/replication.py ring_targets looping over every node, this one
     included (R10: a rank sent its replica to itself), and sending every rank whose local
     rank a node lacks to that node's first rank (R17)."""
     assert ring_targets(0, ["a", "b"], [0, 0], replicas=3) == [1]
@@ -779,14 +779,14 @@ def test_replicas_go_to_other_nodes_and_spread_over_a_smaller_nodes_ranks():
     assert [ring_targets(r, nodes, local, 1)[0] for r in range(4)] == [4, 5, 4, 5]
 
 
-# ------------------------------------------------------------ ckpt/codec.py, ckpt/datafile.py
+# ------------------------------------------------------------ ckpt/_format/codec.py, ckpt/_format/datafile.py
 def _unsized_frame(data: bytes) -> bytes:
     """A zstd frame whose header does not record its content size (a streaming writer's)."""
     return zstandard.ZstdCompressor(write_content_size=False).compress(data)
 
 
 def test_a_chunks_zstd_frame_is_checked_against_the_chunks_size_before_it_is_expanded():
-    """Mutants: ckpt/codec.py decode_into without the frame-size check (C02: a frame of
+    """Mutants: ckpt/_format/codec.py decode_into without the frame-size check (C02: a frame of
     another size, or of an unrecorded one, was expanded before anything was compared) and
     letting zstd's own error out (C05: damage must be a ValueError, which the reader
     reports as corruption)."""
@@ -802,7 +802,7 @@ def test_a_chunks_zstd_frame_is_checked_against_the_chunks_size_before_it_is_exp
 
 
 def test_complex_chunks_group_the_bytes_of_each_real_and_imaginary_part():
-    """Mutant: ckpt/codec.py _grouping_width giving a complex dtype its whole item size
+    """Mutant: ckpt/_format/codec.py _grouping_width giving a complex dtype its whole item size
     (C06): it still round-trips, but the stored layout (the format) changes, so chunks
     written before were decoded wrong."""
     values = torch.arange(64, dtype=torch.float32).reshape(32, 2)
@@ -814,7 +814,7 @@ def test_complex_chunks_group_the_bytes_of_each_real_and_imaginary_part():
 
 
 def test_a_compressed_piece_is_labelled_as_the_bytes_it_holds():
-    """Mutant: ckpt/datafile.py header_entry giving a compressed piece its tensor's dtype
+    """Mutant: ckpt/_format/datafile.py header_entry giving a compressed piece its tensor's dtype
     and shape (D03): the safetensors header then described 16 bytes of float32 where 3
     bytes of zstd lie, and safetensors readers misread or refuse the file."""
     piece = Piece("t", memoryview(b"abc"), torch.float32, (4,), stored_raw=False)
@@ -823,9 +823,9 @@ def test_a_compressed_piece_is_labelled_as_the_bytes_it_holds():
     assert raw.header_entry(0) == {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
 
 
-# ------------------------------------------------------------ ckpt/layout.py, ckpt/sharding.py
+# ------------------------------------------------------------ ckpt/_format/layout.py, ckpt/_shared/sharding.py
 def test_the_writer_of_a_replicated_box_is_the_replica_its_key_picks_row_major():
-    """Mutant: ckpt/layout.py writer() without ``pick //= ...`` (L04): over two Replicate
+    """Mutant: ckpt/_format/layout.py writer() without ``pick //= ...`` (L04): over two Replicate
     mesh dimensions only the diagonal replicas ever wrote (ranks 0 and 3 of a 2 x 2 mesh),
     not the replica numbered crc32(key) % 4 that the format documents."""
     layout = MeshLayout(Mesh((2, 2), (10, 11, 12, 13)), (None, None))
@@ -835,7 +835,7 @@ def test_the_writer_of_a_replicated_box_is_the_replica_its_key_picks_row_major()
 
 
 def test_no_rank_writes_an_empty_box():
-    """Mutants: ckpt/layout.py written_by without ``math.prod(s)`` for explicit boxes (L05)
+    """Mutants: ckpt/_format/layout.py written_by without ``math.prod(s)`` for explicit boxes (L05)
     and without ``not math.prod(box[1])`` for a mesh layout (L07): a rank whose shard is
     empty (3 rows over 4 ranks) was told to write it."""
     mesh = MeshLayout(Mesh((4,), (0, 1, 2, 3)), (0,))
@@ -846,7 +846,7 @@ def test_no_rank_writes_an_empty_box():
 
 
 def test_boxes_that_only_touch_do_not_overlap():
-    """Mutant: ckpt/layout.py cells_overlapping comparing explicit boxes with ``<=`` (L08):
+    """Mutant: ckpt/_format/layout.py cells_overlapping comparing explicit boxes with ``<=`` (L08):
     the neighbour that only touches a wanted box was listed, and its writer's rank table
     read for nothing."""
     layout = BoxLayout((((0,), (2,), 0), ((2,), (2,), 1)))
@@ -856,7 +856,7 @@ def test_boxes_that_only_touch_do_not_overlap():
 
 
 def test_a_replica_receiver_keeps_only_its_newest_generations(tmp_path):
-    """Mutant: ckpt/replication.py _store without ``retire_rank_steps`` (R15): every step a
+    """Mutant: ckpt/_memory/replication.py _store without ``retire_rank_steps`` (R15): every step a
     peer sent stayed in memory (/dev/shm), however small ``keep``."""
     rep = Replicator(shm_dir=str(tmp_path), job="j", node="n", keep=2, timeout=10)
     try:
@@ -873,7 +873,7 @@ def test_a_replica_receiver_keeps_only_its_newest_generations(tmp_path):
 
 
 def test_meshes_of_one_shape_with_other_ranks_are_stored_apart():
-    """Mutant: ckpt/layout.py Mesh.__eq__ comparing shapes only (L12): the manifest stores
+    """Mutant: ckpt/_format/layout.py Mesh.__eq__ comparing shapes only (L12): the manifest stores
     each distinct mesh once (a dict of meshes), and two meshes whose ranks differ only in
     the middle (the hash looks at the first and last eight) became one: the second
     tensor's boxes were attributed to the first mesh's ranks."""
@@ -887,7 +887,7 @@ def test_meshes_of_one_shape_with_other_ranks_are_stored_apart():
 
 
 def test_a_box_is_found_in_every_chunk_it_overlaps_and_new_ranks_wrap_around():
-    """Mutants: ckpt/sharding.py overlapping() starting its search one chunk late
+    """Mutants: ckpt/_shared/sharding.py overlapping() starting its search one chunk late
     (``- reach + 2``, H03: the chunk that starts before a wanted box and reaches into it
     was missed, so that part of the box was never read), measuring its reach by the
     shortest chunk instead of the longest (H05: the same, behind a long chunk), and
@@ -906,7 +906,7 @@ def test_a_box_is_found_in_every_chunk_it_overlaps_and_new_ranks_wrap_around():
 
 
 def test_writers_are_spread_over_the_ranks_and_boxes_index_their_slice():
-    """Mutants: ckpt/sharding.py assign_writers giving every box to its first holder (H06)
+    """Mutants: ckpt/_shared/sharding.py assign_writers giving every box to its first holder (H06)
     and balance_plain never counting what it assigned (H10): all of a DDP model's tensors
     were written by rank 0; boxes_layouts keeping empty boxes (H09); sub_slices ending at
     the box's end in the tensor instead of in the outer box (H14)."""

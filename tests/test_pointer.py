@@ -1,4 +1,4 @@
-"""Pointer files (ckpt.pointer): what the CLI follows must be a small regular file, read
+"""Pointer files (ckpt._step.pointer): what the CLI follows must be a small regular file, read
 without following a link or blocking on a FIFO (the round trip, links and malformed
 pointers: tests/test_integration_steps.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 
-from ckpt.pointer import MAX_POINTER_BYTES, POINTER_FORMAT, read_pointer, write_pointer
+from ckpt._step.pointer import MAX_POINTER_BYTES, POINTER_FORMAT, read_pointer, write_pointer
 
 
 def test_a_fifo_is_not_a_pointer_and_does_not_block(tmp_path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import ckpt
-from ckpt.manager import retention
+from ckpt._manager.manager import retention
 
 
 def test_each_rule_adds_its_steps_and_the_newest_is_always_kept(tmp_path):

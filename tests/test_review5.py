@@ -7,8 +7,8 @@ import threading
 import torch
 
 import ckpt
-import ckpt.engine
-from ckpt.engine import Stager
+import ckpt._save.engine
+from ckpt._save.engine import Stager
 
 
 def test_a_second_async_save_waits_until_the_first_has_written_its_staged_bytes(
@@ -18,7 +18,7 @@ def test_a_second_async_save_waits_until_the_first_has_written_its_staged_bytes(
     refill them (the first checkpoint would hold the second's values, with valid digests)."""
     state = {"t": torch.zeros(1024)}
     reading, release, staged = threading.Event(), threading.Event(), threading.Event()
-    real_write_rank, real_stage = ckpt.engine.write_rank, Stager.stage
+    real_write_rank, real_stage = ckpt._save.engine.write_rank, Stager.stage
 
     def write_rank(storage, staging, payload, options, pool):
         if not reading.is_set():  # the first save's writer, before it reads its buffers
@@ -31,7 +31,7 @@ def test_a_second_async_save_waits_until_the_first_has_written_its_staged_bytes(
         staged.set()
         return out
 
-    monkeypatch.setattr(ckpt.engine, "write_rank", write_rank)
+    monkeypatch.setattr(ckpt._save.engine, "write_rank", write_rank)
     first = ckpt.async_save(state, tmp_path / "one")
     assert reading.wait(timeout=60)
     state["t"].fill_(1.0)

@@ -16,8 +16,8 @@ from safetensors import safe_open
 
 import ckpt
 from _workers import assert_same, tensor_bytes
-from ckpt.format import DTYPES as FORMAT_DTYPES
-from ckpt.format import Manifest
+from ckpt._format.manifest import DTYPES as FORMAT_DTYPES
+from ckpt._format.manifest import Manifest
 
 APIS = ["oneshot", "manager"]
 
@@ -429,7 +429,7 @@ def test_a_tensor_and_its_conjugate_view_are_not_merged(tmp_path, api):
 
 
 def test_tensor_keys_lists_every_leaf_of_a_deep_tree_in_order():
-    from ckpt.state import NDARRAY, PICKLE, TENSOR, holds_pickle, tensor_keys
+    from ckpt._shared.state import NDARRAY, PICKLE, TENSOR, holds_pickle, tensor_keys
 
     tree = {"a": [{TENSOR: "k0"}, {"b": {NDARRAY: "k1"}}], "c": {TENSOR: "k2", "x": 1}}
     deep: object = {TENSOR: "leaf"}
@@ -443,7 +443,7 @@ def test_tensor_keys_lists_every_leaf_of_a_deep_tree_in_order():
 
 
 def test_a_single_chunk_that_is_not_the_whole_tensor_is_refused():
-    from ckpt.format import Chunk, _check_tiling, _Invalid
+    from ckpt._format.manifest import Chunk, _check_tiling, _Invalid
 
     def one(offsets, shape):
         return [Chunk(offsets, shape, "f", 0, 4 * math.prod(shape), "0" * 16, "raw", None)]

@@ -21,13 +21,13 @@ from _dist import run_ranks
 import _scale_workers as W
 import ckpt
 from ckpt.errors import CorruptCheckpointError
-from ckpt.format import Manifest
-from ckpt.integrity import digest
-from ckpt.layout import Mesh, MeshLayout, mesh_box
+from ckpt._format.manifest import Manifest
+from ckpt._step.integrity import digest
+from ckpt._format.layout import Mesh, MeshLayout, mesh_box
 from ckpt.options import SaveOptions
-from ckpt.ranktable import MAGIC
-from ckpt.sharding import intersect, overlapping
-from ckpt.state import item_tree
+from ckpt._format.ranktable import MAGIC
+from ckpt._shared.sharding import intersect, overlapping
+from ckpt._shared.state import item_tree
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import scale_sim as sim  # noqa: E402
@@ -95,7 +95,7 @@ def test_simulated_step_equals_a_real_four_rank_save(tmp_path):
 
 
 def test_layout_boxes_are_dtensors_own():
-    """``ckpt.layout.mesh_box`` (no torch.distributed) gives DTensor's boxes, uneven and
+    """``ckpt._format.layout.mesh_box`` (no torch.distributed) gives DTensor's boxes, uneven and
     nested splits included (empty shards: same size, offsets irrelevant)."""
     for shape, mesh, placements in [((10, 7), (3,), (0,)), ((10, 7), (2, 3), (0, 1)),
                                     ((13, 5), (2, 4), (0, 0)), ((5, 3), (4, 2), (None, 0)),
@@ -169,7 +169,7 @@ def _rewrite(manifest: Manifest, files: dict, rank: int, edit) -> Manifest:
     (hlen,) = struct.unpack("<Q", raw[8:16])
     head = json.loads(raw[16:16 + hlen])
     import numpy as np
-    from ckpt.ranktable import record_dtype
+    from ckpt._format.ranktable import record_dtype
     rec = np.frombuffer(raw, dtype=record_dtype(head["dims"]), offset=16 + hlen).copy()
     edit(rec)
     new = raw[:16 + hlen] + rec.tobytes()
@@ -232,7 +232,7 @@ def test_a_single_process_save_with_rank_tables_round_trips_and_refuses_a_flippe
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_verify_lists_a_damaged_rank_table_as_a_damaged_file(tmp_path, capsys, damage):
-    from ckpt.cli import main as cli_main
+    from verify.cli import main as cli_main
 
     opts = ckpt.SaveOptions(chunk_bytes=4096, rank_tables=True)
     with ckpt.CheckpointManager(str(tmp_path), async_save=False, options=opts) as mgr:

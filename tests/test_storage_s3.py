@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ckpt
-import ckpt.cli
+import verify.cli
 from tests.s3_fixture import _moto, s3, s3_restartable  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.s3
@@ -65,7 +65,7 @@ def test_save_restore_verify_bit_exact(s3, monkeypatch):
     assert_same_state(state, fresh)
     # The command line reads S3 too (the endpoint as for any AWS tool: AWS_ENDPOINT_URL).
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.url)
-    assert ckpt.cli.main(["verify", s3.root("run")]) == 0
+    assert verify.cli.main(["verify", s3.root("run")]) == 0
 
 
 def test_async_incremental_zstd(s3):
@@ -197,9 +197,9 @@ def test_manifest_less_prefix_is_ignored_then_collected(s3, monkeypatch):
     assert_same_state(state, fresh)
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.url)
-    assert ckpt.cli.main(["gc", s3.root("run")]) == 0  # a dry run deletes nothing
+    assert verify.cli.main(["gc", s3.root("run")]) == 0  # a dry run deletes nothing
     assert len(s3.keys("run/step-00000002/")) == 2
-    assert ckpt.cli.main(["gc", "--yes", s3.root("run")]) == 0
+    assert verify.cli.main(["gc", "--yes", s3.root("run")]) == 0
     assert s3.keys("run/step-00000002/") == []
     assert "run/step-00000001/manifest.json" in s3.keys("run/")
     assert "run/.lock" not in s3.keys("run/")
@@ -261,7 +261,7 @@ def test_gc_deletes_only_under_its_own_prefix_whatever_keys_hold(s3, monkeypatch
         client.put_object(Bucket=s3.bucket, Key=key, Body=b"x")
     before = set(s3.keys())
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.url)
-    assert ckpt.cli.main(["gc", s3.root("run"), "--keep-last", "1", "--yes"]) == 0
+    assert verify.cli.main(["gc", s3.root("run"), "--keep-last", "1", "--yes"]) == 0
     gone = before - set(s3.keys())
     assert all(key.startswith(("run/step-00000001/", "run/step-00000002/",
                                "run/step-00000010/")) for key in gone), sorted(gone)

@@ -4,7 +4,7 @@ forward level catches what bytes cannot (NaN weights, a model that computes diff
 ``restore`` falls back past a corrupt newest step and training resumes from the one before.
 
 Each fault is injected into a fresh checkpoint (``tmp_path``). The command runs in-process
-here (``ckpt.cli.main``); tests/test_cli.py runs it as a user would, in a subprocess.
+here (``verify.cli.main``); tests/test_cli.py runs it as a user would, in a subprocess.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import ckpt
 import verify
 from _verify_workers import Net
-from ckpt.cli import main as cli_main
+from verify.cli import main as cli_main
 
 OPTIONS = ckpt.SaveOptions(chunk_bytes=4096, write_threads=2)  # several chunks and files
 FACTORY = "_verify_workers:build_net"
@@ -372,7 +372,7 @@ def test_forward_rechecks_a_recorded_loss(tmp_path, capsys):
 def test_forward_uses_a_loss_function_the_probe_names(tmp_path, capsys):
     """A probe item that names its loss function (``"loss_fn": "module:callable"``) is
     rechecked without --loss; written by hand here, as ckpt.Probe records no name yet."""
-    from ckpt.probe import run_forward
+    from ckpt._load.probe import run_forward
     from _verify_workers import mse_loss
 
     net, inputs = make_net(), torch.randn(5, 8)

@@ -327,7 +327,7 @@ def test_worker_sigkilled_under_torchrun_restarts_from_the_zygote_from_memory(tm
     its directory empty."""
     import _memory_job
     from _elastic_job import wait_for
-    from ckpt.memory_tier import PREFIX, SHM_DIR
+    from ckpt._memory.tier import PREFIX, SHM_DIR
     from trainer.elastic import read_jsonl
 
     memjob = f"wz{uuid.uuid4().hex[:10]}"

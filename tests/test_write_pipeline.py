@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import ckpt
-import ckpt.engine as engine
+import ckpt._save.engine as engine
 from ckpt import SaveOptions
-from ckpt.engine import StepPayload, byte_view, write_rank
-from ckpt.integrity import digest
+from ckpt._save.engine import StepPayload, byte_view, write_rank
+from ckpt._step.integrity import digest
 from storage_backends import PosixStorage
 
 pytest.importorskip("zstandard")  # optional (GPU images lack it): every test here compresses
-from ckpt.codec import decode_into  # noqa: E402
+from ckpt._format.codec import decode_into  # noqa: E402
 
 OPTIONS = SaveOptions(chunk_bytes=4096, write_threads=2, compression="zstd")
 
@@ -156,7 +156,7 @@ def test_level_1_on_grouped_floats_uses_the_cut_down_match_finder():
     import numpy as np
     import zstandard
 
-    from ckpt.codec import encode
+    from ckpt._format.codec import encode
 
     w = (torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)) * 0.02)
     for t in (w.to(torch.bfloat16), w):

@@ -53,7 +53,7 @@ except ImportError:  # ckpt.RNGState holds NumPy's state only when NumPy is inst
     np = None
 
 import ckpt
-from ckpt.metrics import default_labels
+from ckpt._manager.metrics import default_labels
 from trainer.audit import AUDIT_DIR_ENV, read_audit, read_skips
 from trainer.batches import DatasetFeed, GlobalBatches, LoaderFeed, StepBatch
 from trainer.checkpointing import (VERIFY_LEVELS, Checkpoints, checkpointed_items, make_probe,

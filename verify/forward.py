@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 import ckpt
-# TOLERANCES is re-exported by verify/__init__.py (its table lives in ckpt.probe, for restore)
+# TOLERANCES is re-exported by verify/__init__.py (its table lives in ckpt._load.probe, for restore)
 from ckpt.inspect import (PROBE_ITEM, TOLERANCES, Checkpoints, Manifest,  # noqa: F401
                           damaged_probe, item_tree, run_forward, tensor_leaves, tolerance_for)
 
@@ -182,7 +182,7 @@ def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
 
 def _damaged_probe(probe: Any) -> str | None:
     """What is wrong with a loaded probe item (a hand-edited or damaged manifest), or None:
-    ckpt.gate's check, then the recorded loss, which only this level uses."""
+    ckpt._load.gate's check, then the recorded loss, which only this level uses."""
     damaged = damaged_probe(probe)
     if damaged is not None:
         return damaged

@@ -2,7 +2,7 @@
 
 Levels include the ones before them:
 
-* ``structure``: the manifest parses and validates (ckpt.format: plain file names, bounded
+* ``structure``: the manifest parses and validates (ckpt._format.manifest: plain file names, bounded
   sizes, chunks tiling each tensor); every file it names exists with its recorded size and
   holds its byte ranges; and each data file's safetensors header agrees with the manifest
   (entry names, dtypes, shapes, byte ranges). ckpt itself never reads those headers (the
@@ -67,7 +67,7 @@ def check_structure(cps: Checkpoints, step: int, manifest: Manifest) -> list[Pro
 
 def expected_entry(key: str, chunk: Chunk, dtype: torch.dtype, data_start: int
                    ) -> tuple[str, dict[str, Any]]:
-    """The safetensors header entry ckpt writes for a chunk (see ckpt/datafile.py)."""
+    """The safetensors header entry ckpt writes for a chunk (see ckpt/_format/datafile.py)."""
     code = SAFETENSORS_DTYPES.get(dtype) if chunk.codec == "raw" else None
     begin = chunk.start - data_start
     return f"{key}#{list(chunk.offsets)}", {

@@ -22,7 +22,7 @@ import torch
 
 import ckpt
 import verify
-from ckpt.cli import main as cli
+from verify.cli import main as cli
 
 
 @dataclass

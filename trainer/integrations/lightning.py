@@ -28,7 +28,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from ckpt.pointer import read_pointer, write_pointer
+from ckpt._step.pointer import read_pointer, write_pointer
 
 from ._steps import StepStore, load_newest_good
 

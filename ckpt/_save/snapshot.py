@@ -9,16 +9,16 @@ import math
 import uuid
 from typing import Any, Mapping
 
-from .distributed import Group
-from .engine import Stager, StepPayload
-from .errors import CheckpointError
-from .format import Manifest, dtype_name
-from .integrity import digest
-from .options import SaveOptions
-from .layout import BoxLayout, Layout, written_by
-from .sharding import (PieceSpec, assign_writers, balance_plain, boxes_layouts, local_piece,
+from ckpt._shared.distributed import Group
+from ckpt._save.engine import Stager, StepPayload
+from ckpt.errors import CheckpointError
+from ckpt._format.manifest import Manifest, dtype_name
+from ckpt._step.integrity import digest
+from ckpt.options import SaveOptions
+from ckpt._format.layout import BoxLayout, Layout, written_by
+from ckpt._shared.sharding import (PieceSpec, assign_writers, balance_plain, boxes_layouts, local_piece,
                        mesh_layout)
-from .state import FlatState, flatten, tensor_keys
+from ckpt._shared.state import FlatState, flatten, tensor_keys
 
 
 def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, stager: Stager,
@@ -67,7 +67,7 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
     layouts), the names of their per-rank items and tensors, and a token: O(1) per rank,
     whatever the size of the per-rank values (each rank's trees go into its own table and
     rank step; nothing reads another rank's). Only when ranks disagree (they hold different
-    tensors) or a layout is not one that ``ckpt.layout`` describes are every rank's boxes
+    tensors) or a layout is not one that ``ckpt._format.layout`` describes are every rank's boxes
     gathered, as in format 1.
     """
     group_rank = None

@@ -36,11 +36,11 @@ import numpy as np
 
 from storage_backends import NotAFileError
 
-from .format import (CODECS, DTYPES, MAX_BYTES, MAX_DIMS, MAX_TILING_CORNERS, MAX_ZSTD_RATIO,
+from ckpt._format.manifest import (CODECS, DTYPES, MAX_BYTES, MAX_DIMS, MAX_TILING_CORNERS, MAX_ZSTD_RATIO,
                      Chunk, Invalid, check_item_tree, file_name, paused_gc)
-from .errors import CorruptCheckpointError
-from .integrity import digest as content_digest
-from .layout import Box, cells_overlapping, written_by
+from ckpt.errors import CorruptCheckpointError
+from ckpt._step.integrity import digest as content_digest
+from ckpt._format.layout import Box, cells_overlapping, written_by
 
 MAGIC = b"CKPTRT02"
 MAX_TABLE_BYTES = 1 << 30

@@ -18,22 +18,22 @@ import torch
 from storage_backends import LockHeldError, Storage, open_storage
 from storage_backends.locks import describe_owner
 
-from .distributed import Group
-from .engine import BackgroundWriter, SaveHandle, Stager
-from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
+from ckpt._shared.distributed import Group
+from ckpt._save.engine import BackgroundWriter, SaveHandle, Stager
+from ckpt.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      CorruptCheckpointError, PartialLoadError, StorageError)
-from .format import MANIFEST_NAME, Manifest, step_dir
-from .gate import Gate, verify_level
-from .incremental import GcReport, chain_length, collect, step_dirs
-from .integrity import read_manifest
-from .memory_tier import MemoryTier
-from .replication import Replicator
-from .metrics import CheckpointMetrics, default_labels
-from .options import KeepBest, SaveOptions
-from .probe import PROBE_ITEM, Probe
-from .reader import few_keys, load_step
-from .snapshot import snapshot
-from .structure import MapLocation, read_structure
+from ckpt._format.manifest import MANIFEST_NAME, Manifest, step_dir
+from ckpt._load.gate import Gate, verify_level
+from ckpt._step.incremental import GcReport, chain_length, collect, step_dirs
+from ckpt._step.integrity import read_manifest
+from ckpt._memory.tier import MemoryTier
+from ckpt._memory.replication import Replicator
+from ckpt._manager.metrics import CheckpointMetrics, default_labels
+from ckpt.options import KeepBest, SaveOptions
+from ckpt._load.probe import PROBE_ITEM, Probe
+from ckpt._load.reader import few_keys, load_step
+from ckpt._save.snapshot import snapshot
+from ckpt._load.structure import MapLocation, read_structure
 
 log = logging.getLogger("ckpt")
 
@@ -104,7 +104,7 @@ class CheckpointManager:
             TORCHELASTIC_RUN_ID, else a hash of ``root``).
         memory_dir, memory_node: where segments live (default ``/dev/shm``) and this node's
             name in them (default: env CKPT_NODE, else the hostname, followed by torchrun's
-            GROUP_RANK where several nodes share a host; ckpt/memory_tier.py).
+            GROUP_RANK where several nodes share a host; ckpt/_memory/tier.py).
         commit_timeout: how long rank 0 waits for the other ranks' reports before it gives
             up on a step (a rank died or hangs): the step is not committed and every rank's
             save raises.
@@ -359,7 +359,7 @@ class CheckpointManager:
     @property
     def _hold_all(self) -> bool:
         """A rank step in memory holds every box this rank has, also those another rank
-        writes to the root (a process group's memory tier; ckpt/memory_tier.py)."""
+        writes to the root (a process group's memory tier; ckpt/_memory/tier.py)."""
         return self._memory is not None and self._memory.ranked
 
     def _persist_due(self, step: int, persist: bool | None) -> bool:
@@ -489,7 +489,7 @@ class CheckpointManager:
         written instead, so a step that fails changes nothing (the bytes are read twice, the
         second time from the page cache; see docs/design.md, "Loading").
 
-        ``verify`` chooses what a step must pass (ckpt/gate.py): ``"structure"`` (manifest
+        ``verify`` chooses what a step must pass (ckpt/_load/gate.py): ``"structure"`` (manifest
         and file sizes; chunk digests not computed, so a flipped bit is loaded as it is),
         ``"digest"`` (also every chunk's digest; the default) or ``"forward"`` (also the
         probe recorded at save time, rerun through the restored model, must give finite
@@ -691,7 +691,7 @@ class CheckpointManager:
                 signal.signal(signal.SIGTERM, self._prev_sigterm)
                 self._prev_sigterm = None
 
-    # -- memory tier (ckpt/memory_tier.py) --------------------------------------------------------
+    # -- memory tier (ckpt/_memory/tier.py) --------------------------------------------------------
     def _open_memory_tier(self, keep: int, budget: int | None, job: str | None,
                           shm_dir: str | None, node: str | None, replicas: int) -> MemoryTier:
         if self.incremental:
@@ -703,7 +703,7 @@ class CheckpointManager:
                               shm_dir=shm_dir, node=node)
         import torch.distributed as dist
 
-        from .replication import new_secret, ring_targets
+        from ckpt._memory.replication import new_secret, ring_targets
 
         # The gloo group the ranks restore through (collective: every rank creates it here,
         # in the same order).
@@ -725,7 +725,7 @@ class CheckpointManager:
             targets = ring_targets(self.group.rank, [e[0] for e in everyone],
                                    [e[1] for e in everyone], replicas)
             self._replicator.connect([everyone[t][2] for t in targets], everyone[0][3])
-            log.info("ckpt.memory_tier node=%s replicas to ranks %s", tier.node, targets)
+            log.info("ckpt._memory.tier node=%s replicas to ranks %s", tier.node, targets)
         return tier
 
     def _stable_node_name(self) -> str | None:
@@ -763,7 +763,7 @@ class CheckpointManager:
 
     def _publish_rank(self, payload: Any, pool: Any) -> Any:
         """On the writer thread: this rank's share into its segment, then to its peers."""
-        from .engine import SaveResult
+        from ckpt._save.engine import SaveResult
 
         t0 = time.perf_counter()
         table = self._memory.publish_rank(payload, self.options, pool)
@@ -778,7 +778,7 @@ class CheckpointManager:
         """(step, tier) to try, newest first; at the same step memory before storage."""
         order = [(s, "storage") for s in candidates]
         if self._memory is not None and self._memory.ranked:
-            from .memory_restore import candidates as in_memory, local_holdings
+            from ckpt._memory.restore import candidates as in_memory, local_holdings
 
             docs: dict = {}  # the rank documents read while listing, not read again
             mine = local_holdings(self._memory.shm_dir, self._memory.job, self._memory.node,
@@ -799,7 +799,7 @@ class CheckpointManager:
         agreed save's bytes gathered from this node's segments and the peers (collective)."""
         if tier == "storage":
             return self.storage
-        from .memory_restore import ShmReader, open_candidate
+        from ckpt._memory.restore import ShmReader, open_candidate
 
         if not self._memory.ranked:
             return ShmReader.of_root(self._memory.path)
@@ -821,7 +821,7 @@ class CheckpointManager:
         if not mem or (persisted is not None and persisted >= mem[-1]):
             self._memory.remove()
         else:
-            log.warning("ckpt.memory_tier kept %s: step %d is in memory only", self._memory.path,
+            log.warning("ckpt._memory.tier kept %s: step %d is in memory only", self._memory.path,
                         mem[-1])
             self._memory.close()
 
@@ -909,7 +909,7 @@ class _CountedReader:
 def _log_memory_failure(handle: SaveHandle) -> None:
     error = handle.exception()
     if error is not None:
-        log.error("ckpt.memory_tier publish of step %d failed: %s", handle.step, error)
+        log.error("ckpt._memory.tier publish of step %d failed: %s", handle.step, error)
 
 
 class _Fallback:

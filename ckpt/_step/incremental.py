@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from storage_backends import Storage
 from storage_backends.faults import fault_point
 
-from .errors import CheckpointError
-from .format import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
-from .integrity import read_manifest
+from ckpt.errors import CheckpointError
+from ckpt._format.manifest import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
+from ckpt._step.integrity import read_manifest
 
 log = logging.getLogger("ckpt")
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .adapters import ModelOptimizer
+from ckpt._shared.adapters import ModelOptimizer
 
 PROBE_ITEM = "__probe__"
 

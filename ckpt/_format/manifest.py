@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, UnsupportedValueError
-from .layout import BoxLayout, Mesh, MeshLayout
+from ckpt.errors import CorruptCheckpointError, UnsupportedValueError
+from ckpt._format.layout import BoxLayout, Mesh, MeshLayout
 
 FORMAT_NAME = "ckpt"
 FORMAT_VERSION = 1  # one JSON manifest holding every chunk (small worlds)
@@ -111,7 +111,7 @@ class TensorEntry:
 
     In a format-2 step the chunks live in the ranks' tables: ``layout`` says which rank
     wrote which box, and ``chunks`` reads every table on first use (tools that look at a
-    whole step); a load asks :func:`ckpt.sharding.overlapping`, which reads only the tables
+    whole step); a load asks :func:`ckpt._shared.sharding.overlapping`, which reads only the tables
     of the ranks that wrote the boxes it needs.
     """
 
@@ -132,7 +132,7 @@ class TensorEntry:
         if self._chunks is None:
             if self._tables is None:
                 raise RuntimeError("this manifest's chunks live in rank tables it was not "
-                                   "bound to (read it with ckpt.integrity.read_manifest)")
+                                   "bound to (read it with ckpt._step.integrity.read_manifest)")
             self._chunks = self._tables.all_chunks(self._key)
         return self._chunks
 
@@ -204,7 +204,7 @@ class Manifest:
         """Let a format-2 manifest read its rank tables: ``read(name)`` returns the bytes of
         a file of the step's directory; ``where`` names it in messages. Returns self."""
         if self.format_version == FORMAT_VERSION_TABLES:
-            from .ranktable import Tables
+            from ckpt._format.ranktable import Tables
 
             tables = Tables(self, read, where)
             for key, entry in self.tensors.items():
@@ -680,7 +680,7 @@ _NON_FINITE = ("inf", "-inf", "nan")
 
 def check_tree(tree: Any, tensors: dict[str, TensorEntry], aliases: dict[str, str],
                what: str = "tree") -> None:
-    """A JSON tree of ckpt.state's encoding is well formed: bounded depth, tags with bodies
+    """A JSON tree of ckpt._shared.state's encoding is well formed: bounded depth, tags with bodies
     of the right type, every tensor it names stored. Iterative: a hostile tree cannot
     exhaust the stack. Raises _Invalid (parse) for the caller to turn into corruption."""
     # Messages are built only on failure: a state's tree has a leaf per tensor.

@@ -17,11 +17,11 @@ import torch
 
 from storage_backends import Storage
 
-from .format import Manifest
-from .reader import box_reads, needed_tensors, run_reads
-from .integrity import check_structure
-from .sharding import overlapping, prefetch, source_rank
-from .state import decode, item_tree
+from ckpt._format.manifest import Manifest
+from ckpt._load.reader import box_reads, needed_tensors, run_reads
+from ckpt._step.integrity import check_structure
+from ckpt._shared.sharding import overlapping, prefetch, source_rank
+from ckpt._shared.state import decode, item_tree
 
 MapLocation = str | torch.device | None
 

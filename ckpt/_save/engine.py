@@ -24,17 +24,17 @@ import torch
 from storage_backends import Storage
 from storage_backends.faults import fault_point
 
-from .datafile import ALIGN, Piece, encode_header
-from .errors import CheckpointError, StorageError
-from .format import (FORMAT_VERSION_TABLES, MANIFEST_NAME, PER_RANK_IN_TABLES, Chunk, Manifest,
+from ckpt._format.datafile import ALIGN, Piece, encode_header
+from ckpt.errors import CheckpointError, StorageError
+from ckpt._format.manifest import (FORMAT_VERSION_TABLES, MANIFEST_NAME, PER_RANK_IN_TABLES, Chunk, Manifest,
                      TensorEntry, chunk_doc)
-from .distributed import Group
-from .incremental import CHAIN_KEY, chain_length
-from .integrity import digest
-from .options import SaveOptions
-from .plan import ChunkPlan, assign_files, chunk_tensor, data_file_name
-from .ranktable import encode_table, table_name
-from .sharding import overlapping
+from ckpt._shared.distributed import Group
+from ckpt._step.incremental import CHAIN_KEY, chain_length
+from ckpt._step.integrity import digest
+from ckpt.options import SaveOptions
+from ckpt._save.plan import ChunkPlan, assign_files, chunk_tensor, data_file_name
+from ckpt._format.ranktable import encode_table, table_name
+from ckpt._shared.sharding import overlapping
 
 log = logging.getLogger("ckpt")
 
@@ -286,7 +286,7 @@ class StepPayload:
     # Boxes this rank holds but another rank writes (a replicated tensor's copy): staged only
     # for the memory tier, which keeps everything a rank holds so that it restores alone.
     held: dict[str, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
-    # Format 2 (rank tables): each tensor's layout (ckpt.layout); None writes format 1.
+    # Format 2 (rank tables): each tensor's layout (ckpt._format.layout); None writes format 1.
     layouts: dict | None = None
 
 
@@ -351,10 +351,10 @@ def _same_layout(payload: StepPayload, key: str) -> bool:
 
 
 def _encoder() -> Callable:
-    """:func:`ckpt.codec.encode`, imported only when a save compresses: zstandard is an
+    """:func:`ckpt._format.codec.encode`, imported only when a save compresses: zstandard is an
     optional dependency (GPU images often lack it), and nothing else needs it."""
     try:
-        from .codec import encode
+        from ckpt._format.codec import encode
     except ImportError as e:
         raise CheckpointError(f"compression='zstd' needs the zstandard package ({e}); "
                               "install it (pip install zstandard) or save uncompressed "

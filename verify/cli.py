@@ -27,12 +27,12 @@ from typing import Any, Sequence
 import verify
 from verify.report import EXIT_FAILED, EXIT_OK, EXIT_USAGE, size, table
 
-from . import inspect
-from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
+from ckpt import inspect
+from ckpt.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      StorageError)
-from .format import step_dir
-from .inspect import Checkpoints
-from .pointer import POINTER_NAME, read_pointer
+from ckpt._format.manifest import step_dir
+from ckpt.inspect import Checkpoints
+from ckpt._step.pointer import POINTER_NAME, read_pointer
 
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
 # Output cut short by a closed pipe (`ckpt ls ROOT | head -1`): quiet, with the status a shell
@@ -352,8 +352,8 @@ def collect_root(cps: Checkpoints, *, keep_last: int | None = None,
     from storage_backends import LockHeldError
     from storage_backends.locks import describe_owner
 
-    from .incremental import collect
-    from .manager import retention
+    from ckpt._step.incremental import collect
+    from ckpt._manager.manager import retention
 
     storage, root = cps.storage, cps.url
     lock = None
@@ -582,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _gc_memory(args: argparse.Namespace) -> int:
-    from .memory_tier import gc_segments
+    from ckpt._memory.tier import gc_segments
 
     paths = gc_segments(job=args.job, dry_run=not args.yes)
     if getattr(args, "json", False):

@@ -10,8 +10,8 @@ import xxhash
 
 from storage_backends import NotAFileError, Storage
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
-from .format import MANIFEST_NAME, Chunk, Manifest, step_dir
+from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckpt._format.manifest import MANIFEST_NAME, Chunk, Manifest, step_dir
 
 
 def digest(data) -> str:

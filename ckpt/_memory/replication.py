@@ -24,8 +24,8 @@ import struct
 import threading
 from typing import Any, Callable
 
-from .format import step_dir
-from .memory_tier import (RANK_DOC, STAGING, commit_dir, own_segment, plain_name,
+from ckpt._format.manifest import step_dir
+from ckpt._memory.tier import (RANK_DOC, STAGING, commit_dir, own_segment, plain_name,
                           rank_steps, replica_name, retire_rank_steps, tree_bytes)
 
 log = logging.getLogger("ckpt")
@@ -127,7 +127,7 @@ class Replicator:
         with self._lock:
             if self._pending is not None:
                 self._count("superseded")
-                log.info("ckpt.replication step=%d superseded by step=%d", self._pending[0],
+                log.info("ckpt._memory.replication step=%d superseded by step=%d", self._pending[0],
                          step)
             self._pending = (step, step_path, origin)
             self._lock.notify_all()
@@ -151,7 +151,7 @@ class Replicator:
                     self._count("replicated")
                 except Exception as e:  # a dead or slow peer must never fail a save
                     self._count("failed")
-                    log.warning("ckpt.replication step=%d to %s:%d failed: %s", job[0],
+                    log.warning("ckpt._memory.replication step=%d to %s:%d failed: %s", job[0],
                                 target[0], target[1], e)
             with self._lock:
                 self._busy = False
@@ -203,7 +203,7 @@ class Replicator:
                 conn.sendall(b"OK")
             except Exception as e:
                 self._count("failed")
-                log.warning("ckpt.replication receiving failed: %s", e)
+                log.warning("ckpt._memory.replication receiving failed: %s", e)
 
     def _store(self, conn: socket.socket, origin: int, step: int,
                files: list[tuple[str, int]], doc_size: int) -> None:
@@ -238,7 +238,7 @@ class Replicator:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         retire_rank_steps(segment, self.keep)
-        log.info("ckpt.replication stored step=%d of rank=%d in %s", step, origin, segment)
+        log.info("ckpt._memory.replication stored step=%d of rank=%d in %s", step, origin, segment)
 
     # -- lifetime -----------------------------------------------------------------------------
     def close(self, drain: float = 0.0, remove_upto: int | None = None) -> None:

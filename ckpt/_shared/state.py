@@ -25,9 +25,9 @@ from typing import Any, Mapping
 import torch
 import torch.utils.data
 
-from .errors import StateMismatchError, UnsupportedValueError
-from .format import paused_gc
-from .sharding import dtensor_type
+from ckpt.errors import StateMismatchError, UnsupportedValueError
+from ckpt._format.manifest import paused_gc
+from ckpt._shared.sharding import dtensor_type
 
 TENSOR, TUPLE, DICT, FLOAT, BYTES, NDARRAY, PICKLE = (
     "__tensor__", "__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__", "__pickle__")
@@ -252,7 +252,7 @@ def _warn_global_rng_loaders(state: Mapping[str, Any]) -> None:
     """Warn about a saved DataLoader that seeds its iterators from the global torch RNG
     while the state also restores that RNG: ``iter(loader)`` after ``restore()`` then draws
     from the restored stream, and the model's random stream shifts."""
-    from .rng import RNGState
+    from ckpt._shared.rng import RNGState
 
     if not any(isinstance(obj, RNGState) for obj in state.values()):
         return

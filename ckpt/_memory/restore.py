@@ -1,5 +1,5 @@
 """Restoring a process group from the memory tier: the ranks agree on the newest step whose rank
-steps (ckpt/memory_tier.py) are all held in memory by live nodes — own segments or peer
+steps (ckpt/_memory/tier.py) are all held in memory by live nodes — own segments or peer
 replicas — and each rank fetches the chunks its (possibly resharded) boxes need: from its own
 node's segments directly, from other nodes over the gloo group.
 
@@ -28,13 +28,13 @@ import torch.distributed as dist
 from storage_backends.base import PathReader
 from storage_backends.posix import pread_blocks, pread_into
 
-from .errors import CorruptCheckpointError
-from .format import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, step_dir
-from .incremental import CHAIN_KEY
-from .memory_tier import PREFIX, node_prefix, plain_name, rank_steps, read_rank_doc
-from .reader import needed_tensors
-from .sharding import dtensor_type, overlapping, read_box, source_rank
-from .state import flatten, is_stateful, item_tree
+from ckpt.errors import CorruptCheckpointError
+from ckpt._format.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, Manifest, step_dir
+from ckpt._step.incremental import CHAIN_KEY
+from ckpt._memory.tier import PREFIX, node_prefix, plain_name, rank_steps, read_rank_doc
+from ckpt._load.reader import needed_tensors
+from ckpt._shared.sharding import dtensor_type, overlapping, read_box, source_rank
+from ckpt._shared.state import flatten, is_stateful, item_tree
 
 log = logging.getLogger("ckpt")
 
@@ -81,7 +81,7 @@ def local_holdings(shm_dir: str, job: str, node: str,
     try:
         names = sorted(os.listdir(shm_dir))
     except OSError as e:  # every rank must reach the collective that follows
-        log.warning("ckpt.memory_restore cannot list %s: %s", shm_dir, e)
+        log.warning("ckpt._memory.restore cannot list %s: %s", shm_dir, e)
         return out
     for name in names:
         path = os.path.join(shm_dir, name)
@@ -90,13 +90,13 @@ def local_holdings(shm_dir: str, job: str, node: str,
         try:
             steps = rank_steps(path)
         except OSError as e:  # e.g. a permission problem: this copy is unusable, not fatal
-            log.warning("ckpt.memory_restore skipping %s: %s", path, e)
+            log.warning("ckpt._memory.restore skipping %s: %s", path, e)
             continue
         for s in steps:
             try:
                 doc = read_rank_doc(path, s)
             except CorruptCheckpointError as e:
-                log.warning("ckpt.memory_restore skipping %s", e)
+                log.warning("ckpt._memory.restore skipping %s", e)
                 continue
             out.append(Holding(name, s, doc["rank"], doc["world_size"], doc["token"],
                                float(doc["created"]), "-replica-" in name[len(prefix) - 1:]))
@@ -445,7 +445,7 @@ class MemorySource(ShmReader):
                         and offset + length <= mine[index][2]:
                     data = _bytes_of(mine[index][0], mine[index][1] + offset, length)
                 else:  # not from ckpt's own reads: bytes that fail their digests
-                    log.error("ckpt.memory_restore rank %d asked for bytes it was not "
+                    log.error("ckpt._memory.restore rank %d asked for bytes it was not "
                               "promised (range %d, %d+%d)", peer, index, offset, length)
                     data = torch.zeros(max(0, length), dtype=torch.uint8)
                 sends.append(dist.isend(data, dst=src, group=pg, tag=tag))
@@ -497,7 +497,7 @@ class MemorySource(ShmReader):
             if now != seen:
                 seen, since = now, time.monotonic()
             elif time.monotonic() - since >= STALL_S:
-                log.warning("ckpt.memory_restore serving %s: ranks %s have neither asked for "
+                log.warning("ckpt._memory.restore serving %s: ranks %s have neither asked for "
                             "nor received bytes for %.0f s; giving up on them (their restore "
                             "cannot finish; a stuck or overloaded peer?)", self.url,
                             sorted(self._waiting), STALL_S)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from ckpt.errors import CheckpointError
 
 
 class Group:

@@ -38,14 +38,14 @@ import torch
 from storage_backends import Storage
 from storage_backends.base import PathReader, Reader
 
-from .engine import await_device_copies, byte_view
-from .errors import (CorruptCheckpointError, PartialLoadError, StateMismatchError,
+from ckpt._save.engine import await_device_copies, byte_view
+from ckpt.errors import (CorruptCheckpointError, PartialLoadError, StateMismatchError,
                      UnsupportedValueError)
-from .format import Chunk, Manifest, paused_gc
-from .integrity import Digest, check_structure, chunk_path, digest
-from .sharding import (Box, dtensor_type, local_piece, overlapping, prefetch, read_box,
+from ckpt._format.manifest import Chunk, Manifest, paused_gc
+from ckpt._step.integrity import Digest, check_structure, chunk_path, digest
+from ckpt._shared.sharding import (Box, dtensor_type, local_piece, overlapping, prefetch, read_box,
                        source_rank, sub_slices)
-from .state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
+from ckpt._shared.state import (FlatState, check_compatible, decode, flatten, holds_pickle, is_stateful,
                     item_tree, load_stateful, tensor_keys)
 
 
@@ -85,7 +85,7 @@ def _read_into(storage: Storage, location: str, key: str, chunk: Chunk, view: me
             else:
                 reader.read_into(chunk.start, view)
         else:
-            from .codec import decode_into  # compression is optional on the read path
+            from ckpt._format.codec import decode_into  # compression is optional on the read path
 
             decode_into(chunk.codec, storage.read(path, chunk.start, chunk.length), view, dtype)
     except (EOFError, FileNotFoundError, ValueError) as e:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import BoxLayout, Mesh, MeshLayout, mesh_box
+from ckpt._format.layout import BoxLayout, Mesh, MeshLayout, mesh_box
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape) in the global tensor
 
@@ -168,7 +168,7 @@ def _dim0_index(entry) -> tuple[list[int], int, list[int]]:
 def mesh_layout(t: torch.Tensor, global_shape: tuple[int, ...], box: Box,
                 group_rank: dict[int, int] | None, rank: int, meshes: dict) -> MeshLayout | None:
     """The layout of DTensor ``t`` (mesh in group ranks, Shard/Replicate placements), or None
-    when it has none that ``ckpt.layout`` describes (a plain tensor, Partial or strided
+    when it has none that ``ckpt._format.layout`` describes (a plain tensor, Partial or strided
     placements, a mesh outside the group, or a local box that DTensor's rule did not give).
 
     ``group_rank`` maps global ranks to the saving group's ranks (None: the same);

@@ -5,7 +5,7 @@
   it is. Faster (no hashing); for storage that checksums by itself.
 * ``"digest"`` (the default): also every chunk read is checked against its xxh3 digest.
 * ``"forward"``: also the probe recorded at save time (:class:`ckpt.Probe`) is rerun through
-  the restored model (:func:`ckpt.probe.check_model`): a step saved whole but bad (weights
+  the restored model (:func:`ckpt._load.probe.check_model`): a step saved whole but bad (weights
   gone NaN before the save, a model whose code changed) fails like a digest mismatch. A
   step saved without a probe passes with a logged warning.
 
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from .distributed import Group
-from .errors import ForwardCheckError
-from .format import Manifest
-from .probe import PROBE_ITEM, ProbeFailure, check_model, model_of
-from .sharding import dtensor_type
-from .state import item_tree
+from ckpt._shared.distributed import Group
+from ckpt.errors import ForwardCheckError
+from ckpt._format.manifest import Manifest
+from ckpt._load.probe import PROBE_ITEM, ProbeFailure, check_model, model_of
+from ckpt._shared.sharding import dtensor_type
+from ckpt._shared.state import item_tree
 
 log = logging.getLogger("ckpt")
 

@@ -1,0 +1,1 @@
+"""CheckpointManager: the schedule, retention and restore of a training run's checkpoints."""

@@ -1,0 +1,1 @@
+"""One committed step on storage: reading and checking its manifest, pointers, listing steps."""

@@ -17,7 +17,7 @@ Run from the repository root::
 
     python benchmarks/bench_elastic.py [--victim 1] [--steps 120] [--every 10]
 
-It never asserts on timings; the numbers go into docs/elastic.md.
+It never asserts on timings; its output is the "Elastic recovery" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations

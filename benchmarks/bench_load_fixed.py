@@ -1,5 +1,5 @@
 """The fixed cost of a load: many small tensors, so the bytes are negligible and what is
-timed is the per-tensor and per-chunk work around them (issue 16).
+timed is the per-tensor and per-chunk work around them.
 
 For each ``--counts`` N and each ``--kinds`` state, one step is saved and then loaded
 ``--reps`` times with a warm page cache, interleaved with anchors on the same tensors:

@@ -1,4 +1,4 @@
-"""The memory tier (issue #14): restore time by tier, and the elastic recovery timeline.
+"""The memory tier and warm restarts: restore time by tier, and the elastic recovery timeline.
 
 1. **Restore by tier**: the same state (``--sizes``, default 1 GiB per rank) restored by a
    ``CheckpointManager`` from
@@ -30,7 +30,7 @@
    0.1 s), with the memory tier (the trainer's default under torchrun) and without it
    (``memory_tier=False``), each with cold workers (``torchrun ... SCRIPT``) and with warm
    restarts (``torchrun ... -m trainer.warm SCRIPT``: workers forked from a zygote that has
-   imported torch; docs/elastic.md, "Warm restarts"), one after the other:
+   imported torch; docs/warm-restarts.md), one after the other:
 
    - *worker killed*: one node, one worker, SIGKILLed mid-training; its agent restarts it;
    - *node killed*: three nodes, one of them SIGKILLed (agent and worker) and its

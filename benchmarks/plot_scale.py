@@ -1,9 +1,10 @@
-"""Plot seconds per planning phase against ranks: format 1 (before) and format 2 (after).
+"""Plot seconds per planning phase against ranks: format 1 (one manifest) and format 2
+(rank tables).
 
 Reads the table that ``benchmarks/bench_scale.py`` prints (a file, or standard input) for
-the "after" lines; the "before" lines are format 1's figures measured on a quiet machine at
-commit 189659f (docs/design.md, "Planning at scale"; 8 and 64 ranks measured, larger worlds
-extrapolated linearly in chunks, as that run did). Writes docs/img/scale.png.
+format 2's lines; format 1's are figures measured on a quiet machine at commit 189659f
+(docs/design.md, "Planning at scale"; 8 and 64 ranks measured, larger worlds extrapolated
+linearly in chunks). Writes docs/img/scale.png.
 
     python benchmarks/bench_scale.py --layouts fsdp > /tmp/scale.md
     python benchmarks/plot_scale.py /tmp/scale.md

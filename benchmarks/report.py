@@ -61,22 +61,38 @@ SCRIPTS = {
     "load_fixed": ("bench_load_fixed.py", [], ["--counts", "1000", "--reps", "3"]),
 }
 TITLES = {
-    "save_load": "Save and load throughput (Foundation issue)",
-    "async": "Asynchronous save: blocking time, memory, step slowdown (Async issue)",
-    "sharded": "Sharded save/load and resharding (Sharded issue)",
-    "incremental": "Incremental saves and compression (Incremental issue)",
+    "save_load": "Save and load",
+    "async": "Asynchronous save: blocking time, memory, step slowdown",
+    "sharded": "Sharded save and load, resharding",
+    "incremental": "Incremental saves and compression",
     "storage": "Storage backends: S3 (moto) against DCP, tensorstore against POSIX",
-    "verify": "Verification throughput (Verification issue)",
-    "forward_gate": "Verified resume: restore verify=\"forward\" against \"digest\" (issue 19)",
-    "elastic": "Elastic recovery timeline (Elastic issue)",
-    "compression": "Compression that keeps up: zstd levels, threads, throttled storage",
+    "verify": "Verification: ckpt verify",
+    "forward_gate": "Verified resume: restore verify=\"forward\" against \"digest\"",
+    "elastic": "Elastic recovery",
+    "compression": "Compression: zstd levels, threads, throttled storage",
     "cuda": "GPU: overlapped save, restore onto the device, against DCP",
     "integrations": "Lightning, HF Trainer, Accelerate: blocking per checkpoint and bytes",
-    "scale": "Save and load planning at 8 to 4,096 simulated ranks (issue 17)",
-    "memory_tier": "Memory tier: restore by tier, recovery with and without it (issue 14)",
-    "load_fixed": "The fixed cost of a load: thousands of small tensors (issue 16)",
+    "scale": "Planning at scale: 8 to 4,096 simulated ranks",
+    "memory_tier": "Memory tier and warm restarts: restore by tier, recovery",
+    "load_fixed": "The fixed cost of a load: thousands of small tensors",
 }
 COMMIT_TAG = "<!-- measured at commit {} -->"
+# How to read the tables; the same for every run, so written here rather than measured.
+READING = [
+    "How to read them: methods run interleaved (A B C A B C ...) and the tables give medians",
+    "with min..max over the repetitions. Before each timed case a script waits until other",
+    "processes leave the CPUs idle and says how many cases still started while the machine",
+    "was busy. Run as root, the scripts drop the page cache before every save and load, so",
+    "loads are cold. The anchors: **raw** writes every tensor's bytes into one file",
+    "(`os.write`, then `os.fsync`; loads: `os.preadv` into preallocated tensors); **raw, 2",
+    "files** does the same with two files on two threads, as many as ckpt uses; **raw, read",
+    "twice** reads the file cold and again from the page cache, the floor of a load that",
+    "verifies every byte before it changes the first live one; the **copy floor** copies every",
+    "tensor into preallocated host buffers, the least an asynchronous save can block for.",
+    "**CPU s** is user + system time of all the process's threads. docs/design.md gives the",
+    "decisions these figures support; each script's `--help` lists its options.",
+    "",
+]
 
 
 def run(name: str, quick: bool) -> str:
@@ -265,8 +281,8 @@ def main() -> None:
              "Written by `python benchmarks/report.py` (which runs every `benchmarks/bench_*.py`)",
              f"at commit {commit}; each table's heading names the commit it ran on.",
              f"Machine: {common.machine_description()}. Disk and CPUs are shared and noisy:",
-             "compare ratios measured side by side in one run, not numbers across sections.",
-             "See docs/benchmark-notes.md for the reading of each goal.", ""]
+             "compare ratios measured side by side in one run, not numbers across sections.", ""]
+    parts += READING
     parts += [f"![{p}]({p})" for p in plots] + [""]
     for name, text in outputs.items():
         parts += [f"## {TITLES[name]} (commit {commit})", "", text.strip(), ""]

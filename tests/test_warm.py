@@ -1,4 +1,4 @@
-"""Warm worker restarts (trainer.warm and trainer.zygote; docs/elastic.md, "Warm restarts").
+"""Warm worker restarts (trainer.warm and trainer.zygote; docs/warm-restarts.md).
 
 The launcher ``python -m trainer.warm SCRIPT`` asks its node's zygote to fork the worker.
 The launcher's parent plays torchrun's agent: in the quick tests it is this pytest process

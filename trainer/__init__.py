@@ -2,8 +2,8 @@
 elastic trainer for torchrun.
 
 The names below are imported on first use (PEP 562), so that ``python -m trainer.warm``,
-the launcher of warm restarts, starts without importing torch (docs/elastic.md, "Warm
-restarts"). ``from trainer import ElasticTrainer`` works as before.
+the launcher of warm restarts, starts without importing torch (docs/warm-restarts.md).
+``from trainer import ElasticTrainer`` imports it on first use.
 """
 
 from __future__ import annotations

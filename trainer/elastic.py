@@ -141,7 +141,7 @@ class ElasticTrainer:
         memory_tier: keep every checkpoint in node-local shared memory (``/dev/shm``) too,
             and a copy in a peer node's, so that a restarted worker restores from RAM and
             survivors of a lost node from the peer copy before reading
-            ``checkpoint_root`` (docs/elastic.md, "Memory tier"). None (default): on when
+            ``checkpoint_root`` (docs/memory-tier.md). None (default): on when
             torchrun runs the job and /dev/shm exists; True: on, also in a plain process;
             False: off. The run records say which tier each restore came from.
         seed: seeds the model init (same on every rank), the sampler's shuffle and each

@@ -17,7 +17,7 @@ and exits when that agent exits, when it has been idle for ``CKPT_WARM_IDLE_S`` 
 forks only for processes of this user whose parent is its agent. When the zygote cannot be
 used the script runs here, cold, and a line on stderr says why; ``CKPT_WARM=0`` asks for
 that. Outside torchrun (no ``TORCHELASTIC_RUN_ID``) there is nothing to restart and the
-script simply runs here. See docs/elastic.md, "Warm restarts".
+script simply runs here. See docs/warm-restarts.md.
 
     python -m trainer.warm [--preload MOD[,MOD...]] [--no-default-preload]
                            (SCRIPT | -m MODULE) [ARGS...]

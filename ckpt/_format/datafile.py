@@ -47,7 +47,7 @@ def encode_header(pieces: list[Piece]) -> bytes:
     """The header bytes (length prefix included), padded with spaces so the data starts
     64-byte aligned: a chunk whose bytes lie at another offset modulo 64 than its destination
     in memory is copied by the kernel at ~20% more CPU per byte (benchmarks/
-    bench_memory_tier.py; docs/elastic.md, "Memory tier")."""
+    bench_memory_tier.py; docs/design.md, "Memory tier across nodes")."""
     entries, offset = {}, 0
     for p in pieces:
         entries[p.name] = p.header_entry(offset)

@@ -82,8 +82,9 @@ class Storage(abc.ABC):
     """A root under which checkpoints live. See the module docstring for the call order."""
 
     url: str
-    # POSIX commits a re-saved step by moving the old one aside; object stores refuse (their
-    # commit is a create-only manifest), so the caller must retire the old step first.
+    # POSIX commits a re-saved step by moving the new data files into its directory and
+    # renaming the new manifest over the old one; object stores refuse (their commit is a
+    # create-only manifest), so the caller must retire the old step first.
     replaces_committed_steps: bool = True
 
     @abc.abstractmethod

@@ -2,8 +2,8 @@
 
 Levels include the ones before them:
 
-* ``structure``: the manifest parses and validates (ckpt._format.manifest: plain file names, bounded
-  sizes, chunks tiling each tensor); every file it names exists with its recorded size and
+* ``structure``: the manifest parses and validates (ckpt's on-disk format: plain file names,
+  bounded sizes, chunks tiling each tensor); every file it names exists with its recorded size and
   holds its byte ranges; and each data file's safetensors header agrees with the manifest
   (entry names, dtypes, shapes, byte ranges). ckpt itself never reads those headers (the
   manifest is authoritative), but other tools do, and checking them means a flipped bit

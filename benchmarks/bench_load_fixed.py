@@ -44,7 +44,7 @@ import common  # noqa: E402  (puts the repository root on sys.path too)
 import torch  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt._format.manifest import paused_gc  # noqa: E402
+from ckpt._format.gcpause import paused_gc  # noqa: E402
 from ckpt._step.integrity import read_manifest  # noqa: E402
 from ckpt._load.reader import load_step  # noqa: E402
 from storage_backends import PosixStorage  # noqa: E402

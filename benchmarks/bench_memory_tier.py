@@ -73,7 +73,7 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt._format.manifest import step_dir  # noqa: E402
+from ckpt._format.names import step_dir  # noqa: E402
 from ckpt._memory.tier import PREFIX, SHM_DIR, node_name  # noqa: E402
 from storage_backends import open_storage  # noqa: E402
 

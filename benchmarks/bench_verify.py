@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 import ckpt  # noqa: E402
 import verify  # noqa: E402
-from ckpt._format.manifest import step_dir  # noqa: E402
+from ckpt._format.names import step_dir  # noqa: E402
 
 BLOCK = 8 << 20
 

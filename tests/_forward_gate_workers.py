@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-from ckpt._format.manifest import step_dir
+from ckpt._format.names import step_dir
 
 
 class Noise(torch.nn.Module):

@@ -8,7 +8,7 @@ import safetensors.torch
 import torch
 
 import ckpt
-from ckpt._format.manifest import step_dir
+from ckpt._format.names import step_dir
 
 
 def test_every_chunk_of_cache_line_sized_tensors_starts_64_byte_aligned(tmp_path):

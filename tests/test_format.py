@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ckpt.errors import CorruptCheckpointError, UnsupportedValueError
-from ckpt._format.manifest import Chunk, Manifest, TensorEntry
+from ckpt._format.entries import Chunk, TensorEntry
+from ckpt._format.manifest import Manifest
 from ckpt._shared.sharding import overlapping
 from ckpt._shared.state import flatten
 

@@ -112,10 +112,9 @@ def prefetch(manifest, wanted) -> None:
     """Before a read plan looks up ``wanted`` ((key, box) pairs) one by one: in a format-2
     step, read and validate at once every rank table those boxes need (in parallel, and in
     batches rather than one table at a time). Nothing to do in format 1."""
-    tables = next((e._tables for e in manifest.tensors.values()
-                   if e._chunks is None and e._tables is not None), None)
+    tables = manifest.rank_tables
     if tables is not None:
-        tables.prefetch([(k, b) for k, b in wanted if manifest.tensors[k]._chunks is None])
+        tables.prefetch([(k, b) for k, b in wanted if manifest.tensors[k].in_tables])
 
 
 def overlapping(entry, box: Box) -> list[tuple[object, Box]]:
@@ -128,8 +127,8 @@ def overlapping(entry, box: Box) -> list[tuple[object, Box]]:
     every chunk that every rank of a large job wrote. In a format-2 step the layout says
     which ranks wrote boxes overlapping ``box``, and only their tables are read.
     """
-    if entry._chunks is None and entry._tables is not None:
-        return entry._tables.overlapping(entry._key, box)
+    if entry.in_tables:
+        return entry.overlapping(box)
     chunks = entry.chunks
     if not entry.shape:
         return [(c, ((), ())) for c in chunks if c.numel]

@@ -9,8 +9,8 @@ A state is a mapping of top-level items. Each item is one of:
 
 Inside an item, tensors become ``{"__tensor__": key}`` leaves and the rest is JSON. Dict keys
 that are not strings (an optimizer's integer parameter ids), tuples, non-finite floats and
-bytes get small tagged objects so they come back as the same types. Anything else is refused
-unless the caller allowed pickle.
+bytes get small tagged objects (``ckpt._format.tags``) so they come back as the same types.
+Anything else is refused unless the caller allowed pickle.
 """
 
 from __future__ import annotations
@@ -26,12 +26,9 @@ import torch
 import torch.utils.data
 
 from ckpt.errors import StateMismatchError, UnsupportedValueError
-from ckpt._format.manifest import paused_gc
+from ckpt._format.gcpause import paused_gc
+from ckpt._format.tags import BYTES, DICT, FLOAT, NDARRAY, PICKLE, TAGS, TENSOR, TUPLE
 from ckpt._shared.sharding import dtensor_type
-
-TENSOR, TUPLE, DICT, FLOAT, BYTES, NDARRAY, PICKLE = (
-    "__tensor__", "__tuple__", "__dict__", "__float__", "__bytes__", "__ndarray__", "__pickle__")
-_TAGS = {TENSOR, TUPLE, DICT, FLOAT, BYTES, NDARRAY, PICKLE}
 
 
 COMPILED_PREFIX = "_orig_mod"  # torch.compile's wrapper module holds the model under this name
@@ -149,7 +146,7 @@ class _Flattener:
         if isinstance(value, float):
             return value if math.isfinite(value) else {FLOAT: repr(value)}
         if isinstance(value, Mapping):
-            if all(isinstance(k, str) and k not in _TAGS for k in value):
+            if all(isinstance(k, str) and k not in TAGS for k in value):
                 return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
             return {DICT: [[self.encode(k, f"{path}/key"), self.encode(v, f"{path}/{k}")]
                            for k, v in value.items()]}

@@ -1,26 +1,18 @@
-"""Integrity primitives shared by restore and ``ckpt verify``: digests, reading and
-validating a step's manifest, and the structure check (files present, byte ranges inside them).
+"""One committed step on storage, checked: reading and validating its manifest (with its rank
+tables attached), and the structure check (files present, byte ranges inside them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-import xxhash
-
 from storage_backends import NotAFileError, Storage
 
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ckpt._format.manifest import MANIFEST_NAME, Chunk, Manifest, step_dir
-
-
-def digest(data) -> str:
-    """The chunk digest: xxh3-64 of the raw (uncompressed) bytes, 16 hex digits."""
-    return xxhash.xxh3_64_hexdigest(data)
-
-
-# The same digest over parts: ``d = Digest(); d.update(part)...; d.hexdigest() == digest(whole)``.
-Digest = xxhash.xxh3_64
+from ckpt._format.entries import Chunk
+from ckpt._format.manifest import Manifest
+from ckpt._format.names import MANIFEST_NAME, step_dir
+from ckpt._step.tables import bind_tables
 
 
 def chunk_path(location: str, chunk: Chunk) -> str:
@@ -44,8 +36,9 @@ def read_manifest(storage: Storage, location: str, step: int | None = None) -> M
     except NotAFileError as e:  # damage: a restore falls back past it, gc names the step
         raise CorruptCheckpointError(f"{where}: {e.strerror}; the step cannot be loaded",
                                      path=where) from None
-    manifest = Manifest.from_json(raw, where=where).bind(
-        lambda name: storage.read(f"{location}/{name}"), f"{storage.url}/{location}")
+    manifest = bind_tables(Manifest.from_json(raw, where=where),
+                           lambda name: storage.read(f"{location}/{name}"),
+                           f"{storage.url}/{location}")
     if step is not None and manifest.step != step:
         raise CorruptCheckpointError(
             f"{where}: manifest says step {manifest.step}, but lies in {location}", path=where)

@@ -17,6 +17,7 @@ the logs, in the metrics (scraped over HTTP or read from the textfile) and in th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -34,7 +35,8 @@ import torch.nn.functional as F
 import ckpt
 
 from _prom import free_port, parse_metrics
-from trainer import ResumableSampler
+from trainer import ElasticConfig, ResumableSampler
+from trainer.config import LEGACY_KEYWORDS
 from trainer.elastic import ElasticTrainer, read_audit, read_jsonl, read_skips
 from trainer.health import (LOSS_SPIKE, NONFINITE_GRAD_NORM, NONFINITE_LOSS, OK, HealthGuard,
                             TrainingHealthError)
@@ -92,13 +94,22 @@ def make_step_fn(mode: str | None, marked: int = MARKED):
 
 
 def trainer(tmp_path: Path, step_fn, **kw) -> ElasticTrainer:
-    options = {"checkpoint_root": tmp_path / "ckpt", "checkpoint_every": EVERY,
-               "global_batch_size": GLOBAL, "micro_batch_size": MICRO,
-               "audit_dir": tmp_path / "audit", "log_every": 5,
+    """The test's trainer; ``kw`` names config fields by their own names (``probe=``,
+    ``health=``, ...), placed in their sections of the ElasticConfig."""
+    options = {"audit_dir": tmp_path / "audit", "log_every": 5,
                "health": HealthGuard(window=20, min_history=5)}
     options.update(kw)
+    sections: dict = {}
+    for name, value in options.items():
+        section, field = LEGACY_KEYWORDS[name]
+        sections.setdefault(section, {})[field] = value
+    own = sections.pop(None, {})
+    config = ElasticConfig(**own, **{name: dataclasses.replace(getattr(ElasticConfig(), name),
+                                                               **fields)
+                                     for name, fields in sections.items()})
     return ElasticTrainer(model_fn, lambda p: torch.optim.SGD(p, lr=0.1), Blobs(), step_fn,
-                          **options)
+                          checkpoint_root=tmp_path / "ckpt", checkpoint_every=EVERY,
+                          global_batch_size=GLOBAL, micro_batch_size=MICRO, config=config)
 
 
 @pytest.fixture(autouse=True)

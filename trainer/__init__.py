@@ -11,15 +11,21 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "CheckpointConfig": "trainer.config",
+    "DataConfig": "trainer.config",
+    "ElasticConfig": "trainer.config",
     "ElasticSummary": "trainer.elastic",
     "ElasticTrainer": "trainer.elastic",
+    "FailureConfig": "trainer.config",
     "HealthGuard": "trainer.health",
     "Heartbeat": "trainer.heartbeat",
     "Hooks": "trainer.hooks",
+    "ObservabilityConfig": "trainer.config",
     "PeerLoss": "trainer.heartbeat",
     "Recovery": "trainer.elastic",
     "ResumableLoader": "trainer.data",
     "ResumableSampler": "trainer.data",
+    "StepConfig": "trainer.config",
     "TrainerMetrics": "trainer.metrics",
     "TrainingHealthError": "trainer.health",
 }

@@ -119,8 +119,9 @@ def memory_tier_options(requested: bool | None, *, root: str | os.PathLike,
             "memory_job": memory_job_id(root, os.environ.get("TORCHELASTIC_RUN_ID"))}
 
 
-class Checkpoints:
-    """The checkpointed state (``items`` plus the step's ``"meta"``) and its manager.
+class TrainerCheckpointer:
+    """The trainer's checkpointed state (``items`` plus the step's ``"meta"``) and the
+    manager that saves it on the schedule and restores it.
 
     Args:
         root: the checkpoint root (any root ``ckpt.CheckpointManager`` takes).
@@ -189,6 +190,5 @@ class Checkpoints:
         self.manager.close()
 
 
-__all__ = ["RESERVED_ITEMS", "VERIFY_LEVELS", "Checkpoints",
-           "checkpointed_items", "default_probe_inputs", "make_probe", "memory_job_id",
-           "memory_tier_options"]
+__all__ = ["RESERVED_ITEMS", "TrainerCheckpointer", "VERIFY_LEVELS", "checkpointed_items",
+           "default_probe_inputs", "make_probe", "memory_job_id", "memory_tier_options"]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer.checkpointing import Checkpoints
+from trainer.checkpointing import TrainerCheckpointer
 from trainer.health import TrainingHealthError
 from trainer.heartbeat import Heartbeat, PeerLoss
 from trainer.metrics import TrainerMetrics, format_event
@@ -68,7 +68,7 @@ def flush_streams() -> None:
 class ExitPolicy:
     """How one attempt of :class:`trainer.elastic.ElasticTrainer` ends early: on SIGTERM,
     on a lost peer, on an error. It holds the SIGTERM flag (set by :meth:`on_sigterm`, the
-    signal handler) and, once attached, the heartbeat and the checkpoints it needs.
+    signal handler) and, once attached, the heartbeat and the checkpointer it needs.
 
     Args:
         records, metrics: where the end is written down.
@@ -91,16 +91,16 @@ class ExitPolicy:
         self.diagnose_grace = diagnose_grace
         self.sigterm = False
         self.heartbeat: Heartbeat | None = None
-        self.checkpoints: Checkpoints | None = None
+        self.checkpointer: TrainerCheckpointer | None = None
 
     def attach(self, *, heartbeat: Heartbeat | None = None,
-               checkpoints: Checkpoints | None = None) -> None:
+               checkpointer: TrainerCheckpointer | None = None) -> None:
         """The parts built after this one: the heartbeat to ask for a culprit and to stop,
-        the checkpoints to save on SIGTERM and to close after an error."""
+        the checkpointer to save on SIGTERM and to close after an error."""
         if heartbeat is not None:
             self.heartbeat = heartbeat
-        if checkpoints is not None:
-            self.checkpoints = checkpoints
+        if checkpointer is not None:
+            self.checkpointer = checkpointer
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
         """The SIGTERM handler: checkpoint at the end of this step (see :meth:`preempted`)."""
@@ -163,9 +163,9 @@ class ExitPolicy:
     def _release(self) -> None:
         """After an error in a plain process: close the manager (finishing the save in
         flight, releasing the root's lock) and the record files; errors are ignored."""
-        if self.checkpoints is not None:
+        if self.checkpointer is not None:
             with contextlib.suppress(Exception):
-                self.checkpoints.close()
+                self.checkpointer.close()
         self.records.close()
         with contextlib.suppress(Exception):
             self.metrics.write_textfile()
@@ -176,15 +176,15 @@ class ExitPolicy:
         ``handle``, the save of it, is in flight) and leave. ``committed`` is called once
         the checkpoint is committed, with the handle of the save taken here (None when
         ``handle`` was the save)."""
-        checkpoints = self.checkpoints
-        assert checkpoints is not None
+        checkpointer = self.checkpointer
+        assert checkpointer is not None
         if self.heartbeat is not None:
             self.heartbeat.stop(final_state="preempted")
         t0 = time.time()
         taken = None
         if handle is None:
-            taken = checkpoints.save(step, checkpoints.meta, force=True)
-        checkpoints.wait()
+            taken = checkpointer.save(step, checkpointer.meta, force=True)
+        checkpointer.wait()
         if committed is not None:
             committed(taken)
         log.warning("rank %d: preemption checkpoint of step %d committed in %.2fs; exiting "
@@ -201,7 +201,7 @@ class ExitPolicy:
         while self.elastic and not self.sigterm and time.time() < deadline:
             time.sleep(0.05)
         with contextlib.suppress(Exception):
-            checkpoints.close()
+            checkpointer.close()
         flush_streams()
         if self.hard_exit:
             os._exit(EXIT_PREEMPTED)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable
 
 from trainer.batches import GlobalBatches, StepBatch
-from trainer.checkpointing import Checkpoints
+from trainer.checkpointing import TrainerCheckpointer
 from trainer.health import HealthGuard, TrainingHealthError, Verdict
 from trainer.metrics import TrainerMetrics, format_event
 from trainer.progress import json_float, record_skip
@@ -31,7 +31,7 @@ class Rollbacks:
     Args:
         guard: the health guard (None: every step is accepted).
         steps: whose gradients a rollback drops (and whose GradScaler it settles).
-        checkpoints: what a rollback restores.
+        checkpointer: what a rollback restores.
         records, metrics: where rollbacks and skips are written down.
         known_bad: data offsets of the global batches earlier attempts marked bad.
         skipped_batches: of the bad batches, how many lie behind the restored position.
@@ -40,10 +40,10 @@ class Rollbacks:
     """
 
     def __init__(self, guard: HealthGuard | None, *, steps: StepRunner,
-                 checkpoints: Checkpoints, records: RunRecords, metrics: TrainerMetrics,
-                 known_bad: Iterable[int], skipped_batches: int, counted: set[int]) -> None:
+                 checkpointer: TrainerCheckpointer, records: RunRecords,
+                 metrics: TrainerMetrics, known_bad: Iterable[int], skipped_batches: int, counted: set[int]) -> None:
         self.guard = guard
-        self.steps, self.checkpoints = steps, checkpoints
+        self.steps, self.checkpointer = steps, checkpointer
         self.records, self.metrics = records, metrics
         self.bad: set[int] = set(known_bad)
         self.skipped_batches = skipped_batches
@@ -88,12 +88,12 @@ class Rollbacks:
         ``offset`` bad; returns the restored step."""
         assert self.guard is not None
         self.steps.abandon()
-        restored = self.checkpoints.restore()
+        restored = self.checkpointer.restore()
         if restored is None or restored >= verdict.step:
             raise TrainingHealthError(
                 f"{verdict.describe()}: no checkpoint before step {verdict.step} to roll "
                 f"back to (found {restored})", [*self.guard.rollbacks])
-        self.skipped_batches = int(self.checkpoints.meta.get("skipped_batches", 0))
+        self.skipped_batches = int(self.checkpointer.meta.get("skipped_batches", 0))
         self.bad.add(offset)
         self.guard.rewind(restored)
         self.metrics.rolled_back(restored)

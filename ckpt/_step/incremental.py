@@ -1,115 +1,22 @@
-"""Incremental saves and the reference-aware collector.
+"""The chain metadata of incremental saves.
 
-An incremental save (engine._plan) compares each chunk's digest with the same chunk (same
-tensor, same box) of its base step and, where they are equal, records a reference to where
-the bytes already live instead of writing them again. A step that retention removes is *retired*
-first: its manifest goes (so it is no longer a step), its files stay while a kept step still
-refers to them, and only unreferenced files are deleted. Deleting the manifest first makes a
-crash at any point safe: a kept step never loses a file it uses.
+An incremental save compares each chunk's digest with the same chunk (same tensor, same box)
+of its base step and, where they are equal, records a reference to where the bytes already
+live instead of writing them again. Each step records how many incremental saves it is from
+the last full one, so that a manager starts a full save before the chain grows too long.
+Retiring steps without losing a file a kept step refers to is the collector's
+(``ckpt/_retention/collect.py``).
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
-
-from storage_backends import Storage
-from storage_backends.faults import fault_point
-
-from ckpt.errors import CheckpointError
-from ckpt._format.manifest import MANIFEST_NAME, STEP_DIR, Manifest, step_dir
-from ckpt._step.integrity import read_manifest
-
-log = logging.getLogger("ckpt")
+from ckpt._format.manifest import Manifest
 
 # Metadata key: incremental saves since the last full one (0 for a full save).
 CHAIN_KEY = "ckpt_chain"
 
 
 def chain_length(manifest: Manifest) -> int:
+    """Incremental saves between ``manifest``'s step and the last full save (0: full)."""
     value = manifest.metadata.get(CHAIN_KEY, 0)
     return value if isinstance(value, int) else 0
-
-
-@dataclass
-class GcReport:
-    """What a collection removed (or, in a dry run, would remove)."""
-
-    retired_steps: list[int] = field(default_factory=list)
-    deleted_files: list[str] = field(default_factory=list)
-    kept_files: list[str] = field(default_factory=list)
-    freed_bytes: int = 0
-    dry_run: bool = False
-
-
-def step_dirs(storage: Storage) -> dict[int, bool]:
-    """Every step directory -> whether it is committed (has its manifest)."""
-    out = {}
-    for entry in storage.list():
-        m = STEP_DIR.match(entry.name)
-        if m and entry.is_dir:
-            out[int(m.group(1))] = storage.exists(f"{entry.name}/{MANIFEST_NAME}")
-    return out
-
-
-def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = False) -> GcReport:
-    """Retire committed steps not in ``keep`` (None: keep all) and delete unreferenced files.
-
-    The caller must hold the root's writer lock. A file is kept while a kept step's manifest
-    lists it or one of its chunks refers to it, whichever step directory it lies in (a
-    retired step's, or a kept step's from an earlier save of that step number).
-
-    Raises:
-        CheckpointError: a kept step's manifest cannot be read, so its references are
-            unknown; nothing is deleted.
-    """
-    report = GcReport(dry_run=dry_run)
-    dirs = step_dirs(storage)
-    committed = sorted(s for s, has_manifest in dirs.items() if has_manifest)
-    kept = [s for s in committed if keep is None or s in keep]
-    referenced: set[tuple[int, str]] = set()
-    own: set[tuple[int, str]] = set()
-    for s in kept:
-        try:
-            manifest = read_manifest(storage, step_dir(s), s)
-        except CheckpointError as e:
-            raise CheckpointError(
-                f"gc stopped before deleting anything: cannot read the references of kept "
-                f"step {s} ({e}); verify or remove that step first", path=storage.url) from e
-        own.update((s, name) for name in manifest.own_files())
-        referenced.update(manifest.referenced_files())
-    retire = [s for s in committed if s not in kept]
-    for s in retire:
-        report.retired_steps.append(s)
-        if not dry_run:
-            # The step stops existing here; its files go below, unless still referenced.
-            storage.delete(f"{step_dir(s)}/{MANIFEST_NAME}")
-            log.info("ckpt.gc retired step=%d", s)
-            fault_point("gc_retired")
-    # Kept steps' directories are swept too: a re-saved step number (a rollback) keeps the
-    # old save's files there while later steps use them; once none does, they go.
-    for s in sorted(dirs):
-        location = step_dir(s)
-        remaining = 0
-        is_kept = s in kept
-        for entry in storage.list(location):
-            path = f"{location}/{entry.name}"
-            if entry.name == MANIFEST_NAME or (is_kept and entry.is_dir):
-                continue
-            if (s, entry.name) in own:
-                continue
-            if (s, entry.name) in referenced:
-                report.kept_files.append(path)
-                remaining += 1
-                continue
-            try:
-                report.freed_bytes += storage.size(path)
-            except (FileNotFoundError, IsADirectoryError):
-                pass
-            report.deleted_files.append(path)
-            if not dry_run:
-                storage.delete(path)
-                fault_point("gc_deleted_file")
-        if not remaining and not is_kept and not dry_run:
-            storage.delete(location)
-    return report

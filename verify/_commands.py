@@ -1,0 +1,229 @@
+"""The ``ckpt`` subcommands that read: ``ls``, ``inspect``, ``verify``, ``diff`` and
+``export``. Checkpoints are read through :mod:`ckpt.inspect` only; the checks, comparisons,
+exports and their renderings live in the ``verify`` package."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import verify
+from ckpt import inspect
+from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt.inspect import Checkpoints
+
+from ._console import echo, open_path
+from .report import EXIT_OK, size, table
+
+MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    cps = open_path(args.root)
+    rows = []
+    for step in cps.steps():
+        try:
+            m = cps.manifest(step)
+            rows.append({"step": step, "created": m.created, "bytes": sum(m.files.values()),
+                         "files": len(m.files), "tensors": len(m.tensors),
+                         "world_size": m.world_size, "status": "committed"})
+        except CheckpointNotFoundError:
+            continue  # retired by a live writer since the listing
+        except CheckpointError as e:
+            rows.append({"step": step, "created": None, "bytes": None, "files": None,
+                         "tensors": None, "world_size": None, "status": f"bad: {e}"})
+    if args.json:
+        echo(verify.to_json({"root": cps.url, "steps": rows}))
+        return EXIT_OK
+    if not rows:
+        echo(f"{cps.url}: no committed steps")
+        return EXIT_OK
+    echo(table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "STATUS"], [
+        [r["step"], _when(r["created"]), size(r["bytes"]) if r["bytes"] is not None else "-",
+         r["files"] or "-", r["tensors"] or "-", r["world_size"] or "-",
+         r["status"] if r["status"] == "committed" else "bad (below)"] for r in rows]))
+    for r in rows:  # in full: the reason follows a long path
+        if r["status"] != "committed":
+            echo(f"step {r['step']}: {r['status']}")
+    return EXIT_OK
+
+
+def _when(created: float | None) -> str:
+    """A manifest's creation time for a table; a hand-edited one may be NaN or 1e300."""
+    if created is None:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+    except (ValueError, OverflowError, OSError):
+        return f"invalid ({created:g})"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    cps = open_path(args.root)
+    step = _steps(cps, args)[0]
+    m = cps.manifest(step)
+    tensors = [{"key": k, "dtype": e.dtype, "shape": list(e.shape), "chunks": len(e.chunks),
+                "bytes": e.nbytes, "files": sorted({c.file for c in e.chunks})}
+               for k, e in m.tensors.items()]
+    values = {k: inspect.item_tree(v) for k, v in m.items.items() if v.get("kind") == "value"}
+    saved = saved_values(m)
+    if args.json:
+        echo(verify.to_json({
+            "path": cps.step_url(step), "step": m.step, "world_size": m.world_size,
+            "created": m.created, "tensors": tensors, "aliases": m.aliases,
+            "items": {k: v.get("kind") for k, v in m.items.items()}, "values": values,
+            "state": saved, "parameter_names": inspect.parameter_names(m),
+            "metadata": m.metadata}))
+        return EXIT_OK
+    echo(f"{cps.step_url(step)}  step {m.step}  world size {m.world_size}  "
+         f"{len(tensors)} tensors  {size(sum(t['bytes'] for t in tensors))}")
+    echo(table(["TENSOR", "DTYPE", "SHAPE", "CHUNKS", "SIZE"],
+               [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar",
+                 t["chunks"], size(t["bytes"])] for t in tensors]))
+    for alias, target in m.aliases.items():
+        echo(f"{alias} -> {target} (same storage)")
+    lines = [f"  {path}: {_short(value)}" for path, value in
+             (inspect.plain_values(values) if values else {}).items()]
+    lines += [f"  {item}/{path}: {_short(value)}" for item, found in saved.items()
+              for path, value in found.items()]
+    lines += [f"  {path}: {_short(value)}" for path, value in verify.user_metadata(m).items()]
+    if lines:
+        echo("saved values:")
+        echo("\n".join(lines[:MAX_VALUE_LINES]))
+        if len(lines) > MAX_VALUE_LINES:
+            echo(f"  ... and {len(lines) - MAX_VALUE_LINES} more (see --json)")
+    return EXIT_OK
+
+
+def saved_values(manifest: inspect.Manifest) -> dict[str, dict[str, Any]]:
+    """The plain values inside each stateful item (an optimizer's learning rates, a
+    scheduler's step, a sampler's position, a scaler's scale) and module (extra state):
+    item -> {path: value}. Items of a single value are listed as values, not here."""
+    out = {}
+    for name, item in manifest.items.items():
+        if item.get("kind") not in ("stateful", "module"):
+            continue
+        found = {}
+        per_rank = item.get("per_rank")
+        if isinstance(per_rank, Mapping):  # format 2: read from the rank tables
+            for rank, tree in per_rank.items():
+                found.update(inspect.plain_values(tree, f"rank{rank}"))
+        else:
+            found = inspect.plain_values(item.get("tree"))
+        found = {p: v for p, v in found.items() if v != {} and v != []}
+        if found:
+            out[name] = found
+    return out
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    text = verify.to_json(value).replace("\n", "").replace("  ", "") if isinstance(
+        value, (dict, list)) else json.dumps(value) if not isinstance(value, float) or (
+        math.isfinite(value)) else str(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _steps(cps: Checkpoints, args: argparse.Namespace) -> list[int]:
+    """The steps a command asks for: ``--all``, ``--step N`` or the newest."""
+    if getattr(args, "all", False):
+        steps = cps.steps()
+    elif getattr(args, "step", None) is not None:
+        cps.require(args.step)
+        steps = [args.step]
+    else:
+        latest = cps.latest_step()
+        steps = [] if latest is None else [latest]
+    if not steps:
+        raise CheckpointNotFoundError(f"{cps.url} holds no committed step", path=cps.url)
+    return steps
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    if args.level != "forward" and (args.model or args.loss or args.rtol is not None
+                                    or args.atol is not None or args.trust_recorded):
+        raise verify.UsageError("--model, --loss, --rtol, --atol and --trust-recorded are for "
+                                "--level forward")
+    reports = []
+    cps = open_path(args.root)
+    for step in _steps(cps, args):
+        progress = None
+        if args.level != "structure":  # drawn only when stderr is a terminal
+            try:
+                total = sum(c.length for e in cps.manifest(step).tensors.values()
+                            for c in e.chunks)
+                progress = verify.ProgressBar(total, f"step {step}")
+            except CheckpointError:
+                pass  # the verifier reports it
+        try:
+            reports.append(verify.verify_step(
+                cps, step, args.level, progress, model=args.model, loss=args.loss,
+                rtol=args.rtol, atol=args.atol, threads=args.threads,
+                trust_recorded=args.trust_recorded))
+        except CheckpointNotFoundError as e:
+            if not args.all:
+                raise
+            echo(f"ckpt verify: skipped step {step}, no longer committed: {e}",
+                 file=sys.stderr)  # a live writer's retention deleted it after the listing
+    report = verify.Report(cps.url, reports)
+    echo(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
+    return report.exit_code
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    operands = args.operands
+    if len(operands) == 3:  # ROOT A B: two steps of one root
+        if args.step_a is not None or args.step_b is not None:
+            raise verify.UsageError("--step-a/--step-b are for comparing two paths "
+                                    "(ckpt diff PATH_A PATH_B); here the steps are given")
+        try:
+            a, b = int(operands[1]), int(operands[2])
+        except ValueError:
+            raise verify.UsageError(f"ckpt diff ROOT A B takes two step numbers, not "
+                                    f"{operands[1]!r} {operands[2]!r}") from None
+        side_a = side_b = open_path(operands[0])
+    elif len(operands) == 2:  # PATH_A PATH_B: two runs or two checkpoint directories
+        side_a, side_b = open_path(operands[0]), open_path(operands[1])
+        a = _step_of(side_a, args.step_a)
+        b = _step_of(side_b, args.step_b)
+    else:
+        raise verify.UsageError("ckpt diff takes ROOT A B (two steps of one root) or PATH_A "
+                                "PATH_B (two roots or checkpoint directories)")
+    result = verify.diff_steps(side_a, a, b, threads=args.threads,
+                               other=None if side_b is side_a else side_b,
+                               filters=args.filter or ())
+    echo(verify.to_json(result.to_dict()) if args.json else verify.render_diff(result))
+    return EXIT_OK
+
+
+def _step_of(cps: Checkpoints, step: int | None) -> int:
+    if step is not None:
+        cps.require(step)
+        return step
+    return _steps(cps, argparse.Namespace())[0]
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    if args.to == "hf":
+        return _export_hf(args)
+    cps = open_path(args.root)
+    step = _steps(cps, args)[0]
+    result = verify.export_step(cps, step, args.to, args.file, item=args.item,
+                                force=args.force, threads=args.threads)
+    echo(verify.to_json(vars(result)) if args.json else verify.render_export(result))
+    return EXIT_OK
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from verify.export_hf import DEFAULT_SHARD_BYTES, export_hf, parse_size, render_hf_export
+
+    shard = parse_size(args.max_shard_size) if args.max_shard_size else DEFAULT_SHARD_BYTES
+    cps = open_path(args.root)
+    result = export_hf(cps, _steps(cps, args)[0], args.file, item=args.item,
+                       force=args.force, max_shard_bytes=shard, threads=args.threads)
+    echo(verify.to_json(vars(result)) if args.json else render_hf_export(result))
+    return EXIT_OK

@@ -9,7 +9,7 @@ built on those four primitives, here, once, for every object-store backend.
 Commit: there is no staging location. Data objects go straight under ``step-N/``; their names
 carry the save's token, so attempts never overwrite each other. The manifest is written last
 with a create-only write: that write is the commit point. A prefix without a manifest is
-invisible to readers and is removed by the collector (``ckpt._step.incremental.collect``).
+invisible to readers and is removed by the collector (``ckpt._retention.collect``).
 
 Lease: ``ROOT/.lock`` holds JSON ``{host, pid, since, expires, ...}``, created create-only. A
 thread renews it every ttl/3 with a replace conditional on the version it last wrote, so a

@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from trainer.config import (CheckpointConfig, DataConfig, ElasticConfig,  # noqa: E402
+                            FailureConfig, ObservabilityConfig, StepConfig)
 from trainer.elastic import ElasticTrainer  # noqa: E402
 from trainer.progress import JsonLines  # noqa: E402
 from trainer.tiny_lm import TinyLM, WindowDataset, make_corpus, warmup_cosine  # noqa: E402
@@ -210,14 +212,20 @@ def main(argv: list[str] | None = None) -> int:
     # directory, shared by the agents as /dev/shm would be, so no run leaves them behind.
     memory_dir = Path(args.root).parent / "shm"
     memory_dir.mkdir(parents=True, exist_ok=True)
+    config = ElasticConfig(
+        seed=args.seed, hooks=extras.get("hooks"),
+        data=DataConfig(data_loader=extras.get("data_loader")),
+        step=StepConfig(fsdp=args.fsdp, max_grad_norm=1.0),
+        checkpoint=CheckpointConfig(
+            manager_options={"keep_last": 2, "memory_dir": str(memory_dir)},
+            extra_state=extras.get("extra_state")),
+        failure=FailureConfig(heartbeat_timeout=args.heartbeat_timeout,
+                              collective_timeout=args.collective_timeout),
+        observability=ObservabilityConfig(audit_dir=args.audit_dir, run_dir=args.run_dir))
     trainer = ElasticTrainer(
         TinyLM, optimizer_fn, dataset, step_fn, checkpoint_root=args.root,
         checkpoint_every=args.every, global_batch_size=args.global_batch,
-        micro_batch_size=args.micro_batch, scheduler_fn=scheduler_fn,
-        heartbeat_timeout=args.heartbeat_timeout, collective_timeout=args.collective_timeout,
-        checkpoint_options={"keep_last": 2, "memory_dir": str(memory_dir)}, seed=args.seed,
-        max_grad_norm=1.0,
-        audit_dir=args.audit_dir, run_dir=args.run_dir, fsdp=args.fsdp, **extras)
+        micro_batch_size=args.micro_batch, scheduler_fn=scheduler_fn, config=config)
     summary = trainer.fit(args.steps)
     if trainer.rank == 0:
         print("ELASTIC_SUMMARY " + json.dumps(summary.to_dict()), flush=True)

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from trainer import Hooks  # noqa: E402
+from trainer import (CheckpointConfig, ElasticConfig, FailureConfig, Hooks,  # noqa: E402
+                     ObservabilityConfig)
 from trainer.elastic import ElasticTrainer  # noqa: E402
 from trainer.tiny_lm import TinyLM, WindowDataset, make_corpus  # noqa: E402
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         if t.step + 1 in holds and not marker.exists():  # once per step and rank
             # The kill comes at a known point: the newest checkpoint committed and copied to
             # the peers (private: the trainer has no public wait; this is a test's job).
-            t._checkpoints.manager.wait_replicated(timeout=60)
+            t._parts.checkpointer.manager.wait_replicated(timeout=60)
             write(marker.name, {"pid": os.getpid(), "step": t.step, "attempt": t.attempt,
                                 "ppid": os.getppid(),
                                 "zygote": os.environ.get("CKPT_WARM_ZYGOTE")})
@@ -152,15 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_job:
         options["memory_job"] = args.memory_job
     pad = int(args.pad_mb * 1e6 / 4)
+    config = ElasticConfig(
+        health=False, hooks=Hooks(after_step=after_step),
+        checkpoint=CheckpointConfig(
+            manager_options=options, memory_tier=MEMORY[args.memory], probe=False,
+            verify="digest",
+            extra_state=(lambda model: {"pad": torch.ones(pad)}) if pad else None),
+        failure=FailureConfig(heartbeat_timeout=args.heartbeat_timeout,
+                              collective_timeout=args.collective_timeout),
+        observability=ObservabilityConfig(run_dir=args.run_dir, log_every=None))
     trainer = ElasticTrainer(
         TinyLM, lambda params: torch.optim.AdamW(params, lr=3e-3), dataset, step_fn,
         checkpoint_root=args.root, checkpoint_every=args.every,
         global_batch_size=args.global_batch, micro_batch_size=args.micro_batch,
-        heartbeat_timeout=args.heartbeat_timeout, collective_timeout=args.collective_timeout,
-        checkpoint_options=options, run_dir=args.run_dir, health=False, probe=False,
-        verify="digest", hooks=Hooks(after_step=after_step),
-        extra_state=(lambda model: {"pad": torch.ones(pad)}) if pad else None,
-        memory_tier=MEMORY[args.memory], log_every=None)
+        config=config)
     trainer.fit(args.steps)
     return 0
 

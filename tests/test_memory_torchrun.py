@@ -81,10 +81,11 @@ def wait_all(c: _memory_job.Cluster, nodes: list, tmp: Path) -> None:
 def test_default_is_on_under_torchrun_only_and_the_keyword_turns_it_off(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run7")
     on = memory_tier_options(None, root=tmp_path, elastic=True)
-    assert on == {"memory_tier": True, "memory_job": memory_job_id(tmp_path, "run7")}
+    assert on == {"memory_tier": ckpt.MemoryTierOptions(job=memory_job_id(tmp_path, "run7"))}
     assert memory_tier_options(None, root=tmp_path, elastic=False) == {}
     assert memory_tier_options(False, root=tmp_path, elastic=True) == {}
-    assert memory_tier_options(True, root=tmp_path, elastic=False)["memory_tier"] is True
+    assert isinstance(memory_tier_options(True, root=tmp_path, elastic=False)["memory_tier"],
+                      ckpt.MemoryTierOptions)
 
 
 def test_job_ids_differ_by_root_and_run_and_are_safe_in_segment_names(tmp_path):
@@ -95,16 +96,12 @@ def test_job_ids_differ_by_root_and_run_and_are_safe_in_segment_names(tmp_path):
 
 
 def test_memory_tier_is_the_trainers_keyword_not_a_checkpoint_option(tmp_path):
-    from trainer.elastic import ElasticTrainer
+    from trainer import CheckpointConfig
 
-    common = dict(checkpoint_root=tmp_path, checkpoint_every=1, global_batch_size=2,
-                  micro_batch_size=2)
     with pytest.raises(TypeError, match="memory_tier="):
-        ElasticTrainer(lambda: None, lambda p: None, [0] * 4, lambda m, b: None,
-                       checkpoint_options={"memory_tier": True}, **common)
+        CheckpointConfig(manager_options={"memory_tier": True})
     with pytest.raises(TypeError, match="True, False or None"):
-        ElasticTrainer(lambda: None, lambda p: None, [0] * 4, lambda m, b: None,
-                       memory_tier="yes", **common)
+        CheckpointConfig(memory_tier="yes")
 
 
 # ------------------------------------------------------------------------- torchrun scenarios

@@ -18,15 +18,15 @@ def kept(steps, keep_last=None, keep_every=None, best=None, *, metrics=None, new
 
 
 def test_each_rule_adds_its_steps_and_the_newest_is_always_kept(tmp_path):
-    with ckpt.CheckpointManager(tmp_path, async_save=False, keep_last=2, keep_every=4,
-                                keep_best=1, best_metric="loss") as mgr:
+    policy = RetentionPolicy(keep_last=2, keep_every=4, keep_best=KeepBest(1, "loss"))
+    with ckpt.CheckpointManager(tmp_path, async_save=False, retention=policy) as mgr:
         for step in range(1, 11):
             mgr.save(step, {"w": torch.full((4,), float(step))},
                      metrics={"loss": abs(step - 3) + 0.5})
         # last 2: 9, 10; every 4th: 4, 8; the best loss: 3
         assert mgr.steps() == [3, 4, 8, 9, 10]
-    with ckpt.CheckpointManager(tmp_path / "best", async_save=False, keep_best=1,
-                                best_metric="loss") as mgr:
+    with ckpt.CheckpointManager(tmp_path / "best", async_save=False, retention=RetentionPolicy(
+            keep_best=KeepBest(1, "loss"))) as mgr:
         for step in range(1, 5):
             mgr.save(step, {"w": torch.zeros(2)}, metrics={"loss": float(step)})
         assert mgr.steps() == [1, 4]  # the best, and the newest (not by count: no keep_last)
@@ -102,13 +102,13 @@ def test_the_record_round_trips_and_anything_else_is_refused():
 
 
 def test_a_manager_records_a_policy_that_retires_and_none_that_keeps_all(tmp_path):
-    with ckpt.CheckpointManager(tmp_path / "a", async_save=False, keep_last=2,
-                                keep_best=1, best_metric="val_loss") as mgr:
+    policy = RetentionPolicy(keep_last=2, keep_best=KeepBest(1, "val_loss"))
+    with ckpt.CheckpointManager(tmp_path / "a", async_save=False, retention=policy) as mgr:
         mgr.save(1, {"w": torch.zeros(2)}, metadata={"note": "kept"})
         meta = mgr.manifest(1).metadata
     assert meta["note"] == "kept"
-    assert RetentionPolicy.from_record(meta[RECORD_KEY]) == RetentionPolicy(
-        2, None, KeepBest(1, "val_loss", "min"))
-    with ckpt.CheckpointManager(tmp_path / "b", async_save=False, keep_every=3) as mgr:
+    assert RetentionPolicy.from_record(meta[RECORD_KEY]) == policy
+    with ckpt.CheckpointManager(tmp_path / "b", async_save=False,
+                                retention=RetentionPolicy(keep_every=3)) as mgr:
         mgr.save(1, {"w": torch.zeros(2)})
         assert mgr.retention.keeps_all and RECORD_KEY not in mgr.manifest(1).metadata

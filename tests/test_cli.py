@@ -446,6 +446,70 @@ def test_gc_keeps_the_newest_step_that_verifies_when_the_newest_is_corrupt(tmp_p
     assert committed(root) == [3, 4]
 
 
+def root_with_an_old_best_step(tmp_path: Path) -> Path:
+    """Steps 1..5 by a writer keeping the last 2 and the best 1 by val_loss: step 1 is the
+    best, so the writer keeps 1, 4 and 5."""
+    from ckpt._retention.policy import KeepBest, RetentionPolicy
+
+    root = tmp_path / "root"
+    policy = RetentionPolicy(keep_last=2, keep_best=KeepBest(1, "val_loss"))
+    with ckpt.CheckpointManager(root, async_save=False, retention=policy) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, {"w": torch.full((64,), float(step))},
+                     metrics={"val_loss": 0.1 if step == 1 else 1.0 + step})
+    assert committed(root) == [1, 4, 5]
+    return root
+
+
+def test_gc_keep_last_keeps_the_best_step_the_writers_recorded_policy_keeps(tmp_path, capsys):
+    """gc follows the policy the writer recorded in its manifests; --keep-last replaces only
+    that rule, so the step kept for its best val_loss stays."""
+    root = root_with_an_old_best_step(tmp_path)
+    code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes")
+    assert code == 0, err
+    assert committed(root) == [1, 5]
+    assert out.startswith("policy: keep_last=1, keep_best=1 by val_loss (min), and the newest "
+                          "good step (recorded in step 5; --keep-last given)"), out
+
+
+def test_gc_flags_replace_or_drop_recorded_rules_and_ignore_recorded_drops_them_all(
+        tmp_path, capsys):
+    root = root_with_an_old_best_step(tmp_path)
+    code, out, err = cli(capsys, "gc", root, "--json")  # the writer's own policy: nothing to do
+    doc = json.loads(out)
+    assert code == 0 and doc["retired_steps"] == [] and doc["policy"] == {
+        "keep_last": 2, "keep_every": None, "source": "recorded in step 5",
+        "keep_best": {"n": 1, "metric": "val_loss", "mode": "min"}}
+    code, out, err = cli(capsys, "gc", root, "--keep-best", "2", "--best-mode", "max",
+                         "--json")  # the recorded metric, ranked the other way
+    doc = json.loads(out)
+    assert doc["policy"]["keep_best"] == {"n": 2, "metric": "val_loss", "mode": "max"}
+    assert doc["retired_steps"] == [1]
+    code, out, err = cli(capsys, "gc", root, "--keep-best", "0", "--json")
+    assert json.loads(out)["retired_steps"] == [1] and committed(root) == [1, 4, 5]
+    code, out, err = cli(capsys, "gc", root, "--ignore-recorded", "--keep-last", "1", "--yes")
+    assert code == 0 and committed(root) == [5], err
+    assert "policy: keep_last=1, and the newest good step (--keep-last given)" in out
+
+
+def test_gc_refuses_rules_it_cannot_apply(tmp_path, capsys):
+    root = root_of_steps(tmp_path)  # a writer keeping every step: no policy recorded
+    code, out, err = cli(capsys, "gc", root, "--keep-best", "1", "--yes")
+    one_line_exit_2(code, err, "gc", "--keep-best needs --best-metric NAME")
+    code, out, err = cli(capsys, "gc", root, "--best-metric", "loss", "--yes")
+    one_line_exit_2(code, err, "gc", "--best-metric and --best-mode are for --keep-best N")
+    code, out, err = cli(capsys, "gc", root, "--keep-best", "1", "--best-metric", "loss")
+    assert code == 0 and "keep_best=1 by loss (min)" in out  # no step has it: none ranks
+    assert "would remove: 3 steps [1, 2, 3]" in out
+    record = root / "step-00000004" / "manifest.json"
+    doc = json.loads(record.read_bytes())
+    doc["metadata"]["ckpt_retention"] = {"keep_last": 1, "keep_newest": 2}
+    record.write_text(json.dumps(doc))
+    code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes")
+    assert code == 1 and "step 4 records a retention policy ckpt cannot apply" in err, err
+    assert committed(root) == [1, 2, 3, 4]
+
+
 def one_line_exit_2(code: int, err: str, command: str, needle: str) -> None:
     assert code == 2, err
     assert "Traceback" not in err
@@ -712,10 +776,13 @@ def test_a_step_retired_while_verify_reads_it_is_not_reported_as_damaged(tmp_pat
 
 
 def test_a_gc_dry_run_passes_over_a_step_its_writer_retires_while_it_is_checked(tmp_path):
-    from verify.cli import collect_root
+    from ckpt._retention.gc import collect_root
+    from ckpt._retention.policy import RetentionPolicy
+    from verify._gc import digest_check
 
     root = tmp_path / "root"
-    with ckpt.CheckpointManager(root, keep_last=1, keep_every=2, async_save=False) as writer:
+    with ckpt.CheckpointManager(root, retention=RetentionPolicy(keep_last=1, keep_every=2),
+                                async_save=False) as writer:
         for step in (1, 2, 3):
             writer.save(step, {"w": torch.full((64,), float(step))})
         assert committed(root) == [2, 3]
@@ -728,9 +795,11 @@ def test_a_gc_dry_run_passes_over_a_step_its_writer_retires_while_it_is_checked(
             return files(step, manifest)
 
         cps.files = files_then_retire
-        result = collect_root(cps, keep_last=1)  # a dry run: the writer keeps its lock
+        # A dry run (the writer keeps its lock), by keep_last alone: not the writer's policy.
+        result = collect_root(cps.storage, RetentionPolicy(keep_last=1),
+                              check=digest_check(cps, threads=4))
     assert committed(root) == [2, 4]
-    assert result.newest_good == 2 and result.failed == {} and result.exit_code == 0
+    assert result.newest_good == 2 and result.failed == {} and result.ok
 
 
 def test_ls_on_a_live_root_leaves_out_a_step_retired_after_the_listing(tmp_path, capsys,

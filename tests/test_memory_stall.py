@@ -1,4 +1,4 @@
-"""A peer that is alive but stuck must not hold the rank that serves it forever (issue #14):
+"""A peer that is alive but stuck must not hold the rank that serves it forever:
 ``MemorySource.close`` gives up on peers that made no progress for ``STALL_S``, with a
 warning naming them. Real gloo processes; the body is in tests/_memory_workers.py."""
 

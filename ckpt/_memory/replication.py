@@ -1,6 +1,6 @@
-"""Peer replication of the memory tier (issue #14): after a rank step is published in this
-rank's segment, a background thread sends it to the same local rank on the next ``replicas``
-nodes of a ring by node, which store it as ``ckpt-<job>-<their node>-replica-r<origin>``.
+"""Peer replication of the memory tier: after a rank step is published in this rank's
+segment, a background thread sends it to the same local rank on the next ``replicas`` nodes of
+a ring by node, which store it as ``ckpt-<job>-<their node>-replica-r<origin>``.
 
 Plain TCP, one connection per step and peer: a dead or slow peer costs a timeout on the sender
 thread and a counted failure, never a training step, and leaves no collective half done
@@ -24,7 +24,7 @@ import struct
 import threading
 from typing import Any, Callable
 
-from ckpt._format.manifest import step_dir
+from ckpt._format.names import step_dir
 from ckpt._memory.tier import (RANK_DOC, STAGING, commit_dir, own_segment, plain_name,
                           rank_steps, replica_name, retire_rank_steps, tree_bytes)
 

@@ -1,6 +1,6 @@
-"""The node-local memory tier (issue #14): every save is also published as a complete
-checkpoint root in POSIX shared memory (``/dev/shm``), which outlives the worker process, so
-a restarted worker restores from RAM without reading the persistent root.
+"""The node-local memory tier: every save is also published as a complete checkpoint root in
+POSIX shared memory (``/dev/shm``), which outlives the worker process, so a restarted worker
+restores from RAM without reading the persistent root.
 
 A segment is the directory ``<shm>/ckpt-<job>-<node>-r<rank>``, plus ``owner.lock``, flock'ed
 by the live process that writes it. A segment whose lock can be taken has no live owner:
@@ -12,7 +12,7 @@ by the live process that writes it. A segment whose lock can be taken has no liv
   data files this rank wrote and ``rank.json`` (written last, then the directory renamed into
   place): the rank's chunk table with digests and global boxes, plus the step's global layout
   (tensor shapes, items), so the union of all ranks' rank steps of one save makes a complete,
-  reshardable checkpoint (``ckpt/_memory/restore.py``). Peer replicas of rank ``o``'s steps,
+  reshardable checkpoint (``ckpt/_memory/plan.py``). Peer replicas of rank ``o``'s steps,
   held on node ``n``, live in ``ckpt-<job>-<n>-replica-r<o>`` (``ckpt/_memory/replication.py``).
 
 ``<node>`` names the node: ``memory_node=``, else the environment's ``CKPT_NODE``, else the
@@ -44,8 +44,9 @@ from typing import Any
 from storage_backends import Storage, open_storage
 
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from ckpt._format.manifest import STEP_DIR, step_dir
-from ckpt._step.incremental import collect, step_dirs
+from ckpt._format.names import STEP_DIR, step_dir
+from ckpt._retention.collect import collect
+from ckpt._step.listing import step_dirs
 
 log = logging.getLogger("ckpt")
 
@@ -159,7 +160,7 @@ class MemoryTier:
     def publish_rank(self, payload: Any, options: Any, pool: Any) -> Any:
         """Write this rank's share of a save as a rank step (no collectives: runs on the
         writer thread); the newest ``keep`` rank steps are kept. Returns the RankTable."""
-        from ckpt._save.engine import write_rank  # engine imports torch; this module stays light
+        from ckpt._save.rank_write import write_rank  # imports torch; this module stays light
 
         if payload.ready is not None:
             payload.ready.synchronize()

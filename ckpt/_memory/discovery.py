@@ -1,0 +1,108 @@
+"""What the memory tier holds: the rank steps in this node's segments (own and peer
+replicas), and the saves that the live ranks' nodes hold completely, agreed over the group."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ckpt.errors import CorruptCheckpointError
+from ckpt._memory.tier import node_prefix, rank_steps, read_rank_doc
+
+log = logging.getLogger("ckpt")
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A rank step held in one segment on this node (JSON-able for the exchange)."""
+
+    segment: str
+    step: int
+    origin: int
+    world: int
+    token: str
+    created: float
+    replica: bool
+
+
+@dataclass
+class Candidate:
+    """One save (step, token) that live nodes hold completely: origin -> [(rank, holding)].
+
+    ``second``: read each origin's data from the copy the first attempt did not prefer
+    (replicas and other nodes first), for when that attempt found a copy corrupt.
+    ``docs``: segment -> this step's rank document, as this rank read it while listing
+    (not read twice)."""
+
+    step: int
+    token: str
+    world: int
+    holders: dict[int, list[tuple[int, Holding]]] = field(default_factory=dict)
+    second: bool = False
+    docs: dict[str, dict] = field(default_factory=dict, repr=False)
+
+    def has_second_copies(self) -> bool:
+        return any(len(h) > 1 for h in self.holders.values())
+
+
+def local_holdings(shm_dir: str, job: str, node: str,
+                   docs: dict[tuple[str, int], dict] | None = None) -> list[Holding]:
+    """Every readable rank step in this node's segments (not collective); ``docs``, when
+    given, receives each one's rank document by (segment, step)."""
+    prefix = node_prefix(job, node)
+    out = []
+    try:
+        names = sorted(os.listdir(shm_dir))
+    except OSError as e:  # every rank must reach the collective that follows
+        log.warning("ckpt._memory.discovery cannot list %s: %s", shm_dir, e)
+        return out
+    for name in names:
+        path = os.path.join(shm_dir, name)
+        if not name.startswith(prefix) or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            steps = rank_steps(path)
+        except OSError as e:  # e.g. a permission problem: this copy is unusable, not fatal
+            log.warning("ckpt._memory.discovery skipping %s: %s", path, e)
+            continue
+        for s in steps:
+            try:
+                doc = read_rank_doc(path, s)
+            except CorruptCheckpointError as e:
+                log.warning("ckpt._memory.discovery skipping %s", e)
+                continue
+            out.append(Holding(name, s, doc["rank"], doc["world_size"], doc["token"],
+                               float(doc["created"]), "-replica-" in name[len(prefix) - 1:]))
+            if docs is not None:
+                docs[(name, s)] = doc
+    return out
+
+
+def candidates(mine: list[Holding], pg: Any,
+               docs: dict[tuple[str, int], dict] | None = None) -> list[Candidate]:
+    """Saves that the live ranks' nodes hold completely, newest first (one per step: the
+    latest save of that step number); ``docs``: what ``local_holdings`` read. Collective."""
+    gathered: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(gathered, [h.__dict__ for h in mine], group=pg)
+    saves: dict[tuple[int, str], Candidate] = {}
+    created: dict[tuple[int, str], float] = {}
+    for rank, holdings in enumerate(gathered):
+        for d in holdings:
+            h = Holding(**d)
+            c = saves.setdefault((h.step, h.token), Candidate(h.step, h.token, h.world))
+            if h.world != c.world:
+                continue
+            c.holders.setdefault(h.origin, []).append((rank, h))
+            created[(h.step, h.token)] = max(created.get((h.step, h.token), 0.0), h.created)
+    best: dict[int, Candidate] = {}
+    for key, c in sorted(saves.items(), key=lambda kv: created[kv[0]]):
+        if set(c.holders) == set(range(c.world)):
+            best[c.step] = c  # a later save of the same step number wins
+    for c in best.values():
+        c.docs = {seg: d for (seg, s), d in (docs or {}).items()
+                  if s == c.step and d["token"] == c.token}
+    return [best[s] for s in sorted(best, reverse=True)]

@@ -1,0 +1,230 @@
+"""Restoring a process group from the memory tier: from a candidate save (one that live
+nodes hold completely, ``ckpt/_memory/discovery.py``) to the storage each rank loads it from.
+
+The ranks agree on who serves each origin rank's files, merge the origin ranks' tables into
+one manifest, and plan which chunks each rank's (possibly resharded) boxes need: read from
+its own node's segments directly, or from the rank on another node that holds them
+(``ckpt/_memory/peer_client.py`` and ``peer_server.py``).
+
+Every function here is collective over ``pg`` (a gloo group) unless it says otherwise; errors
+on one rank become an agreed failure on all, so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, MutableMapping
+
+import torch
+import torch.distributed as dist
+
+from ckpt.errors import CorruptCheckpointError
+from ckpt._format.manifest import Manifest
+from ckpt._format.names import FORMAT_NAME, FORMAT_VERSION, step_dir
+from ckpt._step.incremental import CHAIN_KEY
+from ckpt._memory.discovery import Candidate, Holding
+from ckpt._memory.peer_client import PeerClient
+from ckpt._memory.peer_server import PeerServer, Range, map_ranges
+from ckpt._memory.source import MemorySource
+from ckpt._memory.tier import node_prefix, plain_name, read_rank_doc
+from ckpt._load.read_plan import needed_tensors
+from ckpt._shared.sharding import dtensor_type, overlapping, read_box, source_rank
+from ckpt._shared.state import flatten, is_stateful, item_tree
+
+#: What a rank reads from one holder: [(segment, file, start, length)], numbered in order.
+Requests = dict[int, list[tuple[str, str, int, int]]]
+
+
+@dataclass
+class ReadPlan:
+    """One rank's plan for a save: the merged manifest and where each chunk it needs comes
+    from (not collective to build, but agreed with the other ranks before it is used).
+
+    ``local``: path -> file on this node; ``requests``: holder -> the ranges read from it;
+    ``sizes``: path -> the size its rank step recorded; ``tier``: "memory" when every byte
+    comes from this node's own segments, "peer" when any comes from a replica or a peer."""
+
+    step: int
+    location: str
+    manifest: Manifest
+    raw: bytes
+    sizes: dict[str, int]
+    local: dict[str, str]
+    requests: Requests
+    tier: str
+
+
+def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: str, job: str,
+                   node: str, rank: int, pg: Any) -> MemorySource:
+    """Agree on who serves each origin rank's files, merge the manifest and start serving
+    the peers (a rank reads the bytes it needs from them as its load asks). Collective; raises
+    CorruptCheckpointError on every rank when any rank cannot read or serve its part (the
+    caller falls through to the next tier)."""
+    world = dist.get_world_size(pg)
+    prefix = node_prefix(job, node)
+    # Each origin's rank step document comes from its first holder (any copy: the digests
+    # inside are checked against the data as it is loaded).
+    docs, error = {}, None
+    for origin, holders in sorted(c.holders.items()):
+        holder_rank, h = holders[0]
+        if holder_rank == rank:
+            try:
+                docs[origin] = c.docs.get(h.segment) or read_rank_doc(
+                    os.path.join(shm_dir, h.segment), c.step)
+            except CorruptCheckpointError as e:
+                error = str(e)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (docs, error), group=pg)
+    errors = [e for _, e in everyone if e]
+    if errors:
+        raise CorruptCheckpointError(f"step {c.step} in memory: {errors[0]}")
+    docs = {int(o): d for part, _ in everyone for o, d in part.items()}
+    location = step_dir(c.step)
+    plan, error = None, None
+    try:  # per rank: every failure must reach the exchange's agreement, not skip it
+        plan = _plan(c, docs, state, location, shm_dir, prefix, rank)
+    except Exception as e:
+        error = f"rank {rank} cannot use step {c.step} in memory: {e!r}"
+    serving = _exchange(plan.requests if plan else {}, error, c.step, location, shm_dir,
+                        prefix, rank, pg)
+    url = f"memory:{c.step}"
+    peers = PeerClient(pg, plan.requests, location, url)
+    server = PeerServer(pg, serving, url).start() if serving else None
+    return MemorySource(url, location, plan.manifest, plan.raw, local=plan.local,
+                        sizes=plan.sizes, tier=plan.tier, peers=peers, server=server)
+
+
+def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], location: str,
+          shm_dir: str, prefix: str, rank: int) -> ReadPlan:
+    """This rank's merged manifest and where each chunk it needs comes from: a file on this
+    node, or a request to a holder elsewhere (holder -> [(segment, file, start, length)])."""
+
+    world = len(docs)
+
+    def preference(rh: tuple[int, Holding]) -> tuple:
+        """Own node's segments, then replicas on it, then other nodes' (spread over them);
+        the second attempt reverses the order."""
+        r, h = rh
+        key = (not h.segment.startswith(prefix), h.replica, (r - rank) % world)
+        return tuple(-k for k in key) if c.second else key
+
+    chosen = {o: min(hs, key=preference) for o, hs in c.holders.items()}
+    order = sorted(docs, key=lambda o: (preference(chosen[o]), o))
+    manifest, raw, sizes, files_of = _merge(c, docs, location, order)
+    origin_of = {name: origin for origin, names in files_of.items() for name in names}
+    local: dict[str, str] = {}
+    requests: Requests = {}
+    tier = "memory"
+    for key, chunk in _needed_chunks(manifest, state, rank):
+        origin = origin_of[chunk.file]
+        path = f"{location}/{chunk.file}"
+        holder, h = chosen[origin]
+        if h.replica or not h.segment.startswith(prefix):
+            tier = "peer"
+        if h.segment.startswith(prefix):  # on this node: read it here
+            local[path] = os.path.join(shm_dir, h.segment, location, chunk.file)
+        else:
+            requests.setdefault(holder, []).append((h.segment, chunk.file, chunk.start,
+                                                    chunk.length))
+    return ReadPlan(c.step, location, manifest, raw, sizes, local, requests, tier)
+
+
+def _merge(c: Candidate, docs: dict[int, dict], location: str,
+           order: list[int]) -> tuple[Manifest, bytes, dict[str, int], dict[int, list[str]]]:
+    """The manifest of the whole save, from every origin rank's table; a box that several
+    ranks hold (a replicated tensor) is taken from the first of them in ``order``. Merged
+    as JSON and parsed once: the same validation as any manifest read from a root.
+
+    Returns the manifest, its bytes, path -> size of every file, origin -> its files."""
+    first = docs[0]
+    try:
+        for o, d in docs.items():
+            if d["token"] != c.token or d["rank"] != o:
+                raise ValueError(f"rank {o}'s document names another save")
+        tensors = {k: {"dtype": dtype, "shape": shape, "chunks": []}
+                   for k, (dtype, shape) in first["tensors"].items()}
+        files: dict[str, int] = {}
+        seen: set = set()
+        for o in order:
+            table = docs[o]["table"]
+            files.update(table["files"])
+            for key, chunk in table["chunks"]:
+                box = (key, tuple(chunk["offsets"]))
+                if box not in seen:
+                    seen.add(box)
+                    tensors[key]["chunks"].append(chunk)
+        for t in tensors.values():
+            t["chunks"].sort(key=lambda chunk: chunk["offsets"])
+        # Each rank's values of per-rank items (RNG states) from its own document: a rank
+        # step needs to carry no other rank's.
+        items = {name: {**item, "per_rank": {str(o): d["items"][name]["per_rank"][str(o)]
+                                             for o, d in docs.items()}}
+                 if isinstance(item.get("per_rank"), dict) else item
+                 for name, item in first["items"].items()}
+        doc = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": c.step,
+               "world_size": c.world, "created": first["created"], "tensors": tensors,
+               "aliases": first["aliases"], "items": items, "files": files,
+               "metadata": {**first["metadata"], CHAIN_KEY: 0}}
+        raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        manifest = Manifest.from_json(raw, where=f"step {c.step} in memory")
+        files_of = {o: [plain_name(f) for f in d["table"]["files"]] for o, d in docs.items()}
+        sizes = {f"{location}/{name}": size for d in docs.values()
+                 for name, size in d["table"]["files"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"step {c.step} in memory: a rank step is malformed "
+                                     f"({e!r})") from e
+    return manifest, raw, sizes, files_of
+
+
+def _needed_chunks(manifest: Manifest, state: MutableMapping[str, Any], rank: int) -> list:
+    """(key, chunk) this rank's load reads, planned as the loader plans it: the stored
+    tensors its items refer to (``needed_tensors``, of the saved rank whose per-rank values
+    it gets), in the box ``read_box`` gives for its live tensor, the chunks ``overlapping``
+    finds there."""
+    src = source_rank(rank, manifest.world_size)
+    live = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) or is_stateful(v)}
+    tensors = flatten(live, allow_pickle=True, rank=src, keep_vars=True).tensors
+    wanted = {name: item_tree(manifest.items[name], src) for name in state
+              if name in manifest.items}
+    dtensor, boxes = dtensor_type(), {}
+    out = []
+    for key in sorted(needed_tensors(None, "", manifest, wanted, allow_pickle=True)):
+        entry, target = manifest.tensors[key], tensors.get(key)
+        if dtensor is not None and isinstance(target, dtensor):
+            # DTensors of one shape, mesh and placements share this rank's box: computed once
+            spec = (tuple(target.shape), target.device_mesh, tuple(target.placements))
+            box = boxes.get(spec) or boxes.setdefault(spec, read_box(entry, target))
+        else:
+            box = read_box(entry, target)
+        out += [(key, chunk) for chunk, _ in overlapping(entry, box)]
+    return out
+
+
+def _exchange(requests: Requests, error: str | None, step: int, location: str, shm_dir: str,
+              prefix: str, rank: int, pg: Any) -> dict[int, list[Range]]:
+    """Agree on what each rank reads from which peer (``requests``: holder -> [(segment,
+    file, start, length)]) and check that this rank can serve what it is asked for; every
+    rank raises when one cannot plan or serve. ``error``: this rank could not plan its
+    reads. Returns what this rank serves: peer -> its ranges here, mapped."""
+    world = dist.get_world_size(pg)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (requests, error), group=pg)
+    failed = [e for _, e in gathered if e]
+    if failed:
+        raise CorruptCheckpointError(failed[0])
+    # What each other rank asked of this one (its own node's ranges it reads locally).
+    asked = {dst: r.get(rank, []) for dst, (r, _) in enumerate(gathered) if dst != rank}
+    serving: dict[int, list[Range]] = {}
+    error = None
+    try:
+        serving = map_ranges(asked, shm_dir, prefix, location)
+    except (OSError, ValueError, CorruptCheckpointError) as e:
+        error = f"rank {rank} cannot serve step {step} from memory: {e}"
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, error, group=pg)
+    failed = [e for e in errors if e]
+    if failed:
+        raise CorruptCheckpointError(failed[0])
+    return serving

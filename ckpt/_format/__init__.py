@@ -1,1 +1,1 @@
-"""The on-disk format: manifests, validation, rank tables, data files, codec, boxes. Pure: no storage, no threads."""
+"""The on-disk format, pure (no I/O, no threads): manifests, rank tables, data files, codec."""

@@ -37,7 +37,8 @@ class Piece:
     def header_entry(self, start: int) -> dict:
         code = SAFETENSORS_DTYPES.get(self.dtype) if self.stored_raw else None
         shape = list(self.shape) if code else [len(self.data)]
-        return {"dtype": code or "U8", "shape": shape, "data_offsets": [start, start + len(self.data)]}
+        return {"dtype": code or "U8", "shape": shape,
+                "data_offsets": [start, start + len(self.data)]}
 
 
 ALIGN = 64  # where the data (and each piece whose predecessors are whole cache lines) starts

@@ -17,7 +17,8 @@ from ckpt._format.bounds import MAX_MANIFEST_BYTES, Invalid
 from ckpt._format.entries import Chunk, RankTables, TensorEntry
 from ckpt._format.gcpause import paused_gc
 from ckpt._format.layout import BoxLayout, Layout
-from ckpt._format.names import FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_TABLES, PER_RANK_IN_TABLES
+from ckpt._format.names import (FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_TABLES,
+                                PER_RANK_IN_TABLES)
 from ckpt._format.parse import parse_manifest
 
 # Fields that are not written as they are: rank tables and refs (format 2 only, reshaped),

@@ -153,7 +153,8 @@ def _parse_tables(doc: Any, world: int, files: dict[str, int]) -> list[tuple[str
           f"tables must list one table per rank ({world})")
     tables = []
     for r, t in enumerate(doc):
-        check(isinstance(t, list) and len(t) == 3, f"table of rank {r} must be [file, size, digest]")
+        check(isinstance(t, list) and len(t) == 3,
+              f"table of rank {r} must be [file, size, digest]")
         name = file_name(t[0], f"table of rank {r}")
         size = bounded_int(t[1], f"size of rank {r}'s table", hi=MAX_TABLE_BYTES)
         check(is_digest(t[2]), f"table of rank {r} has a malformed digest")

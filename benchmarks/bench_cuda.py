@@ -116,7 +116,7 @@ def ckpt_saves(model, optimizer, batch, root: str, reps: int, overlap: bool) -> 
             mgr.save(i, state)
             out["block"].append(time.perf_counter() - t0)
             out["next"].append(step(model, optimizer, batch))
-            handle = mgr._inflight
+            handle = mgr._saver.inflight
             while handle is not None and not handle.done():
                 out["during"].append(step(model, optimizer, batch))
             mgr.wait()

@@ -9,7 +9,8 @@ from ckpt.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFo
                      StateMismatchError,
                      StorageError, UnsupportedValueError)
 from ckpt._manager.manager import CheckpointManager
-from ckpt.options import SaveOptions
+from ckpt.options import MemoryTierOptions, MetricsOptions, SaveOptions, Schedule
+from ckpt._retention.policy import KeepBest, RetentionPolicy
 from ckpt._load.probe import Probe
 from ckpt._shared.rng import RNGState
 from ckpt._shared.state import PerRank
@@ -22,14 +23,19 @@ __all__ = [
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "ForwardCheckError",
+    "KeepBest",
+    "MemoryTierOptions",
+    "MetricsOptions",
     "ModelOptimizer",
     "PartialLoadError",
     "PerRank",
     "Probe",
     "RNGState",
+    "RetentionPolicy",
     "SaveHandle",
     "SaveOptions",
     "SaveResult",
+    "Schedule",
     "StateMismatchError",
     "StorageError",
     "UnsupportedValueError",

@@ -1,10 +1,12 @@
-"""Tunables, gathered in one place as small frozen dataclasses validated on creation."""
+"""Options, gathered in one place as small frozen dataclasses validated on creation: how a
+save is written (:class:`SaveOptions`) and a :class:`ckpt.CheckpointManager`'s schedule,
+memory tier and metrics (its retention: :class:`ckpt.RetentionPolicy`)."""
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 # 8 MiB chunks: large enough that per-chunk overhead (a manifest entry, one read, one digest)
 # is negligible next to the bytes, small enough that an incremental save of a partly changed
@@ -32,11 +34,21 @@ class SaveOptions:
         overlap_device_copy: copy the CUDA tensors that only ``optimizer.step()`` changes
             (parameters and state of the optimizers in the saved state) during the next
             forward and backward; their optimizer's step waits for the copy. False: training
-            waits for every copy, as before (for code that changes parameters in place
+            waits for every copy (for code that changes parameters in place
             other than through ``optimizer.step()``).
         rank_tables: write format 2 (a small manifest plus one chunk table per rank; see
             docs/format.md). None: whenever more than one rank saves; a single process
             writes format 1 (one manifest holding every chunk) unless this is True.
+        incremental: (:class:`ckpt.CheckpointManager`) write only the chunks whose bytes
+            changed since the base step (the step the manager last saved or restored);
+            unchanged chunks are referenced.
+        full_every: (:class:`ckpt.CheckpointManager`) with ``incremental``, every K-th save
+            is a full one, so chains stay short.
+        commit_timeout: (:class:`ckpt.CheckpointManager`) how long rank 0 waits for the other
+            ranks' reports before it gives up on a step (a rank died or hangs): the step is
+            not committed and every rank's save raises.
+        probe: (:class:`ckpt.CheckpointManager`) a :class:`ckpt.Probe` recorded with every
+            save, for ``ckpt verify --level forward`` and ``restore(state, verify="forward")``.
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -47,8 +59,14 @@ class SaveOptions:
     compression_threads: int = 0
     overlap_device_copy: bool = True
     rank_tables: bool | None = None
+    incremental: bool = False
+    full_every: int = 10
+    commit_timeout: float = 600.0
+    probe: Any = None  # a ckpt.Probe; not imported here, the save wing sits below it
 
     def __post_init__(self) -> None:
+        _positive_int("full_every", self.full_every)
+        _positive_number("commit_timeout", self.commit_timeout)
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be at least 4096, not {self.chunk_bytes}")
         if self.write_threads < 1:
@@ -67,32 +85,102 @@ class SaveOptions:
 
 
 @dataclass(frozen=True)
-class KeepBest:
-    """Retention by a metric passed at save time (``mgr.save(step, state, metrics={...})``).
+class Schedule:
+    """When a :class:`ckpt.CheckpointManager`'s ``save(step, ...)`` writes.
 
     Args:
-        n: how many of the best steps to keep.
-        metric: the name of the metric, e.g. ``"val_loss"``.
-        mode: ``"min"`` (lower is better) or ``"max"``.
+        every_steps: when ``step % every_steps == 0`` (None: 1, or only by time when
+            ``every_seconds`` is given alone).
+        every_seconds: also when this many seconds (wall clock) passed since the last save.
+            Rank 0 decides and tells the other ranks (one small broadcast per ``save``
+            call), so every rank saves the same steps.
+        save_on_preemption: on SIGTERM, the next ``save`` call saves the current step
+            whatever the schedule, waits for it, and exits with status 143. With a process
+            group, ranks receive SIGTERM at different steps: agree on it in the loop (an
+            all-reduce) and call ``save(step, state, force=True)`` on every rank, as
+            ``trainer.ElasticTrainer`` does.
+        handle_sigterm: install a SIGTERM handler (it finishes the save in flight first).
     """
 
-    n: int
-    metric: str
-    mode: str = "min"
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    save_on_preemption: bool = False
+    handle_sigterm: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"keep_best must be a positive integer, not {self.n!r}")
-        if not isinstance(self.metric, str) or not self.metric:
-            raise ValueError("keep_best needs best_metric=, the name of a metric passed to "
-                             "save(..., metrics={name: value})")
-        if self.mode not in ("min", "max"):
-            raise ValueError(f"best_mode must be 'min' or 'max', not {self.mode!r}")
+        _positive_int("every_steps", self.every_steps, optional=True)
+        _positive_number("every_seconds", self.every_seconds, optional=True)
 
-    def select(self, values: dict[int, float | None]) -> set[int]:
-        """The ``n`` steps with the best values (a missing or non-finite value never ranks;
-        on a tie the newer step wins)."""
-        sign = 1.0 if self.mode == "min" else -1.0
-        ranked = sorted((sign * v, -step) for step, v in values.items()
-                        if isinstance(v, (int, float)) and math.isfinite(v))
-        return {-neg_step for _, neg_step in ranked[:self.n]}
+
+@dataclass(frozen=True)
+class MemoryTierOptions:
+    """A :class:`ckpt.CheckpointManager`'s memory tier: every save is also published into
+    node-local shared memory, so a restarted worker restores from RAM (docs/memory-tier.md).
+
+    Args:
+        persist_every: a save also goes to the root when its step is a multiple of
+            ``persist_every * every_steps`` (``every_steps`` 1 without a step schedule):
+            every K-th scheduled save, the same steps after any restart. A preempted save,
+            and one called with ``persist=True``, always does.
+        keep: generations (steps) kept in memory.
+        budget: the most bytes the segment may hold (None: no limit but the free space).
+        job: the job id in the segment's name (default: TORCHELASTIC_RUN_ID, else a hash
+            of the root).
+        replicas: under a process group, how many other nodes (a ring by node) receive a
+            copy of each rank's newest step in their shared memory, in the background.
+        shm_dir: where segments live (default ``/dev/shm``).
+        node: this node's name in them (default: env CKPT_NODE, else the hostname, followed
+            by torchrun's GROUP_RANK where several nodes share a host).
+    """
+
+    persist_every: int = 1
+    keep: int = 2
+    budget: int | None = None
+    job: str | None = None
+    replicas: int = 1
+    shm_dir: str | None = None
+    node: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("persist_every", self.persist_every)
+        _positive_int("keep", self.keep)
+        _positive_int("budget", self.budget, optional=True)
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) \
+                or self.replicas < 0:
+            raise ValueError(f"replicas must be a non-negative integer, not {self.replicas!r}")
+
+
+@dataclass(frozen=True)
+class MetricsOptions:
+    """Where a :class:`ckpt.CheckpointManager`'s metrics go besides ``mgr.metrics`` (in
+    memory); both need prometheus_client (the ``ckpt[metrics]`` extra).
+
+    Args:
+        port: serve ``/metrics`` on this port.
+        textfile: write the metrics to this file after every commit, for node_exporter's
+            textfile collector.
+    """
+
+    port: int | None = None
+    textfile: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("port", self.port, optional=True)
+        if self.textfile is not None and not isinstance(self.textfile, (str, os.PathLike)):
+            raise ValueError(f"textfile must be a path or None, not {self.textfile!r}")
+
+
+def _positive_int(name: str, value: Any, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{' or None' if optional else ''}, "
+                         f"not {value!r}")
+
+
+def _positive_number(name: str, value: Any, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number{' or None' if optional else ''}, "
+                         f"not {value!r}")

@@ -134,8 +134,9 @@ def schedule(root: str) -> None:
                                  best_metric="val_loss", async_save=False)
     step = mgr.restore(state) or 0
     print(f"start {step}", flush=True)
-    mgr._clock = lambda: float(step)  # one "second" per step: no sleeps, same steps each run
-    mgr._last_save_time = float(step)
+    # one "second" per step: no sleeps, same steps each run
+    mgr._schedule.clock = lambda: float(step)
+    mgr._schedule.last_save_time = float(step)
     while step < SCHEDULE_STEPS:
         step += 1
         state["w"] += 1

@@ -71,7 +71,7 @@ def save_steps(rank: int, world: int, root: str, shm: str, job: str, nodes: list
     mgr = manager(root, shm, job, nodes[rank], persist_every=persist_every)
     out: dict = {}
     if hold_flag and rank == 1:
-        mgr._replicator.hold.clear()  # the receiver stops before storing anything
+        mgr._publisher.replicator.hold.clear()  # the receiver stops before storing anything
     for i, step in enumerate(steps):
         mgr.save(step, build(world, step), force=True)  # synchronous: published here
         if hold_flag and i == 0:
@@ -82,7 +82,7 @@ def save_steps(rank: int, world: int, root: str, shm: str, job: str, nodes: list
                 pause = threading.Event()
                 while not os.path.exists(hold_flag):
                     pause.wait(0.01)
-                mgr._replicator.hold.set()
+                mgr._publisher.replicator.hold.set()
     out["replicated"] = mgr.wait_replicated(60)
     dist.barrier()
     metrics = mgr.metrics.snapshot()

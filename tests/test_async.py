@@ -296,12 +296,12 @@ def test_prepare_allocates_the_staging_buffers_once_and_writes_nothing(tmp_path)
     model = torch.nn.Linear(512, 512)
     with ckpt.CheckpointManager(tmp_path, every_steps=1) as mgr:
         mgr.prepare({"model": model})
-        buffers = {k: t.data_ptr() for k, t in mgr._stager._buffers.items()}
+        buffers = {k: t.data_ptr() for k, t in mgr._saver.stager._buffers.items()}
         assert set(buffers) == {"model/weight", "model/bias"}
         assert mgr.steps() == [] and not list(tmp_path.glob("step-*"))
         mgr.save(1, {"model": model}).wait()
         # The save reused what prepare allocated, and saved the live values.
-        assert {k: t.data_ptr() for k, t in mgr._stager._buffers.items()} == buffers
+        assert {k: t.data_ptr() for k, t in mgr._saver.stager._buffers.items()} == buffers
     out = torch.nn.Linear(512, 512)
     with ckpt.CheckpointManager(tmp_path) as mgr:
         assert mgr.restore({"model": out}) == 1

@@ -368,8 +368,8 @@ class _Clock:
 
 def test_every_seconds_saves_when_the_interval_passed(tmp_path):
     with ckpt.CheckpointManager(tmp_path, every_seconds=10, async_save=False) as mgr:
-        clock = mgr._clock = _Clock()
-        mgr._last_save_time = 0.0
+        clock = mgr._schedule.clock = _Clock()
+        mgr._schedule.last_save_time = 0.0
         saved = []
         for step in range(1, 13):
             clock.now = 4.0 * step                # 4 s per step: due every third step
@@ -378,8 +378,8 @@ def test_every_seconds_saves_when_the_interval_passed(tmp_path):
         assert saved == mgr.steps() == [3, 6, 9, 12]
     with ckpt.CheckpointManager(tmp_path / "b", every_steps=5, every_seconds=10,
                                 async_save=False) as mgr:
-        clock = mgr._clock = _Clock()
-        mgr._last_save_time = 0.0
+        clock = mgr._schedule.clock = _Clock()
+        mgr._schedule.last_save_time = 0.0
         for step in range(1, 8):
             clock.now = 3.0 * step
             mgr.save(step, {"x": torch.tensor([step])})
@@ -395,8 +395,8 @@ def _rank_clocks(rank: int, world: int, root: str) -> list[int]:
     import ckpt
 
     with ckpt.CheckpointManager(root, every_seconds=10, async_save=False) as mgr:
-        mgr._last_save_time = 0.0
-        clock = mgr._clock = _Clock()
+        mgr._schedule.last_save_time = 0.0
+        clock = mgr._schedule.clock = _Clock()
         saved = []
         for step in range(1, 5):
             clock.now = 100.0 if rank == 1 else 5.0 * step

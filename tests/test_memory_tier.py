@@ -226,7 +226,7 @@ def test_persist_every_puts_only_every_kth_save_in_the_root(tmp_path, job):
             mgr.save(step, {"model": model})
         mgr.wait()
         assert mgr.steps() == [3, 6]
-        assert mgr._memory.steps() == [6, 7]
+        assert mgr._publisher.tier.steps() == [6, 7]
     # step 7 is in memory only: the segment is kept at close for a restart
     assert len(segments(job)) == 1
 
@@ -294,7 +294,7 @@ def test_full_dev_shm_raises_before_writing(tmp_path, job, monkeypatch):
         monkeypatch.setattr(mt.os, "statvfs", lambda path: full)
         with pytest.raises(CheckpointError, match="shm-size"):
             mgr.save(1, {"model": torch.nn.Linear(4, 4)})
-        assert mgr._memory.steps() == [] and mgr.steps() == []
+        assert mgr._publisher.tier.steps() == [] and mgr.steps() == []
 
 
 def test_node_names_and_the_replication_ring(monkeypatch):
@@ -328,7 +328,7 @@ def test_persist_true_writes_an_unscheduled_save_to_the_root_and_false_keeps_it_
         mgr.save(4, {"model": model}, persist=True)  # the final step
         mgr.wait()
         assert mgr.steps() == [1, 4]
-        assert mgr._memory.steps() == [1, 2, 3, 4]
+        assert mgr._publisher.tier.steps() == [1, 2, 3, 4]
     assert segments(job) == []  # the final step is in the root: the segment is removed
     with ckpt.CheckpointManager(tmp_path / "plain") as plain:
         with pytest.raises(ValueError, match="memory_tier=True"):

@@ -8,6 +8,7 @@ user's extra items (an EMA copy of the model, a counter: anything ``ckpt`` saves
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -115,8 +116,8 @@ def memory_tier_options(requested: bool | None, *, root: str | os.PathLike,
     if requested is False or (requested is None
                               and not (elastic and os.path.isdir(SHM_DIR))):
         return {}
-    return {"memory_tier": True,
-            "memory_job": memory_job_id(root, os.environ.get("TORCHELASTIC_RUN_ID"))}
+    return {"memory_tier": ckpt.MemoryTierOptions(
+        job=memory_job_id(root, os.environ.get("TORCHELASTIC_RUN_ID")))}
 
 
 class TrainerCheckpointer:
@@ -141,12 +142,15 @@ class TrainerCheckpointer:
                  probe: ckpt.Probe | None = None, verify: str = "digest") -> None:
         self.state: dict[str, Any] = dict(items)
         self.state.setdefault("meta", {"step": 0})
-        options = {"keep_last": 3, "commit_timeout": collective_timeout, **options}
+        options = {"keep_last": 3, **options}
         self.manager_options = options
         self.verify = verify
-        self.manager = ckpt.CheckpointManager(root, every_steps=every, handle_sigterm=False,
-                                              save_on_preemption=False, probe=probe,
-                                              **options)
+        kwargs = dict(options)
+        saving = kwargs.pop("options", None) or ckpt.SaveOptions(
+            commit_timeout=collective_timeout)
+        self.manager = ckpt.CheckpointManager(
+            root, every_steps=every, schedule=ckpt.Schedule(handle_sigterm=False),
+            options=dataclasses.replace(saving, probe=probe), **kwargs)
 
     @property
     def meta(self) -> dict[str, Any]:

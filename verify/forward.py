@@ -40,8 +40,8 @@ from .report import Problem, UsageError
 
 _SPEC = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
 NO_PROBE_HINT = (
-    "record one by saving with a probe: ckpt.CheckpointManager(root, probe=ckpt.Probe("
-    "model_key='model', inputs=<a small batch>, factory='mypkg.models:build')); "
+    "record one by saving with a probe: ckpt.CheckpointManager(root, options=ckpt.SaveOptions("
+    "probe=ckpt.Probe(model_key='model', inputs=<a small batch>, factory='mypkg.models:build'))); "
     "the structure and digest levels need no probe")
 
 

@@ -102,8 +102,8 @@ def load_newest_good(root: str, step: int | None, *, allow_pickle: bool = False,
     """The newest committed step at or before ``step`` (None: any) that loads cleanly, as
     ``(step, saved items)``; steps that fail validation are skipped with a warning. None
     when there is none. Reads only: no lock, no collectives (every rank may call it)."""
-    with ckpt.CheckpointManager(root, read_only=True, metrics=False,
-                                handle_sigterm=False) as ro:  # read-only: no collectives
+    with ckpt.CheckpointManager(root, read_only=True, metrics=False,  # no collectives
+                                schedule=ckpt.Schedule(handle_sigterm=False)) as ro:
         candidates = [s for s in ro.steps() if step is None or s <= step]
     if step is not None and step not in candidates:
         log.warning("ckpt: step %d (named by a checkpoint under %s) was never committed "

@@ -28,6 +28,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+import ckpt
 from ckpt._step.pointer import read_pointer, write_pointer
 
 from ._steps import StepStore, load_newest_good
@@ -56,7 +57,7 @@ class CkptCheckpointIO(CheckpointIO):
             schedule and retention are Lightning's (``ModelCheckpoint``), so ``every_steps``,
             ``keep_last`` and ``keep_every`` are refused. SIGTERM is Lightning's too
             (``trainer.received_sigterm``, ``on_exception``; its teardown finishes the write
-            in flight): ``handle_sigterm`` defaults to False here.
+            in flight): ``schedule`` defaults to ``ckpt.Schedule(handle_sigterm=False)`` here.
 
     Example::
 
@@ -68,7 +69,8 @@ class CkptCheckpointIO(CheckpointIO):
 
     def __init__(self, **manager_options: Any) -> None:
         StepStore.check_options(manager_options)
-        self.manager_options = {"handle_sigterm": False, **manager_options}
+        self.manager_options = {"schedule": ckpt.Schedule(handle_sigterm=False),
+                                **manager_options}
         self._store: StepStore | None = None
 
     def _open(self, root: str) -> StepStore:
@@ -105,7 +107,9 @@ class CkptCheckpointIO(CheckpointIO):
             return TorchCheckpointIO().load_checkpoint(full, weights_only=weights_only)
         if self._store is not None:
             self._store.mgr.wait()  # a save of this process may still be writing that step
-        allow_pickle = bool(self.manager_options.get("allow_pickle", False))
+        saving = self.manager_options.get("options")
+        allow_pickle = bool(self.manager_options.get("allow_pickle", False)
+                            or saving is not None and saving.allow_pickle)
         found = load_newest_good(os.path.dirname(full), step, allow_pickle=allow_pickle,
                                  map_location=map_location)
         if found is None:

@@ -1,0 +1,137 @@
+"""The memory publisher: opens a manager's memory tier, publishes each save into it (and to
+the peer replicas), and closes it when the job is done with it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable
+
+from ckpt._memory.replication import Replicator, new_secret, ring_targets
+from ckpt._memory.tier import MemoryTier
+from ckpt._save.handle import SaveHandle, SaveResult
+from ckpt._save.writer import BackgroundWriter
+from ckpt._shared.distributed import Group
+from ckpt.options import MemoryTierOptions, SaveOptions
+
+log = logging.getLogger("ckpt")
+
+
+class MemoryPublisher:
+    """This rank's memory tier and, under a process group, its replicator.
+
+    Opening it under a process group is collective (every rank, in the same order): the ranks
+    create the gloo group they restore through (``pg``) and exchange their replicators'
+    addresses.
+
+    Args:
+        root: the manager's root URL (it names the segment when no job is given).
+        group: the ranks that save together.
+        options: the memory tier's options.
+        count_replication: called with "replicated", "failed" or "superseded" per replica.
+    """
+
+    def __init__(self, root: str, group: Group, options: MemoryTierOptions,
+                 count_replication: Callable[[str], None]) -> None:
+        self.group = group
+        self.replicator: Replicator | None = None
+        self.pg: Any = None  # the gloo group of a multi-rank memory tier
+        if not group.enabled:
+            self.tier = MemoryTier(root, group.rank, job=options.job, keep=options.keep,
+                                   budget=options.budget, shm_dir=options.shm_dir,
+                                   node=options.node)
+            return
+        import torch.distributed as dist
+
+        ranks = None if group.pg is None else dist.get_process_group_ranks(group.pg)
+        self.pg = dist.new_group(ranks=ranks, backend="gloo")
+        node = options.node
+        if node is None and not os.environ.get("CKPT_NODE"):
+            node = self._stable_node_name()
+        self.tier = MemoryTier(root, group.rank, job=options.job, keep=options.keep,
+                               budget=options.budget, shm_dir=options.shm_dir, node=node,
+                               ranked=True)
+        if options.replicas:
+            self.replicator = Replicator(shm_dir=self.tier.shm_dir, job=self.tier.job,
+                                         node=self.tier.node, keep=self.tier.keep,
+                                         budget=self.tier.budget, count=count_replication)
+        me = (self.tier.node, int(os.environ.get("LOCAL_RANK", "0")),
+              self.replicator.address if self.replicator else None, new_secret())
+        everyone: list[Any] = [None] * group.world_size
+        dist.all_gather_object(everyone, me, group=self.pg)
+        if self.replicator is not None:
+            targets = ring_targets(group.rank, [e[0] for e in everyone],
+                                   [e[1] for e in everyone], options.replicas)
+            self.replicator.connect([everyone[t][2] for t in targets], everyone[0][3])
+            log.info("ckpt._memory.tier node=%s replicas to ranks %s", self.tier.node, targets)
+
+    def _stable_node_name(self) -> str | None:
+        """The hostname alone when every node has its own host: torchrun may renumber nodes
+        (GROUP_RANK) after losing one, and a host's segments must keep their name. Only
+        nodes sharing a host (one machine) need the node rank in the name. Collective."""
+        import torch.distributed as dist
+
+        hosts: list[Any] = [None] * self.group.world_size
+        dist.all_gather_object(hosts, (socket.gethostname(), os.environ.get("GROUP_RANK")),
+                               group=self.pg)
+        ranks_of: dict[str, set] = {}
+        for host, group_rank in hosts:
+            ranks_of.setdefault(host, set()).add(group_rank)
+        return socket.gethostname() if all(len(r) == 1 for r in ranks_of.values()) else None
+
+    @property
+    def ranked(self) -> bool:
+        """Whether each rank publishes its own share (a process group's memory tier): such a
+        rank step holds every box this rank has, also those another rank writes to the root."""
+        return self.tier.ranked
+
+    def publish(self, payload: Any, blocking: float, writer: BackgroundWriter,
+                options: SaveOptions) -> SaveHandle:
+        """Queue the step's publish into shared memory (checked against the budget now)."""
+        self.tier.check_space(sum(t.numel() * t.element_size() for _, t in
+                                  [*payload.pieces.values(), *payload.held.values()]))
+        if self.tier.ranked:
+            handle = writer.submit_call(
+                payload.step, blocking, lambda pool: self._publish_rank(payload, options, pool))
+        else:
+            handle = writer.submit(self.tier.storage, payload, blocking, self.tier.after_commit)
+        handle.add_done_callback(_log_failure)
+        return handle
+
+    def _publish_rank(self, payload: Any, options: SaveOptions, pool: Any) -> SaveResult:
+        """On the writer thread: this rank's share into its segment, then to its peers."""
+        t0 = time.perf_counter()
+        table = self.tier.publish_rank(payload, options, pool)
+        if self.replicator is not None:
+            self.replicator.submit(payload.step, os.path.join(self.tier.path, payload.name),
+                                   self.group.rank)
+        return SaveResult(payload.step, f"{self.tier.path}/{payload.name}",
+                          table.bytes_written, 0, len(table.files), 0.0,
+                          time.perf_counter() - t0)
+
+    def drain(self, timeout: float | None) -> bool:
+        """Wait until the peers acknowledged the newest step's replicas (True without any)."""
+        return self.replicator is None or self.replicator.drain(timeout)
+
+    def close(self, persisted: int | None) -> None:
+        """Remove the segment when its newest step is persisted (``persisted``: the root's
+        newest step), as the job is done with it; keep it otherwise, so a restarted worker
+        finds the newest step."""
+        mem = self.tier.steps()
+        if self.replicator is not None:
+            # The newest step's replica is worth a short wait; a dead peer is not.
+            self.replicator.close(drain=10.0, remove_upto=persisted)
+        if not mem or (persisted is not None and persisted >= mem[-1]):
+            self.tier.remove()
+        else:
+            log.warning("ckpt._memory.tier kept %s: step %d is in memory only", self.tier.path,
+                        mem[-1])
+            self.tier.close()
+
+
+def _log_failure(handle: SaveHandle) -> None:
+    error = handle.exception()
+    if error is not None:
+        log.error("ckpt._memory.tier publish of step %d failed: %s", handle.step, error)

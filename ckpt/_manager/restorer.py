@@ -1,0 +1,217 @@
+"""The restorer: loads the newest good step into a training state, trying each tier that holds
+it and falling back past bad steps, every rank agreeing on the step."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+from typing import Any, Callable, MutableMapping
+
+from storage_backends import Storage
+
+from ckpt._format.manifest import Manifest
+from ckpt._format.names import step_dir
+from ckpt._load.gate import Gate, verify_level
+from ckpt._load.probe import PROBE_ITEM
+from ckpt._load.reader import few_keys, load_step
+from ckpt._load.structure import MapLocation, read_structure
+from ckpt._manager.metrics import CheckpointMetrics
+from ckpt._manager.publisher import MemoryPublisher
+from ckpt._manager.tiers import Tier, restore_order
+from ckpt._manager.verdict import Fallback, Verdict
+from ckpt._shared.distributed import Group
+from ckpt._step.integrity import read_manifest
+from ckpt.errors import CheckpointError, CorruptCheckpointError, PartialLoadError, \
+    StorageError
+
+log = logging.getLogger("ckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreInfo:
+    """Where the last ``restore`` came from. ``tier`` (this rank): :class:`Tier` "memory"
+    (every byte from this node's own segments), "peer" (any byte from a replica or another
+    node's memory) or "storage" (the persistent root). ``bytes_from_storage`` (this rank): the
+    bytes this restore read from the root, every attempt and pass counted (0 from memory; a
+    two-pass load of a step reads its data twice). ``ranks``: (tier, bytes_from_storage) of
+    every rank, by rank, the same on all ranks (every rank restores the same step, but each
+    from its own tier)."""
+    step: int
+    tier: Tier
+    bytes_from_storage: int
+    ranks: tuple[tuple[Tier, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A step a restore or load loaded: its manifest (the next incremental save's base) and,
+    for a restore, where it came from."""
+    step: int
+    manifest: Manifest
+    info: RestoreInfo | None = None
+    value: Any = None
+
+
+class Restorer:
+    """Loads committed steps of one root for a manager.
+
+    Args:
+        storage: the root.
+        group: the ranks that restore together (all call every method).
+        steps: the root's committed steps, oldest first.
+        memory: the memory tier, or None.
+        allow_pickle: load pickled values.
+        threads: reader threads.
+        metrics: counts restores, or None.
+    """
+
+    def __init__(self, storage: Storage, group: Group, steps: Callable[[], list[int]], *,
+                 memory: MemoryPublisher | None, allow_pickle: bool, threads: int,
+                 metrics: CheckpointMetrics | None) -> None:
+        self.storage, self.group, self.steps, self.memory = storage, group, steps, memory
+        self.allow_pickle, self.threads, self.metrics = allow_pickle, threads, metrics
+        self.root: str = storage.url
+        self.skipped: list[tuple[int, str]] = []
+
+    def restore(self, state: MutableMapping[str, Any], step: int | None, *, strict: bool,
+                verify: str) -> Restored | None:
+        """See :meth:`ckpt.CheckpointManager.restore`."""
+        gate = Gate(verify_level(verify), state)
+        one_pass = step is None and not strict and gate.level == "digest"
+        dirty: frozenset[str] = frozenset()  # live tensors that failed steps left changed
+        try:
+            candidates = [step] if step is not None else list(reversed(self.steps()))
+        except OSError as e:  # the storage failed (after its retries): not a missing root
+            raise StorageError(f"listing the steps of {self.root} failed: {e}",
+                               path=self.root) from e
+        root, order = restore_order(self.storage, self.memory, self.group, candidates, step)
+        tried = Fallback(self.group, self.root, self.skipped, "restore")
+        in_memory_only: list[str] = []  # memory tiers' failures (the root may hold the step)
+        with cf.ThreadPoolExecutor(self.threads) as pool, gate:
+            for s, tier in order:
+                # In one pass, a step that fails leaves `dirty` tensors behind. A step that
+                # loads writes every live tensor (load_step), so it repairs them; when none
+                # does, the error names them (never silently mixed).
+                wrote: frozenset[str] = frozenset()
+                manifest = None
+                try:
+                    storage = tier.open(s, state)
+                except CorruptCheckpointError as e:  # every rank raised it: agreed
+                    storage, error = None, e
+                if storage is not None:
+                    error, wrote, manifest = self._try_load(s, state, pool, storage, gate,
+                                                            in_place=one_pass)
+                    if tier.owns_storage:
+                        storage.close()  # a memory tier's open files
+                # Every rank must restore the same step: agree on this one's outcome first.
+                agreed = tried.agree(error)
+                if agreed.fatal:
+                    self._raise_fatal(s, error, agreed.fatal[0], dirty)
+                if not gate.forward:  # (that level puts the models back itself)
+                    # A step another rank failed on: what this rank wrote needs repair too.
+                    dirty |= error.changed if isinstance(error, PartialLoadError) else wrote
+                if not agreed.bad:
+                    return self._restored(s, manifest, storage, tier.tier, root.reads, tried)
+                if tier.tier is not Tier.STORAGE:  # other copies, or the root, may hold it
+                    log.warning("ckpt.restore memory tier step=%d unusable, falling through: "
+                                "%s", s, agreed.bad[0])
+                    in_memory_only.append(f"step {s} ({tier.tier} tier): {agreed.bad[0]}")
+                    continue
+                if strict or step is not None:
+                    if isinstance(error, CheckpointError):
+                        raise error
+                    raise CorruptCheckpointError(agreed.bad[0], path=self.root)
+                tried.skip(s, agreed.bad[0])
+        # A step whose every copy was bad: never "no checkpoint yet" (a fresh start).
+        tried.failures += in_memory_only
+        if tried.failures:
+            gate.all_failed(self.root, tried.failures)
+            message = tried.none_loaded()
+            if dirty:
+                raise PartialLoadError(
+                    f"{message}\nReading them in one pass overwrote {len(dirty)} live "
+                    f"tensors ({few_keys(sorted(dirty))}) that no step could repair: the live "
+                    "state is mixed; rebuild it before training on", path=self.root,
+                    changed=dirty)
+            raise CorruptCheckpointError(message, path=self.root)
+        return None
+
+    def _raise_fatal(self, step: int, error: BaseException | None, why: str,
+                     dirty: frozenset[str]) -> None:
+        """Raise for a step some rank failed on for good (no other step can help)."""
+        if dirty:  # (also over this step's own PartialLoadError)
+            raise PartialLoadError(
+                f"{error or why}; and a failed one-pass read of a newer step had already "
+                f"overwritten {len(dirty)} live tensors ({few_keys(sorted(dirty))}): the live "
+                "state is mixed; restore a good step before training on",
+                path=self.root, changed=dirty | getattr(error, "changed", dirty)) from error
+        if isinstance(error, OSError) and not isinstance(error, CheckpointError):
+            raise StorageError(f"restoring step {step} from {self.root} failed: {error}",
+                               path=self.root) from error
+        if error is not None and not isinstance(error, CorruptCheckpointError):
+            raise error
+        raise CheckpointError(f"another rank failed to restore step {step}: {why}",
+                              path=self.root)
+
+    def _restored(self, step: int, manifest: Manifest | None, storage: Any, tier: Tier,
+                  root_reads: Any, tried: Fallback) -> Restored:
+        log.info("ckpt.restore step=%d root=%s skipped=%d tier=%s", step, self.root,
+                 len(tried.failures), tier)
+        here = (Tier(getattr(storage, "tier", tier)), root_reads.bytes_read)
+        ranks = tuple(self.group.all_gather(here))
+        if self.metrics:
+            self.metrics.restored(len(tried.failures))
+        assert manifest is not None  # every rank succeeded, this one too
+        return Restored(step, manifest, RestoreInfo(step, here[0], here[1], ranks))
+
+    def _try_load(self, step: int, state: MutableMapping[str, Any], pool: cf.ThreadPoolExecutor,
+                  storage: Any, gate: Gate, *, in_place: bool
+                  ) -> tuple[BaseException | None, frozenset[str], Manifest | None]:
+        """Load ``step`` into ``state``: (the error, or None; the live tensors written; the
+        manifest when it loaded)."""
+        location = step_dir(step)
+        try:
+            # A memory tier's agreed save comes with its manifest validated already.
+            manifest = getattr(storage, "parsed_manifest", None) or read_manifest(
+                storage, location, step)
+            wrote = load_step(storage, location, manifest, gate.target(manifest),
+                              rank=self.group.rank, allow_pickle=self.allow_pickle, pool=pool,
+                              in_place=in_place, verify=gate.digests)
+        except Exception as e:  # classified by Verdict.of; re-raised by restore
+            gate.agree(self.group, False)  # ranks run the forward check all or none
+            return e, frozenset(), None
+        forward_error = gate.check(step, manifest, self.group, f"{self.root}/{location}")
+        if forward_error is not None:
+            return forward_error, wrote, None
+        return None, wrote, manifest
+
+    def load(self, step: int | None, *, map_location: MapLocation) -> Restored | None:
+        """See :meth:`ckpt.CheckpointManager.load`."""
+        tried = Fallback(self.group, self.root, self.skipped, "load")
+        with cf.ThreadPoolExecutor(self.threads) as pool:
+            for s in [step] if step is not None else list(reversed(self.steps())):
+                location, error, value = step_dir(s), None, None
+                try:
+                    manifest = read_manifest(self.storage, location, s)
+                    value = read_structure(self.storage, location, manifest,
+                                           rank=self.group.rank, allow_pickle=self.allow_pickle,
+                                           pool=pool, map_location=map_location,
+                                           skip=frozenset({PROBE_ITEM}))
+                except Exception as e:  # classified as restore does; every rank agrees
+                    error = e
+                agreed = tried.agree(error)
+                verdict = Verdict.of(error)
+                if verdict is not None and (step is not None or verdict.fatal):
+                    raise error
+                if agreed.fatal:
+                    raise CheckpointError(f"another rank failed to load step {s}: "
+                                          f"{agreed.fatal[0]}", path=self.root)
+                if not agreed.bad:
+                    log.info("ckpt.load step=%d root=%s skipped=%d", s, self.root,
+                             len(tried.failures))
+                    return Restored(s, manifest, value=value)
+                tried.skip(s, agreed.bad[0])
+        if tried.failures:
+            raise CorruptCheckpointError(tried.none_loaded(), path=self.root)
+        return None

@@ -1,0 +1,168 @@
+"""The saver: writes the saves the schedule found due, one in flight at a time: the snapshot,
+the incremental base, the memory tier first, the root's commit and the retention after it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, MutableMapping
+
+from storage_backends import Storage
+
+from ckpt._format.manifest import Manifest
+from ckpt._format.names import MANIFEST_NAME, step_dir
+from ckpt._load.probe import PROBE_ITEM
+from ckpt._manager.metrics import CheckpointMetrics
+from ckpt._manager.publisher import MemoryPublisher
+from ckpt._retention.apply import steps_to_keep
+from ckpt._retention.collect import collect
+from ckpt._retention.policy import RetentionPolicy
+from ckpt._save.handle import SaveHandle
+from ckpt._save.snapshot import snapshot
+from ckpt._save.staging import Stager
+from ckpt._save.writer import BackgroundWriter
+from ckpt._shared.distributed import Group
+from ckpt._step.incremental import chain_length
+from ckpt._step.integrity import read_manifest
+
+log = logging.getLogger("ckpt")
+
+
+class Saver:
+    """A writable manager's saves.
+
+    Args:
+        storage: the root.
+        group: the ranks that save together (all call :meth:`save` and :meth:`prepare`).
+        steps: the root's committed steps, oldest first.
+        options: how saves are written.
+        retention: applied by rank 0 after each commit.
+        memory: the memory tier every save is published to first, or None.
+        metrics: counts saves, or None.
+        copy: copy the state to host memory and write in the background (async saves).
+    """
+
+    def __init__(self, storage: Storage, group: Group, steps: Callable[[], list[int]], *,
+                 options: Any, retention: RetentionPolicy, memory: MemoryPublisher | None,
+                 metrics: CheckpointMetrics | None, copy: bool) -> None:
+        self.storage, self.group, self.steps = storage, group, steps
+        self.options, self.retention, self.memory = options, retention, memory
+        self.metrics, self.copy = metrics, copy
+        self.stager = Stager()
+        self.writer = BackgroundWriter(options, group, options.commit_timeout)
+        self.base: Manifest | None = None  # the newest step known good, for incremental saves
+        self.inflight: SaveHandle | None = None
+        self.backpressure_waits = 0
+
+    def save(self, step: int, state: MutableMapping[str, Any], metadata: dict | None, *,
+             to_root: bool) -> SaveHandle:
+        """Write ``state`` as ``step``: into the memory tier (if any), and to the root when
+        ``to_root`` (always without a memory tier). Blocks until the state is copied."""
+        self._wait_for_previous(step)
+        if (self.group.is_coordinator
+                and not self.storage.replaces_committed_steps
+                and self.storage.exists(f"{step_dir(step)}/{MANIFEST_NAME}")):
+            # Saving a step that exists (after falling back past it): an object store cannot
+            # replace it at commit as POSIX does, so retire it now; files that kept steps
+            # still reference stay.
+            collect(self.storage, set(self.steps()) - {step})
+        t0 = time.perf_counter()
+        base = self.base if self.options.incremental else None
+        if base is not None and (chain_length(base) + 1 >= self.options.full_every
+                                 or base.step >= step):
+            base = None
+        if self.options.probe is not None:
+            state = {**state, PROBE_ITEM: self.options.probe.record(state)}
+        payload = snapshot(state, step=step, name=step_dir(step), group=self.group,
+                           stager=self.stager, options=self.options, copy=self.copy,
+                           metadata=metadata, previous=base, hold_all=self.hold_all)
+        blocking = time.perf_counter() - t0
+        handle = None
+        if self.memory is not None:  # published first; the same writer thread, in order
+            handle = self.memory.publish(payload, blocking, self.writer, self.options)
+        if handle is None or to_root:
+            handle = self.writer.submit(self.storage, payload, blocking, self._after_commit)
+            handle.add_done_callback(self._record)
+        log.info("ckpt.save step=%d blocking_s=%.4f async=%s incremental=%s", step, blocking,
+                 self.copy, base is not None)
+        self.inflight = handle
+        return handle
+
+    @property
+    def hold_all(self) -> bool:
+        """A rank step in memory holds every box this rank has, also those another rank
+        writes to the root (a process group's memory tier; ckpt/_memory/tier.py)."""
+        return self.memory is not None and self.memory.ranked
+
+    def prepare(self, state: MutableMapping[str, Any]) -> None:
+        """Allocate the staging buffers for ``state`` (collective, like a save)."""
+        self.wait()
+        snapshot(state, step=0, name="prepare", group=self.group, stager=self.stager,
+                 options=self.options, copy=self.copy, hold_all=self.hold_all)
+
+    def _wait_for_previous(self, step: int) -> None:
+        """One save in flight at a time; raise the previous one's error."""
+        if self.inflight is not None and not self.inflight.done():
+            self.backpressure_waits += 1
+            if self.metrics:
+                self.metrics.backpressure()
+            t = time.perf_counter()
+            self.inflight.wait()
+            log.info("ckpt.backpressure step=%d waited_s=%.3f", step, time.perf_counter() - t)
+        self.raise_failed()
+
+    def raise_failed(self) -> None:
+        """Raise the error of the save in flight, if it failed and was not raised yet."""
+        h = self.inflight
+        if h is not None and h.failed() and not h.error_reported:
+            h.wait()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight; raise its error if it failed."""
+        h = self.inflight
+        if h is not None and (not h.failed() or not h.error_reported):
+            h.wait(timeout)
+
+    def writing(self, step: int) -> bool:
+        """Whether ``step`` is being written in the background now."""
+        h = self.inflight
+        return h is not None and h.step == step and not h.done()
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the writer; raise the save's error if any."""
+        self.writer.close()
+        self.raise_failed()
+
+    def _record(self, handle: SaveHandle) -> None:
+        """Metrics and a structured log line for every finished save (runs in the writer)."""
+        error = handle.exception()
+        if error is not None:
+            log.error("ckpt.save_failed step=%d error=%s", handle.step, error)
+            if self.metrics:
+                self.metrics.failed()
+            return
+        r = handle.wait()
+        log.info("ckpt.saved step=%d bytes_written=%d bytes_reused=%d write_s=%.3f "
+                 "blocking_s=%.4f", r.step, r.bytes_written, r.bytes_reused, r.write_seconds,
+                 r.blocking_seconds)
+        if self.metrics:
+            self.metrics.saved(step=r.step, blocking=r.blocking_seconds, write=r.write_seconds,
+                               written=r.bytes_written, reused=r.bytes_reused)
+
+    def _after_commit(self, manifest: Manifest | None) -> None:
+        """On the writer thread after the commit: the new base, then the retention."""
+        if manifest is None:  # another rank committed: learn the new base from storage
+            if self.options.incremental:
+                steps = self.steps()
+                self.base = read_manifest(self.storage, step_dir(steps[-1]), steps[-1]) \
+                    if steps else None
+            return
+        self.base = manifest
+        log.info("ckpt.commit step=%d root=%s", manifest.step, self.storage.url)
+        if not self.retention.keeps_all:
+            keep = steps_to_keep(self.storage, self.retention, self.steps(),
+                                 newest=manifest.step)
+            report = collect(self.storage, keep)
+            if report.retired_steps:
+                log.info("ckpt.retention retired=%s freed_bytes=%d kept_files=%d",
+                         report.retired_steps, report.freed_bytes, len(report.kept_files))

@@ -105,8 +105,8 @@ class TensorEntry:
     def chunks(self) -> tuple[Chunk, ...]:
         if self._chunks is None:
             if self._tables is None:
-                raise RuntimeError("this manifest's chunks live in rank tables it was not "
-                                   "bound to (read it with ckpt._step.integrity.read_manifest)")
+                raise RuntimeError("this manifest's chunks live in rank tables not attached to "
+                                   "it (read it with ckpt._step.integrity.read_manifest)")
             self._chunks = self._tables.all_chunks(self._key)
         return self._chunks
 

@@ -52,8 +52,8 @@ class Manifest:
             return self._to_json()
 
     def _to_json(self) -> bytes:
-        # Built by hand: dataclasses.asdict deep-copies every field of millions of chunks and
-        # was the slowest part of a large job's commit (benchmarks/bench_scale.py).
+        # Built by hand: dataclasses.asdict deep-copies every field of millions of chunks,
+        # which would be the slowest part of a large job's commit (benchmarks/bench_scale.py).
         doc = {f.name: getattr(self, f.name) for f in fields(self)
                if f.name not in _SHAPED_FIELDS}
         if self.format_version == FORMAT_VERSION:

@@ -14,11 +14,12 @@ range, the xxh3-64 digest of its raw bytes, and its box (``dims`` offsets and si
 with 0 and 1 past the tensor's own dimensions).
 
 The top-level manifest records each table's size and digest, so a table is checked against
-both before it is parsed; then every record is validated against the manifest as numpy
-operations over whole columns (boxes inside their tensor, lengths, files and byte ranges),
-and the rows of each tensor must tile exactly the boxes the manifest's layout says this rank
-wrote (the corner identity of ``tiling.check_tiling``, vectorized). All of it is linear in the
-table's size, before any chunk is handed out.
+both before it is parsed (by ``ckpt._step.tables``, which fetches it); then every record is
+validated against the manifest as numpy operations over whole columns (boxes inside their
+tensor, lengths, files and byte ranges), and the rows of each tensor must tile exactly the
+boxes the manifest's layout says this rank wrote (the corner identity of
+``tiling.check_tiling``, vectorized). All of it is linear in the table's size, before any
+chunk is handed out.
 """
 
 from __future__ import annotations

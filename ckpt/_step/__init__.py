@@ -1,1 +1,1 @@
-"""One committed step on storage: reading and checking its manifest, pointers, listing steps."""
+"""One committed step on storage: reading its manifest and rank tables, pointers, listing steps."""

@@ -45,7 +45,7 @@ class Manifest:
     tables: list[tuple[str, int, str]] = field(default_factory=list)
     refs: dict[tuple[int, str], int] = field(default_factory=dict)
     # Format 2: the rank tables, once attached (see attach).
-    rank_tables: RankTables | None = field(default=None, repr=False, compare=False)
+    rank_tables: RankTables | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_json(self) -> bytes:
         with paused_gc():  # a document of many small objects (see paused_gc)

@@ -105,17 +105,15 @@ class CheckpointManager:
                                       memory.persist_every if memory else 1)
         if not read_only:
             if memory is not None:
-                self._publisher = MemoryPublisher(self.root, self._group, memory,
-                                                  self._count_replication)
+                self._publisher = MemoryPublisher(self.root, self._group, memory, self._metrics)
             self._saver = Saver(self.storage, self._group, self.steps, options=self._options,
                                 retention=self._retention, memory=self._publisher,
                                 metrics=self._metrics, copy=async_save)
             if settings.schedule.handle_sigterm:
                 self._schedule.install_sigterm(self._close_at_sigterm)
-        self._restorer = Restorer(self.storage, self._group, self.steps,
-                                  memory=self._publisher,
-                                  allow_pickle=self._options.allow_pickle,
-                                  threads=self._options.write_threads, metrics=self._metrics)
+        self._restorer = Restorer(
+            self.storage, self._group, self.steps, memory=self._publisher, metrics=self._metrics,
+            allow_pickle=self._options.allow_pickle, threads=self._options.write_threads)
 
     # -- what users read ----------------------------------------------------------------------
     root = property(lambda self: self._root.url, doc="The root's URL.")
@@ -132,9 +130,8 @@ class CheckpointManager:
                             doc="Where the last ``restore`` came from (a RestoreInfo), or None.")
     loaded_step = property(lambda self: self._loaded_step,
                            doc="The step the last ``load()`` returned, or None.")
-    backpressure_waits = property(
-        lambda self: self._saver.backpressure_waits if self._saver else 0,
-        doc="Saves that waited for the save before them.")
+    backpressure_waits = property(lambda self: self._saver.backpressure_waits if self._saver
+                                  else 0, doc="Saves that waited for the save before them.")
 
     @property
     def preempted(self) -> bool:
@@ -228,10 +225,6 @@ class CheckpointManager:
         log.info("ckpt.retire retired=%s freed_bytes=%d", report.retired_steps,
                  report.freed_bytes)
         return report
-
-    def _count_replication(self, what: str) -> None:
-        if self._metrics:
-            self._metrics.replication(what)
 
     def _check_writable(self) -> None:
         if self._read_only:

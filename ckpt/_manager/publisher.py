@@ -7,8 +7,9 @@ import logging
 import os
 import socket
 import time
-from typing import Any, Callable
+from typing import Any
 
+from ckpt._manager.metrics import CheckpointMetrics
 from ckpt._memory.replication import Replicator, new_secret, ring_targets
 from ckpt._memory.tier import MemoryTier
 from ckpt._save.handle import SaveHandle, SaveResult
@@ -30,12 +31,12 @@ class MemoryPublisher:
         root: the manager's root URL (it names the segment when no job is given).
         group: the ranks that save together.
         options: the memory tier's options.
-        count_replication: called with "replicated", "failed" or "superseded" per replica.
+        metrics: counts the replicas sent, failed and superseded, or None.
     """
 
     def __init__(self, root: str, group: Group, options: MemoryTierOptions,
-                 count_replication: Callable[[str], None]) -> None:
-        self.group = group
+                 metrics: CheckpointMetrics | None) -> None:
+        self.group, self.metrics = group, metrics
         self.replicator: Replicator | None = None
         self.pg: Any = None  # the gloo group of a multi-rank memory tier
         if not group.enabled:
@@ -56,7 +57,7 @@ class MemoryPublisher:
         if options.replicas:
             self.replicator = Replicator(shm_dir=self.tier.shm_dir, job=self.tier.job,
                                          node=self.tier.node, keep=self.tier.keep,
-                                         budget=self.tier.budget, count=count_replication)
+                                         budget=self.tier.budget, count=self._count)
         me = (self.tier.node, int(os.environ.get("LOCAL_RANK", "0")),
               self.replicator.address if self.replicator else None, new_secret())
         everyone: list[Any] = [None] * group.world_size
@@ -80,6 +81,11 @@ class MemoryPublisher:
         for host, group_rank in hosts:
             ranks_of.setdefault(host, set()).add(group_rank)
         return socket.gethostname() if all(len(r) == 1 for r in ranks_of.values()) else None
+
+    def _count(self, what: str) -> None:
+        """A replica "replicated", "failed" or "superseded" (on the replicator's threads)."""
+        if self.metrics:
+            self.metrics.replication(what)
 
     @property
     def ranked(self) -> bool:

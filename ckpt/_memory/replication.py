@@ -215,7 +215,7 @@ class Replicator:
                 self._owners[origin] = own_segment(segment)
         need = sum(size for _, size in files) + doc_size
         if self.budget is not None and tree_bytes(segment) + need > self.budget:
-            raise OSError(f"{segment} would exceed memory_budget={self.budget} with step "
+            raise OSError(f"{segment} would exceed the memory budget ({self.budget}) with step "
                           f"{step} ({need} bytes)")
         st = os.statvfs(self.shm_dir)
         if need > st.f_bavail * st.f_frsize:

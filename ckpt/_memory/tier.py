@@ -15,15 +15,15 @@ by the live process that writes it. A segment whose lock can be taken has no liv
   reshardable checkpoint (``ckpt/_memory/plan.py``). Peer replicas of rank ``o``'s steps,
   held on node ``n``, live in ``ckpt-<job>-<n>-replica-r<o>`` (``ckpt/_memory/replication.py``).
 
-``<node>`` names the node: ``memory_node=``, else the environment's ``CKPT_NODE``, else the
-hostname followed by ``_n<GROUP_RANK>`` under torchrun (its node rank), else the hostname;
-characters other than letters, digits, ``_`` and ``.`` become ``_``, so a node's segments,
-its replicas included, are exactly ``<shm>/ckpt-<job>-<node>-*``. Under a process group whose
-nodes all have hosts of their own the hostname alone names a node (the manager checks at
-start-up), because torchrun may renumber the nodes (GROUP_RANK) after losing one, and a host
-must find its segments under the same name. A rank reads only segments of its own node. On one
-machine the node rank is all that tells nodes apart, and it may change after a node is lost,
-so a test simulating nodes there names each one with ``CKPT_NODE``.
+``<node>`` names the node: ``MemoryTierOptions(node=...)``, else the environment's
+``CKPT_NODE``, else the hostname followed by ``_n<GROUP_RANK>`` under torchrun (its node rank),
+else the hostname; characters other than letters, digits, ``_`` and ``.`` become ``_``, so a
+node's segments, its replicas included, are exactly ``<shm>/ckpt-<job>-<node>-*``. Under a
+process group whose nodes all have hosts of their own the hostname alone names a node (the
+manager checks at start-up), because torchrun may renumber the nodes (GROUP_RANK) after losing
+one, and a host must find its segments under the same name. A rank reads only segments of its
+own node. On one machine the node rank is all that tells nodes apart, and it may change after a
+node is lost, so a test simulating nodes there names each one with ``CKPT_NODE``.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class MemoryTier:
                  node: str | None = None, ranked: bool = False) -> None:
         shm_dir = shm_dir or SHM_DIR
         if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"memory_keep must be a positive integer, not {keep!r}")
+            raise ValueError(f"keep must be a positive integer, not {keep!r}")
         if not os.path.isdir(shm_dir):
             raise CheckpointError(f"memory_tier=True needs a shared-memory directory, but "
                                   f"{shm_dir} does not exist; pass memory_tier=False",
@@ -147,15 +147,15 @@ class MemoryTier:
         if self.budget is not None and held + nbytes > self.budget:
             raise CheckpointError(
                 f"the memory tier's budget is {self.budget} bytes: {self.path} holds {held} and "
-                f"this step needs {nbytes} more; raise memory_budget=, lower memory_keep= "
-                f"(now {self.keep}) or pass memory_tier=False", path=self.path)
+                f"this step needs {nbytes} more; raise MemoryTierOptions(budget=), lower its "
+                f"keep= (now {self.keep}) or pass memory_tier=False", path=self.path)
         st = os.statvfs(self.shm_dir)
         free = st.f_bavail * st.f_frsize
         if nbytes > free:
             raise CheckpointError(
                 f"{self.shm_dir} has {free} bytes free, this step needs {nbytes} in the memory "
-                f"tier; enlarge /dev/shm (docker: --shm-size), lower memory_keep= (now "
-                f"{self.keep}) or pass memory_tier=False", path=self.shm_dir)
+                f"tier; enlarge /dev/shm (docker: --shm-size), lower MemoryTierOptions(keep=) "
+                f"(now {self.keep}) or pass memory_tier=False", path=self.shm_dir)
 
     def publish_rank(self, payload: Any, options: Any, pool: Any) -> Any:
         """Write this rank's share of a save as a rank step (no collectives: runs on the
@@ -210,7 +210,7 @@ def own_segment(path: str) -> Any:
         owner.close()
         raise CheckpointError(
             f"the memory segment {path} is in use by another live process; give "
-            "this run another job id (memory_job=...)", path=path) from None
+            "this run another job id (MemoryTierOptions(job=...))", path=path) from None
     os.utime(owner.name)  # a live owner's segment is young: the auto-gc grace period
     for name in os.listdir(path):  # a publish cut short by a crash
         if name.startswith(STAGING):

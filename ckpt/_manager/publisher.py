@@ -12,6 +12,7 @@ from typing import Any
 from ckpt._manager.metrics import CheckpointMetrics
 from ckpt._memory.replication import Replicator, new_secret, ring_targets
 from ckpt._memory.tier import MemoryTier
+from ckpt._retention.collect import collect
 from ckpt._save.handle import SaveHandle, SaveResult
 from ckpt._save.writer import BackgroundWriter
 from ckpt._shared.distributed import Group
@@ -102,7 +103,9 @@ class MemoryPublisher:
             handle = writer.submit_call(
                 payload.step, blocking, lambda pool: self._publish_rank(payload, options, pool))
         else:
-            handle = writer.submit(self.tier.storage, payload, blocking, self.tier.after_commit)
+            handle = writer.submit(  # then retire the generations beyond the tier's keep
+                self.tier.storage, payload, blocking,
+                lambda manifest: collect(self.tier.storage, self.tier.kept_steps()))
         handle.add_done_callback(_log_failure)
         return handle
 

@@ -45,7 +45,6 @@ from storage_backends import Storage, open_storage
 
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt._format.names import STEP_DIR, step_dir
-from ckpt._retention.collect import collect
 from ckpt._step.listing import step_dirs
 
 log = logging.getLogger("ckpt")
@@ -184,10 +183,10 @@ class MemoryTier:
         retire_rank_steps(self.path, self.keep)
         return table
 
-    def after_commit(self, manifest: object) -> None:
-        """Retire generations beyond ``keep`` (runs in the writer after each publish)."""
-        steps = self.steps()
-        collect(self.storage, set(steps[-self.keep:]))
+    def kept_steps(self) -> set[int]:
+        """The generations to keep: the newest ``keep`` committed steps (the publisher retires
+        the others with the collector after each publish)."""
+        return set(self.steps()[-self.keep:])
 
     def remove(self) -> None:
         """Delete the segment (the job finished and its newest step is persisted)."""

@@ -193,8 +193,8 @@ def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
         if case == "peer" and rank == 0:  # node 1's own segment is gone (its RAM)
             shutil.rmtree(os.path.join(shm, f"ckpt-{job}-{nodes[1]}-r1"))
         if case == "peer":  # the RNG tensor (5 KB) crosses in several pieces
-            from ckpt._memory import restore as memory_restore
-            memory_restore.PEER_BLOCK = 1024
+            from ckpt._memory import peer_client
+            peer_client.PEER_BLOCK = 1024
         dist.barrier()
         torch.manual_seed(7)  # other draws: the restore must put each rank's back
         random.seed(7)
@@ -219,8 +219,7 @@ def serve_a_stuck_peer(rank: int, world: int, root: str, shm: str, job: str,
     with a warning. Rank 1 then recovers and closes, which ends rank 0's serving thread."""
     import logging
 
-    from ckpt._memory import restore as memory_restore
-    from ckpt._memory.restore import candidates, local_holdings, open_candidate
+    from ckpt._memory import candidates, local_holdings, open_candidate, peer_server
 
     mgr = manager(root, shm, job, nodes[rank], persist_every=1_000_000)
     mgr.save(1, build(world, 1), force=True)
@@ -242,12 +241,12 @@ def serve_a_stuck_peer(rank: int, world: int, root: str, shm: str, job: str,
             pause.wait(0.01)
         source.close()  # recovered: tells its holder it is done
         return out
-    memory_restore.STALL_S = 0.5
+    peer_server.STALL_S = 0.5
     seen: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())
     logging.getLogger("ckpt").addHandler(handler)
-    server = source._server
+    server = source.server
     try:
         source.close()  # returns although rank 1 never said it was done
     finally:
@@ -257,3 +256,33 @@ def serve_a_stuck_peer(rank: int, world: int, root: str, shm: str, job: str,
     server.join(60)  # rank 1's "done" ends it
     out["serving_at_end"] = server.is_alive()
     return out
+
+
+def sharded_rows(world: int, seed: int) -> dict:
+    """A row-sharded DTensor whose every shard spans several 4 KiB chunks."""
+    full = torch.randn(3 * 512, 8, generator=torch.Generator().manual_seed(seed))
+    return {"w": distribute_tensor(full, init_device_mesh("cpu", (world,)), [Shard(0)])}
+
+
+def save_small_chunks_in_memory(rank: int, world: int, root: str, shm: str,
+                                nodes: list[str]) -> bool:
+    """Save step 1 to memory only in 4 KiB chunks (each rank's 16 KiB shard is four: a peer
+    serving a lost rank sends several byte ranges) and wait for the replicas."""
+    mgr = manager(root, shm, "chunks", nodes[rank],
+                  options=ckpt.SaveOptions(chunk_bytes=4096),
+                  persist_every=2)  # step 1 stays in memory only
+    mgr.save(1, sharded_rows(world, 1), force=True)
+    replicated = mgr.wait_replicated(60)
+    dist.barrier()
+    mgr.close()
+    return replicated
+
+
+def restore_from_peers(rank: int, world: int, root: str, shm: str, nodes: list[str]) -> dict:
+    """Restore into a fresh state: the step, the tier it came from and whether it is exact."""
+    state = sharded_rows(world, 2)
+    with manager(root, shm, "chunks", nodes[rank]) as mgr:
+        step = mgr.restore(state)
+        tier = mgr.last_restore.tier if mgr.last_restore else None
+    same = torch.equal(state["w"].full_tensor(), sharded_rows(world, 1)["w"].full_tensor())
+    return {"step": step, "tier": tier, "same": same}

@@ -18,6 +18,8 @@ import torch
 import ckpt
 from _workers import Worker, assert_same, preempt_state, zeroed
 from storage_backends import PosixStorage
+import ckpt._save.writer
+from ckpt._save.staging import Stager
 
 
 def staging_dirs(root: Path) -> list[str]:
@@ -312,16 +314,16 @@ def test_the_manifest_of_a_step_still_being_written_says_to_wait(tmp_path, monke
     """mgr.manifest(step) right after an asynchronous save(step) finds no committed step;
     the error says the step is being written and to call wait(), which then makes it
     readable (a missing step keeps the plain not-found message)."""
-    import ckpt._save.engine
+    import ckpt._save.writer
 
     release = threading.Event()
-    real_write_rank = ckpt._save.engine.write_rank
+    real_write_rank = ckpt._save.writer.write_rank
 
     def write_rank(*args, **kwargs):
         release.wait(timeout=60)
         return real_write_rank(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt._save.engine, "write_rank", write_rank)
+    monkeypatch.setattr(ckpt._save.writer, "write_rank", write_rank)
     with ckpt.CheckpointManager(tmp_path / "root") as mgr:
         mgr.save(1, {"w": torch.ones(4)})
         with pytest.raises(ckpt.CheckpointNotFoundError,
@@ -333,3 +335,38 @@ def test_the_manifest_of_a_step_still_being_written_says_to_wait(tmp_path, monke
         release.set()
         mgr.wait()
         assert mgr.manifest(1).step == 1
+
+
+def test_a_second_async_save_waits_until_the_first_has_written_its_staged_bytes(
+        tmp_path, monkeypatch):
+    """ckpt.async_save stages into the buffers of one Stager (pinned ones for CUDA tensors): a
+    second call while the first's writer has not read them yet waits for it rather than refill them
+    (the first checkpoint would hold the second's values, with valid digests)."""
+    state = {"t": torch.zeros(1024)}
+    reading, release, staged = threading.Event(), threading.Event(), threading.Event()
+    real_write_rank, real_stage = ckpt._save.writer.write_rank, Stager.stage
+
+    def write_rank(storage, staging, payload, options, pool):
+        if not reading.is_set():  # the first save's writer, before it reads its buffers
+            reading.set()
+            release.wait(timeout=60)
+        return real_write_rank(storage, staging, payload, options, pool)
+
+    def stage(self, *args, **kwargs):
+        out = real_stage(self, *args, **kwargs)
+        staged.set()
+        return out
+
+    monkeypatch.setattr(ckpt._save.writer, "write_rank", write_rank)
+    first = ckpt.async_save(state, tmp_path / "one")
+    assert reading.wait(timeout=60)
+    state["t"].fill_(1.0)
+    monkeypatch.setattr(Stager, "stage", stage)
+    second = threading.Thread(target=lambda: ckpt.async_save(state, tmp_path / "two").wait())
+    second.start()
+    staged.wait(timeout=1)  # a second save that does not wait stages now (not a timing assert)
+    release.set()
+    first.wait()
+    second.join(timeout=60)
+    assert torch.equal(ckpt.load(tmp_path / "one")["t"], torch.zeros(1024))
+    assert torch.equal(ckpt.load(tmp_path / "two")["t"], torch.ones(1024))

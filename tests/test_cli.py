@@ -1082,3 +1082,91 @@ def test_a_bug_is_one_line_and_one_json_document_and_ctrl_c_is_quiet(tmp_path, c
     monkeypatch.setattr("ckpt._manager.manager.list_steps", interrupted)
     assert cli.main(["verify", root]) == 130
     assert capsys.readouterr().err == "ckpt verify: interrupted\n"
+
+
+# ------------------------------------------ lock owners, export targets, verify options
+
+
+def test_an_odd_lock_owner_file_still_gives_one_line_naming_the_lock(tmp_path, capsys):
+    """``gc --yes`` on a root a live writer holds names the holder, as the manager's refusal does,
+    in one line without a traceback: an owner file whose "since" is no time says "an unknown time",
+    one that is no JSON object names no holder."""
+    from verify.cli import main
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as writer:
+        writer.save(1, {"w": torch.zeros(4)})
+        for owner, needle in (('{"host": "h", "pid": 7, "since": "yesterday"}',
+                               "(host h, pid 7, since an unknown time)"),
+                              ("[1, 2]", "(an unknown process)")):
+            (root / ".lock.owner").write_text(owner)
+            assert main(["gc", str(root), "--keep-last", "1", "--yes"]) == 2
+            err = capsys.readouterr().err
+            assert f"is in use by a writer {needle}" in err and "Traceback" not in err, err
+            with pytest.raises(ckpt.CheckpointLockedError) as caught:  # the same words
+                ckpt.CheckpointManager(root)
+            assert f"locked by another writer {needle}" in str(caught.value)
+    assert (root / "step-00000001" / "manifest.json").exists()
+
+
+def test_export_refuses_a_dangling_link_and_tolerances_may_be_zero(tmp_path, capsys):
+    """A dangling symbolic link where the export goes is refused, not replaced, even though no file
+    lies behind it; ``--rtol 0 --atol 0`` (an exact check) is accepted."""
+    from verify.cli import build_parser, main
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(8)})
+    link = tmp_path / "out.pt"
+    link.symlink_to(tmp_path / "missing.pt")
+    assert main(["export", str(root), "--to", "torch", str(link)]) == 2
+    assert "is not a regular file" in capsys.readouterr().err
+    assert link.is_symlink() and not (tmp_path / "missing.pt").exists()
+    args = build_parser().parse_args(["verify", str(root), "--rtol", "0", "--atol", "0"])
+    assert (args.rtol, args.atol) == (0.0, 0.0)
+
+
+def test_a_loss_function_that_returns_no_number_is_named(tmp_path, capsys, monkeypatch):
+    """``verify --loss`` with a function that returns text blames that function, not the forward
+    pass of the model."""
+    import sys
+
+    from verify.cli import main
+
+    make_root(tmp_path)
+    (tmp_path / "userloss3.py").write_text("def text(output, inputs):\n    return 'low'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code = main(["verify", str(tmp_path / "root"), "--level", "forward", "--trust-recorded",
+                     "--loss", "userloss3:text"])
+    finally:
+        sys.modules.pop("userloss3", None)
+    out = capsys.readouterr().out
+    assert code == 2 and "the loss function userloss3:text raised ValueError" in out, out
+    assert "forward pass" not in out
+
+
+def test_forward_level_names_a_bool_loss_and_a_bad_model_option(tmp_path, capsys,
+                                                                      monkeypatch):
+    """``verify --level forward`` on a hand-edited probe: a recorded loss of ``true`` is no number;
+    a bad ``--model`` is named as the user's error, not the recorded factory's."""
+    import json
+
+    from verify.cli import main
+
+    make_root(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = tmp_path / "root"
+    manifest = root / "step-00000002" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["items"]["__probe__"]["tree"]["loss"] = True
+    manifest.write_text(json.dumps(doc))
+    code = main(["verify", str(root), "--level", "forward", "--trust-recorded", "--step", "2"])
+    out = capsys.readouterr().out
+    assert code == 1 and "the probe item is damaged: its recorded loss is a bool" in out, out
+    assert main(["verify", str(root), "--level", "forward", "--step", "1",
+                 "--model", "usermodels:no_such_builder"]) == 2
+    out = capsys.readouterr().out
+    assert "--model" in out and "no_such_builder" in out and "recorded factory" not in out, out

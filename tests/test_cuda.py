@@ -6,7 +6,7 @@ restore onto CUDA tensors through pinned bounce buffers, the CUDA RNG, and a cor
 chunk that must leave every CUDA tensor unchanged.
 
 ``CKPT_TEST_DEVICE=cpu`` runs the tests that are not about CUDA itself on the CPU, a dry run
-of this file (tests/test_device_ready.py does, so that a mistake in it shows before a GPU
+of this file (tests/test_device_check.py does, so that a mistake in it shows before a GPU
 is lent); the others are then skipped.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 import ckpt
 from ckpt import CheckpointManager, CorruptCheckpointError, SaveOptions
-from ckpt._save.engine import Stager
+from ckpt._save.staging import Stager
 
 DEVICE = os.environ.get("CKPT_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),

@@ -9,6 +9,7 @@ import torch
 
 import ckpt
 from ckpt._format.names import step_dir
+from ckpt._format.datafile import Piece
 
 
 def test_every_chunk_of_cache_line_sized_tensors_starts_64_byte_aligned(tmp_path):
@@ -40,3 +41,12 @@ def test_an_odd_sized_tensor_does_not_misalign_the_chunks_after_it(tmp_path):
     for key in ("b", "c"):
         assert all(c.start % 64 == 0 for c in manifest.tensors[key].chunks), key
     assert all(torch.equal(restored[k], state[k]) for k in state)
+
+
+def test_a_compressed_piece_is_labelled_as_the_bytes_it_holds():
+    """A compressed piece is labelled in the safetensors header as the bytes it holds (U8 of its
+    stored length), a raw one as its tensor: safetensors readers read the file as it is."""
+    piece = Piece("t", memoryview(b"abc"), torch.float32, (4,), stored_raw=False)
+    assert piece.header_entry(64) == {"dtype": "U8", "shape": [3], "data_offsets": [64, 67]}
+    raw = Piece("t", memoryview(bytes(16)), torch.float32, (4,))
+    assert raw.header_entry(0) == {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}

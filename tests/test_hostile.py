@@ -19,7 +19,9 @@ import torch
 
 import ckpt
 from verify.cli import main as cli
-from ckpt._step.incremental import collect
+from ckpt._retention.collect import collect
+from ckpt._format.names import MANIFEST_NAME
+from storage_backends import PosixStorage
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_CHUNKS = ckpt.SaveOptions(chunk_bytes=1 << 12, write_threads=1)
@@ -191,7 +193,7 @@ def spellings(step: int) -> list[str]:
 
 
 def test_only_the_canonical_name_of_a_step_is_a_step():
-    from ckpt._format.manifest import STEP_DIR
+    from ckpt._format.names import STEP_DIR
     assert [int(STEP_DIR.match(n).group(1)) for n in
             ("step-00000000", "step-00000007", "step-99999999", "step-100000000")] == [
         0, 7, 99999999, 100000000]
@@ -618,3 +620,108 @@ def test_the_warning_about_a_planted_link_escapes_its_name(tmp_path, caplog):
     messages = [r.getMessage() for r in caplog.records if "ckpt.symlink" in r.getMessage()]
     assert len(messages) == 1 and "step-\\x1b[2J" in messages[0], messages
     assert "\x1b" not in messages[0]
+
+
+# ------------------------------------------------- the POSIX storage's own refusals
+
+
+@pytest.mark.parametrize("path", ["../victim.txt", "step-1/../../victim.txt", "./x", "step-1/./x"])
+def test_the_posix_storage_refuses_a_path_that_leaves_or_bends_its_root(tmp_path, path):
+    """The POSIX storage refuses a path with a "." or ".." component: none reads, sizes or deletes a
+    file outside the root."""
+    root = tmp_path / "root"
+    (tmp_path / "victim.txt").write_bytes(b"precious")
+    (root / "step-1").mkdir(parents=True)
+    storage = PosixStorage(str(root))
+    for call in (storage.read, storage.size, storage.delete, storage.exists):
+        with pytest.raises(ValueError, match="is not a plain path inside the root"):
+            call(path)
+    assert (tmp_path / "victim.txt").read_bytes() == b"precious"
+
+
+def test_a_file_where_a_save_stages_is_refused_not_written_through(tmp_path):
+    """A regular file at a save's staging name is refused with FileExistsError, not taken for the
+    directory another rank made. (Every rank of one save calls begin(): an existing directory is
+    fine.)"""
+    storage = PosixStorage(str(tmp_path))
+    assert storage.begin("step-00000001", "tok") == storage.begin("step-00000001", "tok")
+    (tmp_path / ".tmp-step-00000002-tok").write_bytes(b"not a directory")
+    with pytest.raises(FileExistsError):
+        storage.begin("step-00000002", "tok")
+
+
+def test_only_directories_under_the_staging_prefixes_are_leftovers(tmp_path):
+    """Only directories under the staging prefix are a save's leftovers, never a file whose name
+    starts like one."""
+    storage = PosixStorage(str(tmp_path))
+    staging = storage.begin("step-00000001", "tok")
+    (tmp_path / ".tmp-notes.txt").write_bytes(b"someone's file")
+    assert storage.uncommitted() == [staging]
+
+
+def test_a_step_is_never_committed_over_a_file_of_its_name(tmp_path):
+    """A step is never committed over a file of its name: the commit fails with the FileExistsError
+    that names the file to remove, and the file stays."""
+    storage = PosixStorage(str(tmp_path))
+    (tmp_path / "step-00000001").write_bytes(b"not a step")
+    staging = storage.begin("step-00000001", "tok")
+    storage.write(f"{staging}/data", [b"x"])
+    with pytest.raises(FileExistsError, match="exists and is not a step directory"):
+        storage.commit(staging, "step-00000001", b"{}", MANIFEST_NAME)
+    assert (tmp_path / "step-00000001").read_bytes() == b"not a step"
+
+
+def test_deleting_through_a_planted_link_is_ignored_not_an_error(tmp_path):
+    """A path through a planted link counts as absent, and deleting an absent path is no error: the
+    link's target stays untouched."""
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    (victim / "step-00000001").mkdir(parents=True)
+    (victim / "step-00000001" / "f").write_bytes(b"precious")
+    root.mkdir()
+    os.symlink(victim / "step-00000001", root / "step-00000001")
+    storage = PosixStorage(str(root))
+    storage.delete("step-00000001/f")
+    storage.delete("step-00000001")
+    assert (victim / "step-00000001" / "f").read_bytes() == b"precious"
+    assert os.path.islink(root / "step-00000001")
+
+
+def test_abort_of_a_staging_name_that_is_a_planted_link_is_ignored(tmp_path):
+    """A failed save's clean-up leaves a link planted at its staging name, as every path through a
+    link is left, rather than raise over the save's own error."""
+    root, victim = tmp_path / "root", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "f").write_bytes(b"precious")
+    root.mkdir()
+    os.symlink(victim, root / ".tmp-step-00000001-tok")
+    PosixStorage(str(root)).abort(".tmp-step-00000001-tok")
+    assert (victim / "f").read_bytes() == b"precious"
+
+
+def test_refused_opens_leave_no_descriptor_and_export_never_writes_through_a_link(
+        tmp_path, capsys):
+    """The POSIX storage refuses a FIFO or a directory where it reads a file and closes what it
+    opened; export creates its temporary file exclusively, never writing through a link planted at
+    that name."""
+    from verify.cli import main
+    from storage_backends import open_storage
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(8)})
+    os.mkfifo(root / "fifo")
+    (root / "a-dir").mkdir()
+    storage = open_storage(str(root))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        for name in ("fifo", "a-dir"):
+            with pytest.raises(OSError):
+                storage.read(name)
+    assert len(os.listdir("/proc/self/fd")) == before
+    victim = tmp_path / "notes.txt"
+    victim.write_text("the user's notes")
+    target = tmp_path / "model.pt"
+    os.symlink(victim, f"{target}.tmp-{os.getpid()}")  # the export's temporary name
+    assert main(["export", str(root), "--to", "torch", str(target)]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    assert victim.read_text() == "the user's notes" and not target.exists()

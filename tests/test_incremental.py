@@ -13,6 +13,13 @@ import torch
 
 import ckpt
 from verify.cli import main as cli
+from ckpt import CheckpointManager, SaveOptions
+from ckpt.errors import CheckpointError
+from ckpt._format.names import MANIFEST_NAME
+from ckpt._retention.collect import collect
+from ckpt._step.listing import step_dirs
+from ckpt._step.integrity import read_manifest
+from storage_backends import PosixStorage
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_CHUNKS = ckpt.SaveOptions(chunk_bytes=1 << 16, write_threads=2)
@@ -215,3 +222,84 @@ def test_gc_command_dry_run_then_delete(tmp_path, capsys):
         mgr.restore({"model": out})
     for k, v in model.state_dict().items():
         assert torch.equal(out.state_dict()[k], v)
+
+
+# ------------------------------------------- chains and the collector, file by file
+
+
+def save_steps(root, steps: dict, **kw) -> None:
+    """Save ``steps`` (step -> state) in ``root`` (small chunks, one writer thread)."""
+    kw.setdefault("options", SaveOptions(chunk_bytes=16 << 10, write_threads=1))
+    with CheckpointManager(root, async_save=False, handle_sigterm=False, metrics=False,
+                           **kw) as mgr:
+        for step, state in steps.items():
+            mgr.save(step, state, force=True)
+
+
+def test_an_incremental_chain_ends_in_a_full_save_every_full_every_steps(tmp_path):
+    """An incremental chain ends in a full save every ``full_every`` steps, so no step depends on
+    ever older ones."""
+    frozen = torch.randn(64, 64)
+    save_steps(tmp_path, {s: {"frozen": frozen, "t": torch.full((4,), float(s))} for s in (1, 2, 3)},
+          incremental=True, full_every=2)
+    storage = PosixStorage(str(tmp_path))
+    reused = {s: any(c.step is not None for e in read_manifest(storage, f"step-{s:08d}", s)
+                     .tensors.values() for c in e.chunks) for s in (1, 2, 3)}
+    assert reused == {1: False, 2: True, 3: False}
+
+
+def test_gc_deletes_nothing_when_a_kept_steps_references_cannot_be_read(tmp_path):
+    """The collector deletes nothing when it cannot read a kept step's manifest: its references
+    unknown, the earlier step's files it reuses could go with that step."""
+    frozen = torch.randn(64, 64)
+    save_steps(tmp_path, {1: {"frozen": frozen, "t": torch.zeros(4)},
+                     2: {"frozen": frozen, "t": torch.ones(4)}},
+          incremental=True, full_every=100)
+    before = sorted(p.name for p in (tmp_path / "step-00000001").iterdir())
+    (tmp_path / "step-00000002" / MANIFEST_NAME).write_bytes(b"{not json")
+    storage = PosixStorage(str(tmp_path))
+    with pytest.raises(CheckpointError, match="gc stopped before deleting anything: cannot "
+                                              "read the references of kept step 2"):
+        collect(storage, keep={2})
+    assert sorted(p.name for p in (tmp_path / "step-00000001").iterdir()) == before
+
+
+def test_gc_stops_at_a_kept_step_whose_manifest_names_another_step(tmp_path):
+    """The collector stops at a kept step whose manifest names another step (copied into its
+    directory): such a manifest is not trusted for the references that decide what it deletes."""
+    save_steps(tmp_path, {1: {"t": torch.ones(4)}, 2: {"t": torch.ones(4) * 2}})
+    path = tmp_path / "step-00000002" / MANIFEST_NAME
+    path.write_bytes(path.read_bytes().replace(b'"step":2', b'"step":7'))
+    with pytest.raises(CheckpointError, match="cannot read the references of kept step 2"):
+        collect(PosixStorage(str(tmp_path)), keep={2})
+    assert (tmp_path / "step-00000001" / MANIFEST_NAME).exists()
+
+
+def test_a_file_named_like_a_step_is_no_step_directory(tmp_path):
+    """A file named like a step is no step directory: the collector neither takes it for an
+    uncommitted step nor deletes it as that step's leftovers."""
+    save_steps(tmp_path, {1: {"t": torch.ones(4)}})
+    (tmp_path / "step-00000002").write_bytes(b"a note, not a step")
+    storage = PosixStorage(str(tmp_path))
+    assert step_dirs(storage) == {1: True}
+    collect(storage)
+    assert (tmp_path / "step-00000002").read_bytes() == b"a note, not a step"
+
+
+def test_a_dry_run_of_gc_deletes_nothing(tmp_path):
+    """A dry run of the collector reports what it would retire and deletes nothing."""
+    save_steps(tmp_path, {1: {"t": torch.ones(4)}, 2: {"t": torch.ones(4) * 2}})
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    report = collect(PosixStorage(str(tmp_path)), keep={2}, dry_run=True)
+    assert report.retired_steps == [1] and report.deleted_files
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_gc_leaves_a_directory_inside_a_kept_step_alone(tmp_path):
+    """The collector leaves a directory inside a kept step (none of ckpt's files) alone, with what
+    it holds."""
+    save_steps(tmp_path, {1: {"t": torch.ones(4)}})
+    (tmp_path / "step-00000001" / "notes").mkdir()
+    (tmp_path / "step-00000001" / "notes" / "a.txt").write_bytes(b"kept")
+    collect(PosixStorage(str(tmp_path)))
+    assert (tmp_path / "step-00000001" / "notes" / "a.txt").read_bytes() == b"kept"

@@ -1,4 +1,4 @@
-"""Loads change nothing when they fail, in bounded memory (issue #16; issue #15, defect 3).
+"""Loads change nothing when they fail, in bounded memory.
 
 A chunk's digest is checked before the first live tensor is written, so a corrupt *last*
 chunk is the hard case: a one-pass load would already have overwritten everything before it.
@@ -91,7 +91,7 @@ def test_corrupt_last_chunk_under_ckpt_load_changes_nothing(tmp_path):
 
 
 def test_strict_fallback_past_a_corrupt_step_to_a_mismatched_one_changes_nothing(tmp_path):
-    """Issue #15, defect 3: step 2 has a flipped byte, step 1 lacks an item. Verified before
+    """Step 2 has a flipped byte, step 1 lacks an item. Verified before
     writing (strict), the error says nothing was loaded, and that must be true."""
     old = make_state(1)
     save_step(tmp_path, 1, {"model": old["model"], "epoch": 1})  # no "extra"
@@ -106,7 +106,7 @@ def test_strict_fallback_past_a_corrupt_step_to_a_mismatched_one_changes_nothing
 
 
 def test_one_pass_fallback_to_a_mismatched_step_names_the_overwritten_tensors(tmp_path):
-    """Issue #15, defect 3, for the newest step read in one pass: step 2's corrupt last
+    """The same for the newest step read in one pass: step 2's corrupt last
     chunk is found after the other tensors were written; step 1 cannot repair them (it
     lacks an item), so the error must say the state is mixed and name them."""
     old = make_state(1)
@@ -460,3 +460,207 @@ def test_chunks_too_small_for_threads_are_read_on_the_calling_thread(tmp_path, r
     pool.pool.shutdown()
     assert all(torch.equal(live[k], state[k]) for k in state)
     assert (pool.submitted > 0) == threads
+
+
+# ----------------------------------------- descriptors, reused files, one-pass fallbacks
+
+
+def open_files_under(root: Path) -> list[str]:
+    """Files under ``root`` this process holds open (its descriptors, from /proc)."""
+    prefix = str(root.resolve()) + os.sep
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the descriptor listdir itself used, closed meanwhile
+            continue
+        if target.startswith(prefix):
+            out.append(target)
+    return out
+
+
+def test_a_load_closes_every_data_file_it_opened_whether_it_succeeds_or_fails(tmp_path):
+    """A restore closes every data file it opened, whether it succeeds or fails its digest check: a
+    trainer that restores often must not run out of descriptors."""
+    state = {f"t{i}": torch.randn(64, 64) for i in range(16)}
+    with CheckpointManager(tmp_path, async_save=False, handle_sigterm=False, metrics=False,
+                           options=SaveOptions(chunk_bytes=16 << 10, write_threads=2)) as mgr:
+        mgr.save(1, state)
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        mgr.restore(live, step=1)
+        assert all(torch.equal(live[k], state[k]) for k in state)
+        assert open_files_under(tmp_path) == [], "a restore left data files open"
+        data = sorted((tmp_path / "step-00000001").glob("data-*"))
+        last = data[-1].stat().st_size - 1  # a chunk's last byte
+        with open(data[-1], "r+b") as f:  # one flipped bit: the verify pass fails
+            f.seek(last)
+            byte = f.read(1)
+            f.seek(last)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(CorruptCheckpointError):
+            mgr.restore(live, step=1)
+        assert open_files_under(tmp_path) == [], "a failed restore left data files open"
+
+
+def test_a_truncated_file_of_an_earlier_step_is_refused_before_anything_changes(tmp_path):
+    """An incremental step reads its unchanged chunks from an earlier step's files, whose size its
+    own manifest does not record. Truncated, they are refused by a structure-level restore before it
+    writes anything, not half-way through the apply pass (PartialLoadError)."""
+    frozen, trained = torch.randn(256, 64), torch.randn(64, 64)
+    with CheckpointManager(tmp_path, async_save=False, handle_sigterm=False, metrics=False,
+                           incremental=True, full_every=100,
+                           options=SaveOptions(chunk_bytes=16 << 10, write_threads=1)) as mgr:
+        mgr.save(1, {"frozen": frozen, "trained": trained})
+        mgr.save(2, {"frozen": frozen, "trained": trained + 1}, force=True)
+    for data in (tmp_path / "step-00000001").glob("data-*"):
+        os.truncate(data, 60_000)  # into the last chunk of "frozen", which step 2 reuses
+    live = {"frozen": torch.zeros(256, 64), "trained": torch.zeros(64, 64)}
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        with pytest.raises(CorruptCheckpointError, match="is truncated") as info:
+            mgr.restore(live, step=2, verify="structure")
+    assert not isinstance(info.value, PartialLoadError)
+    assert not live["frozen"].any() and not live["trained"].any(), "a refused restore wrote"
+
+
+def linear_state(seed: int) -> dict:
+    """A Linear model and a plain tensor, their values drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(32, 48)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return {"model": model, "extra": torch.randn(48, 32, generator=gen)}
+
+
+def stored_tensors(state: dict) -> dict[str, torch.Tensor]:
+    """The state's tensors by their stored keys, copied."""
+    out = {f"model/{k}": v.detach().clone() for k, v in state["model"].state_dict().items()}
+    out["extra"] = state["extra"].clone()
+    return out
+
+
+def changed_tensors(state: dict, before: dict[str, torch.Tensor]) -> set[str]:
+    """The stored keys of the tensors of ``state`` that differ from ``before``."""
+    now = stored_tensors(state)
+    return {k for k in before if not torch.equal(now[k], before[k])}
+
+
+class _NoStreaming(PosixStorage):
+    """A storage that does not stream (as an object store, where every read is a request):
+    a one-pass load reads each chunk whole and must digest it all the same."""
+
+    stream_block = None
+
+
+@pytest.mark.parametrize("storage_type", [_NoStreaming, _OddBlocks])
+def test_a_one_pass_restore_reads_and_digests_every_byte_whatever_the_storage(
+        tmp_path, storage_type):
+    """A one-pass restore digests every byte of every chunk whatever the storage: one that does not
+    stream (an object store: each chunk is read whole) and one that streams in blocks that divide no
+    chunk (each block read at its own offset). A flipped bit makes it fall back to the step before,
+    exact."""
+    save_step(tmp_path, 1, linear_state(1))
+    save_step(tmp_path, 2, linear_state(2))
+    records = chunk_records(tmp_path / "step-00000002")
+    middle = max(records[1:-1], key=lambda c: c["length"])  # neither first nor last
+    assert len(records) >= 4 and middle["length"] > 2000  # (several blocks of _OddBlocks)
+    live = linear_state(3)
+    with CheckpointManager(storage_type(tmp_path), read_only=True, metrics=False) as mgr:
+        assert mgr.restore(live) == 2
+    assert changed_tensors(live, stored_tensors(linear_state(2))) == set()
+    flip_byte(tmp_path / "step-00000002" / middle["file"], middle["start"] + middle["length"] - 1)
+    live = linear_state(3)
+    with CheckpointManager(storage_type(tmp_path), read_only=True, metrics=False) as mgr:
+        assert mgr.restore(live) == 1
+        assert [s for s, _ in mgr.skipped] == [2] and "digest mismatch" in mgr.skipped[0][1]
+    assert changed_tensors(live, stored_tensors(linear_state(1))) == set()
+
+
+def test_the_forward_level_verifies_a_step_before_writing_any_live_tensor(tmp_path):
+    """At the forward level a restore verifies the whole step before it writes a live tensor: that
+    level puts back only the models when it raises, so a plain tensor written before the corrupt
+    chunk was found would stay overwritten under an error that says nothing of it."""
+    save_step(tmp_path, 1, linear_state(1))
+    last = chunk_records(tmp_path / "step-00000001")[-1]  # in "extra", stored last
+    flip_byte(tmp_path / "step-00000001" / last["file"], last["start"] + last["length"] - 1)
+    live = linear_state(2)
+    before = stored_tensors(live)
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        with pytest.raises(CorruptCheckpointError, match="digest mismatch") as info:
+            mgr.restore(live, verify="forward")
+    assert not isinstance(info.value, PartialLoadError)
+    assert changed_tensors(live, before) == set()
+
+
+def test_a_one_pass_restore_names_what_every_failed_step_overwrote(tmp_path):
+    """When every step fails part-way through a one-pass restore, the error names every tensor any
+    of them overwrote. Step 2 fails at its last chunk, after writing every tensor; step 1 at its
+    first."""
+    save_step(tmp_path, 1, linear_state(1))
+    save_step(tmp_path, 2, linear_state(2))
+    for step, which in ((1, 0), (2, -1)):
+        c = chunk_records(tmp_path / f"step-{step:08d}")[which]
+        flip_byte(tmp_path / f"step-{step:08d}" / c["file"], c["start"] + c["length"] // 2)
+    live = linear_state(3)
+    before = stored_tensors(live)
+    with CheckpointManager(tmp_path, read_only=True, metrics=False) as mgr:
+        with pytest.raises(PartialLoadError, match="no committed step") as info:
+            mgr.restore(live)
+    overwritten = changed_tensors(live, before)
+    assert overwritten == set(before)  # (the case needs step 2 to have written them all)
+    assert info.value.changed == overwritten
+    assert f"overwrote {len(overwritten)} live tensors" in str(info.value)
+
+
+class _DiskErrorInStep1(PosixStorage):
+    """Step 1's data files fail with an I/O error after ``reads`` reads (a disk error: not
+    the step's corruption, so no older step is tried after it)."""
+
+    reads = 1
+
+    def open_reader(self, path):
+        reader = super().open_reader(path)
+        if "step-00000001" not in path:
+            return reader
+
+        allowed = self.reads
+
+        class Failing:
+            reads = 0
+
+            def read_into(self, start, out):
+                self.reads += 1
+                if self.reads > allowed:
+                    raise OSError(5, "Input/output error")
+                reader.read_into(start, out)
+
+            def close(self):
+                reader.close()
+
+        return Failing()
+
+
+@pytest.mark.parametrize("corrupt, reads", [(-1, 1), (0, 3)])
+def test_a_fallback_step_that_fails_on_a_disk_error_names_what_the_newer_step_overwrote(
+        tmp_path, corrupt, reads):
+    """A fallback step that stops on a disk error (not corruption: no older step is tried after it)
+    raises PartialLoadError naming every tensor either step wrote, the newer step's one-pass read
+    included. Step 2 fails its digest at its last chunk (after overwriting every tensor) or at its
+    first; step 1 then fails on an I/O error after ``reads`` chunks."""
+    save_step(tmp_path, 1, linear_state(1))
+    save_step(tmp_path, 2, linear_state(2))
+    c = chunk_records(tmp_path / "step-00000002")[corrupt]
+    flip_byte(tmp_path / "step-00000002" / c["file"], c["start"] + c["length"] - 1)
+    live = linear_state(3)
+    before = stored_tensors(live)
+    storage = type("Disk", (_DiskErrorInStep1,), {"reads": reads})(tmp_path)
+    with CheckpointManager(storage, read_only=True, metrics=False) as mgr:
+        with pytest.raises(PartialLoadError, match="Input/output error") as info:
+            mgr.restore(live)
+        assert [s for s, _ in mgr.skipped] == [2]
+    overwritten = changed_tensors(live, before)
+    assert len(overwritten) >= 2  # (the case needs two tensors changed)
+    # every tensor that changed is named (a read that failed may have begun to write one)
+    assert overwritten <= info.value.changed <= set(before)
+    assert "a failed one-pass read of a newer step had already overwritten" in str(info.value)

@@ -149,3 +149,31 @@ def _saved_bytes(value: dict) -> bytes:
     buf = io.BytesIO()
     torch.save(value, buf)
     return buf.getvalue()
+
+
+def _two_steps(root) -> None:
+    with ckpt.CheckpointManager(root, async_save=False, allow_pickle=True) as mgr:
+        mgr.save(1, {"w": torch.arange(8.0)})
+        mgr.save(2, {"w": torch.arange(8.0), "odd": {1, 2}})
+
+
+def test_load_of_a_named_step_raises_that_steps_own_error_and_skips_nothing(tmp_path):
+    """``load(step=...)`` raises that step's own error: a missing step is CheckpointNotFoundError,
+    not "no committed step could be loaded", and nothing is recorded in ``mgr.skipped``."""
+    _two_steps(tmp_path)
+    with ckpt.CheckpointManager(tmp_path, read_only=True, allow_pickle=True) as mgr:
+        with pytest.raises(ckpt.CheckpointNotFoundError) as caught:
+            mgr.load(step=7)
+        assert "could be loaded" not in str(caught.value)
+        assert mgr.skipped == []
+
+
+def test_load_raises_this_ranks_fatal_error_as_it_is(tmp_path):
+    """Without ``allow_pickle`` the newest step's pickled value is refused with
+    UnsupportedValueError as it is, never as "another rank failed to load", and no older step is
+    tried."""
+    _two_steps(tmp_path)
+    with ckpt.CheckpointManager(tmp_path, read_only=True) as mgr:
+        with pytest.raises(ckpt.UnsupportedValueError) as caught:
+            mgr.load()
+        assert "another rank" not in str(caught.value) and mgr.skipped == []

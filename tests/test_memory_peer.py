@@ -1,4 +1,4 @@
-"""The memory tier under a process group (issue #14): per-rank segments, peer replication in
+"""The memory tier under a process group: per-rank segments, peer replication in
 the background, and restore from own memory or peers onto a reshaped world, with fall-through
 to the persistent root. Real processes on gloo; each rank plays one node (its name in the
 segment names, as torchrun's GROUP_RANK or CKPT_NODE would set it); every test has its own
@@ -14,7 +14,9 @@ import pytest
 from ckpt._memory.tier import gc_segments
 
 from _dist import run_ranks
-from _memory_workers import restore, restore_after_node_loss, save_steps
+from _memory_workers import (restore, restore_after_node_loss, restore_from_peers,
+                             save_small_chunks_in_memory, save_steps)
+from pathlib import Path
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
@@ -150,3 +152,48 @@ def test_each_rank_restores_its_own_rng_state_from_memory(tmp_path):
         assert r["own"] == {"step": 1, "tier": "memory", "same": True}
         assert r["peer"] == {"step": 1, "tier": "peer" if rank == 1 else "memory",
                              "same": True}
+
+
+# --------------------------------------------------------- what a peer sends, and when
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_peer_serving_several_chunks_of_a_lost_rank_sends_each_one_right(tmp_path):
+    """A peer serving several chunks of a lost rank's shard in one round sends each byte range its
+    own bytes: the survivors restore the step from the peer, exact (with every chunk given the first
+    one's bytes the digests fail and the restore falls to the root)."""
+    root, shm = str(tmp_path / "root"), tmp_path / "shm"
+    shm.mkdir()
+    nodes = ["hostG_n0", "hostG_n1", "hostG_n2"]
+    assert all(run_ranks(3, save_small_chunks_in_memory, root, str(shm), nodes, timeout=100))
+    for name in os.listdir(shm):  # node 2 lost: its segment and the replicas it held
+        if name.startswith("ckpt-chunks-hostG_n2-"):
+            shutil.rmtree(shm / name)
+    assert not (Path(root) / "step-00000001").exists()  # the root cannot serve it
+    for r in run_ranks(2, restore_from_peers, root, str(shm), nodes[:2], timeout=100):
+        assert r == {"step": 1, "tier": "peer", "same": True}
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_peer_fetched_chunk_is_read_only_once_its_message_arrived(tmp_path):
+    """A chunk fetched from a peer is read (into the live tensor, or into the verify pass's buffer)
+    only once the message that brings it has arrived. The holder here sends only once the reader
+    waits, so a read that does not wait finds no byte of the step: the restore must still come from
+    the peer, exact, in one pass and with the verify pass."""
+    from _late_peer_workers import restore_with_late_peer_messages, save_in_memory_then_lose_node0
+
+    root, shm, flags = tmp_path / "root", tmp_path / "shm", tmp_path / "flags"
+    shm.mkdir()
+    flags.mkdir()
+    nodes = ["hostG_n0", "hostG_n1"]
+    run_ranks(2, save_in_memory_then_lose_node0, str(root), str(shm), "late", nodes,
+              timeout=100)
+    out = run_ranks(2, restore_with_late_peer_messages, str(root), str(shm), "late", nodes,
+                    str(flags), timeout=150)
+    # rank 0's bytes come from rank 1's node; rank 1 reads its own
+    assert out == [{case: {"step": step, "tier": tier, "exact": True}
+                    for case, step in (("newest", 2), ("step 1", 1))}
+                   for tier in ("peer", "memory")]
+    assert sorted(os.listdir(flags)) == ["newest", "step 1"]  # rank 0 waited each time

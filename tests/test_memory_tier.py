@@ -1,4 +1,4 @@
-"""The node-local memory tier (issue #14): saves published into /dev/shm, restored from there
+"""The node-local memory tier: saves published into /dev/shm, restored from there
 by a later process without the persistent root, digests checked with fall-through to the root,
 persist_every, and removal of dead jobs' segments. Real processes; a per-test job id."""
 
@@ -387,3 +387,45 @@ def test_a_step_whose_only_copy_in_memory_is_bad_raises_never_a_fresh_start(tmp_
         with pytest.raises(CheckpointError, match="no committed step") as info:
             mgr.restore({"model": model})
     assert "step 3 (memory tier)" in str(info.value)
+
+
+def test_the_memory_tiers_reader_never_follows_a_planted_link(tmp_path):
+    """The memory tier's reader never follows a symbolic link planted in a segment: a restore must
+    not read whatever file this user can."""
+    from ckpt._memory.shm_reader import ShmReader
+
+    segment, secret = tmp_path / "segment", tmp_path / "secret"
+    (segment / "step-00000001").mkdir(parents=True)
+    secret.write_bytes(b"not a checkpoint's bytes")
+    (segment / "step-00000001" / "data.bin").write_bytes(b"0123456789")
+    os.symlink(secret, segment / "step-00000001" / "planted.bin")
+    reader = ShmReader.of_root(str(segment))
+    try:
+        assert reader.read("step-00000001/data.bin", 2, 3) == b"234"
+        with pytest.raises(FileNotFoundError, match="planted.bin"):
+            reader.read("step-00000001/planted.bin")
+    finally:
+        reader.close()
+
+
+def test_the_memory_tiers_reader_reports_a_file_that_ends_early_never_zero_fills(tmp_path):
+    """The memory tier's reader raises EOFError for a file that ends before the bytes asked for: a
+    segment file truncated after the verify pass is never applied with the buffer's old bytes in
+    place of the missing ones."""
+    from ckpt._memory.shm_reader import ShmReader
+
+    (tmp_path / "step-00000001").mkdir()
+    (tmp_path / "step-00000001" / "data.bin").write_bytes(b"0123456789")
+    reader = ShmReader.of_root(str(tmp_path))
+    try:
+        out = bytearray(b"x" * 8)
+        reader.read_into("step-00000001/data.bin", 0, memoryview(out))
+        assert out == b"01234567"
+        with pytest.raises(EOFError, match="ends before byte 14"):
+            reader.read_into("step-00000001/data.bin", 6, memoryview(out))
+        handle = reader.open_reader("step-00000001/data.bin")  # the apply pass's reads
+        with pytest.raises(EOFError, match="ends before byte 12"):
+            handle.read_into(4, memoryview(out))
+        handle.close()
+    finally:
+        reader.close()

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 import ckpt
 from _workers import assert_same, tensor_bytes
-from ckpt._format.manifest import DTYPES as FORMAT_DTYPES
+from ckpt._format.names import DTYPES as FORMAT_DTYPES
 from ckpt._format.manifest import Manifest
 
 APIS = ["oneshot", "manager"]
@@ -443,13 +443,109 @@ def test_tensor_keys_lists_every_leaf_of_a_deep_tree_in_order():
 
 
 def test_a_single_chunk_that_is_not_the_whole_tensor_is_refused():
-    from ckpt._format.manifest import Chunk, _check_tiling, _Invalid
+    from ckpt._format.bounds import Invalid
+    from ckpt._format.entries import Chunk
+    from ckpt._format.tiling import check_tiling
 
     def one(offsets, shape):
         return [Chunk(offsets, shape, "f", 0, 4 * math.prod(shape), "0" * 16, "raw", None)]
 
-    _check_tiling("t", (4, 3), one((0, 0), (4, 3)))  # the whole tensor: valid
-    _check_tiling("t", (0,), one((0,), (0,)))  # an empty tensor's one empty chunk: valid
+    check_tiling("t", (4, 3), one((0, 0), (4, 3)))  # the whole tensor: valid
+    check_tiling("t", (0,), one((0,), (0,)))  # an empty tensor's one empty chunk: valid
     for offsets, shape in [((1, 0), (4, 3)), ((0, 0), (3, 3)), ((0, 0), (4, 4)), ((0, 1), (4, 2))]:
-        with pytest.raises(_Invalid):
-            _check_tiling("t", (4, 3), one(offsets, shape))
+        with pytest.raises(Invalid):
+            check_tiling("t", (4, 3), one(offsets, shape))
+
+
+def test_tensors_whose_paths_collide_are_saved_and_loaded_apart(tmp_path):
+    """Tensors whose paths collide (a dict's int key 1 and str key "1"; a key "x/y" and "y" nested
+    under "x") are stored apart, and each loads its own values."""
+    saved = {"m": {1: torch.arange(4.0), "1": torch.arange(4.0) + 10,
+                   "x/y": torch.full((2,), 7.0), "x": {"y": torch.full((2,), 8.0)}}}
+    ckpt.save(saved, tmp_path / "c")
+    live = {"m": None}
+    ckpt.load(live, tmp_path / "c")
+    got = live["m"]
+    assert torch.equal(got[1], saved["m"][1]) and torch.equal(got["1"], saved["m"]["1"])
+    assert torch.equal(got["x/y"], saved["m"]["x/y"])
+    assert torch.equal(got["x"]["y"], saved["m"]["x"]["y"])
+
+
+def test_a_plain_tensor_that_requires_grad_loads_through_a_bounce_buffer(tmp_path):
+    """A plain tensor that requires grad loads into a destination that is not contiguous (as every
+    CUDA destination) through a bounce buffer, which autograd allows, and still requires grad
+    afterwards."""
+    saved = torch.randn(96, 80)
+    ckpt.save({"t": saved}, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096, write_threads=1))
+    live = torch.zeros(80, 96).t()  # a transposed view: the bounce path
+    live.requires_grad_()
+    ckpt.load({"t": live}, tmp_path / "c")
+    assert torch.equal(live, saved) and live.requires_grad
+
+
+def test_a_conjugate_view_restores_its_values_not_their_conjugates(tmp_path):
+    """A live complex tensor that is a conjugate view (its bytes hold the conjugate) is filled
+    through a copy and ends with the saved values, not their conjugates."""
+    want = torch.complex(torch.arange(64.0), torch.arange(64.0) + 1)
+    with ckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"z": want})
+    live = torch.zeros(64, dtype=torch.complex64).conj()
+    assert live.is_conj() and live.is_contiguous()
+    with ckpt.CheckpointManager(tmp_path, read_only=True) as mgr:
+        assert mgr.restore({"z": live}) == 1
+    assert torch.equal(live, want)
+
+
+# ------------------------------- CUDA generators on another number of devices
+
+
+def fake_cuda_rng(monkeypatch, count: int, current: int) -> dict[int, torch.Tensor]:
+    """torch.cuda's RNG calls on ``count`` fake devices: returns each device's state as set
+    (an index out of range raises, as torch.cuda.default_generators[index] does)."""
+    states: dict[int, torch.Tensor] = {}
+
+    def set_rng_state(new_state, device="cuda"):
+        index = device if isinstance(device, int) else torch.device(device).index
+        if index is None:
+            index = current
+        if not 0 <= index < count:
+            raise IndexError("tuple index out of range")
+        states[index] = new_state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    return states
+
+
+def saved_rng(devices: int, current: int) -> dict:
+    state = ckpt.RNGState().state_dict()
+    state["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(devices)]
+    state["cuda_device"] = current
+    return state
+
+
+def test_cuda_rng_states_restore_on_as_many_devices_one_per_device(monkeypatch):
+    """Saved CUDA generator states restore one per device on a machine with as many."""
+    states = fake_cuda_rng(monkeypatch, count=2, current=1)
+    ckpt.RNGState().load_state_dict(saved_rng(devices=2, current=1))
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}
+
+
+def test_cuda_rng_of_a_rank_on_cuda3_of_8_goes_on_on_the_one_device_it_has_now(monkeypatch):
+    """A rank that saved on cuda:3 of 8 devices goes on with that device's generator on the one
+    device it has now."""
+    states = fake_cuda_rng(monkeypatch, count=1, current=0)
+    ckpt.RNGState().load_state_dict(saved_rng(devices=8, current=3))
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 3}
+
+
+def test_cuda_rng_saved_by_an_old_version_without_its_device_restores_what_fits(monkeypatch):
+    """CUDA generator states saved without the current device's index restore what fits the devices
+    there are."""
+    states = fake_cuda_rng(monkeypatch, count=2, current=0)
+    old = saved_rng(devices=4, current=0)
+    del old["cuda_device"]
+    ckpt.RNGState().load_state_dict(old)
+    assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}

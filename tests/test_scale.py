@@ -22,12 +22,13 @@ import _scale_workers as W
 import ckpt
 from ckpt.errors import CorruptCheckpointError
 from ckpt._format.manifest import Manifest
-from ckpt._step.integrity import digest
+from ckpt._format.digest import digest
 from ckpt._format.layout import Mesh, MeshLayout, mesh_box
 from ckpt.options import SaveOptions
 from ckpt._format.ranktable import MAGIC
 from ckpt._shared.sharding import intersect, overlapping
 from ckpt._shared.state import item_tree
+from ckpt._step.tables import bind_tables
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import scale_sim as sim  # noqa: E402
@@ -57,7 +58,7 @@ def _bound(manifest: Manifest, files: dict[str, bytes], reads: list | None = Non
         if reads is not None:
             reads.append(name)
         return files[name]
-    return manifest.bind(read, "simulated")
+    return bind_tables(manifest, read, "simulated")
 
 
 def _normalized(doc: dict, chunks: dict) -> dict:
@@ -322,8 +323,8 @@ def test_per_rank_values_live_in_their_ranks_tables_and_old_manifests_still_load
     old_doc = json.loads(old.to_json())
     old_doc["items"]["count"] = {"kind": "stateful",
                                  "per_rank": {str(r): {"n": r} for r in range(4)}}
-    inline = Manifest.from_json(json.dumps(old_doc).encode(), where="old").bind(
-        old_files.__getitem__, "old")
+    inline = bind_tables(Manifest.from_json(json.dumps(old_doc).encode(), where="old"),
+                         old_files.__getitem__, "old")
     assert item_tree(inline.items["count"], 3) == {"n": 3}
 
 
@@ -346,3 +347,25 @@ def test_a_save_exchanges_no_per_rank_values_and_each_rank_restores_its_own(tmp_
         assert s["blobs_seen"] == [], (rank, s["blobs_seen"])
         assert sum(s["received"]) < blob // 16, (rank, s["received"])
         assert s["step"] == 2 and s["rng_exact"] and s["blob_exact"], (rank, s)
+
+
+def test_verify_names_every_damaged_rank_table_not_only_the_first():
+    """Every damaged rank table is named, not only the first, so that ``ckpt verify`` lists each
+    damaged file and one repair pass fixes them all."""
+    specs = [sim.TensorSpec("rows", "float32", (300, 16), (Shard(0),))]
+    manifest, files = sim.step_of((4,), specs, SaveOptions(chunk_bytes=4096))
+
+    def bound(files: dict[str, bytes]) -> Manifest:
+        m = Manifest.from_json(manifest.to_json(), where="simulated")
+        return bind_tables(m, lambda name: files[name], "simulated")
+
+    assert bound(files).table_problems() == []
+    damaged = dict(files)
+    for rank in (1, 3):
+        name = manifest.tables[rank][0]
+        raw = damaged[name]
+        damaged[name] = raw[:-3] + bytes([raw[-3] ^ 1]) + raw[-2:]
+    problems = bound(damaged).table_problems()
+    assert [str(p) for p in problems] == [
+        next(str(p) for p in problems if f"rank {rank}'s chunk table" in str(p))
+        for rank in (1, 3)]

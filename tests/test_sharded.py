@@ -125,3 +125,43 @@ def test_one_pass_restore_that_fails_on_one_rank_is_repaired_or_named_on_all(tmp
     assert rank1["error"] == "PartialLoadError" and "digest mismatch" in rank1["message"]
     assert rank0["error"] == "PartialLoadError", rank0
     assert "row" in rank0["changed"] and "the live state is mixed" in rank0["message"]
+
+
+# ------------------------------------------------- ranks that disagree on their items
+
+
+@pytest.mark.multiproc
+def test_per_rank_items_in_another_key_order_save_and_each_rank_stages_only_its_own(tmp_path):
+    """Ranks may list the state's keys in any order: the save succeeds and restores exactly, and
+    without a memory tier each rank stages to host only the boxes it writes (one rank stages the
+    replicated "w"). A format-1 save whose ranks disagree on their per-rank items is refused on
+    every rank with a CheckpointError that says so."""
+    seen = run_ranks(2, W.save_keys_in_rank_order_recording_staged, str(tmp_path), timeout=120)
+    assert not (tmp_path / "step-00000005").exists()
+    for rank, s in enumerate(seen):
+        assert s["mismatch"] and "different per-rank items" in s["mismatch"], (rank, s)
+        assert s["step"] == 1 and s["rng_exact"] and s["blob_exact"] and s["w_exact"], (rank, s)
+    stages_w = [rank for rank, s in enumerate(seen) if "w" in s["staged"]]
+    assert len(stages_w) == 1, seen  # one writer; the other rank holds no copy of it
+
+
+@pytest.mark.multiproc
+def test_a_rank_whose_peer_fails_for_good_on_load_says_so_and_tries_no_older_step(tmp_path):
+    """``load()``: one rank's fatal error (its refusal to unpickle) stops every rank on that step;
+    the others name it rather than skip the step as if it were corrupt."""
+    got = run_ranks(2, W.load_where_one_rank_refuses_pickle, str(tmp_path), timeout=120)
+    assert got[1].startswith("UnsupportedValueError: "), got
+    assert got[0].startswith("CheckpointError: another rank failed to load step 1: "
+                             "UnsupportedValueError"), got
+
+
+@pytest.mark.multiproc
+def test_an_item_only_one_rank_holds_is_refused_not_dropped(tmp_path):
+    """The manifest holds rank 0's items: an item only rank 1 saves (a plain value, a tensor) is
+    refused on every rank, by name, in both formats, and nothing is committed."""
+    got = run_ranks(2, W.save_an_item_only_rank_1_holds, str(tmp_path), timeout=120)
+    for rank, s in enumerate(got):
+        assert s["steps"] == [], (rank, s)
+        for message in s["refused"]:
+            assert message and "ranks save different items" in message, (rank, s)
+            assert "'extra', 't1'" in message and "ckpt.PerRank" in message, (rank, s)

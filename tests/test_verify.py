@@ -666,8 +666,8 @@ def _drop_the_inputs(tree: dict) -> None:
 
 @pytest.mark.parametrize("damage, reason", [
     (_record_a_number_as_output, "its recorded output is a int, not a tensor"),
-    # Without its own check, the reason blamed the model: "running the probe's inputs
-    # through the model raised KeyError: 'inputs'" (a mutant h-mutate3 found surviving).
+    # The missing inputs are named, not blamed on the model ("running the probe's inputs
+    # through the model raised KeyError: 'inputs'").
     (_drop_the_inputs, "it has no recorded inputs"),
 ])
 def test_restore_at_the_forward_level_skips_a_step_whose_probe_item_is_damaged(
@@ -727,3 +727,49 @@ def test_the_recorded_factory_and_loss_run_only_when_trusted(tmp_path, capsys, m
     assert code == 0 and (tmp_path / "imported").exists(), out
     assert json.loads(out)["steps"][0]["forward"]["factory"] == "marking:build_net"
     sys.modules.pop("marking", None)
+
+
+def test_verify_of_one_named_step_its_writer_retires_midway_fails(tmp_path, capsys,
+                                                                   monkeypatch):
+    """Only ``--all`` passes over a step retired while it is checked; ``verify --step 1`` of a step
+    its writer retires midway says it is gone and exits 2, having verified nothing."""
+    import verify
+    from verify.cli import main
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+
+        def progress(total: int, label: str):  # made after step 1's manifest was read
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            return lambda nbytes: None
+
+        monkeypatch.setattr(verify, "ProgressBar", progress)
+        code = main(["verify", str(root), "--step", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "skipped step" not in err, err
+    assert "no committed checkpoint at" in err and "step-00000001" in err, err
+    assert not (root / "step-00000001").exists()
+
+
+def test_a_step_retired_while_its_read_fails_is_retired_not_unreadable(tmp_path):
+    """A step whose read fails with an I/O error because its writer deleted it meanwhile is reported
+    retired (CheckpointNotFoundError), as a damaged one is, not unreadable."""
+    import errno
+
+    import verify
+
+    root = tmp_path / "root"
+    with ckpt.CheckpointManager(root, keep_last=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((64,), float(step))})
+        cps = ckpt.inspect.open(str(root))
+
+        def retire_then_fail(step, manifest):  # as an object store answers for a gone key
+            writer.save(3, {"w": torch.full((64,), 3.0)})  # retires step 1
+            raise OSError(errno.EIO, "read failed", str(root / "step-00000001"))
+
+        cps.files = retire_then_fail
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="was retired"):
+            verify.verify_step(cps, 1, "digest")

@@ -373,3 +373,162 @@ def test_worker_sigkilled_under_torchrun_restarts_from_the_zygote_from_memory(tm
     assert (got["step"], got["digest"]) == (10, saved["digest"])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_step"] == 15
+
+
+# ------------------------------------------------ the launcher against a stand-in zygote
+
+
+def start_launcher(cwd: Path, directory: Path, args: list[str]) -> subprocess.Popen:
+    """``python -m trainer.warm`` (light preload) for ``args``, its zygote kept in
+    ``directory``, as torchrun's environment would start it."""
+    env = dict(os.environ, TORCHELASTIC_RUN_ID=f"guard-{uuid.uuid4().hex[:8]}",
+               CKPT_WARM_DIR=str(directory),
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                          if p))
+    env.pop("CKPT_WARM", None)
+    return subprocess.Popen([sys.executable, "-m", "trainer.warm", *LIGHT, *args], env=env,
+                            cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def worker_report(launcher: subprocess.Popen, out: Path) -> dict:
+    """The JSON the worker script writes to ``out`` once it runs (its pids), while the
+    launcher lives."""
+    while not out.exists():
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.02)
+    return json.loads(out.read_text())
+
+
+def kill_all(launcher: subprocess.Popen, pids: list[int]) -> None:
+    """SIGKILL ``pids`` (the worker's processes first: they hold the launcher's stdout open),
+    then the launcher, and collect its output."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if launcher.poll() is None:
+        launcher.kill()
+    launcher.communicate()
+
+
+class StandInZygote:
+    """A socket where the launcher looks for its zygote (the key it computes for this pytest
+    process as its agent), served by the test: it takes the launcher's request and then
+    answers as the test says, so the launcher's fallbacks run for real."""
+
+    def __init__(self, tmp_path: Path, args: list[str]) -> None:
+        from trainer.warm import parse, zygote_key
+
+        self.dir = tmp_path / "w"
+        self.dir.mkdir(mode=0o700)
+        run_id = f"guard-{uuid.uuid4().hex[:8]}"
+        key = zygote_key(run_id, os.getpid(), parse([*LIGHT, SCRIPT, *args])[1])
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(str(self.dir / f"{key}.sock"))
+        self.listener.listen(1)
+        self.listener.settimeout(60)
+        env = dict(os.environ, TORCHELASTIC_RUN_ID=run_id, CKPT_WARM_DIR=str(self.dir),
+                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
+                                              if p))
+        env.pop("CKPT_WARM", None)
+        self.launcher = subprocess.Popen(
+            [sys.executable, "-m", "trainer.warm", *LIGHT, SCRIPT, *args], env=env, cwd=tmp_path,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.conn, _ = self.listener.accept()
+        self.conn.settimeout(60)
+        data, fds, _, _ = socket.recv_fds(self.conn, 1 << 20, 3)  # its request: it now waits
+        for fd in fds:
+            os.close(fd)
+        assert json.loads(data)["target"]["args"] == args
+
+    def close(self) -> None:
+        if self.launcher.poll() is None:
+            self.launcher.kill()
+        self.launcher.communicate()
+        self.conn.close()
+        self.listener.close()
+
+
+def signal_delivered(pid: int, sig: int) -> bool:
+    """Whether ``sig`` sent to ``pid`` is no longer pending (its handler has it)."""
+    with open(f"/proc/{pid}/status") as f:
+        pending = [int(line.split()[1], 16) for line in f
+                   if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return not any(mask & (1 << (sig - 1)) for mask in pending)
+
+
+def test_a_zygote_that_refuses_the_worker_leaves_the_script_cold_in_the_launcher(tmp_path):
+    """A zygote that answers the launcher's request with an error leaves the script to run cold in
+    the launcher, which exits with the script's status and says why."""
+    out = tmp_path / "seen.json"
+    zygote = StandInZygote(tmp_path, ["report", str(out), "4"])
+    try:
+        zygote.conn.send(json.dumps({"error": "refused by the test"}).encode())
+        assert zygote.launcher.wait(timeout=60) == 4
+        seen = json.loads(out.read_text())
+        assert seen["zygote"] is None and seen["pid"] == zygote.launcher.pid  # ran cold
+        stderr = zygote.launcher.stderr.read()
+        assert "refused by the test" in stderr and "cold" in stderr
+    finally:
+        zygote.close()
+
+
+def test_a_sigterm_before_the_zygote_fails_reaches_the_cold_fallback(tmp_path):
+    """A SIGTERM the launcher holds while it waits for the zygote is re-raised when it falls back to
+    a cold start: torchrun's stop is not lost, and the script does not start."""
+    out = tmp_path / "seen.json"
+    zygote = StandInZygote(tmp_path, ["report", str(out), "0"])
+    try:
+        zygote.launcher.send_signal(signal.SIGTERM)  # its relay holds it: no worker yet
+        while not signal_delivered(zygote.launcher.pid, signal.SIGTERM):
+            time.sleep(0.01)
+        zygote.conn.close()  # the zygote gone before it forked the worker
+        assert zygote.launcher.wait(timeout=60) == -signal.SIGTERM
+        assert not out.exists(), "the script ran although the launcher was told to stop"
+    finally:
+        zygote.close()
+
+
+FAMILY = """import json, os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+with open(sys.argv[1] + ".tmp", "w") as f:
+    json.dump({"pid": os.getpid(), "child": child.pid}, f)
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(120)
+"""
+
+
+def test_a_relayed_sigterm_reaches_the_workers_whole_process_group(tmp_path):
+    """The launcher relays torchrun's SIGTERM to the warm worker's whole process group, as a cold
+    worker's children (data loader processes) get it with the worker: none of them outlives the
+    restart."""
+    script, out = tmp_path / "family.py", tmp_path / "family.json"
+    script.write_text(FAMILY)
+    directory = tmp_path / "w"
+    launcher = start_launcher(tmp_path, directory, [str(script), str(out)])
+    seen = None
+    try:
+        seen = worker_report(launcher, out)
+        assert zygotes_in(directory), "the worker was not forked by a zygote"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == -signal.SIGTERM
+        assert wait_gone(seen["pid"]), "the worker outlived the SIGTERM"
+        assert wait_gone(seen["child"]), "the worker's child outlived the SIGTERM"
+    finally:  # the processes first: the child holds the launcher's stdout open
+        kill_all(launcher, [*(seen.values() if seen else ()), *zygotes_in(directory)])
+
+
+def test_a_sigkilled_zygote_takes_its_worker_down_at_once(tmp_path):
+    """A SIGKILLed zygote takes its worker down at once, while the launcher still waits (the worker
+    here would otherwise wait 60 s)."""
+    out, directory = tmp_path / "seen.json", tmp_path / "w"
+    launcher = start_launcher(tmp_path, directory, [SCRIPT, "wait", str(out)])
+    seen = None
+    try:
+        seen = worker_report(launcher, out)
+        os.kill(int(seen["zygote"]), signal.SIGKILL)
+        assert wait_gone(seen["pid"], timeout=20), "the worker outlived its zygote"
+    finally:
+        kill_all(launcher, [*((seen["pid"],) if seen else ()), *zygotes_in(directory)])

@@ -1,5 +1,5 @@
-"""Compressed saves: chunks are compressed on the pool while earlier files are written
-(issue #16), and the files are the same bytes as those of the one-thread path."""
+"""Compressed saves: chunks are compressed on the pool while earlier files are written,
+and the files are the same bytes as those of the one-thread path."""
 
 from __future__ import annotations
 
@@ -12,14 +12,18 @@ import pytest
 import torch
 
 import ckpt
-import ckpt._save.engine as engine
+import ckpt._save.rank_write as rank_write
 from ckpt import SaveOptions
-from ckpt._save.engine import StepPayload, byte_view, write_rank
-from ckpt._step.integrity import digest
+from ckpt._save.payload import StepPayload
+from ckpt._save.rank_write import write_rank
+from ckpt._shared.buffers import byte_view
+from ckpt._format.digest import digest
 from storage_backends import PosixStorage
 
 pytest.importorskip("zstandard")  # optional (GPU images lack it): every test here compresses
-from ckpt._format.codec import decode_into  # noqa: E402
+import numpy as np  # noqa: E402
+import zstandard  # noqa: E402
+from ckpt._format.codec import decode_into, encode  # noqa: E402
 
 OPTIONS = SaveOptions(chunk_bytes=4096, write_threads=2, compression="zstd")
 
@@ -96,7 +100,7 @@ def test_compression_goes_on_while_every_writer_is_busy(tmp_path, monkeypatch):
     start. (Were each thread to compress a file and then write it, nothing would.)"""
     file_of: dict[tuple[str, int], int] = {}
     chunk_of: dict[int, tuple[str, int]] = {}
-    real_plan, real_assign, real_encode = engine._plan, engine.assign_files, engine._encoder()
+    real_plan, real_assign, real_encode = rank_write._plan, rank_write.assign_files, rank_write._encoder()
 
     def plan(payload, options):
         reused, to_write = real_plan(payload, options)
@@ -115,9 +119,9 @@ def test_compression_goes_on_while_every_writer_is_busy(tmp_path, monkeypatch):
             go.set()
         return real_encode(data, *args)
 
-    monkeypatch.setattr(engine, "_plan", plan)
-    monkeypatch.setattr(engine, "assign_files", assign)
-    monkeypatch.setattr(engine, "_encoder", lambda: encode)
+    monkeypatch.setattr(rank_write, "_plan", plan)
+    monkeypatch.setattr(rank_write, "assign_files", assign)
+    monkeypatch.setattr(rank_write, "_encoder", lambda: encode)
     storage = _HeldWrites(tmp_path, go)
     with cf.ThreadPoolExecutor(2) as pool:
         staging = storage.begin("step-00000001", "fixedtoken01")
@@ -165,3 +169,37 @@ def test_level_1_on_grouped_floats_uses_the_cut_down_match_finder():
         assert codec == "zstd-grouped"
         assert zstandard.ZstdDecompressor().decompress(stored) == grouped
         assert len(stored) < len(zstandard.ZstdCompressor(level=1).compress(grouped))
+
+
+# -------------------------------------------------------------- the zstd codec
+
+
+def _unsized_frame(data: bytes) -> bytes:
+    """A zstd frame whose header does not record its content size (a streaming writer's)."""
+    return zstandard.ZstdCompressor(write_content_size=False).compress(data)
+
+
+def test_a_chunks_zstd_frame_is_checked_against_the_chunks_size_before_it_is_expanded():
+    """A chunk's zstd frame is checked against the chunk's size before it is expanded (a frame of
+    another size, or of none recorded, is refused), and any damage is a ValueError, which the reader
+    reports as corruption."""
+    out = memoryview(bytearray(16))
+    with pytest.raises(ValueError, match="zstd frame says 32 bytes, the chunk holds 16"):
+        decode_into("zstd", zstandard.ZstdCompressor().compress(bytes(32)), out, torch.uint8)
+    with pytest.raises(ValueError, match="zstd frame says -1 bytes"):  # (size unrecorded)
+        decode_into("zstd", _unsized_frame(bytes(16)), out, torch.uint8)
+    with pytest.raises(ValueError, match="zstd: "):
+        decode_into("zstd", b"not a zstd frame", out, torch.uint8)
+    decode_into("zstd", zstandard.ZstdCompressor().compress(b"x" * 16), out, torch.uint8)
+    assert bytes(out) == b"x" * 16
+
+
+def test_complex_chunks_group_the_bytes_of_each_real_and_imaginary_part():
+    """Complex chunks group the bytes of each real and imaginary part (the width of the float, not
+    of the complex item): the stored layout is part of the format."""
+    values = torch.arange(64, dtype=torch.float32).reshape(32, 2)
+    data = memoryview(torch.view_as_complex(values).numpy().tobytes())
+    codec, stored = encode(data, torch.complex64)
+    assert codec == "zstd-grouped"
+    raw = zstandard.ZstdDecompressor().decompress(bytes(stored))
+    assert raw == np.frombuffer(data, np.uint8).reshape(-1, 4).T.tobytes()

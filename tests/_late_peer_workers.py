@@ -1,7 +1,8 @@
-"""Rank bodies for test_mutation_guards2.py (top-level functions: spawn imports them by name).
+"""Rank bodies of a memory-tier restore whose peer messages arrive late.
 
 Each rank plays one node of the memory tier (its name from ``nodes[rank]``), with its own
-segment directory, as in tests/_memory_workers.py.
+segment directory, as in tests/_memory_workers.py. The holder's data messages leave only once
+the reader waits for one, so a read that does not wait finds no byte of the step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
-import ckpt._memory.restore as memory_restore
+from ckpt._memory import peer_client, peer_server
 
 SIDE = 128  # "w" is SIDE x SIDE floats (64 KiB: four chunks)
 
@@ -64,7 +65,7 @@ def _until(path: str) -> None:
 
 
 class _Dist:
-    """torch.distributed as ckpt._memory.restore sees it, with a holder's data messages
+    """torch.distributed as the memory tier's peer protocol sees it, with a holder's data messages
     sent only once the reader waits for one (until then no byte of them has arrived),
     and a reader's waits for them recorded in _Flag.path."""
 
@@ -75,7 +76,7 @@ class _Dist:
         return getattr(dist, name)
 
     def isend(self, tensor: torch.Tensor, *args: Any, tag: int = 0, **kwargs: Any) -> Any:
-        if self._holder and tag != memory_restore._REQUEST:
+        if self._holder and tag != peer_server.REQUEST_TAG:
             _until(_Flag.path)
         return dist.isend(tensor, *args, tag=tag, **kwargs)
 
@@ -97,7 +98,7 @@ def restore_with_late_peer_messages(rank: int, world: int, root: str, shm: str, 
     whose messages leave only once rank 0 waits for them. Restores the newest step (read in
     one pass), then step 1 (verified first): the step, its tier and whether "w" is exact,
     or the error."""
-    memory_restore.dist = _Dist(holder=rank == 1)
+    peer_client.dist = peer_server.dist = _Dist(holder=rank == 1)
     out = {}
     for case, step in (("newest", None), ("step 1", 1)):
         _Flag.path = os.path.join(flags, case)

@@ -1,57 +1,18 @@
-"""The GPU checks, made to work the first time a GPU machine is lent (on the CPU, here).
-
-A device machine comes rarely and for minutes, and its image lacks zstandard, moto and
-s3fs: what tests/test_cuda.py, benchmarks/bench_cuda.py and benchmarks/device_check.sh
-need is checked here, without a GPU.
-"""
+"""A save's device-to-host copies and a load's host-to-device copies, on fake CUDA streams
+(tests/_fake_cuda.py): each copy runs on a side stream of its tensor's device, training waits
+for it only where it must, and no buffer is read or refilled while a copy into or out of it is
+in flight."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 import _fake_cuda
 import ckpt
-from ckpt._save.engine import Stager, byte_view
+from ckpt._save.staging import Stager
+from ckpt._shared.buffers import byte_view
 
-REPO = Path(__file__).resolve().parent.parent
-
-# Python that behaves as if zstandard, moto and s3fs were not installed (a None entry in
-# sys.modules makes their import raise ModuleNotFoundError; find_spec says "not found").
-WITHOUT_OPTIONAL = "import sys; sys.modules.update(zstandard=None, moto=None, s3fs=None)\n"
-
-
-def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", WITHOUT_OPTIONAL + textwrap.dedent(code), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
-
-
-def test_ckpt_saves_and_loads_without_zstandard_and_names_it_when_asked_to_compress(tmp_path):
-    result = run_python(f"""
-        import torch, ckpt
-        state = {{"t": torch.arange(10.0)}}
-        ckpt.save(state, {str(tmp_path / 'plain')!r})
-        back = {{"t": torch.zeros(10)}}
-        ckpt.load(back, {str(tmp_path / 'plain')!r})
-        assert torch.equal(back["t"], state["t"])
-        try:
-            ckpt.save(state, {str(tmp_path / 'zstd')!r},
-                      options=ckpt.SaveOptions(compression="zstd"))
-        except ckpt.CheckpointError as e:
-            print("refused:", e)
-        """)
-    assert result.returncode == 0, result.stderr
-    assert "refused: compression='zstd' needs the zstandard package" in result.stdout
-    assert "pip install zstandard" in result.stdout
-
-
-# -- the device-to-host copies of a save, on fake CUDA streams (tests/_fake_cuda.py) ---------
 
 def staged_on(device: int, monkeypatch, guard: bool):
     """A parameter (guarded by its optimizer when ``guard``) and a buffer on ``device``
@@ -77,6 +38,9 @@ ON_DEVICE = pytest.mark.parametrize("device", [0, 1], ids=["cuda0", "cuda1-not-c
 @ON_DEVICE
 def test_each_copy_runs_on_a_stream_of_its_tensors_device_and_ready_waits_for_it(
         device, monkeypatch):
+    """Each device-to-host copy runs on a side stream of its tensor's device (not training's),
+    ``ready`` waits for every copy, and the allocator may not reuse a source's memory before its
+    copy ran."""
     sim, _, staged, ready, copies, (weight, buffer) = staged_on(device, monkeypatch, guard=True)
     assert {s.device for s, _ in copies.values()} == {torch.device("cuda", device)}
     assert all(s in sim.side for s, _ in copies.values())  # not training's stream
@@ -94,6 +58,8 @@ def test_each_copy_runs_on_a_stream_of_its_tensors_device_and_ready_waits_for_it
 @ON_DEVICE
 def test_training_waits_at_once_for_a_buffer_and_at_the_optimizer_step_for_a_parameter(
         device, monkeypatch):
+    """Training waits at once for a buffer's copy (a forward pass could change it) and for a
+    parameter's only at the optimizer's step, so that copy overlaps the forward and backward."""
     sim, optimizer, _, _, copies, _ = staged_on(device, monkeypatch, guard=True)
     training = sim.defaults[device]  # the stream where the model's kernels run
     assert sim.covered(*copies["bn"], training), "a forward pass could change the buffer mid-copy"
@@ -104,10 +70,10 @@ def test_training_waits_at_once_for_a_buffer_and_at_the_optimizer_step_for_a_par
 
 @ON_DEVICE
 def test_without_guards_training_waits_for_every_copy(device, monkeypatch):
+    """Without guards training waits for every copy at once, and no optimizer hook is added."""
     sim, optimizer, _, _, copies, _ = staged_on(device, monkeypatch, guard=False)
     assert all(sim.covered(s, i, sim.defaults[device]) for s, i in copies.values())
     assert not optimizer._optimizer_step_pre_hooks
-
 
 
 @ON_DEVICE
@@ -131,7 +97,8 @@ def test_the_copies_read_what_training_queued_before_save(device, monkeypatch):
 
 
 def test_a_key_staged_from_the_cpu_then_from_a_gpu_gets_a_pinned_buffer(monkeypatch):
-    """A non-blocking copy into pageable memory would make save() wait for the copy."""
+    """A key staged from the CPU, then from a GPU, gets a pinned buffer: a non-blocking copy into
+    pageable memory would make save() wait for the copy."""
     sim = _fake_cuda.install(monkeypatch)
     stager = Stager()
     staged, _ = stager.stage({"t": torch.randn(4)}, copy=True)
@@ -145,21 +112,21 @@ def test_the_writer_reads_a_staged_buffer_only_once_its_copy_is_done(
         asynchronous, tmp_path, monkeypatch):
     """ckpt.save/async_save of (fake) CUDA tensors on two devices: the writer thread starts
     reading the pinned buffers only after the device-to-host copies into them ended."""
-    import ckpt._save.engine
+    import ckpt._save.writer
 
     sim = _fake_cuda.install(monkeypatch)
     weight = sim.tensor(torch.randn(8, 4), device=1)
     optimizer = torch.optim.SGD([weight], lr=0.1)
     state = {"w": weight, "bn": sim.tensor(torch.randn(4), device=0), "opt": optimizer}
     in_flight = []
-    real_write_rank = ckpt._save.engine.write_rank
+    real_write_rank = ckpt._save.writer.write_rank
 
     def write_rank(storage, staging, payload, options, pool):
         for _, buf in payload.pieces.values():
             in_flight.extend(sim.host_in_flight(*_fake_cuda.memory_range(byte_view(buf))))
         return real_write_rank(storage, staging, payload, options, pool)
 
-    monkeypatch.setattr(ckpt._save.engine, "write_rank", write_rank)
+    monkeypatch.setattr(ckpt._save.writer, "write_rank", write_rank)
     if asynchronous:
         ckpt.async_save(state, tmp_path / "c").wait()
     else:
@@ -168,7 +135,6 @@ def test_the_writer_reads_a_staged_buffer_only_once_its_copy_is_done(
     assert in_flight == [], "the writer read a pinned buffer while its copy was in flight"
     back = ckpt.load(tmp_path / "c")
     assert torch.equal(back["w"], weight.as_subclass(torch.Tensor))
-
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "overlap_off"])
@@ -194,129 +160,39 @@ def test_async_save_of_a_model_and_its_optimizer_overlaps_only_when_asked(
     handle.wait()
 
 
-# -- the CUDA generators of RNGState, on a machine with another number of devices ------------
+def test_save_keeps_no_host_copy_of_cuda_tensors_and_async_save_keeps_one_for_reuse(
+        tmp_path, monkeypatch):
+    """ckpt.save stages CUDA tensors into pinned host buffers; once it returns, nothing
+    holds them (a module-level copy the size of the model, pinned, until the next save).
+    async_save keeps its buffers: the next call refills them."""
+    import gc
+    import weakref
 
-def fake_cuda_rng(monkeypatch, count: int, current: int) -> dict[int, torch.Tensor]:
-    """torch.cuda's RNG calls on ``count`` fake devices: returns each device's state as set
-    (an index out of range raises, as torch.cuda.default_generators[index] does)."""
-    states: dict[int, torch.Tensor] = {}
+    import _fake_cuda
 
-    def set_rng_state(new_state, device="cuda"):
-        index = device if isinstance(device, int) else torch.device(device).index
-        if index is None:
-            index = current
-        if not 0 <= index < count:
-            raise IndexError("tuple index out of range")
-        states[index] = new_state
+    sim = _fake_cuda.install(monkeypatch)
+    state = {"w": sim.tensor(torch.randn(64, 64)), "b": sim.tensor(torch.randn(64))}
+    buffers: list = []
+    real_stage = Stager.stage
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
-    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
-    return states
+    def stage(self, tensors, copy, guards=()):
+        staged, ready = real_stage(self, tensors, copy, guards)
+        buffers.extend(weakref.ref(t) for t in staged.values())
+        return staged, ready
 
+    monkeypatch.setattr(Stager, "stage", stage)
+    ckpt.async_save(state, tmp_path / "a").wait()
+    gc.collect()
+    kept = [r() for r in buffers]
+    assert len(kept) == 2 and all(t is not None and t.is_pinned() for t in kept)
+    del kept
+    buffers.clear()
+    ckpt.save(state, tmp_path / "s")
+    gc.collect()
+    assert len(buffers) == 2 and all(r() is None for r in buffers)
+    back = ckpt.load(tmp_path / "s")
+    assert torch.equal(back["w"], state["w"].as_subclass(torch.Tensor))
 
-def saved_rng(devices: int, current: int) -> dict:
-    state = ckpt.RNGState().state_dict()
-    state["cuda"] = [torch.full((16,), i, dtype=torch.uint8) for i in range(devices)]
-    state["cuda_device"] = current
-    return state
-
-
-def test_cuda_rng_states_restore_on_as_many_devices_one_per_device(monkeypatch):
-    states = fake_cuda_rng(monkeypatch, count=2, current=1)
-    ckpt.RNGState().load_state_dict(saved_rng(devices=2, current=1))
-    assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}
-
-
-def test_cuda_rng_of_a_rank_on_cuda3_of_8_goes_on_on_the_one_device_it_has_now(monkeypatch):
-    states = fake_cuda_rng(monkeypatch, count=1, current=0)
-    ckpt.RNGState().load_state_dict(saved_rng(devices=8, current=3))
-    assert {i: int(s[0]) for i, s in states.items()} == {0: 3}
-
-
-def test_cuda_rng_saved_by_an_old_version_without_its_device_restores_what_fits(monkeypatch):
-    states = fake_cuda_rng(monkeypatch, count=2, current=0)
-    old = saved_rng(devices=4, current=0)
-    del old["cuda_device"]
-    ckpt.RNGState().load_state_dict(old)
-    assert {i: int(s[0]) for i, s in states.items()} == {0: 0, 1: 1}
-
-
-# -- benchmarks/bench_cuda.py: its code run on the CPU ---------------------------------------
-
-def run_bench_cuda(*args: str) -> subprocess.CompletedProcess:
-    return run_python(f"""
-        import runpy
-        sys.argv = ["bench_cuda.py", *{list(args)!r}]
-        runpy.run_path("benchmarks/bench_cuda.py", run_name="__main__")
-        """, timeout=300)
-
-
-def test_bench_cuda_dry_run_on_the_cpu_prints_every_row(tmp_path):
-    result = run_bench_cuda("--device", "cpu", "--sizes", "4M", "--reps", "1",
-                            "--quiet-wait", "0", "--dir", str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    for row in ("training step, no save", "device-to-host copy floor (pinned)",
-                "ckpt save() blocks (overlapped)", "ckpt next step (overlap off)",
-                "ckpt step during the write (overlapped)", "DCP async_save blocks (default)",
-                "DCP async_save blocks (DefaultStager, pinned)", "ckpt restore (warm)",
-                "dcp.load (warm)"):
-        assert f"| {row} " in result.stdout, (row, result.stdout)
-    assert "Restore " in result.stdout and "failed after" not in result.stdout
-    assert "WARNING" not in result.stdout  # the copy floor moved what ckpt saved
-    assert "a dry run" in result.stdout
-    assert not (tmp_path / "cuda").exists()  # its data removed
-
-
-def test_bench_cuda_without_a_gpu_says_so_and_exits_0():
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is here")
-    result = run_bench_cuda("--sizes", "4M")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("No CUDA device: bench_cuda.py measured nothing")
-
-
-def test_test_cuda_runs_on_the_cpu_where_it_is_not_about_cuda_itself():
-    """tests/test_cuda.py with CKPT_TEST_DEVICE=cpu: the tests of saves and restores run."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "CKPT_TEST_DEVICE": "cpu"})
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "6 passed" in result.stdout, result.stdout[-3000:]
-
-
-# -- benchmarks/device_check.sh: the one script run on a device machine ----------------------
-
-def run_device_check(out: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "benchmarks/device_check.sh"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "OUT": str(out),
-                               "PYTHON": sys.executable, **env})
-
-
-def test_device_check_runs_every_step_keeps_their_logs_and_exits_with_the_first_failure(
-        tmp_path):
-    """One run with a test step that times out and a benchmark that refuses its sizes: every
-    step still runs, each keeps its log under $OUT, the status is the first failure's."""
-    result = run_device_check(tmp_path, CKPT_COMMIT="abc1234", TEST_TIMEOUT="1",
-                              BENCH_SIZES="bogus")
-    log = (tmp_path / "device_check.log").read_text()
-    assert "commit abc1234" in log
-    for line in ("import: exit 0", "test_cuda: TIMED OUT after 1s", "bench_cuda: exit 1"):
-        assert line in log, log
-    assert "invalid literal" in (tmp_path / "bench_cuda.log").read_text()
-    assert {"versions.log", "import.log", "test_cuda.log", "bench_cuda.log"} <= {
-        p.name for p in tmp_path.iterdir()}
-    if torch.cuda.is_available():
-        assert result.returncode == 124, log
-    else:  # the versions step failed first
-        assert "NO CUDA DEVICE" in log and "versions: exit 3" in log, log
-        assert result.returncode == 3, log
-
-
-# -- a restore onto the GPU through pinned bounce buffers, on fake CUDA streams --------------
 
 @ON_DEVICE
 def test_restore_reuses_a_bounce_buffer_only_after_its_copy_and_returns_after_every_copy(
@@ -346,7 +222,6 @@ def test_restore_reuses_a_bounce_buffer_only_after_its_copy_and_returns_after_ev
     training = sim.defaults[device]
     assert all((s, i) in sim.done or sim.covered(s, i, training) for s, i, _ in copies)
     assert all(torch.equal(live[k].as_subclass(torch.Tensor), v) for k, v in saved.items())
-
 
 
 @ON_DEVICE

@@ -1,0 +1,111 @@
+"""Replication of memory-tier steps: which ranks receive a rank's replica, and what a receiver
+stores (only what a peer of this job may send, its newest steps only)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+
+import pytest
+
+from ckpt._memory.replication import Replicator, ring_targets
+from ckpt._memory.tier import replica_name
+
+
+def _send(address: tuple, header: dict, payload: bytes, *, close_early: bool = False) -> bytes:
+    """Speak the replication protocol to a receiver at ``address``; its reply (b"OK", or
+    b"" when it refused and hung up)."""
+    head = json.dumps(header).encode()
+    with socket.create_connection(("127.0.0.1", address[1]), timeout=30) as sock:
+        try:
+            sock.sendall(struct.pack("!Q", len(head)) + head + payload)
+            if close_early:
+                return b""
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:  # it hung up before reading everything: a refusal
+            pass
+        reply = b""
+        try:
+            while chunk := sock.recv(16):
+                reply += chunk
+        except OSError:
+            pass
+        return reply
+
+
+DOC = json.dumps({"step": 3, "rank": 1}).encode()
+
+
+GOOD = {"secret": "s3cret", "job": "j", "origin": 1, "step": 3, "files": [["data-0", 4]],
+        "doc": len(DOC)}
+
+
+HOSTILE = {
+    "wrong secret": ({**GOOD, "secret": "guess"}, b"abcd" + DOC),
+    "no secret yet": ({**GOOD, "secret": ""}, b"abcd" + DOC),  # before connect()
+    "path in a name": ({**GOOD, "files": [["../../evil", 4]]}, b"abcd" + DOC),
+    "another step": ({**GOOD}, b"abcd" + json.dumps({"step": 4, "rank": 1}).encode()),
+    "negative rank": ({**GOOD, "origin": -1, "doc": len(DOC) + 1},
+                      b"abcd" + json.dumps({"step": 3, "rank": -1}).encode()),
+    "over budget": ({**GOOD, "files": [["data-0", 64]]}, bytes(64) + DOC),
+    "dropped": ({**GOOD, "files": [["data-0", 100]]}, bytes(10)),  # the sender dies
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_replica_receiver_stores_nothing_a_peer_may_not_send(tmp_path, case):
+    """A replica receiver stores nothing a peer may not send, counts the attempt as failed and hangs
+    up: a wrong secret, or any before the job's secret is set; a file name with a path in it; a rank
+    document of another step; a negative origin rank; a step over its budget; and a transfer dropped
+    part-way leaves no staging directory behind."""
+    counted: list[str] = []
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    rep = Replicator(shm_dir=str(shm), job="j", node="n", keep=2, timeout=10,
+                     budget=32 if case == "over budget" else None, count=counted.append)
+    try:
+        if case != "no secret yet":
+            rep.connect([], "s3cret")
+            assert _send(rep.address, GOOD, b"abcd" + DOC) == b"OK"  # the control
+            assert counted == []
+        header, payload = HOSTILE[case]
+        reply = _send(rep.address, header, payload, close_early=case == "dropped")
+        deadline = time.monotonic() + 30
+        while "failed" not in counted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert reply == b"" and counted == ["failed"]
+        stored = sorted(str(p.relative_to(shm)) for p in shm.rglob("*")
+                        if p.is_file() and p.name != "owner" and "owner" not in p.name)
+        assert stored == ([] if case == "no secret yet" else
+                          [f"{replica_name('j', 'n', 1)}/step-00000003/data-0",
+                           f"{replica_name('j', 'n', 1)}/step-00000003/rank.json"])
+        assert not list(shm.rglob(".tmp-*")) and not (shm / "evil").exists()
+    finally:
+        rep.close()
+
+
+def test_a_replica_receiver_keeps_only_its_newest_generations(tmp_path):
+    """A replica receiver keeps only the ``keep`` newest steps a peer sent: memory (/dev/shm) holds
+    no more."""
+    rep = Replicator(shm_dir=str(tmp_path), job="j", node="n", keep=2, timeout=10)
+    try:
+        rep.connect([], "s3cret")
+        for step in (3, 4, 5):
+            doc = json.dumps({"step": step, "rank": 1}).encode()
+            assert _send(rep.address, {**GOOD, "step": step, "doc": len(doc)},
+                         b"abcd" + doc) == b"OK"
+        segment = tmp_path / replica_name("j", "n", 1)
+        assert sorted(p.name for p in segment.glob("step-*")) == ["step-00000004",
+                                                                  "step-00000005"]
+    finally:
+        rep.close()
+
+
+def test_replicas_go_to_other_nodes_and_spread_over_a_smaller_nodes_ranks():
+    """A rank's replicas go to other nodes, never to itself, and the ranks whose local rank a
+    smaller node lacks spread over that node's ranks."""
+    assert ring_targets(0, ["a", "b"], [0, 0], replicas=3) == [1]
+    nodes, local = ["a", "a", "a", "a", "b", "b"], [0, 1, 2, 3, 0, 1]
+    assert [ring_targets(r, nodes, local, 1)[0] for r in range(4)] == [4, 5, 4, 5]

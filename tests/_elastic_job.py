@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import ckpt  # noqa: E402
+
 from trainer.config import (CheckpointConfig, DataConfig, ElasticConfig,  # noqa: E402
                             FailureConfig, ObservabilityConfig, StepConfig)
 from trainer.elastic import ElasticTrainer  # noqa: E402
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         data=DataConfig(data_loader=extras.get("data_loader")),
         step=StepConfig(fsdp=args.fsdp, max_grad_norm=1.0),
         checkpoint=CheckpointConfig(
-            manager_options={"keep_last": 2, "memory_dir": str(memory_dir)},
+            manager_options={"keep_last": 2},
+            memory_options=ckpt.MemoryTierOptions(shm_dir=str(memory_dir)),
             extra_state=extras.get("extra_state")),
         failure=FailureConfig(heartbeat_timeout=args.heartbeat_timeout,
                               collective_timeout=args.collective_timeout),

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import ckpt  # noqa: E402
+
 from trainer import (CheckpointConfig, ElasticConfig, FailureConfig, Hooks,  # noqa: E402
                      ObservabilityConfig)
 from trainer.elastic import ElasticTrainer  # noqa: E402
@@ -149,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
             write(f"saved-a{t.attempt}-r{t.rank}.jsonl", {"step": step, "digest": digest()},
                   append=True)
 
-    options = {"keep_last": 3, "persist_every": args.persist_every}
-    if args.memory_job:
-        options["memory_job"] = args.memory_job
+    memory = ckpt.MemoryTierOptions(persist_every=args.persist_every,
+                                    job=args.memory_job or None)
     pad = int(args.pad_mb * 1e6 / 4)
     config = ElasticConfig(
         health=False, hooks=Hooks(after_step=after_step),
         checkpoint=CheckpointConfig(
-            manager_options=options, memory_tier=MEMORY[args.memory], probe=False,
+            manager_options={"keep_last": 3}, memory_tier=MEMORY[args.memory],
+            memory_options=memory, probe=False,
             verify="digest",
             extra_state=(lambda model: {"pad": torch.ones(pad)}) if pad else None),
         failure=FailureConfig(heartbeat_timeout=args.heartbeat_timeout,

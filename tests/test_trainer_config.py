@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ckpt
 import trainer
 from trainer import (CheckpointConfig, DataConfig, ElasticConfig, FailureConfig, HealthGuard,
                      ObservabilityConfig, StepConfig)
+from trainer.checkpointing import memory_job_id, memory_tier_options
 from trainer.config import LEGACY_KEYWORDS, new_spelling
 from trainer.elastic import ElasticTrainer
 
@@ -132,3 +134,19 @@ def test_checkpoint_every_stays_a_required_positive_argument(tmp_path):
         ElasticTrainer(lambda: None, lambda p: None, [0] * 4, step_fn,
                        checkpoint_root=tmp_path, checkpoint_every=0, global_batch_size=2,
                        micro_batch_size=2)
+
+
+def test_memory_options_reach_the_manager_with_the_jobs_name_filled_in(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run7")
+    got = memory_tier_options(True, root=tmp_path, elastic=True,
+                              options=ckpt.MemoryTierOptions(persist_every=3))
+    assert got == {"memory_tier": ckpt.MemoryTierOptions(
+        persist_every=3, job=memory_job_id(tmp_path, "run7"))}
+    own = ckpt.MemoryTierOptions(job="mine", replicas=2)
+    assert memory_tier_options(True, root=tmp_path, elastic=True,
+                               options=own)["memory_tier"] is own
+    assert memory_tier_options(False, root=tmp_path, elastic=True, options=own) == {}
+    with pytest.raises(TypeError, match="memory_options must be a ckpt.MemoryTierOptions"):
+        CheckpointConfig(memory_options={"persist_every": 3})
+    with pytest.raises(TypeError, match="may not set \\['schedule'\\]"):
+        CheckpointConfig(manager_options={"schedule": ckpt.Schedule()})

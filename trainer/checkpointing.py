@@ -95,6 +95,8 @@ def make_probe(spec: bool | Callable[[Any], Any] | ckpt.Probe | None, module: to
 
 SHM_DIR = "/dev/shm"
 
+_DEFAULT_COMMIT_TIMEOUT = ckpt.SaveOptions().commit_timeout
+
 
 def memory_job_id(root: str | os.PathLike, run_id: str | None) -> str:
     """The job's name in memory segment names: torchrun's run id and a hash of the root, so
@@ -104,20 +106,23 @@ def memory_job_id(root: str | os.PathLike, run_id: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9_.]+", "_", f"{run_id or 'local'}.{digest}")
 
 
-def memory_tier_options(requested: bool | None, *, root: str | os.PathLike,
-                        elastic: bool) -> dict[str, Any]:
+def memory_tier_options(requested: bool | None, *, root: str | os.PathLike, elastic: bool,
+                        options: ckpt.MemoryTierOptions | None = None) -> dict[str, Any]:
     """The ``CheckpointManager`` keywords that turn the memory tier on (empty: off).
 
     ``requested``: True (on), False (off) or None, the trainer's default: on when torchrun
-    runs the job (``elastic``) and /dev/shm exists. The job id in segment names comes from
-    :func:`memory_job_id`; the user's checkpoint options (``persist_every``, ``replicas``,
-    ``memory_keep``, ``memory_job``, ...) are passed to the manager after these and win.
+    runs the job (``elastic``) and /dev/shm exists. ``options`` say how the tier works
+    (``persist_every``, ``replicas``, ``keep``, ...); their ``job``, the name in segment
+    names, defaults to :func:`memory_job_id`.
     """
     if requested is False or (requested is None
                               and not (elastic and os.path.isdir(SHM_DIR))):
         return {}
-    return {"memory_tier": ckpt.MemoryTierOptions(
-        job=memory_job_id(root, os.environ.get("TORCHELASTIC_RUN_ID")))}
+    options = options or ckpt.MemoryTierOptions()
+    if options.job is None:
+        options = dataclasses.replace(
+            options, job=memory_job_id(root, os.environ.get("TORCHELASTIC_RUN_ID")))
+    return {"memory_tier": options}
 
 
 class TrainerCheckpointer:
@@ -129,7 +134,8 @@ class TrainerCheckpointer:
         every: save every N steps.
         items: what each checkpoint holds (see :func:`checkpointed_items`); restored in
             place.
-        collective_timeout: the commit vote's timeout (unless ``options`` sets one).
+        collective_timeout: the commit vote's timeout (unless the ``ckpt.SaveOptions`` in
+            ``options`` sets another).
         options: more ``CheckpointManager`` keywords (``keep_last`` defaults to 3; the
             memory tier's from :func:`memory_tier_options`).
         probe: recorded with every save (None: none).
@@ -146,8 +152,10 @@ class TrainerCheckpointer:
         self.manager_options = options
         self.verify = verify
         kwargs = dict(options)
-        saving = kwargs.pop("options", None) or ckpt.SaveOptions(
-            commit_timeout=collective_timeout)
+        saving = kwargs.pop("options", None) or ckpt.SaveOptions()
+        if saving.commit_timeout == _DEFAULT_COMMIT_TIMEOUT:  # not chosen by the user
+            saving = dataclasses.replace(saving, commit_timeout=collective_timeout)
+        # The trainer's own SIGTERM handling checkpoints the step every rank agreed on.
         self.manager = ckpt.CheckpointManager(
             root, every_steps=every, schedule=ckpt.Schedule(handle_sigterm=False),
             options=dataclasses.replace(saving, probe=probe), **kwargs)

@@ -33,8 +33,9 @@ from trainer.health import HealthGuard
 from trainer.hooks import Hooks
 
 #: ``CheckpointManager`` keywords the trainer sets itself.
-RESERVED_MANAGER_OPTIONS = frozenset({"every_steps", "process_group", "handle_sigterm",
-                                      "save_on_preemption", "probe", "memory_tier"})
+RESERVED_MANAGER_OPTIONS = frozenset({"every_steps", "schedule", "process_group",
+                                      "handle_sigterm", "save_on_preemption", "probe",
+                                      "memory_tier"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,18 +96,21 @@ class CheckpointConfig:
 
     Args:
         manager_options: more ``CheckpointManager`` keywords (``keep_last`` defaults to
-            3), the memory tier's among them: ``persist_every`` (only every K-th save also
-            goes to the root; default 1; the final and preemption checkpoints always do),
-            ``replicas`` (copies of each node's shards in other nodes' memory; default 1),
-            ``memory_keep``, ``memory_budget``, ``memory_job`` (default: torchrun's run id
-            and a hash of the root). The trainer sets the schedule, process group, SIGTERM
-            handling, probe and memory tier itself (TypeError if given here).
+            3; ``options=ckpt.SaveOptions(...)``, whose ``commit_timeout`` defaults to the
+            failure config's ``collective_timeout`` here; ``retention=``, ...). The trainer
+            sets the schedule, process group, SIGTERM handling, probe and memory tier
+            itself (TypeError if given here).
         memory_tier: keep every checkpoint in node-local shared memory (``/dev/shm``) too,
             and a copy in a peer node's, so that a restarted worker restores from RAM and
             survivors of a lost node from the peer copy before reading the root
             (docs/memory-tier.md). None (default): on when torchrun runs the job and
             /dev/shm exists; True: on, also in a plain process; False: off. The run
             records say which tier each restore came from.
+        memory_options: how the memory tier works when it is on (``ckpt.MemoryTierOptions``:
+            ``persist_every``, only every K-th save also goes to the root, the final and
+            preemption checkpoints always do; ``replicas``, copies of each node's shards in
+            other nodes' memory; ``keep``, ``budget``, ``shm_dir``, ``node``; ``job``,
+            default: torchrun's run id and a hash of the root). Default: its defaults.
         probe: the ``ckpt.Probe`` recorded with every checkpoint, for the forward check of
             restores: True (default) runs the model on the first element of a fixed micro
             batch of the dataset (its first samples, collated; dropped with a warning if
@@ -126,6 +130,7 @@ class CheckpointConfig:
 
     manager_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     memory_tier: bool | None = None
+    memory_options: ckpt.MemoryTierOptions | None = None
     probe: bool | Callable[[Any], Any] | ckpt.Probe | None = True
     verify: str = "forward"
     extra_state: Callable[[torch.nn.Module], dict[str, Any]] | None = None
@@ -136,11 +141,15 @@ class CheckpointConfig:
         if reserved:
             raise TypeError(f"checkpoint manager options may not set {sorted(reserved)}: "
                             "the trainer owns them (checkpoint_every, its process group, "
-                            "SIGTERM, probe=, memory_tier=)")
+                            "SIGTERM, probe=, memory_tier= and memory_options=)")
         object.__setattr__(self, "manager_options", options)
         if self.memory_tier is not None and not isinstance(self.memory_tier, bool):
             raise TypeError(f"memory_tier must be True, False or None, not "
                             f"{self.memory_tier!r}")
+        if self.memory_options is not None and not isinstance(self.memory_options,
+                                                              ckpt.MemoryTierOptions):
+            raise TypeError(f"memory_options must be a ckpt.MemoryTierOptions, not "
+                            f"{type(self.memory_options).__name__}")
         if self.verify not in VERIFY_LEVELS:
             raise ValueError(f"verify must be one of {VERIFY_LEVELS}, not {self.verify!r}")
 

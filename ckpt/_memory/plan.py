@@ -46,7 +46,6 @@ class ReadPlan:
     ``sizes``: path -> the size its rank step recorded; ``tier``: "memory" when every byte
     comes from this node's own segments, "peer" when any comes from a replica or a peer."""
 
-    step: int
     location: str
     manifest: Manifest
     raw: bytes
@@ -89,6 +88,7 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
         error = f"rank {rank} cannot use step {c.step} in memory: {e!r}"
     serving = _exchange(plan.requests if plan else {}, error, c.step, location, shm_dir,
                         prefix, rank, pg)
+    assert plan is not None  # else this rank's error made _exchange raise on every rank
     url = f"memory:{c.step}"
     peers = PeerClient(pg, plan.requests, location, url)
     server = PeerServer(pg, serving, url).start() if serving else None
@@ -128,7 +128,7 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
         else:
             requests.setdefault(holder, []).append((h.segment, chunk.file, chunk.start,
                                                     chunk.length))
-    return ReadPlan(c.step, location, manifest, raw, sizes, local, requests, tier)
+    return ReadPlan(location, manifest, raw, sizes, local, requests, tier)
 
 
 def _merge(c: Candidate, docs: dict[int, dict], location: str,

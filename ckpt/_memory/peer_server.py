@@ -11,10 +11,10 @@ Messages, all point to point over ``pg`` (ranks below are ranks in ``pg``):
   ``[op, a, b, c, tag]``:
 
   - ``[ROUND, kind, first_tag, piece, 0]``: send every planned range, in order, cut into
-    messages of ``piece`` bytes (the last of a range may be shorter): message ``k`` of
-    ``round_keys(lengths, piece)`` goes with tag ``first_tag + k``. ``kind`` (``VERIFY`` or
-    ``APPLY``) names the load's pass; a reader asks each holder for at most one round of
-    each kind.
+    messages of ``piece`` bytes (``PEER_BLOCK``, 4 MiB, in ckpt's reader; the last of a
+    range may be shorter): message ``k`` of ``round_keys(lengths, piece)`` goes with tag
+    ``first_tag + k``. ``kind`` (``VERIFY`` or ``APPLY``) names the load's pass; a reader
+    asks each holder for at most one round of each kind.
   - ``[READ, index, offset, length, tag]``: bytes ``[offset, offset + length)`` of planned
     range ``index``, as one message with tag ``tag``. A request outside the plan is
     answered with ``length`` zero bytes (they fail their digests) and logged.

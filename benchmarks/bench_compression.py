@@ -30,7 +30,7 @@ import zstandard  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt._format.codec import encode  # noqa: E402
-from ckpt._save.engine import byte_view  # noqa: E402
+from ckpt._shared.buffers import byte_view  # noqa: E402
 from storage_backends import PosixStorage  # noqa: E402
 
 LEVELS = [-3, -1, 1, 3]

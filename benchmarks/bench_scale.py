@@ -51,7 +51,7 @@ import scale_sim as sim  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
 
 from ckpt._shared.distributed import Group  # noqa: E402
-from ckpt._save.engine import build_top_manifest  # noqa: E402
+from ckpt._save.commit import build_top_manifest  # noqa: E402
 from ckpt._format.manifest import Manifest  # noqa: E402
 from ckpt._format.layout import cells_overlapping  # noqa: E402
 from ckpt.options import SaveOptions  # noqa: E402

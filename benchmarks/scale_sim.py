@@ -4,8 +4,8 @@ A save and a load at N ranks run, besides moving bytes, a planning path whose co
 ranks and tensors. In format 2 (docs/format.md) each rank decides from the tensors' layouts
 which of its boxes it writes (``snapshot.written_here``), cuts them into chunks and data files
 (``chunk_tensor``, ``assign_files``, ``encode_header``) and writes its chunk table
-(``engine.table_file``); the coordinator collects one small report per rank and builds the
-top-level manifest (``engine.build_top_manifest``, ``Manifest.to_json``); a reader validates
+(``rank_write.table_file``); the coordinator collects one small report per rank and builds the
+top-level manifest (``commit.build_top_manifest``, ``Manifest.to_json``); a reader validates
 it (``Manifest.from_json``) and each rank of the next world finds the chunks overlapping its
 boxes (``sharding.overlapping``: the layout names the ranks whose tables it reads, which are
 then checked against their digests and validated). This module drives exactly those
@@ -25,7 +25,9 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ckpt._format.datafile import Piece, encode_header
-from ckpt._save.engine import RankTable, StepPayload, build_top_manifest, table_file
+from ckpt._save.commit import build_top_manifest
+from ckpt._save.payload import RankTable, StepPayload
+from ckpt._save.rank_write import table_file
 from ckpt._format.manifest import DTYPES, Chunk, Manifest
 from ckpt._format.layout import BoxLayout, Mesh, MeshLayout
 from ckpt.options import SaveOptions
@@ -181,7 +183,7 @@ def layouts_of(mesh: tuple[int, ...], tensors: list[TensorSpec],
 
 def rank_table(rank: int, specs: list[PieceSpec], mine: list[str], options: SaveOptions,
                token: str) -> RankTable:
-    """What ``engine.write_rank`` records for this rank's boxes, without the bytes: the same
+    """What ``rank_write.write_rank`` records for this rank's boxes, without the bytes: the same
     chunking, file grouping, file names and header layout (uncompressed, no reuse)."""
     chunks = []
     by_key = {s.key: s for s in specs}

@@ -3,7 +3,7 @@
 from . import inspect
 from ckpt._shared.adapters import ModelOptimizer
 from ckpt.api import CheckpointExistsError, async_save, load, save
-from ckpt._save.engine import SaveHandle, SaveResult
+from ckpt._save.handle import SaveHandle, SaveResult
 from ckpt.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      CorruptCheckpointError, ForwardCheckError, PartialLoadError,
                      StateMismatchError,

@@ -10,15 +10,17 @@ from typing import Any, MutableMapping, overload
 
 from storage_backends import PosixStorage
 
-from ckpt._shared.distributed import Group
-from ckpt._save.engine import BackgroundWriter, SaveHandle, SaveResult, Stager
-from ckpt.errors import CheckpointError
 from ckpt._load.gate import Gate, verify_level
-from ckpt._step.integrity import read_manifest
-from ckpt.options import SaveOptions
 from ckpt._load.reader import load_step
-from ckpt._save.snapshot import snapshot
 from ckpt._load.structure import MapLocation, read_structure
+from ckpt._save.handle import SaveHandle, SaveResult
+from ckpt._save.snapshot import snapshot
+from ckpt._save.staging import Stager
+from ckpt._save.writer import BackgroundWriter
+from ckpt._shared.distributed import Group
+from ckpt._step.integrity import read_manifest
+from ckpt.errors import CheckpointError
+from ckpt.options import SaveOptions
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
@@ -136,9 +138,9 @@ def load(state: Any, path: Any = None, *, allow_pickle: bool = False,
     Under torch.distributed each rank loads the boxes it holds (any world size). Every
     chunk is verified before the first live tensor is written, streamed through one small
     buffer per reading thread (the extra memory does not grow with the state); the files are
-    then read again, from the page cache, straight into the tensors. ``atomic=False`` reads once, verifying
-    each chunk where it lands: a digest mismatch then raises :class:`PartialLoadError`,
-    which names the tensors it overwrote.
+    then read again, from the page cache, straight into the tensors. ``atomic=False`` reads
+    once, verifying each chunk where it lands: a digest mismatch then raises
+    :class:`PartialLoadError`, which names the tensors it overwrote.
     ``verify`` is ``"structure"`` (False), ``"digest"`` (True, the default) or ``"forward"``:
     see :meth:`CheckpointManager.restore`; a failed forward check puts the models back.
 

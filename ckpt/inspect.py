@@ -36,7 +36,7 @@ import torch
 from storage_backends import Storage, open_storage
 
 from ckpt._format.datafile import SAFETENSORS_DTYPES
-from ckpt._save.engine import byte_view
+from ckpt._shared.buffers import byte_view
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      StorageError)
 from ckpt._format.manifest import (MANIFEST_NAME, STEP_DIR, Chunk, Manifest, TensorEntry, is_decimal,
@@ -46,7 +46,7 @@ from ckpt._step.integrity import check_structure as _check_structure
 from ckpt._step.integrity import chunk_path, digest, read_manifest
 from ckpt._load.probe import PROBE_ITEM, TOLERANCES, run_forward, tolerance_for
 from ckpt._load.reader import load_step
-from ckpt._load.reader import read_chunk as _read_chunk
+from ckpt._load.chunk_read import read_chunk as _read_chunk
 from ckpt._shared.state import BYTES, DICT, FLOAT, NDARRAY, PICKLE, TENSOR, TUPLE, item_tree
 
 __all__ = [

@@ -100,7 +100,8 @@ def test_compression_goes_on_while_every_writer_is_busy(tmp_path, monkeypatch):
     start. (Were each thread to compress a file and then write it, nothing would.)"""
     file_of: dict[tuple[str, int], int] = {}
     chunk_of: dict[int, tuple[str, int]] = {}
-    real_plan, real_assign, real_encode = rank_write._plan, rank_write.assign_files, rank_write._encoder()
+    real_plan, real_assign = rank_write._plan, rank_write.assign_files
+    real_encode = rank_write._encoder()
 
     def plan(payload, options):
         reused, to_write = real_plan(payload, options)

@@ -1,1 +1,1 @@
-"""Load: planning and running the reads of a step, and the verification levels (structure, digest, forward)."""
+"""Load: planning and running a step's reads; the verification levels (structure to forward)."""

@@ -18,7 +18,8 @@ import torch
 from storage_backends import Storage
 
 from ckpt._format.manifest import Manifest
-from ckpt._load.reader import box_reads, needed_tensors, run_reads
+from ckpt._load.read_plan import box_reads, needed_tensors
+from ckpt._load.read_run import run_reads
 from ckpt._step.integrity import check_structure
 from ckpt._shared.sharding import overlapping, prefetch, source_rank
 from ckpt._shared.state import decode, item_tree

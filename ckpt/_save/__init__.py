@@ -1,1 +1,1 @@
-"""Save: snapshot of the state, staging to host memory, the background writer and the commit."""
+"""Save: the state's snapshot, staging to host memory, each rank's files, the writer, the commit."""

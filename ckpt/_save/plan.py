@@ -23,7 +23,8 @@ class ChunkPlan:
     byte_length: int
 
 
-def chunk_tensor(key: str, shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> list[ChunkPlan]:
+def chunk_tensor(key: str, shape: tuple[int, ...], itemsize: int,
+                 chunk_bytes: int) -> list[ChunkPlan]:
     """Cut a contiguous tensor of ``shape`` into slabs of about ``chunk_bytes`` along dim 0."""
     total = math.prod(shape) * itemsize
     if not shape or total <= chunk_bytes or shape[0] <= 1:

@@ -9,16 +9,18 @@ import math
 import uuid
 from typing import Any, Mapping
 
-from ckpt._shared.distributed import Group
-from ckpt._save.engine import Stager, StepPayload
-from ckpt.errors import CheckpointError
-from ckpt._format.manifest import Manifest, dtype_name
-from ckpt._step.integrity import digest
-from ckpt.options import SaveOptions
+from ckpt._format.digest import digest
 from ckpt._format.layout import BoxLayout, Layout, written_by
-from ckpt._shared.sharding import (PieceSpec, assign_writers, balance_plain, boxes_layouts, local_piece,
-                       mesh_layout)
+from ckpt._format.manifest import Manifest
+from ckpt._format.names import dtype_name
+from ckpt._save.payload import StepPayload
+from ckpt._save.staging import Stager
+from ckpt._shared.distributed import Group
+from ckpt._shared.sharding import (PieceSpec, assign_writers, balance_plain, boxes_layouts,
+                                   local_piece, mesh_layout)
 from ckpt._shared.state import FlatState, flatten, tensor_keys
+from ckpt.errors import CheckpointError
+from ckpt.options import SaveOptions
 
 
 def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, stager: Stager,

@@ -1,0 +1,92 @@
+"""Committing a step: the coordinator merges the ranks' reports into the manifest and publishes it.
+
+The commit is one atomic publish of the staging location under the step's name, with the
+manifest written last (``Storage.commit``: a rename on a file system, a conditional write on
+an object store). Until then a reader sees no step; after it, a whole one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from storage_backends import Storage
+from storage_backends.faults import fault_point
+
+from ckpt._format.entries import Chunk, TensorEntry
+from ckpt._format.manifest import Manifest
+from ckpt._format.names import FORMAT_VERSION_TABLES, MANIFEST_NAME, PER_RANK_IN_TABLES
+from ckpt._save.payload import RankTable, StepPayload
+from ckpt._step.incremental import CHAIN_KEY, chain_length
+from ckpt._step.tables import bind_tables
+
+log = logging.getLogger("ckpt")
+
+
+def build_manifest(payload: StepPayload, tables: list[RankTable]) -> Manifest:
+    """The coordinator's merge of every rank's table into the step's manifest (format 1)."""
+    chunks: dict[str, list[Chunk]] = {k: [] for k in payload.tensors}
+    files: dict[str, int] = {}
+    for table in tables:
+        files.update(table.files)
+        for key, chunk in table.chunks:
+            chunks[key].append(chunk)
+    tensors = {key: TensorEntry(dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.offsets)))
+               for key, (dtype, shape) in payload.tensors.items()}
+    return Manifest(step=payload.step, world_size=payload.world_size, created=time.time(),
+                    tensors=tensors, aliases=payload.aliases, items=payload.items, files=files,
+                    metadata=_metadata(payload))
+
+
+def _metadata(payload: StepPayload) -> dict:
+    metadata = dict(payload.metadata or {})
+    metadata[CHAIN_KEY] = chain_length(payload.previous) + 1 if payload.previous else 0
+    return metadata
+
+
+def build_top_manifest(payload: StepPayload, reports: list[dict]) -> Manifest:
+    """The coordinator's format-2 manifest: layouts, tables and files; O(tensors + ranks)."""
+    files: dict[str, int] = {}
+    refs: dict[tuple[int, str], int] = {}
+    for report in reports:
+        files.update(report["files"])
+        for step, names in report["refs"].items():
+            for name, size in names.items():
+                refs[(int(step), name)] = max(refs.get((int(step), name), 0), size)
+    tensors = {key: TensorEntry(dtype, shape, None, payload.layouts[key])
+               for key, (dtype, shape) in payload.tensors.items()}
+    # Per-rank values (RNG states) lie in their ranks' tables: the manifest stays small.
+    items = {name: {"kind": item["kind"], "per_rank": PER_RANK_IN_TABLES} if "per_rank" in item
+             else item for name, item in payload.items.items()}
+    return Manifest(step=payload.step, world_size=payload.world_size, created=time.time(),
+                    tensors=tensors, aliases=payload.aliases, items=items, files=files,
+                    metadata=_metadata(payload), format_version=FORMAT_VERSION_TABLES,
+                    tables=[tuple(r["table"]) for r in reports], refs=refs)
+
+
+def commit_step(storage: Storage, staging: str, payload: StepPayload,
+                tables: list[RankTable] | None = None,
+                reports: list[dict] | None = None) -> Manifest:
+    """Coordinator: write the manifest and publish the step (the commit point). Format 1
+    merges the ranks' ``tables``; format 2 lists the ranks' ``reports``."""
+    if reports is not None:
+        manifest = build_top_manifest(payload, reports)
+    else:
+        manifest = build_manifest(payload, tables or [])
+    fault_point("before_commit")
+    # The commit point. Only now, once every rank's files are durable (each write returned,
+    # every rank voted ok), does the step become visible: a crash on either side of this
+    # call leaves the earlier steps and either no step or a whole one, never a torn one.
+    storage.commit(staging, payload.name, manifest.to_json(), MANIFEST_NAME)
+    fault_point("after_commit")
+    # The step's rank tables now lie in its directory: later incremental saves read them.
+    return bind_tables(manifest, lambda name: storage.read(f"{payload.name}/{name}"),
+                       f"{storage.url}/{payload.name}")
+
+
+def abort(storage: Storage, staging: str) -> None:
+    """Remove a failed save's staging location, without masking the error that failed it."""
+    try:
+        storage.abort(staging)
+    except Exception:  # the original error matters more; leftovers are cleaned later
+        log.warning("could not remove staging location %s", staging, exc_info=True)

@@ -1,0 +1,59 @@
+"""A save as its caller sees it: :class:`SaveHandle` while it runs, :class:`SaveResult` after."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one committed save wrote."""
+
+    step: int
+    location: str
+    bytes_written: int
+    bytes_reused: int
+    files: int
+    blocking_seconds: float
+    write_seconds: float
+
+
+class SaveHandle:
+    """A save in flight: ``done()``, ``wait(timeout)`` and ``result(timeout)``.
+
+    ``wait`` and ``result`` return the :class:`SaveResult`, or raise the writer's error
+    (a :class:`CheckpointError` with the original chained as ``__cause__``).
+    """
+
+    def __init__(self, step: int, future: cf.Future, blocking_seconds: float) -> None:
+        self.step = step
+        self.blocking_seconds = blocking_seconds
+        self._future = future
+        self.error_reported = False
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        try:
+            return self._future.result(timeout)
+        except cf.TimeoutError:
+            raise TimeoutError(f"the save of step {self.step} is still running") from None
+        except BaseException:
+            self.error_reported = True
+            raise
+
+    result = wait
+
+    def failed(self) -> bool:
+        return self._future.done() and self._future.exception() is not None
+
+    def exception(self) -> BaseException | None:
+        """The writer's error once done (None while running or on success); not raising."""
+        return self._future.exception() if self._future.done() else None
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        """Call ``fn(handle)`` when the save finishes (on the writer thread)."""
+        self._future.add_done_callback(lambda _: fn(self))

@@ -1,0 +1,37 @@
+"""Byte views of host tensors, and the fence that holds writes behind saves' device copies."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Protocol
+
+import torch
+
+
+class DeviceCopier(Protocol):
+    """Something that issues device-to-host copies which training's streams may have to await."""
+
+    def await_copies(self) -> None: ...
+
+
+# Every live copier (a save's Stager registers itself): a load about to overwrite tensors
+# must first let their pending copies out of them finish.
+_COPIERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_copier(copier: DeviceCopier) -> None:
+    """Let :func:`await_device_copies` wait for ``copier``'s copies (held weakly)."""
+    _COPIERS.add(copier)
+
+
+def await_device_copies() -> None:
+    """Make training's streams wait for every save's device-to-host copies still in flight
+    that only an optimizer step waits for: for code about to change those tensors in place
+    otherwise (a load into them, before the next step)."""
+    for copier in list(_COPIERS):
+        copier.await_copies()
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())

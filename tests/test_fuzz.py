@@ -335,7 +335,7 @@ def test_what_tools_read_from_an_optimizer_tree_never_raises(optimizer_step, tre
     """inspect and diff name optimizer state by parameter and list its plain values; a
     parameter list holding a dict once made `ckpt diff` die with TypeError (unhashable)."""
     import verify
-    from verify.cli import saved_values
+    from verify._commands import saved_values
 
     doc = copy.deepcopy(optimizer_step)
     optim = doc["items"]["optim"]["tree"]

@@ -63,7 +63,8 @@ def collect_root(storage: Storage, policy: RetentionPolicy, *, check: StepCheck,
     result = GcResult(root, dry_run=not delete)
     try:
         steps = committed_steps(storage)
-        keep = None if policy.keeps_all else steps_to_keep(storage, policy, steps, newest=None)
+        keep = None if policy.keeps_all else steps_to_keep(storage, policy, steps,
+                                                           newest=None)
         if keep is not None and set(steps) - keep:  # a step would be retired: find the newest good one first
             _newest_good(steps, check, result)
             if result.newest_good is None:

@@ -1,7 +1,7 @@
 """Recovery of an elastic job from a lost node: the timeline, the time lost, and the interval.
 
 Runs the tiny LM under three local torchrun agents (one worker each, c10d rendezvous on a
-store this script hosts; see tests/_elastic_job.py), kills one whole node (agent + worker)
+store this script hosts; see tests/support/elastic_job.py), kills one whole node (agent + worker)
 with SIGKILL mid-training, and lets the two survivors finish at world size 2. Prints:
 
 1. the recovery timeline, from the kill (t = 0): survivors detect it, their agents see the
@@ -37,9 +37,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
 
-import _elastic_job as job  # noqa: E402
+from tests.support import elastic_job as job  # noqa: E402
 from trainer.elastic import ElasticSummary, read_jsonl  # noqa: E402
 
 _AGENT_LINE = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+) ")

@@ -26,7 +26,7 @@
    >= 10x faster than S3 and >= 3x faster than a cold local disk.
 
 2. **Recovery timeline** of ``trainer.ElasticTrainer`` (the tiny LM of the demo, the job of
-   tests/_memory_job.py) under local torchrun agents (torchrun's default monitor interval,
+   tests/support/memory_job.py) under local torchrun agents (torchrun's default monitor interval,
    0.1 s), with the memory tier (the trainer's default under torchrun) and without it
    (``memory_tier=False``), each with cold workers (``torchrun ... SCRIPT``) and with warm
    restarts (``torchrun ... -m trainer.warm SCRIPT``: workers forked from a zygote that has
@@ -65,8 +65,6 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
 
 import common  # noqa: E402  (puts the repository root on sys.path too)
 import torch  # noqa: E402
@@ -391,7 +389,7 @@ def peer_ranks(rank: int, world: int, size: int, reps: int, work: str, job: str)
 
 
 def bench_peer(args) -> None:
-    from _dist import run_ranks
+    from tests.support.ranks import run_ranks
 
     for size in args.sizes:
         job = f"bench{uuid.uuid4().hex[:10]}"
@@ -434,8 +432,8 @@ TIMELINE_CONFIGS = [("cold start, memory tier", False, True),
 def timeline_run(work: Path, scenario: str, memory: bool, args, warm: bool = False) -> dict:
     """One job, one kill; the times of the recovery (seconds after the kill). ``warm``:
     the agents start the workers through ``-m trainer.warm`` (forked from a zygote)."""
-    import _memory_job as jobs
-    from _elastic_job import progress, wait_for
+    from tests.support import memory_job as jobs
+    from tests.support.elastic_job import progress, wait_for
     from bench_elastic import agent_events, attempt_times
     from trainer.elastic import read_jsonl
 

@@ -1,7 +1,7 @@
 """Shared fixtures of the ckpt test-suite.
 
-The repository is not installed: make both it (``import ckpt``) and this directory
-(``import _workers``) importable however pytest was started.
+The repository is not installed: make both it (``import ckpt``, ``import tests.support``)
+and this directory (``import crashsim``) importable however pytest was started.
 """
 
 from __future__ import annotations

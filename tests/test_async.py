@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckpt
-from _workers import Worker, assert_same, preempt_state, zeroed
+from tests.support.workers import Worker, assert_same, preempt_state, zeroed
 from storage_backends import PosixStorage
 import ckpt._save.writer
 from ckpt._save.staging import Stager

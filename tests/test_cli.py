@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import ckpt
-from tests.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
+from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
 USER_MODELS = '''

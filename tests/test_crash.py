@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ckpt
-from _workers import (TRAIN_EVERY, TRAIN_STEPS, Worker, assert_same, crash_state,
-                      zeroed)
+from tests.support.workers import (TRAIN_EVERY, TRAIN_STEPS, Worker, assert_same,
+                                   crash_state, zeroed)
 
 pytestmark = pytest.mark.multiproc
 

@@ -116,7 +116,7 @@ def test_gc_of_retired_steps_and_leftovers(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_two_rank_sharded_save(tmp_path):
-    from _dist import run_ranks
+    from tests.support.ranks import run_ranks
 
     ranks = run_ranks(2, _sharded_worker(), str(tmp_path))
     traces: list[Trace] = [r["trace"] for r in ranks]

@@ -1,5 +1,5 @@
 """A save's device-to-host copies and a load's host-to-device copies, on fake CUDA streams
-(tests/_fake_cuda.py): each copy runs on a side stream of its tensor's device, training waits
+(tests/support/fake_cuda.py): each copy runs on a side stream of its tensor's device, training waits
 for it only where it must, and no buffer is read or refilled while a copy into or out of it is
 in flight."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import _fake_cuda
+from tests.support import fake_cuda
 import ckpt
 from ckpt._save.staging import Stager
 from ckpt._shared.buffers import byte_view
@@ -18,7 +18,7 @@ def staged_on(device: int, monkeypatch, guard: bool):
     """A parameter (guarded by its optimizer when ``guard``) and a buffer on ``device``
     while the current device is cuda:0 (cuda:1: a model moved there without
     torch.cuda.set_device)."""
-    sim = _fake_cuda.install(monkeypatch)
+    sim = fake_cuda.install(monkeypatch)
     weight = sim.tensor(torch.randn(8, 4), device=device)
     buffer = sim.tensor(torch.randn(4), device=device)
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -80,7 +80,7 @@ def test_without_guards_training_waits_for_every_copy(device, monkeypatch):
 def test_the_copies_read_what_training_queued_before_save(device, monkeypatch):
     """The side stream waits for training's stream: a copy must not overtake the kernels
     (here a write into the parameter and the buffer) queued before save() was called."""
-    sim = _fake_cuda.install(monkeypatch)
+    sim = fake_cuda.install(monkeypatch)
     weight = sim.tensor(torch.zeros(8, 4), device=device)
     buffer = sim.tensor(torch.zeros(4), device=device)
     training = sim.defaults[device]
@@ -99,7 +99,7 @@ def test_the_copies_read_what_training_queued_before_save(device, monkeypatch):
 def test_a_key_staged_from_the_cpu_then_from_a_gpu_gets_a_pinned_buffer(monkeypatch):
     """A key staged from the CPU, then from a GPU, gets a pinned buffer: a non-blocking copy into
     pageable memory would make save() wait for the copy."""
-    sim = _fake_cuda.install(monkeypatch)
+    sim = fake_cuda.install(monkeypatch)
     stager = Stager()
     staged, _ = stager.stage({"t": torch.randn(4)}, copy=True)
     assert not staged["t"].is_pinned()
@@ -114,7 +114,7 @@ def test_the_writer_reads_a_staged_buffer_only_once_its_copy_is_done(
     reading the pinned buffers only after the device-to-host copies into them ended."""
     import ckpt._save.writer
 
-    sim = _fake_cuda.install(monkeypatch)
+    sim = fake_cuda.install(monkeypatch)
     weight = sim.tensor(torch.randn(8, 4), device=1)
     optimizer = torch.optim.SGD([weight], lr=0.1)
     state = {"w": weight, "bn": sim.tensor(torch.randn(4), device=0), "opt": optimizer}
@@ -123,7 +123,7 @@ def test_the_writer_reads_a_staged_buffer_only_once_its_copy_is_done(
 
     def write_rank(storage, staging, payload, options, pool):
         for _, buf in payload.pieces.values():
-            in_flight.extend(sim.host_in_flight(*_fake_cuda.memory_range(byte_view(buf))))
+            in_flight.extend(sim.host_in_flight(*fake_cuda.memory_range(byte_view(buf))))
         return real_write_rank(storage, staging, payload, options, pool)
 
     monkeypatch.setattr(ckpt._save.writer, "write_rank", write_rank)
@@ -144,7 +144,7 @@ def test_async_save_of_a_model_and_its_optimizer_overlaps_only_when_asked(
     overlap_device_copy the parameters' copies are awaited at the optimizer's step; without
     it (for code that changes parameters in place otherwise) training waits for every copy
     at once."""
-    sim = _fake_cuda.install(monkeypatch)
+    sim = fake_cuda.install(monkeypatch)
     weight = sim.tensor(torch.randn(8, 4))
     optimizer = torch.optim.SGD([weight], lr=0.1)
     state = {"w": weight, "bn": sim.tensor(torch.randn(4)), "opt": optimizer}
@@ -168,9 +168,9 @@ def test_save_keeps_no_host_copy_of_cuda_tensors_and_async_save_keeps_one_for_re
     import gc
     import weakref
 
-    import _fake_cuda
+    from tests.support import fake_cuda
 
-    sim = _fake_cuda.install(monkeypatch)
+    sim = fake_cuda.install(monkeypatch)
     state = {"w": sim.tensor(torch.randn(64, 64)), "b": sim.tensor(torch.randn(64))}
     buffers: list = []
     real_stage = Stager.stage
@@ -204,13 +204,13 @@ def test_restore_reuses_a_bounce_buffer_only_after_its_copy_and_returns_after_ev
 
     saved = {"a": torch.randn(64, 256), "b": torch.randn(3, 1000)}
     ckpt.save(saved, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096))
-    sim = _fake_cuda.install(monkeypatch)
+    sim = fake_cuda.install(monkeypatch)
     live = {k: sim.tensor(torch.zeros_like(v), device=device) for k, v in saved.items()}
     clobbered = []
     real_read_into = posix._FileReader.read_into
 
     def read_into(self, start, out):
-        clobbered.extend(sim.host_in_flight(*_fake_cuda.memory_range(out)))
+        clobbered.extend(sim.host_in_flight(*fake_cuda.memory_range(out)))
         real_read_into(self, start, out)
 
     monkeypatch.setattr(posix._FileReader, "read_into", read_into)
@@ -237,7 +237,7 @@ def test_a_load_on_reading_threads_writes_after_the_callers_stream(
 
     saved = {k: torch.randn(16, 256) for k in "abcd"}
     ckpt.save(saved, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096))
-    sim = _fake_cuda.install(monkeypatch)
+    sim = fake_cuda.install(monkeypatch)
     monkeypatch.setattr(ckpt._load.reader, "TINY_CHUNK_BYTES", 0)  # read on the pool's threads
     readers = set()
     real_read_into = posix._FileReader.read_into
@@ -271,7 +271,7 @@ def test_a_load_right_after_a_save_writes_after_the_saves_deferred_copies(
     load into them before that step must not overwrite them before they were copied."""
     saved = {"w": torch.randn(16, 256)}
     ckpt.save(saved, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096))
-    sim = _fake_cuda.install(monkeypatch)
+    sim = fake_cuda.install(monkeypatch)
     weight = sim.tensor(torch.zeros(16, 256), device=device)
     optimizer = torch.optim.SGD([weight], lr=0.1)
     stager = Stager()

@@ -1,7 +1,7 @@
 """ElasticTrainer under real torchrun agents: nodes killed, a rank hung, a node joining.
 
 Each "node" is one torchrun agent with one worker on this machine, joined by a c10d
-rendezvous whose store the test hosts (see tests/_elastic_job.py, LocalCluster). The job
+rendezvous whose store the test hosts (see tests/support/elastic_job.py, LocalCluster). The job
 trains the tiny LM for 40 steps at a global batch of 12 (micro batches of 2: 3 accumulation
 steps at world size 2, 2 at world size 3), checkpointing every 10 steps.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-import _elastic_job as job
+from tests.support import elastic_job as job
 from trainer import ResumableSampler
 from trainer.elastic import (ElasticSummary, ElasticTrainer, check_world_size, read_audit,
                              read_jsonl, valid_world_sizes)
@@ -46,7 +46,8 @@ SAMPLE_SLEEP = 0.01  # simulated compute per sample: ~0.1 s steps, room to act m
 KILL_AT = 22         # act once the job passed this step (a checkpoint at 20 is committed)
 LOSS_TOLERANCE = 0.15
 JOB_TIMEOUT = 120.0
-RESTART_GRACE = 2.0  # SIGTERM to SIGKILL when an agent restarts a hung worker (tests/_torchrun.py)
+# SIGTERM to SIGKILL when an agent restarts a hung worker (tests/support/torchrun.py)
+RESTART_GRACE = 2.0
 
 
 def job_args(tmp: Path, *, sleep: float = SAMPLE_SLEEP, hold: tuple = ()) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckpt
-from _workers import Worker, assert_same
+from tests.support.workers import Worker, assert_same
 
 APIS = ["oneshot", "manager"]
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import _dist
-import _exact_workers
+from tests.support import ranks
+from tests.support import exact_workers
 import ckpt
 import trainer
-from _workers import Worker, assert_same
+from tests.support.workers import Worker, assert_same
 
 
 def _net() -> torch.nn.Module:
@@ -243,7 +243,7 @@ def test_stateful_dataloader_over_a_stateless_shuffling_sampler_warns(tmp_path):
 # ------------------------------------------------------------------------ the whole loop, SIGKILLed
 
 # What every run of the loop imports, a fork server (multiprocessing's forkserver, started
-# once per session, shared with tests/_dist.py's ranks) imports once; each run is a fresh
+# once per session, shared with tests/support/ranks.py's ranks) imports once; each run is a fresh
 # process forked from it.
 
 
@@ -272,13 +272,13 @@ class _Process:
 
 
 class ForkedRun(Worker):
-    """A Worker whose process is forked from the fork server: ``_exact_workers.py COMMAND
+    """A Worker whose process is forked from the fork server: ``exact_workers.py COMMAND
     ARGS...`` without paying the imports again; SIGKILL and output lines as for a Worker."""
 
     def __init__(self, command: str, *args: object) -> None:
-        ctx = _dist.forkserver()
+        ctx = ranks.forkserver()
         read, write = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=_exact_workers.run_forked,
+        process = ctx.Process(target=exact_workers.run_forked,
                               args=(command, [str(a) for a in args], write))
         process.start()
         write.close()  # the child's copy is the only writer: its end is our EOF
@@ -324,7 +324,7 @@ def _killed_and_resumed(tmp_path: Path, mode: str, points: list[tuple[str, int]]
 def _reference(tmp_path: Path, mode: str, in_process: bool = False) -> dict:
     """The uninterrupted run (in this process when asked: one torch import less)."""
     if in_process:
-        from _exact_workers import main
+        from tests.support.exact_workers import main
 
         main(mode, str(tmp_path / "ref-root"), str(tmp_path / "ref.pt"))
     else:
@@ -408,7 +408,7 @@ def _rank_clocks(rank: int, world: int, root: str) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_every_seconds_is_decided_by_rank_0_for_every_rank(tmp_path):
-    from _dist import run_ranks
+    from tests.support.ranks import run_ranks
 
     assert run_ranks(2, _rank_clocks, str(tmp_path)) == [[2, 4], [2, 4]]
 
@@ -452,7 +452,7 @@ def test_compiled_loop_killed_right_after_a_save_resumes_bit_exact(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_every_seconds_and_best_n_under_sigkill_keep_the_newest_good_step(tmp_path):
-    from _exact_workers import SCHEDULE_SECONDS, SCHEDULE_STEPS, val_loss
+    from tests.support.exact_workers import SCHEDULE_SECONDS, SCHEDULE_STEPS, val_loss
 
     saves = list(range(SCHEDULE_SECONDS, SCHEDULE_STEPS + 1, SCHEDULE_SECONDS))
     r = random.Random(seed := random.randrange(1 << 30))

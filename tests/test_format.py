@@ -1,6 +1,6 @@
 """The short cuts of a load's fixed costs refuse and find exactly what the general paths do:
 manifest validation of a chunk that spans its whole tensor, the chunk look-up of a one-chunk
-tensor, and flatten's handling of tensors outside autograd (issue 16)."""
+tensor, and flatten's handling of tensors outside autograd."""
 
 from __future__ import annotations
 

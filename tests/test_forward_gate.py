@@ -296,8 +296,8 @@ def test_every_rank_restores_the_same_step_past_nan_weights_and_one_ranks_corrup
         tmp_path):
     """Ranks run the forward check all or none: step 3 fails on rank 1 only (its own chunk's
     digest), step 2 on every rank (NaN weights); both ranks restore step 1."""
-    from _dist import run_ranks
-    from _forward_gate_workers import restore_past_bad_steps
+    from tests.support.ranks import run_ranks
+    from tests.support.forward_gate_workers import restore_past_bad_steps
 
     results = run_ranks(2, restore_past_bad_steps, str(tmp_path / "root"), timeout=90)
     assert results == [(1, [3, 2], True), (1, [3, 2], True)]
@@ -321,8 +321,8 @@ def test_the_forward_check_runs_on_the_models_cuda_device(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_an_fsdp2_model_is_gated_on_every_rank_and_put_back_when_every_step_fails(tmp_path):
-    from _dist import run_ranks
-    from _forward_gate_workers import fsdp_forward_gate
+    from tests.support.ranks import run_ranks
+    from tests.support.forward_gate_workers import fsdp_forward_gate
 
     results = run_ranks(2, fsdp_forward_gate, str(tmp_path / "root"), timeout=120)
     for restored, same, message, kept in results:

@@ -22,9 +22,14 @@ from hypothesis import strategies as st
 import ckpt
 import ckpt.inspect
 from ckpt.errors import CorruptCheckpointError, UnsupportedValueError
-from ckpt._format.manifest import (MAX_ZSTD_RATIO, STEP_DIR, Chunk, Manifest, _check_tiling, _Invalid,
-                         check_tree)
+from ckpt._format.bounds import MAX_ZSTD_RATIO, Invalid
+from ckpt._format.entries import Chunk
+from ckpt._format.manifest import Manifest
+from ckpt._format.names import STEP_DIR
+from ckpt._format.tiling import check_tiling
+from ckpt._format.tree import check_tree
 from ckpt._step.integrity import chunk_path
+from ckpt._step.tables import bind_tables
 from ckpt._shared.state import decode
 from storage_backends import PosixStorage
 
@@ -265,7 +270,7 @@ def test_rank_table_headers_are_refused_as_corrupt_or_accepted(table_bytes, fiel
     a list of lists as its files once raised TypeError out of restore."""
     import struct
 
-    from ckpt._step.integrity import digest
+    from ckpt._format.digest import digest
 
     doc, head, records = copy.deepcopy(table_bytes)
     head[field] = value
@@ -273,7 +278,8 @@ def test_rank_table_headers_are_refused_as_corrupt_or_accepted(table_bytes, fiel
     text += b" " * (-len(text) % 8)
     raw = b"CKPTRT02" + struct.pack("<Q", len(text)) + text + records
     doc["tables"][0][1:] = [len(raw), digest(raw)]
-    manifest = Manifest.from_json(_encode(doc), where="fuzz").bind(lambda name: raw, "fuzz")
+    manifest = bind_tables(Manifest.from_json(_encode(doc), where="fuzz"), lambda name: raw,
+                           "fuzz")
     for problem in manifest.table_problems():
         assert isinstance(problem, CorruptCheckpointError)
 
@@ -299,7 +305,7 @@ def test_item_trees_are_refused_or_decode(tree):
     entries = {k: _entry(t) for k, t in tensors.items()}
     try:
         check_tree(tree, entries, {"alias": "w"})
-    except _Invalid:
+    except Invalid:
         return
     try:
         decode(tree, {**tensors, "alias": tensors["w"]})
@@ -308,7 +314,8 @@ def test_item_trees_are_refused_or_decode(tree):
 
 
 def _entry(t: torch.Tensor):
-    from ckpt._format.manifest import TensorEntry, dtype_name
+    from ckpt._format.entries import TensorEntry
+    from ckpt._format.names import dtype_name
 
     return TensorEntry(dtype_name(t.dtype), tuple(t.shape), ())
 
@@ -412,9 +419,9 @@ def test_tiling_check_agrees_with_counting_every_element(layout):
         count[tuple(slice(a, a + b) for a, b in zip(o, s))] += 1
     exact = bool((count == 1).all())
     try:
-        _check_tiling("t", shape, _chunks(boxes))
+        check_tiling("t", shape, _chunks(boxes))
         accepted = True
-    except _Invalid:
+    except Invalid:
         accepted = False
     assert accepted == exact, (shape, boxes, count)
 
@@ -423,7 +430,7 @@ def test_tiling_check_refuses_tricky_layouts():
     # Equal volume, one overlap and one gap (the classic pairwise miss).
     _refused((4, 4), [((0, 0), (2, 4)), ((1, 0), (2, 4)), ((3, 0), (1, 4))])
     # A pinwheel tiles a 3x3 square exactly: accepted.
-    _check_tiling("t", (3, 3), _chunks([((0, 0), (2, 1)), ((0, 1), (1, 2)), ((1, 2), (2, 1)),
+    check_tiling("t", (3, 3), _chunks([((0, 0), (2, 1)), ((0, 1), (1, 2)), ((1, 2), (2, 1)),
                                          ((2, 0), (1, 2)), ((1, 1), (1, 1))]))
     # The same pinwheel with the centre doubled and a corner dropped.
     _refused((3, 3), [((0, 0), (2, 1)), ((0, 1), (1, 2)), ((1, 2), (2, 1)), ((2, 0), (1, 1)),
@@ -431,13 +438,13 @@ def test_tiling_check_refuses_tricky_layouts():
     # Boxes that overlap only in a later dimension, all at first offset 0.
     _refused((1, 6), [((0, 0), (1, 3)), ((0, 2), (1, 3)), ((0, 4), (1, 1)), ((0, 5), (1, 0))])
     # Empty chunks and an empty tensor are fine.
-    _check_tiling("t", (0, 3), _chunks([((0, 0), (0, 3))]))
-    _check_tiling("t", (2,), _chunks([((0,), (2,)), ((1,), (0,))]))
+    check_tiling("t", (0, 3), _chunks([((0, 0), (0, 3))]))
+    check_tiling("t", (2,), _chunks([((0,), (2,)), ((1,), (0,))]))
 
 
 def _refused(shape, boxes) -> None:
-    with pytest.raises(_Invalid):
-        _check_tiling("t", shape, _chunks(boxes))
+    with pytest.raises(Invalid):
+        check_tiling("t", shape, _chunks(boxes))
 
 
 def _calls(fn) -> int:
@@ -462,7 +469,7 @@ def test_tiling_check_is_linear_in_the_number_of_chunks():
     the pairwise check 50 s at N=8,000): four times the chunks, about four times the work."""
     def ops(n: int) -> int:
         chunks = _chunks([((0, i), (1, 1)) for i in range(n)])
-        return _calls(lambda: _check_tiling("t", (1, n), chunks))
+        return _calls(lambda: check_tiling("t", (1, n), chunks))
 
     small, large = ops(400), ops(1600)
     assert large < 6 * small, (small, large)

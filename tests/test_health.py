@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import ckpt
 
-from _prom import free_port, parse_metrics
+from tests.support.prom import free_port, parse_metrics
 from trainer import ElasticConfig, ResumableSampler
 from trainer.config import LEGACY_KEYWORDS
 from trainer.elastic import ElasticTrainer, read_audit, read_jsonl, read_skips

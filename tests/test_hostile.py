@@ -202,8 +202,9 @@ def test_only_the_canonical_name_of_a_step_is_a_step():
 
 
 def test_stray_directories_spelling_a_steps_number_otherwise_never_cost_that_step(tmp_path):
-    """An empty `step-000000002` (or `step-٠٠٠٠٠٠٠٢`) read as step 2 once made the collector
-    take step 2 for uncommitted whenever it was listed after the real one, and delete it."""
+    """An empty `step-000000002` (or `step-٠٠٠٠٠٠٠٢`) is not step 2: were it read as step 2,
+    the collector would take step 2 for uncommitted whenever it is listed after the real one,
+    and delete it."""
     root = tmp_path / "root"
     with ckpt.CheckpointManager(root, async_save=False) as mgr:
         for step in (1, 2, 3):

@@ -3,7 +3,7 @@ libraries on tiny models: a job SIGKILLed mid-run resumes through ckpt and ends 
 same weights as the framework's own resume from the same step; a corrupt newest checkpoint
 (a flipped bit) is skipped with a logged warning; exported weights load in transformers.
 
-One job script per framework (tests/_pl_job.py, ...): these libraries import slowly.
+One job script per framework (tests/support/pl_job.py, ...): these libraries import slowly.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 import ckpt
 
-from _fork_kill import RESUMING
+from tests.support.fork_kill import RESUMING
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
@@ -36,7 +36,7 @@ JOB_ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLEL
 
 
 def run_job(script: str, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / script), *args],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "support" / script), *args],
                           env={**os.environ, **JOB_ENV}, capture_output=True, text=True,
                           timeout=JOB_TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -44,14 +44,15 @@ def run_job(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 class KilledJob:
-    """A job script in ``kill+resume`` mode (tests/_fork_kill.py): a child forked after the
+    """A job script in ``kill+resume`` mode (tests/support/fork_kill.py): a child forked after the
     framework's imports trains and SIGKILLs itself; the job waits until :meth:`resume`."""
 
     def __init__(self, script: str, work: Path) -> None:
         self.stderr_path = work / f"{script}.stderr"
         with open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / script), "kill+resume", str(work)],
+                [sys.executable, str(ROOT / "tests" / "support" / script), "kill+resume",
+                 str(work)],
                 env={**os.environ, **JOB_ENV}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=err, text=True, start_new_session=True)
         self.timer = threading.Timer(JOB_TIMEOUT, self.close)
@@ -120,7 +121,7 @@ def same_weights(a: Path, b: Path) -> bool:
 
 def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path, killed_job):
     pytest.importorskip("lightning")
-    job = killed_job("_pl_job.py")
+    job = killed_job("pl_job.py")
     root = tmp_path / "pl"
     # Killed after step 7: steps 4 and 6 are kept (save_top_k=2), last.ckpt points at 6.
     assert (root / "step-00000006/manifest.json").exists()
@@ -143,7 +144,7 @@ def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path, killed_job)
 
 def test_lightning_ddp_on_two_cpu_processes_saves_from_rank_0_and_resumes(tmp_path):
     pytest.importorskip("lightning")
-    run_job("_pl_job.py", "ddp", str(tmp_path))
+    run_job("pl_job.py", "ddp", str(tmp_path))
     out = tmp_path / "out"
     assert json.loads((out / "ddp_starts.json").read_text()) == {"ckpt": 6, "torch": 6}
     assert same_weights(out / "ddp_ckpt.pt", out / "ddp_torch.pt")
@@ -154,7 +155,7 @@ def test_lightning_ddp_on_two_cpu_processes_saves_from_rank_0_and_resumes(tmp_pa
 
 def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path, killed_job):
     pytest.importorskip("transformers")
-    job = killed_job("_hf_job.py")
+    job = killed_job("hf_job.py")
     root = tmp_path / "hf"
     assert (root / "step-00000006/manifest.json").exists()
     # checkpoint-N folders stay HF's view (save_total_limit=2): a pointer, no weights.
@@ -190,7 +191,7 @@ def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path, kil
 
 def test_accelerate_save_state_and_load_state_go_through_ckpt(tmp_path, killed_job):
     pytest.importorskip("accelerate")
-    job = killed_job("_acc_job.py")
+    job = killed_job("acc_job.py")
     root = tmp_path / "acc/checkpoints"
     # Saves at steps 2, 4, 6 are iterations 0, 1, 2; total_limit=2 keeps two folders.
     assert (root / "step-00000002/manifest.json").exists()

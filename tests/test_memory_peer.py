@@ -2,7 +2,7 @@
 the background, and restore from own memory or peers onto a reshaped world, with fall-through
 to the persistent root. Real processes on gloo; each rank plays one node (its name in the
 segment names, as torchrun's GROUP_RANK or CKPT_NODE would set it); every test has its own
-segment directory. Bodies in tests/_memory_workers.py."""
+segment directory. Bodies in tests/support/memory_workers.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 from ckpt._memory.tier import gc_segments
 
-from _dist import run_ranks
-from _memory_workers import (restore, restore_after_node_loss, restore_from_peers,
+from tests.support.ranks import run_ranks
+from tests.support.memory_workers import (restore, restore_after_node_loss, restore_from_peers,
                              save_small_chunks_in_memory, save_steps)
 from pathlib import Path
 
@@ -141,7 +141,7 @@ def test_each_rank_restores_its_own_rng_state_from_memory(tmp_path):
     step's manifest from the rank steps, and each rank gets its own generators back, from
     its own segment (one pass) and, after its node's memory is lost, from the replica
     (strict: verify, then apply; the RNG tensor crosses in several pieces each time)."""
-    from _memory_workers import rng_save_and_restore
+    from tests.support.memory_workers import rng_save_and_restore
 
     root, shm = str(tmp_path / "root"), tmp_path / "shm"
     shm.mkdir()
@@ -182,7 +182,8 @@ def test_a_peer_fetched_chunk_is_read_only_once_its_message_arrived(tmp_path):
     only once the message that brings it has arrived. The holder here sends only once the reader
     waits, so a read that does not wait finds no byte of the step: the restore must still come from
     the peer, exact, in one pass and with the verify pass."""
-    from _late_peer_workers import restore_with_late_peer_messages, save_in_memory_then_lose_node0
+    from tests.support.late_peer_workers import (restore_with_late_peer_messages,
+                                                 save_in_memory_then_lose_node0)
 
     root, shm, flags = tmp_path / "root", tmp_path / "shm", tmp_path / "flags"
     shm.mkdir()

@@ -1,13 +1,13 @@
 """A peer that is alive but stuck must not hold the rank that serves it forever:
 ``MemorySource.close`` gives up on peers that made no progress for ``STALL_S``, with a
-warning naming them. Real gloo processes; the body is in tests/_memory_workers.py."""
+warning naming them. Real gloo processes; the body is in tests/support/memory_workers.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from _dist import run_ranks
-from _memory_workers import serve_a_stuck_peer
+from tests.support.ranks import run_ranks
+from tests.support.memory_workers import serve_a_stuck_peer
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 

@@ -1,8 +1,8 @@
-"""ElasticTrainer's memory tier (issue #14) under real torchrun agents.
+"""ElasticTrainer's memory tier under real torchrun agents.
 
-Each "node" is one torchrun agent on this machine (tests/_elastic_job.py's LocalCluster),
+Each "node" is one torchrun agent on this machine (tests/support/elastic_job.py's LocalCluster),
 named through ``CKPT_NODE`` so that its shared-memory segments are ``ckpt-<job>-<node>-*``;
-the job is tests/_memory_job.py, which writes a digest of the model and optimizer at every
+the job is tests/support/memory_job.py, which writes a digest of the model and optimizer at every
 checkpointed step and of the state each attempt starts from.
 
 - a worker SIGKILLed while its agent lives: torchrun restarts the group and every rank
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-import _elastic_job as cluster_harness
-import _memory_job
+from tests.support import elastic_job as cluster_harness
+from tests.support import memory_job
 import ckpt
 from ckpt._memory.tier import PREFIX, SHM_DIR
 from trainer.checkpointing import memory_job_id, memory_tier_options
@@ -64,7 +64,7 @@ def saved_digest(digests: Path, attempt: int, rank: int, step: int) -> str:
     return rec["digest"]
 
 
-def wait_all(c: _memory_job.Cluster, nodes: list, tmp: Path) -> None:
+def wait_all(c: memory_job.Cluster, nodes: list, tmp: Path) -> None:
     """Every agent of ``nodes`` exits 0 within the timeout."""
     for n in nodes:
         try:
@@ -123,7 +123,7 @@ def three_nodes(tmp_path_factory):
     memjob = f"mt{uuid.uuid4().hex[:10]}"
     args = job_args(tmp, memjob, "--hold-at", ",".join(map(str, HOLDS)), "--hold-until-world",
                     "3")
-    c = _memory_job.Cluster(tmp, args, memjob, nnodes="2:3")
+    c = memory_job.Cluster(tmp, args, memjob, nnodes="2:3")
     facts: dict = {"tmp": tmp, "memjob": memjob}
     try:
         nodes = [c.add_node() for _ in range(3)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ckpt
-from _prom import free_port, parse_metrics
+from tests.support.prom import free_port, parse_metrics
 from storage_backends import PosixStorage
 
 pytest.importorskip("prometheus_client")

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 import ckpt
-from _workers import assert_same, tensor_bytes
+from tests.support.workers import assert_same, tensor_bytes
 from ckpt._format.names import DTYPES as FORMAT_DTYPES
 from ckpt._format.manifest import Manifest
 

@@ -17,8 +17,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from _dist import run_ranks
-import _scale_workers as W
+from tests.support.ranks import run_ranks
+from tests.support import scale_workers as W
 import ckpt
 from ckpt.errors import CorruptCheckpointError
 from ckpt._format.manifest import Manifest

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ckpt
-from _dist import run_ranks
-import _sharded_workers as W
+from tests.support.ranks import run_ranks
+from tests.support import sharded_workers as W
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

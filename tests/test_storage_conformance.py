@@ -21,7 +21,7 @@ import pytest
 
 from storage_backends import LockHeldError, Storage, open_storage
 from storage_backends.lease import LEASE_NAME
-from tests.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
+from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 
 def _param(kind: str):
     return pytest.param(kind, marks=pytest.mark.s3) if kind.endswith("s3") else kind

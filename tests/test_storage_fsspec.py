@@ -10,7 +10,7 @@ import pytest
 
 from storage_backends import fsspec_store
 from storage_backends.fsspec_store import READ_BLOCK, FsspecStorage
-from tests.s3_fixture import _moto, s3_restartable  # noqa: F401  (fixtures)
+from tests.support.s3_fixture import _moto, s3_restartable  # noqa: F401  (fixtures)
 
 
 def test_an_object_stores_reads_follow_its_own_writes_and_deletes():

@@ -14,7 +14,7 @@ import torch
 
 import ckpt
 import verify.cli
-from tests.s3_fixture import _moto, s3, s3_restartable  # noqa: F401  (fixtures)
+from tests.support.s3_fixture import _moto, s3, s3_restartable  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.s3
 

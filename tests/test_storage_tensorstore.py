@@ -8,7 +8,7 @@ import torch
 
 import ckpt
 from storage_backends import open_storage
-from tests.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
+from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(params=["file", pytest.param("s3", marks=pytest.mark.s3)])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckpt
-from _workers import assert_same
+from tests.support.workers import assert_same
 
 
 def _net() -> torch.nn.Sequential:

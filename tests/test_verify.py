@@ -20,11 +20,11 @@ import torch
 
 import ckpt
 import verify
-from _verify_workers import Net
+from tests.support.verify_workers import Net
 from verify.cli import main as cli_main
 
 OPTIONS = ckpt.SaveOptions(chunk_bytes=4096, write_threads=2)  # several chunks and files
-FACTORY = "_verify_workers:build_net"
+FACTORY = "tests.support.verify_workers:build_net"
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:
@@ -93,7 +93,7 @@ def test_a_good_checkpoint_passes_every_level(tmp_path, capsys, kind):
         code, out, err = cli(capsys, "verify", tmp_path / "root", "--level", level, *trust)
         assert code == 0, out + err
         assert "step 1: OK" in out
-    assert "forward: model _verify_workers:build_net" in out
+    assert "forward: model tests.support.verify_workers:build_net" in out
     report = verify.verify(str(tmp_path / "root"), level="forward", trust_recorded=True)
     assert report.ok and report.problems == [] and report.error is None
     assert report.checks == ["manifest", "structure", "header", "digest", "weights", "output"]
@@ -321,10 +321,10 @@ def test_a_corrupt_step_without_a_probe_still_exits_1(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("factory, code, needle", [
-    ("_verify_workers:build_scaled", 1, "- output: "),       # 1% off: a real difference
-    ("_verify_workers:build_nudged", 0, "step 1: OK"),       # 1e-6 relative: within tolerance
-    ("_verify_workers:build_wider", 2, "does not fit step 1"),
-    ("_verify_workers:no_such_thing", 2, "has no 'no_such_thing'"),
+    ("tests.support.verify_workers:build_scaled", 1, "- output: "),  # 1% off: a real difference
+    ("tests.support.verify_workers:build_nudged", 0, "step 1: OK"),  # 1e-6 relative: tolerated
+    ("tests.support.verify_workers:build_wider", 2, "does not fit step 1"),
+    ("tests.support.verify_workers:no_such_thing", 2, "has no 'no_such_thing'"),
     ("no_such_module_xyz:build", 2, "cannot import 'no_such_module_xyz'"),
     ("not a spec", 2, "module.path:callable"),
 ])
@@ -338,7 +338,7 @@ def test_forward_with_another_model_factory(tmp_path, capsys, factory, code, nee
 
 def test_forward_imports_the_factory_from_the_current_directory(tmp_path, capsys, monkeypatch):
     (tmp_path / "models_in_cwd_7f3a.py").write_text(
-        "from _verify_workers import Net\n\ndef build():\n    return Net()\n")
+        "from tests.support.verify_workers import Net\n\ndef build():\n    return Net()\n")
     save(tmp_path / "root")
     monkeypatch.chdir(tmp_path)
     code, out, _ = cli(capsys, "verify", "root", "--level", "forward", "--model",
@@ -348,7 +348,7 @@ def test_forward_imports_the_factory_from_the_current_directory(tmp_path, capsys
 
 
 def test_forward_rechecks_a_recorded_loss(tmp_path, capsys):
-    from _verify_workers import mse_loss
+    from tests.support.verify_workers import mse_loss
 
     local_loss = lambda output, inputs: mse_loss(output, inputs)  # noqa: E731  (not nameable)
     with ckpt.CheckpointManager(tmp_path / "root", probe=probe(local_loss),
@@ -359,13 +359,13 @@ def test_forward_rechecks_a_recorded_loss(tmp_path, capsys):
     assert code == 0 and "not rechecked" in out, out  # no loss function to recompute it
     code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
                        "--trust-recorded",
-                       "--loss", "_verify_workers:mse_loss", "--json")
+                       "--loss", "tests.support.verify_workers:mse_loss", "--json")
     step = json.loads(out)["steps"][0]
     assert code == 0 and "loss" in step["checks"]
     assert step["forward"]["loss_now"] == pytest.approx(step["forward"]["loss_recorded"])
     code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
                        "--trust-recorded",
-                       "--loss", "_verify_workers:doubled_loss")
+                       "--loss", "tests.support.verify_workers:doubled_loss")
     assert code == 1 and "- loss: " in out, out
 
 
@@ -373,12 +373,12 @@ def test_forward_uses_a_loss_function_the_probe_names(tmp_path, capsys):
     """A probe item that names its loss function (``"loss_fn": "module:callable"``) is
     rechecked without --loss; written by hand here, as ckpt.Probe records no name yet."""
     from ckpt._load.probe import run_forward
-    from _verify_workers import mse_loss
+    from tests.support.verify_workers import mse_loss
 
     net, inputs = make_net(), torch.randn(5, 8)
     output, loss = run_forward(net, inputs, mse_loss)
     item = {"model_key": "model", "inputs": inputs, "output": output, "loss": loss * 1.5,
-            "factory": FACTORY, "loss_fn": "_verify_workers:mse_loss", "finite": True}
+            "factory": FACTORY, "loss_fn": "tests.support.verify_workers:mse_loss", "finite": True}
     with ckpt.CheckpointManager(tmp_path / "root", async_save=False) as mgr:
         mgr.save(1, {"model": net, "__probe__": item})
     code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
@@ -391,7 +391,7 @@ def test_bf16_outputs_get_the_bf16_tolerance(tmp_path):
         verify.tolerance_for(torch.float32))
     net = make_net().to(torch.bfloat16)
     p = ckpt.Probe(inputs=torch.randn(5, 8).to(torch.bfloat16),
-                   factory="_verify_workers:build_bf16")
+                   factory="tests.support.verify_workers:build_bf16")
     with ckpt.CheckpointManager(tmp_path / "root", probe=p, async_save=False) as mgr:
         mgr.save(1, {"model": net})
     report = verify.verify(str(tmp_path / "root"), level="forward", trust_recorded=True)
@@ -495,11 +495,11 @@ def test_the_library_returns_reports_and_renders_them(tmp_path):
 @pytest.mark.multiproc
 def test_a_sharded_checkpoint_verifies_diffs_and_exports_whole(tmp_path, capsys):
     """Two gloo ranks save DTensor shards (uneven), a replicated model and per-rank RNG
-    state (tests/_sharded_workers.py); verify finds nothing wrong, diff against a one-rank
+    state (tests/support/sharded_workers.py); verify finds nothing wrong, diff against a one-rank
     save of the same values finds them equal although the chunks are cut differently, and
     export writes the full tensors."""
-    from _dist import run_ranks
-    from _sharded_workers import global_tensors, make_model, save_world
+    from tests.support.ranks import run_ranks
+    from tests.support.sharded_workers import global_tensors, make_model, save_world
 
     root = tmp_path / "root"
     run_ranks(2, save_world, str(root), 7)
@@ -695,7 +695,7 @@ def test_the_recorded_factory_and_loss_run_only_when_trusted(tmp_path, capsys, m
     name any installed module; here the module's import leaves a mark."""
     (tmp_path / "marking.py").write_text(
         "import pathlib\npathlib.Path('imported').write_text('x')\n"
-        "from _verify_workers import build_net\n"
+        "from tests.support.verify_workers import build_net\n"
         "def loss(output, inputs):\n    return output.float().pow(2).mean()\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -718,7 +718,7 @@ def test_the_recorded_factory_and_loss_run_only_when_trusted(tmp_path, capsys, m
 
     # --model names the factory: the recorded loss function is still not imported.
     code, out, _ = cli(capsys, "verify", "root", "--level", "forward", "--model",
-                       "_verify_workers:build_net")
+                       "tests.support.verify_workers:build_net")
     assert code == 0 and not (tmp_path / "imported").exists(), out
     assert "the probe's recorded loss function 'marking:loss' was not run" in out
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = str(Path(__file__).resolve().parent / "_warm_script.py")
+SCRIPT = str(Path(__file__).resolve().parent / "support" / "warm_script.py")
 LIGHT = ["--no-default-preload"]
 
 
@@ -159,7 +159,7 @@ def test_worker_is_forked_by_the_zygote_with_the_launchers_argv_cwd_env_and_stdi
 def test_a_module_runs_warm_and_outside_torchrun_the_script_runs_in_the_launcher(warm):
     out = warm["tmp"] / "seen.json"
     warm["env"]["PYTHONPATH"] += os.pathsep + str(Path(SCRIPT).parent)
-    argv = [sys.executable, "-m", "trainer.warm", *LIGHT, "-m", "_warm_script", "report",
+    argv = [sys.executable, "-m", "trainer.warm", *LIGHT, "-m", "warm_script", "report",
             str(out)]
     run = subprocess.run(argv, env=warm["env"], cwd=warm["tmp"], input="", text=True,
                          capture_output=True, timeout=60)
@@ -272,7 +272,7 @@ def test_a_launcher_killed_while_its_zygote_imports_leaves_it_to_the_next(warm):
     release = warm["tmp"] / "release"
     warm["env"]["WARM_TEST_RELEASE"] = str(release)
     warm["env"]["PYTHONPATH"] += os.pathsep + str(Path(SCRIPT).parent)
-    slow = [*LIGHT, "--preload", "_warm_slow"]  # its import waits for the release file
+    slow = [*LIGHT, "--preload", "warm_slow"]  # its import waits for the release file
     out = warm["tmp"] / "seen.json"
     argv = [sys.executable, "-m", "trainer.warm", *slow, SCRIPT, "report", str(out)]
     first = subprocess.Popen(argv, env=warm["env"], cwd=warm["tmp"], stdin=subprocess.DEVNULL)
@@ -320,13 +320,13 @@ def test_the_zygote_exits_with_its_agent_and_leaves_nothing(warm):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_worker_sigkilled_under_torchrun_restarts_from_the_zygote_from_memory(tmp_path):
-    """One torchrun agent (world 1) runs tests/_memory_job.py through ``-m trainer.warm``;
+    """One torchrun agent (world 1) runs tests/support/memory_job.py through ``-m trainer.warm``;
     the worker is SIGKILLed before step 12 (checkpoint 10 in memory only). The agent
     restarts it: forked by the same zygote, it resumes step 10 from the memory tier with
     the model and optimizer bit-exact, and the job finishes. Then the zygote is gone and
     its directory empty."""
-    import _memory_job
-    from _elastic_job import wait_for
+    from tests.support import memory_job
+    from tests.support.elastic_job import wait_for
     from ckpt._memory.tier import PREFIX, SHM_DIR
     from trainer.elastic import read_jsonl
 
@@ -335,7 +335,7 @@ def test_worker_sigkilled_under_torchrun_restarts_from_the_zygote_from_memory(tm
             "--digests", str(tmp_path / "digests"), "--steps", "15", "--every", "5",
             "--persist-every", "6", "--memory-job", memjob, "--memory", "on",
             "--hold-at", "12", "--collective-timeout", "30"]
-    c = _memory_job.Cluster(tmp_path, args, memjob, nnodes="1:1", warm=True)
+    c = memory_job.Cluster(tmp_path, args, memjob, nnodes="1:1", warm=True)
     try:
         node = c.add_node()
         marker = tmp_path / "digests" / "holding-s12-r0.json"

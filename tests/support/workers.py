@@ -1,7 +1,7 @@
 """Subprocess workers for the crash, resume, lock and signal tests, plus shared helpers.
 
-Run a worker as ``python tests/_workers.py <command> <args...>`` from the repository root with
-``PYTHONPATH=<repo root>`` (the repository is not installed); :class:`Worker` does exactly
+Run a worker as ``python tests/support/workers.py <command> <args...>`` from the repository
+root with ``PYTHONPATH=<repo root>`` (the repository is not installed); :class:`Worker` does exactly
 that. The tests import this module for the deterministic state builders and comparisons, so
 the worker and the test agree on what "the values that were saved" are.
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER_SCRIPT = Path(__file__).resolve()
 
 

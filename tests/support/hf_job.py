@@ -1,12 +1,12 @@
 """A Hugging Face Trainer job for tests/test_integrations.py (run as a subprocess).
 
-    python _hf_job.py kill WORK      # CkptTrainer; SIGKILLs itself at step 7 once 6 committed
-    python _hf_job.py resume WORK    # resumes WORK/hf and WORK/hf_bad through ckpt; runs the
+    python hf_job.py kill WORK      # CkptTrainer; SIGKILLs itself at step 7 once 6 committed
+    python hf_job.py resume WORK    # resumes WORK/hf and WORK/hf_bad through ckpt; runs the
                                      # same job with HF's own checkpoints, stopped after steps
                                      # 6 and 4 and resumed; exports WORK/hf with the CLI and
                                      # loads it with from_pretrained. Results in WORK/out/.
-    python _hf_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
-                                     # resume once the test writes go (tests/_fork_kill.py)
+    python hf_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
+                                     # resume once the test writes go (tests/support/fork_kill.py)
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,  # noqa: E402
                           Trainer, TrainerCallback, TrainingArguments)
 
-from _fork_kill import kill_then_wait  # noqa: E402
+from tests.support.fork_kill import kill_then_wait  # noqa: E402
 from verify import cli  # noqa: E402
 from trainer.integrations.hf import CkptTrainer  # noqa: E402
 

@@ -1,9 +1,9 @@
 """The training script of tests/test_memory_torchrun.py (and bench_memory_tier's timeline):
-``trainer.ElasticTrainer`` with its memory tier, under torchrun agents (tests/_elastic_job.py's
-LocalCluster) or as a plain process.
+``trainer.ElasticTrainer`` with its memory tier, under torchrun agents
+(tests/support/elastic_job.py's LocalCluster) or as a plain process.
 
-    torchrun ... tests/_memory_job.py --root R --run-dir D --digests G --steps 20 --every 5 \\
-        --persist-every 2 --memory-job J [--hold-at 17,22] [--memory on|off|auto]
+    torchrun ... tests/support/memory_job.py --root R --run-dir D --digests G --steps 20 \\
+        --every 5 --persist-every 2 --memory-job J [--hold-at 17,22] [--memory on|off|auto]
 
 Writes, per attempt and rank, to ``--digests``:
 
@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -41,7 +40,7 @@ from trainer import (CheckpointConfig, ElasticConfig, FailureConfig, Hooks,  # n
 from trainer.elastic import ElasticTrainer  # noqa: E402
 from trainer.tiny_lm import TinyLM, WindowDataset, make_corpus  # noqa: E402
 
-from _elastic_job import setup_worker  # noqa: E402
+from tests.support.elastic_job import setup_worker  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
 MEMORY = {"on": True, "off": False, "auto": None}
@@ -181,11 +180,11 @@ if __name__ == "__main__":
 
 import subprocess  # noqa: E402
 
-from _elastic_job import REPO, LocalCluster, Node  # noqa: E402
+from tests.support.elastic_job import REPO, LocalCluster, Node  # noqa: E402
 
 
 class Cluster(LocalCluster):
-    """LocalCluster running tests/_memory_job.py, each node named for the memory tier
+    """LocalCluster running tests/support/memory_job.py, each node named for the memory tier
     (``CKPT_NODE=<tag>n<i>``), so that its segments are ``ckpt-<job>-<tag>n<i>-*``. With
     ``warm``, the agents start the workers through ``-m trainer.warm`` (warm restarts from a
     zygote per node), their sockets in ``<workdir>/warm``."""

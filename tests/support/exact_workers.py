@@ -1,9 +1,9 @@
-"""The training loop of issue #12, as a user writes it, for the exact-resume tests.
+"""A training loop as a user writes it, for the exact-resume tests.
 
 Tied weights, dropout, AdamW, LambdaLR, GradScaler with bf16 autocast on the CPU, gradient
 accumulation over 2 micro-batches, a shuffled loader with 2 workers; a CheckpointManager
 saving every 3 optimizer steps in the background. Run as
-``python tests/_exact_workers.py MODE ROOT OUT`` (MODE: ``stateful`` for torchdata's
+``python tests/support/exact_workers.py MODE ROOT OUT`` (MODE: ``stateful`` for torchdata's
 StatefulDataLoader, ``plain`` for a DataLoader with trainer.ResumableLoader, ``compiled``
 for ``plain`` with the model under torch.compile). Prints ``start S`` after the restore,
 ``saved N`` right after a save was started and ``step N`` after each optimizer step; at the

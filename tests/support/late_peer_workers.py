@@ -1,7 +1,7 @@
 """Rank bodies of a memory-tier restore whose peer messages arrive late.
 
 Each rank plays one node of the memory tier (its name from ``nodes[rank]``), with its own
-segment directory, as in tests/_memory_workers.py. The holder's data messages leave only once
+segment directory, as in tests/support/memory_workers.py. The holder's data messages leave only once
 the reader waits for one, so a read that does not wait finds no byte of the step.
 """
 

@@ -1,6 +1,6 @@
 """torchrun with a shorter grace before its agent SIGKILLs workers that ignore SIGTERM.
 
-    python tests/_torchrun.py GRACE <torchrun arguments...>
+    python tests/support/torchrun.py GRACE <torchrun arguments...>
 
 When a torchrun agent restarts its worker group it SIGTERMs the workers and waits 30 s
 (hard-coded: ``LocalElasticAgent._stop_workers`` calls ``_shutdown()`` with its default
@@ -26,7 +26,7 @@ def shorten_restart_grace(grace: float) -> None:
     timeout = inspect.signature(original).parameters.get("timeout")
     if timeout is None or timeout.default != 30:  # another torch: say so, do not guess
         raise RuntimeError(f"LocalElasticAgent._shutdown{inspect.signature(original)} has "
-                           "no timeout defaulting to 30 s; update tests/_torchrun.py")
+                           "no timeout defaulting to 30 s; update tests/support/torchrun.py")
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
                   timeout: float = grace) -> None:

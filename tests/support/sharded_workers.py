@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckpt
-from _scale_workers import Blob
+from tests.support.scale_workers import Blob
 from ckpt._save.staging import Stager
 from storage_backends import PosixStorage
 

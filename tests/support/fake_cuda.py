@@ -181,12 +181,13 @@ def install(monkeypatch: Any, devices: int = 2) -> Sim:
     import weakref
 
     import ckpt.api
-    import ckpt._save.engine
+    import ckpt._save.staging
+    import ckpt._shared.buffers
 
     sim = Sim(devices)
     monkeypatch.setattr(sys.modules[__name__], "SIM", sim)
-    monkeypatch.setattr(ckpt._save.engine, "_STAGERS", weakref.WeakSet())
-    monkeypatch.setattr(ckpt.api._ONE_SHOT, "_stager", ckpt._save.engine.Stager())
+    monkeypatch.setattr(ckpt._shared.buffers, "_COPIERS", weakref.WeakSet())
+    monkeypatch.setattr(ckpt.api._ONE_SHOT, "_stager", ckpt._save.staging.Stager())
     real_empty = torch.empty
 
     def index(device: Any) -> int:

@@ -1,12 +1,12 @@
 """A Lightning training job for tests/test_integrations.py (run as a subprocess).
 
-    python _pl_job.py kill WORK      # ckpt IO; SIGKILLs itself at step 7 once step 6 committed
-    python _pl_job.py resume WORK    # resumes WORK/pl and WORK/pl_bad through ckpt, runs the
+    python pl_job.py kill WORK      # ckpt IO; SIGKILLs itself at step 7 once step 6 committed
+    python pl_job.py resume WORK    # resumes WORK/pl and WORK/pl_bad through ckpt, runs the
                                      # same job through Lightning's own IO resumed from steps
                                      # 6 and 4; final weights go to WORK/out/*.pt
-    python _pl_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
-                                     # resume once the test writes go (tests/_fork_kill.py)
-    python _pl_job.py ddp WORK       # DDP on 2 CPU processes: train to 6 and resume to 12,
+    python pl_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
+                                     # resume once the test writes go (tests/support/fork_kill.py)
+    python pl_job.py ddp WORK       # DDP on 2 CPU processes: train to 6 and resume to 12,
                                      # through ckpt and through Lightning's own IO
 """
 
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
-from _fork_kill import kill_then_wait  # noqa: E402
+from tests.support.fork_kill import kill_then_wait  # noqa: E402
 from trainer.integrations.lightning import CkptCheckpointIO  # noqa: E402
 
 MAX_STEPS = 12

@@ -1,6 +1,6 @@
 """The training script the elastic tests run under torchrun (and once as a plain process).
 
-    torchrun ... tests/_elastic_job.py --root R --run-dir D --audit-dir A --steps 40 ...
+    torchrun ... tests/support/elastic_job.py --root R --run-dir D --audit-dir A --steps 40 ...
 
 Trains the tiny LM on a small corpus with ``trainer.ElasticTrainer``. ``--sample-sleep``
 adds a sleep per sample to each micro batch (simulated compute that scales with the share of
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -251,8 +251,8 @@ import signal  # noqa: E402
 import subprocess  # noqa: E402
 
 SCRIPT = str(Path(__file__).resolve())
-TORCHRUN = str(Path(__file__).resolve().parent / "_torchrun.py")
-REPO = str(Path(__file__).resolve().parent.parent)
+TORCHRUN = str(Path(__file__).resolve().parent / "torchrun.py")
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 def descendants(pid: int) -> list[int]:
@@ -303,7 +303,7 @@ class Node:
 
 
 class LocalCluster:
-    """Up to ``max_nodes`` torchrun agents on localhost training ``_elastic_job.py``."""
+    """Up to ``max_nodes`` torchrun agents on localhost training ``elastic_job.py``."""
 
     def __init__(self, workdir: Path, job_args: list[str], *, nnodes: str = "2:3",
                  max_restarts: int = 3, last_call_timeout: int = 3, keep_alive_interval: int = 1,
@@ -330,7 +330,7 @@ class LocalCluster:
         # margin and still drops a dead node about 4 s after its last keep-alive.
         self.monitor_interval = monitor_interval
         # None: torchrun's own 30 s between the SIGTERM and the SIGKILL of a restart (the
-        # workers checkpoint on SIGTERM); else that many seconds (see tests/_torchrun.py).
+        # workers checkpoint on SIGTERM); else that many seconds (see tests/support/torchrun.py).
         self.restart_grace = restart_grace
         # PET_LOG_DIR is torchrun's --log-dir: without it every agent leaves a
         # /tmp/torchelastic_* directory behind.

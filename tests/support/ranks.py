@@ -24,14 +24,14 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
+_ROOT = str(Path(__file__).resolve().parents[2])
 
 # What the suite's forked processes import (run_ranks' bodies, test_exact_resume's loops).
 # multiprocessing has one fork server per process and takes the preload list of the first
 # start, so every user of the fork server must go through forkserver() below.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
            "torch.distributed.device_mesh", "ckpt", "storage_backends", "trainer",
-           "torchdata.stateful_dataloader", "_exact_workers"]
+           "torchdata.stateful_dataloader", "tests.support.exact_workers"]
 
 
 def forkserver() -> multiprocessing.context.BaseContext:

@@ -1,7 +1,7 @@
 """The worker script of tests/test_warm.py, run through ``python -m trainer.warm``.
 
-    _warm_script.py report OUT [CODE]   write what this process sees to OUT, exit CODE
-    _warm_script.py wait OUT            write it, then wait (up to 60 s) for a signal
+    warm_script.py report OUT [CODE]   write what this process sees to OUT, exit CODE
+    warm_script.py wait OUT            write it, then wait (up to 60 s) for a signal
 
 What it sees: its pid and parent, the markers a zygote sets, argv, cwd, ``__name__``,
 ``WARM_TEST_VALUE`` from the environment and the first line of stdin (``report``); it also

@@ -1,12 +1,12 @@
 """An Accelerate training loop for tests/test_integrations.py (run as a subprocess).
 
-    python _acc_job.py kill WORK     # CkptAccelerator; SIGKILLs itself at step 7 once the
+    python acc_job.py kill WORK     # CkptAccelerator; SIGKILLs itself at step 7 once the
                                      # save of step 6 (iteration 2) committed
-    python _acc_job.py resume WORK   # resumes WORK/acc and WORK/acc_bad through ckpt; runs the
+    python acc_job.py resume WORK   # resumes WORK/acc and WORK/acc_bad through ckpt; runs the
                                      # same loop with Accelerate's own save_state, stopped after
                                      # steps 6 and 4 and resumed. Results in WORK/out/.
-    python _acc_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
-                                     # resume once the test writes go (tests/_fork_kill.py)
+    python acc_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
+                                     # resume once the test writes go (tests/support/fork_kill.py)
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from _fork_kill import kill_then_wait  # noqa: E402
+from tests.support.fork_kill import kill_then_wait  # noqa: E402
 from trainer.integrations.accelerate import CkptAccelerator  # noqa: E402
 
 MAX_STEPS = 12

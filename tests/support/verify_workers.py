@@ -1,5 +1,5 @@
 """Model factories and loss functions for test_verify.py / test_cli.py (named by
-``"_verify_workers:build_net"`` specs, so they must live in an importable module)."""
+``"tests.support.verify_workers:build_net"`` specs, so they must live in an importable module)."""
 
 from __future__ import annotations
 

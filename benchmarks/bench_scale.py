@@ -55,7 +55,7 @@ from ckpt._save.commit import build_top_manifest  # noqa: E402
 from ckpt._format.manifest import Manifest  # noqa: E402
 from ckpt._format.layout import cells_overlapping  # noqa: E402
 from ckpt.options import SaveOptions  # noqa: E402
-from ckpt._save.plan import data_file_name  # noqa: E402
+from ckpt._save.chunking import data_file_name  # noqa: E402
 from ckpt._format.ranktable import table_name  # noqa: E402
 from ckpt._shared.sharding import overlapping, prefetch  # noqa: E402
 

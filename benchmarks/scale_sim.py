@@ -31,7 +31,7 @@ from ckpt._save.rank_write import table_file
 from ckpt._format.manifest import DTYPES, Chunk, Manifest
 from ckpt._format.layout import BoxLayout, Mesh, MeshLayout
 from ckpt.options import SaveOptions
-from ckpt._save.plan import assign_files, chunk_tensor, data_file_name
+from ckpt._save.chunking import assign_files, chunk_tensor, data_file_name
 from ckpt._shared.sharding import PieceSpec
 from ckpt._save.snapshot import written_here
 

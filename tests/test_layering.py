@@ -56,7 +56,7 @@ def _add_import(root: Path, module: str, line: str) -> Path:
 
 @pytest.mark.parametrize("module, line, contract", [
     ("ckpt._load.reader", "import ckpt._save", "ckpt's wings import only the wings below them"),
-    ("ckpt._save.plan", "import ckpt._load", "ckpt's wings import only the wings below them"),
+    ("ckpt._save.chunking", "import ckpt._load", "ckpt's wings import only the wings below them"),
     ("ckpt._format.layout", "import ckpt._step",
      "ckpt's wings import only the wings below them"),
     ("ckpt._format.layout", "import concurrent.futures",

@@ -20,7 +20,7 @@ from ckpt._format.datafile import ALIGN, Piece, encode_header
 from ckpt._format.entries import Chunk
 from ckpt._format.ranktable import encode_table, table_name
 from ckpt._save.payload import RankTable, StepPayload
-from ckpt._save.plan import ChunkPlan, assign_files, chunk_tensor, data_file_name
+from ckpt._save.chunking import ChunkPlan, assign_files, chunk_tensor, data_file_name
 from ckpt._shared.buffers import byte_view
 from ckpt._shared.sharding import overlapping
 from ckpt._format.digest import digest

@@ -1,1 +1,2 @@
-"""CheckpointManager: the schedule, retention and restore of a training run's checkpoints."""
+"""The manager: CheckpointManager, a facade over the save schedule, the saver, the restorer and
+its tiers, the root's owner and the memory publisher."""

@@ -1,1 +1,1 @@
-"""What save and load share: state flattening, RNG, sharding of boxes over ranks, process-group helpers."""
+"""What save and load share: state flattening, RNG, boxes over ranks, process groups, host buffers."""

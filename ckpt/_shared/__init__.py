@@ -1,1 +1,1 @@
-"""What save and load share: state flattening, RNG, boxes over ranks, process groups, host buffers."""
+"""What save and load share: state flattening, RNG, boxes over ranks, process groups, buffers."""

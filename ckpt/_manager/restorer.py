@@ -18,7 +18,7 @@ from ckpt._load.reader import few_keys, load_step
 from ckpt._load.structure import MapLocation, read_structure
 from ckpt._manager.metrics import CheckpointMetrics
 from ckpt._manager.publisher import MemoryPublisher
-from ckpt._manager.tiers import Tier, restore_order
+from ckpt._manager.tiers import RestoreTier, Tier, restore_order
 from ckpt._manager.verdict import Fallback, Verdict
 from ckpt._shared.distributed import Group
 from ckpt._step.integrity import read_manifest
@@ -93,17 +93,8 @@ class Restorer:
                 # In one pass, a step that fails leaves `dirty` tensors behind. A step that
                 # loads writes every live tensor (load_step), so it repairs them; when none
                 # does, the error names them (never silently mixed).
-                wrote: frozenset[str] = frozenset()
-                manifest = None
-                try:
-                    storage = tier.open(s, state)
-                except CorruptCheckpointError as e:  # every rank raised it: agreed
-                    storage, error = None, e
-                if storage is not None:
-                    error, wrote, manifest = self._try_load(s, state, pool, storage, gate,
-                                                            in_place=one_pass)
-                    if tier.owns_storage:
-                        storage.close()  # a memory tier's open files
+                error, wrote, manifest, storage = self._attempt(s, tier, state, pool, gate,
+                                                                in_place=one_pass)
                 # Every rank must restore the same step: agree on this one's outcome first.
                 agreed = tried.agree(error)
                 if agreed.fatal:
@@ -136,6 +127,22 @@ class Restorer:
                     changed=dirty)
             raise CorruptCheckpointError(message, path=self.root)
         return None
+
+    def _attempt(self, step: int, tier: RestoreTier, state: MutableMapping[str, Any],
+                 pool: cf.ThreadPoolExecutor, gate: Gate, *, in_place: bool
+                 ) -> tuple[BaseException | None, frozenset[str], Manifest | None, Any]:
+        """Load ``step`` from ``tier``: (the error, or None; the live tensors written; the
+        manifest when it loaded; the storage read)."""
+        try:
+            storage = tier.open(step, state)
+        except CorruptCheckpointError as e:  # every rank raised it: agreed
+            return e, frozenset(), None, None
+        try:
+            return (*self._try_load(step, state, pool, storage, gate, in_place=in_place),
+                    storage)
+        finally:
+            if tier.owns_storage:
+                storage.close()  # a memory tier's open files
 
     def _raise_fatal(self, step: int, error: BaseException | None, why: str,
                      dirty: frozenset[str]) -> None:

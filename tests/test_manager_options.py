@@ -181,3 +181,12 @@ def test_a_skipped_step_is_recorded_with_its_verdict(tmp_path):
         assert mgr.restore(state) == 1
         assert [s for s, _ in mgr.skipped] == [2]
         assert torch.equal(state["x"], torch.full((4,), 1.0))
+
+
+def test_the_framework_integrations_allow_pickle_in_either_spelling():
+    from trainer.integrations._steps import pickle_allowed
+
+    assert pickle_allowed({"options": ckpt.SaveOptions(allow_pickle=True)})
+    assert pickle_allowed({"allow_pickle": True})
+    assert not pickle_allowed({"options": ckpt.SaveOptions()})
+    assert not pickle_allowed({})

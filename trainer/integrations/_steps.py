@@ -97,6 +97,14 @@ class StepStore:
             self.mgr.close()
 
 
+def pickle_allowed(manager_options: Mapping[str, Any]) -> bool:
+    """Whether the manager options allow pickled values: ``options=ckpt.SaveOptions(
+    allow_pickle=True)``, or the deprecated ``allow_pickle=True``."""
+    saving = manager_options.get("options")
+    return bool(manager_options.get("allow_pickle")) or bool(
+        getattr(saving, "allow_pickle", False))
+
+
 def load_newest_good(root: str, step: int | None, *, allow_pickle: bool = False,
                      map_location: Any = None) -> tuple[int, dict[str, Any]] | None:
     """The newest committed step at or before ``step`` (None: any) that loads cleanly, as

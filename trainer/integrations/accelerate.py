@@ -33,7 +33,7 @@ from accelerate import Accelerator
 import ckpt
 from ckpt._step.pointer import POINTER_NAME, read_pointer, write_pointer
 
-from ._steps import StepStore, load_newest_good
+from ._steps import StepStore, load_newest_good, pickle_allowed
 
 CONFIG_KEY = "hf_config"
 EPOCH = ".epoch"  # suffix of the item holding a prepared loader's epoch (its iteration)
@@ -49,7 +49,7 @@ class CkptAccelerator(Accelerator):
 
     Args:
         ckpt_options: passed to :class:`ckpt.CheckpointManager` (``async_save``,
-            ``compression``, ``incremental``...); retention is ``total_limit``'s.
+            ``options=ckpt.SaveOptions(...)``...); retention is ``total_limit``'s.
         args, kwargs: as for ``accelerate.Accelerator``.
     """
 
@@ -180,8 +180,7 @@ class CkptAccelerator(Accelerator):
                              "has automatic_checkpoint_naming=True")
         if self._ckpt_store is not None:
             self._ckpt_store.mgr.wait()
-        found = load_newest_good(root, step,
-                                 allow_pickle=bool(self.ckpt_options.get("allow_pickle")))
+        found = load_newest_good(root, step, allow_pickle=pickle_allowed(self.ckpt_options))
         if found is None:
             raise ValueError(f"no checkpoint was committed under {root}")
         loaded_step, saved = found

@@ -29,7 +29,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 import ckpt
 from ckpt._step.pointer import POINTER_NAME, read_pointer, write_pointer
 
-from ._steps import StepStore, load_newest_good
+from ._steps import StepStore, load_newest_good, pickle_allowed
 
 log = logging.getLogger("ckpt")
 
@@ -42,7 +42,7 @@ class CkptTrainer(Trainer):
 
     Args:
         ckpt_options: passed to :class:`ckpt.CheckpointManager` (``async_save``,
-            ``compression``, ``incremental``...); schedule and retention are HF's.
+            ``options=ckpt.SaveOptions(...)``...); schedule and retention are HF's.
         args, kwargs: as for ``transformers.Trainer``.
     """
 
@@ -148,8 +148,7 @@ class CkptTrainer(Trainer):
             run_dir = os.path.dirname(folder)
         if self._ckpt_store is not None:
             self._ckpt_store.mgr.wait()
-        found = load_newest_good(run_dir, step,
-                                 allow_pickle=bool(self.ckpt_options.get("allow_pickle")))
+        found = load_newest_good(run_dir, step, allow_pickle=pickle_allowed(self.ckpt_options))
         if found is None:
             raise ValueError(f"No valid checkpoint found in output directory ({run_dir})")
         loaded_step, self._ckpt_loaded = found
@@ -200,7 +199,7 @@ class CkptTrainer(Trainer):
             self._ckpt_store.mgr.wait()
         path = os.path.join(os.path.dirname(best), ckpt.inspect.step_dir(step))
         try:  # that step only: an older one is not the best model
-            saved = ckpt.load(path, allow_pickle=bool(self.ckpt_options.get("allow_pickle")))
+            saved = ckpt.load(path, allow_pickle=pickle_allowed(self.ckpt_options))
         except (ckpt.CorruptCheckpointError, ckpt.CheckpointNotFoundError) as e:
             log.warning("ckpt: the best checkpoint %s (step %d) cannot be loaded, so the model "
                         "stays as the last step left it (HF's Trainer does the same when it "

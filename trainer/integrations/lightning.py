@@ -31,7 +31,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 import ckpt
 from ckpt._step.pointer import read_pointer, write_pointer
 
-from ._steps import StepStore, load_newest_good
+from ._steps import StepStore, load_newest_good, pickle_allowed
 
 log = logging.getLogger("ckpt")
 
@@ -52,8 +52,8 @@ class CkptCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves through a :class:`ckpt.CheckpointManager`.
 
     Args:
-        manager_options: passed to the manager (``async_save``, ``compression``,
-            ``incremental``, ``allow_pickle``, ``options``, ``metrics_port``...). The save
+        manager_options: passed to the manager (``async_save``, ``options=ckpt.SaveOptions(
+            compression=..., incremental=..., allow_pickle=...)``, ``metrics``...). The save
             schedule and retention are Lightning's (``ModelCheckpoint``), so ``every_steps``,
             ``keep_last`` and ``keep_every`` are refused. SIGTERM is Lightning's too
             (``trainer.received_sigterm``, ``on_exception``; its teardown finishes the write
@@ -107,10 +107,8 @@ class CkptCheckpointIO(CheckpointIO):
             return TorchCheckpointIO().load_checkpoint(full, weights_only=weights_only)
         if self._store is not None:
             self._store.mgr.wait()  # a save of this process may still be writing that step
-        saving = self.manager_options.get("options")
-        allow_pickle = bool(self.manager_options.get("allow_pickle", False)
-                            or saving is not None and saving.allow_pickle)
-        found = load_newest_good(os.path.dirname(full), step, allow_pickle=allow_pickle,
+        found = load_newest_good(os.path.dirname(full), step,
+                                 allow_pickle=pickle_allowed(self.manager_options),
                                  map_location=map_location)
         if found is None:
             raise FileNotFoundError(f"{full} points at step {step}, but no step at or before "

@@ -29,13 +29,19 @@ BEGIN, END = "<!-- wings:begin -->", "<!-- wings:end -->"
 DESIGN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "design.md")
 
 
+# Modules at the top of ckpt drawn as nodes of their own: the errors and option types every
+# wing uses, and the `python -m ckpt` shim; the other top modules are the public face.
+OWN_NODES = ("ckpt.errors", "ckpt.options", "ckpt.__main__")
+
+
 def wing_of(module: str) -> str:
     """The node a module is drawn in: its ckpt wing, the public face, or its package."""
     parts = module.split(".")
     if parts[0] == "ckpt":
-        if len(parts) > 1 and parts[1].startswith("_") and parts[1] != "__main__":
-            return "ckpt." + parts[1]
-        return "ckpt"
+        top = ".".join(parts[:2])
+        if top in OWN_NODES or (len(parts) > 1 and parts[1].startswith("_")):
+            return top
+        return "ckpt (public face)"
     return parts[0]
 
 
@@ -53,7 +59,7 @@ def arrows(graph: grimp.ImportGraph) -> dict[tuple[str, str], int]:
 def mermaid(counts: dict[tuple[str, str], int]) -> str:
     """The flowchart, nodes and arrows in a stable order so the output is reproducible."""
     nodes = sorted({n for pair in counts for n in pair})
-    ident = {n: n.replace(".", "_").lstrip("_") for n in nodes}
+    ident = {n: "".join(c if c.isalnum() else "_" for c in n) for n in nodes}
     lines = ["```mermaid", "flowchart TD"]
     for n in nodes:
         lines.append(f'    {ident[n]}["{n}"]')

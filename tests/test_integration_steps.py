@@ -85,7 +85,7 @@ def test_ckpt_imports_and_works_without_the_frameworks(tmp_path):
         "for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate'):\n"
         "    sys.modules[m] = None\n"
         "import torch, ckpt, trainer, trainer.integrations\n"
-        "from ckpt import cli\n"
+        "from verify import cli\n"
         "out = sys.argv[1]\n"
         "ckpt.save({'model': torch.nn.Linear(2, 2)}, out + '/root/step-00000001', step=1)\n"
         "sys.exit(cli.main(['export', out + '/root', '--to', 'hf', out + '/hf']))\n"

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from ckpt._manager.metrics import default_labels
+from ckpt.tools import default_labels
 from trainer.audit import AUDIT_DIR_ENV, read_audit, read_skips
 from trainer.config import ElasticConfig, config_from_keywords
 from trainer.data import ResumableSampler

@@ -11,8 +11,7 @@ from typing import Any
 from ckpt import inspect
 from ckpt.errors import CheckpointNotFoundError
 from ckpt.inspect import Checkpoints
-from ckpt._format.names import step_dir
-from ckpt._step.pointer import POINTER_NAME, read_pointer
+from ckpt.tools import POINTER_NAME, read_pointer, step_dir
 
 from .report import UsageError
 

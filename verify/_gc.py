@@ -11,10 +11,8 @@ from typing import Any
 
 import verify
 from ckpt.inspect import Checkpoints
-from ckpt._retention.apply import recorded_policy
-from ckpt._retention.gc import GcResult, collect_root
-from ckpt._retention.policy import KeepBest, RetentionPolicy
-from ckpt._step.listing import committed_steps
+from ckpt.tools import (GcResult, KeepBest, RetentionPolicy, collect_root, committed_steps,
+                        recorded_policy)
 
 from ._console import echo, open_path
 from .report import EXIT_FAILED, EXIT_OK, size
@@ -111,7 +109,7 @@ def render_gc(result: GcResult) -> str:
 
 
 def _gc_memory(args: argparse.Namespace) -> int:
-    from ckpt._memory.tier import gc_segments
+    from ckpt.tools import gc_segments
 
     paths = gc_segments(job=args.job, dry_run=not args.yes)
     if getattr(args, "json", False):

@@ -31,7 +31,7 @@ import torch
 from accelerate import Accelerator
 
 import ckpt
-from ckpt._step.pointer import POINTER_NAME, read_pointer, write_pointer
+from ckpt.tools import POINTER_NAME, read_pointer, write_pointer
 
 from ._steps import StepStore, load_newest_good, pickle_allowed
 

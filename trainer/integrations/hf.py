@@ -27,7 +27,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 import ckpt
-from ckpt._step.pointer import POINTER_NAME, read_pointer, write_pointer
+from ckpt.tools import POINTER_NAME, read_pointer, write_pointer
 
 from ._steps import StepStore, load_newest_good, pickle_allowed
 

@@ -29,7 +29,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 import ckpt
-from ckpt._step.pointer import read_pointer, write_pointer
+from ckpt.tools import read_pointer, write_pointer
 
 from ._steps import StepStore, load_newest_good, pickle_allowed
 

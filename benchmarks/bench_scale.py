@@ -58,6 +58,7 @@ from ckpt.options import SaveOptions  # noqa: E402
 from ckpt._save.chunking import data_file_name  # noqa: E402
 from ckpt._format.ranktable import table_name  # noqa: E402
 from ckpt._shared.sharding import overlapping, prefetch  # noqa: E402
+from ckpt._step.tables import bind_tables  # noqa: E402
 
 LAYOUTS = ("fsdp", "hsdp", "tp_fsdp")
 TOKEN = "t" * 12
@@ -164,7 +165,7 @@ def run_world(layout: str, world: int, options: SaveOptions) -> dict:
         def plan() -> int:  # a fresh manifest each time: no table read before
             read.clear()
             fresh = Manifest.from_json(raw, where="simulated")
-            fresh.bind(lambda n: read.append(n) or files[n], "simulated")
+            bind_tables(fresh, lambda n: read.append(n) or files[n], "simulated")
             t0 = time.perf_counter()
             prefetch(fresh, [(t.key, box) for t, box in boxes])  # what load_step does first
             sum(len(overlapping(fresh.tensors[t.key], box)) for t, box in boxes)

@@ -28,7 +28,9 @@ from ckpt._format.datafile import Piece, encode_header
 from ckpt._save.commit import build_top_manifest
 from ckpt._save.payload import RankTable, StepPayload
 from ckpt._save.rank_write import table_file
-from ckpt._format.manifest import DTYPES, Chunk, Manifest
+from ckpt._format.entries import Chunk
+from ckpt._format.manifest import Manifest
+from ckpt._format.names import DTYPES
 from ckpt._format.layout import BoxLayout, Mesh, MeshLayout
 from ckpt.options import SaveOptions
 from ckpt._save.chunking import assign_files, chunk_tensor, data_file_name
@@ -149,7 +151,7 @@ def rng_state(world: int) -> tuple[dict, dict[str, tuple[str, tuple[int, ...], i
     the item (one tree per rank: a real RNGState's tree, renamed per rank, ~7.6 KB of JSON)
     and each rank's own tensors (key -> (dtype, shape, the rank that holds and writes it))."""
     import ckpt
-    from ckpt._format.manifest import dtype_name
+    from ckpt._format.names import dtype_name
     from ckpt._shared.state import flatten
 
     flat = flatten({"rng": ckpt.RNGState()}, rank=0)

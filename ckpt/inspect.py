@@ -39,15 +39,19 @@ from ckpt._format.datafile import SAFETENSORS_DTYPES
 from ckpt._shared.buffers import byte_view
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                      StorageError)
-from ckpt._format.manifest import (MANIFEST_NAME, STEP_DIR, Chunk, Manifest, TensorEntry, is_decimal,
-                     step_dir)
+from ckpt._format.bounds import is_decimal
+from ckpt._format.entries import Chunk, TensorEntry
+from ckpt._format.manifest import Manifest
+from ckpt._format.names import MANIFEST_NAME, STEP_DIR, step_dir
 from ckpt._load.gate import damaged_probe
 from ckpt._step.integrity import check_structure as _check_structure
-from ckpt._step.integrity import chunk_path, digest, read_manifest
+from ckpt._format.digest import digest
+from ckpt._step.integrity import chunk_path, read_manifest
 from ckpt._load.probe import PROBE_ITEM, TOLERANCES, run_forward, tolerance_for
 from ckpt._load.reader import load_step
 from ckpt._load.chunk_read import read_chunk as _read_chunk
-from ckpt._shared.state import BYTES, DICT, FLOAT, NDARRAY, PICKLE, TENSOR, TUPLE, item_tree
+from ckpt._format.tags import BYTES, DICT, FLOAT, NDARRAY, PICKLE, TENSOR, TUPLE
+from ckpt._shared.state import item_tree
 
 __all__ = [
     "PROBE_ITEM", "SAFETENSORS_DTYPES", "TOLERANCES", "Checkpoints", "Chunk", "Manifest",

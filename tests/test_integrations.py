@@ -401,7 +401,7 @@ def test_lightning_plugin_leaves_sigterm_to_lightning(tmp_path):
         io.save_checkpoint({"global_step": 1, "w": torch.ones(2)}, tmp_path / "last.ckpt")
         assert signal.getsignal(signal.SIGTERM) is lightnings
         io.teardown()
-        io = CkptCheckpointIO(handle_sigterm=True)  # ckpt's own, when asked for
+        io = CkptCheckpointIO(schedule=ckpt.Schedule(handle_sigterm=True))  # ckpt's own, asked
         io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, tmp_path / "last.ckpt")
         assert signal.getsignal(signal.SIGTERM) is not lightnings
         io.teardown()

@@ -94,8 +94,8 @@ def make_step_fn(mode: str | None, marked: int = MARKED):
 
 
 def trainer(tmp_path: Path, step_fn, **kw) -> ElasticTrainer:
-    """The test's trainer; ``kw`` names config fields by their own names (``probe=``,
-    ``health=``, ...), placed in their sections of the ElasticConfig."""
+    """The test's trainer; ``kw`` takes the trainer's flat keyword names (``probe=``,
+    ``checkpoint_options=``, ...), each placed in its section of the ElasticConfig."""
     options = {"audit_dir": tmp_path / "audit", "log_every": 5,
                "health": HealthGuard(window=20, min_history=5)}
     options.update(kw)

@@ -162,7 +162,8 @@ class WorkerRun:
 
 
 def run_worker(extra: list[str], kill_after_s: float | None = None) -> WorkerRun:
-    """Run ``python -m trainer.demo --worker ...``; SIGKILL it ``kill_after_s`` after it is ready."""
+    """Run ``python -m trainer.demo --worker ...``; SIGKILL it ``kill_after_s`` after it is
+    ready."""
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS),
                PYTHONUNBUFFERED="1")
     repo = str(Path(__file__).resolve().parent.parent)

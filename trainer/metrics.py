@@ -166,8 +166,8 @@ class TrainerMetrics:
             self._export.serve(port)
 
     def attach_checkpoint(self, checkpoint_metrics: Any) -> None:
-        """Export a ``ckpt._manager.metrics.CheckpointMetrics`` (a manager's ``metrics``) with these:
-        the ``ckpt_*`` series then come from the same port and textfile."""
+        """Export a checkpoint manager's ``metrics`` with these: the ``ckpt_*`` series then
+        come from the same port and textfile."""
         if self._export is not None and checkpoint_metrics is not None:
             self._export.attach_checkpoint(checkpoint_metrics)
 

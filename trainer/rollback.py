@@ -41,7 +41,8 @@ class Rollbacks:
 
     def __init__(self, guard: HealthGuard | None, *, steps: StepRunner,
                  checkpointer: TrainerCheckpointer, records: RunRecords,
-                 metrics: TrainerMetrics, known_bad: Iterable[int], skipped_batches: int, counted: set[int]) -> None:
+                 metrics: TrainerMetrics, known_bad: Iterable[int], skipped_batches: int,
+                 counted: set[int]) -> None:
         self.guard = guard
         self.steps, self.checkpointer = steps, checkpointer
         self.records, self.metrics = records, metrics

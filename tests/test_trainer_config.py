@@ -150,3 +150,13 @@ def test_memory_options_reach_the_manager_with_the_jobs_name_filled_in(tmp_path,
         CheckpointConfig(memory_options={"persist_every": 3})
     with pytest.raises(TypeError, match="may not set \\['schedule'\\]"):
         CheckpointConfig(manager_options={"schedule": ckpt.Schedule()})
+
+
+def test_the_former_attributes_read_the_config_with_a_deprecation_warning(tmp_path):
+    t = make(tmp_path, ElasticConfig(seed=4, failure=FailureConfig(heartbeat_timeout=9.0)))
+    with pytest.warns(DeprecationWarning, match="read trainer.config.failure.heartbeat_timeout"):
+        assert t.heartbeat_timeout == 9.0
+    with pytest.warns(DeprecationWarning, match="read trainer.config.seed"):
+        assert t.seed == 4
+    with pytest.raises(AttributeError, match="no attribute 'heartbeat'"):
+        t.heartbeat  # noqa: B018

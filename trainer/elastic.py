@@ -44,6 +44,7 @@ import signal
 import socket
 import threading
 import time
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -51,7 +52,7 @@ from torch.utils.data import Dataset, default_collate
 
 from ckpt.tools import default_labels
 from trainer.audit import AUDIT_DIR_ENV, read_audit, read_skips
-from trainer.config import ElasticConfig, config_from_keywords
+from trainer.config import LEGACY_KEYWORDS, ElasticConfig, config_from_keywords
 from trainer.data import ResumableSampler
 from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED, ExitPolicy
 from trainer.health import HealthGuard, TrainingHealthError
@@ -133,6 +134,18 @@ class ElasticTrainer:
         #: The parts of the attempt under way (None before the first fit).
         self._parts: AttemptParts | None = None
         self._skips_counted: set[int] = set()  # offsets of skipped batches in the metrics
+
+    def __getattr__(self, name: str) -> Any:
+        """The configuration's values under the former attribute names (``t.seed``,
+        ``t.heartbeat_timeout``, ...), with a DeprecationWarning naming their place."""
+        if name.startswith("__") or name not in LEGACY_KEYWORDS or "config" not in vars(self):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        section, field = LEGACY_KEYWORDS[name]
+        warnings.warn(f"ElasticTrainer.{name} is deprecated and will be removed: read "
+                      f"trainer.config.{field if section is None else f'{section}.{field}'}",
+                      DeprecationWarning, stacklevel=2)
+        owner = self.config if section is None else getattr(self.config, section)
+        return getattr(owner, field)
 
     # -- what the running trainer shows ------------------------------------------------------
     @property

@@ -33,12 +33,12 @@ import common  # noqa: E402  (puts the repository root on sys.path too)
 import torch  # noqa: E402
 
 import ckpt  # noqa: E402
-import ckpt._load.gate  # noqa: E402
+import ckpt._load.levels  # noqa: E402
 import ckpt._load.probe  # noqa: E402
 from trainer import tiny_lm  # noqa: E402
 
 LEVELS = ("structure", "digest", "forward")
-PARTS = {"model copy (put back on failure)": (ckpt._load.gate, "_copy_modules"),
+PARTS = {"model copy (put back on failure)": (ckpt._load.levels, "_copy_modules"),
          "probe forward": (ckpt._load.probe, "run_forward"),
          "NaN/Inf scan of the weights": (ckpt._load.probe, "nonfinite_weights")}
 

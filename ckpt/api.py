@@ -10,9 +10,9 @@ from typing import Any, MutableMapping, overload
 
 from storage_backends import PosixStorage
 
-from ckpt._load.gate import Gate, verify_level
+from ckpt._load.levels import Gate, verify_level
 from ckpt._load.reader import load_step
-from ckpt._load.structure import MapLocation, read_structure
+from ckpt._load.as_saved import MapLocation, read_structure
 from ckpt._save.handle import SaveHandle, SaveResult
 from ckpt._save.snapshot import snapshot
 from ckpt._save.staging import Stager

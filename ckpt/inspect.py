@@ -43,7 +43,7 @@ from ckpt._format.bounds import is_decimal
 from ckpt._format.entries import Chunk, TensorEntry
 from ckpt._format.manifest import Manifest
 from ckpt._format.names import MANIFEST_NAME, STEP_DIR, step_dir
-from ckpt._load.gate import damaged_probe
+from ckpt._load.levels import damaged_probe
 from ckpt._step.integrity import check_structure as _check_structure
 from ckpt._format.digest import digest
 from ckpt._step.integrity import chunk_path, read_manifest

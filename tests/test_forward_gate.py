@@ -182,7 +182,7 @@ def flip_a_data_bit(root: Path, step: int) -> None:
 
 
 def test_the_structure_level_loads_a_flipped_bit_the_digest_level_falls_back(tmp_path):
-    """Decided and documented (ckpt/_load/gate.py, docs/guide.md): ``verify="structure"`` checks
+    """Decided and documented (ckpt/_load/levels.py, docs/guide.md): ``verify="structure"`` checks
     the manifest and file sizes only, so a flipped data bit is loaded as it is."""
     root = tmp_path / "root"
     save_two_steps(root)

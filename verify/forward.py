@@ -182,7 +182,7 @@ def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
 
 def _damaged_probe(probe: Any) -> str | None:
     """What is wrong with a loaded probe item (a hand-edited or damaged manifest), or None:
-    ckpt._load.gate's check, then the recorded loss, which only this level uses."""
+    ckpt._load.levels's check, then the recorded loss, which only this level uses."""
     damaged = damaged_probe(probe)
     if damaged is not None:
         return damaged

@@ -14,7 +14,7 @@ from storage_backends import Storage
 
 from ckpt._format.manifest import Manifest
 from ckpt._format.names import step_dir
-from ckpt._load.structure import MapLocation
+from ckpt._load.as_saved import MapLocation
 from ckpt._manager.metrics import CheckpointMetrics, default_labels
 from ckpt._manager.publisher import MemoryPublisher
 from ckpt._manager.restorer import RestoreInfo, Restorer
@@ -257,7 +257,7 @@ class CheckpointManager:
         loads after a failed one writes every live tensor again. ``strict``, ``step`` and
         ``verify="forward"`` check every chunk before writing any (docs/design.md,
         "Loading"). ``verify``: ``"structure"``, ``"digest"`` (default) or ``"forward"``
-        (also the probe recorded at save time; ckpt/_load/gate.py).
+        (also the probe recorded at save time; ckpt/_load/levels.py).
 
         Returns:
             The restored step, or None when the root has no checkpoint yet.

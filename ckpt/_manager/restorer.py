@@ -12,10 +12,10 @@ from storage_backends import Storage
 
 from ckpt._format.manifest import Manifest
 from ckpt._format.names import step_dir
-from ckpt._load.gate import Gate, verify_level
+from ckpt._load.levels import Gate, verify_level
 from ckpt._load.probe import PROBE_ITEM
 from ckpt._load.reader import few_keys, load_step
-from ckpt._load.structure import MapLocation, read_structure
+from ckpt._load.as_saved import MapLocation, read_structure
 from ckpt._manager.metrics import CheckpointMetrics
 from ckpt._manager.publisher import MemoryPublisher
 from ckpt._manager.tiers import RestoreTier, Tier, restore_order

@@ -1,4 +1,4 @@
-"""What ``restore`` and ``load`` check besides loading, by ``verify`` level:
+"""The verification levels: what ``restore`` and ``load`` check besides loading, by level:
 
 * ``"structure"``: the manifest is valid and every file it names is present with its
   recorded size; chunk digests are not computed, so a flipped bit in the data is loaded as

@@ -17,7 +17,7 @@ copy; restore >= 0.8x min(disk read, host-to-device bandwidth).
 
 Without a CUDA device it says so and exits 0. ``--device cpu`` runs every measurement on
 the CPU instead, as a dry run of this script (the figures mean nothing; the page cache is
-not dropped): tests/test_device_check.py runs it, so that a mistake here shows before a GPU
+not dropped): tests/gpu/test_device_check.py runs it, so that a mistake here shows before a GPU
 is lent. Run from the repository root::
 
     python benchmarks/bench_cuda.py [--sizes 2G] [--reps 3] [--device cpu]

@@ -5,10 +5,10 @@
 #     CKPT_COMMIT=<commit> bash benchmarks/device_check.sh
 # CKPT_COMMIT names the commit measured (the tree is copied there without its .git).
 # Everything is printed and written under $OUT (a temporary directory when unset):
-#     device_check.log  all of it        test_cuda.log / test_cuda.xml  pytest tests/test_cuda.py
+#     device_check.log  all of it        test_cuda.log / test_cuda.xml  pytest tests/gpu/test_cuda.py
 #     bench_cuda.log    the benchmark's tables (the figures for docs/benchmarks.md)
 # Steps: the machine (nvidia-smi, torch, CUDA), ckpt importable (pip install -e . --no-deps
-# only if not: nothing can be downloaded there), tests/test_cuda.py (TEST_TIMEOUT s, default
+# only if not: nothing can be downloaded there), tests/gpu/test_cuda.py (TEST_TIMEOUT s, default
 # 150), benchmarks/bench_cuda.py --sizes $BENCH_SIZES (default 1G,2G; BENCH_TIMEOUT s,
 # default 300). Each step runs whatever the one before did; the exit status is the first
 # failure's (0: all passed; 3: no CUDA device; 124: a timeout). At most about 8 minutes with
@@ -79,7 +79,7 @@ step "import" import.log 60 "$PYTHON" -c \
     "import ckpt, storage_backends; print('ckpt', ckpt.__version__, 'from', ckpt.__file__)"
 
 step "test_cuda" test_cuda.log "$TEST_TIMEOUT" "$PYTHON" -u -m pytest -q -rA -p no:cacheprovider \
-    --junitxml="$OUT/test_cuda.xml" tests/test_cuda.py
+    --junitxml="$OUT/test_cuda.xml" tests/gpu/test_cuda.py
 step "bench_cuda" bench_cuda.log "$BENCH_TIMEOUT" "$PYTHON" -u benchmarks/bench_cuda.py \
     --sizes "$BENCH_SIZES" --reps "$BENCH_REPS" --quiet-wait 0
 

@@ -10,7 +10,7 @@ it (``Manifest.from_json``) and each rank of the next world finds the chunks ove
 boxes (``sharding.overlapping``: the layout names the ranks whose tables it reads, which are
 then checked against their digests and validated). This module drives exactly those
 functions, with boxes computed by DTensor's own sharding rule, so nothing but the bytes (and
-the chunk digests) is made up. ``tests/test_scale.py`` checks a simulated step against a real
+the chunk digests) is made up. ``tests/save/test_scale.py`` checks a simulated step against a real
 gloo save.
 """
 

@@ -189,8 +189,8 @@ class PosixStorage(Storage):
                 os.unlink(target)
             except FileNotFoundError:
                 return
-            # A retired step's manifest must be gone for good before its files are deleted
-            # (tests/test_crash_states.py found a torn step visible after a crash otherwise).
+            # A retired step's manifest must be gone for good before its files are deleted:
+            # otherwise a crash can leave a torn step visible (tests/e2e/test_crash_states.py).
             fsync_dir(os.path.dirname(target))
 
     def begin(self, name: str, token: str) -> str:

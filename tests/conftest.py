@@ -1,7 +1,7 @@
 """Shared fixtures of the ckpt test-suite.
 
 The repository is not installed: make both it (``import ckpt``, ``import tests.support``)
-and this directory (``import crashsim``) importable however pytest was started.
+importable however pytest was started.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 _TESTS = Path(__file__).resolve().parent
-for _p in (str(_TESTS.parent), str(_TESTS)):
+for _p in (str(_TESTS.parent),):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 

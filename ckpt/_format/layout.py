@@ -13,7 +13,7 @@ computes from that, locally and in the same way:
   (``cells_overlapping``: a bisection per tensor dimension, not a scan of every rank).
 
 Nothing here imports ``torch.distributed``: a reader needs no process group and no DTensor.
-``tests/test_scale.py`` checks ``mesh_box`` against DTensor's own function.
+``tests/save/test_scale.py`` checks ``mesh_box`` against DTensor's own function.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An Accelerate training loop for tests/test_integrations.py (run as a subprocess).
+"""An Accelerate training loop for tests/e2e/test_integrations.py (run as a subprocess).
 
     python acc_job.py kill WORK     # CkptAccelerator; SIGKILLs itself at step 7 once the
                                      # save of step 6 (iteration 2) committed

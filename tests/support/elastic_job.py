@@ -242,7 +242,7 @@ if __name__ == "__main__":
 
 # ------------------------------------------------------------------ harness for tests/benchmarks
 #
-# Everything below is for the *launching* side (tests/test_elastic.py, benchmarks/
+# Everything below is for the *launching* side (tests/trainer/test_elastic.py, benchmarks/
 # bench_elastic.py): several torchrun agents on this machine, each one "node", joined by a c10d
 # rendezvous whose store the harness hosts itself (an agent hosting it would take the job down
 # with it when killed). See ../shared/FINDINGS.md, "Elastic training with torchrun".

@@ -148,7 +148,7 @@ def schedule(root: str) -> None:
 
 
 def run_forked(command: str, args: list[str], out) -> None:
-    """A run started by tests/test_exact_resume.py's fork server (``multiprocessing``'s
+    """A run started by tests/e2e/test_exact_resume.py's fork server (``multiprocessing``'s
     forkserver, torch and ckpt imported once): stdout and stderr go to the pipe ``out``."""
     import multiprocessing
     import os

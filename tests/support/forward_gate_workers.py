@@ -1,4 +1,4 @@
-"""Rank bodies for tests/test_forward_gate.py's multi-rank test (spawned by name)."""
+"""Rank bodies for tests/load/test_forward_gate.py's multi-rank test (spawned by name)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A Hugging Face Trainer job for tests/test_integrations.py (run as a subprocess).
+"""A Hugging Face Trainer job for tests/e2e/test_integrations.py (run as a subprocess).
 
     python hf_job.py kill WORK      # CkptTrainer; SIGKILLs itself at step 7 once 6 committed
     python hf_job.py resume WORK    # resumes WORK/hf and WORK/hf_bad through ckpt; runs the
@@ -120,7 +120,7 @@ def main() -> None:
             trained = model
     (out / "starts.json").write_text(json.dumps(starts))
     # The exported folder loads with from_pretrained and gives the same logits. The CLI runs
-    # in this process (`python -m ckpt` itself is tested in tests/test_cli.py).
+    # in this process (`python -m ckpt` itself is tested in tests/verify/test_cli.py).
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         status = cli.main(["export", str(work / "hf"), "--to", "hf", str(work / "export"),

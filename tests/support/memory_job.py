@@ -1,4 +1,4 @@
-"""The training script of tests/test_memory_torchrun.py (and bench_memory_tier's timeline):
+"""The training script of tests/e2e/test_memory_torchrun.py (and bench_memory_tier's timeline):
 ``trainer.ElasticTrainer`` with its memory tier, under torchrun agents
 (tests/support/elastic_job.py's LocalCluster) or as a plain process.
 

@@ -1,4 +1,4 @@
-"""A Lightning training job for tests/test_integrations.py (run as a subprocess).
+"""A Lightning training job for tests/e2e/test_integrations.py (run as a subprocess).
 
     python pl_job.py kill WORK      # ckpt IO; SIGKILLs itself at step 7 once step 6 committed
     python pl_job.py resume WORK    # resumes WORK/pl and WORK/pl_bad through ckpt, runs the

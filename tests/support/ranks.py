@@ -36,7 +36,7 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
 
 def forkserver() -> multiprocessing.context.BaseContext:
     """The multiprocessing context whose processes fork from the suite's preloaded server."""
-    for p in (_ROOT, os.path.join(_ROOT, "tests")):  # the server imports PRELOAD from sys.path
+    for p in (_ROOT,):  # the server imports PRELOAD from sys.path
         if p not in sys.path:
             sys.path.insert(0, p)
     ctx = mp.get_context("forkserver")

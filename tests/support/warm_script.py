@@ -1,4 +1,4 @@
-"""The worker script of tests/test_warm.py, run through ``python -m trainer.warm``.
+"""The worker script of tests/trainer/test_warm.py, run through ``python -m trainer.warm``.
 
     warm_script.py report OUT [CODE]   write what this process sees to OUT, exit CODE
     warm_script.py wait OUT            write it, then wait (up to 60 s) for a signal

@@ -1,4 +1,4 @@
-"""A module for the zygote of tests/test_warm.py to preload (``--preload _warm_slow``) whose
+"""A module for the zygote of tests/trainer/test_warm.py to preload (``--preload _warm_slow``) whose
 import lasts until the file named by ``WARM_TEST_RELEASE`` exists (at most 60 s): a zygote
 caught still importing."""
 

@@ -14,9 +14,9 @@ import pytest
 
 import ckpt
 from verify.cli import main as cli
-from crashsim import explore, oracle
-from crashsim.record import Trace
-from crashsim.scenarios import OPTIONS, template, values
+from tests.crashsim import explore, oracle
+from tests.crashsim.record import Trace
+from tests.crashsim.scenarios import OPTIONS, template, values
 from storage_backends import posix
 
 
@@ -127,14 +127,14 @@ def test_two_rank_sharded_save(tmp_path):
 
 
 def _sharded_worker():
-    from crashsim.workers import sharded_save
+    from tests.crashsim.workers import sharded_save
 
     return sharded_save
 
 
 # -- the explorer finds what it looks for: its persistence rules, then broken protocols ------
 def test_model_keeps_only_what_an_fsync_made_durable():
-    from crashsim import model
+    from tests.crashsim import model
 
     fid = (0, 1)
     trace = [("mkdir", "d"), ("creat", "d/f", fid), ("write", fid, 0, b"abcd"),
@@ -164,7 +164,7 @@ def _explore_broken_save(tmp_path) -> explore.Result:
 
 
 def test_explorer_finds_a_save_without_fsync(tmp_path, monkeypatch):
-    from crashsim.record import RecordingOS
+    from tests.crashsim.record import RecordingOS
 
     # posix.py as if it called no fsync at all (files and directories).
     monkeypatch.setattr(RecordingOS, "fsync", lambda self, fd: None)
@@ -194,7 +194,7 @@ def test_explorer_finds_the_manifest_written_after_the_rename(tmp_path, monkeypa
 @pytest.mark.parametrize("retire", [False, pytest.param(True, marks=pytest.mark.slow)],
                          ids=["save", "save-with-retention"])
 def test_object_store_save_requests_prefixes_and_faults(retire):
-    from crashsim import objstore
+    from tests.crashsim import objstore
 
     url = f"memory://crash-{os.urandom(6).hex()}/root"
     opts = {"retry_delay": 0.001}

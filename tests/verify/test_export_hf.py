@@ -1,6 +1,6 @@
 """``ckpt export ROOT --to hf DIR`` without transformers: the folder's files, index and
 printed counts agree; tied weights once; config.json from the step's metadata; no absolute
-paths. (tests/test_integrations.py loads such a folder with from_pretrained.)"""
+paths. (tests/e2e/test_integrations.py loads such a folder with from_pretrained.)"""
 
 from __future__ import annotations
 

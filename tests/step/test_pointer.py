@@ -1,6 +1,6 @@
 """Pointer files (ckpt._step.pointer): what the CLI follows must be a small regular file, read
 without following a link or blocking on a FIFO (the round trip, links and malformed
-pointers: tests/test_integration_steps.py)."""
+pointers: tests/trainer/test_integration_steps.py)."""
 
 from __future__ import annotations
 

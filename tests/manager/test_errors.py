@@ -443,7 +443,7 @@ def test_a_forked_child_of_a_killed_writer_does_not_keep_the_root_locked(tmp_pat
         "    os._exit(0)\n"
         "print(child, flush=True)\n"
         "time.sleep(60)\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                               env=env)
     child = int(writer.stdout.readline())

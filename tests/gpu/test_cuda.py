@@ -6,7 +6,7 @@ restore onto CUDA tensors through pinned bounce buffers, the CUDA RNG, and a cor
 chunk that must leave every CUDA tensor unchanged.
 
 ``CKPT_TEST_DEVICE=cpu`` runs the tests that are not about CUDA itself on the CPU, a dry run
-of this file (tests/test_device_check.py does, so that a mistake in it shows before a GPU
+of this file (tests/gpu/test_device_check.py does, so that a mistake in it shows before a GPU
 is lent); the others are then skipped.
 """
 

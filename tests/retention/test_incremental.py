@@ -21,7 +21,7 @@ from ckpt._step.listing import step_dirs
 from ckpt._step.integrity import read_manifest
 from storage_backends import PosixStorage
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL_CHUNKS = ckpt.SaveOptions(chunk_bytes=1 << 16, write_threads=2)
 
 
@@ -146,7 +146,7 @@ with ckpt.CheckpointManager({root!r}, incremental=True, full_every=3, keep_last=
 @pytest.mark.parametrize("point", ["gc_retired:2", "gc_deleted_file:3"])
 def test_sigkill_during_gc_leaves_every_kept_step_loadable(tmp_path, point):
     root = tmp_path / "root"
-    script = GC_SCRIPT.format(tests=str(ROOT / "tests"), root=str(root))
+    script = GC_SCRIPT.format(tests=str(Path(__file__).resolve().parent), root=str(root))
     env = {**os.environ, "CKPT_FAULT": f"kill:{point}", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", script, "2"], env=env, capture_output=True,
                           text=True, timeout=120)

@@ -18,7 +18,7 @@ import ckpt
 from ckpt.errors import CheckpointError
 from ckpt._memory.tier import OWNER_FILE, PREFIX, SHM_DIR, gc_segments
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 

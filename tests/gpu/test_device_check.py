@@ -1,5 +1,5 @@
 """The scripts a device machine runs, checked on the CPU: benchmarks/bench_cuda.py,
-tests/test_cuda.py without a GPU, and benchmarks/device_check.sh. A device machine comes rarely
+tests/gpu/test_cuda.py without a GPU, and benchmarks/device_check.sh. A device machine comes rarely
 and for minutes, and its image lacks zstandard, moto and s3fs."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 WITHOUT_OPTIONAL = "import sys; sys.modules.update(zstandard=None, moto=None, s3fs=None)\n"
@@ -82,9 +82,9 @@ def test_bench_cuda_without_a_gpu_says_so_and_exits_0():
 
 
 def test_test_cuda_runs_on_the_cpu_where_it_is_not_about_cuda_itself():
-    """tests/test_cuda.py with CKPT_TEST_DEVICE=cpu: the tests of saves and restores run."""
+    """tests/gpu/test_cuda.py with CKPT_TEST_DEVICE=cpu: the tests of saves and restores run."""
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_cuda.py"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "CKPT_TEST_DEVICE": "cpu"})
     assert result.returncode == 0, result.stdout[-3000:]

@@ -26,7 +26,7 @@ import ckpt
 
 from tests.support.fork_kill import RESUMING
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 

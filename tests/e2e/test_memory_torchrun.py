@@ -15,7 +15,7 @@ checkpointed step and of the state each attempt starts from.
   turns it off.
 
 (A plain process restoring what another plain process left in memory is
-tests/test_memory_tier.py::test_second_process_restores_from_memory_without_reading_the_root.)
+tests/memory/test_memory_tier.py::test_second_process_restores_from_memory_without_reading_the_root.)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ forward level catches what bytes cannot (NaN weights, a model that computes diff
 ``restore`` falls back past a corrupt newest step and training resumes from the one before.
 
 Each fault is injected into a fresh checkpoint (``tmp_path``). The command runs in-process
-here (``verify.cli.main``); tests/test_cli.py runs it as a user would, in a subprocess.
+here (``verify.cli.main``); tests/verify/test_cli.py runs it as a user would, in a subprocess.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch
 import ckpt
 from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 USER_MODELS = '''
 import torch
 

@@ -23,7 +23,7 @@ from ckpt._retention.collect import collect
 from ckpt._format.names import MANIFEST_NAME
 from storage_backends import PosixStorage
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL_CHUNKS = ckpt.SaveOptions(chunk_bytes=1 << 12, write_threads=1)
 
 

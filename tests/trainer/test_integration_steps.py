@@ -90,7 +90,7 @@ def test_ckpt_imports_and_works_without_the_frameworks(tmp_path):
         "ckpt.save({'model': torch.nn.Linear(2, 2)}, out + '/root/step-00000001', step=1)\n"
         "sys.exit(cli.main(['export', out + '/root', '--to', 'hf', out + '/hf']))\n"
     )
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -44,7 +44,7 @@ from trainer.metrics import format_event, metric_names, parse_event
 
 N, GLOBAL, MICRO, EVERY, STEPS, SEED = 400, 8, 4, 5, 40, 0
 BAD_STEP = 13
-DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -709,7 +709,7 @@ def test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan(tmp_path, wrap):
     """torchrun, 2 ranks: the marked sample is in rank 1's half of the batch, so only rank 1
     computes a NaN loss. Both ranks roll back to step 10 and skip the same batch."""
     assert BAD_BATCH.index(MARKED) >= GLOBAL // 2  # rank 1's share
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
     for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
@@ -739,7 +739,7 @@ def test_torchrun_job_resumes_past_a_step_saved_with_nan_weights(tmp_path):
     gradient were fine, so step 10 is saved, synchronously), then both workers die. The
     restarted workers' restore refuses step 10 by its forward check and resumes from step
     5; the job finishes on its own, with finite weights and no rollback."""
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = str(Path(__file__).resolve().parents[2])
     # Restarted workers sharing the agent's store may fail to form their group (FINDINGS.md)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo,
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")

@@ -30,7 +30,7 @@ from ckpt._shared.sharding import intersect, overlapping
 from ckpt._shared.state import item_tree
 from ckpt._step.tables import bind_tables
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks"))
 import scale_sim as sim  # noqa: E402
 
 OPTIONS = {"chunk_bytes": 4096, "write_threads": 2}

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = str(Path(__file__).resolve().parent / "support" / "warm_script.py")
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = str(Path(__file__).resolve().parents[1] / "support" / "warm_script.py")
 LIGHT = ["--no-default-preload"]
 
 

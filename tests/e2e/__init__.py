@@ -1,0 +1,1 @@
+"""End to end: real crashes, torchrun jobs, framework integrations, exact resume."""

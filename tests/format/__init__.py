@@ -1,0 +1,1 @@
+"""The on-disk format: manifests, their validation, layouts, data files, parsing."""

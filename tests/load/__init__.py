@@ -1,0 +1,1 @@
+"""Loads: failures that change nothing, structure, verification levels, user errors."""

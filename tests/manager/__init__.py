@@ -1,0 +1,1 @@
+"""The checkpoint manager: its options, errors and metrics."""

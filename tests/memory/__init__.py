@@ -1,0 +1,1 @@
+"""The memory tier: segments, peers, replication."""

@@ -1,0 +1,1 @@
+"""Retention: the policy, incremental chains and the collector."""

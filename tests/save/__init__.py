@@ -1,0 +1,1 @@
+"""Saves: synchronous and background, compressed, sharded over ranks, round trips."""

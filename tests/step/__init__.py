@@ -1,0 +1,1 @@
+"""One committed step on storage: its pointer and its integrity checks."""

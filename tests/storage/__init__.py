@@ -1,0 +1,1 @@
+"""The storage backends: conformance, retries, object stores, locks, hostile roots."""

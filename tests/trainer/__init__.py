@@ -1,0 +1,1 @@
+"""The trainer: elastic training, warm restarts, health, data, configuration."""

@@ -1,0 +1,1 @@
+"""The tools: the ckpt command, verify, diff and export."""

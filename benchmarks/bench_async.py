@@ -54,7 +54,7 @@ COPY, CKPT, CKPT_INTERNAL, DCP = ("copy floor", "ckpt save()", "ckpt blocking_se
 def open_manager(root: str) -> ckpt.CheckpointManager:
     """An async manager keeping one step, so the benchmark does not fill the disk."""
     return ckpt.CheckpointManager(common.fresh_dir(root), async_save=True, keep_last=1,
-                                  handle_sigterm=False)
+                                  schedule=ckpt.Schedule(handle_sigterm=False))
 
 
 # -- 1. blocking time -------------------------------------------------------------------------

@@ -103,8 +103,8 @@ def save_table(size: int, rate: float, reps: int, workdir: str, configs) -> str:
         def case(rep: int) -> dict[str, float]:
             root = common.fresh_dir(os.path.join(workdir, "root"))
             storage = ThrottledStorage(root, rate * 1e9)
-            with ckpt.CheckpointManager(storage, async_save=False, options=options,
-                                        handle_sigterm=False, metrics=False) as mgr:
+            with ckpt.CheckpointManager(storage, async_save=False, options=options, metrics=False,
+                                        schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
                 with common.Stopwatch() as sw:
                     mgr.save(1, state)
             written = sum(os.path.getsize(os.path.join(root, "step-00000001", f))

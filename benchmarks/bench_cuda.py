@@ -108,7 +108,7 @@ def ckpt_saves(model, optimizer, batch, root: str, reps: int, overlap: bool) -> 
     state = {"model": model, "optim": optimizer}
     out: dict[str, list[float]] = {"block": [], "next": [], "during": []}
     with ckpt.CheckpointManager(common.fresh_dir(root), keep_last=1, options=options,
-                                handle_sigterm=False, metrics=False) as mgr:
+                                schedule=ckpt.Schedule(handle_sigterm=False), metrics=False) as mgr:
         mgr.prepare(state)
         for i in range(1, reps + 1):
             sync()
@@ -163,8 +163,8 @@ def restores(model, optimizer, root: str, dcp_root: str, reps: int, drop: bool) 
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     state = {"model": model, "optim": optimizer}
-    with ckpt.CheckpointManager(common.fresh_dir(root), async_save=False, handle_sigterm=False,
-                                metrics=False) as mgr:
+    with ckpt.CheckpointManager(common.fresh_dir(root), async_save=False, metrics=False,
+                                schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
         mgr.save(1, state)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=common.fresh_dir(dcp_root))

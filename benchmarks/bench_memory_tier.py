@@ -129,12 +129,12 @@ class Tiers:
         self.cold = common.drop_page_cache()
         # A step in memory only (persist_every not reached): its segment outlives the
         # manager, as it outlives a killed worker.
-        with ckpt.CheckpointManager(self.mem_root, memory_tier=True, persist_every=1_000_000,
-                                    memory_job=self.job, async_save=False,
-                                    handle_sigterm=False) as mgr:
+        tier = ckpt.MemoryTierOptions(persist_every=1_000_000, job=self.job)
+        with ckpt.CheckpointManager(self.mem_root, memory_tier=tier, async_save=False,
+                                    schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
             mgr.save(1, state)
         with ckpt.CheckpointManager(self.disk_root, async_save=False,
-                                    handle_sigterm=False) as mgr:
+                                    schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
             mgr.save(1, state)
         self.s3_root = None
         self.nbytes = {name: common.state_bytes(state) for name in ALL_CASES}
@@ -148,7 +148,7 @@ class Tiers:
             self.nbytes["S3 (moto)"] = common.state_bytes(self.s3_state)
             self.s3_root = open_storage(url, create=True, storage_options=options)
             with ckpt.CheckpointManager(self.s3_root, async_save=False,
-                                        handle_sigterm=False) as mgr:
+                                        schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
                 mgr.save(1, self.s3_state)
         self.seen: dict[str, set[tuple[str, int]]] = {}
         self.files = {RAW_SHM: _data_files(os.path.join(
@@ -184,9 +184,9 @@ class Tiers:
     def memory(self, digests: bool):
         def case(rep: int) -> dict[str, float]:
             # A new manager with the job's id: what a restarted worker builds.
-            with ckpt.CheckpointManager(self.mem_root, memory_tier=True,
-                                        persist_every=1_000_000, memory_job=self.job,
-                                        handle_sigterm=False) as mgr:
+            tier = ckpt.MemoryTierOptions(persist_every=1_000_000, job=self.job)
+            with ckpt.CheckpointManager(self.mem_root, memory_tier=tier,
+                                        schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
                 if digests:
                     return self._restore("memory tier", mgr)
                 return self._restore(NO_DIGESTS, mgr, verify="structure")
@@ -345,15 +345,17 @@ def peer_ranks(rank: int, world: int, size: int, reps: int, work: str, job: str)
     mem_root, disk_root = os.path.join(work, "mem-root"), os.path.join(work, "disk-root")
 
     def manager(**kw) -> ckpt.CheckpointManager:
-        return ckpt.CheckpointManager(mem_root, memory_tier=True, memory_node=NODES[rank],
-                                      memory_job=job, persist_every=1_000_000, replicas=1,
-                                      handle_sigterm=False, **kw)
+        tier = ckpt.MemoryTierOptions(node=NODES[rank], job=job, persist_every=1_000_000,
+                                      replicas=1)
+        return ckpt.CheckpointManager(mem_root, memory_tier=tier,
+                                      schedule=ckpt.Schedule(handle_sigterm=False), **kw)
 
     with manager(async_save=False) as mgr:
         mgr.save(1, state)
         assert mgr.wait_replicated(600), "the replica was not stored"
         dist.barrier()
-    with ckpt.CheckpointManager(disk_root, async_save=False, handle_sigterm=False) as mgr:
+    with ckpt.CheckpointManager(disk_root, async_save=False,
+                                schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
         mgr.save(1, state)
     cold = common.drop_page_cache() if rank == 0 else False
     cold = [cold]

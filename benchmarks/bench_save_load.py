@@ -67,8 +67,8 @@ def ckpt_load_in_place(dest: State, path: str) -> None:
 def ckpt_restore(state: State, dest: State, root: str) -> dict[str, float]:
     """``CheckpointManager.restore`` of the newest step (one pass; docs/design.md,
     "Loading"): the save untimed, the restore timed with its peak extra memory."""
-    with ckpt.CheckpointManager(root, async_save=False, handle_sigterm=False,
-                                metrics=False) as mgr:
+    with ckpt.CheckpointManager(root, async_save=False, metrics=False,
+                                schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
         mgr.save(1, state)
     for t in dest.values():
         t.zero_()

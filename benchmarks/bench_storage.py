@@ -69,7 +69,7 @@ def ckpt_cases(open_root, state, dest, drop_cache: bool = False) -> list:
     def save(rep: int) -> dict[str, float]:
         roots[rep] = f"r{rep}-{uuid.uuid4().hex[:6]}"
         with ckpt.CheckpointManager(open_root(roots[rep]), async_save=False,
-                                    handle_sigterm=False) as mgr:
+                                    schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
             with common.Stopwatch() as sw:
                 mgr.save(1, state).wait()
         return {"save": sw.seconds}

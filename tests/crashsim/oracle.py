@@ -81,7 +81,8 @@ def check(root: str, expect: Expect, *, after_return: bool, recover: bool = True
         return problems
     before = _restore(root, expect)[0]
     try:
-        ckpt.CheckpointManager(root, handle_sigterm=False, metrics=False).close()
+        ckpt.CheckpointManager(root, schedule=ckpt.Schedule(handle_sigterm=False),
+                               metrics=False).close()
     except Exception as e:  # noqa: BLE001
         return [f"opening a writer after the crash raised {type(e).__name__}: {e}"]
     return [f"after a writer's cleanup: {p}" for p in _check_once(root, expect, after_return)] + (

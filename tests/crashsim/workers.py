@@ -13,7 +13,7 @@ from .scenarios import OPTIONS, values
 def sharded_save(rank: int, world: int, root: str) -> dict:
     """Save step 1 on every rank, then record each rank's share of saving step 2."""
     with ckpt.CheckpointManager(root, async_save=False, options=OPTIONS, metrics=False,
-                                handle_sigterm=False) as mgr:
+                                schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
         mgr.save(1, values(1), force=True)
         dist.barrier()
         base = snapshot_tree(root) if rank == 0 else None

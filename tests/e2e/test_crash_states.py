@@ -8,6 +8,7 @@ variants of the protocol, injected here, show that the explorer does find what i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -22,8 +23,9 @@ from storage_backends import posix
 
 def manager(root, **kw) -> ckpt.CheckpointManager:
     kw.setdefault("async_save", False)
-    return ckpt.CheckpointManager(root, options=OPTIONS, metrics=False, handle_sigterm=False,
-                                  **kw)
+    kw.setdefault("options", OPTIONS)
+    return ckpt.CheckpointManager(root, metrics=False,
+                                  schedule=ckpt.Schedule(handle_sigterm=False), **kw)
 
 
 def saved(root, steps, **kw) -> dict:
@@ -75,10 +77,11 @@ def test_resaving_an_existing_step(tmp_path):
 
 
 def test_incremental_save_never_loses_the_chunks_it_reuses(tmp_path):
-    old = saved(tmp_path, {1: values(1)}, incremental=True)
+    incremental = dataclasses.replace(OPTIONS, incremental=True)
+    old = saved(tmp_path, {1: values(1)}, options=incremental)
     new = values(2, changed=("b",))
     expect = oracle.Expect(old, {**old, 2: new}, template)
-    with manager(tmp_path, incremental=True) as mgr:
+    with manager(tmp_path, options=incremental) as mgr:
         mgr.restore(template())  # the base of the incremental save
         result = explore.run(str(tmp_path), lambda: mgr.save(2, new, force=True), expect)
         assert mgr.manifest(2).files and any(
@@ -89,10 +92,11 @@ def test_incremental_save_never_loses_the_chunks_it_reuses(tmp_path):
 @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
 def test_retention_retiring_a_step(tmp_path, incremental):
     changed = ("b",) if incremental else ("a", "b", "c")
+    options = dataclasses.replace(OPTIONS, incremental=incremental)
     old = saved(tmp_path, {1: values(1), 2: values(2, changed=changed)},
-                incremental=incremental, keep_last=2)
+                options=options, keep_last=2)
     new = {2: old[2], 3: values(3, changed=changed)}
-    with manager(tmp_path, incremental=incremental, keep_last=2) as mgr:
+    with manager(tmp_path, options=options, keep_last=2) as mgr:
         mgr.restore(template())
         result = explore.run(str(tmp_path), lambda: mgr.save(3, new[3], force=True),
                              oracle.Expect(old, new, template))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ckpt import CheckpointManager, CorruptCheckpointError, SaveOptions
+from ckpt import CheckpointManager, CorruptCheckpointError, SaveOptions, Schedule
 from ckpt._format import bounds, tiling
 from ckpt._format import manifest as fmt
 from ckpt._format.bounds import MAX_DIMS
@@ -267,7 +267,8 @@ def test_a_format2_layout_with_a_float_index_is_refused_as_corrupt(tmp_path, lay
     """A format-2 layout whose writer or mesh index is a float is refused as corrupt: 0.0 passes the
     range checks but cannot index a list."""
     root = tmp_path / "root"
-    with CheckpointManager(root, async_save=False, metrics=False, handle_sigterm=False,
+    with CheckpointManager(root, async_save=False, metrics=False,
+                           schedule=Schedule(handle_sigterm=False),
                            options=SaveOptions(rank_tables=True)) as mgr:
         mgr.save(1, {"t": torch.zeros(4, 2)}, force=True)
     doc = json.loads((root / "step-00000001" / "manifest.json").read_text())

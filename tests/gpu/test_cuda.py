@@ -59,7 +59,8 @@ def cpu_copy(module_or_opt) -> dict:
 
 
 def manager(root, **kwargs) -> CheckpointManager:
-    return CheckpointManager(root, handle_sigterm=False, metrics=False, **kwargs)
+    return CheckpointManager(root, schedule=ckpt.Schedule(handle_sigterm=False), metrics=False,
+                             **kwargs)
 
 
 @cuda_only
@@ -228,7 +229,7 @@ def test_one_pass_restore_onto_cuda_falls_back_and_repairs_what_it_overwrote(tmp
     loaded next, must overwrite every one of them."""
     options = SaveOptions(chunk_bytes=4096, write_threads=1)
     with CheckpointManager(tmp_path, async_save=False, options=options,
-                           handle_sigterm=False, metrics=False) as mgr:
+                           schedule=ckpt.Schedule(handle_sigterm=False), metrics=False) as mgr:
         for step, seed in ((1, 1), (2, 2)):
             model, _ = make_training(seed)
             mgr.save(step, {"model": model})

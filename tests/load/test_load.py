@@ -63,8 +63,8 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 def save_step(root: Path, step: int, state: dict) -> None:
-    with CheckpointManager(root, async_save=False, options=OPTIONS, handle_sigterm=False,
-                           metrics=False) as mgr:
+    with CheckpointManager(root, async_save=False, options=OPTIONS, metrics=False,
+                           schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
         mgr.save(step, state)
 
 
@@ -378,7 +378,8 @@ class _CountsOpens(PosixStorage):
 
 def test_each_pass_opens_each_file_once_per_thread_not_once_per_chunk(tmp_path):
     state = {f"t{i}": torch.randn(64, 64) for i in range(32)}  # 32 chunks in 2 files
-    with CheckpointManager(tmp_path, async_save=False, handle_sigterm=False, metrics=False,
+    with CheckpointManager(tmp_path, async_save=False, metrics=False,
+                           schedule=ckpt.Schedule(handle_sigterm=False),
                            options=SaveOptions(chunk_bytes=16 << 10, write_threads=2)) as mgr:
         mgr.save(1, state)
     storage = _CountsOpens(tmp_path)
@@ -450,7 +451,8 @@ def test_chunks_too_small_for_threads_are_read_on_the_calling_thread(tmp_path, r
     from ckpt._load.reader import load_step
 
     state = {f"t{i}": torch.randn(rows, 1024) for i in range(8)}  # in 2 files
-    with CheckpointManager(tmp_path, async_save=False, handle_sigterm=False, metrics=False,
+    with CheckpointManager(tmp_path, async_save=False, metrics=False,
+                           schedule=ckpt.Schedule(handle_sigterm=False),
                            options=SaveOptions(write_threads=2)) as mgr:
         mgr.save(1, state)
     storage = storage_type(str(tmp_path))
@@ -483,7 +485,8 @@ def test_a_load_closes_every_data_file_it_opened_whether_it_succeeds_or_fails(tm
     """A restore closes every data file it opened, whether it succeeds or fails its digest check: a
     trainer that restores often must not run out of descriptors."""
     state = {f"t{i}": torch.randn(64, 64) for i in range(16)}
-    with CheckpointManager(tmp_path, async_save=False, handle_sigterm=False, metrics=False,
+    with CheckpointManager(tmp_path, async_save=False, metrics=False,
+                           schedule=ckpt.Schedule(handle_sigterm=False),
                            options=SaveOptions(chunk_bytes=16 << 10, write_threads=2)) as mgr:
         mgr.save(1, state)
     live = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -508,9 +511,10 @@ def test_a_truncated_file_of_an_earlier_step_is_refused_before_anything_changes(
     own manifest does not record. Truncated, they are refused by a structure-level restore before it
     writes anything, not half-way through the apply pass (PartialLoadError)."""
     frozen, trained = torch.randn(256, 64), torch.randn(64, 64)
-    with CheckpointManager(tmp_path, async_save=False, handle_sigterm=False, metrics=False,
-                           incremental=True, full_every=100,
-                           options=SaveOptions(chunk_bytes=16 << 10, write_threads=1)) as mgr:
+    with CheckpointManager(tmp_path, async_save=False, metrics=False,
+                           schedule=ckpt.Schedule(handle_sigterm=False),
+                           options=SaveOptions(chunk_bytes=16 << 10, write_threads=1,
+                                               incremental=True, full_every=100)) as mgr:
         mgr.save(1, {"frozen": frozen, "trained": trained})
         mgr.save(2, {"frozen": frozen, "trained": trained + 1}, force=True)
     for data in (tmp_path / "step-00000001").glob("data-*"):

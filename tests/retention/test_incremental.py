@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -44,8 +45,8 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 1) ->
 
 def save_series(root, state, model, opt, n: int, **kw) -> list[ckpt.SaveResult]:
     results = []
-    with ckpt.CheckpointManager(root, incremental=True, full_every=100, options=SMALL_CHUNKS,
-                                **kw) as mgr:
+    options = dataclasses.replace(SMALL_CHUNKS, incremental=True, full_every=100)
+    with ckpt.CheckpointManager(root, options=options, **kw) as mgr:
         for step in range(1, n + 1):
             train(model, opt)
             results.append(mgr.save(step, state, force=True).wait())
@@ -79,7 +80,8 @@ def test_adapter_only_writes_a_few_percent(tmp_path):
         opt.step()
         opt.zero_grad()
 
-    with ckpt.CheckpointManager(tmp_path, incremental=True, options=SMALL_CHUNKS) as mgr:
+    options = dataclasses.replace(SMALL_CHUNKS, incremental=True)
+    with ckpt.CheckpointManager(tmp_path, options=options) as mgr:
         sizes = []
         for s in range(1, 4):
             step()
@@ -125,7 +127,7 @@ def test_incremental_restore_is_bit_exact_even_after_its_bases_were_retired(tmp_
 
 
 GC_SCRIPT = """
-import sys, torch, ckpt
+import dataclasses, sys, torch, ckpt
 sys.path.insert(0, {tests!r})
 from test_incremental import mlp, train, SMALL_CHUNKS
 model = mlp(4)
@@ -133,8 +135,8 @@ for layer in list(model)[:4]:
     layer.requires_grad_(False)
 opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 keep = int(sys.argv[1])
-with ckpt.CheckpointManager({root!r}, incremental=True, full_every=3, keep_last=keep,
-                            options=SMALL_CHUNKS) as mgr:
+options = dataclasses.replace(SMALL_CHUNKS, incremental=True, full_every=3)
+with ckpt.CheckpointManager({root!r}, keep_last=keep, options=options) as mgr:
     for step in range(1, 8):
         train(model, opt)
         mgr.save(step, {{"model": model}}, force=True).wait()
@@ -230,8 +232,8 @@ def test_gc_command_dry_run_then_delete(tmp_path, capsys):
 def save_steps(root, steps: dict, **kw) -> None:
     """Save ``steps`` (step -> state) in ``root`` (small chunks, one writer thread)."""
     kw.setdefault("options", SaveOptions(chunk_bytes=16 << 10, write_threads=1))
-    with CheckpointManager(root, async_save=False, handle_sigterm=False, metrics=False,
-                           **kw) as mgr:
+    with CheckpointManager(root, async_save=False, schedule=ckpt.Schedule(handle_sigterm=False),
+                           metrics=False, **kw) as mgr:
         for step, state in steps.items():
             mgr.save(step, state, force=True)
 
@@ -241,7 +243,8 @@ def test_an_incremental_chain_ends_in_a_full_save_every_full_every_steps(tmp_pat
     ever older ones."""
     frozen = torch.randn(64, 64)
     save_steps(tmp_path, {s: {"frozen": frozen, "t": torch.full((4,), float(s))} for s in (1, 2, 3)},
-          incremental=True, full_every=2)
+               options=SaveOptions(chunk_bytes=16 << 10, write_threads=1, incremental=True,
+                                   full_every=2))
     storage = PosixStorage(str(tmp_path))
     reused = {s: any(c.step is not None for e in read_manifest(storage, f"step-{s:08d}", s)
                      .tensors.values() for c in e.chunks) for s in (1, 2, 3)}
@@ -253,8 +256,9 @@ def test_gc_deletes_nothing_when_a_kept_steps_references_cannot_be_read(tmp_path
     unknown, the earlier step's files it reuses could go with that step."""
     frozen = torch.randn(64, 64)
     save_steps(tmp_path, {1: {"frozen": frozen, "t": torch.zeros(4)},
-                     2: {"frozen": frozen, "t": torch.ones(4)}},
-          incremental=True, full_every=100)
+                          2: {"frozen": frozen, "t": torch.ones(4)}},
+               options=SaveOptions(chunk_bytes=16 << 10, write_threads=1, incremental=True,
+                                   full_every=100))
     before = sorted(p.name for p in (tmp_path / "step-00000001").iterdir())
     (tmp_path / "step-00000002" / MANIFEST_NAME).write_bytes(b"{not json")
     storage = PosixStorage(str(tmp_path))

@@ -148,7 +148,7 @@ class _FailsThirdFile(PosixStorage):
 def test_a_failed_write_fails_the_compressed_save_and_commits_nothing(tmp_path):
     storage = _FailsThirdFile(tmp_path)
     with ckpt.CheckpointManager(storage, async_save=False, options=OPTIONS,
-                                handle_sigterm=False, metrics=False) as mgr:
+                                schedule=ckpt.Schedule(handle_sigterm=False), metrics=False) as mgr:
         with pytest.raises(ckpt.CheckpointError, match="injected"):
             mgr.save(1, weights())
         assert mgr.steps() == []

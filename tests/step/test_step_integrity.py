@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from ckpt import CheckpointManager, SaveOptions
+from ckpt import CheckpointManager, SaveOptions, Schedule
 from ckpt._format.names import MANIFEST_NAME
 from ckpt._step.integrity import check_structure, read_manifest
 from ckpt.errors import CorruptCheckpointError
@@ -18,8 +18,8 @@ from storage_backends import PosixStorage
 def save_steps(root, steps: dict, **kw) -> None:
     """Save ``steps`` (step -> state) in ``root`` (small chunks, one writer thread)."""
     kw.setdefault("options", SaveOptions(chunk_bytes=16 << 10, write_threads=1))
-    with CheckpointManager(root, async_save=False, handle_sigterm=False, metrics=False,
-                           **kw) as mgr:
+    with CheckpointManager(root, async_save=False, schedule=Schedule(handle_sigterm=False),
+                           metrics=False, **kw) as mgr:
         for step, state in steps.items():
             mgr.save(step, state, force=True)
 
@@ -57,9 +57,9 @@ def _two_incremental_steps(tmp_path, rank_tables: bool):
     tensor; returns the storage and step 2's manifest."""
     frozen = torch.randn(64, 64)
     save_steps(tmp_path, {1: {"frozen": frozen, "t": torch.zeros(4)},
-                     2: {"frozen": frozen, "t": torch.ones(4)}},
-          incremental=True, full_every=100,
-          options=SaveOptions(chunk_bytes=4 << 10, write_threads=1, rank_tables=rank_tables))
+                          2: {"frozen": frozen, "t": torch.ones(4)}},
+               options=SaveOptions(chunk_bytes=4 << 10, write_threads=1, rank_tables=rank_tables,
+                                   incremental=True, full_every=100))
     storage = PosixStorage(str(tmp_path))
     return storage, read_manifest(storage, "step-00000002", 2)
 
@@ -94,7 +94,7 @@ def test_the_full_structure_check_sizes_a_format2_steps_rank_tables(tmp_path):
     """The full structure check sizes a format-2 step's rank tables with its data files: a rank
     table cut short is refused."""
     save_steps(tmp_path, {1: {"t": torch.ones(64)}},
-          options=SaveOptions(write_threads=1, rank_tables=True))
+               options=SaveOptions(write_threads=1, rank_tables=True))
     storage = PosixStorage(str(tmp_path))
     manifest = read_manifest(storage, "step-00000001", 1)
     check_structure(storage, "step-00000001", manifest)

@@ -142,7 +142,7 @@ def test_two_writers_race_for_one_root(s3):
     def writer() -> None:
         barrier.wait()
         try:
-            opened.append(manager(s3, handle_sigterm=False))
+            opened.append(manager(s3, schedule=ckpt.Schedule(handle_sigterm=False)))
         except ckpt.CheckpointLockedError as e:
             refused.append(e)
 

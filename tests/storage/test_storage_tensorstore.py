@@ -25,7 +25,7 @@ def test_manager_on_tensorstore(ts_root):
     torch.manual_seed(0)
     state = {"w": torch.randn(300, 70), "b": torch.randn(70).bfloat16(), "step": 0}
     with ckpt.CheckpointManager(ts_root(), incremental=True, keep_last=2,
-                                handle_sigterm=False) as mgr:
+                                schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
         for step in (1, 2, 3):
             state["w"][step] += 1  # a little changes: the rest is referenced
             state["step"] = step
@@ -37,7 +37,7 @@ def test_manager_on_tensorstore(ts_root):
     leftover = ts_root()
     leftover.write("step-00000004/data-0123456789ab-r00000-000.safetensors", [b"junk"])
     fresh = {"w": torch.zeros(300, 70), "b": torch.zeros(70).bfloat16(), "step": None}
-    with ckpt.CheckpointManager(ts_root(), handle_sigterm=False) as mgr:
+    with ckpt.CheckpointManager(ts_root(), schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
         assert not mgr.storage.exists("step-00000004")
         assert mgr.restore(fresh) == 3
     assert torch.equal(fresh["w"], state["w"]) and fresh["step"] == 3

@@ -86,7 +86,7 @@ def measure(label: str, state: dict, inputs: torch.Tensor, root: str, reps: int,
     model = state["model"]
     params = sum(p.numel() for p in model.parameters())
     with ckpt.CheckpointManager(root, async_save=False,
-                                probe=ckpt.Probe(inputs=inputs)) as mgr:
+                                options=ckpt.SaveOptions(probe=ckpt.Probe(inputs=inputs))) as mgr:
         mgr.save(1, state, force=True)
     nbytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
     mgr = ckpt.CheckpointManager(root, read_only=True, metrics=False)

@@ -59,8 +59,8 @@ def bench_incremental(args, root: str) -> str:
         def run(incremental: bool):
             def case(rep: int) -> dict[str, float]:
                 path = common.fresh_dir(os.path.join(root, "inc"))
-                with ckpt.CheckpointManager(path, incremental=incremental, async_save=False,
-                                            options=ckpt.SaveOptions(chunk_bytes=INC_CHUNK)) as mgr:
+                options = ckpt.SaveOptions(chunk_bytes=INC_CHUNK, incremental=incremental)
+                with ckpt.CheckpointManager(path, async_save=False, options=options) as mgr:
                     mgr.save(1, base, force=True)
                     with common.Stopwatch() as sw:
                         r = mgr.save(2, new, force=True).wait()

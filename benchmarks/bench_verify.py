@@ -113,7 +113,8 @@ def forward_rows(args: argparse.Namespace, root: str) -> tuple[list[common.Row],
     model = TinyLM()
     probe = ckpt.Probe(model_key="model", inputs=torch.randint(0, 256, (8, 64)),
                        factory="trainer.tiny_lm:TinyLM")
-    with ckpt.CheckpointManager(root, async_save=False, probe=probe) as mgr:
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(probe=probe)) as mgr:
         mgr.save(1, {"model": model}, force=True)
     params = sum(p.numel() for p in model.parameters())
     env = {**os.environ, "PYTHONPATH": common.REPO_ROOT}

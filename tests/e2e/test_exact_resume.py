@@ -367,7 +367,8 @@ class _Clock:
 
 
 def test_every_seconds_saves_when_the_interval_passed(tmp_path):
-    with ckpt.CheckpointManager(tmp_path, every_seconds=10, async_save=False) as mgr:
+    with ckpt.CheckpointManager(tmp_path, schedule=ckpt.Schedule(every_seconds=10),
+                                async_save=False) as mgr:
         clock = mgr._schedule.clock = _Clock()
         mgr._schedule.last_save_time = 0.0
         saved = []
@@ -376,7 +377,8 @@ def test_every_seconds_saves_when_the_interval_passed(tmp_path):
             if mgr.save(step, {"x": torch.tensor([step])}) is not None:
                 saved.append(step)
         assert saved == mgr.steps() == [3, 6, 9, 12]
-    with ckpt.CheckpointManager(tmp_path / "b", every_steps=5, every_seconds=10,
+    with ckpt.CheckpointManager(tmp_path / "b", schedule=ckpt.Schedule(every_steps=5,
+                                                                       every_seconds=10),
                                 async_save=False) as mgr:
         clock = mgr._schedule.clock = _Clock()
         mgr._schedule.last_save_time = 0.0
@@ -385,7 +387,7 @@ def test_every_seconds_saves_when_the_interval_passed(tmp_path):
             mgr.save(step, {"x": torch.tensor([step])})
         assert mgr.steps() == [4, 5]              # 12 s at step 4; step 5 by every_steps
     with pytest.raises(ValueError, match="every_seconds"):
-        ckpt.CheckpointManager(tmp_path / "c", every_seconds=0)
+        ckpt.CheckpointManager(tmp_path / "c", schedule=ckpt.Schedule(every_seconds=0))
 
 
 def _rank_clocks(rank: int, world: int, root: str) -> list[int]:
@@ -394,7 +396,8 @@ def _rank_clocks(rank: int, world: int, root: str) -> list[int]:
 
     import ckpt
 
-    with ckpt.CheckpointManager(root, every_seconds=10, async_save=False) as mgr:
+    with ckpt.CheckpointManager(root, schedule=ckpt.Schedule(every_seconds=10),
+                                async_save=False) as mgr:
         mgr._schedule.last_save_time = 0.0
         clock = mgr._schedule.clock = _Clock()
         saved = []
@@ -415,22 +418,22 @@ def test_every_seconds_is_decided_by_rank_0_for_every_rank(tmp_path):
 
 def test_keep_best_keeps_the_best_n_and_the_newest_and_stores_the_metrics(tmp_path):
     losses = {1: 0.9, 2: 0.5, 3: 0.7, 4: 0.2, 5: float("nan"), 6: 0.8}
-    with ckpt.CheckpointManager(tmp_path, keep_best=2, best_metric="val_loss",
-                                async_save=False) as mgr:
+    best = ckpt.RetentionPolicy(keep_best=ckpt.KeepBest(2, "val_loss"))
+    with ckpt.CheckpointManager(tmp_path, retention=best, async_save=False) as mgr:
         for step, loss in losses.items():
             mgr.save(step, {"x": torch.tensor([step])}, metrics={"val_loss": loss})
         assert mgr.steps() == [2, 4, 6]           # best two (0.2, 0.5) and the newest
         assert mgr.manifest(4).metadata["metrics"] == {"val_loss": 0.2}
         assert mgr.manifest(6).metadata["metrics"] == {"val_loss": 0.8}
-    with ckpt.CheckpointManager(tmp_path / "max", keep_best=1, best_metric="acc",
-                                best_mode="max", keep_last=2, async_save=False) as mgr:
+    best = ckpt.RetentionPolicy(keep_last=2, keep_best=ckpt.KeepBest(1, "acc", "max"))
+    with ckpt.CheckpointManager(tmp_path / "max", retention=best, async_save=False) as mgr:
         for step, acc in {1: 0.3, 2: 0.9, 3: 0.4, 4: 0.5, 5: 0.1}.items():
             mgr.save(step, {"x": torch.tensor([step])}, metrics={"acc": acc})
         assert mgr.steps() == [2, 4, 5]           # best one, and the last two
-    with pytest.raises(ValueError, match="keep_best"):
-        ckpt.CheckpointManager(tmp_path / "bad", best_metric="acc")
+    with pytest.raises(ValueError, match="keep_best needs best_metric"):
+        ckpt.RetentionPolicy(keep_best=ckpt.KeepBest(1, ""))
     with pytest.raises(ValueError, match="best_mode"):
-        ckpt.CheckpointManager(tmp_path / "bad", keep_best=1, best_metric="acc", best_mode="up")
+        ckpt.RetentionPolicy(keep_best=ckpt.KeepBest(1, "acc", "up"))
     with ckpt.CheckpointManager(tmp_path / "m", async_save=False) as mgr:
         with pytest.raises(TypeError, match="number"):
             mgr.save(1, {"x": torch.tensor([1])}, metrics={"val_loss": "low"})

@@ -84,8 +84,8 @@ def assert_same(state: dict, expected: dict) -> None:
 
 
 def manager(root: Path, probe: bool = True, **kw) -> ckpt.CheckpointManager:
-    return ckpt.CheckpointManager(root, async_save=False,
-                                  probe=ckpt.Probe(inputs=INPUTS) if probe else None, **kw)
+    options = ckpt.SaveOptions(probe=ckpt.Probe(inputs=INPUTS) if probe else None)
+    return ckpt.CheckpointManager(root, async_save=False, options=options, **kw)
 
 
 def save_two_steps(root: Path, *, nan_before_step_2: bool = False, cls: type = Net) -> dict:

@@ -152,7 +152,8 @@ def _saved_bytes(value: dict) -> bytes:
 
 
 def _two_steps(root) -> None:
-    with ckpt.CheckpointManager(root, async_save=False, allow_pickle=True) as mgr:
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(allow_pickle=True)) as mgr:
         mgr.save(1, {"w": torch.arange(8.0)})
         mgr.save(2, {"w": torch.arange(8.0), "odd": {1, 2}})
 
@@ -161,7 +162,8 @@ def test_load_of_a_named_step_raises_that_steps_own_error_and_skips_nothing(tmp_
     """``load(step=...)`` raises that step's own error: a missing step is CheckpointNotFoundError,
     not "no committed step could be loaded", and nothing is recorded in ``mgr.skipped``."""
     _two_steps(tmp_path)
-    with ckpt.CheckpointManager(tmp_path, read_only=True, allow_pickle=True) as mgr:
+    with ckpt.CheckpointManager(tmp_path, read_only=True,
+                                options=ckpt.SaveOptions(allow_pickle=True)) as mgr:
         with pytest.raises(ckpt.CheckpointNotFoundError) as caught:
             mgr.load(step=7)
         assert "could be loaded" not in str(caught.value)

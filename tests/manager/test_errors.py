@@ -41,7 +41,7 @@ def save_one(tmp_path: Path, api: str, state: dict, **kw) -> Path:
     if api == "oneshot":
         ckpt.save(state, tmp_path / "one", step=1, **kw)
         return tmp_path / "one"
-    with ckpt.CheckpointManager(tmp_path / "root", **kw) as mgr:
+    with ckpt.CheckpointManager(tmp_path / "root", options=ckpt.SaveOptions(**kw)) as mgr:
         mgr.save(1, state)
     return tmp_path / "root"
 
@@ -49,7 +49,7 @@ def save_one(tmp_path: Path, api: str, state: dict, **kw) -> Path:
 def load_one(api: str, where: Path, state: dict, **kw) -> int | None:
     if api == "oneshot":
         return ckpt.load(state, where, **kw)
-    with ckpt.CheckpointManager(where, **kw) as mgr:
+    with ckpt.CheckpointManager(where, options=ckpt.SaveOptions(**kw)) as mgr:
         return mgr.restore(state)
 
 

@@ -21,8 +21,9 @@ def test_metrics_scraped_over_http_match_the_saves(tmp_path):
     port = free_port()
     model = torch.nn.Linear(64, 64)
     state = {"model": model}
-    with ckpt.CheckpointManager(tmp_path / "root", incremental=True, metrics_port=port,
-                                metrics_textfile=str(tmp_path / "ckpt.prom")) as mgr:
+    with ckpt.CheckpointManager(tmp_path / "root", options=ckpt.SaveOptions(incremental=True),
+                                metrics=ckpt.MetricsOptions(
+                                    port=port, textfile=str(tmp_path / "ckpt.prom"))) as mgr:
         results = [mgr.save(s, state, force=True).wait() for s in (1, 2, 3)]
         with torch.no_grad():
             model.weight.add_(1)

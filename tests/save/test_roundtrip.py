@@ -3,6 +3,7 @@ comes back bit for bit, with the same types, into the same live objects."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -33,11 +34,12 @@ def roundtrip(tmp_path: Path, api: str, state: dict, template: dict, *,
         raw = (path / "manifest.json").read_bytes()
         return Manifest.from_json(raw, where=str(path))
     root = tmp_path / "root"
-    with ckpt.CheckpointManager(root, options=options, allow_pickle=allow_pickle) as mgr:
+    saving = dataclasses.replace(options or ckpt.SaveOptions(), allow_pickle=allow_pickle)
+    with ckpt.CheckpointManager(root, options=saving) as mgr:
         mgr.save(3, state)
         mgr.wait()
         assert mgr.steps() == [3]
-    with ckpt.CheckpointManager(root, allow_pickle=allow_pickle) as mgr:
+    with ckpt.CheckpointManager(root, options=ckpt.SaveOptions(allow_pickle=allow_pickle)) as mgr:
         assert mgr.restore(template) == 3
         return mgr.manifest(3)
 

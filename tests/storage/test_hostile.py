@@ -5,6 +5,7 @@ data, and every failure is a CheckpointError that names the path and says what t
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import shutil
@@ -284,8 +285,8 @@ def test_rollback_resave_keeps_every_later_step_loadable(tmp_path, url):
     saved = {}
 
     def mgr(**kw):
-        return ckpt.CheckpointManager(root, async_save=False, incremental=True, full_every=100,
-                                      options=SMALL_CHUNKS, **kw)
+        options = dataclasses.replace(SMALL_CHUNKS, incremental=True, full_every=100)
+        return ckpt.CheckpointManager(root, async_save=False, options=options, **kw)
 
     state = state_of(0)
     with mgr() as m:

@@ -72,8 +72,8 @@ def test_async_incremental_zstd(s3):
     state = make_state(3, width=256)
     layer = state["model"][0].weight
     results = []
-    with manager(s3, async_save=True, incremental=True, compression="zstd",
-                 keep_last=2) as mgr:
+    with manager(s3, async_save=True, keep_last=2,
+                 options=ckpt.SaveOptions(incremental=True, compression="zstd")) as mgr:
         for step in range(1, 4):
             with torch.no_grad():
                 layer[step] += 1.0  # a small part changes; the rest is referenced

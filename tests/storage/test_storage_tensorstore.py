@@ -24,8 +24,8 @@ def ts_root(request, tmp_path):
 def test_manager_on_tensorstore(ts_root):
     torch.manual_seed(0)
     state = {"w": torch.randn(300, 70), "b": torch.randn(70).bfloat16(), "step": 0}
-    with ckpt.CheckpointManager(ts_root(), incremental=True, keep_last=2,
-                                schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
+    with ckpt.CheckpointManager(ts_root(), options=ckpt.SaveOptions(incremental=True),
+                                keep_last=2, schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
         for step in (1, 2, 3):
             state["w"][step] += 1  # a little changes: the rest is referenced
             state["step"] = step

@@ -130,8 +130,9 @@ def schedule(root: str) -> None:
     import ckpt
 
     state = {"w": torch.zeros(64), "progress": {"step": 0}}
-    mgr = ckpt.CheckpointManager(root, every_seconds=SCHEDULE_SECONDS, keep_best=2,
-                                 best_metric="val_loss", async_save=False)
+    mgr = ckpt.CheckpointManager(
+        root, schedule=ckpt.Schedule(every_seconds=SCHEDULE_SECONDS),
+        retention=ckpt.RetentionPolicy(keep_best=ckpt.KeepBest(2, "val_loss")), async_save=False)
     step = mgr.restore(state) or 0
     print(f"start {step}", flush=True)
     # one "second" per step: no sleeps, same steps each run

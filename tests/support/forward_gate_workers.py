@@ -24,7 +24,8 @@ def restore_past_bad_steps(rank: int, world: int, root: str) -> tuple[int, list[
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     state = {"model": model, "noise": ckpt.PerRank(Noise(rank))}
     probe = ckpt.Probe(inputs=torch.randn(4, 8, generator=torch.Generator().manual_seed(1)))
-    with ckpt.CheckpointManager(root, async_save=False, probe=probe) as mgr:
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(probe=probe)) as mgr:
         mgr.save(1, state)
         step1 = [p.clone() for p in model.parameters()]
         with torch.no_grad():
@@ -90,7 +91,8 @@ def fsdp_forward_gate(rank: int, world: int, root: str) -> tuple[int, bool, str,
     state = {"train": ckpt.ModelOptimizer(model, opt)}
     probe = ckpt.Probe(model_key="train",
                        inputs=torch.randn(4, 8, generator=torch.Generator().manual_seed(1)))
-    with ckpt.CheckpointManager(root, async_save=False, probe=probe) as mgr:
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(probe=probe)) as mgr:
         mgr.save(1, state)
         step1 = local_shards(model)
         with torch.no_grad():

@@ -26,8 +26,8 @@ def weights(step: int) -> torch.Tensor:
 
 
 def manager(root: str, shm: str, job: str, node: str) -> ckpt.CheckpointManager:
-    return ckpt.CheckpointManager(root, memory_tier=True, memory_dir=shm, memory_node=node,
-                                  memory_job=job, async_save=False, persist_every=1_000_000,
+    tier = ckpt.MemoryTierOptions(shm_dir=shm, node=node, job=job, persist_every=1_000_000)
+    return ckpt.CheckpointManager(root, memory_tier=tier, async_save=False,
                                   options=ckpt.SaveOptions(chunk_bytes=16 << 10))
 
 

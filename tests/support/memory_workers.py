@@ -56,9 +56,10 @@ def mismatches(state: dict, step: int, world: int) -> list[str]:
     return bad
 
 
-def manager(root: str, shm: str, job: str, node: str, **kw) -> ckpt.CheckpointManager:
-    return ckpt.CheckpointManager(root, memory_tier=True, memory_dir=shm, memory_node=node,
-                                  memory_job=job, async_save=False, **kw)
+def manager(root: str, shm: str, job: str, node: str, *, persist_every: int = 1,
+            **kw) -> ckpt.CheckpointManager:
+    tier = ckpt.MemoryTierOptions(shm_dir=shm, node=node, job=job, persist_every=persist_every)
+    return ckpt.CheckpointManager(root, memory_tier=tier, async_save=False, **kw)
 
 
 def save_steps(rank: int, world: int, root: str, shm: str, job: str, nodes: list[str],

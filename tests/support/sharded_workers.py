@@ -104,7 +104,8 @@ class _KillOnWrite(PosixStorage):
 def save_then_lose_a_rank(rank: int, world: int, root: str, victim: int) -> str:
     model = make_model(0)
     storage = _KillOnWrite(root) if rank == victim else PosixStorage(root)
-    mgr = ckpt.CheckpointManager(storage, async_save=True, commit_timeout=5.0)
+    mgr = ckpt.CheckpointManager(storage, async_save=True,
+                                 options=ckpt.SaveOptions(commit_timeout=5.0))
     mgr.save(1, {"model": model}, force=True).wait()
     with torch.no_grad():
         for p in model.parameters():
@@ -213,9 +214,11 @@ def save_keys_in_rank_order_recording_staged(rank: int, world: int, root: str) -
 def load_where_one_rank_refuses_pickle(rank: int, world: int, root: str) -> str:
     """Save one step holding a pickled value; rank 1 then loads without ``allow_pickle``
     (its own refusal is fatal), rank 0 with it. What each rank's ``load()`` raised."""
-    with ckpt.CheckpointManager(root, async_save=False, allow_pickle=True) as mgr:
+    with ckpt.CheckpointManager(root, async_save=False,
+                                options=ckpt.SaveOptions(allow_pickle=True)) as mgr:
         mgr.save(1, {"w": torch.arange(8.0), "odd": {1, 2}}, force=True)
-    with ckpt.CheckpointManager(root, read_only=True, allow_pickle=rank == 0) as mgr:
+    with ckpt.CheckpointManager(root, read_only=True,
+                                options=ckpt.SaveOptions(allow_pickle=rank == 0)) as mgr:
         try:
             mgr.load()
         except ckpt.CheckpointError as e:

@@ -299,7 +299,8 @@ def cmd_preempt(root: str) -> None:
     """save_on_preemption: the schedule never saves; SIGTERM makes the next save() save."""
     import ckpt
 
-    mgr = ckpt.CheckpointManager(root, every_steps=10**9, save_on_preemption=True)
+    mgr = ckpt.CheckpointManager(root, every_steps=10**9,
+                                 schedule=ckpt.Schedule(save_on_preemption=True))
     print("ready", flush=True)
     step = 0
     while step < 10**6:

@@ -31,7 +31,8 @@ WORKER = textwrap.dedent("""
         return torch.randn(64, 32, generator=g)
     model = torch.nn.Linear(32, 64, bias=False)
     state = {"model": model}
-    mgr = ckpt.CheckpointManager(root, memory_tier=True, persist_every=persist, memory_job=job)
+    tier = ckpt.MemoryTierOptions(persist_every=persist, job=job)
+    mgr = ckpt.CheckpointManager(root, memory_tier=tier)
     if mode == "restore":
         step = mgr.restore(state)
         info = mgr.last_restore
@@ -94,8 +95,8 @@ def test_second_process_restores_from_memory_without_reading_the_root(tmp_path, 
         os.remove(f)
     # This (pytest) process is the second one: it restores from the saver's segment.
     model = torch.nn.Linear(32, 64, bias=False)
-    with ckpt.CheckpointManager(root, memory_tier=True, persist_every=2,
-                                memory_job=job) as mgr:
+    tier = ckpt.MemoryTierOptions(persist_every=2, job=job)
+    with ckpt.CheckpointManager(root, memory_tier=tier) as mgr:
         assert mgr.restore({"model": model}) == 3
         assert (mgr.last_restore.tier, mgr.last_restore.bytes_from_storage) == ("memory", 0)
     assert torch.equal(model.weight, torch.randn(64, 32, generator=torch.Generator().manual_seed(3)))
@@ -104,8 +105,8 @@ def test_second_process_restores_from_memory_without_reading_the_root(tmp_path, 
 def save_steps(root, job, steps, persist) -> dict[int, torch.Tensor]:
     """Save in this process; the manager is closed (its segment's owner lock released)."""
     model, weights = torch.nn.Linear(32, 64, bias=False), {}
-    with ckpt.CheckpointManager(root, memory_tier=True, persist_every=persist,
-                                memory_job=job) as mgr:
+    tier = ckpt.MemoryTierOptions(persist_every=persist, job=job)
+    with ckpt.CheckpointManager(root, memory_tier=tier) as mgr:
         for step in steps:
             with torch.no_grad():
                 model.weight.add_(1.0)
@@ -122,8 +123,8 @@ def test_flipped_bit_in_memory_is_detected_and_the_root_used(tmp_path, job):
     data = [os.path.join(step3, f) for f in os.listdir(step3) if f != "manifest.json"]
     flip(max(data, key=os.path.getsize))
     model = torch.nn.Linear(32, 64, bias=False)
-    with ckpt.CheckpointManager(root, memory_tier=True, persist_every=2,
-                                memory_job=job) as mgr:
+    tier = ckpt.MemoryTierOptions(persist_every=2, job=job)
+    with ckpt.CheckpointManager(root, memory_tier=tier) as mgr:
         assert mgr.restore({"model": model}) == 3 - 1  # memory's step 3 is bad: not loaded
         assert mgr.last_restore.tier == "memory"  # step 2 from memory still good
         # Flip step 2 in memory too: the root's step 2 is next.
@@ -146,8 +147,8 @@ def test_truncated_file_in_memory_is_detected_and_the_root_used(tmp_path, job):
             path = os.path.join(step3, name)
             os.truncate(path, os.path.getsize(path) // 2)
     model = torch.nn.Linear(32, 64, bias=False)
-    with ckpt.CheckpointManager(root, memory_tier=True, persist_every=2,
-                                memory_job=job) as mgr:
+    tier = ckpt.MemoryTierOptions(persist_every=2, job=job)
+    with ckpt.CheckpointManager(root, memory_tier=tier) as mgr:
         assert mgr.restore({"model": model}) == 2  # memory's step 3 is short: not loaded
         assert mgr.last_restore.tier == "memory"
     assert torch.equal(model.weight, saved[2])
@@ -164,13 +165,13 @@ def test_bytes_from_storage_are_the_bytes_read_from_the_root(tmp_path, job):
     returned, checked against the kernel's own count of the process's reads."""
     root = tmp_path / "root"
     state = {"w": torch.randn(1 << 20)}  # 4 MiB
-    with ckpt.CheckpointManager(root, memory_tier=True, memory_job=job) as mgr:
+    with ckpt.CheckpointManager(root, memory_tier=ckpt.MemoryTierOptions(job=job)) as mgr:
         mgr.save(1, state, persist=True)
         mgr.save(2, state, persist=False)  # the newest step in memory only: segment kept
     assert len(segments(job)) == 1
     files = sum(os.path.getsize(f) for f in step_data_files(root, 1))
     dest = {"w": torch.zeros(1 << 20)}
-    with ckpt.CheckpointManager(root, memory_tier=True, memory_job=job) as mem, \
+    with ckpt.CheckpointManager(root, memory_tier=ckpt.MemoryTierOptions(job=job)) as mem, \
             ckpt.CheckpointManager(root, read_only=True) as disk:
         for mgr in (mem, disk, mem, disk):  # the first two warm up (imports, caches)
             dest["w"].zero_()
@@ -220,8 +221,8 @@ def test_sigkilled_worker_restarts_from_memory(tmp_path, job):
 
 def test_persist_every_puts_only_every_kth_save_in_the_root(tmp_path, job):
     model = torch.nn.Linear(4, 4)
-    with ckpt.CheckpointManager(tmp_path, memory_tier=True, persist_every=3, memory_keep=2,
-                                memory_job=job) as mgr:
+    tier = ckpt.MemoryTierOptions(persist_every=3, keep=2, job=job)
+    with ckpt.CheckpointManager(tmp_path, memory_tier=tier) as mgr:
         for step in range(1, 8):
             mgr.save(step, {"model": model})
         mgr.wait()
@@ -232,8 +233,8 @@ def test_persist_every_puts_only_every_kth_save_in_the_root(tmp_path, job):
 
 
 def test_segment_removed_at_close_once_the_final_step_is_persisted(tmp_path, job):
-    with ckpt.CheckpointManager(tmp_path, memory_tier=True, persist_every=2,
-                                memory_job=job) as mgr:
+    tier = ckpt.MemoryTierOptions(persist_every=2, job=job)
+    with ckpt.CheckpointManager(tmp_path, memory_tier=tier) as mgr:
         mgr.save(1, {"model": torch.nn.Linear(4, 4)})
         mgr.save(2, {"model": torch.nn.Linear(4, 4)})
         assert len(segments(job)) == 1
@@ -241,8 +242,8 @@ def test_segment_removed_at_close_once_the_final_step_is_persisted(tmp_path, job
 
 
 def test_budget_exceeded_raises_a_clear_error(tmp_path, job):
-    with ckpt.CheckpointManager(tmp_path, memory_tier=True, memory_budget=1000,
-                                memory_job=job) as mgr:
+    tier = ckpt.MemoryTierOptions(budget=1000, job=job)
+    with ckpt.CheckpointManager(tmp_path, memory_tier=tier) as mgr:
         with pytest.raises(CheckpointError, match="budget"):
             mgr.save(1, {"model": torch.nn.Linear(64, 64)})
 
@@ -254,13 +255,14 @@ def test_segments_of_dead_jobs_are_removed_by_gc_and_later_runs(tmp_path, job):
         save_steps(tmp_path / "a", dead, [1], persist=100)
         save_steps(tmp_path / "b", other, [1], persist=100)
         [dead_seg], [old_seg] = segments(dead), segments(other)
-        with ckpt.CheckpointManager(tmp_path / "live", memory_tier=True, memory_job=job) as mgr:
+        tier = ckpt.MemoryTierOptions(job=job)
+        with ckpt.CheckpointManager(tmp_path / "live", memory_tier=tier) as mgr:
             mgr.save(1, {"model": torch.nn.Linear(4, 4)})
             mgr.wait()
             # A later run removes dead segments past the grace period only.
             os.utime(os.path.join(old_seg, OWNER_FILE), (0, 0))
-            with ckpt.CheckpointManager(tmp_path / "later", memory_tier=True,
-                                        memory_job=f"{job}later"):
+            tier = ckpt.MemoryTierOptions(job=f"{job}later")
+            with ckpt.CheckpointManager(tmp_path / "later", memory_tier=tier):
                 pass
             assert not os.path.exists(old_seg) and os.path.exists(dead_seg)
             # gc (what `ckpt gc --memory` runs) removes the dead job, never a live owner's.
@@ -287,7 +289,7 @@ def test_cli_gc_memory_removes_dead_segments_only_with_yes(tmp_path, job, capsys
 def test_full_dev_shm_raises_before_writing(tmp_path, job, monkeypatch):
     import ckpt._memory.tier as mt
 
-    with ckpt.CheckpointManager(tmp_path, memory_tier=True, memory_job=job) as mgr:
+    with ckpt.CheckpointManager(tmp_path, memory_tier=ckpt.MemoryTierOptions(job=job)) as mgr:
         real = os.statvfs(SHM_DIR)
         full = os.statvfs_result((real.f_bsize, real.f_frsize, real.f_blocks, 0, 0)
                                  + tuple(real)[5:])
@@ -320,8 +322,8 @@ def test_node_names_and_the_replication_ring(monkeypatch):
 def test_persist_true_writes_an_unscheduled_save_to_the_root_and_false_keeps_it_in_memory(
         tmp_path, job):
     model = torch.nn.Linear(4, 4)
-    with ckpt.CheckpointManager(tmp_path, memory_tier=True, persist_every=3, memory_keep=8,
-                                memory_job=job) as mgr:
+    tier = ckpt.MemoryTierOptions(persist_every=3, keep=8, job=job)
+    with ckpt.CheckpointManager(tmp_path, memory_tier=tier) as mgr:
         mgr.save(1, {"model": model}, persist=True)  # off the schedule (3, 6)
         mgr.save(2, {"model": model})
         mgr.save(3, {"model": model}, persist=False)  # on it, but memory only
@@ -339,8 +341,8 @@ RESUMER = textwrap.dedent("""
     import sys, torch, ckpt
     root, job, last = sys.argv[1], sys.argv[2], int(sys.argv[3])
     state = {"model": torch.nn.Linear(4, 4)}
-    with ckpt.CheckpointManager(root, memory_tier=True, every_steps=2, persist_every=2,
-                                memory_job=job) as mgr:
+    tier = ckpt.MemoryTierOptions(persist_every=2, job=job)
+    with ckpt.CheckpointManager(root, memory_tier=tier, every_steps=2) as mgr:
         start = mgr.restore(state) or 0
         print(start, mgr.last_restore.tier if mgr.last_restore else None)
         for step in range(start + 1, last + 1):
@@ -382,8 +384,8 @@ def test_a_step_whose_only_copy_in_memory_is_bad_raises_never_a_fresh_start(tmp_
             if name != "manifest.json":
                 flip(os.path.join(d, name))
     model = torch.nn.Linear(32, 64, bias=False)
-    with ckpt.CheckpointManager(root, memory_tier=True, persist_every=2,
-                                memory_job=job) as mgr:
+    tier = ckpt.MemoryTierOptions(persist_every=2, job=job)
+    with ckpt.CheckpointManager(root, memory_tier=tier) as mgr:
         with pytest.raises(CheckpointError, match="no committed step") as info:
             mgr.restore({"model": model})
     assert "step 3 (memory tier)" in str(info.value)

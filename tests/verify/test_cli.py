@@ -88,8 +88,8 @@ def make_root(tmp_path: Path) -> dict[int, dict[str, torch.Tensor]]:
     probe = ckpt.Probe(model_key="model", inputs=torch.randint(0, 50, (3, 7)),
                        factory="usermodels:build")
     saved = {}
-    with ckpt.CheckpointManager(tmp_path / "root", probe=probe, async_save=False,
-                                options=ckpt.SaveOptions(chunk_bytes=4096)) as mgr:
+    with ckpt.CheckpointManager(tmp_path / "root", async_save=False,
+                                options=ckpt.SaveOptions(chunk_bytes=4096, probe=probe)) as mgr:
         for step in (1, 2):
             if step == 2:
                 with torch.no_grad():
@@ -836,7 +836,8 @@ def test_a_probe_recorded_from_a_training_script_names_what_to_pass(tmp_path, ca
     for name, factory in (("script-loss", "usermodels:build"), ("script-factory",
                                                                 "__main__:build")):
         probe = ckpt.Probe(model_key="model", inputs=inputs, factory=factory, loss_fn=my_loss)
-        with ckpt.CheckpointManager(tmp_path / name, probe=probe, async_save=False) as mgr:
+        with ckpt.CheckpointManager(tmp_path / name, options=ckpt.SaveOptions(probe=probe),
+                                    async_save=False) as mgr:
             mgr.save(1, {"model": usermodels.build()})
     sys.modules.pop("usermodels", None)
     code, out, err = cli(capsys, "verify", tmp_path / "script-loss", "--level", "forward",

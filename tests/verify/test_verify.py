@@ -9,6 +9,7 @@ here (``verify.cli.main``); tests/verify/test_cli.py runs it as a user would, in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -53,8 +54,8 @@ def save(root: Path, step: int = 1, *, net: Net | None = None, with_probe: bool 
              "half": torch.randn(40, 30, generator=g).to(torch.bfloat16),
              "ids": torch.arange(300, dtype=torch.int64) * step,
              "epoch": step}
-    with ckpt.CheckpointManager(root, options=options, probe=probe() if with_probe else None,
-                                async_save=False, **kw) as mgr:
+    options = dataclasses.replace(options, probe=probe() if with_probe else None)
+    with ckpt.CheckpointManager(root, options=options, async_save=False, **kw) as mgr:
         mgr.save(step, state, force=True)
     return state
 
@@ -103,8 +104,8 @@ def test_a_good_checkpoint_passes_every_level(tmp_path, capsys, kind):
 def test_an_incremental_chain_passes_every_step(tmp_path, capsys):
     root = tmp_path / "root"
     net = make_net()
-    with ckpt.CheckpointManager(root, options=OPTIONS, incremental=True, async_save=False,
-                                probe=probe()) as mgr:
+    options = dataclasses.replace(OPTIONS, incremental=True, probe=probe())
+    with ckpt.CheckpointManager(root, options=options, async_save=False) as mgr:
         for step in range(1, 5):
             with torch.no_grad():
                 net.fc2.bias.add_(1.0)  # fc1 and w never change: their chunks are reused
@@ -351,7 +352,8 @@ def test_forward_rechecks_a_recorded_loss(tmp_path, capsys):
     from tests.support.verify_workers import mse_loss
 
     local_loss = lambda output, inputs: mse_loss(output, inputs)  # noqa: E731  (not nameable)
-    with ckpt.CheckpointManager(tmp_path / "root", probe=probe(local_loss),
+    with ckpt.CheckpointManager(tmp_path / "root",
+                                options=ckpt.SaveOptions(probe=probe(local_loss)),
                                 async_save=False) as mgr:
         mgr.save(1, {"model": make_net()})
     code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
@@ -392,7 +394,8 @@ def test_bf16_outputs_get_the_bf16_tolerance(tmp_path):
     net = make_net().to(torch.bfloat16)
     p = ckpt.Probe(inputs=torch.randn(5, 8).to(torch.bfloat16),
                    factory="tests.support.verify_workers:build_bf16")
-    with ckpt.CheckpointManager(tmp_path / "root", probe=p, async_save=False) as mgr:
+    with ckpt.CheckpointManager(tmp_path / "root", options=ckpt.SaveOptions(probe=p),
+                                async_save=False) as mgr:
         mgr.save(1, {"model": net})
     report = verify.verify(str(tmp_path / "root"), level="forward", trust_recorded=True)
     assert report.ok, report.problems
@@ -685,7 +688,8 @@ def test_the_recorded_factory_and_loss_run_only_when_trusted(tmp_path, capsys, m
 
     probe = ckpt.Probe(model_key="model", inputs=torch.randn(5, 8), factory="marking:build_net",
                        loss_fn=marking.loss)
-    with ckpt.CheckpointManager("root", probe=probe, async_save=False) as mgr:
+    with ckpt.CheckpointManager("root", options=ckpt.SaveOptions(probe=probe),
+                                async_save=False) as mgr:
         mgr.save(1, {"model": make_net()})
     sys.modules.pop("marking")
     (tmp_path / "imported").unlink()

@@ -1,8 +1,8 @@
 """Rank bodies for test_memory_peer.py (top-level functions: spawn imports them by name).
 
-Each rank plays one "node": its name (``memory_node=``) comes from ``nodes[rank]``, as
-CKPT_NODE or torchrun's GROUP_RANK would name it, and every test has its own segment
-directory (``memory_dir=``) instead of /dev/shm.
+Each rank plays one "node": its name (``ckpt.MemoryTierOptions(node=...)``) comes from
+``nodes[rank]``, as CKPT_NODE or torchrun's GROUP_RANK would name it, and every test has its
+own segment directory (``shm_dir=``) instead of /dev/shm.
 """
 
 from __future__ import annotations

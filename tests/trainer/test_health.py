@@ -17,7 +17,6 @@ the logs, in the metrics (scraped over HTTP or read from the textfile) and in th
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -35,8 +34,8 @@ import torch.nn.functional as F
 import ckpt
 
 from tests.support.prom import free_port, parse_metrics
-from trainer import ElasticConfig, ResumableSampler
-from trainer.config import LEGACY_KEYWORDS
+from trainer import (CheckpointConfig, DataConfig, ElasticConfig, FailureConfig,
+                     ObservabilityConfig, ResumableSampler, StepConfig)
 from trainer.elastic import ElasticTrainer, read_audit, read_jsonl, read_skips
 from trainer.health import (LOSS_SPIKE, NONFINITE_GRAD_NORM, NONFINITE_LOSS, OK, HealthGuard,
                             TrainingHealthError)
@@ -93,23 +92,20 @@ def make_step_fn(mode: str | None, marked: int = MARKED):
     return step_fn
 
 
-def trainer(tmp_path: Path, step_fn, **kw) -> ElasticTrainer:
-    """The test's trainer; ``kw`` takes the trainer's flat keyword names (``probe=``,
-    ``checkpoint_options=``, ...), each placed in its section of the ElasticConfig."""
-    options = {"audit_dir": tmp_path / "audit", "log_every": 5,
-               "health": HealthGuard(window=20, min_history=5)}
-    options.update(kw)
-    sections: dict = {}
-    for name, value in options.items():
-        section, field = LEGACY_KEYWORDS[name]
-        sections.setdefault(section, {})[field] = value
-    own = sections.pop(None, {})
-    config = ElasticConfig(**own, **{name: dataclasses.replace(getattr(ElasticConfig(), name),
-                                                               **fields)
-                                     for name, fields in sections.items()})
+def observed(tmp_path: Path, **fields) -> ObservabilityConfig:
+    """The tests' observability: audits in ``tmp_path/audit``, a step line every 5 steps."""
+    return ObservabilityConfig(audit_dir=tmp_path / "audit", log_every=5, **fields)
+
+
+def trainer(tmp_path: Path, step_fn, **config) -> ElasticTrainer:
+    """The test's trainer; ``config`` takes ElasticConfig's keywords (``checkpoint=``,
+    ``health=``, ...). Default: a health guard of a short window, :func:`observed`."""
+    config.setdefault("health", HealthGuard(window=20, min_history=5))
+    config.setdefault("observability", observed(tmp_path))
     return ElasticTrainer(model_fn, lambda p: torch.optim.SGD(p, lr=0.1), Blobs(), step_fn,
                           checkpoint_root=tmp_path / "ckpt", checkpoint_every=EVERY,
-                          global_batch_size=GLOBAL, micro_batch_size=MICRO, config=config)
+                          global_batch_size=GLOBAL, micro_batch_size=MICRO,
+                          config=ElasticConfig(**config))
 
 
 @pytest.fixture(autouse=True)
@@ -213,7 +209,7 @@ def test_event_lines_round_trip():
 def test_nan_batch_rolls_back_skips_it_and_finishes(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="ckpt.trainer")
     port = free_port()
-    t = trainer(tmp_path, make_step_fn("nan"), metrics_port=port)
+    t = trainer(tmp_path, make_step_fn("nan"), observability=observed(tmp_path, metrics_port=port))
     try:
         summary = t.fit(STEPS)
         scraped = scrape(port)
@@ -253,7 +249,8 @@ def test_nan_batch_rolls_back_skips_it_and_finishes(tmp_path, caplog):
 def test_loss_spike_from_a_corrupted_batch_takes_the_same_path(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="ckpt.trainer")
     textfile = tmp_path / "train.prom"
-    t = trainer(tmp_path, make_step_fn("spike"), metrics_textfile=textfile)
+    t = trainer(tmp_path, make_step_fn("spike"),
+                observability=observed(tmp_path, metrics_textfile=textfile))
     summary = t.fit(STEPS)
     [anomaly] = event_lines(caplog, "train.anomaly")
     assert (anomaly["step"], anomaly["reason"]) == ("13", LOSS_SPIKE)
@@ -274,7 +271,7 @@ def test_loss_spike_from_a_corrupted_batch_takes_the_same_path(tmp_path, caplog)
 def test_a_healthy_run_triggers_nothing(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="ckpt.trainer")
     port = free_port()
-    t = trainer(tmp_path, make_step_fn(None), metrics_port=port)
+    t = trainer(tmp_path, make_step_fn(None), observability=observed(tmp_path, metrics_port=port))
     try:
         summary = t.fit(STEPS)
         scraped = scrape(port)
@@ -367,8 +364,9 @@ def test_grad_scaler_gradients_are_unscaled_before_clipping(tmp_path):
     norms = {}
     for name, scaler in (("plain", None), ("scaled", torch.amp.GradScaler(
             "cpu", init_scale=2.0 ** 12))):
-        t = trainer(tmp_path / name, make_step_fn(None), grad_scaler=scaler,
-                    max_grad_norm=0.5, run_dir=tmp_path / name / "run")
+        t = trainer(tmp_path / name, make_step_fn(None),
+                    step=StepConfig(grad_scaler=scaler, max_grad_norm=0.5),
+                    observability=observed(tmp_path / name, run_dir=tmp_path / name / "run"))
         summary = t.fit(10)
         norms[name] = [r["grad_norm"] for r in read_jsonl(
             tmp_path / name / "run" / "attempt-0000" / "rank-00000.jsonl")
@@ -414,7 +412,7 @@ def test_heartbeat_age_is_the_slowest_live_peers_silence():
 
 def test_rollback_with_a_grad_scaler(tmp_path):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    t = trainer(tmp_path, make_step_fn("nan"), grad_scaler=scaler)
+    t = trainer(tmp_path, make_step_fn("nan"), step=StepConfig(grad_scaler=scaler))
     summary = t.fit(20)
     assert (summary.final_step, summary.rollbacks, summary.skipped_batches) == (20, 1, 1)
     assert math.isfinite(summary.final_loss) and scaler.get_scale() == 2.0 ** 10
@@ -436,7 +434,8 @@ def test_overflowing_scaled_gradients_are_left_to_the_scaler(tmp_path, caplog):
         return loss
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-    t = trainer(tmp_path, overflowing, grad_scaler=scaler, run_dir=tmp_path / "run")
+    t = trainer(tmp_path, overflowing, step=StepConfig(grad_scaler=scaler),
+                observability=observed(tmp_path, run_dir=tmp_path / "run"))
     holder.append(t)
     summary = t.fit(10)
     norms = [r["grad_norm"] for r in read_jsonl(tmp_path / "run" / "attempt-0000" /
@@ -504,12 +503,12 @@ def test_a_users_data_loader_trains_exactly_the_trainers_batches(tmp_path):
         return nan(model, batch)
 
     seen.trainer = trainer(tmp_path / "loader", seen.wrap(crash_at_17),
-                           data_loader=loader_factory)
+                           data=DataConfig(data_loader=loader_factory))
     with pytest.raises(ValueError, match="went away"):
         seen.trainer.fit(20)
     crash[0] = False
     seen.trainer = trainer(tmp_path / "loader", seen.wrap(crash_at_17),
-                           data_loader=loader_factory)
+                           data=DataConfig(data_loader=loader_factory))
     summary = seen.trainer.fit(20)
     assert summary.restores == [0, 15] and own_summary.rollbacks == 1
     assert seen.order() == own.order() == [
@@ -565,8 +564,9 @@ def test_hooks_and_extra_state_survive_a_restart(tmp_path):
 
         hooks = trainer_hooks(after_step=after_step, evaluate=evaluate, eval_every=4,
                               after_checkpoint=lambda t, step: calls.append(("ckpt", step)))
-        t = trainer(tmp_path / name, make_step_fn(None), hooks=hooks, extra_state=extra,
-                    health=None, checkpoint_options={"keep_last": 5})
+        t = trainer(tmp_path / name, make_step_fn(None), hooks=hooks, health=None,
+                    checkpoint=CheckpointConfig(extra_state=extra,
+                                                manager_options={"keep_last": 5}))
         return t, ema, counter
 
     def kind(k: str, after: int = 0) -> list[tuple]:
@@ -602,7 +602,8 @@ def trainer_hooks(**kw):
 
 
 def test_extra_state_may_not_take_the_trainers_item_names(tmp_path):
-    t = trainer(tmp_path, make_step_fn(None), extra_state=lambda m: {"model": m})
+    t = trainer(tmp_path, make_step_fn(None),
+                checkpoint=CheckpointConfig(extra_state=lambda m: {"model": m}))
     with pytest.raises(ValueError, match=r"may not use the item names \['model'\]"):
         t.fit(1)
 
@@ -679,7 +680,8 @@ def test_a_rollback_never_lands_on_a_step_whose_weights_went_nan(tmp_path, caplo
     assert all(bool(torch.isfinite(p).all()) for p in t.module.parameters())
 
     digest_only = trainer(tmp_path / "digest", make_step_fn(None), hooks=poison_at(10),
-                          verify="digest", health=HealthGuard(max_rollbacks=2))
+                          checkpoint=CheckpointConfig(verify="digest"),
+                          health=HealthGuard(max_rollbacks=2))
     with pytest.raises(TrainingHealthError, match="more than max_rollbacks=2"):
         digest_only.fit(20)
 
@@ -692,11 +694,11 @@ def test_the_default_probe_is_a_micro_batch_of_the_dataset(tmp_path):
     assert probe["output"].shape == (MICRO, 4)
     # an explicit probe the model cannot run is refused at start
     bare = trainer(tmp_path / "bare", make_step_fn(None), health=None,
-                   probe=lambda batch: "not a tensor")
+                   checkpoint=CheckpointConfig(probe=lambda batch: "not a tensor"))
     with pytest.raises(ValueError, match="probe cannot run"):
         bare.fit(1)
     with pytest.raises(ValueError, match="verify must be one of"):
-        trainer(tmp_path, make_step_fn(None), verify="forwards")
+        trainer(tmp_path, make_step_fn(None), checkpoint=CheckpointConfig(verify="forwards"))
 
 
 # ------------------------------------------------------------------------------- two ranks
@@ -771,15 +773,15 @@ def _worker(argv: list[str]) -> None:
                         format=f"[rank {os.environ.get('RANK')}] %(name)s %(message)s")
     if argv[1] == "nan-weights":
         t = trainer(Path(argv[0]), make_step_fn(None), hooks=poison_at(10, exit_after_save=True),
-                    checkpoint_options={"async_save": False}, heartbeat_timeout=10.0,
-                    collective_timeout=30.0)
+                    checkpoint=CheckpointConfig(manager_options={"async_save": False}),
+                    failure=FailureConfig(heartbeat_timeout=10.0, collective_timeout=30.0))
         summary = t.fit(NAN_STEPS)
         assert all(bool(torch.isfinite(p).all()) for p in t.module.parameters())
         if t.rank == 0:
             print("SUMMARY " + json.dumps(summary.to_dict()), flush=True)
         return
-    t = trainer(Path(argv[0]), make_step_fn("nan"), fsdp=argv[1] == "fsdp",
-                heartbeat_timeout=10.0, collective_timeout=30.0)
+    t = trainer(Path(argv[0]), make_step_fn("nan"), step=StepConfig(fsdp=argv[1] == "fsdp"),
+                failure=FailureConfig(heartbeat_timeout=10.0, collective_timeout=30.0))
     summary = t.fit(STEPS)
     if t.rank == 0:
         print("SUMMARY " + json.dumps(summary.to_dict()), flush=True)

@@ -17,7 +17,7 @@ state (benchmarks/common.py: fp32 tensors of 1024 columns) in a fresh directory:
 Medians over ``--reps``, the spread, and the ratio B/A (below 1.0: B is faster). No timing is
 asserted. Run from the repository root::
 
-    python benchmarks/bench_revisions.py A_REV B_REV [--size 256M] [--reps 5]
+    python benchmarks/bench_revisions.py A_REV B_REV [--size 256M] [--reps 5] [--ops save,load]
 """
 
 from __future__ import annotations
@@ -103,7 +103,13 @@ def main() -> int:
     parser.add_argument("--size", type=common.parse_size, default=common.parse_size("256M"))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dir", default=common.DEFAULT_DIR)
+    parser.add_argument("--ops", default=",".join(OPERATIONS),
+                        help=f"comma-separated operations among {', '.join(OPERATIONS)}")
     args = parser.parse_args()
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = [op for op in ops if op not in OPERATIONS]
+    if unknown:
+        parser.error(f"unknown operation(s) {unknown}; choose among {list(OPERATIONS)}")
     os.makedirs(args.dir, exist_ok=True)
     scratch = tempfile.mkdtemp(dir=args.dir)
     trees = {}
@@ -113,14 +119,14 @@ def main() -> int:
         times: dict[tuple[str, str], list[float]] = {}
         for rep in range(args.reps):
             order = ("A", "B") if rep % 2 == 0 else ("B", "A")
-            for op in OPERATIONS:
+            for op in ops:
                 for name in order:
                     times.setdefault((op, name), []).append(
                         run_child(trees[name], op, args.size, scratch))
         print(f"{common.format_size(args.size)} fp32 state, {args.reps} reps, interleaved; "
               f"A = {args.a}, B = {args.b}")
         print(f"{'operation':<16}{'A median s':>12}{'B median s':>12}{'B/A':>7}   spread A / B")
-        for op in OPERATIONS:
+        for op in ops:
             a, b = times[(op, "A")], times[(op, "B")]
             ma, mb = statistics.median(a), statistics.median(b)
             print(f"{op:<16}{ma:>12.4f}{mb:>12.4f}{mb / ma:>7.2f}   "

@@ -9,8 +9,10 @@ write pointers; ``ckpt``'s command line follows them. It lives here, not in ``tr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import stat
 
 from storage_backends import posix
@@ -25,12 +27,20 @@ def write_pointer(path: str, step: int) -> None:
     pointer to ``step`` at ``path``."""
     directory, name = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.part")
-    with open(tmp, "w") as f:
-        json.dump({"format": POINTER_FORMAT, "step": step}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # An unguessable name, created exclusively and never through a link: a file or link
+    # planted in a shared folder under the temp name cannot redirect the write elsewhere.
+    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.part")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": POINTER_FORMAT, "step": step}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     posix.fsync_dir(directory)  # else a power loss may bring back the previous pointer
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
+
 from ckpt._step.pointer import MAX_POINTER_BYTES, POINTER_FORMAT, read_pointer, write_pointer
 
 
@@ -66,3 +68,31 @@ def test_a_written_pointer_is_durable_after_its_rename(tmp_path, monkeypatch):
     write_pointer(str(tmp_path / "last.ckpt"), 7)
     assert events == ["replace", ("fsync_dir", str(tmp_path))]
     assert read_pointer(str(tmp_path / "last.ckpt")) == 7
+
+
+def test_a_link_planted_at_a_temp_name_redirects_no_write(tmp_path):
+    """Another user who can write into the folder plants a link where a predictable temp
+    name would be: the pointer is still written to its own path, and the file the link points
+    at is left as it was (the temp file is created exclusively, under an unguessable name,
+    never through a link)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    os.symlink(victim, folder / f".last.ckpt.{os.getpid()}.part")
+    write_pointer(str(folder / "last.ckpt"), 7)
+    assert victim.read_text() == "precious"
+    assert read_pointer(str(folder / "last.ckpt")) == 7
+    assert not [p for p in os.listdir(folder) if p.endswith(".part") and
+                not os.path.islink(folder / p)]
+
+
+def test_a_pointer_write_that_fails_leaves_no_temp_file(tmp_path, monkeypatch):
+    """A pointer whose rename fails raises, and its temp file is removed, not left behind."""
+    def refuse(a, b):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError):
+        write_pointer(str(tmp_path / "last.ckpt"), 3)
+    assert os.listdir(tmp_path) == []

@@ -47,6 +47,7 @@ from ckpt._load.levels import damaged_probe
 from ckpt._step.integrity import check_structure as _check_structure
 from ckpt._format.digest import digest
 from ckpt._step.integrity import chunk_path, read_manifest
+from ckpt._step.listing import committed_steps
 from ckpt._load.probe import PROBE_ITEM, TOLERANCES, run_forward, tolerance_for
 from ckpt._load.reader import load_step
 from ckpt._load.chunk_read import read_chunk as _read_chunk
@@ -91,10 +92,8 @@ class Checkpoints:
             StorageError: the storage cannot be listed.
         """
         if self.single is None:
-            from ckpt._manager.manager import list_steps  # the same discovery as the manager's
-
-            try:
-                return list_steps(self.storage)
+            try:  # the same discovery as the manager's
+                return committed_steps(self.storage)
             except OSError as e:
                 raise StorageError(f"listing the steps of {self.url} failed: {e}",
                                    path=self.url) from e

@@ -27,16 +27,11 @@ from ckpt._retention.policy import RetentionPolicy
 from ckpt._save.handle import SaveHandle
 from ckpt._shared.distributed import Group
 from ckpt._step.integrity import read_manifest
-from ckpt._step.listing import step_dirs
+from ckpt._step.listing import committed_steps
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.options import MemoryTierOptions, MetricsOptions, SaveOptions, Schedule
 
 log = logging.getLogger("ckpt")
-
-
-def list_steps(storage: Storage) -> list[int]:
-    """Committed steps under a root, oldest first (a step directory with its manifest)."""
-    return sorted(step for step, committed in step_dirs(storage).items() if committed)
 
 
 class CheckpointManager:
@@ -140,7 +135,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        return list_steps(self.storage)
+        return committed_steps(self.storage)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""

@@ -1066,7 +1066,7 @@ def test_a_bug_is_one_line_and_one_json_document_and_ctrl_c_is_quiet(tmp_path, c
     def bug(storage):
         raise ValueError("planted bug")
 
-    monkeypatch.setattr("ckpt._manager.manager.list_steps", bug)
+    monkeypatch.setattr("ckpt.inspect.committed_steps", bug)
     assert cli.main(["ls", root, "--json"]) == 3
     out, err = capsys.readouterr()
     assert json.loads(out) == {"ok": False, "exit_code": 3, "path": None, "error": err.strip()[
@@ -1080,7 +1080,7 @@ def test_a_bug_is_one_line_and_one_json_document_and_ctrl_c_is_quiet(tmp_path, c
     def interrupted(storage):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("ckpt._manager.manager.list_steps", interrupted)
+    monkeypatch.setattr("ckpt.inspect.committed_steps", interrupted)
     assert cli.main(["verify", root]) == 130
     assert capsys.readouterr().err == "ckpt verify: interrupted\n"
 

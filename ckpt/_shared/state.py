@@ -190,24 +190,64 @@ def is_per_rank(obj: Any) -> bool:
 
 
 class PerRank:
-    """Marks a stateful object whose state differs by rank (saved once per rank).
+    """A value that differs by rank, saved once per rank: a stateful object (anything with
+    ``state_dict()``/``load_state_dict()``) or a plain value (tensors, tuples and dicts of
+    them, numbers, strings: whatever a state's values may be).
 
-    On a different world size at load, rank r gets saved rank ``r % saved_world``'s state
+    A stateful object is restored through its ``load_state_dict`` (``.obj`` is the object).
+    A plain value is replaced: after a restore, ``.value`` holds this rank's saved value,
+    bit-exact; a tensor in it moves to the device of the live value's tensor at the same
+    place (a tuple's same position, a dict's same key), else it comes back on the CPU.
+
+    Example::
+
+        hidden = ckpt.PerRank((h, c))        # an LSTM's carried state, one per rank
+        state = {"model": model, "hidden": hidden}
+        mgr.restore(state)
+        h, c = hidden.value
+
+    On a different world size at load, rank r gets saved rank ``r % saved_world``'s value
     (its own when it existed).
     """
 
     ckpt_per_rank = True
 
     def __init__(self, obj: Any) -> None:
-        if not is_stateful(obj):
-            raise TypeError("PerRank wraps objects with state_dict()/load_state_dict()")
-        self.obj = obj
+        self.stateful = is_stateful(obj)
+        if self.stateful:
+            self.obj = obj
+        else:
+            self.value = obj
+
+    @property
+    def ckpt_replaced(self) -> bool:
+        """A plain value is replaced at restore, never read into (see ``flatten``)."""
+        return not self.stateful
 
     def state_dict(self) -> Any:
-        return self.obj.state_dict()
+        return self.obj.state_dict() if self.stateful else self.value
 
     def load_state_dict(self, state: Any) -> None:
-        self.obj.load_state_dict(state)
+        if self.stateful:
+            self.obj.load_state_dict(state)
+        else:
+            self.value = _on_devices_of(state, self.value)
+
+    def __repr__(self) -> str:
+        held = self.obj if self.stateful else self.value
+        return f"ckpt.PerRank({type(held).__name__})"
+
+
+def _on_devices_of(new: Any, old: Any) -> Any:
+    """``new`` with each tensor moved to the device of ``old``'s tensor at the same place."""
+    if isinstance(new, torch.Tensor):
+        return new.to(old.device) if isinstance(old, torch.Tensor) else new
+    if isinstance(new, (tuple, list)) and isinstance(old, (tuple, list)) and \
+            len(new) == len(old):
+        return type(new)(_on_devices_of(n, o) for n, o in zip(new, old))
+    if isinstance(new, dict) and isinstance(old, Mapping):
+        return {k: _on_devices_of(v, old.get(k)) for k, v in new.items()}
+    return new
 
 
 def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, rank: int = 0,
@@ -215,7 +255,9 @@ def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, rank: int =
     """Take ``state`` apart into tensors and JSON (calls ``state_dict()`` on stateful items).
 
     Tensors of per-rank items get keys under ``<item>@<rank>`` so ranks never collide.
-    ``keep_vars``: modules give their Parameters themselves, not detached views.
+    ``keep_vars``: the live state of a restore (the loads' read destinations): modules give
+    their Parameters themselves, not detached views, and a :class:`PerRank` plain value
+    gives no tensors (it is replaced by the saved one, whatever its shapes now).
     """
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a dict of items, not {type(state).__name__}")
@@ -237,7 +279,8 @@ def _flatten_item(f: _Flattener, name: Any, obj: Any, rank: int, keep_vars: bool
         kind = "module" if isinstance(obj, torch.nn.Module) else "stateful"
         sd = module_state_dict(obj, keep_vars) if kind == "module" else obj.state_dict()
         if is_per_rank(obj):
-            tree = f.encode(sd, f"{name}@{rank}")
+            replaced = keep_vars and getattr(obj, "ckpt_replaced", False)
+            tree = None if replaced else f.encode(sd, f"{name}@{rank}")
             f.flat.items[name] = {"kind": kind, "per_rank": {str(rank): tree}}
         else:
             f.flat.items[name] = {"kind": kind, "tree": f.encode(sd, name)}

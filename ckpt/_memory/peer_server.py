@@ -17,8 +17,14 @@ Messages, all point to point over ``pg`` (ranks below are ranks in ``pg``):
     asks each holder for at most one round of each kind.
   - ``[READ, index, offset, length, tag]``: bytes ``[offset, offset + length)`` of planned
     range ``index``, as one message with tag ``tag``. A request outside the plan is
-    answered with ``length`` zero bytes (they fail their digests) and logged.
+    answered with ``length`` zero bytes (at most ``ANSWER_MAX``; they fail their digests)
+    and logged.
   - ``[DONE, 0, 0, 0, 0]``: the reader asks for nothing more.
+
+  A request comes from a rank of the job (only they are in ``pg``), but it is checked all
+  the same: a ROUND of an unknown kind, a second one of a kind, a piece, tag or message count
+  out of bounds, a READ with a tag out of bounds, or an unknown op, is logged and not
+  answered; the thread goes on serving the other requests.
 
 * **Data** (holder -> reader, tags from 1): uint8 tensors, received straight into the
   load's destination. The reader draws every tag from a counter of its process, never
@@ -59,6 +65,14 @@ DONE, READ, ROUND = 0, 1, 2
 #: A round's ``kind``: the load's verify pass or its apply pass.
 VERIFY, APPLY = 0, 1
 
+#: Bounds on what a request may ask (a request past them is logged and not answered): the
+#: largest tag, the most messages in one round, the largest piece, the most zero bytes sent
+#: for a READ outside the plan.
+TAG_MAX = (1 << 31) - 1
+ROUND_MAX = 1 << 18
+PIECE_MAX = 1 << 30
+ANSWER_MAX = 4 << 20
+
 #: A planned range this rank serves: (the mapped segment file, start, length).
 Range = tuple[Any, int, int]
 
@@ -67,6 +81,23 @@ def round_keys(lengths: list[int], piece: int) -> list[tuple[int, int, int]]:
     """The messages of a round, in order: (range index, offset, bytes), each planned range
     cut into pieces; the holder and the reader cut them alike."""
     return [(i, o, min(piece, n - o)) for i, n in enumerate(lengths) for o in range(0, n, piece)]
+
+
+def _bad_round(kind: int, first_tag: int, piece: int, lengths: list[int], sent: bool) -> str:
+    """Why a ROUND request cannot be served ('' when it can): an unknown kind, a second round
+    of a kind, a piece or tags out of bounds, or more than ``ROUND_MAX`` messages."""
+    if kind not in (VERIFY, APPLY):
+        return f"kind {kind}"
+    if sent:
+        return f"a second round of kind {kind}"
+    if not 1 <= piece <= PIECE_MAX:
+        return f"pieces of {piece} bytes"
+    count = sum(-(-n // piece) for n in lengths)
+    if count > ROUND_MAX:
+        return f"{count} messages"
+    if not 1 <= first_tag <= TAG_MAX - count:
+        return f"tags from {first_tag}"
+    return ""
 
 
 def map_ranges(asked: dict[int, list[tuple[str, str, int, int]]], shm_dir: str, prefix: str,
@@ -123,6 +154,7 @@ class PeerServer:
         pg, parts, sends = self._pg, self._parts, self._sends
         try:
             left = self._waiting = set(parts)
+            rounds: set[tuple[int, int]] = set()  # (peer, kind) of the rounds sent
             ask = torch.empty(5, dtype=torch.int64)
             while left:
                 src = dist.recv(ask, src=None, group=pg, tag=REQUEST_TAG)
@@ -134,19 +166,30 @@ class PeerServer:
                     left.discard(peer)
                     continue
                 if op == ROUND:  # (kind, first tag, piece): every message of the round
-                    keys = round_keys([n for _, _, n in mine], c)
+                    lengths = [n for _, _, n in mine]
+                    problem = _bad_round(a, b, c, lengths, (peer, a) in rounds)
+                    if problem:
+                        log.error("ckpt._memory.peer_server rank %d asked for a round it may "
+                                  "not have (%s); not answered", peer, problem)
+                        continue
+                    rounds.add((peer, a))
                     sends += [dist.isend(_bytes_of(mine[i][0], mine[i][1] + o, n), dst=src,
                                          group=pg, tag=b + k)
-                              for k, (i, o, n) in enumerate(keys)]
+                              for k, (i, o, n) in enumerate(round_keys(lengths, c))]
+                    continue
+                if op != READ or not 1 <= tag <= TAG_MAX:  # nowhere to send an answer
+                    log.error("ckpt._memory.peer_server rank %d sent a request that is none of "
+                              "ckpt's (op %d, tag %d); not answered", peer, op, tag)
                     continue
                 index, offset, length = a, b, c  # READ: one range
                 if 0 <= index < len(mine) and 0 <= offset and 0 < length \
                         and offset + length <= mine[index][2]:
                     data = _bytes_of(mine[index][0], mine[index][1] + offset, length)
-                else:  # not from ckpt's own reads: bytes that fail their digests
+                else:  # not from ckpt's own reads: bytes that fail their digests (at most
+                    # ANSWER_MAX of them; gloo lets a shorter message fill a larger receive)
                     log.error("ckpt._memory.peer_server rank %d asked for bytes it was not "
                               "promised (range %d, %d+%d)", peer, index, offset, length)
-                    data = torch.zeros(max(0, length), dtype=torch.uint8)
+                    data = torch.zeros(min(max(0, length), ANSWER_MAX), dtype=torch.uint8)
                 sends.append(dist.isend(data, dst=src, group=pg, tag=tag))
             for w in sends:
                 w.wait()

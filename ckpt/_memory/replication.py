@@ -2,36 +2,35 @@
 segment, a background thread sends it to the same local rank on the next ``replicas`` nodes of
 a ring by node, which store it as ``ckpt-<job>-<their node>-replica-r<origin>``.
 
-Plain TCP, one connection per step and peer: a dead or slow peer costs a timeout on the sender
-thread and a counted failure, never a training step, and leaves no collective half done
-(a background gloo recv cannot be cancelled, and a failed one can poison the group). The newest
-step supersedes one still waiting to be sent. Each connection carries the job's secret
-(exchanged at start-up through the process group), the step's file names and sizes, the files,
-and ``rank.json`` last; the receiver publishes the replica by renaming its staging directory,
-so a replica is whole or absent; the digests in ``rank.json`` are checked when it is loaded.
+TCP, one connection per step and peer, on which both sides first prove that they hold the
+job's key (``ckpt/_memory/replica_wire.py``); the receiver (``ckpt/_memory/replica_receiver.py``)
+listens on the address the job advertises and gives nothing to a connection before that. A dead
+or slow peer costs a timeout on the sender thread and a counted failure, never a training
+step, and leaves no collective half done. The job's own gloo group would need no server, but
+a background gloo recv cannot be cancelled, a failed one can poison the group the restore
+needs, and sends from a thread would race the training's collectives for the group's order
+(docs/elastic.md, "What crosses the network"). The newest step supersedes one still waiting to
+be sent. The receiver publishes a replica by renaming its staging directory, so a replica is
+whole or absent; the digests in ``rank.json`` are checked when it is loaded.
 """
 
 from __future__ import annotations
 
-import hmac
+import hashlib
 import json
 import logging
 import os
 import secrets
-import shutil
 import socket
-import struct
 import threading
-from typing import Any, Callable
+import time
+from typing import Callable
 
-from ckpt._format.names import step_dir
-from ckpt._memory.tier import (RANK_DOC, STAGING, commit_dir, own_segment, plain_name,
-                          rank_steps, replica_name, retire_rank_steps, tree_bytes)
+from ckpt._memory import replica_wire as wire
+from ckpt._memory.replica_receiver import ReplicaReceiver
+from ckpt._memory.tier import RANK_DOC
 
 log = logging.getLogger("ckpt")
-
-_HEADER_MAX = 64 << 20
-_BLOCK = 1 << 20
 
 
 def new_secret() -> str:
@@ -78,45 +77,45 @@ def ring_targets(me: int, nodes: list[str], local_ranks: list[int], replicas: in
 
 
 class Replicator:
-    """This rank's replication: a sender thread for its own steps, a TCP server for peers'.
+    """This rank's replication: a sender thread for its own steps, a receiver for peers'.
 
     Args:
         shm_dir, job, node: where replica segments go and how they are named.
         keep: replica generations kept per origin rank.
-        budget: the most bytes one replica segment may hold (None: what fits in ``shm_dir``).
-        timeout: seconds any one connect/send/receive may take.
+        budget: the most bytes one origin's replica segment may hold (None: what fits in
+            ``shm_dir``).
+        timeout: seconds a connect, the header, or each block of a step may take.
         count: called with "replicated", "failed" or "superseded" (metrics).
+        host: the address to listen on and advertise (default :func:`advertised_host`).
+        auth_timeout, connections: see :class:`ReplicaReceiver`.
     """
 
     def __init__(self, *, shm_dir: str, job: str, node: str, keep: int,
                  budget: int | None = None, timeout: float = 60.0,
-                 count: Callable[[str], None] | None = None) -> None:
-        self.shm_dir, self.job, self.node, self.keep = shm_dir, job, node, keep
-        self.budget = budget
-        self.timeout = timeout
+                 count: Callable[[str], None] | None = None, host: str | None = None,
+                 auth_timeout: float = 10.0, connections: int = 8) -> None:
+        self.job, self.timeout = job, timeout
         self._count = count or (lambda what: None)
-        self.secret = ""
+        self._key = b""
         self.targets: list[tuple[str, int]] = []
-        self._server = socket.create_server(("", 0))
-        self.address = (advertised_host(), self._server.getsockname()[1])
-        # A test seam: clear() holds received replicas before they are stored.
-        self.hold = threading.Event()
-        self.hold.set()
-        self._owners: dict[int, Any] = {}
+        self.receiver = ReplicaReceiver(
+            host=host or advertised_host(), shm_dir=shm_dir, job=job, node=node, keep=keep,
+            budget=budget, timeout=timeout, auth_timeout=auth_timeout,
+            connections=connections, count=self._count)
+        self.address = self.receiver.address
+        self.hold = self.receiver.hold  # a test seam: clear() holds received replicas
         self._lock = threading.Condition()
         self._pending: tuple[int, str, int] | None = None  # (step, step dir, origin)
         self._busy = False
         self._closed = False
-        self._threads = [threading.Thread(target=self._accept, name="ckpt-replica-recv",
-                                          daemon=True),
-                         threading.Thread(target=self._send_loop, name="ckpt-replica-send",
-                                          daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._thread = threading.Thread(target=self._send_loop, name="ckpt-replica-send",
+                                        daemon=True)
+        self._thread.start()
 
     def connect(self, targets: list[tuple[str, int]], secret: str) -> None:
-        """Where this rank's steps go, and the job's shared secret."""
-        self.targets, self.secret = targets, secret
+        """Where this rank's steps go, and the job's key (hex) that both sides prove."""
+        self.targets, self._key = targets, wire.key_of(secret)
+        self.receiver.key = self._key
 
     # -- sending --------------------------------------------------------------------------
     def submit(self, step: int, step_path: str, origin: int) -> None:
@@ -162,83 +161,21 @@ class Replicator:
         files = [(n, os.path.getsize(os.path.join(path, n))) for n in names]
         with open(os.path.join(path, RANK_DOC), "rb") as f:
             doc = f.read()
-        header = json.dumps({"secret": self.secret, "job": self.job, "origin": origin,
-                             "step": step, "files": files, "doc": len(doc)}).encode()
+        header = json.dumps({"origin": origin, "step": step, "files": files, "doc": len(doc),
+                             "doc_sha256": hashlib.sha256(doc).hexdigest()}).encode()
         with socket.create_connection(target, timeout=self.timeout) as sock:
-            sock.sendall(struct.pack("!Q", len(header)) + header)
+            nonces = wire.sender_handshake(sock, self._key, self.job,
+                                           time.monotonic() + self.timeout)
+            sock.settimeout(self.timeout)
+            sock.sendall(wire.header_frame(self._key, nonces, header))
             for name, size in files:
                 with open(os.path.join(path, name), "rb") as f:
                     if sock.sendfile(f, 0, size) != size:
                         raise OSError(f"{name} changed while it was sent")
             sock.sendall(doc)
-            reply = _recv_exact(sock, 2)
+            reply = wire.recv_exact(sock, 2, time.monotonic() + self.timeout)
         if reply != b"OK":
             raise OSError(f"the peer refused step {step}")
-
-    # -- receiving --------------------------------------------------------------------------
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._receive, args=(conn,), name="ckpt-replica-store",
-                             daemon=True).start()
-
-    def _receive(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(self.timeout)
-            try:
-                (n,) = struct.unpack("!Q", _recv_exact(conn, 8))
-                if n > _HEADER_MAX:
-                    raise ValueError(f"a {n}-byte header")
-                head = json.loads(_recv_exact(conn, n))
-                if not (self.secret and hmac.compare_digest(str(head.get("secret")),
-                                                            self.secret)):
-                    raise PermissionError("a connection without the job's secret")
-                origin, step = _int(head["origin"]), _int(head["step"])
-                files = [(_plain(name), _int(size)) for name, size in head["files"]]
-                self.hold.wait()
-                self._store(conn, origin, step, files, _int(head["doc"]))
-                conn.sendall(b"OK")
-            except Exception as e:
-                self._count("failed")
-                log.warning("ckpt._memory.replication receiving failed: %s", e)
-
-    def _store(self, conn: socket.socket, origin: int, step: int,
-               files: list[tuple[str, int]], doc_size: int) -> None:
-        segment = os.path.join(self.shm_dir, replica_name(self.job, self.node, origin))
-        with self._lock:
-            if self._closed:
-                raise OSError("closed")
-            if origin not in self._owners:
-                self._owners[origin] = own_segment(segment)
-        need = sum(size for _, size in files) + doc_size
-        if self.budget is not None and tree_bytes(segment) + need > self.budget:
-            raise OSError(f"{segment} would exceed the memory budget ({self.budget}) with step "
-                          f"{step} ({need} bytes)")
-        st = os.statvfs(self.shm_dir)
-        if need > st.f_bavail * st.f_frsize:
-            raise OSError(f"{self.shm_dir} has no room for step {step} of rank {origin} "
-                          f"({need} bytes)")
-        staging = os.path.join(segment, f"{STAGING}{step_dir(step)}-{secrets.token_hex(6)}")
-        os.mkdir(staging)
-        try:
-            for name, size in files:
-                with open(os.path.join(staging, name), "wb") as f:
-                    _copy(conn, f, size)
-            doc = _recv_exact(conn, doc_size)
-            parsed = json.loads(doc)
-            if parsed.get("step") != step or parsed.get("rank") != origin:
-                raise ValueError("rank.json names another step or rank")
-            with open(os.path.join(staging, RANK_DOC), "wb") as f:
-                f.write(doc)
-            commit_dir(staging, os.path.join(segment, step_dir(step)))
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        retire_rank_steps(segment, self.keep)
-        log.info("ckpt._memory.replication stored step=%d of rank=%d in %s", step, origin, segment)
 
     # -- lifetime -----------------------------------------------------------------------------
     def close(self, drain: float = 0.0, remove_upto: int | None = None) -> None:
@@ -250,52 +187,4 @@ class Replicator:
             self._closed = True
             self._pending = None
             self._lock.notify_all()
-        try:
-            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone may not)
-        except OSError:
-            pass
-        self._server.close()
-        self.hold.set()
-        with self._lock:
-            owners, self._owners = self._owners, {}
-        for origin, owner in owners.items():
-            segment = os.path.dirname(owner.name)
-            steps = rank_steps(segment)
-            if remove_upto is not None and (not steps or steps[-1] <= remove_upto):
-                shutil.rmtree(segment, ignore_errors=True)
-            owner.close()
-
-
-def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{value!r} is not a non-negative integer")
-    return value
-
-
-def _plain(name: Any) -> str:
-    """A data file name of a step: plain (see ``plain_name``) and not the rank document."""
-    if plain_name(name) == RANK_DOC:
-        raise ValueError(f"{name!r} is not a plain data file name")
-    return name
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if not k:
-            raise ConnectionError(f"the peer closed the connection after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
-
-
-def _copy(sock: socket.socket, f: Any, size: int) -> None:
-    buf = bytearray(min(size, _BLOCK) or 1)
-    view, left = memoryview(buf), size
-    while left:
-        k = sock.recv_into(view[:min(left, len(buf))])
-        if not k:
-            raise ConnectionError(f"the peer closed the connection {left} bytes early")
-        f.write(view[:k])
-        left -= k
+        self.receiver.close(remove_upto)

@@ -4,8 +4,6 @@ stores (only what a peer of this job may send, its newest steps only)."""
 from __future__ import annotations
 
 import json
-import socket
-import struct
 import time
 
 import pytest
@@ -13,38 +11,23 @@ import pytest
 from ckpt._memory.replication import Replicator, ring_targets
 from ckpt._memory.tier import replica_name
 
+from tests.support.replica_peer import send_replica
 
-def _send(address: tuple, header: dict, payload: bytes, *, close_early: bool = False) -> bytes:
-    """Speak the replication protocol to a receiver at ``address``; its reply (b"OK", or
-    b"" when it refused and hung up)."""
-    head = json.dumps(header).encode()
-    with socket.create_connection(("127.0.0.1", address[1]), timeout=30) as sock:
-        try:
-            sock.sendall(struct.pack("!Q", len(head)) + head + payload)
-            if close_early:
-                return b""
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:  # it hung up before reading everything: a refusal
-            pass
-        reply = b""
-        try:
-            while chunk := sock.recv(16):
-                reply += chunk
-        except OSError:
-            pass
-        return reply
+
+def _send(address: tuple, header: dict, payload: bytes, *, key: str = "s3cret",
+          close_early: bool = False) -> bytes:
+    return send_replica(address, key, "j", header, payload, close_early=close_early)
 
 
 DOC = json.dumps({"step": 3, "rank": 1}).encode()
 
 
-GOOD = {"secret": "s3cret", "job": "j", "origin": 1, "step": 3, "files": [["data-0", 4]],
-        "doc": len(DOC)}
+GOOD = {"origin": 1, "step": 3, "files": [["data-0", 4]], "doc": len(DOC)}
 
 
 HOSTILE = {
-    "wrong secret": ({**GOOD, "secret": "guess"}, b"abcd" + DOC),
-    "no secret yet": ({**GOOD, "secret": ""}, b"abcd" + DOC),  # before connect()
+    "wrong key": (GOOD, b"abcd" + DOC),
+    "no key yet": (GOOD, b"abcd" + DOC),  # before connect()
     "path in a name": ({**GOOD, "files": [["../../evil", 4]]}, b"abcd" + DOC),
     "another step": ({**GOOD}, b"abcd" + json.dumps({"step": 4, "rank": 1}).encode()),
     "negative rank": ({**GOOD, "origin": -1, "doc": len(DOC) + 1},
@@ -56,29 +39,32 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", HOSTILE)
 def test_a_replica_receiver_stores_nothing_a_peer_may_not_send(tmp_path, case):
-    """A replica receiver stores nothing a peer may not send, counts the attempt as failed and hangs
-    up: a wrong secret, or any before the job's secret is set; a file name with a path in it; a rank
-    document of another step; a negative origin rank; a step over its budget; and a transfer dropped
-    part-way leaves no staging directory behind."""
+    """A replica receiver stores nothing a peer may not send and hangs up: a peer without the
+    job's key, or any before the key is set (refused at the handshake, not counted: anyone who
+    can connect could inflate the count); and, counted as failed, from a peer with the key: a
+    file name with a path in it, a rank document of another step, a negative origin rank, a
+    step over its budget, and a transfer dropped part-way (no staging directory left behind)."""
     counted: list[str] = []
     shm = tmp_path / "shm"
     shm.mkdir()
     rep = Replicator(shm_dir=str(shm), job="j", node="n", keep=2, timeout=10,
                      budget=32 if case == "over budget" else None, count=counted.append)
+    unauthenticated = case in ("wrong key", "no key yet")
     try:
-        if case != "no secret yet":
+        if case != "no key yet":
             rep.connect([], "s3cret")
             assert _send(rep.address, GOOD, b"abcd" + DOC) == b"OK"  # the control
             assert counted == []
         header, payload = HOSTILE[case]
-        reply = _send(rep.address, header, payload, close_early=case == "dropped")
+        reply = _send(rep.address, header, payload, close_early=case == "dropped",
+                      key="guess" if case == "wrong key" else "s3cret")
         deadline = time.monotonic() + 30
-        while "failed" not in counted and time.monotonic() < deadline:
+        while not unauthenticated and "failed" not in counted and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert reply == b"" and counted == ["failed"]
+        assert reply == b"" and counted == ([] if unauthenticated else ["failed"])
         stored = sorted(str(p.relative_to(shm)) for p in shm.rglob("*")
                         if p.is_file() and p.name != "owner" and "owner" not in p.name)
-        assert stored == ([] if case == "no secret yet" else
+        assert stored == ([] if case == "no key yet" else
                           [f"{replica_name('j', 'n', 1)}/step-00000003/data-0",
                            f"{replica_name('j', 'n', 1)}/step-00000003/rank.json"])
         assert not list(shm.rglob(".tmp-*")) and not (shm / "evil").exists()

@@ -1,0 +1,237 @@
+"""The replica receiver: stores the steps that peers of this job send to this rank (the wire is
+``ckpt/_memory/replica_wire.py``), and gives nothing to a connection before it authenticates.
+
+What a connection costs before it proves it holds the job's key: a handler thread out of
+``connections`` (an excess connection is closed at once, so a flood never makes threads), 40
+bytes sent, 64 bytes read, within ``auth_timeout`` seconds of its accept in all (a peer that
+trickles is dropped at that deadline). Nothing is allocated for what it announces and nothing
+is parsed: the header's length, the header (at most ``HEADER_MAX``) and its JSON come only
+after the handshake, and no directory exists for a peer before then.
+
+An authenticated peer is one of the job's ranks; still, what it sends is bounded: one
+transfer at a time per origin rank, each checked before a byte is stored against the origin's
+budget (its replica segment's bytes plus the step's announced size, at most ``budget``) and
+against the free space of ``shm_dir`` less what the transfers in flight have reserved; each
+1 MiB block must arrive within ``timeout`` seconds; a replica is published by renaming its
+staging directory (whole or absent); only the newest ``keep`` generations per origin are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+from ckpt._format.names import step_dir
+from ckpt._memory import replica_wire as wire
+from ckpt._memory.tier import (RANK_DOC, STAGING, commit_dir, own_segment, plain_name,
+                               rank_steps, replica_name, retire_rank_steps, tree_bytes)
+
+log = logging.getLogger("ckpt")
+
+_BLOCK = 1 << 20
+
+
+class ReplicaReceiver:
+    """A TCP server for peers' replicas, bound to ``host`` (the address the job advertises).
+
+    Args:
+        host: the address to listen on (and that peers are given).
+        shm_dir, job, node: where replica segments go and how they are named.
+        keep: replica generations kept per origin rank.
+        budget: the most bytes one origin's replica segment may hold (None: what fits).
+        timeout: seconds a header, and each block of data, may take to arrive.
+        auth_timeout: seconds from accept within which a connection must authenticate.
+        connections: connections handled at once; more are closed on arrival.
+        count: called with "failed" when a connection does not deliver a replica.
+    """
+
+    def __init__(self, *, host: str, shm_dir: str, job: str, node: str, keep: int,
+                 budget: int | None, timeout: float, auth_timeout: float = 10.0,
+                 connections: int = 8, count: Callable[[str], None] | None = None) -> None:
+        self.shm_dir, self.job, self.node, self.keep = shm_dir, job, node, keep
+        self.budget, self.timeout, self.auth_timeout = budget, timeout, auth_timeout
+        self.key = b""  # set by the replicator's connect(); none: every peer is refused
+        self._count = count or (lambda what: None)
+        self._server = socket.create_server((host, 0), backlog=connections)
+        self.address = (host, self._server.getsockname()[1])
+        # A test seam: clear() holds authenticated replicas before they are stored.
+        self.hold = threading.Event()
+        self.hold.set()
+        self._slots = threading.BoundedSemaphore(connections)
+        self._lock = threading.Lock()
+        self._owners: dict[int, Any] = {}
+        self._reserved: dict[int, int] = {}  # origin -> bytes of its transfer in flight
+        self._closed = False
+        self._refused = 0  # connections refused before they authenticated
+        self._thread = threading.Thread(target=self._accept, name="ckpt-replica-recv",
+                                        daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self._server.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # over the limit: costs the peer a connect, us no thread
+                self._refuse(peer, "over the limit of connections handled at once")
+                continue
+            try:
+                threading.Thread(target=self._receive, args=(conn, peer),
+                                 name="ckpt-replica-store", daemon=True).start()
+            except BaseException:
+                self._slots.release()
+                conn.close()
+                raise
+
+    def _receive(self, conn: socket.socket, peer: Any) -> None:
+        try:
+            with conn:
+                deadline = time.monotonic() + self.auth_timeout
+                try:
+                    nonces = wire.receiver_handshake(conn, self.key, self.job, deadline)
+                except (OSError, PermissionError) as e:
+                    self._refuse(peer, str(e))
+                    return
+                try:
+                    self._authenticated(conn, nonces)
+                    conn.sendall(b"OK")
+                except Exception as e:
+                    self._count("failed")
+                    log.warning("ckpt._memory.replication receiving from %s failed: %s",
+                                peer[0], e)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, peer: Any, why: str) -> None:
+        """Log a connection refused before it authenticated: not counted as a failed replica
+        (anyone who can connect could inflate the count), and logged sparingly (nor flood
+        the log): the first ten, then every thousandth."""
+        with self._lock:
+            self._refused += 1
+            n = self._refused
+        if n <= 10 or n % 1000 == 0:
+            log.warning("ckpt._memory.replication refused a connection from %s (%d so far): "
+                        "%s", peer[0], n, why)
+
+    def _authenticated(self, conn: socket.socket, nonces: bytes) -> None:
+        """Steps 4 and 5 of the wire, from a peer that holds the job's key."""
+        header = wire.recv_header(conn, self.key, nonces, time.monotonic() + self.timeout)
+        head = json.loads(header)
+        origin, step = _int(head["origin"]), _int(head["step"])
+        files = [(_plain(name), _int(size)) for name, size in head["files"]]
+        doc_size, doc_sha = _int(head["doc"]), head["doc_sha256"]
+        need = sum(size for _, size in files) + doc_size
+        segment = os.path.join(self.shm_dir, replica_name(self.job, self.node, origin))
+        self._reserve(segment, origin, step, need)
+        try:
+            self.hold.wait()
+            self._store(conn, segment, origin, step, files, doc_size, doc_sha)
+        finally:
+            with self._lock:
+                self._reserved.pop(origin, None)
+
+    def _reserve(self, segment: str, origin: int, step: int, need: int) -> None:
+        """Book ``need`` bytes for ``origin``'s step, or raise (OSError) when one of its steps
+        is arriving already, or it would pass its budget or the room left in ``shm_dir``."""
+        with self._lock:
+            if self._closed:
+                raise OSError("closed")
+            if origin in self._reserved:
+                raise OSError(f"a step of rank {origin} is arriving already")
+            if self.budget is not None:
+                held = tree_bytes(segment)
+                if held + need > self.budget:
+                    raise OSError(f"{segment} would exceed the memory budget ({self.budget}) "
+                                  f"with step {step} ({need} bytes; it holds {held})")
+            st = os.statvfs(self.shm_dir)
+            free = st.f_bavail * st.f_frsize - sum(self._reserved.values())
+            if need > free:
+                raise OSError(f"{self.shm_dir} has no room for step {step} of rank {origin} "
+                              f"({need} bytes, {max(0, free)} free)")
+            if origin not in self._owners:
+                self._owners[origin] = own_segment(segment)
+            self._reserved[origin] = need
+
+    def _store(self, conn: socket.socket, segment: str, origin: int, step: int,
+               files: list[tuple[str, int]], doc_size: int, doc_sha: Any) -> None:
+        staging = os.path.join(segment, f"{STAGING}{step_dir(step)}-{secrets.token_hex(6)}")
+        os.mkdir(staging)
+        try:
+            for name, size in files:
+                with open(os.path.join(staging, name), "xb") as f:
+                    _copy(conn, f, size, self.timeout)
+            doc = wire.recv_exact(conn, doc_size, time.monotonic() + self.timeout)
+            if hashlib.sha256(doc).hexdigest() != doc_sha:
+                raise ValueError("rank.json is not the one the header names")
+            parsed = json.loads(doc)
+            if parsed.get("step") != step or parsed.get("rank") != origin:
+                raise ValueError("rank.json names another step or rank")
+            with open(os.path.join(staging, RANK_DOC), "xb") as f:
+                f.write(doc)
+            commit_dir(staging, os.path.join(segment, step_dir(step)))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        retire_rank_steps(segment, self.keep)
+        log.info("ckpt._memory.replication stored step=%d of rank=%d in %s", step, origin, segment)
+
+    def close(self, remove_upto: int | None = None) -> None:
+        """Stop listening; release the replica segments, removing those whose newest step is
+        <= ``remove_upto`` (persisted)."""
+        with self._lock:
+            self._closed = True
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone may not)
+        except OSError:
+            pass
+        self._server.close()
+        self.hold.set()
+        with self._lock:
+            owners, self._owners = self._owners, {}
+        for owner in owners.values():
+            segment = os.path.dirname(owner.name)
+            steps = rank_steps(segment)
+            if remove_upto is not None and (not steps or steps[-1] <= remove_upto):
+                shutil.rmtree(segment, ignore_errors=True)
+            owner.close()
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _plain(name: Any) -> str:
+    """A data file name of a step: plain (see ``plain_name``) and not the rank document."""
+    if plain_name(name) == RANK_DOC:
+        raise ValueError(f"{name!r} is not a plain data file name")
+    return name
+
+
+def _copy(sock: socket.socket, f: Any, size: int, timeout: float) -> None:
+    """``size`` bytes from ``sock`` into ``f``, each block within ``timeout`` seconds."""
+    buf = bytearray(min(size, _BLOCK) or 1)
+    view, left = memoryview(buf), size
+    while left:
+        want = min(left, len(buf))
+        deadline, got = time.monotonic() + timeout, 0
+        while got < want:
+            wire.arm(sock, deadline)
+            k = sock.recv_into(view[got:want])
+            if not k:
+                raise ConnectionError(f"the peer closed the connection {left - got} bytes "
+                                      "early")
+            got += k
+        f.write(view[:want])
+        left -= want

@@ -1,0 +1,220 @@
+"""The replica receiver gives nothing to a connection before it proves it holds the job's key:
+what a hostile connection costs the receiving process (memory, threads, time), that a peer
+without the key stores nothing and is sent nothing, and that an authenticated peer's steps
+are bounded per origin. The receiver runs in a process of its own
+(tests/support/replica_receiver_proc.py) so that its memory and threads can be read."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ckpt._memory.replication import Replicator
+from ckpt._memory.tier import replica_name
+
+from tests.support.replica_peer import send_replica
+
+ROOT = str(Path(__file__).resolve().parents[2])
+AUTH_S = 2.0  # the receiver's deadline for a connection to authenticate
+#: What eight unauthenticated connections at once, each announcing a 64 MiB header (one
+#: also sending a 16 MiB one), may add to the receiving process's peak resident memory.
+BOUND = 4 << 20
+
+
+def _status(pid: int) -> dict[str, int]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "Threads"):
+            out[key] = int(value.split()[0]) * (1024 if key.startswith("Vm") else 1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def receiver(tmp_path_factory):
+    """A receiver process (key "s3cret", AUTH_S to authenticate): (pid, address, shm dir)."""
+    shm = tmp_path_factory.mktemp("shm")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.replica_receiver_proc",
+                             str(shm), "s3cret", str(AUTH_S)], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        yield proc.pid, ("127.0.0.1", port), shm
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _closed_by_peer(sock: socket.socket, within: float) -> bool:
+    """Whether the receiver closes ``sock`` (EOF or reset) within ``within`` seconds; the
+    greeting it sends first is read and dropped."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_an_unauthenticated_connection_costs_the_receiver_under_a_fixed_bound(receiver):
+    """Eight connections at once that announce a 64 MiB header, one of them sending 16 MiB of
+    it, add less than BOUND (4 MiB) to the receiver's peak resident memory: it reads 64 bytes
+    of proof before any length, and nothing the connection announces is allocated."""
+    pid, address, _ = receiver
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # restart the peak (VmHWM) from now
+    before = _status(pid)["VmHWM"]
+    conns = [socket.create_connection(address, timeout=30) for _ in range(8)]
+    try:
+        for c in conns:
+            c.sendall(struct.pack("!Q", 64 << 20))
+        try:
+            conns[0].sendall(b"{" + b" " * (16 << 20))
+        except OSError:  # the receiver hung up part-way: it read what it needed
+            pass
+        time.sleep(1.0)
+        during = _status(pid)["VmHWM"]
+        assert all(_closed_by_peer(c, within=30) for c in conns)
+    finally:
+        for c in conns:
+            c.close()
+    grown = _status(pid)["VmHWM"] - before
+    print(f"peak resident memory: {before >> 10} KiB before, +{(during - before) >> 10} KiB "
+          f"with 8 hostile connections open, +{grown >> 10} KiB in all")
+    assert grown < BOUND
+
+
+def test_a_trickling_connection_is_dropped_at_its_deadline(receiver):
+    """A connection that announces a 1 MiB header, then sends a byte of it every half second,
+    so that no single read ever times out, is closed once its deadline to authenticate
+    (AUTH_S) has passed."""
+    _, address, _ = receiver
+    with socket.create_connection(address, timeout=30) as sock:
+        sock.sendall(struct.pack("!Q", 1 << 20))
+        stop = threading.Event()
+
+        def trickle():
+            while not stop.wait(0.5):
+                try:
+                    sock.send(b" ")
+                except OSError:
+                    return
+
+        t = threading.Thread(target=trickle, daemon=True)
+        t.start()
+        try:
+            assert _closed_by_peer(sock, within=AUTH_S + 30)
+        finally:
+            stop.set()
+            t.join()
+
+
+def test_sixty_idle_connections_do_not_make_sixty_threads(receiver):
+    """Sixty idle connections at once get at most the receiver's eight handler threads (the
+    others are closed on arrival), and every one of them is closed by its deadline."""
+    pid, address, _ = receiver
+    base = _status(pid)["Threads"]
+    conns = [socket.create_connection(address, timeout=30) for _ in range(60)]
+    try:
+        time.sleep(0.5)
+        threads = _status(pid)["Threads"]
+        print(f"receiver threads: {base} before, {threads} with 60 idle connections")
+        assert threads <= base + 8
+        assert all(_closed_by_peer(c, within=AUTH_S + 30) for c in conns)
+    finally:
+        for c in conns:
+            c.close()
+
+
+def test_a_peer_without_the_key_stores_nothing_and_is_sent_nothing(receiver, tmp_path):
+    """A sender with another key stores nothing on the receiver (no segment, no staging
+    directory) and counts a failure; and a sender facing an impostor that greets it but cannot
+    prove the key sends it nothing of the step: only its own proof (64 bytes), never the key,
+    the header or the data."""
+    pid, address, shm = receiver
+    step = tmp_path / "step-00000003"
+    step.mkdir()
+    (step / "data-0").write_bytes(b"WEIGHTS!" * 512)
+    (step / "rank.json").write_bytes(json.dumps({"step": 3, "rank": 1}).encode())
+    counted: list[str] = []
+    sender = Replicator(shm_dir=str(tmp_path), job="j", node="m", keep=2, timeout=10,
+                        host="127.0.0.1", count=counted.append)
+    impostor = socket.create_server(("127.0.0.1", 0))
+    got = bytearray()
+
+    def pretend():
+        conn, _ = impostor.accept()
+        with conn:
+            conn.sendall(b"ckptrep2" + os.urandom(32))
+            conn.settimeout(5)
+            try:
+                while len(got) < 64:
+                    got.extend(conn.recv(4096) or b"")
+                conn.sendall(os.urandom(32))  # a proof it cannot make
+                while chunk := conn.recv(4096):
+                    got.extend(chunk)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=pretend, daemon=True)
+    t.start()
+    try:
+        sender.connect([address, impostor.getsockname()], "0123abcd")  # not "s3cret"
+        sender.submit(3, str(step), 1)
+        assert sender.drain(60)
+        t.join(30)
+    finally:
+        sender.close()
+        impostor.close()
+    assert counted == ["failed", "failed"]
+    assert list(shm.iterdir()) == []
+    assert len(got) == 64 and b"WEIGHTS!" not in got and b"0123abcd" not in got
+    assert b"step" not in got
+
+
+def test_one_step_of_an_origin_arrives_at_a_time(tmp_path):
+    """An origin rank's second step, sent while its first is arriving, is refused before a
+    byte of it is stored (its budget is booked per origin, not per step); the first one
+    arrives whole."""
+    counted: list[str] = []
+    rep = Replicator(shm_dir=str(tmp_path), job="j", node="n", keep=2, timeout=10,
+                     host="127.0.0.1", count=counted.append)
+    rep.connect([], "s3cret")
+    rep.hold.clear()  # authenticated steps wait before they are stored
+    doc = json.dumps({"step": 3, "rank": 1}).encode()
+    header = {"origin": 1, "step": 3, "files": [["data-0", 4]], "doc": len(doc)}
+    first: list[bytes] = []
+    t = threading.Thread(target=lambda: first.append(
+        send_replica(rep.address, "s3cret", "j", header, b"abcd" + doc)), daemon=True)
+    try:
+        t.start()
+        deadline = time.monotonic() + 30
+        while not rep.receiver._reserved and time.monotonic() < deadline:
+            time.sleep(0.02)
+        doc4 = json.dumps({"step": 4, "rank": 1}).encode()
+        second = send_replica(rep.address, "s3cret", "j",
+                              {**header, "step": 4, "doc": len(doc4)}, b"abcd" + doc4)
+        assert second == b"" and counted == ["failed"]
+        rep.hold.set()
+        t.join(30)
+        assert first == [b"OK"]
+        segment = tmp_path / replica_name("j", "n", 1)
+        assert sorted(p.name for p in segment.glob("step-*")) == ["step-00000003"]
+    finally:
+        rep.hold.set()
+        rep.close()

@@ -59,6 +59,10 @@ def fsync_dir(path: str) -> None:
 class PosixStorage(Storage):
     """A checkpoint root on a POSIX (or Lustre) file system."""
 
+    # Modes of the files and staging directories a save creates (before the umask); a
+    # private root (the memory tier's segments) narrows them.
+    file_mode, dir_mode = 0o644, 0o777
+
     def __init__(self, root: str, *, create: bool = True) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
         self.url = self.root
@@ -117,7 +121,7 @@ class PosixStorage(Storage):
 
     def write(self, path: str, buffers: Sequence[Buffer]) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(self.local_path(path), flags, 0o644)
+        fd = os.open(self.local_path(path), flags, self.file_mode)
         total = 0
         try:
             for buf in buffers:
@@ -196,7 +200,7 @@ class PosixStorage(Storage):
     def begin(self, name: str, token: str) -> str:
         staging = f"{STAGING_PREFIX}{name}-{token}"
         try:
-            os.mkdir(self.local_path(staging))
+            os.mkdir(self.local_path(staging), self.dir_mode)
         except FileExistsError:  # another rank of this save made it
             if not stat.S_ISDIR(_lmode(self.local_path(staging))):
                 raise

@@ -98,17 +98,28 @@ class CheckpointManager:
         memory = settings.memory
         self._schedule = SaveSchedule(settings.schedule, self._group,
                                       memory.persist_every if memory else 1)
-        if not read_only:
-            if memory is not None:
-                self._publisher = MemoryPublisher(self.root, self._group, memory, self._metrics)
-            self._saver = Saver(self.storage, self._group, self.steps, options=self._options,
-                                retention=self._retention, memory=self._publisher,
-                                metrics=self._metrics, copy=async_save)
-            if settings.schedule.handle_sigterm:
-                self._schedule.install_sigterm(self._close_at_sigterm)
-        self._restorer = Restorer(
-            self.storage, self._group, self.steps, memory=self._publisher, metrics=self._metrics,
-            allow_pickle=self._options.allow_pickle, threads=self._options.write_threads)
+        try:
+            if not read_only:
+                if memory is not None:  # None when the tier is off here (it warned why)
+                    publisher = MemoryPublisher(self.storage, self._group, memory,
+                                                self._metrics)
+                    self._publisher = publisher if publisher.enabled else None
+                self._saver = Saver(self.storage, self._group, self.steps,
+                                    options=self._options, retention=self._retention,
+                                    memory=self._publisher, metrics=self._metrics,
+                                    copy=async_save)
+                if settings.schedule.handle_sigterm:
+                    self._schedule.install_sigterm(self._close_at_sigterm)
+            self._restorer = Restorer(
+                self.storage, self._group, self.steps, memory=self._publisher,
+                metrics=self._metrics, allow_pickle=self._options.allow_pickle,
+                threads=self._options.write_threads)
+        except BaseException:  # a manager that failed to open holds no lock or segment
+            self._schedule.uninstall_sigterm()
+            if self._publisher is not None:
+                self._publisher.release()
+            self._root.release()
+            raise
 
     # -- what users read ----------------------------------------------------------------------
     root = property(lambda self: self._root.url, doc="The root's URL.")

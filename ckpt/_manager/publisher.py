@@ -1,5 +1,13 @@
 """The memory publisher: opens a manager's memory tier, publishes each save into it (and to
-the peer replicas), and closes it when the job is done with it."""
+the peer replicas), and closes it when the job is done with it.
+
+Opening it also settles the job's memory key (``ckpt/_memory/auth.py``): rank 0, which holds
+the root's writer lock, reads it from the root or creates it there, and sends it to the other
+ranks over the job's own process group; every rank signs what it publishes and checks what
+it restores with it, and the replicator authenticates its peers with it. When the tier cannot
+be used safely on some rank (this user's private directory under ``/dev/shm`` was made by
+someone else, the key file is not this user's alone), every rank turns it off with a warning
+that says why and what to do, and saves go on to the root only."""
 
 from __future__ import annotations
 
@@ -9,13 +17,17 @@ import socket
 import time
 from typing import Any
 
+from storage_backends import Storage
+
 from ckpt._manager.metrics import CheckpointMetrics
-from ckpt._memory.replication import Replicator, new_secret, ring_targets
-from ckpt._memory.tier import MemoryTier
+from ckpt._memory.auth import job_key
+from ckpt._memory.replication import Replicator, ring_targets
+from ckpt._memory.tier import MemoryTier, UnsafeSegmentError
 from ckpt._retention.collect import collect
 from ckpt._save.handle import SaveHandle, SaveResult
 from ckpt._save.writer import BackgroundWriter
 from ckpt._shared.distributed import Group
+from ckpt.errors import CheckpointError
 from ckpt.options import MemoryTierOptions, SaveOptions
 
 log = logging.getLogger("ckpt")
@@ -25,25 +37,37 @@ class MemoryPublisher:
     """This rank's memory tier and, under a process group, its replicator.
 
     Opening it under a process group is collective (every rank, in the same order): the ranks
-    create the gloo group they restore through (``pg``) and exchange their replicators'
-    addresses.
+    create the gloo group they restore through (``pg``), exchange their replicators'
+    addresses and receive rank 0's memory key; they agree on whether the tier is usable
+    (``enabled``: False when it is off for this manager, see the module docstring).
 
     Args:
-        root: the manager's root URL (it names the segment when no job is given).
+        storage: the manager's root (it holds the memory key, and names the segment when no
+            job is given); rank 0 holds its writer lock.
         group: the ranks that save together.
         options: the memory tier's options.
         metrics: counts the replicas sent, failed and superseded, or None.
+
+    Raises:
+        CheckpointError: (on every rank) some rank's segment is owned by another live process.
     """
 
-    def __init__(self, root: str, group: Group, options: MemoryTierOptions,
+    def __init__(self, storage: Storage, group: Group, options: MemoryTierOptions,
                  metrics: CheckpointMetrics | None) -> None:
         self.group, self.metrics = group, metrics
         self.replicator: Replicator | None = None
         self.pg: Any = None  # the gloo group of a multi-rank memory tier
+        self.tier: MemoryTier = None  # type: ignore[assignment]  # set below unless disabled
+        self.enabled = True
+        root = storage.url
         if not group.enabled:
-            self.tier = MemoryTier(root, group.rank, job=options.job, keep=options.keep,
-                                   budget=options.budget, shm_dir=options.shm_dir,
-                                   node=options.node)
+            try:
+                key = job_key(storage, create=True)
+                self.tier = MemoryTier(root, group.rank, job=options.job, keep=options.keep,
+                                       budget=options.budget, shm_dir=options.shm_dir,
+                                       node=options.node, key=key)
+            except (UnsafeSegmentError, OSError) as e:
+                self._disable(str(e))
             return
         import torch.distributed as dist
 
@@ -52,22 +76,59 @@ class MemoryPublisher:
         node = options.node
         if node is None and not os.environ.get("CKPT_NODE"):
             node = self._stable_node_name()
-        self.tier = MemoryTier(root, group.rank, job=options.job, keep=options.keep,
-                               budget=options.budget, shm_dir=options.shm_dir, node=node,
-                               ranked=True)
-        if options.replicas:
-            self.replicator = Replicator(shm_dir=self.tier.shm_dir, job=self.tier.job,
-                                         node=self.tier.node, keep=self.tier.keep,
-                                         budget=self.tier.budget, count=self._count)
-        me = (self.tier.node, int(os.environ.get("LOCAL_RANK", "0")),
-              self.replicator.address if self.replicator else None, new_secret())
+        key, unusable, failure = None, None, None
+        if group.is_coordinator:  # it holds the root's writer lock: it may create the key
+            try:
+                key = job_key(storage, create=True).hex()
+            except OSError as e:
+                unusable = f"the job's memory key cannot be used: {e}"
+        try:
+            self.tier = MemoryTier(root, group.rank, job=options.job, keep=options.keep,
+                                   budget=options.budget, shm_dir=options.shm_dir, node=node,
+                                   ranked=True)
+            if options.replicas:
+                self.replicator = Replicator(shm_dir=self.tier.shm_dir, job=self.tier.job,
+                                             node=self.tier.node, keep=self.tier.keep,
+                                             budget=self.tier.budget, count=self._count)
+        except (UnsafeSegmentError, OSError) as e:
+            unusable = unusable or str(e)
+        except CheckpointError as e:  # e.g. the segment is in use by another live process
+            failure = f"rank {group.rank}: {e}"
+        me = (self.tier.node if self.tier else None, int(os.environ.get("LOCAL_RANK", "0")),
+              self.replicator.address if self.replicator else None, key, unusable, failure)
         everyone: list[Any] = [None] * group.world_size
         dist.all_gather_object(everyone, me, group=self.pg)
+        failures = [e[5] for e in everyone if e[5]]
+        unusables = [f"rank {r}: {e[4]}" for r, e in enumerate(everyone) if e[4]]
+        if failures or unusables:
+            self.release()
+        if failures:
+            raise CheckpointError(f"the memory tier cannot be opened: {failures[0]}")
+        if unusables:
+            self._disable(unusables[0])
+            return
+        key = everyone[0][3]  # rank 0's (the group's coordinator)
+        self.tier.set_key(bytes.fromhex(key))
         if self.replicator is not None:
             targets = ring_targets(group.rank, [e[0] for e in everyone],
                                    [e[1] for e in everyone], options.replicas)
-            self.replicator.connect([everyone[t][2] for t in targets], everyone[0][3])
+            # The job's key authenticates the peers (replication.py).
+            self.replicator.connect([everyone[t][2] for t in targets], key)
             log.info("ckpt._memory.tier node=%s replicas to ranks %s", self.tier.node, targets)
+
+    def _disable(self, why: str) -> None:
+        self.enabled = False
+        log.warning("ckpt._memory.tier is off for this manager: %s. Saves go to the root "
+                    "only.", why)
+
+    def release(self) -> None:
+        """Let go of the segment and the replicator without waiting or removing anything (a
+        manager that failed to open, or a tier turned off)."""
+        if self.replicator is not None:
+            self.replicator.close()
+            self.replicator = None
+        if self.tier is not None:
+            self.tier.close()
 
     def _stable_node_name(self) -> str | None:
         """The hostname alone when every node has its own host: torchrun may renumber nodes
@@ -104,10 +165,14 @@ class MemoryPublisher:
                 payload.step, blocking, lambda pool: self._publish_rank(payload, options, pool))
         else:
             handle = writer.submit(  # then retire the generations beyond the tier's keep
-                self.tier.storage, payload, blocking,
-                lambda manifest: collect(self.tier.storage, self.tier.kept_steps()))
+                self.tier.storage, payload, blocking, lambda manifest: self._retire())
         handle.add_done_callback(_log_failure)
         return handle
+
+    def _retire(self) -> None:
+        """After a single process's publish: the generations beyond the tier's keep go."""
+        collect(self.tier.storage, self.tier.kept_steps())
+        self.tier.prune_tags()
 
     def _publish_rank(self, payload: Any, options: SaveOptions, pool: Any) -> SaveResult:
         """On the writer thread: this rank's share into its segment, then to its peers."""

@@ -70,7 +70,7 @@ class NodeMemoryTier:
 
         mem = self.memory.tier
         if not mem.ranked:
-            return ShmReader.of_root(mem.path)
+            return ShmReader.of_root(mem.path, mem.key)
         plan = dataclasses.replace(self.plans[step], second=self.second)
         return open_candidate(plan, state, shm_dir=mem.shm_dir, job=mem.job, node=mem.node,
                               rank=self.group.rank, pg=self.memory.pg)
@@ -97,7 +97,7 @@ def restore_order(root: Storage, memory: MemoryPublisher | None, group: Group,
 
         mem = memory.tier
         docs: dict = {}  # the rank documents read while listing, not read again
-        mine = local_holdings(mem.shm_dir, mem.job, mem.node, docs)
+        mine = local_holdings(mem.shm_dir, mem.job, mem.node, docs, key=mem.key)
         plans = {c.step: c for c in in_memory(mine, memory.pg, docs) if step in (None, c.step)}
         own, replicas = NodeMemoryTier(memory, group, plans), PeerReplicaTier(memory, group,
                                                                                plans)

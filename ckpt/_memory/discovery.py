@@ -1,5 +1,10 @@
 """What the memory tier holds: the rank steps in this node's segments (own and peer
-replicas), and the saves that the live ranks' nodes hold completely, agreed over the group."""
+replicas), and the saves that the live ranks' nodes hold completely, agreed over the group.
+
+Only this user's private directory is listed, only the exact names of this job's and node's
+segments, only segments that pass the ownership checks (``ckpt/_memory/private.py``), and
+only rank steps whose ``rank.json`` is signed with the job's memory key
+(``ckpt/_memory/auth.py``); anything else is skipped with a warning that names it."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckpt.errors import CorruptCheckpointError
+from ckpt._memory.private import UnsafeSegmentError, check_dir, segment_names
 from ckpt._memory.tier import node_prefix, rank_steps, read_rank_doc
 
 log = logging.getLogger("ckpt")
@@ -50,33 +56,32 @@ class Candidate:
 
 
 def local_holdings(shm_dir: str, job: str, node: str,
-                   docs: dict[tuple[str, int], dict] | None = None) -> list[Holding]:
-    """Every readable rank step in this node's segments (not collective); ``docs``, when
-    given, receives each one's rank document by (segment, step)."""
+                   docs: dict[tuple[str, int], dict] | None = None, *,
+                   key: bytes | None) -> list[Holding]:
+    """Every readable rank step signed with ``key`` in this node's segments (``shm_dir``:
+    this user's private directory; not collective); ``docs``, when given, receives each
+    one's rank document by (segment, step)."""
     prefix = node_prefix(job, node)
     out = []
-    try:
-        names = sorted(os.listdir(shm_dir))
-    except OSError as e:  # every rank must reach the collective that follows
-        log.warning("ckpt._memory.discovery cannot list %s: %s", shm_dir, e)
-        return out
-    for name in names:
+    for name in segment_names(shm_dir, prefix):  # every rank must reach the collective next
         path = os.path.join(shm_dir, name)
-        if not name.startswith(prefix) or os.path.islink(path) or not os.path.isdir(path):
-            continue
         try:
+            check_dir(path, private=True)
             steps = rank_steps(path)
-        except OSError as e:  # e.g. a permission problem: this copy is unusable, not fatal
+        except UnsafeSegmentError as e:
+            log.warning("ckpt._memory.discovery skipping %s", e)
+            continue
+        except OSError as e:  # e.g. removed meanwhile: this copy is unusable, not fatal
             log.warning("ckpt._memory.discovery skipping %s: %s", path, e)
             continue
         for s in steps:
             try:
-                doc = read_rank_doc(path, s)
+                doc = read_rank_doc(path, s, key)
             except CorruptCheckpointError as e:
                 log.warning("ckpt._memory.discovery skipping %s", e)
                 continue
             out.append(Holding(name, s, doc["rank"], doc["world_size"], doc["token"],
-                               float(doc["created"]), "-replica-" in name[len(prefix) - 1:]))
+                               float(doc["created"]), name[len(prefix):].startswith("replica-")))
             if docs is not None:
                 docs[(name, s)] = doc
     return out

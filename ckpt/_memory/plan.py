@@ -28,7 +28,7 @@ from ckpt._memory.discovery import Candidate, Holding
 from ckpt._memory.peer_client import PeerClient
 from ckpt._memory.peer_server import PeerServer, Range, map_ranges
 from ckpt._memory.source import MemorySource
-from ckpt._memory.tier import node_prefix, plain_name, read_rank_doc
+from ckpt._memory.tier import node_prefix, plain_name
 from ckpt._load.read_plan import needed_tensors
 from ckpt._shared.sharding import dtensor_type, overlapping, read_box, source_rank
 from ckpt._shared.state import flatten, is_stateful, item_tree
@@ -69,11 +69,11 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
     for origin, holders in sorted(c.holders.items()):
         holder_rank, h = holders[0]
         if holder_rank == rank:
-            try:
-                docs[origin] = c.docs.get(h.segment) or read_rank_doc(
-                    os.path.join(shm_dir, h.segment), c.step)
-            except CorruptCheckpointError as e:
-                error = str(e)
+            doc = c.docs.get(h.segment)  # as listed: authenticated (discovery.py)
+            if doc is None:
+                error = f"step {c.step}: no authenticated rank document of {h.segment}"
+            else:
+                docs[origin] = doc
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, (docs, error), group=pg)
     errors = [e for _, e in everyone if e]

@@ -10,14 +10,17 @@ from typing import Callable, Iterator
 from storage_backends.base import PathReader
 from storage_backends.posix import pread_blocks, pread_into
 
-from ckpt._memory.tier import plain_name
+from ckpt._format.names import MANIFEST_NAME
+from ckpt._memory.private import check_dir, open_checked
+from ckpt._memory.tier import authenticate_manifest, plain_name
 
 
 class ShmReader:
     """Read-only storage (the subset ckpt's loader uses) over files in this node's shared
     memory, for the memory tier's restores.
 
-    Each file is opened once per restore (never through a symbolic link) and read with
+    Each file is opened once per restore (never through a symbolic link, and only when this
+    user owns it and no one else may write it: ``ckpt/_memory/private.py``) and read with
     ``pread`` on that descriptor: no path walk or ``stat`` per chunk. The loader's verify pass
     streams each run of chunks through one small block per thread (``stream_block``, digested
     while still in the CPU cache), its apply pass reads straight into the live tensors; the
@@ -30,25 +33,32 @@ class ShmReader:
 
     stream_block = 512 << 10
 
-    def __init__(self, url: str, where: Callable[[str], str | None]) -> None:
+    def __init__(self, url: str, where: Callable[[str], str | None],
+                 check: Callable[[str, int], None] | None = None) -> None:
         self.url = url
         self._where = where
+        self._check = check  # called with (path, descriptor) before a file is first used
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
     @classmethod
-    def of_root(cls, root: str) -> ShmReader:
-        """Over a segment that is an ordinary ckpt root (a single process's)."""
+    def of_root(cls, root: str, key: bytes | None) -> ShmReader:
+        """Over a segment that is an ordinary ckpt root (a single process's): a step's
+        manifest is read only when its tag checks out under the job's memory ``key``
+        (``ckpt/_memory/tier.py``), so nothing of a step this job did not publish is loaded."""
         def where(path: str) -> str:
             parts = path.split("/")
             for part in parts:
                 plain_name(part)  # no "..", no absolute path, no hidden staging
-            for i in range(1, len(parts)):  # directories on the way: never a link
-                d = os.path.join(root, *parts[:i])
-                if os.path.islink(d):
-                    raise FileNotFoundError(f"{d} is a symbolic link")
+            for i in range(1, len(parts)):  # directories on the way: ours, never a link
+                check_dir(os.path.join(root, *parts[:i]))
             return os.path.join(root, *parts)
-        return cls(root, where)
+
+        def check(path: str, fd: int) -> None:
+            location, _, name = path.rpartition("/")
+            if name == MANIFEST_NAME:
+                authenticate_manifest(root, location, key, fd)
+        return cls(root, where, check)
 
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)
@@ -56,16 +66,22 @@ class ShmReader:
             return fd
         try:
             where = self._where(path)
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # not a plain path, or a directory not ours
             raise FileNotFoundError(f"{os.path.join(self.url, path)}: {e}") from e
         if where is None:
             raise FileNotFoundError(f"{os.path.join(self.url, path)} is not on this node")
         try:
-            fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = open_checked(where)
         except FileNotFoundError:
             raise
-        except OSError as e:  # a symbolic link or worse: this copy is unusable, not fatal
+        except OSError as e:  # a link, another user's file: this copy is unusable, not fatal
             raise FileNotFoundError(f"{where}: {e}") from e
+        if self._check is not None:
+            try:
+                self._check(path, fd)
+            except BaseException:
+                os.close(fd)
+                raise
         with self._lock:
             if path in self._fds:  # another thread opened it meanwhile
                 os.close(fd)

@@ -2,9 +2,13 @@
 POSIX shared memory (``/dev/shm``), which outlives the worker process, so a restarted worker
 restores from RAM without reading the persistent root.
 
-A segment is the directory ``<shm>/ckpt-<job>-<node>-r<rank>``, plus ``owner.lock``, flock'ed
-by the live process that writes it. A segment whose lock can be taken has no live owner:
-``gc_segments`` removes it.
+A segment is the directory ``<shm>/ckpt-uid<euid>/ckpt-<job>-<node>-r<rank>``, inside this
+user's private directory (``ckpt/_memory/private.py``: who may reach what, and the checks),
+plus ``owner.lock``, flock'ed by the live process that writes it. A segment whose lock can be
+taken has no live owner: ``gc_segments`` removes it once its owner has been dead long enough.
+What a segment holds is signed with the job's memory key (``ckpt/_memory/auth.py``): a rank
+step's ``rank.json`` carries its tag, a single process's step has its manifest's tag beside it
+(``.mac-step-XXXXXXXX``); a step without a good tag is never restored.
 
 * A single process's segment is an ordinary ckpt root (step directories, each committed by the
   atomic rename of its manifest, written last, which holds every chunk's digest).
@@ -13,12 +17,14 @@ by the live process that writes it. A segment whose lock can be taken has no liv
   place): the rank's chunk table with digests and global boxes, plus the step's global layout
   (tensor shapes, items), so the union of all ranks' rank steps of one save makes a complete,
   reshardable checkpoint (``ckpt/_memory/plan.py``). Peer replicas of rank ``o``'s steps,
-  held on node ``n``, live in ``ckpt-<job>-<n>-replica-r<o>`` (``ckpt/_memory/replication.py``).
+  held on node ``n``, live in ``ckpt-<job>-<n>-replica-r<o>`` (``ckpt/_memory/replication.py``)
+  in the private directory of the user running the job there.
 
 ``<node>`` names the node: ``MemoryTierOptions(node=...)``, else the environment's
 ``CKPT_NODE``, else the hostname followed by ``_n<GROUP_RANK>`` under torchrun (its node rank),
 else the hostname; characters other than letters, digits, ``_`` and ``.`` become ``_``, so a
-node's segments, its replicas included, are exactly ``<shm>/ckpt-<job>-<node>-*``. Under a
+node's segments, its replicas included, are exactly the names ``ckpt-<job>-<node>-r<N>`` and
+``ckpt-<job>-<node>-replica-r<N>`` in the private directory. Under a
 process group whose nodes all have hosts of their own the hostname alone names a node (the
 manager checks at start-up), because torchrun may renumber the nodes (GROUP_RANK) after losing
 one, and a host must find its segments under the same name. A rank reads only segments of its
@@ -29,33 +35,38 @@ node is lost, so a test simulating nodes there names each one with ``CKPT_NODE``
 from __future__ import annotations
 
 import dataclasses
-import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import socket
 import time
 from typing import Any
 
-from storage_backends import Storage, open_storage
+from storage_backends.posix import PosixStorage
 
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from ckpt._format.names import STEP_DIR, step_dir
+from ckpt._format.names import MANIFEST_NAME, STEP_DIR, step_dir
+from ckpt._memory.auth import sign, sign_doc, verify, verify_doc
+from ckpt._memory.private import (DEAD_FILE, OWNER_FILE, SHM_DIR, STAGING, UnsafeSegmentError,
+                                  check_dir, gc_segments, open_checked, own_segment,
+                                  private_dir, private_path, read_checked)
 from ckpt._step.listing import step_dirs
 
 log = logging.getLogger("ckpt")
 
-SHM_DIR = "/dev/shm"
+# Re-exported: the segment helpers are used through this module (replication, tests).
+__all__ = ["DEAD_FILE", "OWNER_FILE", "SHM_DIR", "STAGING", "UnsafeSegmentError", "check_dir",
+           "gc_segments", "open_checked", "own_segment", "private_dir", "private_path"]
+
 PREFIX = "ckpt-"
-OWNER_FILE = "owner.lock"
 RANK_DOC = "rank.json"
 RANK_FORMAT = "ckpt-memory-rank/1"
-STAGING = ".tmp-"
-AUTO_GC_AGE = 3600.0  # seconds a dead segment is left alone before a later run removes it
+TAG_PREFIX = ".mac-"  # beside a single process's step: its manifest's tag
+AUTO_GC_AGE = 3600.0  # seconds a segment's owner is dead before a later run removes it
 _SAFE = re.compile(r"[^A-Za-z0-9_.]+")
 
 
@@ -93,6 +104,21 @@ def node_prefix(job: str, node: str) -> str:
     return f"{PREFIX}{job}-{node_name(node)}-"
 
 
+class SegmentStorage(PosixStorage):
+    """A single process's segment as a ckpt root: staging directories 0700, files 0600, and
+    each manifest's tag (under ``key``) written beside its step before the step is
+    committed, so a committed step without a good tag was not published by this job."""
+
+    file_mode, dir_mode = 0o600, 0o700
+    key: bytes | None = None
+
+    def commit(self, staging: str, name: str, manifest: bytes, manifest_name: str) -> None:
+        if self.key is None:  # never publish what a restore could not authenticate
+            raise CheckpointError(f"{self.root}: the memory tier has no key yet", path=self.root)
+        write_tag(self.root, name, sign(self.key, manifest))
+        super().commit(staging, name, manifest, manifest_name)
+
+
 class MemoryTier:
     """One rank's segment: publish steps into it, keep the newest ``keep`` of them.
 
@@ -102,14 +128,23 @@ class MemoryTier:
         job: the job id (default: TORCHELASTIC_RUN_ID, else a hash of ``root``).
         keep: generations (steps) kept in memory.
         budget: the most bytes the segment may hold (None: what /dev/shm has free).
-        shm_dir: where segments live (``/dev/shm``).
+        shm_dir: the shared-memory directory (``/dev/shm``); segments live in this user's
+            private directory under it, which ``self.shm_dir`` names.
         node: this node's name (see :func:`node_name`).
         ranked: the segment holds rank steps (a process group) instead of a ckpt root.
+        key: the job's memory key (:mod:`ckpt._memory.auth`); publishing needs it, and only
+            steps signed with it are listed as restorable. May be set later (``set_key``).
+
+    Raises:
+        UnsafeSegmentError: this user's private directory, or the segment, fails its checks
+            (another user made it): the tier cannot be used.
+        CheckpointError: no shared-memory directory, or another live process owns the segment.
     """
 
     def __init__(self, root: str, rank: int, *, job: str | None = None, keep: int = 2,
                  budget: int | None = None, shm_dir: str | None = None,
-                 node: str | None = None, ranked: bool = False) -> None:
+                 node: str | None = None, ranked: bool = False,
+                 key: bytes | None = None) -> None:
         shm_dir = shm_dir or SHM_DIR
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be a positive integer, not {keep!r}")
@@ -119,25 +154,45 @@ class MemoryTier:
                                   path=shm_dir)
         self.keep = keep
         self.budget = budget
-        self.shm_dir = shm_dir
+        self.shm_root = shm_dir
+        self.shm_dir = private_dir(shm_dir)  # where this user's segments live
         self.job = job_id(root, job)
         self.node = node_name(node)
         self.ranked = ranked
-        self.path = os.path.join(shm_dir, segment_name(self.job, rank, self.node))
-        # Dead jobs' segments, found by a later run; a grace period spares those of a job
-        # whose workers torchrun is restarting right now.
+        self.path = os.path.join(self.shm_dir, segment_name(self.job, rank, self.node))
+        self._unsigned: set[int] = set()  # steps already warned about
+        # Dead jobs' segments, found by a later run; a grace period from the owner's death
+        # spares those of a job whose workers torchrun is restarting right now.
         gc_segments(shm_dir, keep_job=self.job, min_age=AUTO_GC_AGE)
-        os.makedirs(self.path, exist_ok=True)
         self._owner = own_segment(self.path)
-        self.storage: Storage = open_storage(self.path, create=True)
+        self.storage = SegmentStorage(self.path, create=False)
+        self.key: bytes | None = None
+        self.set_key(key)
         for name in self.storage.uncommitted():  # a publish cut short by a crash
             self.storage.delete(name)
 
+    def set_key(self, key: bytes | None) -> None:
+        """The job's memory key: what this tier signs with, and checks."""
+        self.key = self.storage.key = key
+
     def steps(self) -> list[int]:
-        """Committed steps in the segment, oldest first."""
+        """Committed steps in the segment, oldest first; a single process's only when their
+        tag checks out under the key (the others are retired by the next publish)."""
         if self.ranked:
             return rank_steps(self.path)
-        return sorted(s for s, committed in step_dirs(self.storage).items() if committed)
+        return [s for s, committed in sorted(step_dirs(self.storage).items())
+                if committed and self._signed(s)]
+
+    def _signed(self, step: int) -> bool:
+        try:
+            authenticate_manifest(self.path, step_dir(step), self.key)
+            return True
+        except (OSError, CorruptCheckpointError) as e:
+            if step not in self._unsigned:
+                self._unsigned.add(step)
+                log.warning("ckpt._memory.tier step %d in %s is not restorable: %s", step,
+                            self.path, e)
+            return False
 
     def check_space(self, nbytes: int) -> None:
         """Raise before writing when the step does not fit the budget or /dev/shm."""
@@ -152,15 +207,17 @@ class MemoryTier:
         free = st.f_bavail * st.f_frsize
         if nbytes > free:
             raise CheckpointError(
-                f"{self.shm_dir} has {free} bytes free, this step needs {nbytes} in the memory "
+                f"{self.shm_root} has {free} bytes free, this step needs {nbytes} in the memory "
                 f"tier; enlarge /dev/shm (docker: --shm-size), lower MemoryTierOptions(keep=) "
-                f"(now {self.keep}) or pass memory_tier=False", path=self.shm_dir)
+                f"(now {self.keep}) or pass memory_tier=False", path=self.shm_root)
 
     def publish_rank(self, payload: Any, options: Any, pool: Any) -> Any:
         """Write this rank's share of a save as a rank step (no collectives: runs on the
         writer thread); the newest ``keep`` rank steps are kept. Returns the RankTable."""
         from ckpt._save.rank_write import write_rank  # imports torch; this module stays light
 
+        if self.key is None:
+            raise CheckpointError(f"{self.path}: the memory tier has no key yet", path=self.path)
         if payload.ready is not None:
             payload.ready.synchronize()
         # Everything this rank holds, also the boxes another rank writes to the root.
@@ -174,8 +231,8 @@ class MemoryTier:
                    "tensors": {k: [d, list(s)] for k, (d, s) in payload.tensors.items()},
                    "items": payload.items, "aliases": payload.aliases,
                    "metadata": payload.metadata or {}, "table": table.to_json()}
-            with open(os.path.join(self.path, staging, RANK_DOC), "wb") as f:
-                f.write(json.dumps(doc).encode())
+            write_private(os.path.join(self.path, staging, RANK_DOC),
+                          json.dumps(sign_doc(self.key, doc)).encode())
             commit_dir(os.path.join(self.path, staging), os.path.join(self.path, payload.name))
         except BaseException:
             shutil.rmtree(os.path.join(self.path, staging), ignore_errors=True)
@@ -188,6 +245,16 @@ class MemoryTier:
         the others with the collector after each publish)."""
         return set(self.steps()[-self.keep:])
 
+    def prune_tags(self) -> None:
+        """Remove the tags of steps no longer in a single process's segment."""
+        committed = {step_dir(s) for s, c in step_dirs(self.storage).items() if c}
+        for name in os.listdir(self.path):
+            if name.startswith(TAG_PREFIX) and name[len(TAG_PREFIX):] not in committed:
+                try:
+                    os.unlink(os.path.join(self.path, name))
+                except FileNotFoundError:
+                    pass
+
     def remove(self) -> None:
         """Delete the segment (the job finished and its newest step is persisted)."""
         shutil.rmtree(self.path, ignore_errors=True)
@@ -199,22 +266,46 @@ class MemoryTier:
             self._owner.close()
 
 
-def own_segment(path: str) -> Any:
-    """Create (if missing) and flock the segment at ``path``; returns the held owner file."""
-    os.makedirs(path, exist_ok=True)
-    owner = open(os.path.join(path, OWNER_FILE), "a+")
+def write_private(path: str, data: bytes) -> None:
+    """Create the file ``path`` (0600, never through a link, never over an existing file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
     try:
-        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        owner.close()
-        raise CheckpointError(
-            f"the memory segment {path} is in use by another live process; give "
-            "this run another job id (MemoryTierOptions(job=...))", path=path) from None
-    os.utime(owner.name)  # a live owner's segment is young: the auto-gc grace period
-    for name in os.listdir(path):  # a publish cut short by a crash
-        if name.startswith(STAGING):
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
-    return owner
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def write_tag(segment: str, name: str, tag: str) -> None:
+    """Write (or replace) the tag of step directory ``name`` of a single process's segment."""
+    temp = os.path.join(segment, f"{STAGING}{TAG_PREFIX}{name}-{secrets.token_hex(6)}")
+    write_private(temp, tag.encode())
+    os.rename(temp, os.path.join(segment, f"{TAG_PREFIX}{name}"))
+
+
+def authenticate_manifest(segment: str, location: str, key: bytes | None,
+                          fd: int | None = None) -> None:
+    """Raise CorruptCheckpointError unless the manifest of step directory ``location`` in a
+    single process's segment (read from ``fd`` when given) carries its tag under ``key``."""
+    where = os.path.join(segment, location, MANIFEST_NAME)
+    if fd is None:
+        manifest = read_checked(where)
+    else:
+        size = os.fstat(fd).st_size
+        manifest = os.pread(fd, size, 0)
+    try:
+        tag = read_checked(os.path.join(segment, f"{TAG_PREFIX}{location}")).decode("ascii")
+    except FileNotFoundError:
+        tag = None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{where}: its tag is unreadable ({e})", path=where) from e
+    if key is None or not verify(key, manifest, tag):
+        raise CorruptCheckpointError(
+            f"{where}: {'no tag' if tag is None else 'a tag that does not match'} under this "
+            "job's memory key (written by another job, or under a key since replaced): not "
+            "restored from memory", path=where)
 
 
 def rank_steps(path: str) -> list[int]:
@@ -242,8 +333,9 @@ def plain_name(name: Any) -> str:
 
 
 def open_plain(path: str) -> Any:
-    """``path`` opened for reading, refusing a symbolic link (OSError)."""
-    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+    """``path`` opened for reading, refusing a symbolic link or a file of another user, or
+    one that others may write (OSError)."""
+    return os.fdopen(open_checked(path), "rb")
 
 
 def commit_dir(staging: str, final: str) -> None:
@@ -263,15 +355,21 @@ def retire_rank_steps(path: str, keep: int) -> None:
         shutil.rmtree(os.path.join(path, step_dir(s)), ignore_errors=True)
 
 
-def read_rank_doc(path: str, step: int) -> dict:
-    """The ``rank.json`` of a rank step, checked for shape (its contents are validated again
-    as a whole manifest when the union of the ranks' steps is loaded)."""
+def read_rank_doc(path: str, step: int, key: bytes | None) -> dict:
+    """The ``rank.json`` of a rank step, authenticated under the job's memory ``key`` and
+    checked for shape (its contents are validated again as a whole manifest when the union
+    of the ranks' steps is loaded). Raises CorruptCheckpointError otherwise."""
     where = os.path.join(path, step_dir(step), RANK_DOC)
     try:
+        check_dir(os.path.join(path, step_dir(step)))
         with open_plain(where) as f:
             doc = json.loads(f.read())
     except (OSError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: unreadable rank step: {e}", path=where) from e
+    if key is None or not verify_doc(key, doc):
+        raise CorruptCheckpointError(
+            f"{where}: not signed with this job's memory key (written by another job, or "
+            "under a key since replaced): not restored from memory", path=where)
     ok = (isinstance(doc, dict) and doc.get("format") == RANK_FORMAT
           and doc.get("step") == step and all(
               isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool)
@@ -296,56 +394,3 @@ def tree_bytes(path: str) -> int:
             except FileNotFoundError:
                 pass
     return total
-
-
-def gc_segments(shm_dir: str = SHM_DIR, *, keep_job: str | None = None,
-                job: str | None = None, min_age: float = 0.0,
-                dry_run: bool = False) -> list[str]:
-    """Remove memory segments without a live owner (their writer's flock is free).
-
-    ``keep_job``: never touch that job's segments (the caller's own, which a restarted worker
-    of this job may be about to read). ``job``: only that job's segments. ``min_age``: only
-    segments whose owner file was last touched that many seconds ago. Only directories
-    named ``ckpt-*`` holding an owner lock file are considered; symlinks are never followed.
-
-    Returns:
-        The removed (or, with ``dry_run``, removable) segment paths.
-    """
-    removed = []
-    try:
-        names = sorted(os.listdir(shm_dir))
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        if not name.startswith(PREFIX):
-            continue
-        if keep_job is not None and name.startswith(f"{PREFIX}{keep_job}-"):
-            continue
-        if job is not None and not name.startswith(f"{PREFIX}{_SAFE.sub('_', job)}-"):
-            continue
-        path = os.path.join(shm_dir, name)
-        owner = os.path.join(path, OWNER_FILE)
-        if os.path.islink(path) or not os.path.isdir(path) or not os.path.isfile(owner):
-            continue
-        try:
-            if time.time() - os.lstat(owner).st_mtime < min_age:
-                continue
-            fd = os.open(owner, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                os.close(fd)
-                continue  # a live process owns it
-            os.close(fd)
-            raise
-        try:
-            if not dry_run:
-                shutil.rmtree(path, ignore_errors=True)
-                log.info("ckpt.memory_gc removed=%s", path)
-            removed.append(path)
-        finally:
-            os.close(fd)
-    return removed

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from ckpt._memory.tier import gc_segments
+from ckpt._memory.tier import gc_segments, private_path
 
 from tests.support.ranks import run_ranks
 from tests.support.memory_workers import (restore, restore_after_node_loss, restore_from_peers,
@@ -24,11 +24,12 @@ STEPS = [1, 2, 3]  # persist_every=2: the root holds step 2; memory holds steps 
 
 
 def segment_dirs(shm) -> list[str]:
-    return sorted(os.listdir(shm))
+    return sorted(os.listdir(private_path(shm)))
 
 
 def remove_node(shm, job: str, node: str) -> list[str]:
     """A node's loss: its own segments and the replicas it holds."""
+    shm = private_path(shm)
     gone = [n for n in os.listdir(shm) if n.startswith(f"ckpt-{job}-{node}-")]
     for n in gone:
         shutil.rmtree(os.path.join(shm, n))
@@ -167,9 +168,9 @@ def test_a_peer_serving_several_chunks_of_a_lost_rank_sends_each_one_right(tmp_p
     shm.mkdir()
     nodes = ["hostG_n0", "hostG_n1", "hostG_n2"]
     assert all(run_ranks(3, save_small_chunks_in_memory, root, str(shm), nodes, timeout=100))
-    for name in os.listdir(shm):  # node 2 lost: its segment and the replicas it held
+    for name in os.listdir(private_path(shm)):  # node 2 lost: its segment and its replicas
         if name.startswith("ckpt-chunks-hostG_n2-"):
-            shutil.rmtree(shm / name)
+            shutil.rmtree(os.path.join(private_path(shm), name))
     assert not (Path(root) / "step-00000001").exists()  # the root cannot serve it
     for r in run_ranks(2, restore_from_peers, root, str(shm), nodes[:2], timeout=100):
         assert r == {"step": 1, "tier": "peer", "same": True}

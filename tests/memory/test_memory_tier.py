@@ -16,7 +16,9 @@ import torch
 
 import ckpt
 from ckpt.errors import CheckpointError
-from ckpt._memory.tier import OWNER_FILE, PREFIX, SHM_DIR, gc_segments
+from ckpt._memory.tier import DEAD_FILE, PREFIX, SHM_DIR, gc_segments, private_path
+
+SEGMENTS = private_path(SHM_DIR)  # this user's segments
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,13 +58,15 @@ WORKER = textwrap.dedent("""
 def job(tmp_path):
     name = f"test{uuid.uuid4().hex[:10]}"
     yield name
-    for entry in os.listdir(SHM_DIR):
+    for entry in os.listdir(SEGMENTS):
         if entry.startswith(f"{PREFIX}{name}"):
-            subprocess.run(["rm", "-rf", os.path.join(SHM_DIR, entry)], check=False)
+            subprocess.run(["rm", "-rf", os.path.join(SEGMENTS, entry)], check=False)
 
 
 def segments(job: str) -> list[str]:
-    return sorted(os.path.join(SHM_DIR, e) for e in os.listdir(SHM_DIR)
+    if not os.path.isdir(SEGMENTS):
+        return []
+    return sorted(os.path.join(SEGMENTS, e) for e in os.listdir(SEGMENTS)
                   if e.startswith(f"{PREFIX}{job}-"))
 
 
@@ -259,9 +263,13 @@ def test_segments_of_dead_jobs_are_removed_by_gc_and_later_runs(tmp_path, job):
         with ckpt.CheckpointManager(tmp_path / "live", memory_tier=tier) as mgr:
             mgr.save(1, {"model": torch.nn.Linear(4, 4)})
             mgr.wait()
-            # A later run removes dead segments past the grace period only.
-            os.utime(os.path.join(old_seg, OWNER_FILE), (0, 0))
+            # A later run removes dead segments past the grace period only: counted from
+            # when a run first found their owner dead.
             tier = ckpt.MemoryTierOptions(job=f"{job}later")
+            with ckpt.CheckpointManager(tmp_path / "later", memory_tier=tier):
+                pass
+            assert os.path.exists(old_seg) and os.path.exists(dead_seg)
+            os.utime(os.path.join(old_seg, DEAD_FILE), (0, 0))
             with ckpt.CheckpointManager(tmp_path / "later", memory_tier=tier):
                 pass
             assert not os.path.exists(old_seg) and os.path.exists(dead_seg)
@@ -401,7 +409,7 @@ def test_the_memory_tiers_reader_never_follows_a_planted_link(tmp_path):
     secret.write_bytes(b"not a checkpoint's bytes")
     (segment / "step-00000001" / "data.bin").write_bytes(b"0123456789")
     os.symlink(secret, segment / "step-00000001" / "planted.bin")
-    reader = ShmReader.of_root(str(segment))
+    reader = ShmReader.of_root(str(segment), None)
     try:
         assert reader.read("step-00000001/data.bin", 2, 3) == b"234"
         with pytest.raises(FileNotFoundError, match="planted.bin"):
@@ -418,7 +426,7 @@ def test_the_memory_tiers_reader_reports_a_file_that_ends_early_never_zero_fills
 
     (tmp_path / "step-00000001").mkdir()
     (tmp_path / "step-00000001" / "data.bin").write_bytes(b"0123456789")
-    reader = ShmReader.of_root(str(tmp_path))
+    reader = ShmReader.of_root(str(tmp_path), None)
     try:
         out = bytearray(b"x" * 8)
         reader.read_into("step-00000001/data.bin", 0, memoryview(out))

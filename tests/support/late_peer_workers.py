@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import ckpt
 from ckpt._memory import peer_client, peer_server
+from ckpt._memory.tier import private_path
 
 SIDE = 128  # "w" is SIDE x SIDE floats (64 KiB: four chunks)
 
@@ -43,9 +44,10 @@ def save_in_memory_then_lose_node0(rank: int, world: int, root: str, shm: str, j
     mgr.close()
     dist.barrier()
     if rank == 0:
-        for name in os.listdir(shm):
+        segments = private_path(shm)  # this user's segments under shm
+        for name in os.listdir(segments):
             if name.startswith(f"ckpt-{job}-{nodes[0]}-"):
-                shutil.rmtree(os.path.join(shm, name))
+                shutil.rmtree(os.path.join(segments, name))
     dist.barrier()
 
 

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import ckpt
+from ckpt._memory.tier import private_path  # where a user's segments live under shm
 
 
 def values(step: int) -> dict[str, torch.Tensor]:
@@ -95,8 +96,8 @@ def save_steps(rank: int, world: int, root: str, shm: str, job: str, nodes: list
 
 def replica_steps(shm: str, node: str) -> list[str]:
     """The replica steps held on ``node``."""
-    return sorted(f"{n}/{s}" for n in os.listdir(shm) if f"-{node}-replica-" in n
-                  for s in os.listdir(os.path.join(shm, n)) if s.startswith("step-"))
+    return sorted(f"{n}/{s}" for n in os.listdir(private_path(shm)) if f"-{node}-replica-" in n
+                  for s in os.listdir(os.path.join(private_path(shm), n)) if s.startswith("step-"))
 
 
 def restore(rank: int, world: int, root: str, shm: str, job: str, nodes: list[str]) -> dict:
@@ -122,10 +123,10 @@ def restore_after_node_loss(rank: int, world: int, root: str, shm: str, job: str
     the root than in memory."""
     out = {"peer": restore(rank, world, root, shm, job, nodes)}
     if rank == 0:
-        flip_chunk(os.path.join(shm, f"ckpt-{job}-{nodes[0]}-r0", "step-00000003"), "w")
+        flip_chunk(os.path.join(private_path(shm), f"ckpt-{job}-{nodes[0]}-r0", "step-00000003"), "w")
     dist.barrier()
     out["own_flipped"] = restore(rank, world, root, shm, job, nodes)
-    replica = os.path.join(shm, f"ckpt-{job}-{nodes[0]}-replica-r2")
+    replica = os.path.join(private_path(shm), f"ckpt-{job}-{nodes[0]}-replica-r2")
     if rank == 0:
         flip_chunk(os.path.join(replica, "step-00000003"), "w")
     dist.barrier()
@@ -178,21 +179,23 @@ def rng_save_and_restore(rank: int, world: int, root: str, shm: str, job: str,
     mgr.save(1, state(), force=True)
     assert mgr.wait_replicated(60)
     expected = (torch.rand(4).tolist(), random.random())
+    key = mgr._publisher.tier.key  # the job's: the rewritten documents are signed again
     dist.barrier()
     mgr.close()
     if rank == 0:  # every rank step (and replica) carries only its own rank's RNG values
-        for doc_path in glob.glob(os.path.join(shm, "*", "step-*", "rank.json")):
+        from ckpt._memory.auth import sign_doc
+        for doc_path in glob.glob(os.path.join(private_path(shm), "*", "step-*", "rank.json")):
             with open(doc_path) as f:
                 doc = json.load(f)
             doc["items"]["rng"]["per_rank"] = {str(doc["rank"]):
                                                doc["items"]["rng"]["per_rank"][str(doc["rank"])]}
             with open(doc_path, "w") as f:
-                json.dump(doc, f)
+                json.dump(sign_doc(key, doc), f)
     dist.barrier()
     out = {}
     for case in ("own", "peer"):
         if case == "peer" and rank == 0:  # node 1's own segment is gone (its RAM)
-            shutil.rmtree(os.path.join(shm, f"ckpt-{job}-{nodes[1]}-r1"))
+            shutil.rmtree(os.path.join(private_path(shm), f"ckpt-{job}-{nodes[1]}-r1"))
         if case == "peer":  # the RNG tensor (5 KB) crosses in several pieces
             from ckpt._memory import peer_client
             peer_client.PEER_BLOCK = 1024
@@ -225,15 +228,17 @@ def serve_a_stuck_peer(rank: int, world: int, root: str, shm: str, job: str,
     mgr = manager(root, shm, job, nodes[rank], persist_every=1_000_000)
     mgr.save(1, build(world, 1), force=True)
     assert mgr.wait_replicated(60)
+    key = mgr._publisher.tier.key
     dist.barrier()
     mgr.close()
     dist.barrier()  # rank 1's close is done with its segment before it is lost
     if rank == 0:
-        shutil.rmtree(os.path.join(shm, f"ckpt-{job}-{nodes[1]}-r1"))
+        shutil.rmtree(os.path.join(private_path(shm), f"ckpt-{job}-{nodes[1]}-r1"))
     dist.barrier()
     docs: dict = {}
-    found = candidates(local_holdings(shm, job, nodes[rank], docs), dist.group.WORLD, docs)
-    source = open_candidate(found[0], build(world, None), shm_dir=shm, job=job,
+    found = candidates(local_holdings(private_path(shm), job, nodes[rank], docs, key=key),
+                       dist.group.WORLD, docs)
+    source = open_candidate(found[0], build(world, None), shm_dir=private_path(shm), job=job,
                             node=nodes[rank], rank=rank, pg=dist.group.WORLD)
     out = {"tier": source.tier}
     pause = threading.Event()

@@ -34,9 +34,11 @@ import pytest
 from tests.support import elastic_job as cluster_harness
 from tests.support import memory_job
 import ckpt
-from ckpt._memory.tier import PREFIX, SHM_DIR
+from ckpt._memory.tier import PREFIX, SHM_DIR, private_path
 from trainer.checkpointing import memory_job_id, memory_tier_options
 from trainer.elastic import read_jsonl
+
+SEGMENTS = private_path(SHM_DIR)  # this user's segments
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="no /dev/shm")
 
@@ -148,19 +150,19 @@ def three_nodes(tmp_path_factory):
         dead = c.node_of(held[1]["pid"])
         dead.kill(signal.SIGKILL)
         facts["segments_removed"] = gone = [
-            e for e in os.listdir(SHM_DIR)
+            e for e in os.listdir(SEGMENTS)
             if e.startswith(f"{PREFIX}{memjob}-{c.node_name(c.nodes.index(dead))}-")]
         for entry in gone:  # the node's RAM went with it
-            shutil.rmtree(os.path.join(SHM_DIR, entry))
+            shutil.rmtree(os.path.join(SEGMENTS, entry))
         # The survivors train on and meet the loss in their next collective (a held worker
         # would notice it only by the heartbeat timeout).
         (tmp / "digests" / f"release-s{HOLDS[1]}").touch()
         wait_all(c, [n for n in nodes if n is not dead], tmp)
     finally:
         c.close()
-        for entry in os.listdir(SHM_DIR):
+        for entry in os.listdir(SEGMENTS) if os.path.isdir(SEGMENTS) else []:
             if entry.startswith(f"{PREFIX}{memjob}"):
-                shutil.rmtree(os.path.join(SHM_DIR, entry), ignore_errors=True)
+                shutil.rmtree(os.path.join(SEGMENTS, entry), ignore_errors=True)
     return facts
 
 

@@ -327,7 +327,7 @@ def test_worker_sigkilled_under_torchrun_restarts_from_the_zygote_from_memory(tm
     its directory empty."""
     from tests.support import memory_job
     from tests.support.elastic_job import wait_for
-    from ckpt._memory.tier import PREFIX, SHM_DIR
+    from ckpt._memory.tier import PREFIX, SHM_DIR, private_path
     from trainer.elastic import read_jsonl
 
     memjob = f"wz{uuid.uuid4().hex[:10]}"
@@ -354,9 +354,10 @@ def test_worker_sigkilled_under_torchrun_restarts_from_the_zygote_from_memory(tm
         assert zygotes_in(c.warm_dir) == [] and list(c.warm_dir.iterdir()) == []
     finally:
         c.close()
-        for entry in os.listdir(SHM_DIR):
+        segments = private_path(SHM_DIR)
+        for entry in os.listdir(segments) if os.path.isdir(segments) else []:
             if entry.startswith(f"{PREFIX}{memjob}"):
-                shutil.rmtree(os.path.join(SHM_DIR, entry), ignore_errors=True)
+                shutil.rmtree(os.path.join(segments, entry), ignore_errors=True)
     def records(attempt: int, event: str) -> list[dict]:
         [path] = (tmp_path / "run" / f"attempt-{attempt:04d}").glob("rank-*.jsonl")
         return [r for r in read_jsonl(path) if r["event"] == event]

@@ -1,7 +1,8 @@
 """The memory tier: node-local copies of recent steps in shared memory and their peer replicas.
 
 One module per kind: ``tier`` (segments, and publishing steps into them), ``replication``
-(copies sent to peer nodes), ``discovery`` (what the live nodes hold), ``plan`` (an agreed
+(copies sent to peer nodes; ``replica_receiver`` stores peers' copies, ``replica_wire`` is
+how both sides authenticate), ``discovery`` (what the live nodes hold), ``plan`` (an agreed
 save -> each rank's reads), ``shm_reader`` and ``source`` (the storage a restore reads),
 ``peer_client`` and ``peer_server`` (the two sides of the peer protocol).
 """

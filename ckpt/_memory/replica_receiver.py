@@ -32,11 +32,14 @@ from typing import Any, Callable
 from ckpt._format.names import step_dir
 from ckpt._memory import replica_wire as wire
 from ckpt._memory.tier import (RANK_DOC, STAGING, commit_dir, own_segment, plain_name,
-                               rank_steps, replica_name, retire_rank_steps, tree_bytes)
+                               rank_steps, replica_name, retire_rank_steps, tree_bytes,
+                               write_private)
 
 log = logging.getLogger("ckpt")
 
 _BLOCK = 1 << 20
+# A replica's files: new (a duplicate name in a header fails), never through a link, 0600.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class ReplicaReceiver:
@@ -165,10 +168,10 @@ class ReplicaReceiver:
     def _store(self, conn: socket.socket, segment: str, origin: int, step: int,
                files: list[tuple[str, int]], doc_size: int, doc_sha: Any) -> None:
         staging = os.path.join(segment, f"{STAGING}{step_dir(step)}-{secrets.token_hex(6)}")
-        os.mkdir(staging)
+        os.mkdir(staging, 0o700)
         try:
             for name, size in files:
-                with open(os.path.join(staging, name), "xb") as f:
+                with os.fdopen(os.open(os.path.join(staging, name), _CREATE, 0o600), "wb") as f:
                     _copy(conn, f, size, self.timeout)
             doc = wire.recv_exact(conn, doc_size, time.monotonic() + self.timeout)
             if hashlib.sha256(doc).hexdigest() != doc_sha:
@@ -176,8 +179,7 @@ class ReplicaReceiver:
             parsed = json.loads(doc)
             if parsed.get("step") != step or parsed.get("rank") != origin:
                 raise ValueError("rank.json names another step or rank")
-            with open(os.path.join(staging, RANK_DOC), "xb") as f:
-                f.write(doc)
+            write_private(os.path.join(staging, RANK_DOC), doc)
             commit_dir(staging, os.path.join(segment, step_dir(step)))
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

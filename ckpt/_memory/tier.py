@@ -176,8 +176,8 @@ class MemoryTier:
         self.key = self.storage.key = key
 
     def steps(self) -> list[int]:
-        """Committed steps in the segment, oldest first; a single process's only when their
-        tag checks out under the key (the others are retired by the next publish)."""
+        """Restorable steps in the segment, oldest first: a single process's only when their
+        tag checks out under the key (a rank step's tag is checked by discovery)."""
         if self.ranked:
             return rank_steps(self.path)
         return [s for s, committed in sorted(step_dirs(self.storage).items())
@@ -241,9 +241,12 @@ class MemoryTier:
         return table
 
     def kept_steps(self) -> set[int]:
-        """The generations to keep: the newest ``keep`` committed steps (the publisher retires
-        the others with the collector after each publish)."""
-        return set(self.steps()[-self.keep:])
+        """The generations to keep: the newest ``keep`` committed steps, signed or not (the
+        publisher retires the others with the collector after each publish; a step another
+        job of this user wrote here under the same job id ages out like any other)."""
+        if self.ranked:
+            return set(rank_steps(self.path)[-self.keep:])
+        return set(sorted(s for s, c in step_dirs(self.storage).items() if c)[-self.keep:])
 
     def prune_tags(self) -> None:
         """Remove the tags of steps no longer in a single process's segment."""

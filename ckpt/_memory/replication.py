@@ -20,7 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
@@ -31,10 +30,6 @@ from ckpt._memory.replica_receiver import ReplicaReceiver
 from ckpt._memory.tier import RANK_DOC
 
 log = logging.getLogger("ckpt")
-
-
-def new_secret() -> str:
-    return secrets.token_hex(16)
 
 
 def advertised_host() -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, MutableMapping
 
 from storage_backends import Storage
@@ -18,7 +19,7 @@ from ckpt._load.reader import few_keys, load_step
 from ckpt._load.as_saved import MapLocation, read_structure
 from ckpt._manager.metrics import CheckpointMetrics
 from ckpt._manager.publisher import MemoryPublisher
-from ckpt._manager.tiers import RestoreTier, Tier, restore_order
+from ckpt._manager.tiers import CountedReads, RestoreTier, Tier, restore_order
 from ckpt._manager.verdict import Fallback, Verdict
 from ckpt._shared.distributed import Group
 from ckpt._step.integrity import read_manifest
@@ -36,11 +37,18 @@ class RestoreInfo:
     bytes this restore read from the root, every attempt and pass counted (0 from memory; a
     two-pass load of a step reads its data twice). ``ranks``: (tier, bytes_from_storage) of
     every rank, by rank, the same on all ranks (every rank restores the same step, but each
-    from its own tier)."""
+    from its own tier). ``bytes`` (this rank): the bytes read for the step restored, from
+    its tier. ``seconds``: the restore's time on this rank, the steps it skipped and the
+    discovery of what memory holds included. ``skipped``: (step, tier, why) of each attempt
+    that failed before the one that loaded, newest first, the same on every rank (a step
+    whose copy in memory failed is tried from the replicas, then the root)."""
     step: int
     tier: Tier
     bytes_from_storage: int
     ranks: tuple[tuple[Tier, int], ...] = ()
+    bytes: int = 0
+    seconds: float = 0.0
+    skipped: tuple[tuple[int, Tier, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +59,19 @@ class Restored:
     manifest: Manifest
     info: RestoreInfo | None = None
     value: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempts:
+    """What the attempt that loaded read, and what came before it (``RestoreInfo``)."""
+    bytes: int
+    seconds: float
+    skipped: tuple[tuple[int, Tier, str], ...]
+
+
+def _one_line(why: str) -> str:
+    """A reason on one line (it goes into a log line)."""
+    return " ".join(why.split())
 
 
 class Restorer:
@@ -77,6 +98,7 @@ class Restorer:
     def restore(self, state: MutableMapping[str, Any], step: int | None, *, strict: bool,
                 verify: str) -> Restored | None:
         """See :meth:`ckpt.CheckpointManager.restore`."""
+        started = time.perf_counter()
         gate = Gate(verify_level(verify), state)
         one_pass = step is None and not strict and gate.level == "digest"
         dirty: frozenset[str] = frozenset()  # live tensors that failed steps left changed
@@ -88,13 +110,14 @@ class Restorer:
         root, order = restore_order(self.storage, self.memory, self.group, candidates, step)
         tried = Fallback(self.group, self.root, self.skipped, "restore")
         in_memory_only: list[str] = []  # memory tiers' failures (the root may hold the step)
+        failed: list[tuple[int, Tier, str]] = []  # every failed attempt, for last_restore
         with cf.ThreadPoolExecutor(self.threads) as pool, gate:
             for s, tier in order:
                 # In one pass, a step that fails leaves `dirty` tensors behind. A step that
                 # loads writes every live tensor (load_step), so it repairs them; when none
                 # does, the error names them (never silently mixed).
-                error, wrote, manifest, storage = self._attempt(s, tier, state, pool, gate,
-                                                                in_place=one_pass)
+                error, wrote, manifest, storage, nbytes = self._attempt(
+                    s, tier, state, pool, gate, in_place=one_pass)
                 # Every rank must restore the same step: agree on this one's outcome first.
                 agreed = tried.agree(error)
                 if agreed.fatal:
@@ -103,7 +126,10 @@ class Restorer:
                     # A step another rank failed on: what this rank wrote needs repair too.
                     dirty |= error.changed if isinstance(error, PartialLoadError) else wrote
                 if not agreed.bad:
-                    return self._restored(s, manifest, storage, tier.tier, root.reads, tried)
+                    return self._restored(s, manifest, storage, tier.tier, root.reads, tried,
+                                          Attempts(nbytes, time.perf_counter() - started,
+                                                   tuple(failed)))
+                failed.append((s, tier.tier, _one_line(agreed.bad[0])))
                 if tier.tier is not Tier.STORAGE:  # other copies, or the root, may hold it
                     log.warning("ckpt.restore memory tier step=%d unusable, falling through: "
                                 "%s", s, agreed.bad[0])
@@ -130,16 +156,20 @@ class Restorer:
 
     def _attempt(self, step: int, tier: RestoreTier, state: MutableMapping[str, Any],
                  pool: cf.ThreadPoolExecutor, gate: Gate, *, in_place: bool
-                 ) -> tuple[BaseException | None, frozenset[str], Manifest | None, Any]:
+                 ) -> tuple[BaseException | None, frozenset[str], Manifest | None, Any, int]:
         """Load ``step`` from ``tier``: (the error, or None; the live tensors written; the
-        manifest when it loaded; the storage read)."""
+        manifest when it loaded; the storage read; the bytes read from it)."""
         try:
-            storage = tier.open(step, state)
+            # The forward gate reads the probe recorded at save time too: a memory tier
+            # plans each rank's reads, and must plan those.
+            storage = tier.open(step, state, probe=gate.forward)
         except CorruptCheckpointError as e:  # every rank raised it: agreed
-            return e, frozenset(), None, None
+            return e, frozenset(), None, None, 0
+        counted = storage if isinstance(storage, CountedReads) else CountedReads(storage)
+        before = counted.bytes_read
         try:
-            return (*self._try_load(step, state, pool, storage, gate, in_place=in_place),
-                    storage)
+            loaded = self._try_load(step, state, pool, counted, gate, in_place=in_place)
+            return (*loaded, storage, counted.bytes_read - before)
         finally:
             if tier.owns_storage:
                 storage.close()  # a memory tier's open files
@@ -162,15 +192,21 @@ class Restorer:
                               path=self.root)
 
     def _restored(self, step: int, manifest: Manifest | None, storage: Any, tier: Tier,
-                  root_reads: Any, tried: Fallback) -> Restored:
-        log.info("ckpt.restore step=%d root=%s skipped=%d tier=%s", step, self.root,
-                 len(tried.failures), tier)
+                  root_reads: Any, tried: Fallback, done: Attempts) -> Restored:
         here = (Tier(getattr(storage, "tier", tier)), root_reads.bytes_read)
         ranks = tuple(self.group.all_gather(here))
+        # One line says what the restore did: which step, from where, how much, how long,
+        # and every attempt it gave up on first (the same on every rank), with the reason.
+        log.info("ckpt.restore step=%d tier=%s bytes=%d seconds=%.3f skipped=%s root=%s",
+                 step, here[0], done.bytes, done.seconds, "; ".join(
+                     f"step {s} ({t}): {why}" for s, t, why in done.skipped) or "none",
+                 self.root)
         if self.metrics:
             self.metrics.restored(len(tried.failures))
         assert manifest is not None  # every rank succeeded, this one too
-        return Restored(step, manifest, RestoreInfo(step, here[0], here[1], ranks))
+        return Restored(step, manifest, RestoreInfo(step, here[0], here[1], ranks,
+                                                    bytes=done.bytes, seconds=done.seconds,
+                                                    skipped=done.skipped))
 
     def _try_load(self, step: int, state: MutableMapping[str, Any], pool: cf.ThreadPoolExecutor,
                   storage: Any, gate: Gate, *, in_place: bool

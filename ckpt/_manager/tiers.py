@@ -36,9 +36,10 @@ class RestoreTier(Protocol):
     #: Whether the storage ``open`` returns must be closed after the attempt.
     owns_storage: bool
 
-    def open(self, step: int, state: MutableMapping[str, Any]) -> Any:
+    def open(self, step: int, state: MutableMapping[str, Any], *, probe: bool = False) -> Any:
         """The storage to read ``step`` from (may be collective; may raise
-        CorruptCheckpointError on every rank, which skips this tier for the step)."""
+        CorruptCheckpointError on every rank, which skips this tier for the step).
+        ``probe``: the load reads the recorded probe too (the forward gate)."""
 
 
 class RootTier:
@@ -49,7 +50,8 @@ class RootTier:
     def __init__(self, storage: Storage) -> None:
         self.reads = CountedReads(storage)
 
-    def open(self, step: int, state: MutableMapping[str, Any]) -> CountedReads:
+    def open(self, step: int, state: MutableMapping[str, Any], *,
+             probe: bool = False) -> CountedReads:
         return self.reads
 
 
@@ -64,7 +66,7 @@ class NodeMemoryTier:
                  plans: dict[int, Any]) -> None:
         self.memory, self.group, self.plans = memory, group, plans
 
-    def open(self, step: int, state: MutableMapping[str, Any]) -> Any:
+    def open(self, step: int, state: MutableMapping[str, Any], *, probe: bool = False) -> Any:
         from ckpt._memory.plan import open_candidate
         from ckpt._memory.shm_reader import ShmReader
 
@@ -73,7 +75,7 @@ class NodeMemoryTier:
             return ShmReader.of_root(mem.path, mem.key)
         plan = dataclasses.replace(self.plans[step], second=self.second)
         return open_candidate(plan, state, shm_dir=mem.shm_dir, job=mem.job, node=mem.node,
-                              rank=self.group.rank, pg=self.memory.pg)
+                              rank=self.group.rank, pg=self.memory.pg, probe=probe)
 
 
 class PeerReplicaTier(NodeMemoryTier):

@@ -29,6 +29,7 @@ from ckpt._memory.peer_client import PeerClient
 from ckpt._memory.peer_server import PeerServer, Range, map_ranges
 from ckpt._memory.source import MemorySource
 from ckpt._memory.tier import node_prefix, plain_name
+from ckpt._load.probe import PROBE_ITEM
 from ckpt._load.read_plan import needed_tensors
 from ckpt._shared.sharding import dtensor_type, overlapping, read_box, source_rank
 from ckpt._shared.state import flatten, is_stateful, item_tree
@@ -56,11 +57,12 @@ class ReadPlan:
 
 
 def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: str, job: str,
-                   node: str, rank: int, pg: Any) -> MemorySource:
+                   node: str, rank: int, pg: Any, probe: bool = False) -> MemorySource:
     """Agree on who serves each origin rank's files, merge the manifest and start serving
     the peers (a rank reads the bytes it needs from them as its load asks). Collective; raises
     CorruptCheckpointError on every rank when any rank cannot read or serve its part (the
-    caller falls through to the next tier)."""
+    caller falls through to the next tier). ``probe``: the load also reads the probe recorded
+    at save time (the forward gate's), which ``state`` has no slot for."""
     world = dist.get_world_size(pg)
     prefix = node_prefix(job, node)
     # Each origin's rank step document comes from its first holder (any copy: the digests
@@ -83,7 +85,7 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
     location = step_dir(c.step)
     plan, error = None, None
     try:  # per rank: every failure must reach the exchange's agreement, not skip it
-        plan = _plan(c, docs, state, location, shm_dir, prefix, rank)
+        plan = _plan(c, docs, state, location, shm_dir, prefix, rank, probe)
     except Exception as e:
         error = f"rank {rank} cannot use step {c.step} in memory: {e!r}"
     serving = _exchange(plan.requests if plan else {}, error, c.step, location, shm_dir,
@@ -97,7 +99,7 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
 
 
 def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], location: str,
-          shm_dir: str, prefix: str, rank: int) -> ReadPlan:
+          shm_dir: str, prefix: str, rank: int, probe: bool) -> ReadPlan:
     """This rank's merged manifest and where each chunk it needs comes from: a file on this
     node, or a request to a holder elsewhere (holder -> [(segment, file, start, length)])."""
 
@@ -117,7 +119,7 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
     local: dict[str, str] = {}
     requests: Requests = {}
     tier = "memory"
-    for key, chunk in _needed_chunks(manifest, state, rank):
+    for key, chunk in _needed_chunks(manifest, state, rank, probe):
         origin = origin_of[chunk.file]
         path = f"{location}/{chunk.file}"
         holder, h = chosen[origin]
@@ -178,15 +180,17 @@ def _merge(c: Candidate, docs: dict[int, dict], location: str,
     return manifest, raw, sizes, files_of
 
 
-def _needed_chunks(manifest: Manifest, state: MutableMapping[str, Any], rank: int) -> list:
+def _needed_chunks(manifest: Manifest, state: MutableMapping[str, Any], rank: int,
+                   probe: bool) -> list:
     """(key, chunk) this rank's load reads, planned as the loader plans it: the stored
     tensors its items refer to (``needed_tensors``, of the saved rank whose per-rank values
-    it gets), in the box ``read_box`` gives for its live tensor, the chunks ``overlapping``
-    finds there."""
+    it gets; with ``probe``, the probe item's too), in the box ``read_box`` gives for its
+    live tensor, the chunks ``overlapping`` finds there."""
     src = source_rank(rank, manifest.world_size)
     live = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) or is_stateful(v)}
     tensors = flatten(live, allow_pickle=True, rank=src, keep_vars=True).tensors
-    wanted = {name: item_tree(manifest.items[name], src) for name in state
+    names = [*state, *([PROBE_ITEM] if probe and PROBE_ITEM not in state else [])]
+    wanted = {name: item_tree(manifest.items[name], src) for name in names
               if name in manifest.items}
     dtensor, boxes = dtensor_type(), {}
     out = []

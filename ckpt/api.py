@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import os
 import threading
 import time
 from typing import Any, MutableMapping, overload
 
-from storage_backends import PosixStorage
+from storage_backends import PosixStorage, Storage, open_storage
 
+from ckpt._format.names import MANIFEST_NAME, step_dir
 from ckpt._load.levels import Gate, verify_level
 from ckpt._load.reader import load_step
 from ckpt._load.as_saved import MapLocation, read_structure
@@ -19,9 +21,11 @@ from ckpt._save.staging import Stager
 from ckpt._save.writer import BackgroundWriter
 from ckpt._shared.distributed import Group
 from ckpt._step.integrity import read_manifest
-from ckpt.errors import CheckpointError
+from ckpt._step.listing import committed_steps
+from ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ckpt.options import SaveOptions
 
+log = logging.getLogger("ckpt")
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """The target checkpoint directory already exists."""
@@ -117,42 +121,54 @@ def save(state: MutableMapping[str, Any], path: str | os.PathLike, *, step: int 
 
 
 @overload
-def load(path: str | os.PathLike, *, map_location: MapLocation = None,
-         allow_pickle: bool = False, verify: bool | str = True) -> dict[str, Any]: ...
-@overload
-def load(state: MutableMapping[str, Any], path: str | os.PathLike, *,
+def load(path: str | os.PathLike, *, step: int | None = None, map_location: MapLocation = None,
          allow_pickle: bool = False, verify: bool | str = True,
-         atomic: bool = True) -> int: ...
+         storage_options: dict | None = None) -> dict[str, Any]: ...
+@overload
+def load(state: MutableMapping[str, Any], path: str | os.PathLike, *, step: int | None = None,
+         allow_pickle: bool = False, verify: bool | str = True, atomic: bool = True,
+         storage_options: dict | None = None) -> int: ...
 
 
-def load(state: Any, path: Any = None, *, allow_pickle: bool = False,
-         verify: bool | str = True, atomic: bool = True,
-         map_location: MapLocation = None) -> Any:
-    """Load the checkpoint directory ``path`` into ``state`` in place; returns its step.
+def load(state: Any, path: Any = None, *, step: int | None = None, allow_pickle: bool = False,
+         verify: bool | str = True, atomic: bool = True, map_location: MapLocation = None,
+         storage_options: dict | None = None) -> Any:
+    """Load a checkpoint into ``state`` in place; returns its step.
+
+    ``path`` is one checkpoint directory (written by :func:`save`, or a root's
+    ``step-XXXXXXXX``) or a root, as every ``ckpt`` command takes (a directory or an
+    object-store URL, ``storage_options`` passed to its backend). From a root it loads the
+    newest committed step that passes ``verify``: a step that fails is skipped with a
+    warning (``ckpt.load skipping step=N reason=...``) and the one before it tried, as
+    :meth:`CheckpointManager.restore` does; ``step=N`` loads that step or raises. Example:
+    ``ckpt.load(state, "/ckpt/run1")``, or ``ckpt.load(state, "/ckpt/run1", step=500)``.
 
     ``load(path)`` without a state returns the saved structure instead, like ``torch.load``:
     a dict of the saved items, each a tensor, the value its ``state_dict()`` returned, or the
     plain value (tensors on the CPU, or moved with ``map_location``; tied tensors stay one
     object). Example: ``sd = ckpt.load("ckpt/one")["model"]``.
 
-    Under torch.distributed each rank loads the boxes it holds (any world size). Every
-    chunk is verified before the first live tensor is written, streamed through one small
-    buffer per reading thread (the extra memory does not grow with the state); the files are
-    then read again, from the page cache, straight into the tensors. ``atomic=False`` reads
-    once, verifying each chunk where it lands: a digest mismatch then raises
-    :class:`PartialLoadError`, which names the tensors it overwrote.
+    Under torch.distributed each rank loads the boxes it holds (any world size); from a
+    root, ranks skip a step together when it fails on any of them. Every chunk is verified
+    before the first live tensor is written, streamed through one small buffer per reading
+    thread (the extra memory does not grow with the state); the files are then read again,
+    from the page cache, straight into the tensors. ``atomic=False`` reads once, verifying
+    each chunk where it lands: a digest mismatch then raises :class:`PartialLoadError`,
+    which names the tensors it overwrote (and nothing older is tried).
     ``verify`` is ``"structure"`` (False), ``"digest"`` (True, the default) or ``"forward"``:
     see :meth:`CheckpointManager.restore`; a failed forward check puts the models back.
 
     Raises:
-        CheckpointNotFoundError: ``path`` holds no committed checkpoint.
+        CheckpointNotFoundError: ``path`` holds no committed checkpoint (or not ``step``).
         CorruptCheckpointError: the manifest is invalid, a file is missing or truncated, or
-            (with ``verify``) a chunk's digest does not match.
+            (with ``verify``) a chunk's digest does not match; from a root, every step
+            failed (the message lists each step's reason).
         ForwardCheckError: (``verify="forward"``) the probe's rerun failed.
         StateMismatchError: the checkpoint does not fit ``state``; nothing was changed.
         UnsupportedValueError: it holds pickled values and ``allow_pickle`` is False.
         PartialLoadError: reading failed after live tensors were written (``atomic=False``,
             or a file removed between the two reads); the message says which.
+        ValueError: ``step=`` given for a single checkpoint directory.
     """
     template_free = path is None
     if template_free:
@@ -162,17 +178,84 @@ def load(state: Any, path: Any = None, *, allow_pickle: bool = False,
     elif map_location is not None:
         raise TypeError("map_location= applies to load(path) without a state; a state's "
                         "tensors keep their own devices")
-    gate = Gate(verify_level(verify), {} if template_free else state)
-    if template_free and gate.forward:
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"step= must be an int, not {step!r}")
+    if template_free and verify_level(verify) == "forward":
         raise ValueError('verify="forward" needs the model to run the probe through: use '
                          'ckpt.load(state, path, verify="forward")')
-    full = os.path.realpath(os.fspath(path))  # a link the caller names is followed
-    storage = PosixStorage(os.path.dirname(full), create=False)
-    name = os.path.basename(full)
-    manifest = read_manifest(storage, name)
+    storage, names, where = _locate(path, step, storage_options)
     group = Group()
+    failed: list[str] = []
+    for name, expected in names:
+        error = result = None
+        try:
+            result = _load_step(state, storage, name, expected, where, verify=verify,
+                                allow_pickle=allow_pickle, atomic=atomic,
+                                map_location=map_location, group=group)
+        except CorruptCheckpointError as e:
+            if len(names) == 1:
+                raise
+            error = e
+        # From a root: every rank skips a step that failed on any of them.
+        if all(group.all_gather(error is None) if group.enabled else [error is None]):
+            return result
+        error = error or CorruptCheckpointError(f"another rank failed to load step {expected}",
+                                                path=where)
+        log.warning("ckpt.load skipping step=%s reason=%s", expected, error)
+        failed.append(f"step {expected}: {error}")
+    raise CorruptCheckpointError(f"no committed step of {where} loads: " + "; ".join(failed),
+                                 path=where)
+
+
+def _locate(path: str | os.PathLike, step: int | None, storage_options: dict | None
+            ) -> tuple[Storage, list[tuple[str, int | None]], str]:
+    """The storage, the checkpoint directories to try in order (with the step each must
+    hold) and the name to report, for a checkpoint directory or a root."""
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        storage = open_storage(text, create=False, storage_options=storage_options)
+        single = storage.exists(MANIFEST_NAME)
+        if single:
+            parent, _, name = text.rstrip("/").rpartition("/")
+            storage = open_storage(parent, create=False, storage_options=storage_options)
+    else:
+        full = os.path.realpath(text.removeprefix("file://"))  # a link named is followed
+        single = not os.path.isdir(full) or os.path.isfile(os.path.join(full, MANIFEST_NAME))
+        parent, name = os.path.split(full)
+        storage = PosixStorage(parent if single else full, create=False)
+    if single:
+        if step is not None:
+            raise ValueError(f"step= chooses a step of a root; {text} is one checkpoint "
+                             "directory: load it without step=")
+        return storage, [(name, None)], text
+    steps = committed_steps(storage)
+    if step is not None:
+        if step not in steps:
+            raise CheckpointNotFoundError(f"{text} has no committed step {step} (committed: "
+                                          f"{_listed(steps)})", path=text)
+        return storage, [(step_dir(step), step)], text
+    if not steps:
+        raise CheckpointNotFoundError(f"{text} holds no committed checkpoint (neither a "
+                                      f"{MANIFEST_NAME} nor a committed step directory)",
+                                      path=text)
+    return storage, [(step_dir(s), s) for s in reversed(steps)], text
+
+
+def _listed(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return ", ".join(map(str, steps[-10:])) + (" and older" if len(steps) > 10 else "")
+
+
+def _load_step(state: MutableMapping[str, Any] | None, storage: Storage, name: str,
+               step: int | None, where: str, *, verify: bool | str, allow_pickle: bool,
+               atomic: bool, map_location: MapLocation, group: Group) -> Any:
+    """Load one checkpoint directory: into ``state`` (returns its step) or, without a state,
+    as saved (returns the items)."""
+    gate = Gate(verify_level(verify), {} if state is None else state)
+    manifest = read_manifest(storage, name, step)
     with cf.ThreadPoolExecutor(SaveOptions().write_threads) as pool, gate:
-        if template_free:
+        if state is None:
             return read_structure(storage, name, manifest, rank=group.rank,
                                   allow_pickle=allow_pickle, verify=gate.digests, pool=pool,
                                   map_location=map_location)
@@ -183,7 +266,8 @@ def load(state: Any, path: Any = None, *, allow_pickle: bool = False,
         except Exception:
             gate.agree(group, False)  # ranks run the forward check all or none
             raise
-        error = gate.check(None, manifest, group, full)
+        error = gate.check(None, manifest, group, f"{where}/{name}" if step is not None
+                           else where)
         if error is not None:
             raise error
     return manifest.step

@@ -6,7 +6,7 @@ from ckpt.api import CheckpointExistsError, async_save, load, save
 from ckpt._save.handle import SaveHandle, SaveResult
 from ckpt.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
                      CorruptCheckpointError, ForwardCheckError, PartialLoadError,
-                     StateMismatchError,
+                     StateMismatchError, StepOrderError,
                      StorageError, UnsupportedValueError)
 from ckpt._manager.manager import CheckpointManager
 from ckpt.options import MemoryTierOptions, MetricsOptions, SaveOptions, Schedule
@@ -37,6 +37,7 @@ __all__ = [
     "SaveResult",
     "Schedule",
     "StateMismatchError",
+    "StepOrderError",
     "StorageError",
     "UnsupportedValueError",
     "async_save",

@@ -63,6 +63,11 @@ class UnsupportedValueError(CheckpointError, TypeError):
     """A value in the state can be neither a tensor nor JSON (and pickle was not allowed)."""
 
 
+class StepOrderError(CheckpointError, ValueError):
+    """A save's step number is not after the root's newest step: lower (a restore would
+    resume from the newer one), or the same one without ``overwrite=True``."""
+
+
 class StorageError(CheckpointError, OSError):
     """The storage backend failed to read, write or commit (the backend's error is chained)."""
 

@@ -19,7 +19,8 @@ missing root or step as :class:`ckpt.CheckpointNotFoundError`.
 Also here, for tools that interpret what a step holds: the tree helpers
 (:func:`item_tree`, :func:`tensor_leaves`, :func:`plain_values`, :func:`parameter_names`),
 the probe's item name, forward, tolerances and sanity check (:data:`PROBE_ITEM`,
-:func:`run_forward`, :func:`tolerance_for`, :func:`damaged_probe`) and the
+:func:`run_forward`, :func:`tolerance_for`, :func:`damaged_probe`, :func:`compared_outputs`,
+:func:`sums_outside`) and the
 safetensors dtype codes of the data files. They are kept stable with the format version.
 """
 
@@ -48,7 +49,8 @@ from ckpt._step.integrity import check_structure as _check_structure
 from ckpt._format.digest import digest
 from ckpt._step.integrity import chunk_path, read_manifest
 from ckpt._step.listing import committed_steps
-from ckpt._load.probe import PROBE_ITEM, TOLERANCES, run_forward, tolerance_for
+from ckpt._load.probe import (PROBE_ITEM, TOLERANCES, compared_outputs, run_forward,
+                              sums_outside, tolerance_for)
 from ckpt._load.reader import load_step
 from ckpt._load.chunk_read import read_chunk as _read_chunk
 from ckpt._format.tags import BYTES, DICT, FLOAT, NDARRAY, PICKLE, TENSOR, TUPLE
@@ -56,9 +58,10 @@ from ckpt._shared.state import item_tree
 
 __all__ = [
     "PROBE_ITEM", "SAFETENSORS_DTYPES", "TOLERANCES", "Checkpoints", "Chunk", "Manifest",
-    "TensorEntry", "byte_view", "damaged_probe", "digest", "is_tensor_leaf", "item_tree",
+    "TensorEntry", "byte_view", "compared_outputs", "damaged_probe", "digest",
+    "is_tensor_leaf", "item_tree",
     "named_tensors", "open", "parameter_names", "plain_values", "run_forward", "step_dir",
-    "tensor_leaves", "tolerance_for",
+    "sums_outside", "tensor_leaves", "tolerance_for",
 ]
 
 

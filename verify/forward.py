@@ -34,9 +34,10 @@ import torch
 import ckpt
 # TOLERANCES is re-exported by verify/__init__.py (its table lives in ckpt._load.probe, for restore)
 from ckpt.inspect import (PROBE_ITEM, TOLERANCES, Checkpoints, Manifest,  # noqa: F401
-                          damaged_probe, item_tree, run_forward, tensor_leaves, tolerance_for)
+                          compared_outputs, damaged_probe, item_tree, run_forward,
+                          sums_outside, tensor_leaves, tolerance_for)
 
-from .report import Problem, UsageError
+from .report import Problem, UsageError, number
 
 _SPEC = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
 NO_PROBE_HINT = (
@@ -173,7 +174,17 @@ def check_forward(cps: Checkpoints, step: int, manifest: Manifest, *,
         "output_dtype": str(output.dtype).removeprefix("torch."), "rtol": r, "atol": a,
         "max_abs_diff": None, "max_rel_diff": None, "mismatched": None,
         "loss_recorded": probe.get("loss"), "loss_now": loss_now, "loss_note": loss_note}
-    problems += compare_output(output, recorded, r, a, where, figures)
+    compared = compared_outputs(probe, output)
+    if isinstance(compared, str):
+        problems.append(Problem("output", f"{where}: {compared}: the model does not match the "
+                                "one that was saved", where))
+    else:
+        problems += compare_output(*compared, r, a, where, figures, whole=output)
+        sums = sums_outside(probe, output, r, a)
+        if sums is not None and not problems:
+            problems.append(Problem("output", f"{where}: {sums}", where))
+    if "output_index" in probe:
+        figures["sampled"] = int(probe["output_index"].numel())
     if loss_fn is not None:
         problems += _compare_loss(probe.get("loss"), loss_now, r, a, where)
     figures["seconds"] = time.perf_counter() - t0
@@ -241,38 +252,47 @@ def _files_holding(cps: Checkpoints, step: int, manifest: Manifest, key: str,
 
 
 def compare_output(output: torch.Tensor, recorded: torch.Tensor, rtol: float, atol: float,
-                   where: str, figures: dict[str, Any]) -> list[Problem]:
-    """The rerun's output against the recorded one; fills the figures it measures."""
+                   where: str, figures: dict[str, Any],
+                   whole: torch.Tensor | None = None) -> list[Problem]:
+    """The rerun's output against the recorded one (or the recorded sample's positions of
+    it, ``whole`` being the rerun's whole output); fills the figures it measures. A NaN on
+    either side is never "no difference": the figures then say nan, and NaN/Inf in the
+    rerun's output is a problem of its own."""
     if output.shape != recorded.shape:
         return [Problem("output", f"{where}: the forward output has shape "
                         f"{list(output.shape)}, the recorded one {list(recorded.shape)}: "
                         "the model does not match the one that was saved", where)]
     problems = []
-    bad = ~torch.isfinite(output) if output.is_floating_point() or output.is_complex() else None
+    whole = output if whole is None else whole
+    bad = ~torch.isfinite(whole) if whole.is_floating_point() or whole.is_complex() else None
     if bad is not None and bool(bad.any()):
         problems.append(Problem("output", f"{where}: the forward output on the probe's inputs "
-                                f"has {int(bad.sum())} NaN/Inf of {output.numel()} values",
+                                f"has {int(bad.sum())} NaN/Inf of {whole.numel()} values",
                                 where))
     new = output.to(torch.complex128 if output.is_complex() else torch.float64)
     old = recorded.to(new.dtype)
     diff = (new - old).abs()
+    nan = torch.isnan(diff)
+    # NaN on both sides is reported above as NaN/Inf in the output, not as a difference
     both_nan = torch.isnan(new) & torch.isnan(old) if new.is_floating_point() else None
-    if both_nan is not None:
-        diff = diff.masked_fill(both_nan, 0.0)
-    diff = torch.nan_to_num(diff, nan=math.inf)
     limit = atol + rtol * old.abs()
-    outside = diff > torch.nan_to_num(limit, nan=0.0)
-    figures["max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
+    outside = torch.nan_to_num(diff, nan=math.inf) > torch.nan_to_num(limit, nan=0.0)
+    if both_nan is not None:
+        outside &= ~both_nan
     scale = old.abs()
     rel = torch.where(scale > atol, diff / scale.clamp_min(atol or 1e-300), 0.0)
-    figures["max_rel_diff"] = float(rel.max()) if rel.numel() else 0.0  # where |old| > atol
+    has_nan = bool(nan.any())
+    figures["max_abs_diff"] = math.nan if has_nan else (
+        float(diff.max()) if diff.numel() else 0.0)
+    figures["max_rel_diff"] = math.nan if has_nan else (  # where |old| > atol
+        float(rel.max()) if rel.numel() else 0.0)
     figures["mismatched"] = int(outside.sum())
     if bool(outside.any()):
         index = [int(i) for i in torch.nonzero(outside)[0]] if outside.dim() else []
         problems.append(Problem(
             "output", f"{where}: the forward output differs from the one recorded at save "
             f"time in {int(outside.sum())} of {output.numel()} values: max |diff| "
-            f"{figures['max_abs_diff']:.3g} (first outside at index {index}), tolerance "
+            f"{number(figures['max_abs_diff'])} (first outside at index {index}), tolerance "
             f"rtol={rtol:g} atol={atol:g} for {figures['output_dtype']}", where))
     return problems
 

@@ -17,6 +17,7 @@ step that failed its check.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
@@ -165,6 +166,26 @@ def damaged_probe(probe: Any) -> str | None:
         return "it has no recorded inputs"
     if not isinstance(probe.get("output"), torch.Tensor):
         return f"its recorded output is a {type(probe.get('output')).__name__}, not a tensor"
+    if "output_index" in probe:
+        return _damaged_sample(probe)
+    return None
+
+
+def _damaged_sample(probe: dict) -> str | None:
+    """What is wrong with a sampled probe's positions, shape and sums (they index the rerun's
+    output: a hand-edited manifest must not point outside it), or None."""
+    index, shape, sums = probe["output_index"], probe.get("output_shape"), probe.get("output_sums")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                              and d >= 0 for d in shape):
+        return f"its recorded output shape is {shape!r}, not a list of sizes"
+    if not (isinstance(index, torch.Tensor) and index.dtype == torch.int64 and index.dim() == 1
+            and index.shape == probe["output"].shape):
+        return "its recorded output positions are not one int64 position per sampled value"
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= math.prod(shape)):
+        return f"its recorded output positions fall outside an output of shape {shape}"
+    if not (isinstance(sums, list) and len(sums) == 2 and all(
+            isinstance(v, float) for v in sums)):
+        return "its recorded output sums are not two numbers"
     return None
 
 

@@ -31,6 +31,16 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 
 
+#: The most output values a probe stores by default. A language model's output is batch x
+#: sequence x vocabulary (12 MiB of logits for a small model, more than its weights): above
+#: this many values the probe stores a fixed sample of positions (an even spread drawn from a
+#: seeded generator) and the sum and absolute sum of the whole output, which the check
+#: compares with the bounds that the element-wise tolerance implies. A faulty load moves
+#: nearly every output value; a sample of 4,096 finds it, and the sums see the rest.
+MAX_OUTPUT_VALUES = 4096
+_SAMPLE_SEED = 0x5EED
+
+
 def tolerance_for(dtype: torch.dtype) -> tuple[float, float]:
     """(rtol, atol) for comparing outputs of ``dtype``; exact for integer outputs."""
     return TOLERANCES.get(dtype, (0.0, 0.0))
@@ -48,6 +58,9 @@ class Probe:
         loss_fn: optional ``(output, inputs) -> scalar tensor``; its value is recorded too.
         factory: ``"module:callable"`` that builds a fresh model for verification; recorded
             in the checkpoint so ``ckpt verify --level forward`` needs no ``--model``.
+        max_outputs: the most output values stored (default :data:`MAX_OUTPUT_VALUES`);
+            a larger output is stored as a sample of that many positions plus its sums.
+            None stores the whole output.
 
     The forward runs under ``torch.no_grad()`` in eval mode, with the RNG state forked, so
     recording a probe changes neither the model's mode nor the random streams of training.
@@ -57,6 +70,14 @@ class Probe:
     inputs: Any = None
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     factory: str | None = None
+    max_outputs: int | None = MAX_OUTPUT_VALUES
+
+    def __post_init__(self) -> None:
+        if self.max_outputs is not None and (isinstance(self.max_outputs, bool) or not
+                                             isinstance(self.max_outputs, int)
+                                             or self.max_outputs < 1):
+            raise ValueError(f"Probe(max_outputs=...) must be a positive int or None, not "
+                             f"{self.max_outputs!r}")
 
     def record(self, state: dict) -> dict:
         """Run the probe on the live model; returns the value saved as ``__probe__``."""
@@ -66,9 +87,66 @@ class Probe:
                             "(or a ckpt.ModelOptimizer) in the state")
         output, loss = run_forward(model, self.inputs, self.loss_fn)
         return {"model_key": self.model_key, "inputs": _cpu(self.inputs),
-                "output": output, "loss": loss, "factory": self.factory,
-                "loss_fn": _qualified_name(self.loss_fn),
+                **bounded_output(output, self.max_outputs), "loss": loss,
+                "factory": self.factory, "loss_fn": _qualified_name(self.loss_fn),
                 "finite": bool(torch.isfinite(output.float()).all())}
+
+
+def bounded_output(output: torch.Tensor, limit: int | None) -> dict[str, Any]:
+    """The probe's fields for ``output``: ``{"output": output}`` when it holds at most
+    ``limit`` values; else ``output`` a sample of ``limit`` of its values (flattened),
+    ``output_index`` their positions, ``output_shape`` its shape and ``output_sums`` its
+    sum and absolute sum (float64)."""
+    n = output.numel()
+    if limit is None or n <= limit:
+        return {"output": output}
+    g = torch.Generator().manual_seed(_SAMPLE_SEED)
+    # Evenly spread with a random phase per stretch: no aliasing with the output's layout
+    # (a stride equal to the vocabulary would sample one column), and sorted for reads.
+    stretch = n / limit
+    index = (torch.arange(limit, dtype=torch.float64) * stretch
+             + torch.rand(limit, generator=g, dtype=torch.float64) * stretch).long()
+    index = index.clamp_(max=n - 1)
+    flat = output.reshape(-1)
+    return {"output": flat[index].clone(), "output_index": index,
+            "output_shape": list(output.shape), "output_sums": _sums(output)}
+
+
+def _sums(output: torch.Tensor) -> list[float]:
+    wide = output.to(torch.complex128 if output.is_complex() else torch.float64)
+    return [float(wide.sum().abs() if wide.is_complex() else wide.sum()),
+            float(wide.abs().sum())]
+
+
+def compared_outputs(probe: dict, output: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """(the rerun's values, the recorded ones) for the element-wise comparison: the whole
+    outputs, or the recorded sample's positions; or why they cannot be compared (shapes)."""
+    index = probe.get("output_index")
+    shape = list(probe["output"].shape) if index is None else probe.get("output_shape")
+    if list(output.shape) != shape:
+        return (f"the probe's output has shape {list(output.shape)}, the one recorded at "
+                f"save time {shape}")
+    if index is None:
+        return output, probe["output"]
+    return output.reshape(-1)[index], probe["output"]
+
+
+def sums_outside(probe: dict, output: torch.Tensor, rtol: float, atol: float) -> str | None:
+    """For a sampled probe: whether the whole output's sums moved more than the element-wise
+    tolerance allows (``|sum new - sum old| <= n * atol + rtol * sum|old|`` follows from
+    ``|new - old| <= atol + rtol * |old|`` element by element), or None."""
+    recorded = probe.get("output_sums")
+    if recorded is None:
+        return None
+    now = _sums(output)
+    # float64 sums of a few million values: rounding far below any tolerance; 1e-9 covers it
+    bound = output.numel() * atol + rtol * recorded[1] + 1e-9 * recorded[1]
+    for name, new, old in zip(("sum", "absolute sum"), now, recorded):
+        if not abs(new - old) <= bound:  # NaN never passes
+            return (f"the {name} of the probe's {output.numel()} output values is {new:.6g}, "
+                    f"{old:.6g} at save time (allowed difference {bound:.3g})")
+    return None
 
 
 def model_of(value: Any) -> torch.nn.Module | None:
@@ -132,37 +210,40 @@ def check_model(model: torch.nn.Module, probe: dict) -> ProbeFailure | None:
     collectives). The loss is not rechecked (the loss function is not in the checkpoint).
     """
     try:
-        output, _ = run_forward(model, probe["inputs"])
+        whole, _ = run_forward(model, probe["inputs"])
     except Exception as e:  # the model's code (or the device), not the checkpoint's bytes
         return ProbeFailure(f"running the probe's inputs through the model raised "
                             f"{type(e).__name__}: {e}")
-    recorded = probe["output"]
     diverged = ("; the output recorded at save time was not finite either: training had "
                 "diverged before this step was saved" if probe.get("finite") is False else "")
     bad = nonfinite_weights(model)
     if bad:
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
         return ProbeFailure(f"weight {bad[0]}{more} of the model hold NaN/Inf{diverged}")
-    if (output.is_floating_point() or output.is_complex()) and not bool(
-            torch.isfinite(output).all()):
-        n = int((~torch.isfinite(output)).sum())
-        return ProbeFailure(f"the probe's output has {n} NaN/Inf of {output.numel()} "
+    if (whole.is_floating_point() or whole.is_complex()) and not bool(
+            torch.isfinite(whole).all()):
+        n = int((~torch.isfinite(whole)).sum())
+        return ProbeFailure(f"the probe's output has {n} NaN/Inf of {whole.numel()} "
                             f"values{diverged}")
-    if output.shape != recorded.shape:
-        return ProbeFailure(f"the probe's output has shape {list(output.shape)}, the one "
-                            f"recorded at save time {list(recorded.shape)}", mismatch=True)
+    compared = compared_outputs(probe, whole)
+    if isinstance(compared, str):
+        return ProbeFailure(compared, mismatch=True)
+    output, recorded = compared
     rtol, atol = tolerance_for(recorded.dtype)
     wide = torch.complex128 if output.is_complex() else torch.float64
     new, old = output.to(wide), recorded.to(wide)
     diff = torch.nan_to_num((new - old).abs(), nan=math.inf)  # a NaN recorded never agrees
     outside = diff > atol + rtol * old.abs()
     if not bool(outside.any()):
-        return None
+        sums = sums_outside(probe, whole, rtol, atol)
+        return None if sums is None else ProbeFailure(sums, mismatch=True)
     worst = float(diff.max())
+    sampled = " sampled" if "output_index" in probe else ""
     return ProbeFailure(
         f"the probe's output differs from the one recorded at save time in "
-        f"{int(outside.sum())} of {output.numel()} values (max |diff| {worst:.3g}; tolerance "
-        f"rtol={rtol:g} atol={atol:g} for {str(recorded.dtype).removeprefix('torch.')})",
+        f"{int(outside.sum())} of {output.numel()}{sampled} values (max |diff| {worst:.3g}; "
+        f"tolerance rtol={rtol:g} atol={atol:g} for "
+        f"{str(recorded.dtype).removeprefix('torch.')})",
         mismatch=True, max_abs_diff=worst)
 
 

@@ -21,6 +21,7 @@ from ckpt._manager.restorer import RestoreInfo, Restorer
 from ckpt._manager.root import RootOwner
 from ckpt._manager.saver import Saver
 from ckpt._manager.schedule import SaveSchedule
+from ckpt._manager.step_order import StepOrder
 from ckpt._manager.settings import resolve
 from ckpt._retention.collect import GcReport, collect
 from ckpt._retention.policy import RetentionPolicy
@@ -114,6 +115,8 @@ class CheckpointManager:
                 self.storage, self._group, self.steps, memory=self._publisher,
                 metrics=self._metrics, allow_pickle=self._options.allow_pickle,
                 threads=self._options.write_threads)
+            self._order = StepOrder(self.root, self.steps, lambda: self._restorer.skipped,
+                                    settle=self.wait)
         except BaseException:  # a manager that failed to open holds no lock or segment
             self._schedule.uninstall_sigterm()
             if self._publisher is not None:
@@ -168,8 +171,13 @@ class CheckpointManager:
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: MutableMapping[str, Any], *, force: bool = False,
              metadata: dict | None = None, metrics: dict[str, float] | None = None,
-             persist: bool | None = None) -> SaveHandle | None:
+             persist: bool | None = None, overwrite: bool = False) -> SaveHandle | None:
         """Save ``state`` as ``step`` when the schedule says so (or ``force``).
+
+        ``step`` must come after the newest step saved in the root (a restore picks the
+        newest): a lower one, or the same one, raises :class:`ckpt.StepOrderError` unless
+        ``overwrite=True``; steps a restore skipped as bad and retired steps do not count
+        (docs/guide.md, "Step numbers").
 
         Blocks only while the state is copied to host memory (async) or until the step is
         committed (sync). Raises the error of an earlier background save, if it failed.
@@ -197,11 +205,13 @@ class CheckpointManager:
         preempted = self._schedule.preempted_save
         if not self._schedule.due(step, force):
             return None
+        self._order.check(step, overwrite)
         if metrics is not None:
             metadata = {**(metadata or {}), "metrics": _checked_metrics(metrics)}
         metadata = self._retention.record_in(metadata)  # what `ckpt gc` applies later
-        handle = self._saver.save(step, state, metadata, to_root=preempted or (
-            self._schedule.persist_due(step, persist)))
+        to_root = self._publisher is None or preempted or self._schedule.persist_due(step, persist)
+        handle = self._saver.save(step, state, metadata, to_root=to_root)
+        self._order.saved(step, to_root)
         if not self._saver.copy or preempted:
             handle.wait()
         if preempted:
@@ -227,7 +237,9 @@ class CheckpointManager:
         """
         self._check_writable()
         self.wait()
-        report = collect(self.storage, set(self.steps()) - set(steps))
+        steps = set(steps)
+        report = collect(self.storage, set(self.steps()) - steps)
+        self._order.retired(steps)
         log.info("ckpt.retire retired=%s freed_bytes=%d", report.retired_steps,
                  report.freed_bytes)
         return report
@@ -278,6 +290,7 @@ class CheckpointManager:
         if not self._read_only and not self._closed:
             self.wait()
         restored = self._restorer.restore(state, step, strict=strict, verify=verify)
+        self._order.restored()
         if restored is None:
             return None
         self._last_restore = restored.info
@@ -304,6 +317,7 @@ class CheckpointManager:
         if not self._read_only and not self._closed:
             self.wait()
         loaded = self._restorer.load(step, map_location=map_location)
+        self._order.restored()
         if loaded is None:
             return None
         self._loaded_step = loaded.step

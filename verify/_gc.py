@@ -1,6 +1,6 @@
 """``ckpt gc``: a root's retention policy (the one its writer recorded, rules given as flags
 replacing the recorded ones), applied by :func:`ckpt._retention.gc.collect_root`; or, with
-``--memory``, the memory tier's segments that no live process owns."""
+``--memory``, this user's memory-tier segments that no live process owns."""
 
 from __future__ import annotations
 
@@ -131,8 +131,9 @@ def add_gc_parser(sub: Any, count: Callable[[str], int]) -> None:
         "kept, so steps are verified newest first before anything is deleted.")
     p.add_argument("root", metavar="ROOT", nargs="?")
     p.add_argument("--memory", action="store_true",
-                   help="instead: remove the memory tier's /dev/shm/ckpt-* segments that no "
-                   "live process owns (dead jobs); not while a job's workers are restarting")
+                   help="instead: remove this user's memory-tier segments (in /dev/shm/"
+                   "ckpt-uid<uid>/) that no live process owns (dead jobs); never another "
+                   "user's; not while a job's workers are restarting")
     p.add_argument("--job", metavar="JOB", help="with --memory: only this job's segments")
     p.add_argument("--keep-last", type=count, metavar="N",
                    help="keep the newest N steps (0: none by count; the newest step that "

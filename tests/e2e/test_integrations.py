@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import ckpt
@@ -156,13 +157,16 @@ def test_lightning_ddp_on_two_cpu_processes_saves_from_rank_0_and_resumes(tmp_pa
 def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path, killed_job):
     pytest.importorskip("transformers")
     job = killed_job("hf_job.py")
-    root = tmp_path / "hf"
-    assert (root / "step-00000006/manifest.json").exists()
-    # checkpoint-N folders stay HF's view (save_total_limit=2): a pointer, no weights.
-    assert sorted(p.name for p in root.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
-    assert not list(root.glob("checkpoint-*/*.safetensors"))
+    root, steps = tmp_path / "hf", tmp_path / ".hf.ckpt"
+    assert (steps / "step-00000006/manifest.json").exists()
+    # checkpoint-N folders are HF's (save_total_limit=2); ckpt's steps live in the sibling.
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-4", "checkpoint-6"]
     shutil.copytree(root, tmp_path / "hf_bad")
-    flip_a_bit(tmp_path / "hf_bad/step-00000006", "c_attn.weight")
+    shutil.copytree(steps, tmp_path / ".hf_bad.ckpt")
+    model_file = tmp_path / "hf_bad/checkpoint-6/model.safetensors"
+    blob = bytearray(model_file.read_bytes())
+    blob[-5] ^= 0x01  # inside the last tensor's bytes
+    model_file.write_bytes(bytes(blob))
 
     stderr = job.resume()
 
@@ -171,20 +175,10 @@ def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path, kil
     assert starts == {"ckpt": 6, "ckpt_bad": 4, "hf6": 6, "hf4": 4}
     assert same_weights(out / "ckpt.pt", out / "hf6.pt")  # model, optimizer, RNG, data skip
     assert same_weights(out / "ckpt_bad.pt", out / "hf4.pt")
-    assert "skipping step 6" in stderr and "digest mismatch" in stderr
-    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000012"]
-    # `ckpt export --to hf`: what it printed matches the folder, which from_pretrained loads.
-    report = json.loads((out / "export.json").read_text())
-    export = tmp_path / "export"
-    index = json.loads((export / "model.safetensors.index.json").read_text())
-    assert report["step"] == 12 and report["config"] and (export / "config.json").exists()
-    assert sorted(p.name for p in export.glob("*.safetensors")) == report["shards"]
-    count = len(report["shards"])
-    assert count > 1 and report["shards"][0] == f"model-00001-of-{count:05d}.safetensors"
-    assert len(index["weight_map"]) == report["tensors"]
-    assert set(index["weight_map"].values()) == set(report["shards"])
-    assert "lm_head.weight" not in index["weight_map"]  # tied: written once
-    assert str(tmp_path) not in (export / "model.safetensors.index.json").read_text()
+    assert "skipping" in stderr and "model.safetensors fails its digest" in stderr
+    assert sorted(p.name for p in steps.glob("step-*")) == ["step-00000010", "step-00000012"]
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-10", "checkpoint-12"]
+    # checkpoint-12 loads with from_pretrained: the same logits, tied weights tied again.
     logits = torch.load(out / "logits.pt")
     assert torch.equal(logits["trained"], logits["loaded"]) and logits["tied"]
 
@@ -268,8 +262,8 @@ def test_hf_best_model_at_end_loads_that_step_or_keeps_the_model(tmp_path, caplo
                              report_to=[], disable_tqdm=True)
     job = CkptTrainer(model=Loss(), args=args, train_dataset=data)
     job.train()
-    steps = {s: ckpt.load(tmp_path / "out" / f"step-{s:08d}")["model"]["inner.weight"]
-             for s in (2, 4)}
+    steps = {s: safetensors.torch.load_file(tmp_path / "out" / f"checkpoint-{s}" /
+                                            "model.safetensors")["inner.weight"] for s in (2, 4)}
     assert not torch.equal(steps[2], steps[4])
 
     job.state.best_model_checkpoint = str(tmp_path / "out" / "checkpoint-4")
@@ -278,10 +272,10 @@ def test_hf_best_model_at_end_loads_that_step_or_keeps_the_model(tmp_path, caplo
 
     with torch.no_grad():
         model.weight.fill_(7.0)
-    data_file = next((tmp_path / "out" / "step-00000004").glob("data-*"))
-    blob = bytearray(data_file.read_bytes())
+    model_file = tmp_path / "out" / "checkpoint-4" / "model.safetensors"
+    blob = bytearray(model_file.read_bytes())
     blob[-5] ^= 0x01  # inside the last tensor's bytes
-    data_file.write_bytes(bytes(blob))
+    model_file.write_bytes(bytes(blob))
     with caplog.at_level(logging.WARNING, logger="ckpt"):
         job._load_best_model()
     assert torch.equal(model.weight, torch.full((4, 4), 7.0))  # not step 2's weights

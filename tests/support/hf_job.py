@@ -3,16 +3,17 @@
     python hf_job.py kill WORK      # CkptTrainer; SIGKILLs itself at step 7 once 6 committed
     python hf_job.py resume WORK    # resumes WORK/hf and WORK/hf_bad through ckpt; runs the
                                      # same job with HF's own checkpoints, stopped after steps
-                                     # 6 and 4 and resumed; exports WORK/hf with the CLI and
-                                     # loads it with from_pretrained. Results in WORK/out/.
+                                     # 6 and 4 and resumed; loads WORK/hf/checkpoint-12 with
+                                     # from_pretrained. Results in WORK/out/.
+    python hf_job.py jit WORK       # HF's Trainer, then CkptTrainer, with enable_jit_checkpoint:
+                                     # SIGTERM after the first save; WORK/out/jit.json says
+                                     # where each stopped (tests/e2e/test_hf_contract.py)
     python hf_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
                                      # resume once the test writes go (tests/support/fork_kill.py)
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -28,7 +29,6 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,  # 
                           Trainer, TrainerCallback, TrainingArguments)
 
 from tests.support.fork_kill import kill_then_wait  # noqa: E402
-from verify import cli  # noqa: E402
 from trainer.integrations.hf import CkptTrainer  # noqa: E402
 
 MAX_STEPS = 12
@@ -91,13 +91,52 @@ def run(out: Path, cls: type, callbacks: list, resume: bool = False) -> GPT2LMHe
     return model
 
 
+class SigtermAfterSave(TrainerCallback):
+    """SIGTERM to this process after the first save; then no scheduled saves, and steps slow
+    enough that HF's JIT handler (it waits 3 s before asking for the checkpoint) acts before
+    training ends."""
+
+    def on_save(self, args, state, control, **kw):
+        if state.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step > 2:
+            control.should_save = False  # only the JIT checkpoint from here on
+            time.sleep(0.05)
+
+
+def jit(work: Path) -> None:
+    """Each trainer stops on SIGTERM; what it left is written to WORK/out/jit.json."""
+    result = {}
+    for name, cls in (("hf", Trainer), ("ckpt", CkptTrainer)):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=97,
+                                           n_positions=16))
+        args = TrainingArguments(output_dir=str(work / name), max_steps=400, save_steps=2,
+                                 per_device_train_batch_size=8, learning_rate=1e-3, seed=0,
+                                 report_to=[], use_cpu=True, disable_tqdm=True,
+                                 logging_steps=1000, enable_jit_checkpoint=True)
+        trainer = cls(model=model, args=args, train_dataset=Data(),
+                      callbacks=[SigtermAfterSave()])
+        trainer.train()
+        result[name] = {"stopped_at": trainer.state.global_step,
+                        "handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}
+    out = work / "out"
+    out.mkdir(exist_ok=True)
+    (out / "jit.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     mode, work = sys.argv[1], Path(sys.argv[2])
 
     def killed_run() -> None:
-        run(work / "hf", CkptTrainer, [At(7, work / "hf/step-00000006/manifest.json")])
+        run(work / "hf", CkptTrainer, [At(7, work / ".hf.ckpt/step-00000006/manifest.json")])
 
+    if mode == "jit":
+        jit(work)
+        return
     if mode == "kill":
         killed_run()
         raise SystemExit("not killed")
@@ -119,15 +158,8 @@ def main() -> None:
         if name == "ckpt":
             trained = model
     (out / "starts.json").write_text(json.dumps(starts))
-    # The exported folder loads with from_pretrained and gives the same logits. The CLI runs
-    # in this process (`python -m ckpt` itself is tested in tests/verify/test_cli.py).
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        status = cli.main(["export", str(work / "hf"), "--to", "hf", str(work / "export"),
-                           "--max-shard-size", "40KB", "--json"])
-    assert status == 0, status
-    (out / "export.json").write_text(printed.getvalue())
-    loaded = AutoModelForCausalLM.from_pretrained(str(work / "export"))
+    # HF's own checkpoint folder loads with from_pretrained and gives the same logits.
+    loaded = AutoModelForCausalLM.from_pretrained(str(work / "hf/checkpoint-12"))
     ids = Data().ids[:4]
     trained.eval()
     with torch.no_grad():

@@ -59,16 +59,19 @@ class StepStore:
             raise ValueError(f"{', '.join(refused)}: decided by the framework here (its save "
                              "schedule and retention); leave them out")
 
-    def save(self, step: int, state: dict[str, Any], *, metadata: dict | None = None) -> bool:
+    def save(self, step: int, state: dict[str, Any], *, metadata: dict | None = None,
+             overwrite: bool = False) -> bool:
         """Save ``state`` as ``step`` (in the background). Returns False when this process
         has just saved that same step with the same items (the framework saving one step
-        under two names): nothing is written again."""
+        under two names): nothing is written again. ``overwrite``: replace a step of that
+        number or go back to a lower one (a resume from an older checkpoint saving again)."""
         key = (step, frozenset(state))
         if self._last == key:
             return False
         self._doomed.discard(step)
         self._flush()
-        self._handle = self.mgr.save(step, state, force=True, metadata=metadata)
+        self._handle = self.mgr.save(step, state, force=True, metadata=metadata,
+                                     overwrite=overwrite)
         self._last = key
         return True
 

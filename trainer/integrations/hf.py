@@ -1,21 +1,22 @@
 """Hugging Face Trainer: ``CkptTrainer``, a drop-in ``transformers.Trainer`` that saves and
-resumes through ckpt.
+resumes through ckpt while keeping HF's checkpoint folders.
 
-``TrainingArguments(save_steps=..., save_total_limit=...)`` keep their meaning. Each save
-becomes a ckpt step ``step-<global_step>`` under ``output_dir`` (model, optimizer, scheduler,
-gradient scaler, RNG, the trainer state with its data position), written in the background
-and digested; ``output_dir/checkpoint-N/`` stays as HF's view of it: ``trainer_state.json``
-and a pointer to the step (no weights: ``ckpt export output_dir --to hf DIR`` writes a
-``from_pretrained`` folder; the model's config is saved with every step for it).
+``output_dir/checkpoint-N/`` holds what HF's ``Trainer`` writes there, so HF's tools read it
+(``AutoModelForCausalLM.from_pretrained("out/checkpoint-N")``, ``get_last_checkpoint``,
+``save_total_limit``): the model as HF saves it, written once, in the background from a host
+copy; the optimizer's state goes through ckpt (async, digested) into step N of the hidden
+sibling root ``.out.ckpt``, whose manifest also records the model files' digests.
+``optimizer.pt`` is a small file naming that step (see :mod:`._hf_folder`).
 
-``train(resume_from_checkpoint=True)`` resumes from the newest ckpt step that loads cleanly
-(a corrupt or unfinished newest one is skipped with a warning); a ``checkpoint-N`` path
-resumes from step N (or the newest good one before it). Single process, or DDP where rank 0
-saves (the RNG state saved is rank 0's).
+``train(resume_from_checkpoint=True)`` picks the folder HF would (the highest
+``checkpoint-N``); one whose step is unfinished, missing or fails a digest is skipped with a
+warning for the one before it. Signals stay HF's (``enable_jit_checkpoint``): ckpt installs
+no SIGTERM handler. Single process, or DDP where rank 0 saves (the RNG state saved is rank 0's).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -27,31 +28,46 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 import ckpt
-from ckpt.tools import POINTER_NAME, read_pointer, write_pointer
+import ckpt.inspect
+import ckpt.tools
 
-from ._steps import StepStore, load_newest_good, pickle_allowed
+from . import _hf_folder as hff
+from ._steps import StepStore, pickle_allowed
 
 log = logging.getLogger("ckpt")
 
 TRAINER_STATE_NAME = "trainer_state.json"
 CONFIG_KEY = "hf_config"  # manifest metadata: the model's config.json, for `ckpt export --to hf`
+JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # HF's JIT checkpoint marks its folder with it
 
 
 class CkptTrainer(Trainer):
-    """``transformers.Trainer`` whose checkpoints are ckpt steps (see the module docstring).
+    """``transformers.Trainer`` whose checkpoints go through ckpt (see the module docstring).
 
     Args:
         ckpt_options: passed to :class:`ckpt.CheckpointManager` (``async_save``,
             ``options=ckpt.SaveOptions(...)``...); schedule and retention are HF's.
+        ckpt_root: ckpt's root (default: ``.<output_dir name>.ckpt`` next to ``output_dir``).
         args, kwargs: as for ``transformers.Trainer``.
     """
 
-    def __init__(self, *args: Any, ckpt_options: dict | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, ckpt_options: dict | None = None,
+                 ckpt_root: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        StepStore.check_options(ckpt_options or {})
-        self.ckpt_options = dict(ckpt_options or {})
+        options = dict(ckpt_options or {})
+        StepStore.check_options(options)
+        # SIGTERM is HF's (its JIT checkpoint, or the default exit): ckpt installs no handler.
+        options.setdefault("schedule", ckpt.Schedule(handle_sigterm=False))
+        self.ckpt_options = options
+        self.ckpt_root = ckpt_root
         self._ckpt_store: StepStore | None = None
+        self._ckpt_writer: hff.FolderWriter | None = None
+        self._ckpt_run_dir = ""
         self._ckpt_loaded: dict[str, Any] | None = None
+
+    def ckpt_root_for(self, run_dir: str) -> str:
+        """ckpt's root for ``run_dir``'s checkpoints."""
+        return os.path.abspath(self.ckpt_root) if self.ckpt_root else hff.root_for(run_dir)
 
     # -- saving ----------------------------------------------------------------------------
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
@@ -69,29 +85,45 @@ class CkptTrainer(Trainer):
         self._update_stateful_callbacks()
         if not self.args.should_save:
             return
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        state: dict[str, Any] = {"model": unwrapped,
-                                 "trainer_state": self.state_json()}
+        store = self._store(run_dir)
+        # The training thread takes host copies (what ckpt's own async save blocks for); the
+        # writer thread writes the model as HF does, digests it, then saves the ckpt step.
+        model_sd = hff.host_copy(self.model.state_dict())
+        items: dict[str, Any] = {"trainer_state": self.state_json()}
         if not self.args.save_only_model:
-            state.update(optimizer=self.optimizer, scheduler=self.lr_scheduler,
-                         rng=ckpt.RNGState())
+            items.update(optimizer=hff.Captured(hff.host_copy(self.optimizer.state_dict())),
+                         scheduler=hff.Captured(copy.deepcopy(self.lr_scheduler.state_dict())),
+                         rng=hff.Captured(ckpt.RNGState().state_dict(), per_rank=True))
             scaler = getattr(self.accelerator, "scaler", None)
             if scaler is not None:
-                state["scaler"] = scaler
-        config = getattr(unwrapped, "config", None)
+                items["scaler"] = hff.Captured(copy.deepcopy(scaler.state_dict()))
+            # HF's small files, as HF writes them (bytes: kilobytes).
+            self._save_rng_state(folder)
+            self._save_scaler(folder)
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(folder, "scheduler.pt"))
+        self.state.save_to_json(os.path.join(folder, TRAINER_STATE_NAME))
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         metadata = {CONFIG_KEY: json.loads(config.to_json_string())} if config is not None \
-            else None
-        store = self._store(run_dir)
-        store.save(step, state, metadata=metadata)
-        with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
-            f.write(state["trainer_state"])
-        write_pointer(os.path.join(folder, POINTER_NAME), step)
+            and hasattr(config, "to_json_string") else {}
+        with_optimizer = not self.args.save_only_model
+
+        def write() -> None:
+            self._save(folder, state_dict=model_sd)
+            metadata[hff.MODEL_FILES_KEY] = hff.weight_digests(folder)
+            store.save(step, items, metadata=metadata, overwrite=True)  # HF rewrites it too
+            store.mgr.wait()  # committed: now the folder may say so
+            if with_optimizer:
+                hff.write_marker(folder, step)
+            store.retire(set(store.mgr.steps()) - set(hff.folders(run_dir)))
+
+        self._ckpt_writer.submit(write)
+        if os.path.exists(os.path.join(folder, JIT_SENTINEL)):
+            # HF's JIT checkpoint removes its marker when this returns: the checkpoint must be
+            # on disk by then (the job is about to be killed).
+            self._ckpt_writer.wait()
         rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=self.state.best_model_checkpoint,
-                           use_mtime=False)
-        named = {read_pointer(os.path.join(run_dir, d, POINTER_NAME))
-                 for d in os.listdir(run_dir) if d.startswith(PREFIX_CHECKPOINT_DIR)}
-        store.retire(set(store.mgr.steps()) - named)
+                           use_mtime=True)
 
     def state_json(self) -> str:
         """The trainer state as HF writes it to ``trainer_state.json``."""
@@ -109,25 +141,44 @@ class CkptTrainer(Trainer):
                 self.state.stateful_callbacks[name] = cb.state()
 
     def _store(self, run_dir: str) -> StepStore:
-        root = os.path.abspath(run_dir)
-        if self._ckpt_store is not None and self._ckpt_store.root != root:
-            self._ckpt_store.close()
-            self._ckpt_store = None
+        """The writable store of ``run_dir``'s root (and the writer thread), opened once."""
+        run_dir = os.path.abspath(run_dir)
+        if self._ckpt_store is not None and self._ckpt_run_dir != run_dir:
+            self.wait_for_checkpoints()
         if self._ckpt_store is None:
-            self._ckpt_store = StepStore(root, self.ckpt_options)
+            self._ckpt_store = StepStore(self.ckpt_root_for(run_dir), self.ckpt_options)
+            self._ckpt_run_dir = run_dir
+            self._ckpt_writer = hff.FolderWriter()
         return self._ckpt_store
 
     def wait_for_checkpoints(self) -> None:
-        """Finish the save in flight (raising its error), delete dropped steps, unlock."""
-        if self._ckpt_store is not None:
-            store, self._ckpt_store = self._ckpt_store, None
+        """Finish the write in flight (raising its error), delete the steps whose
+        ``checkpoint-N`` folder HF deleted, unlock the root."""
+        store, self._ckpt_store = self._ckpt_store, None
+        writer, self._ckpt_writer = self._ckpt_writer, None
+        if store is None:
+            return
+        try:
+            writer.close()
+            store.mgr.wait()
+            steps = set(store.mgr.steps())
+            named = steps & set(hff.folders(self._ckpt_run_dir))
+            if named:  # HF's rotation decides; a folder that names a committed step remains
+                store.mgr.retire(steps - named)
+        finally:
             store.close()
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # HF loads the best model and deletes folders here: the last write must be done.
+        if self._ckpt_writer is not None:
+            self._ckpt_writer.wait()
+        return super()._finalize_training(*args, **kwargs)
 
     # -- resuming ---------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any,
               **kwargs: Any) -> Any:
-        """As ``Trainer.train``; a resume reads the newest good ckpt step (module docstring).
-        Waits for the last checkpoint's background write before returning."""
+        """As ``Trainer.train``; a resume reads the folder HF would, through ckpt (module
+        docstring). Waits for the last checkpoint's background write before returning."""
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             resume_from_checkpoint = self._resolve(resume_from_checkpoint)
         try:
@@ -136,39 +187,89 @@ class CkptTrainer(Trainer):
             self._ckpt_loaded = None
             self.wait_for_checkpoints()
 
-    def _resolve(self, resume: str | bool) -> str | None:
-        """Load the ckpt step to resume from; return its ``checkpoint-N`` folder for HF."""
+    def _resolve(self, resume: str | bool) -> str | bool:
+        """The folder to resume from, as HF picks it (the highest ``checkpoint-N``, or the one
+        named); its ckpt step loaded and its model files checked against the step's digests.
+        A folder that fails is skipped, with a warning, for the one before it."""
         if resume is True:
-            run_dir, step = os.path.abspath(self.args.output_dir), None
+            run_dir, limit = os.path.abspath(self.args.output_dir), None
         else:
             folder = os.path.abspath(os.fspath(resume))
-            step = read_pointer(os.path.join(folder, POINTER_NAME))
-            if step is None:
-                return resume  # a checkpoint of HF's own format: HF loads it
+            limit = hff.step_of(folder)
+            if limit is None or not os.path.isdir(folder):
+                return resume  # HF says what is wrong with it
             run_dir = os.path.dirname(folder)
         if self._ckpt_store is not None:
-            self._ckpt_store.mgr.wait()
-        found = load_newest_good(run_dir, step, allow_pickle=pickle_allowed(self.ckpt_options))
-        if found is None:
-            raise ValueError(f"No valid checkpoint found in output directory ({run_dir})")
-        loaded_step, self._ckpt_loaded = found
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{loaded_step}")
-        os.makedirs(folder, exist_ok=True)
+            self.wait_for_checkpoints()
+        candidates = sorted((n for n in hff.folders(run_dir) if limit is None or n <= limit),
+                            reverse=True)
+        if not candidates:
+            return resume  # HF raises "No valid checkpoint found in output directory"
+        root = self.ckpt_root_for(run_dir)
+        committed = set(ckpt.inspect.open(root).steps()) if os.path.isdir(root) else set()
+        failures = []
+        for n in candidates:
+            folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{n}")
+            if n not in committed:
+                own = hff.is_marker(folder) or (
+                    committed and not os.path.exists(os.path.join(folder, hff.OPTIMIZER_NAME)))
+                if not own:
+                    return folder  # a checkpoint of HF's own format: HF loads it
+                failures.append(f"{folder}: its ckpt step was never committed (the job "
+                                "stopped while writing it)")
+            else:
+                problem = self._load_step(root, n, folder)
+                if problem is None:
+                    return folder
+                failures.append(f"{folder}: {problem}")
+            log.warning("ckpt: skipping %s", failures[-1])
+        raise ckpt.CorruptCheckpointError(
+            f"no checkpoint under {run_dir} could be loaded; `ckpt verify --all {root}` gives "
+            "details:\n  " + "\n  ".join(failures), path=run_dir)
+
+    def _load_step(self, root: str, n: int, folder: str) -> str | None:
+        """Load step ``n`` and check ``folder``'s model files; the problem, or None."""
+        path = os.path.join(root, ckpt.inspect.step_dir(n))
+        try:
+            saved = ckpt.load(path, allow_pickle=pickle_allowed(self.ckpt_options))
+            recorded = ckpt.inspect.open(root).manifest(n).metadata.get(hff.MODEL_FILES_KEY, {})
+        except (ckpt.CorruptCheckpointError, ckpt.CheckpointNotFoundError) as e:
+            return str(e)
+        problems = hff.weight_problems(folder, recorded)
+        if problems and hff.replaced(folder, recorded):
+            log.warning("ckpt: %s holds other model files than step %d recorded (%s): they "
+                        "are loaded as HF loads them, unchecked", folder, n, ", ".join(recorded))
+            problems = []
+        if problems:
+            return "; ".join(problems)
+        self._ckpt_loaded = saved
         # HF reads the trainer state from the folder: the verified copy from the step.
         tmp = os.path.join(folder, f".{TRAINER_STATE_NAME}.part")
         with open(tmp, "w") as f:
-            f.write(self._ckpt_loaded["trainer_state"])
+            f.write(saved["trainer_state"])
         os.replace(tmp, os.path.join(folder, TRAINER_STATE_NAME))
-        write_pointer(os.path.join(folder, POINTER_NAME), loaded_step)
-        log.info("ckpt: resuming from step %d under %s", loaded_step, run_dir)
-        return folder
+        log.info("ckpt: resuming from %s (step %d of %s)", folder, n, root)
+        return None
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str,
-                              model: torch.nn.Module | None = None) -> None:
-        if self._ckpt_loaded is None:
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        target = self.accelerator.unwrap_model(model if model is not None else self.model)
-        target.load_state_dict(self._ckpt_loaded["model"])
+    def _load_best_model(self) -> None:
+        """HF's, after checking the best folder's model files against its step's digests:
+        when they fail, a warning says so and the model stays as the last step left it (what
+        HF's ``Trainer`` does when it cannot find the best model)."""
+        if self._ckpt_writer is not None:
+            self._ckpt_writer.wait()
+        best = self.state.best_model_checkpoint
+        n = hff.step_of(best) if best else None
+        root = self.ckpt_root_for(os.path.dirname(os.path.abspath(best))) if best else ""
+        if n is not None and os.path.isdir(root) and n in ckpt.inspect.open(root).steps():
+            recorded = ckpt.inspect.open(root).manifest(n).metadata.get(hff.MODEL_FILES_KEY, {})
+            problems = hff.weight_problems(best, recorded)
+            if problems:
+                log.warning("ckpt: the best checkpoint %s (step %d) cannot be loaded, so the "
+                            "model stays as the last step left it (HF's Trainer does the same "
+                            "when it cannot find the best model): %s", best, n,
+                            "; ".join(problems))
+                return
+        super()._load_best_model()
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if self._ckpt_loaded is None or checkpoint is None:
@@ -189,23 +290,6 @@ class CkptTrainer(Trainer):
             return super()._load_rng_state(checkpoint)
         if "rng" in self._ckpt_loaded:
             ckpt.RNGState().load_state_dict(self._ckpt_loaded["rng"])
-
-    def _load_best_model(self) -> None:
-        best = self.state.best_model_checkpoint
-        step = read_pointer(os.path.join(best, POINTER_NAME)) if best else None
-        if step is None:
-            return super()._load_best_model()
-        if self._ckpt_store is not None:
-            self._ckpt_store.mgr.wait()
-        path = os.path.join(os.path.dirname(best), ckpt.inspect.step_dir(step))
-        try:  # that step only: an older one is not the best model
-            saved = ckpt.load(path, allow_pickle=pickle_allowed(self.ckpt_options))
-        except (ckpt.CorruptCheckpointError, ckpt.CheckpointNotFoundError) as e:
-            log.warning("ckpt: the best checkpoint %s (step %d) cannot be loaded, so the model "
-                        "stays as the last step left it (HF's Trainer does the same when it "
-                        "cannot find the best model): %s", best, step, e)
-            return
-        self.accelerator.unwrap_model(self.model).load_state_dict(saved["model"])
 
 
 __all__ = ["CkptTrainer"]

@@ -8,9 +8,15 @@ so there the conditions are emulated exactly under a process lock. Any other fss
 has no conditional write ckpt can rely on: writing to it needs ``allow_unsafe_commit=True``
 (the same emulation, which does not exclude other processes); reading never does.
 
-Errors: throttling (SlowDown, 503), other 5xx and dropped connections are retried with
-exponential backoff and jitter, a bounded number of times; the last failure is raised as an
-``OSError`` with the store's error chained. ckpt turns it into a ``StorageError``.
+Errors: throttling (SlowDown, 503), other 5xx, timeouts and dropped connections are retried
+with exponential backoff and jitter, a bounded number of times; the last failure is raised as
+an ``OSError`` with the store's error chained. ckpt turns it into a ``StorageError``.
+
+Deadlines (async file systems: S3): every request has botocore's connect and read timeouts,
+and every operation (a listing, a read, one part of an upload, with all its retries) ends
+within ``deadline`` seconds: the request in flight is cancelled then. So a store that stops
+answering fails each operation within ``deadline``, and a save within about that (its
+cleanup is skipped while the store does not answer; see docs/storage.md).
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
+from . import s3_upload
 from .base import Buffer, Entry
 from .lease import DEFAULT_LEASE_TTL, ConditionalStorage
+from .transient import NOT_TRANSIENT, http_status, is_transient, precondition_failed
+
+__all__ = ["FsspecStorage", "http_status", "is_transient"]
 
 log = logging.getLogger("ckpt.storage")
 
@@ -33,75 +43,16 @@ NATIVE_CONDITIONS = ("s3", "s3a")
 IN_PROCESS = ("memory",)
 
 _EMULATION = threading.Lock()  # serializes emulated conditional writes in this process
-_RETRY_STATUS = (408, 429)
-_NOT_TRANSIENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-                  NotADirectoryError, EOFError)
-_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET,
-                     errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.EREMOTEIO}
-# Connection-level errors of botocore, aiohttp and fsspec, matched by name: importing them
-# would make s3fs a hard dependency of every protocol.
-_TRANSIENT_NAMES = {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
-                    "ConnectTimeoutError", "HTTPClientError", "ClientConnectionError",
-                    "ServerDisconnectedError", "ClientPayloadError", "ClientOSError",
-                    "IncompleteReadError", "ResponseParserError", "FSTimeoutError",
-                    "ProxyConnectionError", "ResponseStreamingError"}
-_PART_LIMIT = 9_000  # S3 allows 10,000 parts per object; keep a margin
+# Deadlines (seconds); see the class docstring.
+DEFAULT_DEADLINE = 60.0
+DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_READ_TIMEOUT = 20.0
 # Reads smaller than a block go through a small cache of whole blocks: a restore reads every
 # chunk of a file, and small tensors make small chunks, so this turns hundreds of ranged GETs
 # (tens of ms each on S3) into a few. Data objects are immutable (their names carry the save's
 # token); this instance forgets what it writes or deletes itself.
 READ_BLOCK = 8 << 20
 READ_CACHE_BYTES = 64 << 20
-
-
-def http_status(e: BaseException) -> int | None:
-    """The HTTP status behind an exception of botocore, aiohttp or gcsfs, if any."""
-    resp = getattr(e, "response", None)
-    if isinstance(resp, dict):
-        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return status if isinstance(status, int) else None
-    for attr in ("status", "code"):
-        value = getattr(e, attr, None)
-        if isinstance(value, int) and 100 <= value < 600:
-            return value
-    return None
-
-
-def _error_code(e: BaseException) -> str:
-    for err in (e, e.__cause__):
-        resp = getattr(err, "response", None)
-        if isinstance(resp, dict):
-            return str(resp.get("Error", {}).get("Code", ""))
-    return ""
-
-
-def is_transient(e: BaseException) -> bool:
-    """Throttling, a 5xx, a timeout or a dropped connection: worth another try."""
-    for _ in range(4):  # the error, and what it was raised from
-        if e is None:
-            return False
-        status = http_status(e)
-        if status is not None:
-            return status in _RETRY_STATUS or status >= 500
-        if isinstance(e, (ConnectionError, TimeoutError)):
-            return True
-        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
-            return True
-        if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
-            return True
-        if "SlowDown" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _precondition_failed(e: BaseException) -> bool:
-    """A conditional write refused: the key exists, its version moved, or another
-    conditional write on it is in flight (S3's 409 ConditionalRequestConflict)."""
-    if isinstance(e, FileExistsError):
-        return True
-    return http_status(e.__cause__ or e) in (409, 412) or _error_code(e) in (
-        "PreconditionFailed", "ConditionalRequestConflict")
 
 
 class _BlockCache:
@@ -166,22 +117,38 @@ class FsspecStorage(ConditionalStorage):
             with random jitter.
         block_size: bytes per part of a multipart upload (at least 5 MiB); larger objects
             are uploaded in parts as they are written.
+        deadline: seconds one operation may take, all its requests and retries included
+            (one part of an upload is one operation: ``block_size`` bytes must cross within
+            it); then the request in flight is cancelled and an OSError raised. S3 (and other
+            async file systems) only: ``memory://`` runs in this process.
+        connect_timeout, read_timeout: botocore's timeouts for one request (S3), unless
+            ``storage_options["config_kwargs"]`` sets them: a silent request fails after
+            ``read_timeout`` and is retried while its operation's deadline lasts.
     """
 
     def __init__(self, url: str, *, create: bool = True, storage_options: dict | None = None,
                  lease_ttl: float = DEFAULT_LEASE_TTL, allow_unsafe_commit: bool = False,
-                 retries: int = 5, retry_delay: float = 0.2, block_size: int = 32 << 20) -> None:
+                 retries: int = 5, retry_delay: float = 0.2, block_size: int = 32 << 20,
+                 deadline: float = DEFAULT_DEADLINE,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
         from fsspec.core import url_to_fs  # lazily: only object-store users pay for it
 
         super().__init__(lease_ttl=lease_ttl)
         if retries < 1:
             raise ValueError(f"retries must be at least 1, not {retries}")
+        for name, value in (("deadline", deadline), ("connect_timeout", connect_timeout),
+                            ("read_timeout", read_timeout)):
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
         self.protocol = url.split("://", 1)[0] if "://" in url else "file"
         options = dict(storage_options or {})
         if self.protocol in NATIVE_CONDITIONS:
             options.setdefault("use_listings_cache", False)
             config = dict(options.get("config_kwargs") or {})
             config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+            config.setdefault("connect_timeout", connect_timeout)
+            config.setdefault("read_timeout", read_timeout)
             options["config_kwargs"] = config
         self.fs, path = url_to_fs(url, **options)
         self.root = path.rstrip("/")
@@ -189,6 +156,11 @@ class FsspecStorage(ConditionalStorage):
         self.allow_unsafe_commit = allow_unsafe_commit
         self.retries, self.retry_delay = retries, retry_delay
         self.block_size = max(int(block_size), 5 << 20)
+        self.deadline = float(deadline)
+        # Whether the last operation ran out of its deadline (the store does not answer);
+        # cleared by the next one that succeeds.
+        self.unreachable = False
+        self._left = threading.local()  # the time left to the operation on this thread
         self._checked = False
         self._cache = _BlockCache(READ_CACHE_BYTES)
         if create:
@@ -198,7 +170,7 @@ class FsspecStorage(ConditionalStorage):
         if self.protocol in NATIVE_CONDITIONS:
             bucket = self.root.split("/", 1)[0]
             try:  # not fs.exists: for a bucket it answers False when the server is down
-                self.fs.call_s3("head_bucket", Bucket=bucket)
+                self.fs.call_s3("head_bucket", Bucket=bucket, **self.time_left())
             except FileNotFoundError:
                 raise FileNotFoundError(errno.ENOENT, f"bucket {bucket} does not exist (ckpt "
                                         "does not create buckets)", bucket) from None
@@ -209,27 +181,54 @@ class FsspecStorage(ConditionalStorage):
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
+    def time_left(self) -> dict:
+        """``{"timeout": seconds}`` left to the operation running on this thread, for the
+        calls of an async file system (fsspec's ``sync`` cancels the request then); ``{}``
+        for a file system in this process."""
+        left = getattr(self._left, "seconds", None)
+        if left is None or not getattr(self.fs, "async_impl", False):
+            return {}
+        return {"timeout": max(left - time.monotonic(), 0.001)}
+
     def _call(self, what: str, path: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn`` with bounded retries on transient errors; raise OSError at the end."""
+        """Run ``fn`` with bounded retries on transient errors, all within the deadline;
+        raise OSError at the end."""
         where = f"{self.url}/{path}" if path else self.url
-        for attempt in range(1, self.retries + 1):
-            try:
-                return fn(*args)
-            except _NOT_TRANSIENT:
-                raise
-            except Exception as e:
-                if attempt < self.retries and is_transient(e):
-                    delay = min(10.0, self.retry_delay * 2 ** (attempt - 1))
-                    delay = random.uniform(delay / 2, delay)  # jitter: writers do not sync up
-                    log.warning("ckpt.storage %s %s failed (%s: %s); retry %d/%d in %.2fs",
-                                what, where, type(e).__name__, e, attempt, self.retries - 1,
-                                delay)
-                    time.sleep(delay)
-                    continue
-                tries = f" after {attempt} attempts" if attempt > 1 else ""
-                raise OSError(errno.EIO, f"{what} {where} failed{tries}: "
-                                         f"{type(e).__name__}: {e}") from e
-        raise AssertionError("unreachable")
+        end = time.monotonic() + self.deadline
+        outer, self._left.seconds = getattr(self._left, "seconds", None), end
+        try:
+            for attempt in range(1, self.retries + 1):
+                try:
+                    result = fn(*args)
+                    self.unreachable = False
+                    return result
+                except NOT_TRANSIENT:
+                    raise
+                except Exception as e:
+                    left = end - time.monotonic()
+                    if attempt < self.retries and is_transient(e) and left > 0:
+                        delay = min(10.0, self.retry_delay * 2 ** (attempt - 1))
+                        delay = random.uniform(delay / 2, delay)  # jitter: writers do not sync
+                        delay = min(delay, left / 2)
+                        log.warning("ckpt.storage %s %s failed (%s: %s); retry %d/%d in %.2fs",
+                                    what, where, type(e).__name__, e, attempt,
+                                    self.retries - 1, delay)
+                        time.sleep(delay)
+                        continue
+                    tries = f" after {attempt} attempts" if attempt > 1 else ""
+                    if left <= 0 and is_transient(e):
+                        self.unreachable = True
+                        last = f"{type(e).__name__}: {e}" if str(e) else "cancelled"
+                        raise OSError(errno.ETIMEDOUT, f"{what} {where} got no answer within "
+                                      f"its deadline of {self.deadline:g} s{tries} (last: "
+                                      f"{last}); the store is down or "
+                                      "overloaded, or the storage option 'deadline' is too "
+                                      "short for it") from e
+                    raise OSError(errno.EIO, f"{what} {where} failed{tries}: "
+                                             f"{type(e).__name__}: {e}") from e
+            raise AssertionError("unreachable")
+        finally:
+            self._left.seconds = outer
 
     # -- bytes ----------------------------------------------------------------------------------
     def list(self, path: str = "") -> list[Entry]:
@@ -237,7 +236,7 @@ class FsspecStorage(ConditionalStorage):
 
         def ls() -> list[dict]:
             try:
-                return self.fs.ls(full, detail=True, refresh=True)
+                return self.fs.ls(full, detail=True, refresh=True, **self.time_left())
             except (FileNotFoundError, NotADirectoryError):
                 return []
 
@@ -250,10 +249,12 @@ class FsspecStorage(ConditionalStorage):
         return entries
 
     def exists(self, path: str) -> bool:
-        return self._call("checking", path, self.fs.exists, self._abs(path))
+        return self._call("checking", path, lambda: self.fs.exists(self._abs(path),
+                                                                **self.time_left()))
 
     def size(self, path: str) -> int:
-        info = self._call("sizing", path, self.fs.info, self._abs(path))
+        info = self._call("sizing", path, lambda: self.fs.info(self._abs(path),
+                                                               **self.time_left()))
         if info["type"] == "directory":
             raise IsADirectoryError(errno.EISDIR, "a directory has no size", self._abs(path))
         return int(info["size"])
@@ -262,13 +263,16 @@ class FsspecStorage(ConditionalStorage):
         views = [memoryview(b).cast("B") for b in buffers]
         total = sum(v.nbytes for v in views)
         self._cache.forget(self._abs(path))
-        self._call("writing", path, self._put, self._abs(path), views, total)
+        if self.protocol in NATIVE_CONDITIONS:  # request by request, each within its deadline
+            s3_upload.put(self, path, self._abs(path), views, total)
+        else:
+            self._call("writing", path, self._put, self._abs(path), views, total)
         return total
 
     def _put(self, full: str, views: list[memoryview], total: int) -> None:
         # Written in slices of one part: s3fs buffers a part, uploads it, and completes the
         # multipart upload at close (one plain PUT when the object fits in one part).
-        block = max(self.block_size, -(-total // _PART_LIMIT))
+        block = s3_upload.part_size(self.block_size, total)
         f = self.fs.open(full, "wb", block_size=block)
         try:
             for view in views:
@@ -288,7 +292,7 @@ class FsspecStorage(ConditionalStorage):
 
     def _range(self, full: str, start: int, end: int | None) -> bytes:
         try:
-            return self.fs.cat_file(full, start=start or None, end=end)
+            return self.fs.cat_file(full, start=start or None, end=end, **self.time_left())
         except OSError as e:
             if http_status(e.__cause__ or e) == 416:  # starts past the end: like a file
                 return b""
@@ -336,7 +340,8 @@ class FsspecStorage(ConditionalStorage):
         return got
 
     def _cat_ranges(self, full: str, starts: list[int], ends: list[int]) -> list[bytes]:
-        out = self.fs.cat_ranges([full] * len(starts), starts, ends, on_error="return")
+        out = self.fs.cat_ranges([full] * len(starts), starts, ends, on_error="return",
+                                 **self.time_left())
         for item in out:
             if isinstance(item, BaseException):
                 if http_status(item.__cause__ or item) == 416:
@@ -349,11 +354,24 @@ class FsspecStorage(ConditionalStorage):
 
         def rm() -> None:
             try:
-                self.fs.rm(self._abs(path), recursive=True)
+                self.fs.rm(self._abs(path), recursive=True, **self.time_left())
             except FileNotFoundError:
                 pass
 
         self._call("deleting", path, rm)
+
+    def abort(self, staging: str) -> None:
+        if self.unreachable:
+            # Cleaning up would wait out one more deadline per request against a store that
+            # does not answer. What the attempt wrote has no manifest: readers never see it,
+            # and the next writer's cleanup (or ckpt gc) collects it.
+            with self._mutex:
+                self._attempts.pop(staging, None)
+                self._committing.pop(staging, None)
+            log.warning("ckpt.abort %s/%s skipped: the store did not answer in time; the "
+                        "attempt's objects are collected later", self.url, staging)
+            return
+        super().abort(staging)
 
     # -- conditional writes ---------------------------------------------------------------------
     def check_conditional_writes(self) -> None:
@@ -382,7 +400,7 @@ class FsspecStorage(ConditionalStorage):
                 finally:
                     resp["Body"].close()
 
-            fetch = lambda: sync(self.fs.loop, get)  # noqa: E731
+            fetch = lambda: sync(self.fs.loop, get, **self.time_left())  # noqa: E731
         else:
             def fetch() -> tuple[bytes, str]:
                 data = self.fs.cat_file(full)
@@ -405,9 +423,9 @@ class FsspecStorage(ConditionalStorage):
             if self.protocol in NATIVE_CONDITIONS:
                 cond = {"mode": "create"} if version is None else {"IfMatch": version}
                 try:
-                    return self.fs.pipe_file(full, data, **cond)["ETag"]
+                    return self.fs.pipe_file(full, data, **cond, **self.time_left())["ETag"]
                 except Exception as e:
-                    if _precondition_failed(e) or isinstance(e, FileNotFoundError):
+                    if precondition_failed(e) or isinstance(e, FileNotFoundError):
                         return None
                     raise
             with _EMULATION:
@@ -437,10 +455,11 @@ class FsspecStorage(ConditionalStorage):
             if self.protocol in NATIVE_CONDITIONS:
                 bucket, key, _ = self.fs.split_path(full)
                 try:
-                    self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
+                    self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version,
+                                    **self.time_left())
                     return True
                 except Exception as e:
-                    if _precondition_failed(e) or isinstance(e, FileNotFoundError):
+                    if precondition_failed(e) or isinstance(e, FileNotFoundError):
                         return False
                     raise
             with _EMULATION:

@@ -18,6 +18,12 @@ writer that lost its lease finds out instead of overwriting the new holder's. A 
 version read: when two writers race for it, the store lets exactly one of them win. (Deleting
 the stale lease and then creating a new one would not do: the slower contender could delete
 the lease the faster one had just created, and both would think they held it.)
+
+A lease that lapsed while its writer lived (the store stopped answering long enough for it to
+expire) is taken again at the writer's next commit if the object still holds this writer's
+own record: then nobody else held the root meanwhile. If another writer's record is there (or
+none), the commit is refused with :class:`LeaseLostError`: that writer may have changed the
+root under this one.
 """
 
 from __future__ import annotations
@@ -101,6 +107,18 @@ def _stale(holder: dict) -> bool:
     return expires < time.time() or _dead_here(holder)
 
 
+class LeaseLostError(LockHeldError):
+    """This writer's lease lapsed and another writer took the root meanwhile (``holder``)."""
+
+    def __init__(self, path: str, holder: dict) -> None:
+        super().__init__(path, holder)
+        self.args = (f"{path}: this writer's lease on the root was lost (it lapsed or was "
+                     f"taken over) and the root's lease record now names {self.who}",)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class LeaseLock:
     """A held lease on ``ROOT/.lock`` of a :class:`ConditionalStorage`, renewed in the
     background until :meth:`release`. Raises :class:`LockHeldError` when a live writer holds it.
@@ -120,9 +138,14 @@ class LeaseLock:
         self._released = False
         self.lost = False
         self._version, self.expires = self._acquire()
-        self._thread = threading.Thread(target=self._renew_loop, name="ckpt-lease", daemon=True)
-        self._thread.start()
+        self._start_renewing()
         _HELD.add(self)
+
+    def _start_renewing(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew_loop, args=(self._stop,),
+                                        name="ckpt-lease", daemon=True)
+        self._thread.start()
 
     def _body(self) -> tuple[bytes, float]:
         expires = time.time() + self.ttl
@@ -157,13 +180,13 @@ class LeaseLock:
         """Held, not lost to a takeover, and not past its expiry on this clock."""
         return not self._released and not self.lost and time.time() < self.expires
 
-    def _renew_loop(self) -> None:
+    def _renew_loop(self, stop: threading.Event) -> None:
         interval = self.ttl / 3
         wait = interval
-        while not self._stop.wait(wait):
+        while not stop.wait(wait):
             body, expires = self._body()
             with self._renewing:
-                if self._stop.is_set():
+                if stop.is_set():
                     return
                 try:
                     version = self._store.replace_if(self._path, body, self._version)
@@ -176,10 +199,45 @@ class LeaseLock:
                     version = None
                 if version is None:
                     self.lost = True
-                    log.error("ckpt.lease on %s was lost (expired or taken over): this writer "
-                              "will not commit again", self._store.url)
+                    log.error("ckpt.lease on %s was lost (expired or taken over): the next "
+                              "commit takes it again only if no other writer took the root",
+                              self._store.url)
                     return
                 self._version, self.expires, wait = version, expires, interval
+
+    def _stop_renewing(self) -> None:
+        self._stop.set()
+        with self._renewing:  # let a renewal in flight finish, so our version is current
+            pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def regain(self) -> None:
+        """Hold the lease again after it lapsed (not released), if the object still holds
+        this writer's own record: nobody else took the root meanwhile.
+
+        Raises:
+            LeaseLostError: another writer's record is there, or none (the root may have
+                changed under this writer).
+            OSError: the store failed.
+        """
+        if self._released:
+            raise ValueError("a released lease is not regained")
+        self._stop_renewing()
+        lapsed = time.time() - self.expires
+        current = self._store.read_versioned(self._path)
+        holder = _parse(current[0]) if current is not None else {}
+        version = None
+        if current is not None and holder.get("lease") == self._owner["lease"]:
+            body, expires = self._body()
+            version = self._store.replace_if(self._path, body, current[1])
+        if version is None:
+            self.lost = True
+            raise LeaseLostError(self._store.url, holder)
+        self._version, self.expires, self.lost = version, expires, False
+        self._start_renewing()
+        log.warning("ckpt.lease on %s had lapsed %.1f s ago; regained it (no other writer "
+                    "took the root meanwhile)", self._store.url, lapsed)
 
     def release(self) -> None:
         """Stop renewing and delete the lease (if it is still ours). Idempotent."""
@@ -187,11 +245,7 @@ class LeaseLock:
             return
         self._released = True
         _HELD.discard(self)
-        self._stop.set()
-        with self._renewing:  # let a renewal in flight finish, so our version is current
-            pass
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        self._stop_renewing()
         if self.lost:
             return
         try:
@@ -266,8 +320,7 @@ class ConditionalStorage(Storage):
         self.check_conditional_writes()
         lease = self._lease
         if lease is not None and not lease.released and not lease.valid():
-            raise OSError(errno.ENOLCK, f"{self.url}: this writer's lease on the root was lost "
-                          f"(expired or taken over by another writer); {name} is not committed")
+            lease.regain()  # raises LeaseLostError when another writer took the root
         with self._mutex:
             self._committing[name] = manifest_name
         # The commit point: the manifest appears whole, and only if no manifest is there yet,

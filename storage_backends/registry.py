@@ -18,7 +18,10 @@ from .base import Storage
 from .posix import PosixStorage
 
 # Options that configure ckpt's object-store backends rather than fsspec or tensorstore.
-BACKEND_OPTIONS = ("lease_ttl", "allow_unsafe_commit", "retries", "retry_delay", "block_size")
+BACKEND_OPTIONS = ("lease_ttl", "allow_unsafe_commit", "retries", "retry_delay", "block_size",
+                   "deadline", "connect_timeout", "read_timeout")
+# Of those, the ones only the fsspec backend knows (tensorstore keeps its own timeouts).
+_FSSPEC_ONLY = ("block_size", "deadline", "connect_timeout", "read_timeout")
 
 
 def open_storage(root: str | Storage, *, create: bool = True,
@@ -30,7 +33,8 @@ def open_storage(root: str | Storage, *, create: bool = True,
         create: create the root if missing (object stores: check that the bucket exists).
         storage_options: for object stores, passed to fsspec (or merged into tensorstore's
             kvstore spec), except the backend's own keys (``lease_ttl``,
-            ``allow_unsafe_commit``, ``retries``, ``retry_delay``, ``block_size``).
+            ``allow_unsafe_commit``, ``retries``, ``retry_delay``; for fsspec also
+            ``block_size``, ``deadline``, ``connect_timeout``, ``read_timeout``).
         **options: more options, merged into ``storage_options`` (so both
             ``open_storage(url, storage_options={...})`` and ``open_storage(url, **{...})``
             work).
@@ -52,7 +56,8 @@ def open_storage(root: str | Storage, *, create: bool = True,
     if scheme.startswith("tensorstore+"):
         from .tensorstore_store import TensorstoreStorage
 
-        backend.pop("block_size", None)
+        for key in _FSSPEC_ONLY:
+            backend.pop(key, None)
         return TensorstoreStorage(root, create=create, storage_options=merged, **backend)
     import fsspec
 

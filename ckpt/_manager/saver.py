@@ -24,6 +24,7 @@ from ckpt._save.writer import BackgroundWriter
 from ckpt._shared.distributed import Group
 from ckpt._step.incremental import chain_length
 from ckpt._step.integrity import read_manifest
+from ckpt.errors import StorageError
 
 log = logging.getLogger("ckpt")
 
@@ -61,7 +62,7 @@ class Saver:
         self._wait_for_previous(step)
         if (self.group.is_coordinator
                 and not self.storage.replaces_committed_steps
-                and self.storage.exists(f"{step_dir(step)}/{MANIFEST_NAME}")):
+                and self._committed(step)):
             # Saving a step that exists (after falling back past it): an object store cannot
             # replace it at commit as POSIX does, so retire it now; files that kept steps
             # still reference stay.
@@ -87,6 +88,14 @@ class Saver:
                  self.copy, base is not None)
         self.inflight = handle
         return handle
+
+    def _committed(self, step: int) -> bool:
+        try:
+            return self.storage.exists(f"{step_dir(step)}/{MANIFEST_NAME}")
+        except OSError as e:
+            raise StorageError(f"saving step {step} to {self.storage.url} failed: {e}; "
+                               "nothing was written and earlier steps are intact",
+                               path=self.storage.url) from e
 
     @property
     def hold_all(self) -> bool:

@@ -13,7 +13,7 @@ import concurrent.futures as cf
 import time
 from typing import Callable
 
-from storage_backends import Storage
+from storage_backends import LockHeldError, Storage
 
 from ckpt._format.manifest import Manifest
 from ckpt._save.commit import abort, commit_step
@@ -21,7 +21,7 @@ from ckpt._save.handle import SaveHandle, SaveResult
 from ckpt._save.payload import RankTable, StepPayload
 from ckpt._save.rank_write import write_rank, write_table
 from ckpt._shared.distributed import Group
-from ckpt.errors import CheckpointError, StorageError
+from ckpt.errors import CheckpointError, CheckpointLockedError, StorageError
 from ckpt.options import SaveOptions
 
 
@@ -108,6 +108,10 @@ class BackgroundWriter:
                 manifest, table = self._run(storage, payload)
             except CheckpointError:
                 raise
+            except LockHeldError as e:  # the lease lapsed and another writer took the root
+                raise CheckpointLockedError(
+                    f"step {payload.step} was not committed: {e}; stop the other writer, or "
+                    "open a new manager on this root once it is gone", path=storage.url) from e
             except Exception as e:
                 raise StorageError(
                     f"saving step {payload.step} to {storage.url} failed: {e}; nothing was "

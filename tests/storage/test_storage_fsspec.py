@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from storage_backends import fsspec_store
+from storage_backends import s3_upload
 from storage_backends.fsspec_store import READ_BLOCK, FsspecStorage
 from tests.support.s3_fixture import _moto, s3_restartable  # noqa: F401  (fixtures)
 
@@ -68,7 +68,7 @@ def test_a_huge_object_is_uploaded_in_no_more_parts_than_s3_allows(s3_restartabl
     """A huge object is uploaded in no more parts than S3 allows (10,000; lowered here to 2): 12 MiB
     in 5 MiB blocks goes up in two parts of 6 MiB, not three (S3's ETag of a multipart object ends
     in its number of parts)."""
-    monkeypatch.setattr(fsspec_store, "_PART_LIMIT", 2)
+    monkeypatch.setattr(s3_upload, "PART_LIMIT", 2)
     endpoint = s3_restartable
     storage = FsspecStorage(endpoint.root("run"), storage_options=endpoint.storage_options,
                             block_size=5 << 20)

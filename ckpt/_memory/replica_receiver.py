@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from ckpt.errors import CheckpointError
 from ckpt._format.names import step_dir
 from ckpt._memory import replica_wire as wire
 from ckpt._memory.tier import (RANK_DOC, STAGING, commit_dir, own_segment, plain_name,
@@ -63,7 +64,13 @@ class ReplicaReceiver:
         self.budget, self.timeout, self.auth_timeout = budget, timeout, auth_timeout
         self.key = b""  # set by the replicator's connect(); none: every peer is refused
         self._count = count or (lambda what: None)
-        self._server = socket.create_server((host, 0), backlog=connections)
+        try:
+            self._server = socket.create_server((host, 0))
+        except OSError as e:
+            raise CheckpointError(
+                f"the replica receiver cannot listen on {host}, the address this rank gives "
+                f"its peers ({e}); set CKPT_REPLICA_HOST to an address of this host that the "
+                "other nodes reach, or pass MemoryTierOptions(replicas=0)") from e
         self.address = (host, self._server.getsockname()[1])
         # A test seam: clear() holds authenticated replicas before they are stored.
         self.hold = threading.Event()
@@ -82,8 +89,14 @@ class ReplicaReceiver:
         while True:
             try:
                 conn, peer = self._server.accept()
-            except OSError:
-                return  # closed
+            except OSError as e:
+                if self._closed:
+                    return
+                # Out of descriptors, or a connection reset before it was accepted: not
+                # the end of the receiver.
+                log.warning("ckpt._memory.replication accepting a connection failed: %s", e)
+                time.sleep(0.1)
+                continue
             if not self._slots.acquire(blocking=False):
                 conn.close()  # over the limit: costs the peer a connect, us no thread
                 self._refuse(peer, "over the limit of connections handled at once")

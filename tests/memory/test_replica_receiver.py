@@ -1,8 +1,9 @@
 """The replica receiver gives nothing to a connection before it proves it holds the job's key:
 what a hostile connection costs the receiving process (memory, threads, time), that a peer
 without the key stores nothing and is sent nothing, and that an authenticated peer's steps
-are bounded per origin. The receiver runs in a process of its own
-(tests/support/replica_receiver_proc.py) so that its memory and threads can be read."""
+are bounded per origin. The receiver runs in a process of its own, forked from the suite's
+fork server (tests/support/replica_receiver_proc.py), so that its memory and threads can be
+read."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import json
 import os
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,9 +20,10 @@ import pytest
 from ckpt._memory.replication import Replicator
 from ckpt._memory.tier import replica_name
 
+from tests.support.ranks import forkserver
 from tests.support.replica_peer import send_replica
+from tests.support.replica_receiver_proc import serve
 
-ROOT = str(Path(__file__).resolve().parents[2])
 AUTH_S = 2.0  # the receiver's deadline for a connection to authenticate
 #: What eight unauthenticated connections at once, each announcing a 64 MiB header (one
 #: also sending a 16 MiB one), may add to the receiving process's peak resident memory.
@@ -43,19 +43,19 @@ def _status(pid: int) -> dict[str, int]:
 def receiver(tmp_path_factory):
     """A receiver process (key "s3cret", AUTH_S to authenticate): (pid, address, shm dir)."""
     shm = tmp_path_factory.mktemp("shm")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.replica_receiver_proc",
-                             str(shm), "s3cret", str(AUTH_S)], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ctx = forkserver()
+    port, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=serve, args=(str(shm), "s3cret", AUTH_S, port, stop),
+                       daemon=True)
+    proc.start()
     try:
-        port = int(proc.stdout.readline())
-        yield proc.pid, ("127.0.0.1", port), shm
+        yield proc.pid, ("127.0.0.1", port.get(timeout=120)), shm
     finally:
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        stop.set()
+        proc.join(10)
+        if proc.is_alive():
             proc.kill()
-            proc.wait()
+            proc.join()
 
 
 def _closed_by_peer(sock: socket.socket, within: float) -> bool:
@@ -77,6 +77,9 @@ def test_an_unauthenticated_connection_costs_the_receiver_under_a_fixed_bound(re
     it, add less than BOUND (4 MiB) to the receiver's peak resident memory: it reads 64 bytes
     of proof before any length, and nothing the connection announces is allocated."""
     pid, address, _ = receiver
+    with socket.create_connection(address, timeout=30) as warm:  # the refusal's code paths
+        warm.sendall(bytes(64))
+        assert _closed_by_peer(warm, within=30)
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # restart the peak (VmHWM) from now
     before = _status(pid)["VmHWM"]
     conns = [socket.create_connection(address, timeout=30) for _ in range(8)]

@@ -26,12 +26,15 @@ from typing import Any, Callable
 
 _ROOT = str(Path(__file__).resolve().parents[2])
 
-# What the suite's forked processes import (run_ranks' bodies, test_exact_resume's loops).
-# multiprocessing has one fork server per process and takes the preload list of the first
-# start, so every user of the fork server must go through forkserver() below.
+# What the suite's forked processes import (run_ranks' bodies, test_exact_resume's loops,
+# the combination matrix's runs). multiprocessing has one fork server per process and takes
+# the preload list of the first start, so every user of the fork server must go through
+# forkserver() below. torch._dynamo: every torch.optim optimizer imports it when first built
+# (about 2 s of CPU, paid again by every forked process otherwise); s3fs: the S3 roots.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
-           "torch.distributed.device_mesh", "ckpt", "storage_backends", "trainer",
-           "torchdata.stateful_dataloader", "tests.support.exact_workers"]
+           "torch.distributed.device_mesh", "torch._dynamo", "ckpt", "storage_backends",
+           "trainer", "torchdata.stateful_dataloader", "s3fs", "tests.support.exact_workers",
+           "tests.support.combo_workers"]
 
 
 def forkserver() -> multiprocessing.context.BaseContext:

@@ -104,10 +104,10 @@ class ReplicaReceiver:
             try:
                 threading.Thread(target=self._receive, args=(conn, peer),
                                  name="ckpt-replica-store", daemon=True).start()
-            except BaseException:
+            except RuntimeError as e:  # no thread to be had: this connection is refused
                 self._slots.release()
                 conn.close()
-                raise
+                self._refuse(peer, f"no handler thread ({e})")
 
     def _receive(self, conn: socket.socket, peer: Any) -> None:
         try:
@@ -130,8 +130,8 @@ class ReplicaReceiver:
 
     def _refuse(self, peer: Any, why: str) -> None:
         """Log a connection refused before it authenticated: not counted as a failed replica
-        (anyone who can connect could inflate the count), and logged sparingly (nor flood
-        the log): the first ten, then every thousandth."""
+        (anyone who can connect could inflate the count), and logged sparingly, so that a
+        flood of connections does not flood the log: the first ten, then every thousandth."""
         with self._lock:
             self._refused += 1
             n = self._refused

@@ -40,13 +40,25 @@ class RootOwner:
         if read_only and isinstance(root, (str, os.PathLike)) and not _root_exists(root):
             raise CheckpointNotFoundError(f"checkpoint root {os.fspath(root)} does not exist",
                                           path=os.fspath(root))
+        where = root.url if isinstance(root, Storage) else os.fspath(root)
         try:
             self.storage: Storage = open_storage(
                 os.fspath(root) if isinstance(root, os.PathLike) else root,
                 create=not read_only, storage_options=storage_options)
+            if read_only and not isinstance(root, Storage) and _is_url(where) \
+                    and not self.storage.exists(""):
+                # An object store has no directories: a root is there when something is
+                # stored under it (a missing bucket has nothing), as the CLI decides.
+                raise CheckpointNotFoundError(
+                    f"checkpoint root {where} does not exist: nothing is stored under it; "
+                    "check the bucket and prefix (and the endpoint in storage_options)",
+                    path=where)
+        except CheckpointError:
+            raise
         except OSError as e:  # e.g. a root that cannot be created (read-only parent, full disk)
-            raise unwritable(os.fspath(root) if not isinstance(root, Storage) else root.url,
-                             e) from e
+            if read_only:
+                raise StorageError(f"cannot open {where} to read: {e}", path=where) from e
+            raise unwritable(where, e) from e
         self.url: str = self.storage.url
         if not read_only:
             self._take_lock_everywhere()
@@ -96,14 +108,25 @@ class RootOwner:
 
 
 def unwritable(root: str, error: OSError) -> StorageError:
-    """A root this writer cannot use (read-only, full, or a link where the lock goes)."""
-    return StorageError(
-        f"cannot open {root} for writing: {error}; check that it is writable, has free space "
-        "and holds no symbolic link named .lock, or open it with read_only=True to only read",
-        path=root)
+    """A root this writer cannot use, with the advice that fits its kind of storage: a
+    directory (read-only, full, or a link where the lock goes) or an object store (a missing
+    bucket, credentials that may not write, an endpoint that does not answer)."""
+    if _is_url(root):
+        advice = ("check that its bucket exists, that the credentials may list, read, write "
+                  "and delete objects under it, and that the endpoint answers")
+    else:
+        advice = "check that it is writable, has free space and holds no symbolic link named .lock"
+    return StorageError(f"cannot open {root} for writing: {error}; {advice}, or open it with "
+                        "read_only=True to only read", path=root)
+
+
+def _is_url(root: str) -> bool:
+    """Whether ``root`` names an object store (or another fsspec file system), not a path."""
+    return "://" in root and not root.startswith(("file://", "local://"))
 
 
 def _root_exists(root: str | os.PathLike) -> bool:
     text = os.fspath(root)
-    return "://" in text and not text.startswith("file://") or os.path.isdir(
-        text.removeprefix("file://"))
+    if _is_url(text):
+        return True
+    return os.path.isdir(text.split("://", 1)[1] if "://" in text else text)

@@ -18,7 +18,7 @@ from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.inspect import Checkpoints
 
 from ._console import echo, open_path
-from .report import EXIT_OK, size, table
+from .report import EXIT_FAILED, EXIT_OK, size, table
 
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
 
@@ -103,21 +103,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def saved_values(manifest: inspect.Manifest) -> dict[str, dict[str, Any]]:
     """The plain values inside each stateful item (an optimizer's learning rates, a
     scheduler's step, a sampler's position, a scaler's scale) and module (extra state):
-    item -> {path: value}. Items of a single value are listed as values, not here."""
+    item -> {path: value}. A per-rank item is listed once per saved rank, as ``ITEM@RANK``,
+    the manifest's spelling of its tensors (``rng@0/torch``). Items of a single value are
+    listed as values, not here."""
     out = {}
     for name, item in manifest.items.items():
         if item.get("kind") not in ("stateful", "module"):
             continue
-        found = {}
         per_rank = item.get("per_rank")
-        if isinstance(per_rank, Mapping):  # format 2: read from the rank tables
-            for rank, tree in per_rank.items():
-                found.update(inspect.plain_values(tree, f"rank{rank}"))
-        else:
-            found = inspect.plain_values(item.get("tree"))
-        found = {p: v for p, v in found.items() if v != {} and v != []}
-        if found:
-            out[name] = found
+        trees = ({f"{name}@{rank}": tree for rank, tree in per_rank.items()}
+                 if isinstance(per_rank, Mapping) else {name: item.get("tree")})
+        for label, tree in trees.items():
+            found = {p: v for p, v in inspect.plain_values(tree).items()
+                     if v != {} and v != []}
+            if found:
+                out[label] = found
     return out
 
 
@@ -197,7 +197,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
                                other=None if side_b is side_a else side_b,
                                filters=args.filter or ())
     echo(verify.to_json(result.to_dict()) if args.json else verify.render_diff(result))
-    return EXIT_OK
+    return EXIT_FAILED if args.exit_code and result.differs else EXIT_OK
 
 
 def _step_of(cps: Checkpoints, step: int | None) -> int:

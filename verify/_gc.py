@@ -29,15 +29,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"{cps.url} is one checkpoint directory, not a root: gc collects the steps of a "
             "root (the directory holding step-XXXXXXXX directories)")
     policy, source = gc_policy(cps, args)
+    before = committed_steps(cps.storage)
     result = collect_root(cps.storage, policy, check=digest_check(cps, args.threads),
                           delete=args.yes)
+    # What every rule together keeps (keep_best's steps too), so none is a surprise.
+    kept = sorted(set(before) - set(result.retired_steps))
     code = EXIT_OK if result.ok else EXIT_FAILED
     if args.json:
-        echo(verify.to_json({**dataclasses.asdict(result),
+        echo(verify.to_json({**dataclasses.asdict(result), "kept_steps": kept,
                              "policy": {**policy.to_record(), "source": source},
                              "ok": result.ok, "exit_code": code}))
     else:
-        echo(f"policy: {policy.describe()} ({source})\n{render_gc(result)}")
+        echo(f"policy: {policy.describe()} ({source})\n{render_gc(result, kept)}")
     return code
 
 
@@ -94,11 +97,12 @@ def digest_check(cps: Checkpoints, threads: int) -> Callable[[int], str | None]:
     return check
 
 
-def render_gc(result: GcResult) -> str:
+def render_gc(result: GcResult, kept: list[int]) -> str:
     verb = "would remove" if result.dry_run else "removed"
     lines = [f"step {s} does not verify: {why}" for s, why in result.failed.items()]
     if result.note:
         lines.append(result.note)
+    lines.append(f"{'would keep' if result.dry_run else 'kept'}: {kept}")
     lines.append(f"{verb}: {len(result.retired_steps)} steps {result.retired_steps}, "
                  f"{len(result.deleted_files)} files ({size(result.freed_bytes)}), "
                  f"{len(result.uncommitted)} uncommitted leftovers; kept "

@@ -43,7 +43,7 @@ exit status:
   0  success: every check passed (verify), or the command did what was asked
   1  a check failed: a damaged or inconsistent checkpoint (the message names the file
      and the check: manifest, structure, header, digest, weights, output, loss); gc
-     found no step that verifies, so it retired none
+     found no step that verifies, so it retired none; diff --exit-code: the steps differ
   2  usage or environment error: a missing root or step, no probe recorded for
      --level forward, a model factory that cannot be imported or does not fit,
      a root locked by a writer (gc --yes), storage that cannot be opened or written
@@ -63,6 +63,7 @@ examples:
   ckpt verify out/ckpt0                                # what ckpt.save wrote
   ckpt diff /ckpt/run1 400 500
   ckpt diff /ckpt/run1 /ckpt/run2 --filter 'optim/*'   # two runs, newest steps
+  ckpt diff /ckpt/run1 400 500 --exit-code --filter 'model/*'   # exit 1 if they differ
   ckpt export /ckpt/run1 --step 500 --to safetensors model.safetensors --item model
   ckpt gc /ckpt/run1 --keep-last 3 --yes
 
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "diff", help="which tensors and values changed between two steps or two runs",
         usage="ckpt diff ROOT A B | ckpt diff PATH_A PATH_B [--step-a N] [--step-b N] "
-        "[--filter PATTERN] [--json] [--threads N]",
+        "[--filter PATTERN] [--exit-code] [--json] [--threads N]",
         description="ROOT A B: step A against step B of one root. PATH_A PATH_B: two roots "
         "or checkpoint directories (two runs), the newest step of each unless --step-a/"
         "--step-b say otherwise.")
@@ -165,7 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--filter", action="append", metavar="PATTERN",
                    help="only tensors (key, or optimizer state by parameter name) and values "
                    "matching this shell-style pattern, e.g. 'model/*' or '*exp_avg*' "
-                   "(repeatable)")
+                   "(repeatable); per-rank items are named ITEM@RANK/..., e.g. 'rng@*'")
+    p.add_argument("--exit-code", action="store_true",
+                   help="exit 1 when the steps differ in what was compared, 0 when they are "
+                   "the same (as git diff --exit-code); without it diff exits 0 either way")
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("export", help="write a step as one safetensors or torch file")

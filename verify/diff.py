@@ -15,7 +15,10 @@ of every item: epoch, learning rates, sampler positions, the probe's loss...) ar
 too, and listed by path when they differ. Optimizer state is also named by parameter
 (``optim/state/mix.weight/exp_avg``) where a module of the same step has the optimizer's
 parameters (:func:`ckpt.inspect.parameter_names`). A filter (shell-style patterns, matched
-against tensor keys, those names and value paths) limits what is compared.
+against tensor keys, those names and value paths) limits what is compared. Per-rank items
+(``ckpt.RNGState``, ``ckpt.PerRank``) are named ``ITEM@RANK/...`` everywhere, tensors and
+values alike, as in the manifest: ``--filter 'rng@*'`` selects every rank's, ``'rng@1/*'``
+rank 1's.
 """
 
 from __future__ import annotations
@@ -80,9 +83,16 @@ class StepDiff:
             out[t.status] += 1
         return out
 
+    @property
+    def differs(self) -> bool:
+        """Whether anything compared differs (a tensor, a value or an alias)."""
+        return bool(self.values or self.aliases or any(t.status != "equal"
+                                                       for t in self.tensors))
+
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["summary"] = {**self.counts(), "values": len(self.values)}
+        doc["differ"] = self.differs
         return doc
 
 
@@ -226,11 +236,17 @@ def _tensor_diff(key: str, ea: TensorEntry | None, eb: TensorEntry | None,
     return d
 
 
-def _trees(item: dict) -> Any:
-    """An item's tree, or its per-rank trees by rank (format 2 reads them from the rank
-    tables, as a mapping)."""
+def item_values(name: str, item: dict) -> dict[str, Any]:
+    """The plain values of one item by path (``optim/param_groups/0/lr``); a per-rank item's
+    under ``NAME@RANK/`` for each saved rank (``rng@0/python/...``), the manifest's spelling
+    of its tensors (``rng@0/torch``). Format 2 reads per-rank trees from the rank tables."""
     per_rank = item.get("per_rank")
-    return dict(per_rank) if per_rank is not None else item.get("tree")
+    if per_rank is None:
+        return plain_values(item.get("tree"), name)
+    out: dict[str, Any] = {}
+    for rank, tree in per_rank.items():
+        out.update(plain_values(tree, f"{name}@{rank}"))
+    return out
 
 
 def diff_values(ma: Manifest, mb: Manifest) -> list[ValueDiff]:
@@ -244,7 +260,7 @@ def diff_values(ma: Manifest, mb: Manifest) -> list[ValueDiff]:
         elif ia.get("kind") != ib.get("kind"):
             out.append(ValueDiff(f"{name} (kind)", ia.get("kind"), ib.get("kind")))
         else:
-            out += _differing(plain_values(_trees(ia), name), plain_values(_trees(ib), name))
+            out += _differing(item_values(name, ia), item_values(name, ib))
     out += _differing(user_metadata(ma), user_metadata(mb))
     return out
 

@@ -129,8 +129,9 @@ class MemoryTierOptions:
         replicas: under a process group, how many other nodes (a ring by node) receive a
             copy of each rank's newest step in their shared memory, in the background.
         shm_dir: where segments live (default ``/dev/shm``).
-        node: this node's name in them (default: env CKPT_NODE, else the hostname, followed
-            by torchrun's GROUP_RANK where several nodes share a host).
+        node: this node's name in them (default: env CKPT_NODE, else the hostname followed
+            by an identity kept in the node's /dev/shm, which torchrun's renumbering of the
+            nodes after a loss does not change: docs/memory-tier.md, "Names").
     """
 
     persist_every: int = 1

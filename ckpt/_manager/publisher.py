@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from typing import Any
 
@@ -73,9 +72,7 @@ class MemoryPublisher:
 
         ranks = None if group.pg is None else dist.get_process_group_ranks(group.pg)
         self.pg = dist.new_group(ranks=ranks, backend="gloo")
-        node = options.node
-        if node is None and not os.environ.get("CKPT_NODE"):
-            node = self._stable_node_name()
+        node = options.node  # else the node's identity in its shared memory (tier.node_name)
         key, unusable, failure = None, None, None
         if group.is_coordinator:  # it holds the root's writer lock: it may create the key
             try:
@@ -129,20 +126,6 @@ class MemoryPublisher:
             self.replicator = None
         if self.tier is not None:
             self.tier.close()
-
-    def _stable_node_name(self) -> str | None:
-        """The hostname alone when every node has its own host: torchrun may renumber nodes
-        (GROUP_RANK) after losing one, and a host's segments must keep their name. Only
-        nodes sharing a host (one machine) need the node rank in the name. Collective."""
-        import torch.distributed as dist
-
-        hosts: list[Any] = [None] * self.group.world_size
-        dist.all_gather_object(hosts, (socket.gethostname(), os.environ.get("GROUP_RANK")),
-                               group=self.pg)
-        ranks_of: dict[str, set] = {}
-        for host, group_rank in hosts:
-            ranks_of.setdefault(host, set()).add(group_rank)
-        return socket.gethostname() if all(len(r) == 1 for r in ranks_of.values()) else None
 
     def _count(self, what: str) -> None:
         """A replica "replicated", "failed" or "superseded" (on the replicator's threads)."""

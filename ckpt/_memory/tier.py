@@ -21,15 +21,16 @@ step's ``rank.json`` carries its tag, a single process's step has its manifest's
   in the private directory of the user running the job there.
 
 ``<node>`` names the node: ``MemoryTierOptions(node=...)``, else the environment's
-``CKPT_NODE``, else the hostname followed by ``_n<GROUP_RANK>`` under torchrun (its node rank),
-else the hostname; characters other than letters, digits, ``_`` and ``.`` become ``_``, so a
-node's segments, its replicas included, are exactly the names ``ckpt-<job>-<node>-r<N>`` and
-``ckpt-<job>-<node>-replica-r<N>`` in the private directory. Under a
-process group whose nodes all have hosts of their own the hostname alone names a node (the
-manager checks at start-up), because torchrun may renumber the nodes (GROUP_RANK) after losing
-one, and a host must find its segments under the same name. A rank reads only segments of its
-own node. On one machine the node rank is all that tells nodes apart, and it may change after a
-node is lost, so a test simulating nodes there names each one with ``CKPT_NODE``.
+``CKPT_NODE``, else the hostname followed by the node's identity, a random id kept in
+``node-id`` in the private directory (:func:`node_id`): a node is its shared memory, and
+whatever reads the same /dev/shm is the same node. Characters other than letters, digits,
+``_`` and ``.`` become ``_``, so a node's segments, its replicas included, are exactly the
+names ``ckpt-<job>-<node>-r<N>`` and ``ckpt-<job>-<node>-replica-r<N>`` in the private
+directory. A node's name must survive what torchrun changes on a restart: torchrun renumbers
+the nodes (GROUP_RANK) and the ranks after losing one, so neither is part of it (a rank finds
+its node's segments under any rank number: their rank steps say whose they are). A rank reads
+only segments of its own node. A test simulating several nodes on one /dev/shm names each with
+``CKPT_NODE``, or gives each its own /dev/shm (a mount namespace).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ __all__ = ["DEAD_FILE", "OWNER_FILE", "SHM_DIR", "STAGING", "UnsafeSegmentError"
 PREFIX = "ckpt-"
 RANK_DOC = "rank.json"
 RANK_FORMAT = "ckpt-memory-rank/1"
+NODE_FILE = "node-id"  # in the private directory: this node's identity (node_id)
 TAG_PREFIX = ".mac-"  # beside a single process's step: its manifest's tag
 AUTO_GC_AGE = 3600.0  # seconds a segment's owner is dead before a later run removes it
 _SAFE = re.compile(r"[^A-Za-z0-9_.]+")
@@ -78,14 +80,44 @@ def job_id(root: str, job: str | None = None) -> str:
     return _SAFE.sub("_", job)
 
 
-def node_name(node: str | None = None) -> str:
-    """This process's node in segment names (see the module docstring)."""
+def node_name(node: str | None = None, private: str | None = None) -> str:
+    """This process's node in segment names (see the module docstring): ``node``, else
+    CKPT_NODE, else the hostname, followed by the node's identity (:func:`node_id`) kept in
+    ``private``, this user's private directory, when one is given."""
     node = node or os.environ.get("CKPT_NODE")
     if not node:
         node = socket.gethostname()
-        if os.environ.get("GROUP_RANK") is not None:
-            node = f"{node}_n{os.environ['GROUP_RANK']}"
+        if private is not None:
+            node = f"{node}_{node_id(private)}"
     return _SAFE.sub("_", node)
+
+
+def node_id(private: str) -> str:
+    """The identity of the node whose shared memory holds ``private`` (this user's private
+    directory there): drawn at random by the first process that asks, read by every later
+    one (the node's other ranks, its restarted workers), and gone with the shared memory
+    itself. Torchrun's node rank (GROUP_RANK) cannot serve: it renumbers the nodes after
+    losing one, and a node would look for its segments under another node's name."""
+    path = os.path.join(private, NODE_FILE)
+    while True:
+        try:
+            value = read_checked(path).decode("ascii", "replace")
+        except FileNotFoundError:
+            staged = os.path.join(private, f"{STAGING}{NODE_FILE}-{secrets.token_hex(8)}")
+            write_private(staged, secrets.token_hex(4).encode())
+            try:  # whole or absent, and never over the identity another process made first
+                os.link(staged, path, follow_symlinks=False)
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(staged)
+            continue
+        if not re.fullmatch(r"[0-9a-f]{8}", value):
+            raise UnsafeSegmentError(
+                f"{path} holds {value[:40]!r}, not a node identity: the memory tier names this "
+                "node's segments with it; remove the file (the node's segments are then "
+                "named anew) or name the node with MemoryTierOptions(node=)", path=path)
+        return value
 
 
 def segment_name(job: str, rank: int, node: str | None = None) -> str:
@@ -157,7 +189,7 @@ class MemoryTier:
         self.shm_root = shm_dir
         self.shm_dir = private_dir(shm_dir)  # where this user's segments live
         self.job = job_id(root, job)
-        self.node = node_name(node)
+        self.node = node_name(node, self.shm_dir)
         self.ranked = ranked
         self.path = os.path.join(self.shm_dir, segment_name(self.job, rank, self.node))
         self._unsigned: set[int] = set()  # steps already warned about

@@ -67,6 +67,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--collective-timeout", type=float, default=10.0)
+    p.add_argument("--trainer-defaults", action="store_true",
+                   help="the trainer's own probe and verify level (a probe, the forward "
+                        "gate) instead of no probe and digests")
     return p.parse_args(argv)
 
 
@@ -157,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         health=False, hooks=Hooks(after_step=after_step),
         checkpoint=CheckpointConfig(
             manager_options={"keep_last": 3}, memory_tier=MEMORY[args.memory],
-            memory_options=memory, probe=False,
-            verify="digest",
+            memory_options=memory,
+            **({} if args.trainer_defaults else {"probe": False, "verify": "digest"}),
             extra_state=(lambda model: {"pad": torch.ones(pad)}) if pad else None),
         failure=FailureConfig(heartbeat_timeout=args.heartbeat_timeout,
                               collective_timeout=args.collective_timeout),

@@ -75,3 +75,8 @@ class StorageError(CheckpointError, OSError):
 class ForwardCheckError(CorruptCheckpointError):
     """A restored step failed its forward check (``verify="forward"``): NaN/Inf weights or
     outputs, or an output that differs from the one recorded at save time."""
+
+
+class MetricsServerError(CheckpointError, OSError):
+    """The metrics HTTP server could not listen on its address and port (the port is in use,
+    or the address is not this host's)."""

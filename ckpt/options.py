@@ -157,16 +157,24 @@ class MetricsOptions:
     memory); both need prometheus_client (the ``ckpt[metrics]`` extra).
 
     Args:
-        port: serve ``/metrics`` on this port.
+        port: serve ``/metrics`` on this port, from the manager's opening to its
+            ``close()``.
         textfile: write the metrics to this file after every commit, for node_exporter's
             textfile collector.
+        addr: the address the port listens on: all interfaces by default, as Prometheus
+            exporters do; bind it to the address your scraper reaches the job at
+            (docs/observability.md).
     """
 
     port: int | None = None
     textfile: str | None = None
+    addr: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         _positive_int("port", self.port, optional=True)
+        if not isinstance(self.addr, str) or not self.addr:
+            raise ValueError(f"addr must be a host address such as '127.0.0.1', not "
+                             f"{self.addr!r}")
         if self.textfile is not None and not isinstance(self.textfile, (str, os.PathLike)):
             raise ValueError(f"textfile must be a path or None, not {self.textfile!r}")
 

@@ -87,8 +87,8 @@ class CheckpointManager:
         self._options, self._retention = settings.options, settings.retention
         self._read_only, self._closed = read_only, False
         self._metrics = None if settings.metrics_to is None else CheckpointMetrics(
-            port=settings.metrics_to.port, textfile=settings.metrics_to.textfile,
-            labels=default_labels())
+            port=settings.metrics_to.port, addr=settings.metrics_to.addr,
+            textfile=settings.metrics_to.textfile, labels=default_labels())
         self._loaded_step: int | None = None
         self._last_restore: RestoreInfo | None = None
         self._publisher: MemoryPublisher | None = None
@@ -117,8 +117,12 @@ class CheckpointManager:
                 threads=self._options.write_threads)
             self._order = StepOrder(self.root, self.steps, lambda: self._restorer.skipped,
                                     settle=self.wait)
+            if self._metrics is not None:
+                self._metrics.serve()  # last: a port in use fails the opening cleanly
         except BaseException:  # a manager that failed to open holds no lock or segment
             self._schedule.uninstall_sigterm()
+            if self._metrics is not None:
+                self._metrics.close()
             if self._publisher is not None:
                 self._publisher.release()
             self._root.release()
@@ -345,6 +349,8 @@ class CheckpointManager:
         finally:
             self._root.release()
             self._schedule.uninstall_sigterm()
+            if self._metrics is not None:
+                self._metrics.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -1,14 +1,22 @@
 """Checkpoint metrics: always kept in memory (``mgr.metrics.snapshot()``), and exported
 through prometheus_client when it is installed (the ``ckpt[metrics]`` extra) — on an HTTP port
 or to a node_exporter textfile. Names follow Prometheus conventions with a ``ckpt_`` prefix.
+
+The HTTP server is a surface of its own: whoever reaches its address and port can read the
+counters (no weights, no paths) and make it render them, nothing else; it serves until
+:meth:`CheckpointMetrics.close` (the manager's ``close()``). docs/observability.md has the
+threat model.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
 from typing import Any
+
+from ckpt.errors import MetricsServerError
 
 _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
@@ -17,14 +25,17 @@ class CheckpointMetrics:
     """Counters and timings of one manager's saves and restores.
 
     Args:
-        port: serve ``/metrics`` on this port (prometheus_client required).
+        port: serve ``/metrics`` on this port (prometheus_client required) from
+            :meth:`serve` until :meth:`close`.
+        addr: the address the server listens on (all interfaces by default, as
+            prometheus_client's exporters).
         textfile: write the metrics to this file after every commit (atomically), for
             node_exporter's textfile collector (prometheus_client required).
         labels: constant labels on every series (e.g. ``{"job": "llm", "rank": "0"}``).
     """
 
-    def __init__(self, *, port: int | None = None, textfile: str | None = None,
-                 labels: dict[str, str] | None = None) -> None:
+    def __init__(self, *, port: int | None = None, addr: str = "0.0.0.0",
+                 textfile: str | None = None, labels: dict[str, str] | None = None) -> None:
         self._lock = threading.Lock()
         self.values: dict[str, float] = {
             "saves_total": 0, "save_failures_total": 0, "bytes_written_total": 0,
@@ -37,8 +48,32 @@ class CheckpointMetrics:
         self.textfile = textfile
         self._labels = labels or {}
         self._prom = _Prometheus(self._labels, self) if (port or textfile) else None
-        if port is not None and self._prom is not None:
-            self._prom.serve(port)
+        self.port, self.addr = port, addr
+        self._server: Any = None
+
+    def serve(self) -> None:
+        """Start serving ``/metrics`` on ``addr:port`` (once; nothing without a port).
+
+        Raises:
+            MetricsServerError: the port is in use, or the address is not this host's.
+        """
+        if self.port is None or self._server is not None or self._prom is None:
+            return
+        try:
+            self._server = self._prom.serve(self.port, self.addr)
+        except OSError as e:
+            why = (f"port {self.port} is in use (another manager, trainer or exporter on "
+                   "this host?)" if e.errno == errno.EADDRINUSE else str(e))
+            raise MetricsServerError(
+                f"cannot serve metrics on {self.addr}:{self.port}: {why}; choose another "
+                "MetricsOptions(port=...), or export to a textfile instead") from e
+
+    def close(self) -> None:
+        """Stop the HTTP server, if one runs; idempotent."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
     def prometheus_registry(self) -> Any:
         """The prometheus_client registry holding these series, created on first use without
@@ -120,8 +155,10 @@ class _Prometheus:
         self.blocking.observe(blocking)
         self.write.observe(write)
 
-    def serve(self, port: int) -> None:
-        self.pc.start_http_server(port, registry=self.registry)
+    def serve(self, port: int, addr: str) -> Any:
+        """Start the server on a daemon thread; returns it (``shutdown()`` stops it)."""
+        server, _thread = self.pc.start_http_server(port, addr=addr, registry=self.registry)
+        return server
 
     def write_textfile(self, path: str) -> None:
         self.pc.write_to_textfile(path, self.registry)  # writes a temp file, then renames

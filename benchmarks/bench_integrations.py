@@ -7,7 +7,8 @@ retention (Lightning: save_top_k=2 + save_last=True; HF: save_total_limit=2; Acc
 total_limit=2). Methods run interleaved (default, ckpt, default, ckpt, ...); medians of the
 time the training loop waited per checkpoint (Lightning: the ModelCheckpoint's saves of one
 step together, top-k file and last; HF: ``_save_checkpoint``; Accelerate: ``save_state()``).
-Bytes: the checkpoint folder at the end of a run (after ckpt's background writes finished).
+Bytes: the checkpoint folder at the end of a run (after ckpt's background writes finished),
+with CkptTrainer's hidden sibling root (``.<output_dir>.ckpt``).
 
     python benchmarks/bench_integrations.py [--layers 4] [--width 384] [--reps 2]
 
@@ -126,7 +127,9 @@ def run_hf(args: argparse.Namespace, use_ckpt: bool, work: Path) -> tuple[list, 
 
     trainer._save_checkpoint = timed
     trainer.train()  # CkptTrainer.train waits for the last write
-    return blocked, folder_bytes(work)
+    root = Path(trainer.ckpt_root_for(str(work))) if use_ckpt and hasattr(
+        trainer, "ckpt_root_for") else work / "__none__"  # ckpt's hidden sibling root
+    return blocked, folder_bytes(work) + (folder_bytes(root) if root.exists() else 0)
 
 
 # -- Accelerate --------------------------------------------------------------------------------
@@ -215,9 +218,9 @@ def main() -> None:
           "rotation, and any wait for the previous background write to finish "
           "(backpressure); digests, the write and the commit ran in the background. "
           "Lightning's default writes last.ckpt and the top-k file as two full copies; "
-          "ckpt writes one step for both. HF's default also writes the model as "
-          "safetensors in every checkpoint-N folder; with ckpt, `ckpt export --to hf` "
-          "writes that folder when it is wanted.")
+          "ckpt writes one step for both. CkptTrainer writes HF's checkpoint-N folder "
+          "(the model as HF's safetensors, once, from the writer thread) and the "
+          "optimizer as a ckpt step.")
 
 
 if __name__ == "__main__":

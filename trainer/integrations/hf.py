@@ -86,6 +86,7 @@ class CkptTrainer(Trainer):
         if not self.args.should_save:
             return
         store = self._store(run_dir)
+        self._ckpt_writer.wait()  # one checkpoint in flight: never two host copies at once
         # The training thread takes host copies (what ckpt's own async save blocks for); the
         # writer thread writes the model as HF does, digests it, then saves the ckpt step.
         model_sd = hff.host_copy(self.model.state_dict())

@@ -122,7 +122,8 @@ class ElasticSummary:
     restores: list[int]              # the steps the attempts resumed from (0: fresh start)
     steps_lost: int                  # steps trained again after failures
     recoveries: list[Recovery]
-    wall_s: float                    # first worker start to the end
+    wall_s: float                    # the invocations' own wall times, summed (not the
+                                     # idle time between two launches of the job)
     lost_s: float                    # downtime plus the time of the steps trained again
     step_s: float | None             # median time of one step (this attempt)
     final_loss: float | None
@@ -304,15 +305,18 @@ def build_summary(run_dir: str | os.PathLike | None, *, total_steps: int, final_
                      final_step, "start": time.time(), "end": time.time(), "failures": [],
                      "done": True}]
     recoveries = []
+    idle = 0.0  # between invocations: in no recovery's downtime
     for a, b in zip(attempts, attempts[1:]):
         recoveries.append(_recovery(a, b))
+        if _new_invocation(a, b) and recoveries[-1].downtime_s is not None:
+            idle += _gap(a, b)
     steps_lost = sum(r.steps_lost or 0 for r in recoveries)
     rollbacks = sum(a.get("rollbacks", 0) for a in attempts)
     skipped = len(set().union(*(a.get("skipped_offsets", set()) for a in attempts)))
-    start = min(a["start"] for a in attempts if a["start"] is not None)
-    wall = time.time() - start
+    wall = _wall(attempts, now=time.time())
     step_time = step_s or 0.0
-    lost = sum((r.downtime_s or 0.0) for r in recoveries) + steps_lost * step_time
+    lost = max(0.0, sum((r.downtime_s or 0.0) for r in recoveries) - idle) \
+        + steps_lost * step_time
     return ElasticSummary(
         final_step=final_step, total_steps=total_steps,
         world_sizes=[a["world"] for a in attempts], attempts=len(attempts), restarts=restarts,
@@ -321,6 +325,40 @@ def build_summary(run_dir: str | os.PathLike | None, *, total_steps: int, final_
         lost_s=round(lost, 3), step_s=step_s, final_loss=final_loss,
         run_dir=None if run_dir is None else os.fspath(run_dir), rollbacks=rollbacks,
         skipped_batches=skipped)
+
+
+def _new_invocation(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether attempt ``b`` began a new invocation of the job (a new torchrun launch or
+    process, maybe hours later) rather than a restart of ``a``'s: torchrun's restart count
+    went back, in other processes. (Within one launch every restart counts up; a second
+    ``fit`` in the same process is the same invocation.)"""
+    ra, rb = a.get("restart_count"), b.get("restart_count")
+    if ra is None or rb is None:
+        return False
+    return rb <= ra and not (a.get("pids", set()) & b.get("pids", set()))
+
+
+def _gap(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """The idle time between attempt ``a``'s last record and ``b``'s first process."""
+    if a.get("end") is None or b.get("start") is None:
+        return 0.0
+    return max(0.0, b["start"] - a["end"])
+
+
+def _wall(attempts: list[dict[str, Any]], now: float) -> float:
+    """The sum of each invocation's own wall time (its first process start to its last
+    record; the running one to ``now``)."""
+    total, first = 0.0, None
+    for i, a in enumerate(attempts):
+        if first is None:
+            first = a["start"]
+        last = i == len(attempts) - 1
+        if last or _new_invocation(a, attempts[i + 1]):
+            end = now if last else (a.get("end") or now)
+            if first is not None:
+                total += max(0.0, end - first)
+            first = None
+    return total
 
 
 def _attempt_facts(number: int, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -342,6 +380,9 @@ def _attempt_facts(number: int, records: list[dict[str, Any]]) -> dict[str, Any]
         "attempt": number,
         "world": starts[0]["world"] if starts else None,
         "start": min((r["process_start"] for r in starts), default=None),
+        "restart_count": max((r["restart_count"] for r in starts
+                              if isinstance(r.get("restart_count"), int)), default=None),
+        "pids": {r["pid"] for r in starts if "pid" in r},
         "group_ready": max((r["group_ready"] for r in starts), default=None),
         "restored": restored_step,
         "restored_at": max((r["time"] for r in restored), default=None),

@@ -14,6 +14,23 @@ from ckpt.options import Schedule
 
 log = logging.getLogger("ckpt")
 
+_exiting = threading.Event()  # set once the main program is over (see _note_exit)
+
+
+def _note_exit() -> None:
+    _exiting.set()
+
+
+# Runs when the main thread is done, before the threads are joined and before every atexit
+# callback (concurrent.futures uses the same hook): a SIGTERM after it must not raise
+# SystemExit, which Python would print as "Exception ignored in atexit callback".
+try:
+    threading._register_atexit(_note_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # another Python; or imported during shutdown
+    import atexit
+
+    atexit.register(_note_exit)
+
 
 class SaveSchedule:
     """A manager's save decisions (``every_steps``, ``every_seconds``, the memory tier's
@@ -62,7 +79,10 @@ class SaveSchedule:
 
     def install_sigterm(self, on_exit: Callable[[], None]) -> None:
         """Handle SIGTERM (from the main thread only, as Python requires): remember it, and
-        without ``save_on_preemption`` call ``on_exit`` and exit with 128 + the signal."""
+        without ``save_on_preemption`` call ``on_exit`` and exit with 128 + the signal.
+        Once the main program is over (the interpreter is exiting: threads joined, atexit
+        callbacks), SIGTERM calls ``on_exit`` and lets the exit go on (raising there would
+        only print "Exception ignored")."""
         if threading.current_thread() is not threading.main_thread():
             return
 
@@ -70,6 +90,9 @@ class SaveSchedule:
             self.preempted_by = signum
             log.warning("ckpt.sigterm received; save_on_preemption=%s",
                         self.save_on_preemption)
+            if _exiting.is_set():
+                on_exit()  # finishes the save in flight; the process is exiting already
+                return
             if self.save_on_preemption:
                 return  # the training loop's next save() call saves this step and exits
             on_exit()

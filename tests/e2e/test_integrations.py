@@ -188,10 +188,11 @@ def test_accelerate_save_state_and_load_state_go_through_ckpt(tmp_path, killed_j
     job = killed_job("acc_job.py")
     root = tmp_path / "acc/checkpoints"
     # Saves at steps 2, 4, 6 are iterations 0, 1, 2; total_limit=2 keeps two folders.
-    assert (root / "step-00000002/manifest.json").exists()
-    assert sorted(p.name for p in root.glob("checkpoint_*")) == ["checkpoint_1", "checkpoint_2"]
+    # Each folder is a ckpt root of its own, holding its step.
+    assert (root / "checkpoint_2/step-00000002/manifest.json").exists()
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint_1", "checkpoint_2"]
     shutil.copytree(tmp_path / "acc", tmp_path / "acc_bad")
-    flip_a_bit(tmp_path / "acc_bad/checkpoints/step-00000002", "c_attn.weight")
+    flip_a_bit(tmp_path / "acc_bad/checkpoints/checkpoint_2/step-00000002", "c_attn.weight")
 
     stderr = job.resume()
 
@@ -203,7 +204,8 @@ def test_accelerate_save_state_and_load_state_go_through_ckpt(tmp_path, killed_j
     assert same_weights(out / "ckpt_bad.pt", out / "acc4.pt")
     assert not same_weights(out / "acc6.pt", out / "acc4.pt")  # the comparison can fail
     assert "skipping step 2" in stderr and "digest mismatch" in stderr
-    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004", "step-00000005"]
+    assert sorted(str(p.relative_to(root)) for p in root.glob("*/step-*")) == [
+        "checkpoint_4/step-00000004", "checkpoint_5/step-00000005"]
 
 
 def test_hf_trainer_records_the_best_checkpoint_as_hfs_own_trainer_does(tmp_path):

@@ -1,7 +1,7 @@
 """An Accelerate training loop for tests/e2e/test_integrations.py (run as a subprocess).
 
-    python acc_job.py kill WORK     # CkptAccelerator; SIGKILLs itself at step 7 once the
-                                     # save of step 6 (iteration 2) committed
+    python acc_job.py kill WORK     # CkptAccelerator; SIGKILLs itself at step 7, after
+                                     # the save of step 6 (iteration 2) returned
     python acc_job.py resume WORK   # resumes WORK/acc and WORK/acc_bad through ckpt; runs the
                                      # same loop with Accelerate's own save_state, stopped after
                                      # steps 6 and 4 and resumed. Results in WORK/out/.
@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -82,9 +81,9 @@ def run(project: Path, cls: type, *, resume: bool = False, kill_at: int | None =
                     progress.saves += 1
                     acc.save_state()
                 if progress.step == kill_at:
-                    marker = project / f"checkpoints/step-{progress.saves - 1:08d}/manifest.json"
-                    while not marker.exists():  # the background commit (an event)
-                        time.sleep(0.01)
+                    i = progress.saves - 1  # save_state returned with the step committed
+                    assert (project / f"checkpoints/checkpoint_{i}/step-{i:08d}/manifest.json"
+                            ).exists()
                     os.kill(os.getpid(), signal.SIGKILL)
                 if progress.step == stop_at:
                     raise Stop

@@ -40,11 +40,12 @@ class StepStore:
     rank of the default process group saves together; otherwise this rank saves alone."""
 
     def __init__(self, root: str, manager_options: Mapping[str, Any], *,
-                 collective: bool = False) -> None:
+                 collective: bool = False, group: Any = None) -> None:
+        """``group``: a one-rank group made before with :func:`solo_group`, to reuse."""
         self.check_options(manager_options)
         self.root = root
         # Lightning and HF save from rank 0 alone; Accelerate's save_state runs on every rank.
-        group = None if collective else solo_group()
+        group = None if collective else (group or solo_group())
         self.mgr = ckpt.CheckpointManager(root, process_group=group, **manager_options)
         self._handle: ckpt.SaveHandle | None = None
         self._doomed: set[int] = set()

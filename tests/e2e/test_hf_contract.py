@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,  # noqa: E402
                           Trainer, TrainerCallback, TrainingArguments)
 
+from tests.support.other_user import command, other_user, shared_dir  # noqa: E402
 from trainer.integrations.hf import CkptTrainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,3 +139,25 @@ def test_save_total_limit_one_keeps_the_best_and_resume_true_picks_hfs_folder(tm
     for cls, name in ((Trainer, "hf"), (CkptTrainer, "out")):
         run(cls, tmp_path / name, 5, True)
     assert starts["hf5"] == starts["out5"] == 1
+
+
+def test_a_root_planted_by_another_user_is_refused():
+    """Threat: output_dir in a folder others may write (like /tmp); another local user makes
+    ckpt's sibling root there first, a folder of hers or a link, to read the optimizer states
+    written into it or to plant steps for a resume. CkptTrainer refuses it (naming it and
+    what to do) and writes nothing there."""
+    other_user()
+    shared = Path(shared_dir())
+    os.chmod(shared, 0o1777)  # sticky and world-writable, as /tmp
+    try:
+        subprocess.run(command(["mkdir", str(shared / ".out.ckpt")]), check=True)
+        subprocess.run(command(["ln", "-s", str(shared / "hers"), str(shared / ".link.ckpt")]),
+                       check=True)
+        for name, what in (("out", "owned by uid"), ("link", "a link")):
+            job = CkptTrainer(model=tiny_model(), args=arguments(shared / name, max_steps=2),
+                              train_dataset=data())
+            with pytest.raises(ckpt.CheckpointError, match=f"is {what}.*ckpt_root="):
+                job.train()
+        assert os.listdir(shared / ".out.ckpt") == [] and not (shared / "hers").exists()
+    finally:
+        shutil.rmtree(shared)

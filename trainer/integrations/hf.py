@@ -66,8 +66,13 @@ class CkptTrainer(Trainer):
         self._ckpt_loaded: dict[str, Any] | None = None
 
     def ckpt_root_for(self, run_dir: str) -> str:
-        """ckpt's root for ``run_dir``'s checkpoints."""
-        return os.path.abspath(self.ckpt_root) if self.ckpt_root else hff.root_for(run_dir)
+        """ckpt's root for ``run_dir``'s checkpoints (the default one checked: a link or a
+        folder of another user's there raises ``CheckpointError``)."""
+        if self.ckpt_root:
+            return os.path.abspath(self.ckpt_root)
+        root = hff.root_for(run_dir)
+        hff.check_root(root, run_dir)
+        return root
 
     # -- saving ----------------------------------------------------------------------------
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:

@@ -7,10 +7,9 @@ job's key (``ckpt/_memory/replica_wire.py``); the receiver (``ckpt/_memory/repli
 listens on the address the job advertises and gives nothing to a connection before that. A dead
 or slow peer costs a timeout on the sender thread and a counted failure, never a training
 step, and leaves no collective half done. The job's own gloo group would need no server, but
-a background gloo recv cannot be cancelled, a failed one can poison the group the restore
-needs, and sends from a thread would race the training's collectives for the group's order
-(docs/elastic.md, "What crosses the network"). The newest step supersedes one still waiting to
-be sent. The receiver publishes a replica by renaming its staging directory, so a replica is
+a gloo send or recv on a background thread cannot be cancelled or given a deadline of its own,
+and a failed one can poison the group the restore needs (docs/elastic.md, "What crosses the
+network"). The newest step supersedes one still waiting to be sent. The receiver publishes a replica by renaming its staging directory, so a replica is
 whole or absent; the digests in ``rank.json`` are checked when it is loaded.
 """
 

@@ -294,7 +294,7 @@ class CheckpointManager:
         if not self._read_only and not self._closed:
             self.wait()
         restored = self._restorer.restore(state, step, strict=strict, verify=verify)
-        self._order.restored()
+        self._order.restored(None if restored is None else restored.step, step is None)
         if restored is None:
             return None
         self._last_restore = restored.info
@@ -321,7 +321,7 @@ class CheckpointManager:
         if not self._read_only and not self._closed:
             self.wait()
         loaded = self._restorer.load(step, map_location=map_location)
-        self._order.restored()
+        self._order.restored(None if loaded is None else loaded.step, step is None)
         if loaded is None:
             return None
         self._loaded_step = loaded.step

@@ -62,8 +62,9 @@ class StepOrder:
                 "save under the next step number (docs/guide.md, 'Step numbers')",
                 path=self.root)
         raise StepOrderError(
-            f"save(step={step}): {self.root} holds a newer step, {newest}, and a restore picks "
-            f"the newest, so it would resume from step {newest}, not from this save. If the "
+            f"save(step={step}): a newer step, {newest}, is saved in {self.root}"
+            f"{' (in its memory tier)' if newest in self._in_memory else ''}, and a restore "
+            f"picks the newest, so it would resume from step {newest}, not from this save. If the "
             "step counter restarted (a new run, an epoch's batch index), keep counting up or "
             "save under another root; to go on from an older step on purpose, retire the "
             f"newer ones first: mgr.retire(s for s in mgr.steps() if s >= {step}), or pass "
@@ -86,6 +87,10 @@ class StepOrder:
         self._in_memory.difference_update(steps)
         self._listed = None
 
-    def restored(self) -> None:
-        """A restore or load ran (it may have skipped steps as bad): list again."""
+    def restored(self, step: int | None, fell_back: bool) -> None:
+        """A restore or load ran (it may have skipped steps as bad): list again. One that
+        looked for the newest step (``fell_back``) and returned ``step`` passed over the
+        memory-only saves after it: unusable, they no longer count."""
         self._listed = None
+        if fell_back and step is not None:
+            self._in_memory = {s for s in self._in_memory if s <= step}

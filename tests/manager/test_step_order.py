@@ -103,3 +103,32 @@ def test_overwrite_also_saves_below_the_newest_on_purpose(tmp_path):
         mgr.save(20, state(2.0))
         mgr.save(15, state(1.5), overwrite=True)
         assert mgr.steps() == [10, 15, 20]
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_memory_only_steps_a_restore_passed_over_no_longer_count(tmp_path):
+    """A rollback: step 4, in memory only, fails the forward check (NaN weights); the
+    restore falls back to step 2 and the loop saves step 4 again."""
+    (tmp_path / "shm").mkdir()
+    tier = ckpt.MemoryTierOptions(shm_dir=str(tmp_path / "shm"), node="n0", job="order",
+                                  persist_every=100)
+    probe = ckpt.Probe(inputs=torch.ones(3, 4))
+    torch.manual_seed(0)
+    model = Tiny()
+    with ckpt.CheckpointManager(str(tmp_path / "root"), async_save=False, memory_tier=tier,
+                                options=ckpt.SaveOptions(probe=probe)) as mgr:
+        mgr.save(2, {"model": model})  # memory only
+        with torch.no_grad():
+            model.fc.weight.fill_(float("nan"))
+        mgr.save(4, {"model": model})  # memory only, bad
+        assert mgr.restore({"model": model}, verify="forward") == 2
+        mgr.save(3, {"model": model})  # the loop goes on from step 2
+        mgr.save(4, {"model": model})

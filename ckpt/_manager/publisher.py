@@ -148,13 +148,15 @@ class MemoryPublisher:
                 payload.step, blocking, lambda pool: self._publish_rank(payload, options, pool))
         else:
             handle = writer.submit(  # then retire the generations beyond the tier's keep
-                self.tier.storage, payload, blocking, lambda manifest: self._retire())
+                self.tier.storage, payload, blocking,
+                lambda manifest: self._retire(payload.step))
         handle.add_done_callback(_log_failure)
         return handle
 
-    def _retire(self) -> None:
-        """After a single process's publish: the generations beyond the tier's keep go."""
-        collect(self.tier.storage, self.tier.kept_steps())
+    def _retire(self, step: int) -> None:
+        """After a single process's publish of ``step``: the generations beyond the tier's
+        keep go, and those above ``step`` (a line of training the job went back from)."""
+        collect(self.tier.storage, self.tier.kept_steps(step))
         self.tier.prune_tags()
 
     def _publish_rank(self, payload: Any, options: SaveOptions, pool: Any) -> SaveResult:

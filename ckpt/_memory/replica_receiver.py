@@ -197,7 +197,7 @@ class ReplicaReceiver:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        retire_rank_steps(segment, self.keep)
+        retire_rank_steps(segment, self.keep, step)  # the new line's, not those it left
         log.info("ckpt._memory.replication stored step=%d of rank=%d in %s", step, origin, segment)
 
     def close(self, remove_upto: int | None = None) -> None:

@@ -269,16 +269,19 @@ class MemoryTier:
         except BaseException:
             shutil.rmtree(os.path.join(self.path, staging), ignore_errors=True)
             raise
-        retire_rank_steps(self.path, self.keep)
+        retire_rank_steps(self.path, self.keep, payload.step)
         return table
 
-    def kept_steps(self) -> set[int]:
+    def kept_steps(self, newest: int | None = None) -> set[int]:
         """The generations to keep: the newest ``keep`` committed steps, signed or not (the
         publisher retires the others with the collector after each publish; a step another
-        job of this user wrote here under the same job id ages out like any other)."""
+        job of this user wrote here under the same job id ages out like any other), none
+        above ``newest``, the step just published (:func:`current_line`)."""
         if self.ranked:
-            return set(rank_steps(self.path)[-self.keep:])
-        return set(sorted(s for s, c in step_dirs(self.storage).items() if c)[-self.keep:])
+            steps = rank_steps(self.path)
+        else:
+            steps = sorted(s for s, c in step_dirs(self.storage).items() if c)
+        return set(current_line(steps, newest)[-self.keep:])
 
     def prune_tags(self) -> None:
         """Remove the tags of steps no longer in a single process's segment."""
@@ -384,10 +387,22 @@ def commit_dir(staging: str, final: str) -> None:
         os.rename(staging, final)
 
 
-def retire_rank_steps(path: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` rank steps of a segment."""
-    for s in rank_steps(path)[:-keep]:
-        shutil.rmtree(os.path.join(path, step_dir(s)), ignore_errors=True)
+def retire_rank_steps(path: str, keep: int, newest: int | None = None) -> None:
+    """Delete all but the newest ``keep`` rank steps of a segment. ``newest``: the step just
+    committed; steps numbered above it go first (see :func:`current_line`)."""
+    steps = rank_steps(path)
+    kept = current_line(steps, newest)[-keep:]
+    for s in steps:
+        if s not in kept:
+            shutil.rmtree(os.path.join(path, step_dir(s)), ignore_errors=True)
+
+
+def current_line(steps: list[int], newest: int | None) -> list[int]:
+    """``steps`` (sorted) without those above ``newest``, the step just saved: a job saves
+    a lower step only after going back to an older one (a restore of that step, a rollback,
+    a newer step that failed its checks), and the steps above belong to the line of training
+    it left. Kept, they would retire the new line's saves at once and win the next restore."""
+    return steps if newest is None else [s for s in steps if s <= newest]
 
 
 def read_rank_doc(path: str, step: int, key: bytes | None) -> dict:

@@ -176,12 +176,16 @@ class TrainerCheckpointer:
         return bool(self.manager_options.get("memory_tier"))
 
     def restored_from(self) -> dict[str, Any]:
-        """Where the last restore came from: ``tier`` ("memory", "peer" or "storage") and
-        ``bytes_from_storage`` (read from the persistent root); empty before one."""
+        """Where the last restore came from: ``tier`` ("memory", "peer" or "storage"),
+        ``bytes_from_storage`` (read from the persistent root) and ``skipped_steps``, the
+        steps it gave up on first, newest first (the reasons are in the manager's
+        ``ckpt.restore`` log line and ``last_restore.skipped``); empty before one."""
         info = self.manager.last_restore
         if info is None:
             return {}
-        return {"tier": info.tier, "bytes_from_storage": info.bytes_from_storage}
+        skipped = list(dict.fromkeys(step for step, _, _ in info.skipped))
+        return {"tier": info.tier, "bytes_from_storage": info.bytes_from_storage,
+                "skipped_steps": skipped}
 
     def save(self, step: int, meta: dict[str, Any], *, force: bool = False,
              persist: bool | None = None) -> Any:

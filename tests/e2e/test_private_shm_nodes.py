@@ -133,6 +133,7 @@ def test_survivors_resume_from_their_memory_and_the_peer_replica(killed_node):
     assert len(recs) == 2, recs
     assert {r["step"] for r in recs} == {HOLD - 1}, recs  # not a fresh start, not the root's
     assert {r["bytes_from_storage"] for r in recs} == {0}, recs
+    assert all(r["skipped_steps"] == [] for r in recs), recs  # the newest step, first try
     assert {r["tier"] for r in recs} <= {"memory", "peer"} and "peer" in {
         r["tier"] for r in recs}, recs
     want = saved_digest(tmp / "digests", killed, 0, HOLD - 1)

@@ -44,15 +44,16 @@ def test_tbptt_loop_killed_three_times_resumes_bit_exact(tmp_path):
     want, want_loop = _final(tmp_path / "straight")
 
     root = tmp_path / "root"
-    # batches 1-6 are epoch 1 (saves every 4 steps): killed mid-interval in epoch 1, right
-    # after the commit of step 12 (the end of epoch 2, before its lr decay), and in epoch 3
-    kills = [(6, False), (12, True), (17, False)]
+    # 6 batches per epoch, saves every 3 steps: each kill resumes mid-epoch, where the
+    # carried hidden state matters (steps 3, 9, 15), once right after the commit of step 9;
+    # the lr decays between the kills (the ends of epochs 1 and 2)
+    kills = [(5, False), (9, True), (16, False)]
     committed = []
     for kill_at, after_commit in kills:
         assert _run(root, tmp_path / f"killed{kill_at}", kill_at, after_commit) == -9
         with ckpt.CheckpointManager(root, read_only=True) as mgr:
             committed.append(mgr.latest_step())
-    assert committed[1] == 12  # the kill right after a commit resumes from that very step
+    assert committed == [3, 9, 15]
     assert _run(root, tmp_path / "resumed") == 0
     got, got_loop = _final(tmp_path / "resumed")
 

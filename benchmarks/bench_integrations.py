@@ -189,6 +189,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bars
     n = sum(p.numel() for p in GPT2LMHeadModel(model_config(args)).parameters())
     print(f"GPT-2 from a config: {args.layers} layers, width {args.width}, {n / 1e6:.1f} M "
           f"parameters ({n * 4 / 2**20:.0f} MiB fp32; with AdamW's two moments "

@@ -32,7 +32,7 @@ import ckpt.inspect
 import ckpt.tools
 
 from . import _hf_folder as hff
-from ._steps import StepStore, pickle_allowed
+from ._steps import StepStore, load_newest_good, pickle_allowed
 
 log = logging.getLogger("ckpt")
 
@@ -216,6 +216,8 @@ class CkptTrainer(Trainer):
         failures = []
         for n in candidates:
             folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{n}")
+            if ckpt.tools.read_pointer(os.path.join(folder, ckpt.tools.POINTER_NAME)) is not None:
+                return self._resolve_pointer(run_dir, n)
             if n not in committed:
                 own = hff.is_marker(folder) or (
                     committed and not os.path.exists(os.path.join(folder, hff.OPTIMIZER_NAME)))
@@ -233,6 +235,36 @@ class CkptTrainer(Trainer):
             f"no checkpoint under {run_dir} could be loaded; `ckpt verify --all {root}` gives "
             "details:\n  " + "\n  ".join(failures), path=run_dir)
 
+    def _resolve_pointer(self, run_dir: str, n: int) -> str:
+        """A folder an earlier CkptTrainer wrote: a pointer ``ckpt-step.json`` to a step in
+        ``run_dir`` itself that holds the model too. Loads it (or the newest good step
+        before it) so that such a run resumes; new checkpoints then go to the sibling root."""
+        found = load_newest_good(run_dir, n, allow_pickle=pickle_allowed(self.ckpt_options))
+        if found is None:
+            raise ValueError(f"No valid checkpoint found in output directory ({run_dir})")
+        step, self._ckpt_loaded = found
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        os.makedirs(folder, exist_ok=True)
+        self._write_state(folder, self._ckpt_loaded["trainer_state"])
+        log.info("ckpt: resuming from step %d under %s (written by an earlier CkptTrainer)",
+                 step, run_dir)
+        return folder
+
+    @staticmethod
+    def _write_state(folder: str, text: str) -> None:
+        """HF reads the trainer state from the folder: write the verified copy there."""
+        tmp = os.path.join(folder, f".{TRAINER_STATE_NAME}.part")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(folder, TRAINER_STATE_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: torch.nn.Module | None = None) -> None:
+        if self._ckpt_loaded is None or "model" not in self._ckpt_loaded:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        target = self.accelerator.unwrap_model(model if model is not None else self.model)
+        target.load_state_dict(self._ckpt_loaded["model"])  # an earlier CkptTrainer's step
+
     def _load_step(self, root: str, n: int, folder: str) -> str | None:
         """Load step ``n`` and check ``folder``'s model files; the problem, or None."""
         path = os.path.join(root, ckpt.inspect.step_dir(n))
@@ -249,11 +281,7 @@ class CkptTrainer(Trainer):
         if problems:
             return "; ".join(problems)
         self._ckpt_loaded = saved
-        # HF reads the trainer state from the folder: the verified copy from the step.
-        tmp = os.path.join(folder, f".{TRAINER_STATE_NAME}.part")
-        with open(tmp, "w") as f:
-            f.write(saved["trainer_state"])
-        os.replace(tmp, os.path.join(folder, TRAINER_STATE_NAME))
+        self._write_state(folder, saved["trainer_state"])
         log.info("ckpt: resuming from %s (step %d of %s)", folder, n, root)
         return None
 

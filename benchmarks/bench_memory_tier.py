@@ -5,7 +5,10 @@
 
    - the memory tier (the segment in ``/dev/shm`` that an earlier process published, as a
      worker restarted by torchrun finds it); and, for reference, the same with chunk digests
-     not checked (``verify="structure"``: the cost of the digest pass);
+     not checked (``verify="structure"``: the cost of the digest pass), and the same without
+     the memory key's tag check and the owner checks of every directory and file it opens
+     (the cost of authentication; goal: at most 5% slower with them, ``--auth`` measures
+     only this pair and the raw read);
    - the POSIX root with the page cache dropped before each restore ("cold", needs root;
      otherwise the row says "warm") and, for reference, with a warm page cache;
    - S3 (moto's server on loopback, as in bench_storage.py: a Python server, so the S3
@@ -44,7 +47,7 @@
 
 Run from the repository root::
 
-    python benchmarks/bench_memory_tier.py [--sizes 1G] [--reps 3] [--quick]
+    python benchmarks/bench_memory_tier.py [--sizes 1G] [--reps 3] [--quick] [--auth]
         [--no-restore] [--no-peer] [--no-timeline] [--pad-mb 0] [--timeline-reps 1]
 
 It never asserts on timings.
@@ -53,6 +56,7 @@ It never asserts on timings.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import logging
 import os
@@ -72,7 +76,7 @@ import xxhash  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt._format.names import step_dir  # noqa: E402
-from ckpt._memory.tier import PREFIX, SHM_DIR, node_name  # noqa: E402
+from ckpt._memory.tier import PREFIX, SHM_DIR, private_path  # noqa: E402
 from storage_backends import open_storage  # noqa: E402
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -80,9 +84,13 @@ logging.getLogger("ckpt").setLevel(logging.ERROR)  # "segment kept: step in memo
 
 GOALS = {"S3 (moto)": 10.0, "POSIX root, cold": 3.0}  # memory at least this many times faster
 NO_DIGESTS = "memory tier, digests not checked"
+NO_CHECKS = "memory tier, no key or owner checks"
+GOAL_AUTH = 1.05  # the memory tier with its checks takes at most this times as long
 RAW_SHM = "raw read of the segment's files"
 RAW_COLD = "raw read of the root's files, cold"
-ALL_CASES = ("memory tier", NO_DIGESTS, "POSIX root, cold", "POSIX root, warm", "S3 (moto)")
+ALL_CASES = ("memory tier", NO_DIGESTS, NO_CHECKS, "POSIX root, cold", "POSIX root, warm",
+             "S3 (moto)")
+SEGMENTS = private_path(SHM_DIR)  # this user's segments
 RAW_THREADS, RAW_BLOCK = 2, 512 << 10  # as the restore reads: a thread per core, 512 KiB
 
 
@@ -117,6 +125,25 @@ def raw_read(paths: list[str], into: torch.Tensor, threads: int = RAW_THREADS,
         list(pool.map(read_run, range(threads)))
 
 
+@contextlib.contextmanager
+def unchecked():
+    """The memory tier's restore without the memory key's tag check and the owner checks of
+    the directories and files it opens (plain ``O_NOFOLLOW`` opens): the reference row."""
+    import ckpt._memory.shm_reader as reader
+    import ckpt._memory.tier as tier
+
+    saved = (reader.authenticate_manifest, reader.open_checked, reader.check_dir,
+             tier.authenticate_manifest)
+    reader.authenticate_manifest = tier.authenticate_manifest = lambda *a, **k: None
+    reader.open_checked = lambda path: os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    reader.check_dir = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        (reader.authenticate_manifest, reader.open_checked, reader.check_dir,
+         tier.authenticate_manifest) = saved
+
+
 class Tiers:
     """One state saved once per tier; ``case(name)`` restores it from there (timed)."""
 
@@ -133,6 +160,7 @@ class Tiers:
         with ckpt.CheckpointManager(self.mem_root, memory_tier=tier, async_save=False,
                                     schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
             mgr.save(1, state)
+            self.segment, self.key = mgr._publisher.tier.path, mgr._publisher.tier.key
         with ckpt.CheckpointManager(self.disk_root, async_save=False,
                                     schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
             mgr.save(1, state)
@@ -151,8 +179,7 @@ class Tiers:
                                         schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
                 mgr.save(1, self.s3_state)
         self.seen: dict[str, set[tuple[str, int]]] = {}
-        self.files = {RAW_SHM: _data_files(os.path.join(
-            SHM_DIR, f"{PREFIX}{self.job}-{node_name()}-r0", step_dir(1))),
+        self.files = {RAW_SHM: _data_files(os.path.join(self.segment, step_dir(1))),
             RAW_COLD: _data_files(os.path.join(self.disk_root, step_dir(1)))}
         for name, paths in self.files.items():
             self.nbytes[name] = sum(os.path.getsize(p) for p in paths)
@@ -181,12 +208,15 @@ class Tiers:
         self.seen.setdefault(name, set()).add((info.tier, info.bytes_from_storage))
         return {"restore": sw.seconds}
 
-    def memory(self, digests: bool):
+    def memory(self, digests: bool, checks: bool = True):
         def case(rep: int) -> dict[str, float]:
             # A new manager with the job's id: what a restarted worker builds.
             tier = ckpt.MemoryTierOptions(persist_every=1_000_000, job=self.job)
             with ckpt.CheckpointManager(self.mem_root, memory_tier=tier,
                                         schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
+                if not checks:
+                    with unchecked():
+                        return self._restore(NO_CHECKS, mgr)
                 if digests:
                     return self._restore("memory tier", mgr)
                 return self._restore(NO_DIGESTS, mgr, verify="structure")
@@ -208,9 +238,9 @@ class Tiers:
             return self._restore("S3 (moto)", mgr)
 
     def close(self) -> None:
-        for entry in os.listdir(SHM_DIR):
+        for entry in os.listdir(SEGMENTS):
             if entry.startswith(f"{PREFIX}{self.job}-"):
-                shutil.rmtree(os.path.join(SHM_DIR, entry), ignore_errors=True)
+                shutil.rmtree(os.path.join(SEGMENTS, entry), ignore_errors=True)
         if self.s3_root is not None:
             self.s3_root.delete("")
 
@@ -261,6 +291,12 @@ def goals(timings: common.Timings, nbytes: dict[str, int]) -> list[str]:
                    f"{rate(RAW_SHM) / rate(RAW_COLD):.1f}x as fast as the {RAW_COLD} "
                    f"({RAW_THREADS} threads, {RAW_BLOCK >> 10} KiB blocks, each digested, "
                    "straight into one preallocated buffer: no parsing, planning or checks)")
+    if NO_CHECKS in timings:
+        ratio = (common.median(timings["memory tier"]["restore"])
+                 / common.median(timings[NO_CHECKS]["restore"]))
+        out.append(f"- authentication (the memory key's tag, owner checks): the memory tier's "
+                   f"restore takes {ratio:.3f}x the time without them (medians; goal <= "
+                   f"{GOAL_AUTH:g}x: {'met' if ratio <= GOAL_AUTH else 'NOT met'})")
     if RAW_SHM in timings:
         extra = (common.median(timings["memory tier"]["restore"])
                  - common.median(timings[RAW_SHM]["restore"]))
@@ -268,6 +304,39 @@ def goals(timings: common.Timings, nbytes: dict[str, int]) -> list[str]:
         out.append(f"- the memory tier's restore takes {abs(extra) * 1e3:.0f} ms {more} than "
                    f"the {RAW_SHM} (medians)")
     return out
+
+
+def check_cost(segment: str, key: bytes, reps: int = 200) -> str:
+    """The checks of one restore timed on their own (load hides a few percent of a restore
+    on a busy machine): the manifest's tag and the owner check of every file opened, against
+    plain ``O_NOFOLLOW`` opens of the same files."""
+    from ckpt._memory.private import check_dir, open_checked
+    from ckpt._memory.tier import authenticate_manifest
+
+    files = _data_files(os.path.join(segment, step_dir(1))) + [
+        os.path.join(segment, step_dir(1), "manifest.json")]
+
+    def checked() -> None:
+        check_dir(os.path.join(segment, step_dir(1)))
+        authenticate_manifest(segment, step_dir(1), key)
+        for path in files:
+            os.close(open_checked(path))
+
+    def plain() -> None:
+        for path in files:
+            os.close(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+
+    times = {}
+    for name, fn in (("checked", checked), ("plain", plain)) * 2:
+        runs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+        times[name] = common.median(runs)
+    return (f"- the checks timed alone ({len(files)} files, manifest tag and owner checks): "
+            f"{times['checked'] * 1e6:.0f} us per restore against {times['plain'] * 1e6:.0f} "
+            f"us for plain opens of the same files (medians of {reps})")
 
 
 def bench_restore(args) -> None:
@@ -287,16 +356,19 @@ def bench_restore(args) -> None:
                     tiers = Tiers(state, shape, tmp, s3)
                     try:
                         cases = [("memory tier", tiers.memory(True)),
-                                 (NO_DIGESTS, tiers.memory(False)),
-                                 (disk_name(tiers.cold), tiers.disk(True))]
-                        if tiers.cold:
+                                 (NO_CHECKS, tiers.memory(True, checks=False))]
+                        if not args.auth:
+                            cases += [(NO_DIGESTS, tiers.memory(False)),
+                                      (disk_name(tiers.cold), tiers.disk(True))]
+                        if tiers.cold and not args.auth:
                             cases += [(disk_name(False), tiers.disk(False)),
                                       (RAW_COLD, tiers.raw(RAW_COLD))]
                         cases.append((RAW_SHM, tiers.raw(RAW_SHM)))
-                        if s3 is not None:
+                        if s3 is not None and not args.auth:
                             cases.append(("S3 (moto)", tiers.s3))
                         timings = common.run_interleaved(
                             cases, args.reps, progress=f"restore {common.format_size(size)}")
+                        cost = check_cost(tiers.segment, tiers.key)
                     finally:
                         tiers.close()
                 label = f"{shape} ({common.SHAPES[shape]} tensors)"
@@ -305,6 +377,7 @@ def bench_restore(args) -> None:
                 print(restore_table(timings, tiers.seen, tiers.nbytes,
                                     [a for a in (*GOALS, RAW_COLD) if a in timings]))
                 print("\n" + "\n".join(goals(timings, tiers.nbytes)))
+                print(cost)
     finally:
         if server is not None:
             server.stop()
@@ -366,7 +439,7 @@ def peer_ranks(rank: int, world: int, size: int, reps: int, work: str, job: str)
     for rep in range(reps):
         for name in [names[(rep + i) % len(names)] for i in range(len(names))]:
             if rank == 0 and name == names[1]:
-                _aside(SHM_DIR, job, NODES[1], back=False)
+                _aside(SEGMENTS, job, NODES[1], back=False)
             if rank == 0 and name == names[2] and cold[0]:
                 common.drop_page_cache()
             for t in dest.values():
@@ -385,7 +458,7 @@ def peer_ranks(rank: int, world: int, size: int, reps: int, work: str, job: str)
             out["seconds"][name].append(max(times))
             dist.barrier()
             if rank == 0 and name == names[1]:
-                _aside(SHM_DIR, job, NODES[1], back=True)
+                _aside(SEGMENTS, job, NODES[1], back=True)
             dist.barrier()
     return out
 
@@ -399,9 +472,9 @@ def bench_peer(args) -> None:
             try:
                 results = run_ranks(2, peer_ranks, size, args.reps, tmp, job, timeout=3600)
             finally:
-                for entry in os.listdir(SHM_DIR):
+                for entry in os.listdir(SEGMENTS):
                     if job in entry:
-                        shutil.rmtree(os.path.join(SHM_DIR, entry), ignore_errors=True)
+                        shutil.rmtree(os.path.join(SEGMENTS, entry), ignore_errors=True)
         r0 = results[0]
         timings = {name: {"restore": secs} for name, secs in r0["seconds"].items()}
         seen = {name: set().union(*(r["tiers"][name] for r in results)) for name in timings}
@@ -473,9 +546,9 @@ def timeline_run(work: Path, scenario: str, memory: bool, args, warm: bool = Fal
             if warm:  # the node's zygote and workers go with it
                 os.kill(pid, signal.SIGKILL)
             lost = c.node_name(c.nodes.index(victim))
-            for entry in os.listdir(SHM_DIR):  # the node's RAM went with it
+            for entry in os.listdir(SEGMENTS):  # the node's RAM went with it
                 if entry.startswith(f"{PREFIX}{memjob}-{lost}-"):
-                    shutil.rmtree(os.path.join(SHM_DIR, entry), ignore_errors=True)
+                    shutil.rmtree(os.path.join(SEGMENTS, entry), ignore_errors=True)
             survivors = [n for n in nodes if n is not victim]
         for n in survivors:
             n.proc.wait(timeout=300)
@@ -483,9 +556,9 @@ def timeline_run(work: Path, scenario: str, memory: bool, args, warm: bool = Fal
         logs = "\n".join(n.log() for n in survivors)
     finally:
         c.close()
-        for entry in os.listdir(SHM_DIR):
+        for entry in os.listdir(SEGMENTS):
             if entry.startswith(f"{PREFIX}{memjob}-"):
-                shutil.rmtree(os.path.join(SHM_DIR, entry), ignore_errors=True)
+                shutil.rmtree(os.path.join(SEGMENTS, entry), ignore_errors=True)
     p = progress(work / "run")
     nxt_attempt = max(p)
     nxt = attempt_times(work / "run", nxt_attempt)
@@ -614,6 +687,10 @@ def main() -> None:
                        help="512 MiB (fixed costs would hide the ratios at less), 2 reps; "
                             "the timeline of a killed worker only")
         p.add_argument("--no-s3", action="store_true", help="skip the S3 (moto) tier")
+        p.add_argument("--auth", action="store_true",
+                       help="only the memory tier with and without its authentication and "
+                            "owner checks (and the raw read), one process; no S3, peers or "
+                            "timeline")
         p.add_argument("--s3-max", type=common.parse_size, default=common.parse_size("256M"),
                        help="the S3 tier's state is at most this big (moto fails large "
                             "uploads on a busy machine; default 256M)")
@@ -627,6 +704,8 @@ def main() -> None:
                        help="timeline: checkpoint this many MB besides the tiny LM")
 
     args = common.parse_args(__doc__.splitlines()[0], 3, extra)
+    if args.auth:
+        args.no_s3 = args.no_peer = args.no_timeline = True
     if args.quick:
         args.sizes, args.reps = [common.parse_size("512M")], min(args.reps, 2)
         args.timeline_steps = min(args.timeline_steps, 40)

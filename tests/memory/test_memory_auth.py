@@ -6,6 +6,7 @@ removed runs from its owner's death; a manager that fails to open holds no lock.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -190,3 +191,36 @@ def test_a_dead_jobs_segment_is_kept_for_the_grace_period_after_its_death(tmp_pa
     os.utime(os.path.join(path, DEAD_FILE), (two_hours_ago, two_hours_ago))
     another_job_opens_a_tier()
     assert not os.path.exists(path)
+
+
+def test_discovery_reads_only_exact_segment_names_and_signed_rank_steps(tmp_path, caplog):
+    """Of this node's segments only the exact names count (not another name that starts the
+    same way), and of their rank steps only those signed with the job's key."""
+    from ckpt._memory.auth import sign_doc
+    from ckpt._memory.discovery import local_holdings
+    from ckpt._memory.tier import RANK_FORMAT, private_dir
+
+    private = private_dir(str(tmp_path))
+    key = os.urandom(32)
+
+    def rank_step(segment: str, step: int, signed_with: bytes | None) -> None:
+        d = os.path.join(private, segment, f"step-{step:08d}")
+        os.makedirs(d, mode=0o700)
+        os.chmod(os.path.join(private, segment), 0o700)
+        doc = {"format": RANK_FORMAT, "step": step, "rank": 0, "world_size": 1, "token": "t",
+               "created": 1.0, "tensors": {}, "items": {}, "aliases": {}, "metadata": {},
+               "table": {}}
+        with open(os.path.join(d, "rank.json"), "w") as f:
+            json.dump(doc if signed_with is None else sign_doc(signed_with, doc), f)
+
+    rank_step("ckpt-j-n-r0", 1, key)
+    rank_step("ckpt-j-n-r0", 2, os.urandom(32))  # another job's key
+    rank_step("ckpt-j-n-r0", 3, None)  # no tag
+    rank_step("ckpt-j-n-r0x", 4, key)  # not a segment name
+    rank_step("ckpt-j-n-replica-r0", 5, key)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        held = local_holdings(private, "j", "n", key=key)
+    assert sorted((h.segment, h.step, h.replica) for h in held) == [
+        ("ckpt-j-n-r0", 1, False), ("ckpt-j-n-replica-r0", 5, True)]
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "step-00000002" in warned and "step-00000003" in warned

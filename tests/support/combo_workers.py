@@ -183,10 +183,10 @@ def _kill(case: dict, mgr: ckpt.CheckpointManager, world: int, out: str, rank: i
 
 
 def lose_node(shm: str, job: str, node: str) -> list[str]:
-    """A node's loss: every segment of ``node`` (its own and the replicas it holds)."""
-    from ckpt._memory.tier import private_path  # this user's segments under shm
-
-    gone = sorted(glob.glob(os.path.join(private_path(shm), f"ckpt-{job}-{node}-*")))
+    """A node's loss: every segment of ``node`` (its own and the replicas it holds), in
+    ``shm`` or in this user's private directory inside it."""
+    gone = sorted(glob.glob(os.path.join(shm, f"ckpt-{job}-{node}-*"))
+                  + glob.glob(os.path.join(shm, "*", f"ckpt-{job}-{node}-*")))
     for path in gone:
         shutil.rmtree(path)
     return gone

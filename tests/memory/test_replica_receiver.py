@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt._memory import replica_wire as wire
 from ckpt._memory.replication import Replicator
 from ckpt._memory.tier import replica_name
 
@@ -220,4 +221,21 @@ def test_one_step_of_an_origin_arrives_at_a_time(tmp_path):
         assert sorted(p.name for p in segment.glob("step-*")) == ["step-00000003"]
     finally:
         rep.hold.set()
+        rep.close()
+
+
+def test_a_header_over_the_cap_is_refused_before_it_is_read(tmp_path):
+    """A peer with the key that announces a header over HEADER_MAX (1 MiB) is hung up on at
+    once, counted as failed, without the receiver waiting for (or allocating) the header."""
+    counted: list[str] = []
+    rep = Replicator(shm_dir=str(tmp_path), job="j", node="n", keep=2, timeout=120,
+                     host="127.0.0.1", count=counted.append)
+    rep.connect([], "s3cret")
+    try:
+        with socket.create_connection(rep.address, timeout=30) as sock:
+            wire.sender_handshake(sock, wire.key_of("s3cret"), "j", time.monotonic() + 30)
+            sock.sendall(struct.pack("!I", wire.HEADER_MAX + 1))
+            assert _closed_by_peer(sock, within=60)  # its read deadline is 120 s
+        assert counted == ["failed"] and list(tmp_path.iterdir()) == []
+    finally:
         rep.close()

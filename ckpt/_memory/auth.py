@@ -99,18 +99,19 @@ def _posix_key(path: str, create: bool) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         if not create:
-            raise MemoryKeyError(errno.ENOENT, "no memory key (a writer creates it)", path) from None
+            raise MemoryKeyError(errno.ENOENT, "no memory key (a writer creates it)",
+                                 path) from None
         return _create_posix_key(path)
     except OSError as e:  # a link (ELOOP) or no permission
-        raise MemoryKeyError(e.errno, f"the memory key cannot be opened ({e.strerror}); remove "
-                        "it, a writer creates a new one", path) from None
+        raise MemoryKeyError(e.errno, f"the memory key cannot be opened ({e.strerror}); "
+                             "remove it, a writer creates a new one", path) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise MemoryKeyError(errno.EPERM, f"the memory key must be a file of uid "
-                            f"{os.geteuid()} that no one else can read or write (it is uid "
-                            f"{st.st_uid}, mode {stat.filemode(st.st_mode)}); remove it, a "
-                            "writer creates a new one", path)
+                                 f"{os.geteuid()} that no one else can read or write (it is "
+                                 f"uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); remove "
+                                 "it, a writer creates a new one", path)
         key = os.read(fd, KEY_BYTES + 1)
     finally:
         os.close(fd)
@@ -142,5 +143,5 @@ def _checked(key: bytes | None, where: str) -> bytes:
         raise MemoryKeyError(errno.ENOENT, "no memory key (a writer creates it)", where)
     if len(key) != KEY_BYTES:
         raise MemoryKeyError(errno.EINVAL, f"the memory key is {len(key)} bytes, not "
-                        f"{KEY_BYTES}; remove it, a writer creates a new one", where)
+                             f"{KEY_BYTES}; remove it, a writer creates a new one", where)
     return bytes(key)

@@ -23,6 +23,7 @@ import ckpt
 from ckpt._memory.auth import KEY_NAME
 from ckpt._memory.tier import DEAD_FILE, OWNER_FILE, private_path
 from tests.support import memory_auth_workers as workers
+from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 from tests.support.ranks import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -224,3 +225,23 @@ def test_discovery_reads_only_exact_segment_names_and_signed_rank_steps(tmp_path
         ("ckpt-j-n-r0", 1, False), ("ckpt-j-n-replica-r0", 5, True)]
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "step-00000002" in warned and "step-00000003" in warned
+
+
+def test_an_object_store_roots_memory_key_is_created_once_and_kept(s3, tmp_path):
+    """On an object store the key is created once (a create-only write) and read back by the
+    job's later runs: a step in memory only is restored after a restart."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    root = s3.root("run")
+    tier = ckpt.MemoryTierOptions(shm_dir=str(shm), node="n0", job="s3job", persist_every=100)
+    with ckpt.CheckpointManager(root, memory_tier=tier, storage_options=s3.storage_options,
+                                async_save=False) as mgr:
+        mgr.save(1, {"w": torch.full((8,), 5.0)})
+        key = mgr._publisher.tier.key
+    assert KEY_NAME in " ".join(s3.keys()) and len(key) == 32
+    state = {"w": torch.zeros(8)}
+    with ckpt.CheckpointManager(root, memory_tier=tier,
+                                storage_options=s3.storage_options) as mgr:
+        assert mgr._publisher.tier.key == key
+        assert mgr.restore(state) == 1 and mgr.last_restore.tier == "memory"
+    assert torch.equal(state["w"], torch.full((8,), 5.0))

@@ -3,6 +3,7 @@ retention policy, the restorer, the root's owner and the memory publisher."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -27,6 +28,7 @@ from ckpt._retention.collect import GcReport, collect
 from ckpt._retention.policy import RetentionPolicy
 from ckpt._save.handle import SaveHandle
 from ckpt._shared.distributed import Group
+from ckpt._shared.progress import TerminalProgress
 from ckpt._step.integrity import read_manifest
 from ckpt._step.listing import committed_steps
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
@@ -217,7 +219,8 @@ class CheckpointManager:
         handle = self._saver.save(step, state, metadata, to_root=to_root)
         self._order.saved(step, to_root)
         if not self._saver.copy or preempted:
-            handle.wait()
+            with self._progress(f"ckpt: saving step {step}", handle):
+                handle.wait()
         if preempted:
             log.warning("ckpt.preempted step=%d saved; exiting", step)
             self.close()
@@ -257,7 +260,21 @@ class CheckpointManager:
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the save in flight; raise its error if it failed."""
         if self._saver is not None:
-            self._saver.wait(timeout)
+            with self._progress_of_inflight():
+                self._saver.wait(timeout)
+
+    def _progress(self, label: str, handle: SaveHandle | None = None) -> Any:
+        """A progress line on rank 0's terminal while the caller waits (ckpt/_shared/
+        progress.py: drawn only on a terminal, after a second)."""
+        if not self._group.is_coordinator:
+            return contextlib.nullcontext()
+        return TerminalProgress(label, getattr(handle, "progress", None))
+
+    def _progress_of_inflight(self) -> Any:
+        handle = self._saver.inflight if self._saver is not None else None
+        if handle is None or handle.done():
+            return contextlib.nullcontext()
+        return self._progress(f"ckpt: finishing the save of step {handle.step}", handle)
 
     def wait_replicated(self, timeout: float | None = None) -> bool:
         """Wait for the save in flight and for its memory-tier replicas to be stored by the
@@ -293,7 +310,8 @@ class CheckpointManager:
         """
         if not self._read_only and not self._closed:
             self.wait()
-        restored = self._restorer.restore(state, step, strict=strict, verify=verify)
+        with self._progress(f"ckpt: restoring from {self.root}"):
+            restored = self._restorer.restore(state, step, strict=strict, verify=verify)
         self._order.restored(None if restored is None else restored.step, step is None)
         if restored is None:
             return None
@@ -343,7 +361,8 @@ class CheckpointManager:
         self._closed = True
         try:
             if self._saver is not None:
-                self._saver.close()
+                with self._progress_of_inflight():
+                    self._saver.close()
                 if self._publisher is not None:
                     self._publisher.close(persisted=self.latest_step())
         finally:

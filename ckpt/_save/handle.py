@@ -6,6 +6,8 @@ import concurrent.futures as cf
 from dataclasses import dataclass
 from typing import Callable
 
+from ckpt._shared.progress import ByteCounter
+
 
 @dataclass(frozen=True)
 class SaveResult:
@@ -27,9 +29,11 @@ class SaveHandle:
     (a :class:`CheckpointError` with the original chained as ``__cause__``).
     """
 
-    def __init__(self, step: int, future: cf.Future, blocking_seconds: float) -> None:
+    def __init__(self, step: int, future: cf.Future, blocking_seconds: float,
+                 progress: ByteCounter | None = None) -> None:
         self.step = step
         self.blocking_seconds = blocking_seconds
+        self.progress = progress  # bytes written so far, for a terminal's progress line
         self._future = future
         self.error_reported = False
 

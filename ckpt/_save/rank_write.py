@@ -19,6 +19,7 @@ from storage_backends.faults import fault_point
 from ckpt._format.datafile import ALIGN, Piece, encode_header
 from ckpt._format.entries import Chunk
 from ckpt._format.ranktable import encode_table, table_name
+from ckpt._shared.progress import ByteCounter
 from ckpt._save.payload import RankTable, StepPayload
 from ckpt._save.chunking import ChunkPlan, assign_files, chunk_tensor, data_file_name
 from ckpt._shared.buffers import byte_view
@@ -83,12 +84,16 @@ def _encoder() -> Callable:
 
 
 def write_rank(storage: Storage, staging: str, payload: StepPayload, options: SaveOptions,
-               pool: cf.ThreadPoolExecutor | None) -> RankTable:
-    """Write this rank's new chunks into ``staging``; returns its table (nothing committed)."""
+               pool: cf.ThreadPoolExecutor | None,
+               progress: ByteCounter | None = None) -> RankTable:
+    """Write this rank's new chunks into ``staging``; returns its table (nothing committed).
+    ``progress`` counts the chunks' bytes (before compression) as their files are written."""
     fault_point("before_data")
     encode = _encoder() if options.compression else None
     reused, to_write = _plan(payload, options)
     new_bytes = sum(len(data) for _, data, _ in to_write)
+    if progress is not None:
+        progress.total = new_bytes
     # Compressed: several files per thread, so one file's write overlaps the next's compression.
     per_thread = 4 if options.compression else 1
     n_files = max(options.write_threads * per_thread, -(-new_bytes // options.max_file_bytes))
@@ -116,6 +121,8 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
         header = encode_header(pieces)
         size = storage.write(f"{staging}/{name}", [header, *(p.data for p in pieces)])
         fault_point("after_file")
+        if progress is not None:
+            progress.add(sum(len(data_of[(c.key, c.index)][0]) for c, _, _, _ in encoded))
         records, start = [], len(header)
         for (c, d, codec, _), piece in zip(encoded, pieces):
             records.append((c.key, Chunk(c.offsets, c.shape, name, start, len(piece.data), d,

@@ -21,6 +21,7 @@ from ckpt._save.handle import SaveHandle, SaveResult
 from ckpt._save.payload import RankTable, StepPayload
 from ckpt._save.rank_write import write_rank, write_table
 from ckpt._shared.distributed import Group
+from ckpt._shared.progress import ByteCounter
 from ckpt.errors import CheckpointError, CheckpointLockedError, StorageError
 from ckpt.options import SaveOptions
 
@@ -37,21 +38,22 @@ class BackgroundWriter:
         self._pool = (cf.ThreadPoolExecutor(options.write_threads, thread_name_prefix="ckpt-io")
                       if options.write_threads > 1 else None)
 
-    def _run(self, storage: Storage, payload: StepPayload) -> tuple[Manifest | None, RankTable]:
+    def _run(self, storage: Storage, payload: StepPayload,
+             progress: ByteCounter) -> tuple[Manifest | None, RankTable]:
         """Write and commit one save; returns (the manifest on the coordinator, this rank's
         table)."""
         if payload.ready is not None:
             payload.ready.synchronize()  # the staged bytes are all there before any is read
         staging = storage.begin(payload.name, payload.token)
         if not self.group.enabled:
-            return self._run_alone(storage, staging, payload)
-        return self._run_voting(storage, staging, payload)
+            return self._run_alone(storage, staging, payload, progress)
+        return self._run_voting(storage, staging, payload, progress)
 
-    def _run_alone(self, storage: Storage, staging: str,
-                   payload: StepPayload) -> tuple[Manifest, RankTable]:
+    def _run_alone(self, storage: Storage, staging: str, payload: StepPayload,
+                   progress: ByteCounter) -> tuple[Manifest, RankTable]:
         """One process: write this rank's files and commit them."""
         try:
-            table = write_rank(storage, staging, payload, self.options, self._pool)
+            table = write_rank(storage, staging, payload, self.options, self._pool, progress)
             if payload.layouts is not None:
                 report = write_table(storage, staging, payload, table)
                 return commit_step(storage, staging, payload, reports=[report]), table
@@ -60,15 +62,15 @@ class BackgroundWriter:
             abort(storage, staging)
             raise
 
-    def _run_voting(self, storage: Storage, staging: str,
-                    payload: StepPayload) -> tuple[Manifest | None, RankTable]:
+    def _run_voting(self, storage: Storage, staging: str, payload: StepPayload,
+                    progress: ByteCounter) -> tuple[Manifest | None, RankTable]:
         """Two-phase commit: every rank reports its table (or its error) through the store;
         the coordinator commits only if all ranks succeeded, then announces the outcome."""
         group = self.group
         tables = payload.layouts is not None
         me = f"{payload.token}/rank{group.rank}"
         try:
-            table = write_rank(storage, staging, payload, self.options, self._pool)
+            table = write_rank(storage, staging, payload, self.options, self._pool, progress)
             group.publish(me, {"ok": write_table(storage, staging, payload, table) if tables
                                else table.to_json()})
         except BaseException as e:
@@ -102,10 +104,12 @@ class BackgroundWriter:
 
     def submit(self, storage: Storage, payload: StepPayload, blocking_seconds: float,
                after_commit: Callable[[Manifest | None], None] | None = None) -> SaveHandle:
+        progress = ByteCounter()
+
         def job() -> SaveResult:
             t0 = time.perf_counter()
             try:
-                manifest, table = self._run(storage, payload)
+                manifest, table = self._run(storage, payload, progress)
             except CheckpointError:
                 raise
             except LockHeldError as e:  # the lease lapsed and another writer took the root
@@ -122,7 +126,7 @@ class BackgroundWriter:
                               table.bytes_reused, len(table.files), blocking_seconds,
                               time.perf_counter() - t0)
 
-        return SaveHandle(payload.step, self._thread.submit(job), blocking_seconds)
+        return SaveHandle(payload.step, self._thread.submit(job), blocking_seconds, progress)
 
     def submit_call(self, step: int, blocking_seconds: float,
                     fn: Callable[[cf.ThreadPoolExecutor | None], SaveResult]) -> SaveHandle:

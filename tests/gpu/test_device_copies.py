@@ -121,10 +121,10 @@ def test_the_writer_reads_a_staged_buffer_only_once_its_copy_is_done(
     in_flight = []
     real_write_rank = ckpt._save.writer.write_rank
 
-    def write_rank(storage, staging, payload, options, pool):
+    def write_rank(storage, staging, payload, options, pool, *rest):
         for _, buf in payload.pieces.values():
             in_flight.extend(sim.host_in_flight(*fake_cuda.memory_range(byte_view(buf))))
-        return real_write_rank(storage, staging, payload, options, pool)
+        return real_write_rank(storage, staging, payload, options, pool, *rest)
 
     monkeypatch.setattr(ckpt._save.writer, "write_rank", write_rank)
     if asynchronous:

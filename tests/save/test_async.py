@@ -346,11 +346,11 @@ def test_a_second_async_save_waits_until_the_first_has_written_its_staged_bytes(
     reading, release, staged = threading.Event(), threading.Event(), threading.Event()
     real_write_rank, real_stage = ckpt._save.writer.write_rank, Stager.stage
 
-    def write_rank(storage, staging, payload, options, pool):
+    def write_rank(storage, staging, payload, options, pool, *rest):
         if not reading.is_set():  # the first save's writer, before it reads its buffers
             reading.set()
             release.wait(timeout=60)
-        return real_write_rank(storage, staging, payload, options, pool)
+        return real_write_rank(storage, staging, payload, options, pool, *rest)
 
     def stage(self, *args, **kwargs):
         out = real_stage(self, *args, **kwargs)

@@ -47,6 +47,7 @@ from ckpt._format.names import MANIFEST_NAME, STEP_DIR, step_dir
 from ckpt._load.levels import damaged_probe
 from ckpt._step.integrity import check_structure as _check_structure
 from ckpt._format.digest import digest
+from ckpt._step.headers import header_disagreement
 from ckpt._step.integrity import chunk_path, read_manifest
 from ckpt._step.listing import committed_steps
 from ckpt._load.probe import (PROBE_ITEM, TOLERANCES, compared_outputs, run_forward,
@@ -59,6 +60,7 @@ from ckpt._shared.state import item_tree
 __all__ = [
     "PROBE_ITEM", "SAFETENSORS_DTYPES", "TOLERANCES", "Checkpoints", "Chunk", "Manifest",
     "TensorEntry", "byte_view", "compared_outputs", "damaged_probe", "digest",
+    "header_disagreement",
     "is_tensor_leaf", "item_tree",
     "named_tensors", "open", "parameter_names", "plain_values", "run_forward", "step_dir",
     "sums_outside", "tensor_leaves", "tolerance_for",

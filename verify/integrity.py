@@ -19,7 +19,6 @@ reads go through :mod:`ckpt.inspect`.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import threading
 import time
 from typing import Any, Callable
@@ -27,13 +26,11 @@ from typing import Any, Callable
 import torch
 
 import ckpt
-from ckpt.inspect import SAFETENSORS_DTYPES, Checkpoints, Chunk, Manifest
+from ckpt.inspect import Checkpoints, Chunk, Manifest, header_disagreement
 
 from .report import Problem, StepReport, UsageError
 
 LEVELS = ("structure", "digest", "forward")
-MAX_HEADER_BYTES = 100 << 20  # what the safetensors library itself accepts
-PROBLEMS_PER_FILE = 5  # header mismatches listed per file before "and N more"
 
 
 def check_structure(cps: Checkpoints, step: int, manifest: Manifest) -> list[Problem]:
@@ -65,68 +62,20 @@ def check_structure(cps: Checkpoints, step: int, manifest: Manifest) -> list[Pro
     return problems
 
 
-def expected_entry(key: str, chunk: Chunk, dtype: torch.dtype, data_start: int
-                   ) -> tuple[str, dict[str, Any]]:
-    """The safetensors header entry ckpt writes for a chunk (see ckpt/_format/datafile.py)."""
-    code = SAFETENSORS_DTYPES.get(dtype) if chunk.codec == "raw" else None
-    begin = chunk.start - data_start
-    return f"{key}#{list(chunk.offsets)}", {
-        "dtype": code or "U8", "shape": list(chunk.shape) if code else [chunk.length],
-        "data_offsets": [begin, begin + chunk.length]}
-
-
 def check_header(cps: Checkpoints, path: str, file_size: int,
                  chunks: list[tuple[str, Chunk]], dtypes: dict[str, torch.dtype],
                  exact: bool) -> list[Problem]:
     """The data file's safetensors header against the manifest's chunks in that file
-    (``dtypes``: each tensor key's dtype).
+    (``dtypes``: each tensor key's dtype), by the rule a restore applies too
+    (:func:`ckpt.inspect.header_disagreement`).
 
     ``exact``: the file belongs to this step, so its header must list exactly these chunks
     (a file reused from an earlier step may also hold chunks this step no longer uses).
     """
     url = cps.url_of(path)
-
-    def bad(why: str) -> list[Problem]:
-        return [Problem("header", f"{url}: safetensors header {why}", url)]
-
-    if file_size < 8:
-        return bad(f"missing: the file has {file_size} bytes")
-    length = int.from_bytes(cps.read_bytes(path, 0, 8), "little")
-    if length > min(MAX_HEADER_BYTES, file_size - 8):
-        return bad(f"length {length} does not fit the file ({file_size} bytes)")
-    try:
-        header = json.loads(cps.read_bytes(path, 8, length).decode("utf-8"),
-                            object_pairs_hook=_unique_keys)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting
-        return bad(f"is not valid JSON ({type(e).__name__}: {e})")
-    if not isinstance(header, dict):
-        return bad("is not a JSON object")
-    data_start = 8 + length
-    mismatches, expected_names = [], set()
-    for key, chunk in chunks:
-        name, want = expected_entry(key, chunk, dtypes[key], data_start)
-        expected_names.add(name)
-        got = header.get(name)
-        if got != want:
-            mismatches.append(f"entry {name!r} is {json.dumps(got)}, the manifest implies "
-                              f"{json.dumps(want)}")
-    if exact:
-        extra = sorted(set(header) - expected_names - {"__metadata__"})
-        mismatches += [f"has entry {n!r}, which the manifest does not list" for n in extra]
-    if not mismatches:
-        return []
-    more = len(mismatches) - PROBLEMS_PER_FILE
-    text = "; ".join(mismatches[:PROBLEMS_PER_FILE]) + (f"; and {more} more" if more > 0 else "")
-    return bad(f"disagrees with the manifest: {text}")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    doc: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in doc:
-            raise ValueError(f"duplicate key {k!r}")
-        doc[k] = v
-    return doc
+    why = header_disagreement(lambda start, n: cps.read_bytes(path, start, n), file_size,
+                              chunks, dtypes, exact=exact)
+    return [] if why is None else [Problem("header", f"{url}: safetensors header {why}", url)]
 
 
 def check_digests(cps: Checkpoints, step: int, manifest: Manifest, *, threads: int = 4,

@@ -20,6 +20,7 @@ from storage_backends import Storage
 from ckpt._format.manifest import Manifest
 from ckpt._load.read_plan import box_reads, needed_tensors
 from ckpt._load.read_run import run_reads
+from ckpt._step.headers import check_headers
 from ckpt._step.integrity import check_structure
 from ckpt._shared.sharding import overlapping, prefetch, source_rank
 from ckpt._shared.state import decode, item_tree
@@ -58,8 +59,9 @@ def read_structure(storage: Storage, location: str, manifest: Manifest, *, rank:
     whole = [(k, ((0,) * len(manifest.tensors[k].shape), manifest.tensors[k].shape))
              for k in sorted(needed)]
     prefetch(manifest, whole)  # format 2: every table those tensors need, at once
-    check_structure(storage, location, manifest,
-                    [c for k, box in whole for c, _ in overlapping(manifest.tensors[k], box)])
+    pairs = [(k, c) for k, box in whole for c, _ in overlapping(manifest.tensors[k], box)]
+    check_structure(storage, location, manifest, [c for _, c in pairs])
+    check_headers(storage, location, manifest, pairs)
     for key in sorted(needed):
         entry = manifest.tensors[key]
         loaded[key] = torch.empty(entry.shape, dtype=entry.torch_dtype)

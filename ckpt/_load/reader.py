@@ -43,6 +43,7 @@ from ckpt._shared.buffers import await_device_copies
 from ckpt._shared.sharding import Box, dtensor_type, local_piece, prefetch, read_box, source_rank
 from ckpt._shared.state import (FlatState, check_compatible, decode, flatten, is_stateful,
                                 item_tree, load_stateful)
+from ckpt._step.headers import check_headers
 from ckpt._step.integrity import check_structure, chunk_path
 from ckpt.errors import CorruptCheckpointError, PartialLoadError, StateMismatchError
 
@@ -106,6 +107,7 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
     prefetch(manifest, [(key, box) for key, _, box in pending])  # format 2: tables at once
     reads = [r for key, dest, box in pending for r in reads_for(manifest, key, dest, box)]
     check_structure(storage, location, manifest, [r.chunk for r in reads])  # only these files
+    check_headers(storage, location, manifest, [(r.key, r.chunk) for r in reads])
     for alias, target in manifest.aliases.items():
         if target in loaded:
             loaded[alias] = loaded[target]

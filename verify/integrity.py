@@ -5,8 +5,8 @@ Levels include the ones before them:
 * ``structure``: the manifest parses and validates (ckpt's on-disk format: plain file names,
   bounded sizes, chunks tiling each tensor); every file it names exists with its recorded size and
   holds its byte ranges; and each data file's safetensors header agrees with the manifest
-  (entry names, dtypes, shapes, byte ranges). ckpt itself never reads those headers (the
-  manifest is authoritative), but other tools do, and checking them means a flipped bit
+  (entry names, dtypes, shapes, byte ranges), by the rule a restore applies to the files it
+  reads (:func:`ckpt.inspect.header_disagreement`). Checking them means a flipped bit
   anywhere in a data file is found: in the header here, in the data by the digest level.
 * ``digest``: every chunk is read (in parallel) and its xxh3 digest compared.
 * ``forward``: see :mod:`verify.forward`.

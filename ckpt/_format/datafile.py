@@ -2,7 +2,8 @@
 (padded with spaces so the data starts 64-byte aligned), then the pieces back to back.
 Uncompressed pieces carry their real dtype and shape, so the safetensors library can open
 the file; compressed pieces are stored as ``U8`` byte strings.
-The manifest, not this header, is the source of truth for reading.
+The manifest, not this header, says where to read; a restore and ``ckpt verify`` check that
+the header agrees with it (ckpt/_step/headers.py).
 """
 
 from __future__ import annotations

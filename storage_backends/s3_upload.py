@@ -36,7 +36,7 @@ def _parts(views: list[memoryview], block: int) -> Iterator[bytes]:
             if size == block:
                 yield b"".join(pending)
                 pending, size = [], 0
-    if pending or not views:
+    if pending:
         yield b"".join(pending)
 
 
@@ -48,7 +48,7 @@ def put(store: Any, path: str, full: str, views: list[memoryview], total: int) -
     bucket, key, _ = store.fs.split_path(full)
     s3 = store.fs.call_s3
     if total <= block:
-        body = next(_parts(views, block))
+        body = b"".join(views)
         store._call("writing", path, lambda: s3("put_object", Bucket=bucket, Key=key,
                                                  Body=body, **store.time_left()))
         return

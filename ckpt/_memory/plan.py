@@ -118,6 +118,7 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
     origin_of = {name: origin for origin, names in files_of.items() for name in names}
     local: dict[str, str] = {}
     requests: Requests = {}
+    remote_files: dict[str, tuple[int, str]] = {}  # file -> (holder, segment)
     tier = "memory"
     for key, chunk in _needed_chunks(manifest, state, rank, probe):
         origin = origin_of[chunk.file]
@@ -130,7 +131,23 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
         else:
             requests.setdefault(holder, []).append((h.segment, chunk.file, chunk.start,
                                                     chunk.length))
+            remote_files[chunk.file] = (holder, h.segment)
+    # The loader also reads the safetensors header of each data file it reads (checked
+    # against the manifest): from a peer, its length prefix and its body, planned as the
+    # two ranges it reads (a read of part of a planned range costs a request of its own).
+    for name, (holder, segment) in sorted(remote_files.items()):
+        end = _data_start(docs[origin_of[name]], name)
+        requests[holder] += [(segment, name, 0, 8), (segment, name, 8, end - 8)]
     return ReadPlan(location, manifest, raw, sizes, local, requests, tier)
+
+
+def _data_start(doc: dict, name: str) -> int:
+    """Where the data of the file ``name`` starts, after its header (``ckpt/_format/
+    datafile.py``: the first chunk's bytes follow the header's padding)."""
+    end = min(chunk["start"] for _, chunk in doc["table"]["chunks"] if chunk["file"] == name)
+    if end <= 8:
+        raise ValueError(f"{name}: its first chunk starts at {end}, inside the header")
+    return end
 
 
 def _merge(c: Candidate, docs: dict[int, dict], location: str,

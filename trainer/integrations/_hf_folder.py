@@ -83,25 +83,40 @@ def step_of(folder: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def host_copy(obj: Any, memo: dict | None = None) -> Any:
-    """A copy of a state dict whose tensors are on the CPU and no longer change with training.
-    Tensors sharing storage (tied weights) stay shared, so HF's save still writes them once."""
-    memo = {} if memo is None else memo
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-               tuple(t.stride()), t.dtype, t.device)
-        if key not in memo:
-            memo[key] = t.to("cpu", copy=True)
-        return memo[key]
-    if isinstance(obj, dict):
-        copied = {k: host_copy(v, memo) for k, v in obj.items()}
-        return copied if type(obj) is dict else type(obj)(copied)  # OrderedDict stays one
-    if isinstance(obj, list):
-        return [host_copy(v, memo) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(host_copy(v, memo) for v in obj)
-    return obj
+class HostCopies:
+    """Copies of state dicts whose tensors are on the CPU and no longer change with training.
+
+    The buffers of one checkpoint are reused by the next (one checkpoint is in flight at a
+    time, and the next copy is taken once it is written): the copy writes into memory that
+    is already mapped, where fresh buffers would page-fault on every save. Tensors sharing
+    storage (tied weights) stay shared, so HF's save still writes them once.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, obj: Any, path: str = "") -> Any:
+        return self._copy(obj, path, {})
+
+    def _copy(self, obj: Any, path: str, memo: dict) -> Any:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                   tuple(t.stride()), t.dtype, t.device)
+            if key not in memo:
+                buf = self._buffers.get(path)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = self._buffers[path] = torch.empty(t.shape, dtype=t.dtype)
+                memo[key] = buf.copy_(t)
+            return memo[key]
+        if isinstance(obj, dict):
+            copied = {k: self._copy(v, f"{path}/{k}", memo) for k, v in obj.items()}
+            return copied if type(obj) is dict else type(obj)(copied)  # OrderedDict stays one
+        if isinstance(obj, list):
+            return [self._copy(v, f"{path}/{i}", memo) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._copy(v, f"{path}/{i}", memo) for i, v in enumerate(obj))
+        return obj
 
 
 class Captured:

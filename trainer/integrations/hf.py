@@ -58,11 +58,17 @@ class CkptTrainer(Trainer):
         StepStore.check_options(options)
         # SIGTERM is HF's (its JIT checkpoint, or the default exit): ckpt installs no handler.
         options.setdefault("schedule", ckpt.Schedule(handle_sigterm=False))
+        # The writer thread is the asynchrony (the host copies are taken before it runs), so
+        # ckpt saves from it synchronously, without copying again; async_save=False makes
+        # every checkpoint wait for its write.
+        self._ckpt_sync = options.pop("async_save", True) is False
+        options["async_save"] = False
         self.ckpt_options = options
         self.ckpt_root = ckpt_root
         self._ckpt_store: StepStore | None = None
         self._ckpt_writer: hff.FolderWriter | None = None
         self._ckpt_run_dir = ""
+        self._ckpt_host = hff.HostCopies()
         self._ckpt_loaded: dict[str, Any] | None = None
 
     def ckpt_root_for(self, run_dir: str) -> str:
@@ -94,10 +100,11 @@ class CkptTrainer(Trainer):
         self._ckpt_writer.wait()  # one checkpoint in flight: never two host copies at once
         # The training thread takes host copies (what ckpt's own async save blocks for); the
         # writer thread writes the model as HF does, digests it, then saves the ckpt step.
-        model_sd = hff.host_copy(self.model.state_dict())
+        model_sd = self._ckpt_host.copy(self.model.state_dict(), "model")
         items: dict[str, Any] = {"trainer_state": self.state_json()}
         if not self.args.save_only_model:
-            items.update(optimizer=hff.Captured(hff.host_copy(self.optimizer.state_dict())),
+            optimizer = self._ckpt_host.copy(self.optimizer.state_dict(), "optimizer")
+            items.update(optimizer=hff.Captured(optimizer),
                          scheduler=hff.Captured(copy.deepcopy(self.lr_scheduler.state_dict())),
                          rng=hff.Captured(ckpt.RNGState().state_dict(), per_rank=True))
             scaler = getattr(self.accelerator, "scaler", None)
@@ -123,7 +130,7 @@ class CkptTrainer(Trainer):
             store.retire(set(store.mgr.steps()) - set(hff.folders(run_dir)))
 
         self._ckpt_writer.submit(write)
-        if os.path.exists(os.path.join(folder, JIT_SENTINEL)):
+        if self._ckpt_sync or os.path.exists(os.path.join(folder, JIT_SENTINEL)):
             # HF's JIT checkpoint removes its marker when this returns: the checkpoint must be
             # on disk by then (the job is about to be killed).
             self._ckpt_writer.wait()

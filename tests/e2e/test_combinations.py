@@ -5,21 +5,23 @@ saves, incremental, zstd compression, the memory tier (a peer replica at world 2
 each verify level, each retention rule, a schedule by steps or by seconds, world 1 or 2
 (gloo), POSIX or S3 (moto), and the kill point (after save k committed, with save k still
 being written, or after save k with the node's memory lost). A covering array (allpairspy)
-picks cases so that every pair of values of two switches occurs in at least one case, about
-twenty cases instead of the product's 18 432. Each case: a run SIGKILLed at its kill point,
+picks cases so that every pair of values of two switches occurs in at least one case: 16
+cases instead of the product's 18,432. Each case: a run SIGKILLed at its kill point,
 a fresh run that restores and trains to the end; the final model, optimizer, data position
 and every random generator must equal the uninterrupted run's bit for bit, and the restore
 must come from the tier it should: this node's memory when the memory tier is on and the
 node survived, the peer replica for a lost node's rank at world 2, the root otherwise.
 
-Combinations refused by design are tested as refusals. ``CKPT_MATRIX=3`` (or more) covers
-every triple instead of every pair (docs/design.md, "Combinations").
+Combinations refused by design are tested as refusals. ``CKPT_MATRIX_RANDOM=N`` adds N
+cases drawn at random from every accepted combination (``CKPT_MATRIX_SEED`` picks them), for
+a longer run (docs/design.md, "Combinations").
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from pathlib import Path
 
@@ -34,7 +36,8 @@ from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
-STRENGTH = int(os.environ.get("CKPT_MATRIX", "2"))
+RANDOM_CASES = int(os.environ.get("CKPT_MATRIX_RANDOM", "0"))
+RANDOM_SEED = int(os.environ.get("CKPT_MATRIX_SEED", "0"))
 
 
 def _cases() -> list[dict]:
@@ -45,16 +48,25 @@ def _cases() -> list[dict]:
         return workers.refused({**_DEFAULTS, **partial}) is None
 
     seeds = [[case[name] for name in names] for case in SEEDS]
-    rows = AllPairs(list(workers.FACTORS.values()), filter_func=accepted, n=STRENGTH,
+    rows = AllPairs(list(workers.FACTORS.values()), filter_func=accepted,
                     previously_tested=seeds)
     cases = [dict(case) for case in SEEDS] + [dict(zip(names, row)) for row in rows]
-    if STRENGTH == 2:  # allpairspy's filter can leave a pair out: one more case for each
-        generated = len(cases)
-        while missing := _uncovered(cases):
-            a, va, b, vb = missing[0]
-            base = {**cases[len(cases) % generated], a: va, b: vb}
-            cases.append(base if workers.refused(base) is None else {**_DEFAULTS, a: va, b: vb})
-    return _cheapened(cases)
+    generated = len(cases)  # allpairspy's filter can leave a pair out: one more case for each
+    while missing := _uncovered(cases):
+        a, va, b, vb = missing[0]
+        base = {**cases[len(cases) % generated], a: va, b: vb}
+        cases.append(base if workers.refused(base) is None else {**_DEFAULTS, a: va, b: vb})
+    return _cheapened(cases) + _drawn(RANDOM_CASES, RANDOM_SEED)
+
+
+def _drawn(n: int, seed: int) -> list[dict]:
+    """``n`` accepted combinations drawn at random (uniformly over the product)."""
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        case = {name: rng.choice(values) for name, values in workers.FACTORS.items()}
+        if workers.refused(case) is None and case not in out:
+            out.append(case)
+    return out
 
 
 # The costly values, each with its cheap alternative (S3 through moto and a second rank cost
@@ -64,10 +76,8 @@ _CHEAPER = [("storage", "s3", "posix"), ("world", 2, 1), ("schedule", "every_sec
 
 
 def _cheapened(cases: list[dict]) -> list[dict]:
-    """The cases with each costly value replaced by its cheap one wherever every pair (or
-    triple) stays covered: the covering array's filler values are arbitrary."""
-    if STRENGTH != 2:
-        return cases
+    """The cases with each costly value replaced by its cheap one wherever every pair stays
+    covered: the covering array's filler values are arbitrary."""
     for i, case in enumerate(cases):
         if i < len(SEEDS):
             continue
@@ -117,15 +127,17 @@ def _phase(case: dict | None, phase: str, world: int, paths: dict, tmp: Path,
                          args=(r, world, store, case, phase, paths, dict(os.environ)),
                          daemon=True)
              for r in range(world)]
+    t0 = time.monotonic()
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout
+    deadline = t0 + timeout
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join()
+    print(f"{phase} {time.monotonic() - t0:.2f} s", end="; ")  # measured, for the docs
     return [p.exitcode for p in procs]
 
 

@@ -103,3 +103,14 @@ def test_load_of_an_s3_root(s3):
     assert torch.equal(state["model"].weight, torch.full((2, 3), 3.0))
     assert ckpt.load(state, s3.root("run") + "/step-00000001",
                      storage_options=s3.storage_options) == 1
+
+
+def test_load_of_a_root_ignores_a_step_linked_in_from_elsewhere(tmp_path):
+    """Someone who can write into the root's parent plants step-00000009 as a link to a
+    checkpoint of theirs: it is never followed, so the newest real step loads."""
+    _root(tmp_path / "root")
+    _root(tmp_path / "theirs", steps=(9,))
+    (tmp_path / "root" / "step-00000009").symlink_to(tmp_path / "theirs" / "step-00000009")
+    state = {"model": _model(0)}
+    assert ckpt.load(state, tmp_path / "root") == 3
+    assert torch.equal(state["model"].weight, torch.full((2, 3), 3.0))

@@ -188,7 +188,9 @@ def _expected_tiers(case: dict) -> list[str]:
     return ["memory", "peer"]  # rank 1's node was lost: its shards from the replica on n0
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=_case_id(c), marks=[pytest.mark.s3] if c["storage"] == "s3" else [])
+    for c in CASES])
 def test_case_killed_and_resumed_bit_exact_from_its_tier(case, references, tmp_path, request):
     world = case["world"]
     paths = {"out": str(tmp_path), "shm": str(tmp_path / "shm"), "job": "matrix"}

@@ -69,10 +69,11 @@ def test_a_save_against_a_frozen_endpoint_fails_within_its_deadline_and_the_next
         moto_bucket, caplog):
     endpoint = moto_bucket
     caplog.set_level(logging.INFO, logger="ckpt")
-    state = {"w": torch.randn(4 << 20)}  # 16 MiB: a multipart upload of 4 parts
+    small = {"w": torch.randn(1000)}
+    big = torch.randn(4 << 20)  # 16 MiB: a multipart upload of 4 parts, in step 2 only
     with manager(endpoint) as mgr:
-        mgr.save(1, state).wait()
-        handle = mgr.save(2, {"w": state["w"] + 1})
+        mgr.save(1, small).wait()
+        handle = mgr.save(2, {**small, "big": big})
         wait_for_upload(endpoint, "run/step-00000002/")
         endpoint.freeze()
         frozen_for = time.monotonic()
@@ -80,17 +81,17 @@ def test_a_save_against_a_frozen_endpoint_fails_within_its_deadline_and_the_next
         assert isinstance(error, ckpt.StorageError), error
         assert "deadline" in str(error) and "nothing was committed" in str(error)
         # The loop goes on and saves again while the endpoint is still frozen.
-        next_after, error = within(GUARD, lambda: mgr.save(3, state).wait())
+        next_after, error = within(GUARD, lambda: mgr.save(3, small).wait())
         assert isinstance(error, ckpt.StorageError), error
         time.sleep(max(0.0, DEADLINE + TTL - (time.monotonic() - frozen_for)))  # lapsed
         endpoint.thaw()
         thawed_after = time.monotonic() - frozen_for
-        mgr.save(4, {"w": state["w"] + 4}).wait(timeout=60)
+        mgr.save(4, {"w": small["w"] + 4}).wait(timeout=60)
         assert mgr.steps() == [1, 4]
         regained = [r.getMessage() for r in caplog.records if "regained" in r.getMessage()]
         assert regained and "had lapsed" in regained[0], [r.getMessage() for r in caplog.records]
-        for step, want in ((1, state["w"]), (4, state["w"] + 4)):
-            into = {"w": torch.zeros(4 << 20)}
+        for step, want in ((1, small["w"]), (4, small["w"] + 4)):
+            into = {"w": torch.zeros(1000)}
             assert mgr.restore(into, step=step) == step
             assert torch.equal(into["w"], want)
     print(f"\nfrozen mid-upload: save failed after {failed_after:.2f} s, the next save "

@@ -90,9 +90,9 @@ def options(job: str, shm: str = SHM_DIR, persist_every: int = 2) -> ckpt.Memory
     return ckpt.MemoryTierOptions(shm_dir=shm, job=job, node="n0", persist_every=persist_every)
 
 
-def run_her(code: str, *args: str) -> dict:
-    done = subprocess.run(other_user.python(code, *args), capture_output=True, text=True,
-                          timeout=180)
+def run_her(code: str, *args: str, scratch: str) -> dict:
+    done = subprocess.run(other_user.python(code, *args, scratch=scratch), capture_output=True,
+                          text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -112,7 +112,7 @@ def test_a_segment_she_plants_at_the_jobs_names_is_never_restored(tmp_path, shar
     her = os.path.join(shared, "her")
     try:
         out = run_her(HER_RUN, os.path.join(her, "root"), os.path.join(her, "shm"), job,
-                      *plants)
+                      *plants, scratch=shared)
         assert out[plants[1]] == "PermissionError"  # the job's private directory
         state = {"w": torch.zeros(8)}
         with ckpt.CheckpointManager(root, memory_tier=options(job)) as mgr:
@@ -142,8 +142,8 @@ def test_a_directory_she_made_where_the_jobs_segments_go_turns_the_tier_off_clea
     make = (f"import os; os.mkdir({hers!r}, 0o777); os.mkdir({segment!r}, 0o777); "
             + (f"os.mkdir({private!r}, 0o777)" if made == "directory"
                else f"os.symlink({hers!r}, {private!r})"))
-    done = subprocess.run(other_user.python(make + "; print('{}')"), capture_output=True,
-                          text=True, timeout=180)
+    done = subprocess.run(other_user.python(make + "; print('{}')", scratch=shared),
+                          capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     root = tmp_path / "root"
     with caplog.at_level(logging.WARNING, logger="ckpt"):
@@ -180,7 +180,8 @@ def test_she_cannot_read_list_or_lock_the_jobs_segment(tmp_path, shared):
              for name in names]
     assert any("step-00000003" in f for f in files)
     her = subprocess.Popen(other_user.python(HER_ATTEMPTS, os.path.dirname(segment), *files,
-                                             os.path.join(segment, "owner.lock")),
+                                             os.path.join(segment, "owner.lock"),
+                                             scratch=shared),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = her.stdout.readline()

@@ -54,8 +54,9 @@ def _blocked_ancestor(path: str) -> str | None:
     return None
 
 
-def command(args: list[str]) -> list[str]:
-    """``args`` run as the second user (see the module docstring)."""
+def command(args: list[str], scratch: str) -> list[str]:
+    """``args`` run as the second user (see the module docstring); ``scratch``: a directory
+    the caller removes later (an empty mount point is made in it)."""
     user = other_user()
     run = ["runuser", "-u", user.pw_name, "--", "env", f"HOME={user.pw_dir}",
            f"PYTHONPATH={REPO}", *args]
@@ -63,12 +64,13 @@ def command(args: list[str]) -> list[str]:
     blocked = _blocked_ancestor(prefix)
     if blocked is None:
         return run
-    view = tempfile.mkdtemp(prefix="ckpt-pyview-")
+    view = os.path.join(scratch, ".pyview")  # where the prefix waits while /root is covered
+    os.makedirs(view, exist_ok=True)
     script = ('mount --bind "$1" "$2" && mount -t tmpfs -o mode=755 tmpfs "$3" && '
               'mkdir -p "$1" && mount --bind "$2" "$1" && shift 3 && exec "$@"')
     return ["unshare", "-m", "sh", "-c", script, "sh", prefix, view, blocked, *run]
 
 
-def python(code: str, *args: str) -> list[str]:
+def python(code: str, *args: str, scratch: str) -> list[str]:
     """``python -c code args...`` as the second user (this checkout's interpreter)."""
-    return command([sys.executable, "-c", code, *args])
+    return command([sys.executable, "-c", code, *args], scratch)

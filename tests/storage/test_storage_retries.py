@@ -141,3 +141,24 @@ def test_options_for_a_local_path_are_refused(tmp_path):
         open_storage(str(tmp_path), storage_options={"anon": True})
     with pytest.raises(ValueError, match="no storage backend"):
         open_storage("nosuchproto://x/y")
+
+
+def test_retries_end_at_the_operation_deadline_and_say_so():
+    """However many retries are left, an operation gives up once its deadline has passed,
+    with an ETIMEDOUT error that names the deadline; the store counts as unreachable until
+    an operation succeeds again."""
+    store = FsspecStorage("memory://retry-tests/deadline", retries=10_000, retry_delay=0.02,
+                          deadline=0.3)
+    fn, calls = flaky([client_error("SlowDown", 503)] * 10_000)
+    with pytest.raises(OSError) as info:
+        store._call("writing", "f", fn)
+    assert info.value.errno == errno.ETIMEDOUT and "deadline of 0.3 s" in str(info.value)
+    assert 1 < len(calls) < 10_000 and store.unreachable
+    assert store._call("reading", "f", lambda: "back") == "back" and not store.unreachable
+
+
+@pytest.mark.parametrize("name, value", [("deadline", 0), ("read_timeout", -1),
+                                         ("connect_timeout", float("inf"))])
+def test_deadlines_must_be_positive_seconds(name, value):
+    with pytest.raises(ValueError, match=name):
+        FsspecStorage("memory://retry-tests/bad", **{name: value})

@@ -12,6 +12,7 @@ from typing import Any, MutableMapping, overload
 from storage_backends import PosixStorage, Storage, open_storage
 
 from ckpt._format.names import MANIFEST_NAME, step_dir
+from ckpt._interop.detect import is_dcp
 from ckpt._load.levels import Gate, verify_level
 from ckpt._load.reader import load_step
 from ckpt._load.as_saved import MapLocation, read_structure
@@ -143,6 +144,12 @@ def load(state: Any, path: Any = None, *, step: int | None = None, allow_pickle:
     :meth:`CheckpointManager.restore` does; ``step=N`` loads that step or raises. Example:
     ``ckpt.load(state, "/ckpt/run1")``, or ``ckpt.load(state, "/ckpt/run1", step=500)``.
 
+    ``path`` may also be a PyTorch DCP checkpoint directory (``.metadata`` plus ``.distcp``
+    files, from ``torch.distributed.checkpoint.save``, TorchTitan, Megatron ``torch_dist``),
+    local or an fsspec URL: each rank reads the byte ranges of the chunks its shards need;
+    items map to the checkpoint's top-level keys (see ``docs/guide.md``). It returns the
+    step its directory name ends with (``step-1000``), else 0.
+
     ``load(path)`` without a state returns the saved structure instead, like ``torch.load``:
     a dict of the saved items, each a tensor, the value its ``state_dict()`` returned, or the
     plain value (tensors on the CPU, or moved with ``map_location``; tied tensors stay one
@@ -183,6 +190,9 @@ def load(state: Any, path: Any = None, *, step: int | None = None, allow_pickle:
     if template_free and verify_level(verify) == "forward":
         raise ValueError('verify="forward" needs the model to run the probe through: use '
                          'ckpt.load(state, path, verify="forward")')
+    if is_dcp(path, storage_options) and not _has_manifest(path, storage_options):
+        return _load_dcp(state, path, step=step, verify=verify, allow_pickle=allow_pickle,
+                         storage_options=storage_options)
     storage, names, where = _locate(path, step, storage_options)
     group = Group()
     failed: list[str] = []
@@ -205,6 +215,33 @@ def load(state: Any, path: Any = None, *, step: int | None = None, allow_pickle:
         failed.append(f"step {expected}: {error}")
     raise CorruptCheckpointError(f"no committed step of {where} loads: " + "; ".join(failed),
                                  path=where)
+
+
+def _has_manifest(path: str | os.PathLike, storage_options: dict | None) -> bool:
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        return open_storage(text, create=False, storage_options=storage_options
+                            ).exists(MANIFEST_NAME)
+    return os.path.isfile(os.path.join(text.removeprefix("file://"), MANIFEST_NAME))
+
+
+def _load_dcp(state: MutableMapping[str, Any] | None, path: str | os.PathLike, *,
+              step: int | None, verify: bool | str, allow_pickle: bool,
+              storage_options: dict | None) -> Any:
+    """A PyTorch DCP directory (``.metadata`` + ``.distcp`` files): see ckpt._interop."""
+    if step is not None:
+        raise ValueError(f"step= chooses a step of a root; {os.fspath(path)} is one DCP "
+                         "checkpoint: load it without step=")
+    if verify_level(verify) == "forward":
+        raise ValueError('verify="forward" is for ckpt steps; a DCP checkpoint is loaded '
+                         "with its structure and file sizes checked (it has no digests)")
+    from ckpt._interop import dcp_load as _dcp_load  # torch's DCP modules, imported on use
+
+    if state is None:
+        return _dcp_load.read_all(path, allow_pickle=allow_pickle,
+                                  storage_options=storage_options)
+    return _dcp_load.load_into(state, path, allow_pickle=allow_pickle,
+                               storage_options=storage_options)
 
 
 def _locate(path: str | os.PathLike, step: int | None, storage_options: dict | None

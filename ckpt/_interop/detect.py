@@ -1,0 +1,22 @@
+"""Which format a path holds, without importing the readers (cheap for every ``ckpt.load``)."""
+
+from __future__ import annotations
+
+import os
+
+METADATA_NAME = ".metadata"  # DCP's metadata file
+HF_INDEX_NAME = "model.safetensors.index.json"
+
+
+def is_dcp(path: str | os.PathLike, storage_options: dict | None = None) -> bool:
+    """Whether ``path`` is a DCP checkpoint directory (it holds a ``.metadata`` file)."""
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        try:
+            import fsspec
+
+            fs, root = fsspec.core.url_to_fs(text, **(storage_options or {}))
+            return fs.isfile(f"{root.rstrip('/')}/{METADATA_NAME}")
+        except (ImportError, OSError, ValueError):
+            return False
+    return os.path.isfile(os.path.join(text.removeprefix("file://"), METADATA_NAME))

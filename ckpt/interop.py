@@ -1,0 +1,144 @@
+"""Checkpoints of other tools, in and out: a PyTorch DCP directory taken in as a ckpt step
+(``ckpt import``) and a ckpt step written as a DCP directory (``ckpt export --to dcp``).
+
+Loading a DCP directory straight into a live state is ``ckpt.load(state, DCP_DIR)``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import ckpt.api
+from ckpt._interop.detect import is_dcp
+from ckpt._manager.manager import CheckpointManager
+from ckpt.errors import CheckpointError, CheckpointNotFoundError
+
+__all__ = ["InteropResult", "export_dcp", "import_dcp", "is_dcp"]
+
+
+@dataclass
+class InteropResult:
+    """What an import or an export wrote."""
+
+    source: str
+    target: str
+    step: int
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def import_dcp(source: str | os.PathLike, root: str | os.PathLike, *, step: int | None = None,
+               item: str | None = None, allow_pickle: bool = False,
+               storage_options: dict | None = None) -> InteropResult:
+    """Write the DCP checkpoint ``source`` as step ``step`` of the ckpt root ``root`` (its
+    chunks digested, so ``ckpt verify`` and a restore's fallback work from then on).
+
+    ``step`` defaults to the number ``source``'s name ends with (``step-1000``), else 0.
+    The step's items are the checkpoint's top-level keys; ``item`` puts them all under one
+    item instead (``item="train"`` for ``{"train": ckpt.ModelOptimizer(model, opt)}``).
+    Memory: the whole checkpoint, once (run it as one process).
+
+    Raises:
+        CheckpointNotFoundError: ``source`` is not a DCP checkpoint directory.
+        CorruptCheckpointError: its metadata is invalid or a data file is truncated.
+        StepOrderError: ``root`` holds ``step`` or a newer one already.
+    """
+    from ckpt._interop import dcp_load
+
+    t0 = time.perf_counter()
+    src = os.fspath(source)
+    if not is_dcp(src, storage_options):
+        raise CheckpointNotFoundError(f"{src} is not a DCP checkpoint (no .metadata in it)",
+                                      path=src)
+    state = dcp_load.read_all(src, allow_pickle=allow_pickle, storage_options=storage_options)
+    if step is None:
+        step = dcp_load.step_of(src)
+    if item is not None:
+        state = {item: state}
+    tensors = _tensors(state)
+    with CheckpointManager(os.fspath(root), async_save=False,
+                           storage_options=storage_options) as mgr:
+        mgr.save(step, state, force=True, metadata={"imported_from": src, "format": "dcp"})
+    return InteropResult(src, os.fspath(root), step, len(tensors),
+                         sum(t.numel() * t.element_size() for t in tensors),
+                         time.perf_counter() - t0)
+
+
+def export_dcp(path: str | os.PathLike, target: str | os.PathLike, *,
+               step: int | None = None, item: str | None = None, force: bool = False,
+               allow_pickle: bool = False, storage_options: dict | None = None
+               ) -> InteropResult:
+    """Write a ckpt step (``path``: a root, with ``step`` or its newest good step, or one
+    checkpoint directory) as the DCP directory ``target``, consolidated: full tensors that
+    ``torch.distributed.checkpoint.load`` reshards onto any world size. ``item`` exports
+    that item's contents as the top-level keys (``item="train"`` of a
+    ``ckpt.ModelOptimizer`` gives ``{"model": ..., "optim": ...}``, as ``get_state_dict``).
+
+    The directory is written next to ``target`` under a temporary name and renamed into
+    place. Memory: the whole step, once.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    out = os.path.abspath(os.fspath(target))
+    if os.path.lexists(out) and not force:
+        raise FileExistsError(f"{out} exists; pass force=True (--force) to replace it")
+    saved = ckpt.api.load(path, step=step, allow_pickle=allow_pickle,
+                          storage_options=storage_options)
+    number = _step_number(path, step, storage_options)
+    if item is not None:
+        if item not in saved:
+            raise CheckpointError(f"the step has no item {item!r}; it has {sorted(saved)}")
+        saved = saved[item]
+        if not isinstance(saved, dict):
+            saved = {item: saved}
+    tensors = _tensors(saved)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with warnings.catch_warnings():  # one process is the intent, not a guess
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save(saved, checkpoint_id=tmp, no_dist=True)
+        if os.path.lexists(out):
+            shutil.rmtree(out) if os.path.isdir(out) and not os.path.islink(out) \
+                else os.unlink(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return InteropResult(os.fspath(path), out, number, len(tensors),
+                         sum(t.numel() * t.element_size() for t in tensors),
+                         time.perf_counter() - t0)
+
+
+def _step_number(path: str | os.PathLike, step: int | None, storage_options: dict | None
+                 ) -> int:
+    if step is not None:
+        return step
+    from ckpt.inspect import open as open_checkpoints
+
+    return open_checkpoints(os.fspath(path), storage_options=storage_options).steps()[-1]
+
+
+def _tensors(tree: Any) -> list:
+    import torch
+
+    found: list = []
+    seen: set[int] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            if id(node) not in seen:
+                seen.add(id(node))
+                found.append(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return found

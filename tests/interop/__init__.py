@@ -1,0 +1,1 @@
+"""Other formats in and out: DCP directories and Hugging Face folders."""

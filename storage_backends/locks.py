@@ -1,7 +1,8 @@
 """Writer locks: one writer per checkpoint root.
 
-On POSIX file systems the lock is ``flock`` on a file opened without following links. The kernel drops an flock when
-its holder dies, so a crashed writer's lock is taken over without any staleness heuristics.
+On POSIX file systems the lock is ``flock`` on a file opened without following links. The
+kernel drops an flock when its holder dies, so a crashed writer's lock is taken over without
+any staleness heuristics.
 On Lustre this needs the ``flock`` mount option: ``localflock`` only excludes writers on the
 same node, and ``noflock`` makes flock fail with ENOSYS (reported here with that advice).
 The holder's host and pid go in a side file so a refused writer can say who holds the root.

@@ -40,6 +40,9 @@ def open_path(path: str) -> Checkpoints:
     if step is None:
         return inspect.open(path)
     root = os.path.dirname(os.path.abspath(path))
+    sibling = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.ckpt")
+    if not os.path.isdir(os.path.join(root, step_dir(step))) and os.path.isdir(sibling):
+        root = sibling  # Lightning's plugin keeps the folder's steps in its hidden sibling
     target = os.path.join(root, step_dir(step))
     if not os.path.isdir(target):
         raise CheckpointNotFoundError(

@@ -123,12 +123,13 @@ def same_weights(a: Path, b: Path) -> bool:
 def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path, killed_job):
     pytest.importorskip("lightning")
     job = killed_job("pl_job.py")
-    root = tmp_path / "pl"
+    root, steps = tmp_path / "pl", tmp_path / ".pl.ckpt"  # the steps live in the sibling
     # Killed after step 7: steps 4 and 6 are kept (save_top_k=2), last.ckpt points at 6.
-    assert (root / "step-00000006/manifest.json").exists()
+    assert (steps / "step-00000006/manifest.json").exists()
     assert json.loads((root / "last.ckpt").read_text())["step"] == 6
     shutil.copytree(root, tmp_path / "pl_bad")
-    flip_a_bit(tmp_path / "pl_bad/step-00000006", "net.0.weight")
+    shutil.copytree(steps, tmp_path / ".pl_bad.ckpt")
+    flip_a_bit(tmp_path / ".pl_bad.ckpt/step-00000006", "net.0.weight")
 
     stderr = job.resume()
 
@@ -140,7 +141,7 @@ def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path, killed_job)
     assert not same_weights(out / "torch6.pt", out / "torch4.pt")  # the comparison can fail
     assert "skipping step 6" in stderr and "digest mismatch" in stderr
     # The resumed run kept Lightning's retention: two top-k steps (last.ckpt shares one).
-    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000012"]
+    assert sorted(p.name for p in steps.glob("step-*")) == ["step-00000010", "step-00000012"]
 
 
 def test_lightning_ddp_on_two_cpu_processes_saves_from_rank_0_and_resumes(tmp_path):
@@ -151,7 +152,7 @@ def test_lightning_ddp_on_two_cpu_processes_saves_from_rank_0_and_resumes(tmp_pa
     assert same_weights(out / "ddp_ckpt.pt", out / "ddp_torch.pt")
     root = tmp_path / "ddp_ckpt"
     assert json.loads((root / "last.ckpt").read_text())["step"] == 12
-    assert (root / "step-00000012/manifest.json").exists()
+    assert (tmp_path / ".ddp_ckpt.ckpt/step-00000012/manifest.json").exists()
 
 
 def test_hf_trainer_resumes_through_ckpt_as_its_own_checkpoints_do(tmp_path, killed_job):
@@ -397,7 +398,8 @@ def test_lightning_plugin_leaves_sigterm_to_lightning(tmp_path):
         io.save_checkpoint({"global_step": 1, "w": torch.ones(2)}, tmp_path / "last.ckpt")
         assert signal.getsignal(signal.SIGTERM) is lightnings
         io.teardown()
-        io = CkptCheckpointIO(schedule=ckpt.Schedule(handle_sigterm=True))  # ckpt's own, asked
+        io = CkptCheckpointIO(schedule=ckpt.Schedule(handle_sigterm=True),  # ckpt's own, asked
+                              async_save=True)  # installed while the write is in flight
         io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, tmp_path / "last.ckpt")
         assert signal.getsignal(signal.SIGTERM) is not lightnings
         io.teardown()

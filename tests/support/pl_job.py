@@ -1,6 +1,6 @@
 """A Lightning training job for tests/e2e/test_integrations.py (run as a subprocess).
 
-    python pl_job.py kill WORK      # ckpt IO; SIGKILLs itself at step 7 once step 6 committed
+    python pl_job.py kill WORK      # ckpt IO; SIGKILLs itself at step 7 (step 6 committed)
     python pl_job.py resume WORK    # resumes WORK/pl and WORK/pl_bad through ckpt, runs the
                                      # same job through Lightning's own IO resumed from steps
                                      # 6 and 4; final weights go to WORK/out/*.pt
@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -56,15 +55,14 @@ def loader() -> torch.utils.data.DataLoader:
 
 
 class KillAt(Callback):
-    """SIGKILL this process after step ``at``, once step ``committed`` is on disk."""
+    """SIGKILL this process after step ``at`` (step ``committed`` is on disk)."""
 
     def __init__(self, at: int, committed: Path) -> None:
         self.at, self.committed = at, committed
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step == self.at:
-            while not self.committed.exists():  # wait for the background commit (an event)
-                time.sleep(0.01)
+            assert self.committed.exists()  # the save returned with its step committed
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -98,7 +96,8 @@ def main() -> None:
     mode, work = sys.argv[1], Path(sys.argv[2])
 
     def killed_run() -> None:
-        fit(work / "pl", ckpt_io=True, extra=[KillAt(7, work / "pl/step-00000006/manifest.json")])
+        fit(work / "pl", ckpt_io=True,
+            extra=[KillAt(7, work / ".pl.ckpt/step-00000006/manifest.json")])
 
     if mode == "kill":
         killed_run()

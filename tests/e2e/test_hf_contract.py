@@ -6,6 +6,7 @@ picks. Each is compared with HF's own ``Trainer`` on the same tiny GPT-2.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import ckpt
+import ckpt.tools
 
 transformers = pytest.importorskip("transformers")
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,  # noqa: E402
@@ -161,3 +163,34 @@ def test_a_root_planted_by_another_user_is_refused():
         assert os.listdir(shared / ".out.ckpt") == [] and not (shared / "hers").exists()
     finally:
         shutil.rmtree(shared)
+
+
+def test_a_run_written_by_the_earlier_layout_resumes(tmp_path):
+    """An earlier CkptTrainer kept its steps in output_dir (model included) and a pointer
+    ckpt-step.json in each checkpoint-N folder: such a run resumes from its step, and its
+    next checkpoints are HF's folders with the steps in the sibling root."""
+    out = tmp_path / "out"
+    done = Trainer(model=tiny_model(), args=arguments(tmp_path / "ref", max_steps=2),
+                   train_dataset=data())
+    done.train()
+    state = json.dumps(dataclasses.asdict(done.state), indent=2, sort_keys=True) + "\n"
+    with ckpt.CheckpointManager(out, schedule=ckpt.Schedule(handle_sigterm=False)) as mgr:
+        mgr.save(2, {"model": done.model, "optimizer": done.optimizer,
+                     "scheduler": done.lr_scheduler, "rng": ckpt.RNGState(),
+                     "trainer_state": state}, force=True)
+    (out / "checkpoint-2").mkdir()
+    ckpt.tools.write_pointer(str(out / "checkpoint-2" / ckpt.tools.POINTER_NAME), 2)
+
+    starts = []
+
+    class Start(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            starts.append((state.global_step, model.transformer.wte.weight.detach().clone()))
+
+    model = tiny_model()
+    job = CkptTrainer(model=model, args=arguments(out, max_steps=4), train_dataset=data(),
+                      callbacks=[Start()])
+    job.train(resume_from_checkpoint=True)
+    assert starts[0][0] == 2 and torch.equal(starts[0][1], done.model.transformer.wte.weight)
+    assert (out / "checkpoint-4" / "model.safetensors").exists()
+    assert ckpt.inspect.open(tmp_path / ".out.ckpt").steps() == [4]

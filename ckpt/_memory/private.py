@@ -222,37 +222,70 @@ def gc_segments(shm_dir: str = SHM_DIR, *, keep_job: str | None = None,
     segment's lock free records the time in it (``dead-since``), and its owner removes that
     mark when it takes the segment again (a restarted worker), so the grace runs from the
     owner's death as observed, never from its start. Only this user's private directory is
-    looked at, only exact segment names, only directories and lock files that pass the
-    checks of :func:`problem`; a link is never followed (the removal walks descriptors).
+    looked at, and this user's own segments left directly in ``shm_dir`` by the layout
+    before it (world-readable; nothing reads them now); only exact segment names, only
+    directories and lock files that pass the checks of :func:`problem`; a link is never
+    followed (the removal walks descriptors).
 
     Returns:
         The removed (or, with ``dry_run``, removable) segment paths.
     """
+    wheres = []
     try:
-        private = private_dir(shm_dir, create=False)
+        wheres.append((private_dir(shm_dir, create=False), True))
     except FileNotFoundError:
-        return []
+        pass
     except UnsafeSegmentError as e:
         log.warning("ckpt.memory_gc skipped: %s", e)
-        return []
+    if _guarded(shm_dir):
+        wheres.append((shm_dir, False))
     wanted = None if job is None else _SAFE.sub("_", job)
     removed = []
-    pfd = os.open(private, _OPEN_DIR)
-    try:
-        for name in segment_names(private):
-            owner_job = SEGMENT_NAME.match(name).group(1)  # type: ignore[union-attr]
-            if owner_job == keep_job or wanted not in (None, owner_job):
-                continue
-            path = os.path.join(private, name)
-            if _collect(pfd, name, path, min_age, dry_run):
-                removed.append(path)
-    finally:
-        os.close(pfd)
+    # This user's segments, then those this user left directly in ``shm_dir`` (the layout
+    # before the private directory: 0755/0644, readable by every local user, and read by
+    # nothing now); the latter are taken only when this user owns them and others cannot
+    # write them (shm_dir is sticky: no one else can rename or replace them).
+    for where, private_only in wheres:
+        dfd = os.open(where, _OPEN_DIR)
+        try:
+            for name in segment_names(where):
+                owner_job = SEGMENT_NAME.match(name).group(1)  # type: ignore[union-attr]
+                if owner_job == keep_job or wanted not in (None, owner_job):
+                    continue
+                path = os.path.join(where, name)
+                if not private_only and not _ours(dfd, name):
+                    continue  # another user's: none of our business, not even a warning
+                if _collect(dfd, name, path, min_age, dry_run, private=private_only):
+                    removed.append(path)
+        finally:
+            os.close(dfd)
     return removed
 
 
-def _collect(pfd: int, name: str, path: str, min_age: float, dry_run: bool) -> bool:
-    """Remove one segment if its owner is dead (for ``min_age`` seconds); whether it was."""
+def _guarded(shm_dir: str) -> bool:
+    """Whether no one else can rename or replace what this user has in ``shm_dir`` (it is
+    sticky, as /dev/shm is, or only its owner may write it)."""
+    try:
+        st = os.stat(shm_dir)
+    except OSError:
+        return False
+    return bool(st.st_mode & stat.S_ISVTX) or not st.st_mode & 0o022
+
+
+def _ours(dfd: int, name: str) -> bool:
+    """Whether ``name`` in ``dfd`` is a real directory of this user (not followed)."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _collect(pfd: int, name: str, path: str, min_age: float, dry_run: bool, *,
+             private: bool = True) -> bool:
+    """Remove one segment if its owner is dead (for ``min_age`` seconds); whether it was.
+    ``private``: the segment and its lock file must be closed to others (else: not writable
+    by them, as segments of the older layout are)."""
     try:
         sfd = os.open(name, _OPEN_DIR, dir_fd=pfd)
     except FileNotFoundError:
@@ -261,7 +294,7 @@ def _collect(pfd: int, name: str, path: str, min_age: float, dry_run: bool) -> b
         log.warning("ckpt.memory_gc skipping %s: %s", path, e.strerror)
         return False
     try:
-        why = problem(os.fstat(sfd), private=True)
+        why = problem(os.fstat(sfd), private=private)
         if why:
             log.warning("ckpt.memory_gc skipping %s: it %s", path, why)
             return False
@@ -274,7 +307,7 @@ def _collect(pfd: int, name: str, path: str, min_age: float, dry_run: bool) -> b
             log.warning("ckpt.memory_gc skipping %s: its %s: %s", path, OWNER_FILE, e.strerror)
             return False
         try:
-            why = problem(os.fstat(lfd), private=True)
+            why = problem(os.fstat(lfd), private=private)
             if why:
                 log.warning("ckpt.memory_gc skipping %s: its %s %s", path, OWNER_FILE, why)
                 return False

@@ -13,7 +13,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from storage_backends import open_storage
+
 import ckpt.api
+from ckpt._format.names import MANIFEST_NAME
 from ckpt._interop.detect import is_dcp
 from ckpt._manager.manager import CheckpointManager
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
@@ -62,6 +65,7 @@ def import_dcp(source: str | os.PathLike, root: str | os.PathLike, *, step: int 
     if item is not None:
         state = {item: state}
     tensors = _tensors(state)
+    state = {name: _as_item(value) for name, value in state.items()}
     with CheckpointManager(os.fspath(root), async_save=False,
                            storage_options=storage_options) as mgr:
         mgr.save(step, state, force=True, metadata={"imported_from": src, "format": "dcp"})
@@ -89,9 +93,10 @@ def export_dcp(path: str | os.PathLike, target: str | os.PathLike, *,
     out = os.path.abspath(os.fspath(target))
     if os.path.lexists(out) and not force:
         raise FileExistsError(f"{out} exists; pass force=True (--force) to replace it")
-    saved = ckpt.api.load(path, step=step, allow_pickle=allow_pickle,
+    single = _is_step_dir(path, storage_options)
+    saved = ckpt.api.load(path, step=None if single else step, allow_pickle=allow_pickle,
                           storage_options=storage_options)
-    number = _step_number(path, step, storage_options)
+    number = _step_number(path, None if single else step, storage_options)
     if item is not None:
         if item not in saved:
             raise CheckpointError(f"the step has no item {item!r}; it has {sorted(saved)}")
@@ -114,6 +119,44 @@ def export_dcp(path: str | os.PathLike, target: str | os.PathLike, *,
     return InteropResult(os.fspath(path), out, number, len(tensors),
                          sum(t.numel() * t.element_size() for t in tensors),
                          time.perf_counter() - t0)
+
+
+class _Saved:
+    """A state dict saved as a stateful item: it loads into whatever ``load_state_dict``
+    takes it (an optimizer by parameter name, a ``ckpt.ModelOptimizer``)."""
+
+    def __init__(self, sd: dict) -> None:
+        self.sd = sd
+
+    def state_dict(self) -> dict:
+        return self.sd
+
+    def load_state_dict(self, sd: dict) -> None:  # never called: import only saves
+        self.sd = sd
+
+
+def _as_item(value: Any) -> Any:
+    """How a DCP top-level value is saved: a flat dict of tensors (a model's state dict) as
+    a module item, so it loads into an ``nn.Module``; another dict as a stateful item;
+    tensors and plain values as they are."""
+    import torch
+
+    if not isinstance(value, dict):
+        return value
+    if value and all(isinstance(v, torch.Tensor) for v in value.values()):
+        module = torch.nn.Module()
+        module.state_dict = lambda *args, keep_vars=False, **kwargs: value  # type: ignore
+        return module
+    return _Saved(value)
+
+
+def _is_step_dir(path: str | os.PathLike, storage_options: dict | None) -> bool:
+    """Whether ``path`` is one checkpoint directory (it holds a manifest), not a root."""
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        return open_storage(text, create=False, storage_options=storage_options
+                            ).exists(MANIFEST_NAME)
+    return os.path.isfile(os.path.join(text.removeprefix("file://"), MANIFEST_NAME))
 
 
 def _step_number(path: str | os.PathLike, step: int | None, storage_options: dict | None

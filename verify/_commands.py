@@ -212,6 +212,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _export_hf(args)
     cps = open_path(args.root)
     step = _steps(cps, args)[0]
+    if args.to == "dcp":
+        from ._interop import export_to_dcp
+
+        return export_to_dcp(args, step)
     result = verify.export_step(cps, step, args.to, args.file, item=args.item,
                                 force=args.force, threads=args.threads)
     echo(verify.to_json(vars(result)) if args.json else verify.render_export(result))

@@ -25,6 +25,7 @@ from ckpt.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFo
 from ._commands import cmd_diff, cmd_export, cmd_inspect, cmd_ls, cmd_verify
 from ._console import echo
 from ._gc import add_gc_parser, check_gc_combinations
+from ._interop import add_import_parser
 from .report import EXIT_FAILED, EXIT_USAGE
 
 # Output cut short by a closed pipe (`ckpt ls ROOT | head -1`): quiet, with the status a shell
@@ -175,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a step as one safetensors or torch file")
     p.add_argument("root", metavar="PATH", help=path_help)
     p.add_argument("--step", type=int, help="default: the newest")
-    p.add_argument("--to", choices=(*verify.FORMATS, "hf"), required=True,
-                   help="hf: a from_pretrained folder (sharded safetensors, index, config)")
+    p.add_argument("--to", choices=(*verify.FORMATS, "hf", "dcp"), required=True,
+                   help="hf: a from_pretrained folder (sharded safetensors, index, config); "
+                   "dcp: a PyTorch DCP directory (dcp.load reads it on any world size)")
     p.add_argument("file", help="the file (the folder, for hf) to write")
     p.add_argument("--max-shard-size", help="hf: the largest shard (default 5GB)")
     p.add_argument("--item", help="only this item's tensors, named as inside it "
@@ -185,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     add_gc_parser(sub, _count)
+    add_import_parser(sub, path_help)
 
     for name, p in sub.choices.items():
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")

@@ -78,3 +78,10 @@ def dcp_load(rank: int, world: int, path: str) -> dict[str, Any]:
     dcp.load(sd, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     return full_state(model, opt)
+
+
+def assert_equal(expected: dict, got: dict) -> None:
+    """Same names, every tensor equal (as gathered by :func:`full_state`)."""
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(value)), key

@@ -16,32 +16,18 @@ from tests.support.ranks import run_ranks
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-@pytest.fixture(scope="module")
-def fsdp_dcp(tmp_path_factory) -> tuple[str, dict]:
-    """A DCP checkpoint written by ``dcp.save`` of an FSDP2 model + AdamW on 2 ranks, and
-    every tensor of it, full."""
-    path = str(tmp_path_factory.mktemp("dcp") / "step-7")
-    return path, run_ranks(2, w.dcp_save, path)[0]
-
-
-def _assert_equal(expected: dict, got: dict) -> None:
-    assert set(got) == set(expected)
-    for key, value in expected.items():
-        assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(value)), key
-
-
 def test_fsdp2_dcp_from_two_ranks_loads_on_three(fsdp_dcp):
     """Resharded 2 -> 3 ranks: model and optimizer state (by parameter name) equal."""
     path, expected = fsdp_dcp
     got = run_ranks(3, w.ckpt_load, path)
-    _assert_equal(expected, got[0])  # gathered from the three ranks' shards
+    w.assert_equal(expected, got[0])  # gathered from the three ranks' shards
 
 
 def test_fsdp2_dcp_loads_in_one_process_into_a_plain_model(fsdp_dcp):
     path, expected = fsdp_dcp
     model, opt = w.build(None, seed=1)
     assert ckpt.load({"model": model, "optim": opt}, path) == 7  # from the name step-7
-    _assert_equal(expected, w.full_state(model, opt))
+    w.assert_equal(expected, w.full_state(model, opt))
 
 
 def test_dcp_without_a_state_returns_full_tensors(fsdp_dcp):

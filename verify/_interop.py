@@ -1,0 +1,52 @@
+"""``ckpt import`` (a PyTorch DCP directory as a step of a root) and ``ckpt export --to
+dcp`` (a step as a DCP directory that ``torch.distributed.checkpoint.load`` reads)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import verify
+from ckpt.interop import export_dcp, import_dcp
+
+from ._console import echo
+from .report import EXIT_OK, size
+
+
+def add_import_parser(sub: argparse._SubParsersAction, path_help: str) -> None:
+    p = sub.add_parser("import", help="write a PyTorch DCP checkpoint as a step of a root")
+    p.add_argument("source", metavar="DCP_DIR", help="a DCP checkpoint directory (.metadata "
+                   "and .distcp files), a path or an fsspec URL")
+    p.add_argument("root", metavar="ROOT", help=path_help)
+    p.add_argument("--from", dest="source_format", choices=("dcp",), default="dcp",
+                   help="the source's format (default dcp)")
+    p.add_argument("--step", type=int, help="the step to write (default: the number the "
+                   "source's name ends with, step-1000 -> 1000, else 0)")
+    p.add_argument("--item", help="put the checkpoint's top-level keys under this one item "
+                   "(train, for {'train': ckpt.ModelOptimizer(model, opt)})")
+    p.add_argument("--allow-pickle", action="store_true", help="load non-tensor values that "
+                   "need pickle (only for a checkpoint you trust)")
+    p.set_defaults(func=cmd_import)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    if args.step is not None and args.step < 0:
+        raise verify.UsageError(f"--step must be >= 0, not {args.step}")
+    result = import_dcp(args.source, args.root, step=args.step, item=args.item,
+                        allow_pickle=args.allow_pickle)
+    echo(verify.to_json(vars(result)) if args.json else
+         f"imported {result.source} as step {result.step} of {result.target}: "
+         f"{result.tensors} tensors, {size(result.bytes)} in {result.seconds:.1f}s "
+         f"(`ckpt verify {result.target} --step {result.step}` checks it)")
+    return EXIT_OK
+
+
+def export_to_dcp(args: argparse.Namespace, step: int) -> int:
+    """``ckpt export PATH --to dcp DIR``: consolidated, loadable on any world size."""
+    if os.path.lexists(args.file) and not args.force:
+        raise verify.UsageError(f"{args.file} exists; pass --force to replace it")
+    result = export_dcp(args.root, args.file, step=step, item=args.item, force=args.force)
+    echo(verify.to_json(vars(result)) if args.json else
+         f"exported step {result.step} of {result.source} to {result.target} (DCP): "
+         f"{result.tensors} tensors, {size(result.bytes)} in {result.seconds:.1f}s")
+    return EXIT_OK

@@ -76,7 +76,8 @@ class ReplicaReceiver:
         self.hold = threading.Event()
         self.hold.set()
         self._slots = threading.BoundedSemaphore(connections)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # also signals a transfer's end (close waits)
+        self._conns: set[socket.socket] = set()  # authenticated connections (close ends them)
         self._owners: dict[int, Any] = {}
         self._reserved: dict[int, int] = {}  # origin -> bytes of its transfer in flight
         self._closed = False
@@ -118,13 +119,20 @@ class ReplicaReceiver:
                 except (OSError, PermissionError) as e:
                     self._refuse(peer, str(e))
                     return
+                with self._lock:
+                    self._conns.add(conn)
                 try:
                     self._authenticated(conn, nonces)
                     conn.sendall(b"OK")
                 except Exception as e:
                     self._count("failed")
-                    log.warning("ckpt._memory.replication receiving from %s failed: %s",
-                                peer[0], e)
+                    # Ended by close() (the job is done with its replicas): no fault.
+                    (log.info if self._closed else log.warning)(
+                        "ckpt._memory.replication receiving from %s failed: %s", peer[0], e)
+                finally:
+                    with self._lock:
+                        self._conns.discard(conn)
+                        self._lock.notify_all()
         finally:
             self._slots.release()
 
@@ -200,9 +208,11 @@ class ReplicaReceiver:
         retire_rank_steps(segment, self.keep, step)  # the new line's, not those it left
         log.info("ckpt._memory.replication stored step=%d of rank=%d in %s", step, origin, segment)
 
-    def close(self, remove_upto: int | None = None) -> None:
-        """Stop listening; release the replica segments, removing those whose newest step is
-        <= ``remove_upto`` (persisted)."""
+    def close(self, remove_upto: int | None = None, wait: float = 0.0) -> None:
+        """Stop listening; let the steps arriving finish for up to ``wait`` seconds, then end
+        their connections; release the replica segments, removing those whose newest step
+        is <= ``remove_upto`` (persisted). A segment is never removed under a transfer into
+        it (it would fail on its vanished staging directory)."""
         with self._lock:
             self._closed = True
         try:
@@ -212,11 +222,21 @@ class ReplicaReceiver:
         self._server.close()
         self.hold.set()
         with self._lock:
+            self._lock.wait_for(lambda: not self._conns, wait)
+            for conn in self._conns:  # a slow or stalled peer: its transfer ends now
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            # Each ends at its next read and removes its staging directory.
+            self._lock.wait_for(lambda: not self._conns, 5.0)
             owners, self._owners = self._owners, {}
-        for owner in owners.values():
+            busy = set(self._reserved)
+        for origin, owner in owners.items():
             segment = os.path.dirname(owner.name)
             steps = rank_steps(segment)
-            if remove_upto is not None and (not steps or steps[-1] <= remove_upto):
+            if remove_upto is not None and origin not in busy and (
+                    not steps or steps[-1] <= remove_upto):
                 shutil.rmtree(segment, ignore_errors=True)
             owner.close()
 

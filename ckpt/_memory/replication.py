@@ -181,4 +181,4 @@ class Replicator:
             self._closed = True
             self._pending = None
             self._lock.notify_all()
-        self.receiver.close(remove_upto)
+        self.receiver.close(remove_upto, wait=drain)

@@ -7,7 +7,9 @@ read."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import socket
 import struct
@@ -239,3 +241,35 @@ def test_a_header_over_the_cap_is_refused_before_it_is_read(tmp_path):
         assert counted == ["failed"] and list(tmp_path.iterdir()) == []
     finally:
         rep.close()
+
+
+def test_closing_lets_a_replica_arriving_finish_before_its_segment_goes(tmp_path, caplog):
+    """A rank closing its replicator at the end of the job while a peer's step is still
+    arriving: the step arrives whole (the peer is answered OK), nothing fails with a missing
+    staging directory, and the replica segment is removed after it (its steps persisted)."""
+    rep = Replicator(shm_dir=str(tmp_path), job="j", node="n", keep=2, timeout=30,
+                     host="127.0.0.1")
+    rep.connect([], "s3cret")
+    doc = json.dumps({"step": 8, "rank": 1}).encode()
+    header = {"origin": 1, "step": 8, "files": [["data-0", 4]], "doc": len(doc),
+              "doc_sha256": hashlib.sha256(doc).hexdigest()}
+    closer = threading.Thread(target=rep.close, kwargs={"drain": 10.0, "remove_upto": 8},
+                              daemon=True)
+    with caplog.at_level(logging.INFO, logger="ckpt"), \
+            socket.create_connection(rep.address, timeout=30) as sock:
+        nonces = wire.sender_handshake(sock, wire.key_of("s3cret"), "j", time.monotonic() + 30)
+        sock.sendall(wire.header_frame(wire.key_of("s3cret"), nonces,
+                                       json.dumps(header).encode()) + b"ab")
+        deadline = time.monotonic() + 30
+        while not list(tmp_path.glob("*/.tmp-step-00000008-*")) and time.monotonic() < deadline:
+            time.sleep(0.02)  # the step is arriving: its staging directory exists
+        closer.start()
+        time.sleep(0.5)  # the close is under way
+        sock.sendall(b"cd" + doc)
+        sock.shutdown(socket.SHUT_WR)
+        reply = wire.recv_exact(sock, 2, time.monotonic() + 30)
+        closer.join(30)
+    assert reply == b"OK"
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "stored step=8 of rank=1" in caplog.text
+    assert list(tmp_path.glob("ckpt-*")) == []

@@ -9,10 +9,12 @@ import threading
 import time
 from typing import Any, MutableMapping, overload
 
+import torch
+
 from storage_backends import PosixStorage, Storage, open_storage
 
 from ckpt._format.names import MANIFEST_NAME, step_dir
-from ckpt._interop.detect import is_dcp
+from ckpt._interop.detect import is_dcp, is_hf
 from ckpt._load.levels import Gate, verify_level
 from ckpt._load.reader import load_step
 from ckpt._load.as_saved import MapLocation, read_structure
@@ -23,7 +25,8 @@ from ckpt._save.writer import BackgroundWriter
 from ckpt._shared.distributed import Group
 from ckpt._step.integrity import read_manifest
 from ckpt._step.listing import committed_steps
-from ckpt.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                         StateMismatchError)
 from ckpt.options import SaveOptions
 
 log = logging.getLogger("ckpt")
@@ -148,7 +151,9 @@ def load(state: Any, path: Any = None, *, step: int | None = None, allow_pickle:
     files, from ``torch.distributed.checkpoint.save``, TorchTitan, Megatron ``torch_dist``),
     local or an fsspec URL: each rank reads the byte ranges of the chunks its shards need;
     items map to the checkpoint's top-level keys (see ``docs/guide.md``). It returns the
-    step its directory name ends with (``step-1000``), else 0.
+    step its directory name ends with (``step-1000``), else 0. A local Hugging Face folder
+    (``model.safetensors.index.json`` and its shards) initialises the state's modules, plain
+    or sharded, each rank reading only its slices (:func:`ckpt.interop.load_hf`); returns 0.
 
     ``load(path)`` without a state returns the saved structure instead, like ``torch.load``:
     a dict of the saved items, each a tensor, the value its ``state_dict()`` returned, or the
@@ -190,6 +195,8 @@ def load(state: Any, path: Any = None, *, step: int | None = None, allow_pickle:
     if template_free and verify_level(verify) == "forward":
         raise ValueError('verify="forward" needs the model to run the probe through: use '
                          'ckpt.load(state, path, verify="forward")')
+    if state is not None and is_hf(path) and not _has_manifest(path, storage_options):
+        return _load_hf(state, path)
     if is_dcp(path, storage_options) and not _has_manifest(path, storage_options):
         return _load_dcp(state, path, step=step, verify=verify, allow_pickle=allow_pickle,
                          storage_options=storage_options)
@@ -242,6 +249,20 @@ def _load_dcp(state: MutableMapping[str, Any] | None, path: str | os.PathLike, *
                                   storage_options=storage_options)
     return _dcp_load.load_into(state, path, allow_pickle=allow_pickle,
                                storage_options=storage_options)
+
+
+def _load_hf(state: MutableMapping[str, Any], path: str | os.PathLike) -> int:
+    """A Hugging Face folder of safetensors shards into the state's modules: see
+    ckpt._interop.hf_in."""
+    from ckpt._interop.hf_in import load_hf
+
+    others = [k for k, v in state.items() if not isinstance(v, torch.nn.Module)]
+    if others:
+        raise StateMismatchError(f"{os.fspath(path)} is a Hugging Face folder: it holds a "
+                                 f"model's weights only, not {others}", path=os.fspath(path))
+    for module in state.values():
+        load_hf(module, path)
+    return 0
 
 
 def _locate(path: str | os.PathLike, step: int | None, storage_options: dict | None

@@ -1,5 +1,8 @@
 """Checkpoints of other tools, in and out: a PyTorch DCP directory taken in as a ckpt step
-(``ckpt import``) and a ckpt step written as a DCP directory (``ckpt export --to dcp``).
+(``ckpt import``) and a ckpt step written as a DCP directory (``ckpt export --to dcp``); a
+model, whole or sharded, initialised from a Hugging Face folder (:func:`load_hf`, or
+``ckpt.load({"model": model}, HF_DIR)``) and a folder taken in as a step
+(``ckpt import --from hf``).
 
 Loading a DCP directory straight into a live state is ``ckpt.load(state, DCP_DIR)``.
 """
@@ -18,10 +21,11 @@ from storage_backends import open_storage
 import ckpt.api
 from ckpt._format.names import MANIFEST_NAME
 from ckpt._interop.detect import is_dcp
+from ckpt._interop.hf_in import HfLoad, load_hf
 from ckpt._manager.manager import CheckpointManager
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["InteropResult", "export_dcp", "import_dcp", "is_dcp"]
+__all__ = ["HfLoad", "InteropResult", "export_dcp", "import_dcp", "import_hf", "is_dcp", "load_hf"]
 
 
 @dataclass
@@ -71,6 +75,30 @@ def import_dcp(source: str | os.PathLike, root: str | os.PathLike, *, step: int 
         mgr.save(step, state, force=True, metadata={"imported_from": src, "format": "dcp"})
     return InteropResult(src, os.fspath(root), step, len(tensors),
                          sum(t.numel() * t.element_size() for t in tensors),
+                         time.perf_counter() - t0)
+
+
+def import_hf(source: str | os.PathLike, root: str | os.PathLike, *, step: int = 0,
+              item: str = "model", storage_options: dict | None = None) -> InteropResult:
+    """Write the Hugging Face folder ``source`` (safetensors shards and their index) as step
+    ``step`` of ``root``, its tensors one module item ``item`` named as in the folder (it
+    loads into the model with ``ckpt.load({"model": model}, root)``). The output embedding
+    ``save_pretrained`` leaves out when tied (``config.json``'s ``tie_word_embeddings``) is
+    recorded as an alias of the input embedding. Memory: the whole folder, once."""
+    from ckpt._interop.hf_in import read_hf, tied_names
+
+    t0 = time.perf_counter()
+    src = os.fspath(source)
+    tensors = read_hf(src)
+    # a tied name is saved as an alias of its source (the model's state_dict has both)
+    named = dict(tensors)
+    named.update({name: tensors[source] for name, source in tied_names(src, list(tensors)).items()})
+    with CheckpointManager(os.fspath(root), async_save=False,
+                           storage_options=storage_options) as mgr:
+        mgr.save(step, {item: _as_item(named)}, force=True,
+                 metadata={"imported_from": src, "format": "hf"})
+    return InteropResult(src, os.fspath(root), step, len(tensors),
+                         sum(t.numel() * t.element_size() for t in tensors.values()),
                          time.perf_counter() - t0)
 
 

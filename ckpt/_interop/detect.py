@@ -20,3 +20,15 @@ def is_dcp(path: str | os.PathLike, storage_options: dict | None = None) -> bool
         except (ImportError, OSError, ValueError):
             return False
     return os.path.isfile(os.path.join(text.removeprefix("file://"), METADATA_NAME))
+
+
+HF_SINGLE_NAME = "model.safetensors"
+
+
+def is_hf(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a local Hugging Face folder (an index or ``model.safetensors``)."""
+    text = os.fspath(path)
+    if "://" in text:
+        return False
+    return (os.path.isfile(os.path.join(text, HF_INDEX_NAME))
+            or os.path.isfile(os.path.join(text, HF_SINGLE_NAME)))

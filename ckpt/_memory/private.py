@@ -75,9 +75,17 @@ def private_dir(shm_dir: str, *, create: bool = True) -> str:
 
     Raises:
         FileNotFoundError: it does not exist and ``create`` is False.
-        UnsafeSegmentError: it is not this user's private directory.
+        UnsafeSegmentError: it is not this user's private directory, or ``shm_dir`` lets
+            others rename it (:func:`_guarded`).
     """
     path = private_path(shm_dir)
+    if os.path.isdir(shm_dir) and not _guarded(shm_dir):
+        raise UnsafeSegmentError(
+            f"{shm_dir} lets other users rename what is in it (it is writable by others and "
+            "not sticky, or another user owns it): the memory tier keeps this user's "
+            "segments there only in a directory like /dev/shm (mode 1777, root's) or one "
+            "only you can write; pass MemoryTierOptions(shm_dir=) such a directory",
+            path=shm_dir)
     created = False
     if create:
         try:
@@ -263,13 +271,16 @@ def gc_segments(shm_dir: str = SHM_DIR, *, keep_job: str | None = None,
 
 
 def _guarded(shm_dir: str) -> bool:
-    """Whether no one else can rename or replace what this user has in ``shm_dir`` (it is
-    sticky, as /dev/shm is, or only its owner may write it)."""
+    """Whether no one else can rename or replace what this user has in ``shm_dir``: it
+    belongs to this user or root, and is sticky (as /dev/shm is) or closed to others'
+    writes. Elsewhere another user could swap this user's private directory, between its
+    checks and a later use of its path, for a link to another of this user's directories."""
     try:
         st = os.stat(shm_dir)
     except OSError:
         return False
-    return bool(st.st_mode & stat.S_ISVTX) or not st.st_mode & 0o022
+    return st.st_uid in (0, os.geteuid()) and (bool(st.st_mode & stat.S_ISVTX)
+                                               or not st.st_mode & 0o022)
 
 
 def _ours(dfd: int, name: str) -> bool:

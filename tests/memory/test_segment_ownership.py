@@ -196,3 +196,43 @@ def test_she_cannot_read_list_or_lock_the_jobs_segment(tmp_path, shared):
     finally:
         her.kill()  # runuser passes it on (the lock, if she got it, goes with her)
         her.wait()
+
+
+# Her swap: the job's private directory moved aside, a link to another directory of the
+# job's user put in its place (the job would then remove a segment there by its path).
+HER_SWAP = """
+import json, os, sys
+private, aside, target = sys.argv[1:]
+try:
+    os.rename(private, aside)
+    os.symlink(target, private)
+    print(json.dumps({"swapped": True}))
+except OSError as e:
+    print(json.dumps({"swapped": type(e).__name__}))
+"""
+
+
+@pytest.mark.multiproc
+def test_a_shm_dir_others_may_rename_in_turns_the_tier_off(tmp_path, shared, caplog):
+    """The job is given a shared-memory directory that every user may write and that is not
+    sticky: she could rename the job's private directory there and put a link to another of
+    the job's directories in its place, between its checks and the job's later removal by
+    path. The job turns its memory tier off and says why; the other directory is intact."""
+    job = f"swp{uuid.uuid4().hex[:10]}"
+    shm = os.path.join(shared, "shm")
+    os.mkdir(shm)
+    os.chmod(shm, 0o777)  # world-writable, not sticky
+    precious = tmp_path / "elsewhere" / f"ckpt-{job}-n0-r0" / "precious"
+    precious.parent.mkdir(parents=True)
+    precious.write_bytes(b"the job user's other data")
+    root = tmp_path / "root"
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        with ckpt.CheckpointManager(root, memory_tier=options(job, shm)) as mgr:
+            for step in (1, 2):
+                mgr.save(step, {"w": weights(step)})
+            run_her(HER_SWAP, private_path(shm), os.path.join(shm, "aside"),
+                    str(tmp_path / "elsewhere"), scratch=shared)
+    assert precious.read_bytes() == b"the job user's other data"
+    off = [r.getMessage() for r in caplog.records if "is off" in r.getMessage()]
+    assert off and shm in off[0] and "sticky" in off[0]
+    assert ckpt.CheckpointManager(root, read_only=True).steps()[-1] == 2

@@ -75,6 +75,21 @@ def test_dirpath_lists_what_lightnings_own_io_leaves_there(tmp_path, save_last, 
     assert resumed.global_step == 5
 
 
+def test_a_second_run_into_the_folder_lists_as_lightnings_own_io(tmp_path):
+    """A second fit into the same dirpath starts again at step 1 and makes Lightning version
+    its last link (last-v1.ckpt): its saves write over the earlier run's steps as Lightning
+    writes over its files (ckpt's manager refuses a lower step unless told), and both links
+    are live."""
+    for name, ckpt_io in (("own", False), ("ckpt", True)):
+        for run in (1, 2):
+            trainer(ckpt_io, steps=4 * run, dirpath=tmp_path / name, every_n_train_steps=1,
+                    save_top_k=1, monitor="step", mode="max",
+                    save_last="link").fit(Net(), data())
+    own, ours = listing(tmp_path / "own"), listing(tmp_path / "ckpt")
+    assert ours == own and "last-v1.ckpt" in ours
+    assert all((tmp_path / "ckpt" / n).exists() for n in ours)
+
+
 def test_save_checkpoint_outside_fit_leaves_no_thread_or_lock(tmp_path):
     """trainer.save_checkpoint() after fit() is not followed by a teardown: the save returns
     with its step committed, no writer thread alive and the folder unlocked, so a second

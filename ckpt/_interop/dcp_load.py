@@ -17,6 +17,7 @@ dict's own keys at the top (TorchTitan saves the model's parameters there;
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -31,6 +32,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 
 from .dcp_read import SafeLoadPlanner, open_reader
+
+log = logging.getLogger("ckpt")
 
 
 def load_into(state: MutableMapping[str, Any], path: str | os.PathLike, *,
@@ -50,6 +53,8 @@ def load_into(state: MutableMapping[str, Any], path: str | os.PathLike, *,
     _run_load(target, reader, allow_pickle, where)
     for done in finish:
         done()
+    total = sum(info.length for info in metadata.storage_data.values())
+    log.info("ckpt.load DCP %s: read %d of its %d data bytes", where, reader.bytes_read, total)
     return step_of(where)
 
 

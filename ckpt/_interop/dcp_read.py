@@ -40,8 +40,14 @@ class _SafeMetadata:
     """``read_metadata`` through the restricted parser, then the data files' sizes checked;
     mixed into torch's local and fsspec readers."""
 
+    bytes_read = 0  # the stored entries this reader read, in bytes
+
     def _file_size(self, path: str) -> int:
         raise NotImplementedError
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        self.bytes_read += sinfo.length
+        return super()._slice_file(file, sinfo)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         cached = getattr(self, "_ckpt_metadata", None)

@@ -61,10 +61,19 @@ def dcp_save(rank: int, world: int, path: str) -> dict[str, Any]:
 
 
 def ckpt_load(rank: int, world: int, path: str) -> dict[str, Any]:
-    """A fresh sharded model (other values, no optimizer state yet) loaded by ckpt."""
+    """A fresh sharded model (other values, no optimizer state yet) loaded by ckpt: the
+    full state (rank 0) and the ckpt log line saying how many bytes this rank read."""
+    import logging
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore
+    logging.getLogger("ckpt").addHandler(handler)
+    logging.getLogger("ckpt").setLevel(logging.INFO)
     model, opt = build(world, seed=1)
     ckpt.load({"model": model, "optim": opt}, path)
-    return full_state(model, opt)
+    return {"state": full_state(model, opt),
+            "read": next(line for line in lines if "data bytes" in line)}
 
 
 def dcp_load(rank: int, world: int, path: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ checkpoint's files checked before anything is loaded."""
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import ckpt
 from tests.interop import dcp_workers as w
 from tests.support.ranks import run_ranks
+from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 
 # dcp.save/load in one process say that they assume one process: that is the intent here
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -20,7 +22,13 @@ def test_fsdp2_dcp_from_two_ranks_loads_on_three(fsdp_dcp):
     """Resharded 2 -> 3 ranks: model and optimizer state (by parameter name) equal."""
     path, expected = fsdp_dcp
     got = run_ranks(3, w.ckpt_load, path)
-    w.assert_equal(expected, got[0])  # gathered from the three ranks' shards
+    w.assert_equal(expected, got[0]["state"])  # gathered from the three ranks' shards
+    # each rank reads the stored chunks its shards overlap: the middle rank's rows straddle
+    # both saved shards of every tensor, the first and last rank's only one
+    read = [tuple(map(int, re.search(r"read (\d+) of its (\d+)", r["read"]).groups()))
+            for r in got]
+    assert read[1][0] == read[1][1]
+    assert 0 < read[0][0] < 0.75 * read[0][1] and 0 < read[2][0] < 0.75 * read[2][1], read
 
 
 def test_fsdp2_dcp_loads_in_one_process_into_a_plain_model(fsdp_dcp):
@@ -111,3 +119,21 @@ def test_a_value_that_needs_pickle_loads_only_when_allowed(tmp_path):
     with pytest.raises(ckpt.UnsupportedValueError, match="allow_pickle=True"):
         ckpt.load(tmp_path / "c")
     assert ckpt.load(tmp_path / "c", allow_pickle=True)["extra"]["ratio"] == Fraction(1, 3)
+
+
+def test_a_dcp_checkpoint_on_s3_loads_through_fsspec(s3):
+    """An object-store URL (fsspec) works as a local directory does, truncation included."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    url = s3.root("titan/step-5")
+    sd = {"model": {"w": torch.arange(1000.0), "b": torch.ones(3)}}
+    dcp.save(sd, storage_writer=FsspecWriter(url, **s3.storage_options), no_dist=True)
+    target = {"model": {"w": torch.zeros(1000), "b": torch.zeros(3)}}
+    assert ckpt.load(target, url, storage_options=s3.storage_options) == 5
+    assert torch.equal(target["model"]["w"], sd["model"]["w"])
+    data = next(k for k in s3.keys("titan/step-5/") if k.endswith(".distcp"))
+    body = s3.client().get_object(Bucket=s3.bucket, Key=data)["Body"].read()
+    s3.client().put_object(Bucket=s3.bucket, Key=data, Body=body[:-10])
+    with pytest.raises(ckpt.CorruptCheckpointError, match="is truncated"):
+        ckpt.load(target, url, storage_options=s3.storage_options)

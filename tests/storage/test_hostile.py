@@ -299,7 +299,7 @@ def test_rollback_resave_keeps_every_later_step_loadable(tmp_path, url):
         assert {c.step for c in m.manifest(3).tensors["a"].chunks} == {1, 2}
         m.restore(state, step=1)
         state["b"] -= 100
-        m.save(2, state)  # the rollback: step 2 again, from step 1
+        m.save(2, state, overwrite=True)  # the rollback: step 2 again, from step 1, on purpose
         saved[2] = {k: v.clone() for k, v in state.items()}
 
     def check(steps):
@@ -593,7 +593,7 @@ def test_resaved_step_moves_data_in_durably_before_its_manifest(tmp_path, os_cal
     with ckpt.CheckpointManager(root, async_save=False, options=SMALL_CHUNKS) as mgr:
         mgr.save(1, state_of(1))
         os_calls.clear()
-        mgr.save(1, state_of(2))  # the step number again (a rollback)
+        mgr.save(1, state_of(2), overwrite=True)  # the step number again (a rollback)
         out = fresh()
         assert mgr.restore(out, step=1) == 1
         assert_equal(out, state_of(2))

@@ -62,7 +62,8 @@ class ReplicaReceiver:
                  connections: int = 8, count: Callable[[str], None] | None = None) -> None:
         self.shm_dir, self.job, self.node, self.keep = shm_dir, job, node, keep
         self.budget, self.timeout, self.auth_timeout = budget, timeout, auth_timeout
-        self.key = b""  # set by the replicator's connect(); none: every peer is refused
+        self.key = b""  # set by set_key() (the replicator's connect())
+        self._keyed = threading.Event()
         self._count = count or (lambda what: None)
         try:
             self._server = socket.create_server((host, 0))
@@ -85,6 +86,13 @@ class ReplicaReceiver:
         self._thread = threading.Thread(target=self._accept, name="ckpt-replica-recv",
                                         daemon=True)
         self._thread.start()
+
+    def set_key(self, key: bytes) -> None:
+        """The job's key. A connection that arrives before it waits for it, within its
+        deadline: the job's ranks get the key at about the same time, and one may send its
+        first step before this one has the key (no key by the deadline: refused)."""
+        self.key = key
+        self._keyed.set()
 
     def _accept(self) -> None:
         while True:
@@ -115,6 +123,8 @@ class ReplicaReceiver:
             with conn:
                 deadline = time.monotonic() + self.auth_timeout
                 try:
+                    if not self._keyed.wait(max(0.0, deadline - time.monotonic())):
+                        raise PermissionError("no key yet: refused")
                     nonces = wire.receiver_handshake(conn, self.key, self.job, deadline)
                 except (OSError, PermissionError) as e:
                     self._refuse(peer, str(e))
@@ -221,6 +231,7 @@ class ReplicaReceiver:
             pass
         self._server.close()
         self.hold.set()
+        self._keyed.set()  # connections waiting for a key: refused now (none was set)
         with self._lock:
             self._lock.wait_for(lambda: not self._conns, wait)
             for conn in self._conns:  # a slow or stalled peer: its transfer ends now

@@ -109,7 +109,7 @@ class Replicator:
     def connect(self, targets: list[tuple[str, int]], secret: str) -> None:
         """Where this rank's steps go, and the job's key (hex) that both sides prove."""
         self.targets, self._key = targets, wire.key_of(secret)
-        self.receiver.key = self._key
+        self.receiver.set_key(self._key)
 
     # -- sending --------------------------------------------------------------------------
     def submit(self, step: int, step_path: str, origin: int) -> None:

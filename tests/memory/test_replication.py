@@ -48,7 +48,8 @@ def test_a_replica_receiver_stores_nothing_a_peer_may_not_send(tmp_path, case):
     shm = tmp_path / "shm"
     shm.mkdir()
     rep = Replicator(shm_dir=str(shm), job="j", node="n", keep=2, timeout=10,
-                     budget=32 if case == "over budget" else None, count=counted.append)
+                     budget=32 if case == "over budget" else None, count=counted.append,
+                     auth_timeout=1.0 if case == "no key yet" else 10.0)  # (waits for a key)
     unauthenticated = case in ("wrong key", "no key yet")
     try:
         if case != "no key yet":
@@ -95,3 +96,25 @@ def test_replicas_go_to_other_nodes_and_spread_over_a_smaller_nodes_ranks():
     assert ring_targets(0, ["a", "b"], [0, 0], replicas=3) == [1]
     nodes, local = ["a", "a", "a", "a", "b", "b"], [0, 1, 2, 3, 0, 1]
     assert [ring_targets(r, nodes, local, 1)[0] for r in range(4)] == [4, 5, 4, 5]
+
+
+def test_a_step_sent_before_the_receiver_has_the_key_waits_for_it(tmp_path):
+    """Opening the memory tier hands every rank the key at about the same time, and a rank may
+    send its first step before a peer has set the key: that peer waits for the key (within
+    the handshake's deadline) instead of refusing a rank of its own job."""
+    import threading
+
+    rep = Replicator(shm_dir=str(tmp_path), job="j", node="n", keep=2, timeout=10,
+                     host="127.0.0.1", auth_timeout=20)
+    reply: list[bytes] = []
+    sender = threading.Thread(target=lambda: reply.append(_send(rep.address, GOOD,
+                                                                b"abcd" + DOC)), daemon=True)
+    try:
+        sender.start()
+        time.sleep(0.5)  # the sender has connected and is waiting for the receiver's answer
+        rep.connect([], "s3cret")
+        sender.join(30)
+        assert reply == [b"OK"]
+        assert (tmp_path / replica_name("j", "n", 1) / "step-00000003" / "data-0").exists()
+    finally:
+        rep.close()

@@ -225,7 +225,7 @@ def gc_segments(shm_dir: str = SHM_DIR, *, keep_job: str | None = None,
     flock is free).
 
     ``keep_job``: never touch that job's segments (the caller's own, which a restarted worker
-    of this job may be about to read). ``job``: only that job's segments. ``min_age``: only
+    of this job may be about to read; not those of the older layout, which nothing reads). ``job``: only that job's segments. ``min_age``: only
     segments whose owner has been dead that long: the first collection that finds a
     segment's lock free records the time in it (``dead-since``), and its owner removes that
     mark when it takes the segment again (a restarted worker), so the grace runs from the
@@ -258,7 +258,8 @@ def gc_segments(shm_dir: str = SHM_DIR, *, keep_job: str | None = None,
         try:
             for name in segment_names(where):
                 owner_job = SEGMENT_NAME.match(name).group(1)  # type: ignore[union-attr]
-                if owner_job == keep_job or wanted not in (None, owner_job):
+                # (keep_job spares what a restarted worker may read: nothing of the old layout)
+                if (private_only and owner_job == keep_job) or wanted not in (None, owner_job):
                     continue
                 path = os.path.join(where, name)
                 if not private_only and not _ours(dfd, name):

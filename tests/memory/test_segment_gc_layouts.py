@@ -51,11 +51,12 @@ def test_this_users_old_layout_segments_are_collected_and_no_one_elses(tmp_path)
         assert os.path.isdir(hers) and os.listdir(os.path.join(hers, "step-00000003"))
 
 
-def test_an_old_layout_segment_waits_out_the_grace_from_its_owners_death(tmp_path):
+def test_an_old_layout_segment_waits_out_the_grace_and_is_not_spared_for_its_job(tmp_path):
     shm = str(tmp_path / "shm")
     os.mkdir(shm, 0o755)
     dead = old_segment(shm, "ckpt-job-n0-r0")
     assert gc_segments(shm, min_age=3600.0) == []  # found dead now: the grace starts
     assert os.path.isdir(dead)
-    assert gc_segments(shm, min_age=0.0) == [dead]
+    # the same job, now on the current layout, no longer reads it: not spared for it
+    assert gc_segments(shm, keep_job="job", min_age=0.0) == [dead]
     assert not os.path.exists(dead)

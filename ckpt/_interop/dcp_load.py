@@ -18,6 +18,7 @@ dict's own keys at the top (TorchTitan saves the model's parameters there;
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import warnings
@@ -71,9 +72,19 @@ def read_all(path: str | os.PathLike, *, allow_pickle: bool = False,
     where = os.fspath(path)
     reader = open_reader(where, storage_options)
     metadata = reader.read_metadata()
+    stored: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + info.length
     flat: dict[str, Any] = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
+            # what is allocated is bounded by what the (size-checked) files hold: a
+            # metadata file claiming a huge tensor is refused, not allocated
+            nbytes = math.prod(entry.size) * entry.properties.dtype.itemsize
+            if nbytes > stored.get(fqn, 0):
+                raise CorruptCheckpointError(
+                    f"{where} (DCP): {fqn} claims {list(entry.size)} ({nbytes} bytes) but its "
+                    f"stored chunks hold {stored.get(fqn, 0)} bytes", path=where)
             flat[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype)
         else:
             flat[fqn] = None

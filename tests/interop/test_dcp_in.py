@@ -137,3 +137,18 @@ def test_a_dcp_checkpoint_on_s3_loads_through_fsspec(s3):
     s3.client().put_object(Bucket=s3.bucket, Key=data, Body=body[:-10])
     with pytest.raises(ckpt.CorruptCheckpointError, match="is truncated"):
         ckpt.load(target, url, storage_options=s3.storage_options)
+
+
+def test_a_metadata_claiming_a_huge_tensor_is_refused_not_allocated(tmp_path):
+    """Without a state, ckpt allocates what the metadata describes: no more than the
+    (size-checked) files hold."""
+    import torch.distributed.checkpoint.metadata as md
+
+    _small_dcp(tmp_path / "c")
+    meta = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
+    entry = meta.state_dict_metadata["model.w"]
+    entry.size = torch.Size([1 << 40])
+    entry.chunks = [md.ChunkStorageMetadata(torch.Size([0]), torch.Size([1 << 40]))]
+    (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"model.w claims \[1099511627776\]"):
+        ckpt.load(tmp_path / "c")

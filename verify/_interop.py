@@ -1,5 +1,6 @@
-"""``ckpt import`` (a PyTorch DCP directory or a Hugging Face folder as a step of a root) and ``ckpt export --to
-dcp`` (a step as a DCP directory that ``torch.distributed.checkpoint.load`` reads)."""
+"""``ckpt import`` (a PyTorch DCP directory or a Hugging Face folder as a step of a root)
+and ``ckpt export --to dcp`` (a step as a DCP directory that
+``torch.distributed.checkpoint.load`` reads)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,10 +24,11 @@ transformers = pytest.importorskip("transformers")
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,  # noqa: E402
                           Trainer, TrainerCallback, TrainingArguments)
 
+from tests.support import hf_job  # noqa: E402
 from tests.support.other_user import command, other_user, shared_dir  # noqa: E402
+from tests.support.ranks import forkserver  # noqa: E402
 from trainer.integrations.hf import CkptTrainer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 # The files HF's own checkpoint tests look for in a checkpoint folder
 # (tests/trainer/trainer_test_utils.py, check_saved_checkpoints), and rng_state.pth.
 HF_FILES = {"model.safetensors", "config.json", "training_args.bin", "optimizer.pt",
@@ -94,11 +94,16 @@ def test_sigterm_after_a_save_writes_hfs_jit_checkpoint_and_returns(tmp_path):
     """With enable_jit_checkpoint, SIGTERM after a save makes HF's handler write a
     checkpoint and stop training normally, as with HF's own Trainer: ckpt installs no
     handler of its own (which would exit 143 with no checkpoint)."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/support/hf_job.py"), "jit", str(tmp_path)],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-             "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # A process of its own (it SIGTERMs itself), forked from the suite's fork server, which
+    # has imported torch and transformers already.
+    proc = forkserver().Process(target=hf_job.jit_forked, args=(str(tmp_path),), daemon=True)
+    proc.start()
+    proc.join(600)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    log = (tmp_path / "jit.log").read_text(errors="replace")[-3000:]
+    assert proc.exitcode == 0, f"exited {proc.exitcode}\n{log}"
     result = json.loads((tmp_path / "out/jit.json").read_text())
     for name in ("hf", "ckpt"):
         assert result[name]["stopped_at"] > 2 and result[name]["handler_restored"]
@@ -132,15 +137,17 @@ def test_save_total_limit_one_keeps_the_best_and_resume_true_picks_hfs_folder(tm
                   compute_metrics=lambda _: {"rank": next(evals)}, callbacks=[start])
         job.train(resume_from_checkpoint=True if resume else None)
 
+    # Saves at steps 1, 2, 3: HF rotates checkpoint-2 away at step 3, and checkpoint-3 at
+    # the end (save_total_limit=1 keeps the best alone).
     for cls, name in ((Trainer, "hf"), (CkptTrainer, "out")):
-        run(cls, tmp_path / name, 4, False)
+        run(cls, tmp_path / name, 3, False)
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["checkpoint-1"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-1"]
     assert ckpt.inspect.open(tmp_path / ".out.ckpt").steps() == [1]
 
     for cls, name in ((Trainer, "hf"), (CkptTrainer, "out")):
-        run(cls, tmp_path / name, 5, True)
-    assert starts["hf5"] == starts["out5"] == 1
+        run(cls, tmp_path / name, 4, True)
+    assert starts["hf4"] == starts["out4"] == 1
 
 
 def test_a_root_planted_by_another_user_is_refused():
@@ -149,12 +156,12 @@ def test_a_root_planted_by_another_user_is_refused():
     written into it or to plant steps for a resume. CkptTrainer refuses it (naming it and
     what to do) and writes nothing there."""
     other_user()
-    shared = Path(shared_dir())
+    shared, scratch = Path(shared_dir()), shared_dir()
     os.chmod(shared, 0o1777)  # sticky and world-writable, as /tmp
     try:
-        subprocess.run(command(["mkdir", str(shared / ".out.ckpt")]), check=True)
-        subprocess.run(command(["ln", "-s", str(shared / "hers"), str(shared / ".link.ckpt")]),
-                       check=True)
+        subprocess.run(command(["mkdir", str(shared / ".out.ckpt")], scratch), check=True)
+        subprocess.run(command(["ln", "-s", str(shared / "hers"), str(shared / ".link.ckpt")],
+                               scratch), check=True)
         for name, what in (("out", "owned by uid"), ("link", "a link")):
             job = CkptTrainer(model=tiny_model(), args=arguments(shared / name, max_steps=2),
                               train_dataset=data())
@@ -163,6 +170,7 @@ def test_a_root_planted_by_another_user_is_refused():
         assert os.listdir(shared / ".out.ckpt") == [] and not (shared / "hers").exists()
     finally:
         shutil.rmtree(shared)
+        shutil.rmtree(scratch)
 
 
 def test_a_run_written_by_the_earlier_layout_resumes(tmp_path):

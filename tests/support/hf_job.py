@@ -7,7 +7,8 @@
                                      # from_pretrained. Results in WORK/out/.
     python hf_job.py jit WORK       # HF's Trainer, then CkptTrainer, with enable_jit_checkpoint:
                                      # SIGTERM after the first save; WORK/out/jit.json says
-                                     # where each stopped (tests/e2e/test_hf_contract.py)
+                                     # where each stopped (tests/e2e/test_hf_contract.py runs
+                                     # it as jit_forked, in a process of the fork server)
     python hf_job.py kill+resume WORK  # both (one import): kill runs in a forked child,
                                      # resume once the test writes go (tests/support/fork_kill.py)
 """
@@ -93,8 +94,8 @@ def run(out: Path, cls: type, callbacks: list, resume: bool = False) -> GPT2LMHe
 
 class SigtermAfterSave(TrainerCallback):
     """SIGTERM to this process after the first save; then no scheduled saves, and steps slow
-    enough that HF's JIT handler (it waits 3 s before asking for the checkpoint) acts before
-    training ends."""
+    enough that HF's JIT handler (it waits kill_wait seconds before asking for the
+    checkpoint) acts before training ends."""
 
     def on_save(self, args, state, control, **kw):
         if state.global_step == 2:
@@ -104,6 +105,20 @@ class SigtermAfterSave(TrainerCallback):
         if state.global_step > 2:
             control.should_save = False  # only the JIT checkpoint from here on
             time.sleep(0.05)
+
+
+def shorten_jit_wait(trainer: Trainer, seconds: float = 0.3) -> None:
+    """HF's own JIT handler, with a shorter wait between the SIGTERM and its checkpoint
+    request (``kill_wait``, 3 s, which TrainingArguments does not expose): the same
+    handler and the same path to the checkpoint, without two fixed 3 s pauses."""
+    from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+    handlers = [cb.jit_manager for cb in trainer.callback_handler.callbacks
+                if isinstance(cb, JITCheckpointCallback) and cb.jit_manager is not None]
+    if len(handlers) != 1 or handlers[0].kill_wait != 3:  # another transformers: say so
+        raise RuntimeError("no JIT handler with kill_wait=3 on the Trainer; update "
+                           "tests/support/hf_job.py's shorten_jit_wait")
+    handlers[0].kill_wait = seconds
 
 
 def jit(work: Path) -> None:
@@ -119,12 +134,25 @@ def jit(work: Path) -> None:
                                  logging_steps=1000, enable_jit_checkpoint=True)
         trainer = cls(model=model, args=args, train_dataset=Data(),
                       callbacks=[SigtermAfterSave()])
+        shorten_jit_wait(trainer)
         trainer.train()
         result[name] = {"stopped_at": trainer.state.global_step,
                         "handler_restored": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}
     out = work / "out"
     out.mkdir(exist_ok=True)
     (out / "jit.json").write_text(json.dumps(result))
+
+
+def jit_forked(work: str) -> None:
+    """``jit`` in a process forked from the suite's fork server (tests/support/ranks.py, whose
+    preload imports this module): torch and transformers are imported already. Its output
+    goes to WORK/jit.log."""
+    log = os.open(os.path.join(work, "jit.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    jit(Path(work))
 
 
 def main() -> None:

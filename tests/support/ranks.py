@@ -30,11 +30,13 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 # the combination matrix's runs). multiprocessing has one fork server per process and takes
 # the preload list of the first start, so every user of the fork server must go through
 # forkserver() below. torch._dynamo: every torch.optim optimizer imports it when first built
-# (about 2 s of CPU, paid again by every forked process otherwise); s3fs: the S3 roots.
+# (about 2 s of CPU, paid again by every forked process otherwise); s3fs: the S3 roots;
+# tests.support.hf_job: transformers' Trainer (test_hf_contract's SIGTERM job; skipped
+# without transformers, as any preload that fails to import).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
            "torch.distributed.device_mesh", "torch._dynamo", "ckpt", "storage_backends",
            "trainer", "torchdata.stateful_dataloader", "s3fs", "tests.support.exact_workers",
-           "tests.support.combo_workers"]
+           "tests.support.combo_workers", "tests.support.hf_job"]
 
 
 def forkserver() -> multiprocessing.context.BaseContext:

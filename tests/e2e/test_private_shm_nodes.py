@@ -8,7 +8,7 @@ identity it keeps in that node's /dev/shm. The job is tests/support/memory_job.p
 ElasticTrainer's defaults (a probe recorded with every checkpoint, restores through the
 forward gate, the memory tier on under torchrun), checkpointing every 2 steps, persisting to
 the root only every 1000 (so only the trainer's first checkpoint, step 0, and its final one
-reach the root). Every worker holds before step 13 with step 12 committed and replicated; then
+reach the root). Every worker holds before step 7 with step 6 committed and replicated; then
 the node running rank 0 is SIGKILLed, so torchrun renumbers both survivors' nodes and ranks.
 """
 
@@ -33,7 +33,7 @@ from tests.support.elastic_job import REPO, Node
 from tests.e2e.test_memory_torchrun import (restored_digests, restored_records, root_steps,
                                             saved_digest, wait_all)
 
-EVERY, PERSIST, STEPS, HOLD = 2, 1000, 16, 13
+EVERY, PERSIST, STEPS, HOLD = 2, 1000, 8, 7
 TIMEOUT = 120.0
 
 pytestmark = [
@@ -123,7 +123,7 @@ def test_each_node_has_shared_memory_of_its_own(killed_node):
 
 
 def test_survivors_resume_from_their_memory_and_the_peer_replica(killed_node):
-    """The resume comes from step 12, which exists only in the survivors' memory (their own
+    """The resume comes from step 6, which exists only in the survivors' memory (their own
     segments and the replica of the dead node's shards), through the forward gate, with zero
     bytes from the root and the model and optimizer as saved."""
     tmp = killed_node["tmp"]

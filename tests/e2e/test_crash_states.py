@@ -67,12 +67,14 @@ def test_resaving_an_existing_step(tmp_path):
     # After falling back past step 2, a job saves step 2 again: POSIX moves the old one aside
     # and renames the new one in. Between the two renames step 2 is absent (no atomic replace
     # of a directory exists in POSIX), so a crash there restores step 1: documented in
-    # PosixStorage.commit, allowed here, and nothing worse.
+    # PosixStorage.commit, allowed here, and nothing worse. The re-save is the point:
+    # overwrite=True (a step already saved is refused otherwise).
     old = saved(tmp_path, {1: values(1), 2: values(2)})
     again = values(22)
     expect = oracle.Expect(old, {1: old[1], 2: again}, template, also_allowed=frozenset({1}))
     with manager(tmp_path) as mgr:
-        result = explore.run(str(tmp_path), lambda: mgr.save(2, again, force=True), expect)
+        result = explore.run(str(tmp_path),
+                             lambda: mgr.save(2, again, force=True, overwrite=True), expect)
     assert_clean("re-save of step 2", result)
 
 

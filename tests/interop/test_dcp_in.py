@@ -38,6 +38,13 @@ def test_fsdp2_dcp_loads_in_one_process_into_a_plain_model(fsdp_dcp):
     w.assert_equal(expected, w.full_state(model, opt))
 
 
+def test_a_model_optimizer_item_finds_model_and_optim_at_the_top_level(fsdp_dcp):
+    path, expected = fsdp_dcp
+    model, opt = w.build(None, seed=1)
+    ckpt.load({"train": ckpt.ModelOptimizer(model, opt)}, path)
+    w.assert_equal(expected, w.full_state(model, opt))
+
+
 def test_dcp_without_a_state_returns_full_tensors(fsdp_dcp):
     path, expected = fsdp_dcp
     saved = ckpt.load(path)

@@ -19,7 +19,8 @@ def is_dcp(path: str | os.PathLike, storage_options: dict | None = None) -> bool
             return fs.isfile(f"{root.rstrip('/')}/{METADATA_NAME}")
         except (ImportError, OSError, ValueError):
             return False
-    return os.path.isfile(os.path.join(text.removeprefix("file://"), METADATA_NAME))
+    local = text.removeprefix("file://")
+    return os.path.isfile(os.path.join(local, METADATA_NAME)) and not _is_root(local)
 
 
 HF_SINGLE_NAME = "model.safetensors"
@@ -31,4 +32,14 @@ def is_hf(path: str | os.PathLike) -> bool:
     if "://" in text:
         return False
     return (os.path.isfile(os.path.join(text, HF_INDEX_NAME))
-            or os.path.isfile(os.path.join(text, HF_SINGLE_NAME)))
+            or os.path.isfile(os.path.join(text, HF_SINGLE_NAME))) and not _is_root(text)
+
+
+def _is_root(path: str) -> bool:
+    """A ckpt root (it holds step directories) stays one, whatever else lies in it (an
+    exported ``model.safetensors`` next to the steps)."""
+    try:
+        with os.scandir(path) as entries:
+            return any(e.name.startswith("step-") and e.is_dir() for e in entries)
+    except OSError:
+        return False

@@ -89,3 +89,13 @@ def test_a_shape_that_differs_is_refused_before_anything_is_copied(gpt2_folder):
     with pytest.raises(ckpt.StateMismatchError, match="nothing was loaded"):
         ckpt.load({"model": model}, path)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_root_with_an_exported_safetensors_file_in_it_stays_a_root(tmp_path):
+    """A ckpt root is loaded as a root even when a model.safetensors lies next to its steps."""
+    model = torch.nn.Linear(3, 2)
+    with ckpt.CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, {"model": model}, force=True)
+    assert main(["export", str(tmp_path), "--to", "safetensors",
+                 str(tmp_path / "model.safetensors"), "--item", "model"]) == 0
+    assert ckpt.load({"model": torch.nn.Linear(3, 2)}, tmp_path) == 1

@@ -107,16 +107,17 @@ def export_dcp(path: str | os.PathLike, target: str | os.PathLike, *,
                allow_pickle: bool = False, storage_options: dict | None = None
                ) -> InteropResult:
     """Write a ckpt step (``path``: a root, with ``step`` or its newest good step, or one
-    checkpoint directory) as the DCP directory ``target``, consolidated: full tensors that
-    ``torch.distributed.checkpoint.load`` reshards onto any world size. ``item`` exports
+    checkpoint directory) as the DCP directory ``target`` of full tensors, which
+    ``torch.distributed.checkpoint.load`` reshards onto any world size. Called on every rank
+    of a process group (torchrun), each rank writes its share of the tensors into a file of
+    its own (``target`` on a file system all ranks see); else one process writes one file.
+    ``item`` exports
     that item's contents as the top-level keys (``item="train"`` of a
     ``ckpt.ModelOptimizer`` gives ``{"model": ..., "optim": ...}``, as ``get_state_dict``).
 
     The directory is written next to ``target`` under a temporary name and renamed into
-    place. Memory: the whole step, once.
+    place. Memory: the whole step, once (on every rank).
     """
-    import torch.distributed.checkpoint as dcp
-
     t0 = time.perf_counter()
     out = os.path.abspath(os.fspath(target))
     if os.path.lexists(out) and not force:
@@ -132,18 +133,7 @@ def export_dcp(path: str | os.PathLike, target: str | os.PathLike, *,
         if not isinstance(saved, dict):
             saved = {item: saved}
     tensors = _tensors(saved)
-    tmp = f"{out}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        with warnings.catch_warnings():  # one process is the intent, not a guess
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save(saved, checkpoint_id=tmp, no_dist=True)
-        if os.path.lexists(out):
-            shutil.rmtree(out) if os.path.isdir(out) and not os.path.islink(out) \
-                else os.unlink(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _write_dcp(saved, out)
     return InteropResult(os.fspath(path), out, number, len(tensors),
                          sum(t.numel() * t.element_size() for t in tensors),
                          time.perf_counter() - t0)
@@ -176,6 +166,49 @@ def _as_item(value: Any) -> Any:
         module.state_dict = lambda *args, keep_vars=False, **kwargs: value  # type: ignore
         return module
     return _Saved(value)
+
+
+def _write_dcp(saved: dict, out: str) -> None:
+    """``dcp.save`` under a temporary name, then renamed to ``out``. Under a process group
+    every rank calls it with the same ``saved`` and ``out`` (a file system they all see):
+    DCP writes each tensor once, spread over the ranks' files, and rank 0 renames."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    group = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if group else 0
+    tmp = f"{out}.tmp-export" if group else f"{out}.tmp-{os.getpid()}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if group:
+        dist.barrier()
+    error: BaseException | None = None
+    try:
+        with warnings.catch_warnings():  # one process is the intent, not a guess
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save(saved, checkpoint_id=tmp, no_dist=not group)  # errors gathered by DCP
+        if group:
+            dist.barrier()  # every rank's files are written before the rename
+        if rank == 0:
+            try:
+                if os.path.lexists(out):
+                    if os.path.isdir(out) and not os.path.islink(out):
+                        shutil.rmtree(out)
+                    else:
+                        os.unlink(out)
+                os.replace(tmp, out)
+            except OSError as e:
+                error = e
+        if group:  # the other ranks learn whether rank 0's rename worked
+            outcome = [None if error is None else f"{type(error).__name__}: {error}"]
+            dist.broadcast_object_list(outcome, src=0)
+            if outcome[0] is not None and error is None:
+                raise OSError(f"rank 0 could not move the export into {out}: {outcome[0]}")
+        if error is not None:
+            raise error
+    finally:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _is_step_dir(path: str | os.PathLike, storage_options: dict | None) -> bool:

@@ -94,3 +94,10 @@ def assert_equal(expected: dict, got: dict) -> None:
     assert set(got) == set(expected)
     for key, value in expected.items():
         assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(value)), key
+
+
+def ckpt_export(rank: int, world: int, root: str, out: str) -> None:
+    """``ckpt.interop.export_dcp`` called on every rank: each writes its share."""
+    import ckpt.interop
+
+    ckpt.interop.export_dcp(root, out, item="train")

@@ -42,6 +42,17 @@ def test_an_exported_step_loads_with_dcp_load_on_two_ranks(fsdp_dcp, tmp_path):
     w.assert_equal(expected, run_ranks(2, w.dcp_load, str(out))[0])
 
 
+def test_an_export_on_two_ranks_spreads_the_tensors_and_loads_on_three(fsdp_dcp, tmp_path):
+    path, expected = fsdp_dcp
+    root, out = tmp_path / "root", tmp_path / "out"
+    assert main(["import", path, str(root), "--item", "train"]) == 0
+    run_ranks(2, w.ckpt_export, str(root), str(out))
+    files = sorted(p.name for p in out.iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
+    assert all((out / f).stat().st_size > 1000 for f in files[1:])  # both wrote a share
+    w.assert_equal(expected, run_ranks(3, w.dcp_load, str(out))[0])
+
+
 def test_an_imported_model_state_dict_loads_into_a_module(tmp_path):
     """A DCP checkpoint of a model's state dict alone (TorchTitan's model at the top level,
     or under a key) becomes a module item."""

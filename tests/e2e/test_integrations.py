@@ -25,13 +25,15 @@ import torch
 
 import ckpt
 
-from tests.support.fork_kill import RESUMING
+from tests.support.fork_kill import RESUMING, run_forked
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
 JOB_TIMEOUT = 600
+# Job scripts run from the fork server, which preloads them (tests/support/ranks.py).
+FORKED = {"hf_job.py", "acc_job.py", "pl_job.py"}
 JOB_ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1"}
 
@@ -87,13 +89,64 @@ class KilledJob:
             self.proc.wait()
 
 
+class ForkedKilledJob(KilledJob):
+    """KilledJob for a job script the suite's fork server preloads (tests/support/ranks.py):
+    run in a process forked from it, without a second import of the script's framework;
+    the job's report and the test's ``go`` travel on a pipe (fork_kill.run_forked)."""
+
+    def __init__(self, script: str, work: Path) -> None:
+        from tests.support.ranks import forkserver
+
+        self.stderr_path = work / f"{script}.stderr"
+        ctx = forkserver()
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=run_forked,
+                                args=(f"tests.support.{script[:-3]}", script, "kill+resume",
+                                      str(work), theirs), daemon=True)
+        self.proc.start()
+        theirs.close()
+        self.timer = threading.Timer(JOB_TIMEOUT, self.close)
+        self.timer.start()
+
+    def stderr(self) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def killed(self) -> None:
+        while not self.conn.poll(0.5):
+            if not self.proc.is_alive():
+                pytest.fail(f"the job ended ({self.proc.exitcode}) before its child was "
+                            f"killed\n{self.stderr()[-3000:]}")
+        line = self.conn.recv()
+        assert int(line.split()[1]) == signal.SIGKILL, f"{line}{self.stderr()[-3000:]}"
+
+    def resume(self) -> str:
+        self.conn.send("go")
+        self.proc.join(JOB_TIMEOUT)
+        self.timer.cancel()
+        assert self.proc.exitcode == 0, self.stderr()[-3000:]
+        return self.stderr().split(RESUMING, 1)[1]
+
+    def close(self) -> None:
+        self.timer.cancel()
+        if self.proc.is_alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the job and a child still running
+            except ProcessLookupError:  # not its own session yet
+                self.proc.kill()
+            self.proc.join()
+
+
 @pytest.fixture
 def killed_job(tmp_path):
     """Start a job in ``kill+resume`` mode; returns it once its child was SIGKILLed."""
     jobs: list[KilledJob] = []
 
     def start(script: str) -> KilledJob:
-        jobs.append(KilledJob(script, tmp_path))
+        forked = script in FORKED
+        jobs.append((ForkedKilledJob if forked else KilledJob)(script, tmp_path))
         jobs[-1].killed()
         return jobs[-1]
 
@@ -224,7 +277,7 @@ def test_hf_trainer_records_the_best_checkpoint_as_hfs_own_trainer_does(tmp_path
         ids = torch.randint(0, 50, (32, 16), generator=torch.Generator().manual_seed(0))
         data = [{"input_ids": row, "labels": row} for row in ids]
         args = TrainingArguments(
-            output_dir=str(out), max_steps=6, save_steps=2, eval_strategy="steps", eval_steps=2,
+            output_dir=str(out), max_steps=4, save_steps=2, eval_strategy="steps", eval_steps=2,
             per_device_train_batch_size=4, learning_rate=1e-3, use_cpu=True, report_to=[],
             disable_tqdm=True, load_best_model_at_end=True, metric_for_best_model="eval_loss",
             greater_is_better=False)
@@ -234,9 +287,9 @@ def test_hf_trainer_records_the_best_checkpoint_as_hfs_own_trainer_does(tmp_path
 
     theirs = train(Trainer, tmp_path / "hf")
     ours = train(CkptTrainer, tmp_path / "ckpt")
-    assert theirs.best_global_step == ours.best_global_step == 6  # the last save is the best
-    assert theirs.best_model_checkpoint == str(tmp_path / "hf" / "checkpoint-6")
-    assert ours.best_model_checkpoint == str(tmp_path / "ckpt" / "checkpoint-6")
+    assert theirs.best_global_step == ours.best_global_step == 4  # the last save is the best
+    assert theirs.best_model_checkpoint == str(tmp_path / "hf" / "checkpoint-4")
+    assert ours.best_model_checkpoint == str(tmp_path / "ckpt" / "checkpoint-4")
 
 
 def test_hf_best_model_at_end_loads_that_step_or_keeps_the_model(tmp_path, caplog):

@@ -31,12 +31,14 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 # the preload list of the first start, so every user of the fork server must go through
 # forkserver() below. torch._dynamo: every torch.optim optimizer imports it when first built
 # (about 2 s of CPU, paid again by every forked process otherwise); s3fs: the S3 roots;
-# tests.support.hf_job: transformers' Trainer (test_hf_contract's SIGTERM job; skipped
-# without transformers, as any preload that fails to import).
+# tests.support.hf_job, acc_job: transformers' Trainer and Accelerate (the integration jobs
+# of test_hf_contract and test_integrations; skipped without them, as any preload that fails
+# to import).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
            "torch.distributed.device_mesh", "torch._dynamo", "ckpt", "storage_backends",
            "trainer", "torchdata.stateful_dataloader", "s3fs", "tests.support.exact_workers",
-           "tests.support.combo_workers", "tests.support.hf_job"]
+           "tests.support.combo_workers", "tests.support.hf_job", "tests.support.acc_job",
+           "tests.support.pl_job"]
 
 
 def forkserver() -> multiprocessing.context.BaseContext:

@@ -30,15 +30,16 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 # the combination matrix's runs). multiprocessing has one fork server per process and takes
 # the preload list of the first start, so every user of the fork server must go through
 # forkserver() below. torch._dynamo: every torch.optim optimizer imports it when first built
-# (about 2 s of CPU, paid again by every forked process otherwise); s3fs: the S3 roots;
-# tests.support.hf_job, acc_job: transformers' Trainer and Accelerate (the integration jobs
-# of test_hf_contract and test_integrations; skipped without them, as any preload that fails
-# to import).
+# (about 2 s of CPU, paid again by every forked process otherwise); s3fs: the S3 roots.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor",
            "torch.distributed.device_mesh", "torch._dynamo", "ckpt", "storage_backends",
            "trainer", "torchdata.stateful_dataloader", "s3fs", "tests.support.exact_workers",
-           "tests.support.combo_workers", "tests.support.hf_job", "tests.support.acc_job",
-           "tests.support.pl_job"]
+           "tests.support.combo_workers"]
+# The integration job scripts (test_hf_contract, test_integrations run them from the fork
+# server): preloaded only when this process imported their framework already (the run
+# collected those tests), so that a run without them pays no framework import.
+JOBS = {"transformers": "tests.support.hf_job", "accelerate": "tests.support.acc_job",
+        "lightning": "tests.support.pl_job"}
 
 
 def forkserver() -> multiprocessing.context.BaseContext:
@@ -47,7 +48,8 @@ def forkserver() -> multiprocessing.context.BaseContext:
         if p not in sys.path:
             sys.path.insert(0, p)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD + [job for framework, job in JOBS.items()
+                                          if framework in sys.modules])
     return ctx
 
 

@@ -9,11 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import stat
-import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
@@ -24,9 +20,8 @@ from ckpt._memory.auth import KEY_NAME
 from ckpt._memory.tier import DEAD_FILE, OWNER_FILE, private_path
 from tests.support import memory_auth_workers as workers
 from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
-from tests.support.ranks import run_ranks
+from tests.support.ranks import forkserver, run_ranks
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARKER = "pickle-ran"
 
 
@@ -144,17 +139,6 @@ def test_a_manager_that_fails_to_open_releases_the_roots_lock(tmp_path):
     assert failed.value is not None  # (the traceback, and the failed manager, still alive)
 
 
-HOLDER = textwrap.dedent("""
-    import sys, time, torch, ckpt
-    root, shm = sys.argv[1], sys.argv[2]
-    tier = ckpt.MemoryTierOptions(shm_dir=shm, node="n0", job="old", persist_every=100)
-    mgr = ckpt.CheckpointManager(root, memory_tier=tier, async_save=False)
-    mgr.save(1, {"w": torch.full((8,), 7.0)})  # in memory only
-    print(mgr._publisher.tier.path, flush=True)
-    time.sleep(600)
-""")
-
-
 @pytest.mark.multiproc
 def test_a_dead_jobs_segment_is_kept_for_the_grace_period_after_its_death(tmp_path):
     """A job that ran for two hours is SIGKILLed; another job opens a tier on the node right
@@ -163,17 +147,19 @@ def test_a_dead_jobs_segment_is_kept_for_the_grace_period_after_its_death(tmp_pa
     a later run removes it."""
     shm, root = tmp_path / "shm", tmp_path / "old"
     shm.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(root), str(shm)],
-                            env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
-                            text=True)
+    ctx = forkserver()  # a process of its own, without a second import of torch
+    theirs, ours = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=workers.hold_a_segment, args=(str(root), str(shm), ours),
+                       daemon=True)
+    proc.start()
     try:
-        path = proc.stdout.readline().strip()
-        assert path, "the job died before saving"
+        assert theirs.poll(120), "the job died before saving"
+        path = theirs.recv()
         two_hours_ago = time.time() - 7200
         os.utime(os.path.join(path, OWNER_FILE), (two_hours_ago, two_hours_ago))
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.kill()  # SIGKILL
+        proc.join()
 
     def another_job_opens_a_tier() -> None:
         with manager(tmp_path / "new", shm, job="new", persist_every=100):

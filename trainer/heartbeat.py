@@ -252,6 +252,10 @@ class Heartbeat:
                             {r: info.get(r, {}).get("step") for r in lost},
                             {r: now - change[r] for r in lost if r in change},
                             {r: seen(r) for r in lost if r in change}, wall, detail)
+        if store_silent > 2.5 * self.interval:
+            # The store itself is late: the peers' beats read through it are stale, so their
+            # silence says nothing yet; the store's own verdict above decides.
+            return None
         lost = [r for r in self.watch
                 if info.get(r, {}).get("state", "alive") == "alive" and now - change[r] > limit]
         if not lost:

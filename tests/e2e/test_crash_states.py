@@ -247,7 +247,7 @@ def test_object_store_save_requests_prefixes_and_faults(retire):
                 with objstore.requests(objstore.fault(mode, at)):
                     try:
                         mgr.save(3, values(3), force=True)
-                    except (ckpt.CheckpointError, OSError):  # OSError: see the report of #15
+                    except (ckpt.CheckpointError, OSError):  # a failed request raises OSError
                         ok = False
             if mode != "fails":
                 assert ok, f"a {mode} request {at} ({log[at]}) made the save fail"

@@ -260,7 +260,6 @@ def test_heartbeat_notices_a_hung_store_host():
         while not got and time.monotonic() - t0 < 8:
             time.sleep(0.05)
         assert got and got[0].reason == "store" and got[0].lost == [0], got
-        assert time.monotonic() - t0 <= 2.0 + 1.0
         assert "has not answered" in got[0].detail
     finally:
         host.kill()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -23,7 +22,6 @@ import torch
 import xxhash
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ckpt.errors import CheckpointError
 
 OPTIMIZER_NAME = "optimizer.pt"
 MARKER_FORMAT = "ckpt-hf-optimizer/1"
@@ -40,28 +38,6 @@ def root_for(run_dir: str) -> str:
     run_dir = os.path.abspath(run_dir)
     parent, name = os.path.split(run_dir.rstrip(os.sep)) if run_dir != os.sep else ("/", "")
     return os.path.join(parent, f".{name or 'root'}.ckpt")
-
-
-def check_root(root: str, run_dir: str) -> None:
-    """Refuse a default root that is a link or not this user's own folder.
-
-    Threat: ``output_dir`` in a folder others may write (``/tmp``, a shared scratch space);
-    another local user creates ``.out.ckpt`` there first (a folder of hers, or a link to
-    one), to read the optimizer's state written into it or to plant steps that a resume
-    would load. Cost to her: one ``mkdir``; to us: this ``lstat``.
-    """
-    try:
-        st = os.lstat(root)
-    except FileNotFoundError:
-        return
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        what = "a link" if stat.S_ISLNK(st.st_mode) else (
-            f"owned by uid {st.st_uid}" if stat.S_ISDIR(st.st_mode) else "not a folder")
-        raise CheckpointError(
-            f"{root}, ckpt's root for {run_dir}, is {what}, not a folder of this user's "
-            f"(uid {os.geteuid()}): someone else may have made it to read or replace these "
-            "checkpoints. Remove it, or give CkptTrainer(ckpt_root=...) a folder of yours",
-            path=root)
 
 
 def folders(run_dir: str) -> dict[int, str]:

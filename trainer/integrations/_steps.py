@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from typing import Any, Mapping
 
 import torch
@@ -135,3 +136,25 @@ def load_newest_good(root: str, step: int | None, *, allow_pickle: bool = False,
             f"no step under {root} could be loaded; `ckpt verify --all {root}` gives "
             "details:\n  " + "\n  ".join(failures), path=root)
     return None
+
+
+def check_own_root(root: str, purpose: str, remedy: str) -> None:
+    """Refuse a sibling root that is a link or not this user's own folder.
+
+    Threat: the run's folder sits in a directory others may write (``/tmp``, a shared scratch
+    space); another local user makes the hidden sibling root there first (a folder of hers,
+    or a link to one), to read the states written into it or to plant steps that a resume
+    would load. Cost to her: one ``mkdir``; to us: this ``lstat``, before anything is
+    written or read. ``purpose`` says whose root it is, ``remedy`` what the user can do.
+    """
+    try:
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        what = "a link" if stat.S_ISLNK(st.st_mode) else (
+            f"owned by uid {st.st_uid}" if stat.S_ISDIR(st.st_mode) else "not a folder")
+        raise ckpt.CheckpointError(
+            f"{root}, ckpt's root for {purpose}, is {what}, not a folder of this user's "
+            f"(uid {os.geteuid()}): someone else may have made it to read or replace these "
+            f"checkpoints. Remove it, or {remedy}", path=root)

@@ -32,7 +32,7 @@ import ckpt.inspect
 import ckpt.tools
 
 from . import _hf_folder as hff
-from ._steps import StepStore, load_newest_good, pickle_allowed
+from ._steps import StepStore, check_own_root, load_newest_good, pickle_allowed
 
 log = logging.getLogger("ckpt")
 
@@ -77,7 +77,7 @@ class CkptTrainer(Trainer):
         if self.ckpt_root:
             return os.path.abspath(self.ckpt_root)
         root = hff.root_for(run_dir)
-        hff.check_root(root, run_dir)
+        check_own_root(root, run_dir, "give CkptTrainer(ckpt_root=...) a folder of yours")
         return root
 
     # -- saving ----------------------------------------------------------------------------

@@ -29,7 +29,6 @@ import io
 import logging
 import os
 import re
-import stat
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 import ckpt
 from ckpt.tools import read_pointer, write_pointer
 
-from ._steps import StepStore, load_newest_good, pickle_allowed, solo_group
+from ._steps import StepStore, check_own_root, load_newest_good, pickle_allowed, solo_group
 
 log = logging.getLogger("ckpt")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
@@ -54,30 +53,9 @@ def root_for(folder: str) -> str:
     if not os.path.lexists(sibling) and os.path.isdir(folder) and any(
             n.startswith("step-") for n in os.listdir(folder)):
         return folder
-    _check_sibling(sibling, folder)
+    check_own_root(sibling, f"the checkpoints in {folder}", "point ModelCheckpoint(dirpath=...) "
+                   "at a folder in a directory only you can write")
     return sibling
-
-
-def _check_sibling(root: str, folder: str) -> None:
-    """Refuse a sibling root that is a link or not this user's own folder.
-
-    Threat: ``dirpath`` in a folder others may write (``/tmp``, a shared scratch space);
-    another local user makes ``.<name>.ckpt`` there first (a folder of hers, or a link to
-    one), to read the states written into it or to plant steps that a resume would load.
-    Cost to her: one ``mkdir``; to us: this ``lstat``, before anything is written or read.
-    """
-    try:
-        st = os.lstat(root)
-    except FileNotFoundError:
-        return
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        what = "a link" if stat.S_ISLNK(st.st_mode) else (
-            f"owned by uid {st.st_uid}" if stat.S_ISDIR(st.st_mode) else "not a folder")
-        raise ckpt.CheckpointError(
-            f"{root}, ckpt's root for the checkpoints in {folder}, is {what}, not a folder of "
-            f"this user's (uid {os.geteuid()}): someone else may have made it to read or "
-            "replace these checkpoints. Remove it, or point ModelCheckpoint(dirpath=...) at a "
-            "folder in a directory only you can write", path=root)
 
 
 def _local(path: Any) -> str:

@@ -17,32 +17,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.support.s3_fixture import AWS_ENV, REGION, _free_port
+from tests.support.s3_fixture import AWS_ENV, LoopbackS3, _free_port
 
 
 @dataclass
-class MotoProcess:
+class MotoProcess(LoopbackS3):
     """A moto server process on a loopback port; ``bucket`` is the current test's bucket."""
 
     process: subprocess.Popen
     port: int
     bucket: str = ""
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def storage_options(self) -> dict:
-        return {"client_kwargs": {"endpoint_url": self.url}}
-
-    def root(self, name: str) -> str:
-        return f"s3://{self.bucket}/{name}"
-
-    def client(self):
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.url, region_name=REGION)
 
     def freeze(self) -> None:
         os.kill(self.process.pid, signal.SIGSTOP)

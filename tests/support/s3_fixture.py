@@ -93,14 +93,11 @@ class _Relay:
             s.close()
 
 
-@dataclass
-class S3Endpoint:
-    """A moto S3 server on a loopback port and one bucket on it."""
+class LoopbackS3:
+    """What tests use of an S3 endpoint on a loopback ``port`` with a ``bucket`` on it."""
 
     port: int
-    bucket: str = ""
-    _server: object = field(default=None, repr=False)
-    _relay: _Relay | None = field(default=None, repr=False)
+    bucket: str
 
     @property
     def url(self) -> str:
@@ -118,6 +115,17 @@ class S3Endpoint:
         import boto3
 
         return boto3.client("s3", endpoint_url=self.url, region_name=REGION)
+
+
+@dataclass
+class S3Endpoint(LoopbackS3):
+    """A moto S3 server on a loopback port and one bucket on it."""
+
+    port: int
+    bucket: str = ""
+    _server: object = field(default=None, repr=False)
+    _relay: _Relay | None = field(default=None, repr=False)
+
 
     def keys(self, prefix: str = "") -> list[str]:
         """Every key under ``prefix`` in the bucket, sorted (straight from the server)."""

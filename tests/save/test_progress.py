@@ -52,7 +52,10 @@ def run(tmp_path: Path, *, terminal: bool, **env: str) -> str:
 
 def test_a_terminal_shows_the_save_and_the_restore(tmp_path):
     err = run(tmp_path, terminal=True)
-    assert "ckpt: saving step 1 [" in err and "of 8.0 MiB" in err, err
+    # The save's line is drawn at once (delay 0); whether a redraw after the writer learned
+    # the total comes before the save ends depends on the machine's speed, so the bar's
+    # format is checked on a counter below, not here.
+    assert "ckpt: saving step 1 " in err, err
     assert "ckpt: restoring from " in err, err
     assert "\x1b[2K" in err  # the line is erased when the wait ends
 

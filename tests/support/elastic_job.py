@@ -236,6 +236,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_plain(argv: list[str], environ: dict[str, str], log: str) -> None:
+    """``main(argv)`` as a plain process (no torchrun) forked from the test suite's fork
+    server (tests/support/ranks.py), which imported torch, torch._dynamo, ckpt and the
+    trainer already: the run does not pay those imports again. Its environment is
+    ``environ``, its output goes to ``log``; it exits with main's status (1 on an error)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", "1")))
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.exit(main(argv))
+
+
 if __name__ == "__main__":
     sys.exit(main())
 

@@ -34,6 +34,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.support import elastic_job as job
+from tests.support.ranks import forkserver
 from trainer import ResumableSampler
 from trainer.elastic import (ElasticSummary, ElasticTrainer, check_world_size, read_audit,
                              read_jsonl, valid_world_sizes)
@@ -126,16 +127,30 @@ def at_step(run_dir: Path, world: int, step: int):
     return check
 
 
+def plain_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=job.REPO)
+    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    return env
+
+
+def run_plain(args: list[str], log: Path) -> None:
+    """The job as a plain process (no torchrun), forked from the suite's fork server (no
+    second import of torch); it must exit 0."""
+    proc = forkserver().Process(target=job.run_plain, args=(args, plain_env(), str(log)))
+    proc.start()
+    proc.join(JOB_TIMEOUT)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    assert proc.exitcode == 0, (proc.exitcode, log.read_text(errors="replace")[-8000:])
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, float]:
     """An uninterrupted run as a plain single process (no torchrun, world size 1)."""
     tmp = tmp_path_factory.mktemp("reference")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=job.REPO)
-    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, job.SCRIPT, *job_args(tmp, sleep=0.0)], env=env,
-                          capture_output=True, text=True, timeout=JOB_TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_plain(job_args(tmp, sleep=0.0), tmp / "reference.log")
     s = summary_of(tmp)
     assert (s.final_step, s.world_sizes, s.steps_lost, s.restarts) == (STEPS, [1], 0, 0)
     check_audit(tmp / "audit")
@@ -447,18 +462,16 @@ def test_rank0_node_killed_then_a_node_joins(cluster, tmp_path, reference):
 def test_fsdp2_model_trains_and_resumes_on_another_world_size(tmp_path):
     """fsdp=True: the model is sharded with fully_shard and checkpointed through
     ckpt.ModelOptimizer; the job trained on 3 ranks continues as one plain process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=job.REPO)
-    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
     args = job_args(tmp_path, sleep=0.0) + ["--fsdp"]
     args[args.index("--every") + 1] = "4"
-    for launcher, steps in ((["-m", "torch.distributed.run", "--standalone",
-                              f"--log-dir={tmp_path / 'torchelastic'}",
-                              "--nproc-per-node=3"], 8), ([], 12)):
-        cmd = [sys.executable, *launcher, job.SCRIPT, *args]
-        cmd[cmd.index("--steps") + 1] = str(steps)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    args[args.index("--steps") + 1] = "8"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--log-dir={tmp_path / 'torchelastic'}", "--nproc-per-node=3", job.SCRIPT, *args]
+    proc = subprocess.run(cmd, env=plain_env(), capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
+    args[args.index("--steps") + 1] = "12"
+    run_plain(args, tmp_path / "plain.log")  # the same job, on as one plain process
     s = summary_of(tmp_path)
     print("\n" + s.format())
     assert (s.final_step, s.world_sizes, s.restores, s.steps_lost) == (12, [3, 1], [0, 8], 0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ckpt
-from tests.support.workers import (TRAIN_EVERY, TRAIN_STEPS, Worker, assert_same,
+from tests.support.workers import (TRAIN_EVERY, TRAIN_STEPS, ForkedWorker, assert_same,
                                    crash_state, zeroed)
 
 pytestmark = pytest.mark.multiproc
@@ -36,7 +36,7 @@ def staging_dirs(root: Path) -> list[Path]:
 def test_sigkill_during_save_leaves_only_committed_steps(tmp_path, point, committed):
     root = tmp_path / "root"
     # Step 1 writes one data file, so the 2nd hit of every point is the 1st one of step 2.
-    worker = Worker("crash_save", root, fault=f"kill:{point}:2")
+    worker = ForkedWorker("crash_save", root, fault=f"kill:{point}:2")
     rc = worker.finish()
     assert rc == -signal.SIGKILL, worker.output
     assert "committed 1 files=1" in worker.lines, worker.output
@@ -78,11 +78,11 @@ def test_sigkill_during_save_leaves_only_committed_steps(tmp_path, point, commit
 
 
 def train_run(root: Path, out: Path, *, fault: str | None = None, kill_after_step: int | None = None,
-              delay: float = 0.0) -> tuple[int, Worker]:
+              delay: float = 0.0) -> tuple[int, ForkedWorker]:
     """Start the training worker; kill it (SIGKILL) once it printed ``step kill_after_step``
     (plus ``delay``), or let it run. Returns (exit status, worker)."""
     sleep = "0.02" if kill_after_step is not None else "0"
-    worker = Worker("train", root, out, sleep, fault=fault)
+    worker = ForkedWorker("train", root, out, sleep, fault=fault)
     if kill_after_step is not None:
         worker.expect(f"step {kill_after_step}")
         time.sleep(delay)
@@ -90,7 +90,7 @@ def train_run(root: Path, out: Path, *, fault: str | None = None, kill_after_ste
     return worker.finish(), worker
 
 
-def start_step(worker: Worker) -> int:
+def start_step(worker: ForkedWorker) -> int:
     (line,) = [x for x in worker.lines if x.startswith("start ")]
     return int(line.split()[1])
 

@@ -113,6 +113,73 @@ class Worker:
         return "\n".join(self.lines)
 
 
+class _ForkedProcess:
+    """The parts of subprocess.Popen that Worker uses, for a multiprocessing.Process."""
+
+    def __init__(self, process) -> None:
+        self.process = process
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+        return self.process.exitcode
+
+
+class ForkedWorker(Worker):
+    """A Worker whose process is forked from the suite's fork server (tests/support/ranks.py:
+    torch, torch._dynamo and ckpt imported once) instead of a fresh Python: the same command,
+    environment (CKPT_FAULT included), output lines, SIGKILL and exit status."""
+
+    def __init__(self, *args: Any, fault: str | None = None) -> None:
+        from tests.support.ranks import forkserver
+
+        ctx = forkserver()
+        read, write = ctx.Pipe(duplex=False)
+        self.args = [str(a) for a in args]
+        process = ctx.Process(target=run_forked, args=(self.args, worker_env(fault), write))
+        process.start()
+        write.close()  # the child's copy is the only writer: its end is our EOF
+        self.proc = _ForkedProcess(process)
+        self._stream = open(os.dup(read.fileno()), errors="replace")
+        read.close()
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self._stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+
+def run_forked(args: list[str], environ: dict[str, str], out) -> None:
+    """ForkedWorker's process: ``workers.py ARGS...`` with ``environ``, output to ``out``."""
+    import importlib
+
+    import storage_backends.faults
+
+    os.environ.clear()
+    os.environ.update(environ)
+    importlib.reload(storage_backends.faults)  # CKPT_FAULT is read at import
+    for fd in (1, 2):
+        os.dup2(out.fileno(), fd)
+    out.close()
+    COMMANDS[args[0]](*args[1:])
+
+
 def assert_same(a: Any, b: Any, path: str = "") -> None:
     """Bit-exact, type-exact equality of nested states (tensors, arrays, containers, scalars)."""
     import numpy as np

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckpt
-from tests.support.workers import Worker, assert_same
+from tests.support.workers import ForkedWorker, assert_same
 
 APIS = ["oneshot", "manager"]
 
@@ -344,7 +344,7 @@ def test_second_writer_in_the_same_process_is_refused_naming_the_pid(tmp_path):
 @pytest.mark.multiproc
 def test_second_writer_in_another_process_is_refused_and_a_dead_ones_lock_is_taken(tmp_path):
     root = tmp_path / "root"
-    holder = Worker("hold_lock", root)
+    holder = ForkedWorker("hold_lock", root)
     try:
         holder.expect("locked")
         with pytest.raises(ckpt.CheckpointLockedError) as e:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckpt
-from tests.support.workers import Worker, assert_same, preempt_state, zeroed
+from tests.support.workers import ForkedWorker, assert_same, preempt_state, zeroed
 from storage_backends import PosixStorage
 import ckpt._save.writer
 from ckpt._save.staging import Stager
@@ -258,7 +258,7 @@ def test_second_save_waits_for_the_first_and_counts_it(tmp_path):
 @pytest.mark.multiproc
 def test_save_on_preemption_saves_the_current_step_and_exits_143(tmp_path):
     root = tmp_path / "root"
-    worker = Worker("preempt", root)
+    worker = ForkedWorker("preempt", root)
     worker.expect("saving 3")
     assert not any(p.name.startswith("step-") for p in root.iterdir())  # schedule: no saves
     os.kill(worker.pid, signal.SIGTERM)
@@ -276,7 +276,7 @@ def test_save_on_preemption_saves_the_current_step_and_exits_143(tmp_path):
 @pytest.mark.multiproc
 def test_sigterm_lets_the_save_in_flight_commit_before_exiting(tmp_path):
     root, gate = tmp_path / "root", tmp_path / "go"
-    worker = Worker("inflight", root, gate)
+    worker = ForkedWorker("inflight", root, gate)
     worker.expect("inflight")
     assert not (root / "step-00000001").exists()  # its writes wait for the gate
     os.kill(worker.pid, signal.SIGTERM)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from ckpt._retention.collect import collect
 from ckpt._step.listing import step_dirs
 from ckpt._step.integrity import read_manifest
 from storage_backends import PosixStorage
+from tests.support.ranks import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_CHUNKS = ckpt.SaveOptions(chunk_bytes=1 << 16, write_threads=2)
@@ -126,33 +125,39 @@ def test_incremental_restore_is_bit_exact_even_after_its_bases_were_retired(tmp_
     assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
 
 
-GC_SCRIPT = """
-import dataclasses, sys, torch, ckpt
-sys.path.insert(0, {tests!r})
-from test_incremental import mlp, train, SMALL_CHUNKS
-model = mlp(4)
-for layer in list(model)[:4]:
-    layer.requires_grad_(False)
-opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-keep = int(sys.argv[1])
-options = dataclasses.replace(SMALL_CHUNKS, incremental=True, full_every=3)
-with ckpt.CheckpointManager({root!r}, keep_last=keep, options=options) as mgr:
-    for step in range(1, 8):
-        train(model, opt)
-        mgr.save(step, {{"model": model}}, force=True).wait()
-        print(step, flush=True)
-"""
+def save_with_gc(root: str, keep: int, environ: dict[str, str]) -> None:
+    """Incremental saves of a half-frozen model with keep_last=``keep`` (a process forked from
+    the suite's fork server; CKPT_FAULT in ``environ`` kills it inside the collector)."""
+    import importlib
+
+    import storage_backends.faults
+
+    os.environ.clear()
+    os.environ.update(environ)
+    importlib.reload(storage_backends.faults)  # CKPT_FAULT is read at import
+    model = mlp(4)
+    for layer in list(model)[:4]:
+        layer.requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    options = dataclasses.replace(SMALL_CHUNKS, incremental=True, full_every=3)
+    with ckpt.CheckpointManager(root, keep_last=keep, options=options) as mgr:
+        for step in range(1, 8):
+            train(model, opt)
+            mgr.save(step, {"model": model}, force=True).wait()
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("point", ["gc_retired:2", "gc_deleted_file:3"])
 def test_sigkill_during_gc_leaves_every_kept_step_loadable(tmp_path, point):
     root = tmp_path / "root"
-    script = GC_SCRIPT.format(tests=str(Path(__file__).resolve().parent), root=str(root))
     env = {**os.environ, "CKPT_FAULT": f"kill:{point}", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", script, "2"], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == -9, proc.stderr  # it was killed inside the collector
+    proc = forkserver().Process(target=save_with_gc, args=(str(root), 2, env))
+    proc.start()
+    proc.join(120)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    assert proc.exitcode == -9, proc.exitcode  # it was killed inside the collector
     with ckpt.CheckpointManager(root, read_only=True) as mgr:
         steps = mgr.steps()
         assert steps

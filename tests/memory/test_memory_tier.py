@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import uuid
 
@@ -16,6 +15,7 @@ import torch
 
 import ckpt
 from ckpt.errors import CheckpointError
+from tests.support.workers import ForkedCode
 from ckpt._memory.tier import DEAD_FILE, PREFIX, SHM_DIR, gc_segments, private_path
 
 SEGMENTS = private_path(SHM_DIR)  # this user's segments
@@ -70,14 +70,16 @@ def segments(job: str) -> list[str]:
                   if e.startswith(f"{PREFIX}{job}-"))
 
 
-def run_worker(root, job, mode, n=0, persist=1, **kw) -> subprocess.CompletedProcess | subprocess.Popen:
+def run_worker(root, job, mode, n=0, persist=1) -> ForkedCode:
+    """WORKER in a process of its own (forked from the suite's fork server); one that does
+    not hang must exit 0, its output read."""
     env = {**os.environ, "PYTHONPATH": REPO}
-    args = [sys.executable, "-c", WORKER, str(root), job, mode, str(n), str(persist)]
+    proc = ForkedCode(WORKER, root, job, mode, n, persist, env=env)
     if mode == "hang":
-        return subprocess.Popen(args, env=env, **kw)
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return done
+        return proc
+    proc.stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    return proc
 
 
 def restored(root, job) -> dict:
@@ -366,10 +368,10 @@ def test_persist_schedule_continues_across_a_restart(tmp_path, job):
     env = {**os.environ, "PYTHONPATH": REPO}
 
     def run(last: int) -> str:
-        done = subprocess.run([sys.executable, "-c", RESUMER, str(tmp_path), job, str(last)],
-                              env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return done.stdout.split()
+        done = ForkedCode(RESUMER, tmp_path, job, last, env=env)
+        stdout, stderr = done.communicate(timeout=120)
+        assert done.returncode == 0, stderr
+        return stdout.split()
 
     assert run(6) == ["0", "None"]
     assert ckpt.CheckpointManager(tmp_path, read_only=True).steps() == [4]

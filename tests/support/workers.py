@@ -180,6 +180,58 @@ def run_forked(args: list[str], environ: dict[str, str], out) -> None:
     COMMANDS[args[0]](*args[1:])
 
 
+class ForkedCode(_ForkedProcess):
+    """``python -c CODE ARGS...`` with environment ``env``, in a process forked from the suite's
+    fork server (no second import of torch): poll, wait, pid and returncode as a Popen's;
+    ``communicate`` waits and returns its stdout and stderr."""
+
+    def __init__(self, code: str, *args: Any, env: dict[str, str]) -> None:
+        from tests.support.ranks import forkserver
+
+        ctx = forkserver()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
+        super().__init__(ctx.Process(target=run_code, args=(
+            code, [str(a) for a in args], env, *(w for _, w in pipes))))
+        self.process.start()
+        self._text: list[list[str]] = [[], []]
+        self._readers = []
+        for (read, write), text in zip(pipes, self._text):
+            write.close()  # the child's copy is the only writer: its end is our EOF
+            stream = open(os.dup(read.fileno()), errors="replace")
+            read.close()
+            reader = threading.Thread(target=lambda f=stream, t=text: t.append(f.read()),
+                                      daemon=True)
+            reader.start()
+            self._readers.append(reader)
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.join()
+            raise
+        for reader in self._readers:
+            reader.join(10)
+        return "".join(self._text[0]), "".join(self._text[1])
+
+
+def run_code(code: str, args: list[str], environ: dict[str, str], out, err) -> None:
+    """ForkedCode's process: ``code`` as ``__main__`` with ``sys.argv == ["-c", *args]``."""
+    import importlib
+
+    import storage_backends.faults
+
+    os.environ.clear()
+    os.environ.update(environ)
+    importlib.reload(storage_backends.faults)  # CKPT_FAULT is read at import
+    for fd, conn in ((1, out), (2, err)):
+        os.dup2(conn.fileno(), fd)
+        conn.close()
+    sys.argv = ["-c", *args]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+
+
 def assert_same(a: Any, b: Any, path: str = "") -> None:
     """Bit-exact, type-exact equality of nested states (tensors, arrays, containers, scalars)."""
     import numpy as np

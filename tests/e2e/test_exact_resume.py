@@ -5,24 +5,18 @@ schedules by wall-clock time and best-N retention; the whole loop SIGKILLed and 
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import queue
 import random
 import signal
-import subprocess
-import threading
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support import ranks
 from tests.support import exact_workers
 import ckpt
 import trainer
-from tests.support.workers import Worker, assert_same
+from tests.support.workers import ForkedLines, Worker, assert_same
 
 
 def _net() -> torch.nn.Module:
@@ -247,54 +241,13 @@ def test_stateful_dataloader_over_a_stateless_shuffling_sampler_warns(tmp_path):
 # process forked from it.
 
 
-class _Process:
-    """The parts of subprocess.Popen that Worker uses, for a multiprocessing.Process."""
-
-    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
-        self.process = process
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.exitcode
-
-    def poll(self) -> int | None:
-        return self.process.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self.process.join(timeout)
-        if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
-        return self.process.exitcode
-
-
-class ForkedRun(Worker):
-    """A Worker whose process is forked from the fork server: ``exact_workers.py COMMAND
-    ARGS...`` without paying the imports again; SIGKILL and output lines as for a Worker."""
+class ForkedRun(ForkedLines):
+    """``exact_workers.py COMMAND ARGS...`` forked from the fork server, without paying the
+    imports again; SIGKILL and output lines as for a Worker."""
 
     def __init__(self, command: str, *args: object) -> None:
-        ctx = ranks.forkserver()
-        read, write = ctx.Pipe(duplex=False)
-        process = ctx.Process(target=exact_workers.run_forked,
-                              args=(command, [str(a) for a in args], write))
-        process.start()
-        write.close()  # the child's copy is the only writer: its end is our EOF
-        self.args = [command, *map(str, args)]
-        self.proc = _Process(process)
-        self._stream = open(os.dup(read.fileno()), errors="replace")
-        read.close()
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self._stream:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
+        argv = [str(a) for a in args]
+        super().__init__(exact_workers.run_forked, (command, argv), [command, *argv])
 
 
 def _loop(mode: str, root: Path, out: Path) -> Worker:

@@ -113,7 +113,7 @@ class Worker:
         return "\n".join(self.lines)
 
 
-class _ForkedProcess:
+class ForkedProcess:
     """The parts of subprocess.Popen that Worker uses, for a multiprocessing.Process."""
 
     def __init__(self, process) -> None:
@@ -137,21 +137,22 @@ class _ForkedProcess:
         return self.process.exitcode
 
 
-class ForkedWorker(Worker):
+class ForkedLines(Worker):
     """A Worker whose process is forked from the suite's fork server (tests/support/ranks.py:
-    torch, torch._dynamo and ckpt imported once) instead of a fresh Python: the same command,
-    environment (CKPT_FAULT included), output lines, SIGKILL and exit status."""
+    torch, torch._dynamo and ckpt imported once) instead of a fresh Python: ``target(*targs,
+    out)`` writes its output lines to the pipe ``out``; SIGKILL and exit status as for a
+    Worker. ``args`` names the run in messages."""
 
-    def __init__(self, *args: Any, fault: str | None = None) -> None:
+    def __init__(self, target: Any, targs: tuple, args: list[str]) -> None:
         from tests.support.ranks import forkserver
 
         ctx = forkserver()
         read, write = ctx.Pipe(duplex=False)
-        self.args = [str(a) for a in args]
-        process = ctx.Process(target=run_forked, args=(self.args, worker_env(fault), write))
+        self.args = args
+        process = ctx.Process(target=target, args=(*targs, write))
         process.start()
         write.close()  # the child's copy is the only writer: its end is our EOF
-        self.proc = _ForkedProcess(process)
+        self.proc = ForkedProcess(process)
         self._stream = open(os.dup(read.fileno()), errors="replace")
         read.close()
         self.lines: list[str] = []
@@ -163,6 +164,15 @@ class ForkedWorker(Worker):
         for line in self._stream:
             self._queue.put(line.rstrip("\n"))
         self._queue.put(None)
+
+
+class ForkedWorker(ForkedLines):
+    """A Worker run forked from the fork server: the same command, environment (CKPT_FAULT
+    included), output lines, SIGKILL and exit status as ``Worker(*args, fault=fault)``."""
+
+    def __init__(self, *args: Any, fault: str | None = None) -> None:
+        argv = [str(a) for a in args]
+        super().__init__(run_forked, (argv, worker_env(fault)), argv)
 
 
 def run_forked(args: list[str], environ: dict[str, str], out) -> None:
@@ -180,7 +190,7 @@ def run_forked(args: list[str], environ: dict[str, str], out) -> None:
     COMMANDS[args[0]](*args[1:])
 
 
-class ForkedCode(_ForkedProcess):
+class ForkedCode(ForkedProcess):
     """``python -c CODE ARGS...`` with environment ``env``, in a process forked from the suite's
     fork server (no second import of torch): poll, wait, pid and returncode as a Popen's;
     ``communicate`` waits and returns its stdout and stderr."""

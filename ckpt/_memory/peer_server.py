@@ -84,12 +84,12 @@ def round_keys(lengths: list[int], piece: int) -> list[tuple[int, int, int]]:
 
 
 def _bad_round(kind: int, first_tag: int, piece: int, lengths: list[int], sent: bool) -> str:
-    """Why a ROUND request cannot be served ('' when it can): an unknown kind, a second round
+    """Why a ROUND request cannot be served ('' when it can): an unknown kind, a repeated round
     of a kind, a piece or tags out of bounds, or more than ``ROUND_MAX`` messages."""
     if kind not in (VERIFY, APPLY):
         return f"kind {kind}"
     if sent:
-        return f"a second round of kind {kind}"
+        return f"a repeated round of kind {kind}"
     if not 1 <= piece <= PIECE_MAX:
         return f"pieces of {piece} bytes"
     count = sum(-(-n // piece) for n in lengths)

@@ -22,7 +22,7 @@ HOSTILE_ROUNDS = [
     [ROUND, 7, 1, 1024, 0],              # no such kind
     [ROUND, APPLY, (1 << 31) - 2, 1024, 0],  # tags that run past gloo's within the round
     [ROUND, APPLY, 1, 1024, 0],          # a round, served...
-    [ROUND, APPLY, 100000, 1024, 0],     # ...but a second round of a kind is not sent
+    [ROUND, APPLY, 100000, 1024, 0],     # ...but a repeated round of a kind is not sent
     [READ, 0, 0, 16, -3],                # negative tag
     [READ, 0, 0, 16, 1 << 40],           # tag past gloo's
     [READ, 0, 0, 16, 0],                 # the request tag

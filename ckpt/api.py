@@ -14,7 +14,7 @@ import torch
 from storage_backends import PosixStorage, Storage, open_storage
 
 from ckpt._format.names import MANIFEST_NAME, step_dir
-from ckpt._interop.detect import is_dcp, is_hf
+from ckpt._interop.detect import is_dcp, is_hf, is_step_dir
 from ckpt._load.levels import Gate, verify_level
 from ckpt._load.reader import load_step
 from ckpt._load.as_saved import MapLocation, read_structure
@@ -195,9 +195,9 @@ def load(state: Any, path: Any = None, *, step: int | None = None, allow_pickle:
     if template_free and verify_level(verify) == "forward":
         raise ValueError('verify="forward" needs the model to run the probe through: use '
                          'ckpt.load(state, path, verify="forward")')
-    if state is not None and is_hf(path) and not _has_manifest(path, storage_options):
+    if state is not None and is_hf(path) and not is_step_dir(path, storage_options):
         return _load_hf(state, path)
-    if is_dcp(path, storage_options) and not _has_manifest(path, storage_options):
+    if is_dcp(path, storage_options) and not is_step_dir(path, storage_options):
         return _load_dcp(state, path, step=step, verify=verify, allow_pickle=allow_pickle,
                          storage_options=storage_options)
     storage, names, where = _locate(path, step, storage_options)
@@ -222,14 +222,6 @@ def load(state: Any, path: Any = None, *, step: int | None = None, allow_pickle:
         failed.append(f"step {expected}: {error}")
     raise CorruptCheckpointError(f"no committed step of {where} loads: " + "; ".join(failed),
                                  path=where)
-
-
-def _has_manifest(path: str | os.PathLike, storage_options: dict | None) -> bool:
-    text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
-        return open_storage(text, create=False, storage_options=storage_options
-                            ).exists(MANIFEST_NAME)
-    return os.path.isfile(os.path.join(text.removeprefix("file://"), MANIFEST_NAME))
 
 
 def _load_dcp(state: MutableMapping[str, Any] | None, path: str | os.PathLike, *,

@@ -16,11 +16,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from storage_backends import open_storage
-
 import ckpt.api
-from ckpt._format.names import MANIFEST_NAME
-from ckpt._interop.detect import is_dcp
+from ckpt._interop.detect import is_dcp, is_step_dir
 from ckpt._interop.hf_in import HfLoad, load_hf
 from ckpt._manager.manager import CheckpointManager
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
@@ -122,7 +119,7 @@ def export_dcp(path: str | os.PathLike, target: str | os.PathLike, *,
     out = os.path.abspath(os.fspath(target))
     if os.path.lexists(out) and not force:
         raise FileExistsError(f"{out} exists; pass force=True (--force) to replace it")
-    single = _is_step_dir(path, storage_options)
+    single = is_step_dir(path, storage_options)
     saved = ckpt.api.load(path, step=None if single else step, allow_pickle=allow_pickle,
                           storage_options=storage_options)
     number = _step_number(path, None if single else step, storage_options)
@@ -209,15 +206,6 @@ def _write_dcp(saved: dict, out: str) -> None:
     finally:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _is_step_dir(path: str | os.PathLike, storage_options: dict | None) -> bool:
-    """Whether ``path`` is one checkpoint directory (it holds a manifest), not a root."""
-    text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
-        return open_storage(text, create=False, storage_options=storage_options
-                            ).exists(MANIFEST_NAME)
-    return os.path.isfile(os.path.join(text.removeprefix("file://"), MANIFEST_NAME))
 
 
 def _step_number(path: str | os.PathLike, step: int | None, storage_options: dict | None

@@ -26,6 +26,19 @@ def is_dcp(path: str | os.PathLike, storage_options: dict | None = None) -> bool
 HF_SINGLE_NAME = "model.safetensors"
 
 
+def is_step_dir(path: str | os.PathLike, storage_options: dict | None = None) -> bool:
+    """Whether ``path`` is one ckpt checkpoint directory (it holds a manifest), not a root."""
+    from storage_backends import open_storage
+
+    from ckpt._format.names import MANIFEST_NAME
+
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        return open_storage(text, create=False, storage_options=storage_options
+                            ).exists(MANIFEST_NAME)
+    return os.path.isfile(os.path.join(text.removeprefix("file://"), MANIFEST_NAME))
+
+
 def is_hf(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a local Hugging Face folder (an index or ``model.safetensors``)."""
     text = os.fspath(path)

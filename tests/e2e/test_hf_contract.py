@@ -10,8 +10,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,  # 
                           Trainer, TrainerCallback, TrainingArguments)
 
 from tests.support import hf_job  # noqa: E402
-from tests.support.other_user import command, other_user, shared_dir  # noqa: E402
+from tests.support.other_user import planted_sibling_roots  # noqa: E402
 from tests.support.ranks import forkserver  # noqa: E402
 from trainer.integrations.hf import CkptTrainer  # noqa: E402
 
@@ -155,22 +153,13 @@ def test_a_root_planted_by_another_user_is_refused():
     ckpt's sibling root there first, a folder of hers or a link, to read the optimizer states
     written into it or to plant steps for a resume. CkptTrainer refuses it (naming it and
     what to do) and writes nothing there."""
-    other_user()
-    shared, scratch = Path(shared_dir()), shared_dir()
-    os.chmod(shared, 0o1777)  # sticky and world-writable, as /tmp
-    try:
-        subprocess.run(command(["mkdir", str(shared / ".out.ckpt")], scratch), check=True)
-        subprocess.run(command(["ln", "-s", str(shared / "hers"), str(shared / ".link.ckpt")],
-                               scratch), check=True)
+    with planted_sibling_roots("out") as shared:
         for name, what in (("out", "owned by uid"), ("link", "a link")):
             job = CkptTrainer(model=tiny_model(), args=arguments(shared / name, max_steps=2),
                               train_dataset=data())
             with pytest.raises(ckpt.CheckpointError, match=f"is {what}.*ckpt_root="):
                 job.train()
         assert os.listdir(shared / ".out.ckpt") == [] and not (shared / "hers").exists()
-    finally:
-        shutil.rmtree(shared)
-        shutil.rmtree(scratch)
 
 
 def test_a_run_written_by_the_earlier_layout_resumes(tmp_path):

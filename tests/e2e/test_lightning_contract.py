@@ -6,8 +6,6 @@ Each test runs the real Trainer, with Lightning's own IO as the reference where 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import threading
 from pathlib import Path
 
@@ -18,7 +16,7 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import ckpt  # noqa: E402
-from tests.support.other_user import command, other_user, shared_dir  # noqa: E402
+from tests.support.other_user import planted_sibling_roots  # noqa: E402
 from trainer.integrations.lightning import CkptCheckpointIO, root_for  # noqa: E402
 
 
@@ -135,18 +133,9 @@ def test_a_sibling_root_planted_by_another_user_is_refused():
     the hidden sibling root there first, a folder of hers or a link, to read the states
     written into it or to plant steps for a resume. The plugin refuses it, naming it and what
     to do, and writes nothing there."""
-    other_user()
-    shared, scratch = Path(shared_dir()), shared_dir()
-    os.chmod(shared, 0o1777)  # sticky and world-writable, as /tmp
-    try:
-        subprocess.run(command(["mkdir", str(shared / ".ckpts.ckpt")], scratch), check=True)
-        subprocess.run(command(["ln", "-s", str(shared / "hers"), str(shared / ".link.ckpt")],
-                               scratch), check=True)
+    with planted_sibling_roots("ckpts") as shared:
         for name, what in (("ckpts", "owned by uid"), ("link", "a link")):
             with pytest.raises(ckpt.CheckpointError, match=f"is {what}.*dirpath"):
                 CkptCheckpointIO().save_checkpoint({"global_step": 1, "w": torch.ones(2)},
                                                    shared / name / "last.ckpt")
         assert os.listdir(shared / ".ckpts.ckpt") == [] and not (shared / "hers").exists()
-    finally:
-        shutil.rmtree(shared)
-        shutil.rmtree(scratch)

@@ -16,6 +16,9 @@ import stat
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -74,3 +77,22 @@ def command(args: list[str], scratch: str) -> list[str]:
 def python(code: str, *args: str, scratch: str) -> list[str]:
     """``python -c code args...`` as the second user (this checkout's interpreter)."""
     return command([sys.executable, "-c", code, *args], scratch)
+
+
+@contextmanager
+def planted_sibling_roots(folder: str) -> Iterator[Path]:
+    """A sticky, world-writable directory (as /tmp) in which the second user has made
+    ``.<folder>.ckpt`` (a folder of hers) and ``.link.ckpt`` (a link to ``hers``, which does
+    not exist): the hidden sibling roots ckpt's integrations would use for ``<folder>`` and
+    ``link``. Yields the directory; removes it afterwards."""
+    other_user()
+    shared, scratch = Path(shared_dir()), shared_dir()
+    os.chmod(shared, 0o1777)
+    try:
+        subprocess.run(command(["mkdir", str(shared / f".{folder}.ckpt")], scratch), check=True)
+        subprocess.run(command(["ln", "-s", str(shared / "hers"), str(shared / ".link.ckpt")],
+                               scratch), check=True)
+        yield shared
+    finally:
+        shutil.rmtree(shared)
+        shutil.rmtree(scratch)

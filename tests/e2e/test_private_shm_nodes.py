@@ -18,9 +18,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -29,7 +26,6 @@ import pytest
 from ckpt._memory.tier import PREFIX, SHM_DIR, private_path
 from tests.support import elastic_job as cluster_harness
 from tests.support import memory_job
-from tests.support.elastic_job import REPO, Node
 from tests.e2e.test_memory_torchrun import (restored_digests, restored_records, root_steps,
                                             saved_digest, wait_all)
 
@@ -51,23 +47,11 @@ PRIVATE_SHM = ["unshare", "-m", "sh", "-c",
 class PrivateShmCluster(memory_job.Cluster):
     """memory_job.Cluster with each agent in its own mount namespace and no node names."""
 
-    def add_node(self) -> Node:
-        name = f"node{len(self.nodes)}"
-        log_path = self.workdir / f"{name}.log"
-        cmd = [*PRIVATE_SHM, sys.executable, "-m", "torch.distributed.run",
-               f"--nnodes={self.nnodes}", "--nproc-per-node=1",
-               f"--max-restarts={self.max_restarts}",
-               f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=private-shm",
-               f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1",
-               memory_job.SCRIPT, *self.job_args]
-        env = {k: v for k, v in self.env.items() if k != "CKPT_NODE"}
-        with open(log_path, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        node = Node(name, proc, log_path, time.time())
-        self.nodes.append(node)
-        return node
+    wrapper = PRIVATE_SHM
+    rdzv_id = "private-shm"
+
+    def node_env(self, i: int) -> dict[str, str]:
+        return {k: v for k, v in self.env.items() if k != "CKPT_NODE"}
 
 
 def mount_namespace(pid: int | str) -> str:

@@ -207,16 +207,25 @@ class Cluster(LocalCluster):
     def node_name(self, i: int) -> str:
         return f"{self.tag}n{i}"
 
+    # What the private-shm cluster changes: a command that wraps the agent, the rendezvous id.
+    wrapper: list[str] = []
+    rdzv_id = "memory-test"
+
+    def node_env(self, i: int) -> dict[str, str]:
+        """The environment of node ``i``'s agent."""
+        return {**self.env, "CKPT_NODE": self.node_name(i)}
+
     def add_node(self) -> Node:
         name = f"node{len(self.nodes)}"
         log_path = self.workdir / f"{name}.log"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}",
+        cmd = [*self.wrapper, sys.executable, "-m", "torch.distributed.run",
+               f"--nnodes={self.nnodes}",
                "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
                f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=memory-test",
+               f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
                f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1",
                *(["-m", "trainer.warm"] if self.warm else []), SCRIPT, *self.job_args]
-        env = {**self.env, "CKPT_NODE": self.node_name(len(self.nodes))}
+        env = self.node_env(len(self.nodes))
         with open(log_path, "w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)

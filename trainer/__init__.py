@@ -26,6 +26,7 @@ _EXPORTS = {
     "ResumableLoader": "trainer.data",
     "ResumableSampler": "trainer.data",
     "StepConfig": "trainer.config",
+    "StragglerConfig": "trainer.config",
     "TrainerMetrics": "trainer.metrics",
     "TrainingHealthError": "trainer.health",
 }

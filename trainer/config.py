@@ -219,6 +219,41 @@ class ObservabilityConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StragglerConfig:
+    """How ranks slower than their peers are scored, and whether one is dropped
+    (:mod:`trainer.stragglers`, docs/elastic.md "Stragglers").
+
+    Args:
+        enabled: score the ranks at the end of every window (one small all-reduce per
+            window); False: no scores, no drop.
+        window: steps per window (W): the scores compare each rank's mean time per step
+            in each section over the window.
+        threshold: a rank whose overall score (its own work's time over the median of
+            the ranks) reaches this in a window is flagged.
+        drop: drop a rank flagged in ``windows`` consecutive windows: every rank leaves
+            the attempt at the same step and torchrun restarts the job without that
+            rank's node. Off by default.
+        windows: consecutive flagged windows before a drop (N).
+    """
+
+    enabled: bool = True
+    window: int = 10
+    threshold: float = 2.0
+    drop: bool = False
+    windows: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("window", "windows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"StragglerConfig.{name} must be a positive int, not "
+                                 f"{value!r}")
+        if not self.threshold > 1.0:
+            raise ValueError(f"StragglerConfig.threshold must be above 1.0 (times the "
+                             f"median of the ranks), not {self.threshold!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ElasticConfig:
     """Everything about an elastic training run besides the model, optimizer, data, step
     function, checkpoint root, schedule and batch sizes (the trainer's own arguments).
@@ -238,6 +273,8 @@ class ElasticConfig:
             step 0 first (something to roll back to before the first checkpoint).
         hooks: :class:`trainer.hooks.Hooks`: code to call after each step, every N steps
             (evaluation) and after each checkpoint.
+        stragglers: :class:`StragglerConfig`: straggler scores, and the optional drop of a
+            rank that stays slower than the others.
 
     Example::
 
@@ -256,6 +293,7 @@ class ElasticConfig:
         default_factory=ObservabilityConfig)
     health: HealthGuard | bool | None = True
     hooks: Hooks | None = None
+    stragglers: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -270,7 +308,8 @@ class ElasticConfig:
 
 _SECTIONS: dict[str, type] = {"data": DataConfig, "step": StepConfig,
                               "checkpoint": CheckpointConfig, "failure": FailureConfig,
-                              "observability": ObservabilityConfig}
+                              "observability": ObservabilityConfig,
+                              "stragglers": StragglerConfig}
 
 #: The trainer's former keywords: (section of ElasticConfig or None for its own fields,
 #: field name).
@@ -333,4 +372,5 @@ def config_from_keywords(config: ElasticConfig | None, keywords: Mapping[str, An
 
 __all__ = ["CheckpointConfig", "DataConfig", "ElasticConfig", "FailureConfig",
            "LEGACY_KEYWORDS", "ObservabilityConfig", "RESERVED_MANAGER_OPTIONS", "StepConfig",
+           "StragglerConfig",
            "config_from_keywords", "new_spelling"]

@@ -1,0 +1,184 @@
+"""Stragglers: ranks slower than their peers, scored per window of steps, and an optional drop.
+
+A **window** is ``StragglerConfig.window`` consecutive steps (W, default 10) finished in this
+attempt (steps a health rollback undid do not count). At the end of each window every rank
+takes, from its progress markers (:class:`trainer.sections.Sections`), the mean time per
+step it spent in each section during the window, and one all-reduce of a small
+``world x sections`` table gives every rank every rank's times. Every rank then computes the
+same scores, so a decision to drop a rank is the same on every rank at the same step.
+
+Scores (1.0 is typical, 2.0 twice as slow):
+
+- **relative**, per rank and section: the rank's time over the *median of the ranks* (the
+  lower middle value when the count is even, so that with two ranks the slower one is
+  measured against the faster one);
+- **vs_best**, per rank and section: the rank's time over its own best window so far in
+  this attempt (a rank that slowed down since it started, even when all did);
+- **overall**: the same two ratios over the sum of the sections where a rank works on its
+  own (:data:`OWN_WORK`). The other sections wait on peers: with DDP the fast ranks wait
+  for the slow one inside the gradient all-reduce of the backward pass, so those sections
+  take as long on every rank and say nothing about who is slow.
+
+Times below :data:`FLOOR_S` per step are raised to it before dividing: a section of a few
+microseconds has ratios that are noise.
+
+A rank whose overall relative score is at least ``threshold`` in a window is **flagged**
+(logged, counted in the metrics, recorded). With ``drop=True`` a rank flagged in ``windows``
+consecutive windows (N) is **dropped**: every rank leaves the attempt at the same step, the
+others to be restarted by torchrun without it (:meth:`trainer.exits.ExitPolicy.drop_straggler`).
+A rank that keeps up from its start is dropped N windows after it began to lag
+(:func:`detect_windows`); one that slows down mid-window may need one window more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+#: Sections in which a rank works on its own (no collective inside, under DDP).
+OWN_WORK = ("data", "forward", "optimizer")
+#: Per-step times below this many seconds are raised to it before a ratio is taken.
+FLOOR_S = 1e-3
+
+
+def median_low(values: Sequence[float]) -> float:
+    """The median; of an even count, the lower of the two middle values."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def ratio(t: float, ref: float, floor: float = FLOOR_S) -> float:
+    """``t / ref`` with both raised to ``floor`` first."""
+    return max(t, floor) / max(ref, floor)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowScores:
+    """The scores of one window (ranks of this attempt)."""
+
+    index: int                               # 0 for the attempt's first window
+    first_step: int
+    last_step: int
+    seconds: dict[int, dict[str, float]]     # mean seconds per step, by rank and section
+    relative: dict[int, dict[str, float]]    # over the median of the ranks
+    vs_best: dict[int, dict[str, float]]     # over the rank's own best window
+    overall: dict[int, float]                # relative, own-work sections summed
+    overall_vs_best: dict[int, float]        # vs_best, own-work sections summed
+
+    def slowest(self) -> int:
+        """The rank with the highest overall score (the lowest rank on a tie)."""
+        return max(sorted(self.overall), key=lambda r: self.overall[r])
+
+    def worst_section(self, rank: int) -> str | None:
+        """The section in which ``rank`` is furthest behind the others."""
+        rel = self.relative.get(rank) or {}
+        return max(sorted(rel), key=lambda s: rel[s]) if rel else None
+
+    def to_record(self) -> dict[str, Any]:
+        """The window as JSON (ranks as strings, ratios to 3 decimals, seconds to 0.1 ms)."""
+        def table(d: Mapping[int, Mapping[str, float]], digits: int) -> dict:
+            return {str(r): {s: round(v, digits) for s, v in row.items()}
+                    for r, row in sorted(d.items())}
+        return {"window": self.index, "first_step": self.first_step,
+                "last_step": self.last_step,
+                "overall": {str(r): round(v, 3) for r, v in sorted(self.overall.items())},
+                "overall_vs_best": {str(r): round(v, 3)
+                                    for r, v in sorted(self.overall_vs_best.items())},
+                "relative": table(self.relative, 3), "vs_best": table(self.vs_best, 3),
+                "seconds": table(self.seconds, 4)}
+
+
+class Scorer:
+    """Scores the windows of one attempt in turn, remembering each rank's best.
+
+    Args:
+        sections: the section names, in the order of the rows' columns.
+        own_work: the sections summed for the overall score (default :data:`OWN_WORK`).
+        floor: see :data:`FLOOR_S`.
+    """
+
+    def __init__(self, sections: Sequence[str], own_work: Iterable[str] = OWN_WORK,
+                 floor: float = FLOOR_S) -> None:
+        self.sections = tuple(sections)
+        self.own_work = tuple(s for s in self.sections if s in set(own_work))
+        self.floor = float(floor)
+        self.windows = 0
+        self._best: dict[tuple[int, str], float] = {}   # (rank, section or "") -> seconds
+
+    def _best_of(self, rank: int, key: str, t: float) -> float:
+        best = min(self._best.get((rank, key), float("inf")), max(t, self.floor))
+        self._best[(rank, key)] = best
+        return best
+
+    def score(self, table: Sequence[Sequence[float]], first_step: int,
+              last_step: int) -> WindowScores:
+        """Score one window: ``table[rank][i]`` is rank's mean seconds per step in
+        ``sections[i]``."""
+        if not table or any(len(row) != len(self.sections) for row in table):
+            raise ValueError(f"a window's table needs one row of {len(self.sections)} "
+                             f"section times per rank, got {[len(r) for r in table]}")
+        ranks = range(len(table))
+        seconds = {r: dict(zip(self.sections, map(float, table[r]))) for r in ranks}
+        relative: dict[int, dict[str, float]] = {r: {} for r in ranks}
+        vs_best: dict[int, dict[str, float]] = {r: {} for r in ranks}
+        for s in self.sections:
+            median = median_low([seconds[r][s] for r in ranks])
+            for r in ranks:
+                t = seconds[r][s]
+                relative[r][s] = ratio(t, median, self.floor)
+                vs_best[r][s] = ratio(t, self._best_of(r, s, t), self.floor)
+        own = {r: sum(seconds[r][s] for s in self.own_work) for r in ranks}
+        median = median_low(list(own.values()))
+        overall = {r: ratio(own[r], median, self.floor) for r in ranks}
+        overall_vs_best = {r: ratio(own[r], self._best_of(r, "", own[r]), self.floor)
+                           for r in ranks}
+        scores = WindowScores(self.windows, first_step, last_step, seconds, relative,
+                              vs_best, overall, overall_vs_best)
+        self.windows += 1
+        return scores
+
+
+class DropPolicy:
+    """Which rank to drop: one whose overall score reached ``threshold`` in ``windows``
+    consecutive windows (the slowest of them if several; one rank per decision).
+
+    ``streaks`` counts, per rank, the consecutive windows flagged so far.
+    """
+
+    def __init__(self, threshold: float, windows: int) -> None:
+        if threshold <= 1.0:
+            raise ValueError(f"a straggler threshold must be above 1.0 (times the median), "
+                             f"not {threshold!r}")
+        if windows < 1:
+            raise ValueError(f"windows must be at least 1, not {windows!r}")
+        self.threshold, self.windows = float(threshold), int(windows)
+        self.streaks: dict[int, int] = {}
+
+    def flagged(self, scores: WindowScores) -> list[int]:
+        """The ranks at or above the threshold in this window."""
+        return [r for r, v in sorted(scores.overall.items()) if v >= self.threshold]
+
+    def observe(self, scores: WindowScores) -> int | None:
+        """Count this window; the rank to drop now, or None."""
+        flagged = set(self.flagged(scores))
+        self.streaks = {r: (self.streaks.get(r, 0) + 1 if r in flagged else 0)
+                        for r in scores.overall}
+        due = [r for r, n in self.streaks.items() if n >= self.windows]
+        if not due or len(scores.overall) < 2:
+            return None
+        return max(sorted(due), key=lambda r: scores.overall[r])
+
+
+def detect_windows(windows: int | None = None) -> int:
+    """Windows from the start of a lag to the drop of a rank that lags a whole window or
+    more: ``windows`` (the config's N; default :class:`trainer.config.StragglerConfig`'s)."""
+    if windows is None:
+        from trainer.config import StragglerConfig
+
+        windows = StragglerConfig().windows
+    return int(windows)
+
+
+__all__ = ["DropPolicy", "FLOOR_S", "OWN_WORK", "Scorer", "WindowScores", "detect_windows",
+           "median_low", "ratio"]

@@ -2,7 +2,8 @@
 
 :class:`TrainerMetrics` keeps the training loop's numbers in memory, always
 (``trainer.metrics.snapshot()``): step time, loss, gradient norm, learning rate, world size,
-restarts, the heartbeat age of the slowest peer, rollbacks and skipped batches. With
+restarts, the heartbeat age of the slowest peer, the age of this rank's current section,
+rollbacks, skipped batches and the ranks named as hung. With
 prometheus_client installed (the ``ckpt[metrics]`` extra) it also exports them, on an HTTP
 port or to a node_exporter textfile, together with the checkpoint manager's ``ckpt_*``
 metrics (one registry, one port, one file). Names carry the ``ckpt_train_`` prefix.
@@ -29,6 +30,8 @@ COUNTERS = {
     "rollbacks_total": "Rollbacks to the newest good checkpoint after an unhealthy step",
     "skipped_batches_total": "Global batches passed over because they produced an unhealthy "
                              "step (each once, even when passed over again after a rollback)",
+    "hangs_total": "Hung ranks this process named: a training thread that stopped making "
+                   "progress while the others waited for it (see ckpt_train_hung_rank)",
 }
 #: Gauges: in-memory key -> help text.
 GAUGES = {
@@ -41,7 +44,13 @@ GAUGES = {
     "last_step_seconds": "Wall time of the last step",
     "heartbeat_age_seconds": "Seconds since the slowest watched peer's heartbeat last changed "
                              "(0 without peers)",
+    "section_age_seconds": "Seconds this rank's training thread has been in its current "
+                           "section (data, forward_backward, collective, ...; 0 without "
+                           "progress markers)",
 }
+#: Labelled series: name -> (help text, label names).
+HANG_SERIES = ("hung_rank", "Ranks named as hung (the rank the others waited for) by this "
+               "process, with the section it was stuck in; 1 once named")
 
 
 # ------------------------------------------------------------------------------- log lines
@@ -113,7 +122,9 @@ class TrainerMetrics:
             "steps_total": 0, "restarts_total": 0, "rollbacks_total": 0,
             "skipped_batches_total": 0, "step": 0, "loss": nan, "grad_norm": nan,
             "learning_rate": nan, "world_size": 0, "attempt": 0, "last_step_seconds": nan,
+            "hangs_total": 0,
         }
+        self.hung: dict[tuple[int, str], int] = {}   # (culprit rank, section) -> named
         self.heartbeat: Any = None   # a trainer.heartbeat.Heartbeat, read at snapshot time
         self._export: _Export | None = None
 
@@ -136,6 +147,12 @@ class TrainerMetrics:
             self.values["rollbacks_total"] += 1
             self.values["step"] = to_step
 
+    def hang_detected(self, *, culprit: int, section: str) -> None:
+        """This process named rank ``culprit`` as hung in ``section``."""
+        with self._lock:
+            self.values["hangs_total"] += 1
+            self.hung[(culprit, section)] = 1
+
     def skipped(self, batches: int = 1) -> None:
         with self._lock:
             self.values["skipped_batches_total"] += batches
@@ -149,6 +166,8 @@ class TrainerMetrics:
         with self._lock:
             out = dict(self.values)
         out["heartbeat_age_seconds"] = self.heartbeat_age_seconds()
+        sections = getattr(self.heartbeat, "sections", None)
+        out["section_age_seconds"] = sections.age() if sections is not None else 0.0
         return out
 
     # -- export --------------------------------------------------------------------------------
@@ -255,14 +274,23 @@ class _TrainCollector:
             family = GaugeMetricFamily(f"ckpt_train_{key}", doc, labels=names)
             family.add_metric(values, snap[key])
             yield family
+        with self.metrics._lock:
+            hung = dict(self.metrics.hung)
+        name, doc = HANG_SERIES
+        family = GaugeMetricFamily(f"ckpt_train_{name}", doc,
+                                   labels=[*names, "culprit_rank", "section"])
+        for (culprit, section), value in sorted(hung.items()):
+            family.add_metric([*values, str(culprit), section], value)
+        yield family
 
 
 def metric_names() -> list[str]:
-    """Every series name the trainer exports itself (histogram parts included)."""
+    """Every series name the trainer exports itself (histogram parts included; not the
+    labelled ``ckpt_train_hung_rank``, which has samples only once a hang was named)."""
     names = [f"ckpt_train_{k}" for k in COUNTERS] + [f"ckpt_train_{k}" for k in GAUGES]
     names += [f"ckpt_train_step_seconds_{s}" for s in ("bucket", "sum", "count")]
     return sorted(names)
 
 
-__all__ = ["COUNTERS", "GAUGES", "TrainerMetrics", "format_event", "metric_names",
+__all__ = ["COUNTERS", "GAUGES", "HANG_SERIES", "TrainerMetrics", "format_event", "metric_names",
            "parse_event", "slowest_peer_age"]

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import math
 import os
-from typing import Any, Iterable, MutableMapping
+from typing import Any, Iterable, Mapping, MutableMapping
 
 import torch
 
@@ -18,7 +18,7 @@ from ckpt._format.names import step_dir
 from ckpt._load.as_saved import MapLocation
 from ckpt._manager.metrics import CheckpointMetrics, default_labels
 from ckpt._manager.publisher import MemoryPublisher
-from ckpt._manager.restorer import RestoreInfo, Restorer
+from ckpt._manager.restorer import PREFERENCES, RestoreInfo, Restorer
 from ckpt._manager.root import RootOwner
 from ckpt._manager.saver import Saver
 from ckpt._manager.schedule import SaveSchedule
@@ -31,7 +31,8 @@ from ckpt._shared.distributed import Group
 from ckpt._shared.progress import TerminalProgress
 from ckpt._step.integrity import read_manifest
 from ckpt._step.listing import committed_steps
-from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt._step.verified import Verification, checked_evidence, verified_steps, write_marker
+from ckpt.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from ckpt.options import MemoryTierOptions, MetricsOptions, SaveOptions, Schedule
 
 log = logging.getLogger("ckpt")
@@ -117,7 +118,11 @@ class CheckpointManager:
                 self.storage, self._group, self.steps, memory=self._publisher,
                 metrics=self._metrics, allow_pickle=self._options.allow_pickle,
                 threads=self._options.write_threads)
-            self._order = StepOrder(self.root, self.steps, lambda: self._restorer.skipped,
+            # A save may reuse the numbers of the steps a restore skipped as bad, and of
+            # those it passed over for an older verified step (the new timeline's).
+            self._order = StepOrder(self.root, self.steps, lambda: [
+                *self._restorer.skipped, *((s, "passed over for a verified step")
+                                           for s in self._restorer.passed_over)],
                                     settle=self.wait)
             if self._metrics is not None:
                 self._metrics.serve()  # last: a port in use fails the opening cleanly
@@ -161,6 +166,57 @@ class CheckpointManager:
         """The newest committed step, or None."""
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def verified_steps(self) -> list[int]:
+        """Committed steps marked verified (:meth:`mark_verified`), oldest first. A marker
+        that is damaged, edited, or left by an earlier save of the step number is not
+        trusted (logged; ``ckpt ls`` shows why)."""
+        return sorted(verified_steps(self.storage, self.steps()))
+
+    def mark_verified(self, step: int,
+                      evidence: Mapping[str, Any] | None = None) -> Verification | None:
+        """Record that the training after the committed ``step`` stayed healthy: ``step``
+        becomes *verified*. ``restore(state, prefer="verified")`` then tries it before newer
+        unverified steps, and retention never deletes the newest verified step.
+
+        ``evidence`` (a small JSON object, at most 8 KiB) says what was checked, e.g.
+        ``{"window": 10, "confirmed_at": 110, "checks": ["finite_loss", "loss_spike"]}``;
+        it is stored in the step's marker (docs/format.md, "Verified steps") with the time.
+        The marker is written once (create-only) by rank 0, the root's writer; on other
+        ranks this checks ``evidence`` and returns None (no collective). Marking a verified
+        step again keeps its first marker.
+
+        Returns:
+            The step's :class:`~ckpt._step.verified.Verification` (rank 0), else None.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed in the root (still being
+                written in the background: ``mgr.wait()`` first; a memory-only save).
+            TypeError, ValueError: ``evidence`` is not a small JSON object.
+            StorageError: the marker could not be written.
+        """
+        self._check_writable()
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"mark_verified(step=...): step must be an int, not {step!r}")
+        evidence = checked_evidence(evidence)
+        if not self._group.is_coordinator:
+            return None
+        if self._saver is not None and self._saver.writing(step):
+            raise CheckpointNotFoundError(
+                f"step {step} is still being written in the background: mark it verified "
+                "once mgr.wait() returns (or its save handle is done)", path=self.root)
+        try:
+            verification = write_marker(self.storage, step, evidence)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed in {self.root}, so it cannot be marked "
+                "verified (a save kept in the memory tier only is never verified); list the "
+                "steps with mgr.steps()", path=self.root) from None
+        except OSError as e:
+            raise StorageError(f"marking step {step} verified in {self.root} failed: {e}",
+                               path=self.root) from e
+        log.info("ckpt.verified step=%d evidence=%s", step, evidence)
+        return verification
 
     def manifest(self, step: int) -> Manifest:
         """The validated manifest of a committed step (a step saved in the background is
@@ -285,8 +341,14 @@ class CheckpointManager:
 
     # -- restoring ----------------------------------------------------------------------------
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
-                strict: bool = False, verify: str = "digest") -> int | None:
+                strict: bool = False, verify: str = "digest",
+                prefer: str = "newest") -> int | None:
         """Load the newest good checkpoint (or ``step``) into ``state`` in place.
+
+        ``prefer="verified"`` tries the verified steps (:meth:`mark_verified`) first, newest
+        first, then the others as usual; without any verified step it restores as
+        ``"newest"`` does. The steps after the verified one it restores may be saved again
+        (a new timeline) without ``overwrite``.
 
         A step that fails validation is skipped with a warning and the one before it is
         tried (recorded in ``mgr.skipped``); with ``strict`` (or an explicit ``step``) the
@@ -308,10 +370,14 @@ class CheckpointManager:
             PartialLoadError: a step read in one pass failed after it had written live
                 tensors, and no step after it could repair them; the message names them.
         """
+        if prefer not in PREFERENCES:
+            raise ValueError(f"restore(prefer=...) must be one of {PREFERENCES}, not "
+                             f"{prefer!r}")
         if not self._read_only and not self._closed:
             self.wait()
         with self._progress(f"ckpt: restoring from {self.root}"):
-            restored = self._restorer.restore(state, step, strict=strict, verify=verify)
+            restored = self._restorer.restore(state, step, strict=strict, verify=verify,
+                                              prefer=prefer)
         self._order.restored(None if restored is None else restored.step, step is None)
         if restored is None:
             return None

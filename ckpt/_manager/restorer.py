@@ -23,10 +23,15 @@ from ckpt._manager.tiers import CountedReads, RestoreTier, Tier, restore_order
 from ckpt._manager.verdict import Fallback, Verdict
 from ckpt._shared.distributed import Group
 from ckpt._step.integrity import read_manifest
+from ckpt._step.verified import verified_steps
 from ckpt.errors import CheckpointError, CorruptCheckpointError, PartialLoadError, \
     StorageError
 
 log = logging.getLogger("ckpt")
+
+#: What ``restore(prefer=...)`` tries first: the newest good step, or the newest verified one.
+NEWEST, VERIFIED = "newest", "verified"
+PREFERENCES = (NEWEST, VERIFIED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +99,11 @@ class Restorer:
         self.allow_pickle, self.threads, self.metrics = allow_pickle, threads, metrics
         self.root: str = storage.url
         self.skipped: list[tuple[int, str]] = []
+        # Committed steps newer than the verified step a restore preferred: passed over.
+        self.passed_over: frozenset[int] = frozenset()
 
     def restore(self, state: MutableMapping[str, Any], step: int | None, *, strict: bool,
-                verify: str) -> Restored | None:
+                verify: str, prefer: str = NEWEST) -> Restored | None:
         """See :meth:`ckpt.CheckpointManager.restore`."""
         started = time.perf_counter()
         gate = Gate(verify_level(verify), state)
@@ -107,7 +114,11 @@ class Restorer:
         except OSError as e:  # the storage failed (after its retries): not a missing root
             raise StorageError(f"listing the steps of {self.root} failed: {e}",
                                path=self.root) from e
-        root, order = restore_order(self.storage, self.memory, self.group, candidates, step)
+        verified = self._verified(candidates) if step is None and prefer == VERIFIED \
+            else frozenset()
+        self.passed_over = frozenset(s for s in candidates if verified and s > max(verified))
+        root, order = restore_order(self.storage, self.memory, self.group, candidates, step,
+                                    preferred=verified)
         tried = Fallback(self.group, self.root, self.skipped, "restore")
         in_memory_only: list[str] = []  # memory tiers' failures (the root may hold the step)
         failed: list[tuple[int, Tier, str]] = []  # every failed attempt, for last_restore
@@ -153,6 +164,19 @@ class Restorer:
                     changed=dirty)
             raise CorruptCheckpointError(message, path=self.root)
         return None
+
+    def _verified(self, candidates: list[int]) -> frozenset[int]:
+        """The verified steps among ``candidates``, read by rank 0 and the same on every rank
+        (a storage failure reading the markers: none, so the restore takes the newest)."""
+        found: list[int] | None = None
+        if self.group.is_coordinator:
+            try:
+                found = sorted(verified_steps(self.storage, candidates))
+            except OSError as e:
+                log.warning("ckpt.restore cannot read the verified markers of %s (%s): "
+                            "restoring the newest good step instead", self.root, e)
+                found = []
+        return frozenset(self.group.broadcast(found))
 
     def _attempt(self, step: int, tier: RestoreTier, state: MutableMapping[str, Any],
                  pool: cf.ThreadPoolExecutor, gate: Gate, *, in_place: bool

@@ -87,11 +87,13 @@ class PeerReplicaTier(NodeMemoryTier):
 
 
 def restore_order(root: Storage, memory: MemoryPublisher | None, group: Group,
-                  candidates: list[int], step: int | None
+                  candidates: list[int], step: int | None,
+                  preferred: frozenset[int] = frozenset()
                   ) -> tuple[RootTier, list[tuple[int, RestoreTier]]]:
-    """The root's tier and the (step, tier) pairs to try, newest first; at the same step
-    memory first, then the replicas, then the root. Collective under a process group's
-    memory tier (the ranks agree on the saves their nodes hold)."""
+    """The root's tier and the (step, tier) pairs to try, newest first (the ``preferred``
+    steps, the verified ones, before all others); at the same step memory first, then the
+    replicas, then the root. Collective under a process group's memory tier (the ranks
+    agree on the saves their nodes hold)."""
     root_tier = RootTier(root)
     order: list[tuple[int, RestoreTier]] = [(s, root_tier) for s in candidates]
     if memory is not None and memory.ranked:
@@ -108,7 +110,8 @@ def restore_order(root: Storage, memory: MemoryPublisher | None, group: Group,
     elif memory is not None:
         own = NodeMemoryTier(memory, group, {})
         order += [(s, own) for s in memory.tier.steps() if step in (None, s)]
-    return root_tier, sorted(order, key=lambda o: (o[0], o[1].rank), reverse=True)
+    return root_tier, sorted(order, key=lambda o: (o[0] in preferred, o[0], o[1].rank),
+                             reverse=True)
 
 
 class CountedReads:

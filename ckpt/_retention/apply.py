@@ -13,6 +13,7 @@ from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt._format.names import step_dir
 from ckpt._retention.policy import RECORD_KEY, RetentionPolicy, saved_metrics
 from ckpt._step.integrity import read_manifest
+from ckpt._step.verified import newest_verified
 
 log = logging.getLogger("ckpt")
 
@@ -32,9 +33,11 @@ def step_metrics(storage: Storage, steps: Sequence[int]) -> dict[int, Mapping[st
 def steps_to_keep(storage: Storage, policy: RetentionPolicy, steps: Sequence[int], *,
                   newest: int | None) -> set[int]:
     """The committed ``steps`` that ``policy`` keeps, reading the metrics it ranks by from
-    the manifests; ``newest`` (the newest good step) is kept whatever the rules."""
+    the manifests; ``newest`` (the newest good step) and the newest verified step (read
+    from the markers, newest first) are kept whatever the rules."""
     metrics = step_metrics(storage, steps) if policy.keep_best is not None else None
-    return policy.retained(steps, metrics, newest=newest)
+    verified = None if policy.keeps_all else newest_verified(storage, steps)
+    return policy.retained(steps, metrics, newest=newest, verified=verified)
 
 
 def recorded_policy(storage: Storage,

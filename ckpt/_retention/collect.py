@@ -19,6 +19,7 @@ from ckpt.errors import CheckpointError
 from ckpt._format.names import MANIFEST_NAME, step_dir
 from ckpt._step.integrity import read_manifest
 from ckpt._step.listing import step_dirs
+from ckpt._step.verified import VERIFIED_NAME
 
 log = logging.getLogger("ckpt")
 
@@ -76,8 +77,9 @@ def collect(storage: Storage, keep: set[int] | None = None, *, dry_run: bool = F
         is_kept = s in kept
         for entry in storage.list(location):
             path = f"{location}/{entry.name}"
-            if entry.name == MANIFEST_NAME or (is_kept and entry.is_dir):
-                continue
+            if entry.name == MANIFEST_NAME or (is_kept and (entry.is_dir
+                                                             or entry.name == VERIFIED_NAME)):
+                continue  # (a kept step's verified marker stays with it)
             if (s, entry.name) in own:
                 continue
             if (s, entry.name) in referenced:

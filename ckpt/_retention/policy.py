@@ -72,7 +72,9 @@ class RetentionPolicy:
         keep_best: also the N steps with the best value of a saved metric.
 
     Whatever the rules, the newest committed step known good is kept (``newest`` of
-    :meth:`retained`), so a root never loses its last good step to retention.
+    :meth:`retained`), so a root never loses its last good step to retention, and so is
+    the newest verified step (``verified``: one the training after it confirmed healthy,
+    see ``CheckpointManager.mark_verified``).
     """
 
     keep_last: int | None = None
@@ -98,7 +100,7 @@ class RetentionPolicy:
 
     def retained(self, steps: Sequence[int],
                  metrics: Mapping[int, Mapping[str, Any]] | None = None, *,
-                 newest: int | None = None) -> set[int]:
+                 newest: int | None = None, verified: int | None = None) -> set[int]:
         """The steps to keep of the committed ``steps``.
 
         Args:
@@ -107,6 +109,7 @@ class RetentionPolicy:
                 needed for ``keep_best``; a step without the metric never ranks.
             newest: the newest committed step known good, kept whatever the rules (None:
                 the rules alone decide).
+            verified: the newest verified step, kept whatever the rules too (None: none).
         """
         ordered = sorted(steps)
         if self.keeps_all:
@@ -121,8 +124,7 @@ class RetentionPolicy:
                     {s: _metric((metrics or {}).get(s), name) for s in ordered})
             if self.keep_every is not None:
                 keep |= {s for s in ordered if s % self.keep_every == 0}
-        if newest is not None:
-            keep.add(newest)
+        keep.update(s for s in (newest, verified) if s is not None)
         return keep
 
     def describe(self) -> str:

@@ -3,7 +3,7 @@
 :class:`TrainerMetrics` keeps the training loop's numbers in memory, always
 (``trainer.metrics.snapshot()``): step time, loss, gradient norm, learning rate, world size,
 restarts, the heartbeat age of the slowest peer, the age of this rank's current section,
-rollbacks, skipped batches and the ranks named as hung. With
+rollbacks, skipped batches, the ranks named as hung and the straggler scores. With
 prometheus_client installed (the ``ckpt[metrics]`` extra) it also exports them, on an HTTP
 port or to a node_exporter textfile, together with the checkpoint manager's ``ckpt_*``
 metrics (one registry, one port, one file). Names carry the ``ckpt_train_`` prefix.
@@ -32,6 +32,9 @@ COUNTERS = {
                              "step (each once, even when passed over again after a rollback)",
     "hangs_total": "Hung ranks this process named: a training thread that stopped making "
                    "progress while the others waited for it (see ckpt_train_hung_rank)",
+    "straggler_flags_total": "Windows in which a rank was flagged as a straggler (overall "
+                             "score at or above the threshold), one per rank and window",
+    "stragglers_dropped_total": "Ranks dropped by the straggler policy",
 }
 #: Gauges: in-memory key -> help text.
 GAUGES = {
@@ -47,6 +50,20 @@ GAUGES = {
     "section_age_seconds": "Seconds this rank's training thread has been in its current "
                            "section (data, forward_backward, collective, ...; 0 without "
                            "progress markers)",
+    "straggler_score_max": "The highest overall straggler score of the last window (see "
+                           "ckpt_train_straggler_score; NaN before the first window)",
+}
+#: Straggler scores of the last window, one sample per rank of the attempt (and section):
+#: name -> (help text, label names after the constant ones). Empty before the first window.
+STRAGGLER_SERIES = {
+    "straggler_score": ("Overall straggler score of each rank in the last window: its time "
+                        "per step in its own work (data, forward, optimizer) over the "
+                        "median of the ranks; 1 is typical, 2 twice as slow",
+                        ("scored_rank",)),
+    "straggler_section_score": ("Each rank's time per step in each section over the median "
+                                "of the ranks, last window", ("scored_rank", "section")),
+    "straggler_vs_best": ("Each rank's own-work time per step in the last window over its own "
+                          "best window of this attempt", ("scored_rank",)),
 }
 #: Labelled series: name -> (help text, label names).
 HANG_SERIES = ("hung_rank", "Ranks named as hung (the rank the others waited for) by this "
@@ -122,9 +139,12 @@ class TrainerMetrics:
             "steps_total": 0, "restarts_total": 0, "rollbacks_total": 0,
             "skipped_batches_total": 0, "step": 0, "loss": nan, "grad_norm": nan,
             "learning_rate": nan, "world_size": 0, "attempt": 0, "last_step_seconds": nan,
-            "hangs_total": 0,
+            "hangs_total": 0, "straggler_flags_total": 0, "stragglers_dropped_total": 0,
+            "straggler_score_max": nan,
         }
         self.hung: dict[tuple[int, str], int] = {}   # (culprit rank, section) -> named
+        #: The last window's straggler scores: series name -> {label values: value}.
+        self.stragglers: dict[str, dict[tuple[str, ...], float]] = {}
         self.heartbeat: Any = None   # a trainer.heartbeat.Heartbeat, read at snapshot time
         self._export: _Export | None = None
 
@@ -152,6 +172,23 @@ class TrainerMetrics:
         with self._lock:
             self.values["hangs_total"] += 1
             self.hung[(culprit, section)] = 1
+
+    def stragglers_scored(self, overall: dict[int, float],
+                          sections: dict[int, dict[str, float]], vs_best: dict[int, float], *,
+                          flagged: int, dropped: bool) -> None:
+        """A window was scored (:mod:`trainer.stragglers`): ``flagged`` ranks at or above
+        the threshold, ``dropped`` whether one of them is being dropped."""
+        series = {
+            "straggler_score": {(str(r),): v for r, v in overall.items()},
+            "straggler_section_score": {(str(r), s): v for r, row in sections.items()
+                                        for s, v in row.items()},
+            "straggler_vs_best": {(str(r),): v for r, v in vs_best.items()},
+        }
+        with self._lock:
+            self.stragglers = series
+            self.values["straggler_score_max"] = max(overall.values(), default=float("nan"))
+            self.values["straggler_flags_total"] += flagged
+            self.values["stragglers_dropped_total"] += int(dropped)
 
     def skipped(self, batches: int = 1) -> None:
         with self._lock:
@@ -282,15 +319,23 @@ class _TrainCollector:
         for (culprit, section), value in sorted(hung.items()):
             family.add_metric([*values, str(culprit), section], value)
         yield family
+        with self.metrics._lock:
+            stragglers = dict(self.metrics.stragglers)
+        for name, (doc, extra) in STRAGGLER_SERIES.items():
+            family = GaugeMetricFamily(f"ckpt_train_{name}", doc, labels=[*names, *extra])
+            for labels, value in sorted(stragglers.get(name, {}).items()):
+                family.add_metric([*values, *labels], value)
+            yield family
 
 
 def metric_names() -> list[str]:
     """Every series name the trainer exports itself (histogram parts included; not the
-    labelled ``ckpt_train_hung_rank``, which has samples only once a hang was named)."""
+    labelled ``ckpt_train_hung_rank`` and :data:`STRAGGLER_SERIES`, which have samples only
+    once a hang was named or a window scored)."""
     names = [f"ckpt_train_{k}" for k in COUNTERS] + [f"ckpt_train_{k}" for k in GAUGES]
     names += [f"ckpt_train_step_seconds_{s}" for s in ("bucket", "sum", "count")]
     return sorted(names)
 
 
-__all__ = ["COUNTERS", "GAUGES", "HANG_SERIES", "TrainerMetrics", "format_event", "metric_names",
-           "parse_event", "slowest_peer_age"]
+__all__ = ["COUNTERS", "GAUGES", "HANG_SERIES", "STRAGGLER_SERIES", "TrainerMetrics",
+           "format_event", "metric_names", "parse_event", "slowest_peer_age"]

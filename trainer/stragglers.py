@@ -33,8 +33,14 @@ A rank that keeps up from its start is dropped N windows after it began to lag
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from trainer.metrics import format_event
+
+#: One ``event key=value ...`` line per event (docs/observability.md lists them).
+events = logging.getLogger("ckpt.trainer")
 
 #: Sections in which a rank works on its own (no collective inside, under DDP).
 OWN_WORK = ("data", "forward", "optimizer")
@@ -170,6 +176,158 @@ class DropPolicy:
         return max(sorted(due), key=lambda r: scores.overall[r])
 
 
+# ------------------------------------------------------------------------------- in the trainer
+
+
+class StragglerWatch:
+    """Scores the ranks of one attempt at the end of every window; drops a straggler.
+
+    Args:
+        config: a :class:`trainer.config.StragglerConfig`.
+        attempt: the attempt's rank, world size and ``all_reduce``
+            (:class:`trainer.launch.Attempt`).
+        sections: this rank's progress markers (:class:`trainer.sections.Sections`); the
+            window's times are differences of their cumulative ``(count, total)``.
+        records, metrics: where scores are written (run records: rank 0 only; the metrics on
+            every rank, exported by rank 0).
+        exits: leaves the attempt when a rank is dropped (``drop_straggler``).
+        names: the sections scored (default: the trainer's own).
+        can_drop: whether a drop can be carried out (torchrun restarts the others).
+    """
+
+    def __init__(self, config: Any, *, attempt: Any, sections: Any, records: Any = None,
+                 metrics: Any = None, exits: Any = None, names: Sequence[str] | None = None,
+                 own_work: Iterable[str] = OWN_WORK, can_drop: bool = True) -> None:
+        if names is None:
+            from trainer.sections import TRAINER_SECTIONS
+
+            names = TRAINER_SECTIONS
+        self.config, self.attempt, self.sections = config, attempt, sections
+        self.records, self.metrics, self.exits = records, metrics, exits
+        self.scorer = Scorer(names, own_work)
+        self.policy = DropPolicy(config.threshold, config.windows)
+        self.can_drop = can_drop
+        self.last: WindowScores | None = None
+        self._start = self._totals()
+        self._steps = 0
+        self._first: int | None = None
+
+    def _totals(self) -> list[float]:
+        stats = self.sections.stats()
+        return [float(getattr(stats.get(n), "total", 0.0)) for n in self.scorer.sections]
+
+    def restart_window(self) -> None:
+        """Start a new window now (after a restore: its time is no step's)."""
+        self._start, self._steps, self._first = self._totals(), 0, None
+
+    def step_done(self, step: int, handle: Any = None) -> WindowScores | None:
+        """``step`` finished (every rank calls this after the same steps). At the end of a
+        window: exchange, score, report and maybe drop (``handle``: the save of ``step``
+        in flight, if any). Returns the window's scores, None mid-window."""
+        if self._first is None:
+            self._first = step
+        self._steps += 1
+        if self._steps < self.config.window:
+            return None
+        import torch
+
+        totals = self._totals()
+        table = torch.zeros(self.attempt.world_size, len(totals), dtype=torch.float64)
+        table[self.attempt.rank] = torch.tensor(
+            [(t - t0) / self._steps for t, t0 in zip(totals, self._start)],
+            dtype=torch.float64)
+        self.attempt.all_reduce(table)  # every rank's row: the same table on every rank
+        scores = self.last = self.scorer.score(table.tolist(), self._first, step)
+        self._start, self._steps, self._first = totals, 0, None
+        flagged = self.policy.flagged(scores)
+        drop = self.policy.observe(scores) if self.config.drop else None
+        if drop is not None and not self.can_drop:
+            drop = None
+        self._report(scores, flagged, drop)
+        if drop is not None and self.exits is not None:
+            self.exits.drop_straggler(drop, step, handle, score=scores.overall[drop],
+                                      windows=self.policy.streaks[drop],
+                                      section=scores.worst_section(drop))
+        return scores
+
+    def _report(self, scores: WindowScores, flagged: list[int], drop: int | None) -> None:
+        rank = self.attempt.rank
+        if self.metrics is not None:
+            self.metrics.stragglers_scored(scores.overall, scores.relative,
+                                           scores.overall_vs_best, flagged=len(flagged),
+                                           dropped=drop is not None)
+        if rank != 0:
+            return
+        if self.records is not None:
+            self.records.record("stragglers", **scores.to_record(), flagged=flagged,
+                                streaks={str(r): n for r, n in self.policy.streaks.items()},
+                                dropped=drop, window_steps=self.config.window,
+                                threshold=self.config.threshold, drop_after=self.config.windows
+                                if self.config.drop else None)
+        for r in flagged:
+            events.warning(format_event(
+                "train.straggler", rank=rank, straggler=r, step=scores.last_step,
+                score=round(scores.overall[r], 3),
+                vs_best=round(scores.overall_vs_best[r], 3),
+                section=scores.worst_section(r), windows=self.policy.streaks.get(r, 0),
+                threshold=self.config.threshold,
+                action="drop" if r == drop else "none"))
+
+
+# ------------------------------------------------------------------------------- the summary
+
+
+def summarize(windows: Sequence[tuple[int, Mapping[str, Any]]]) -> dict[str, Any] | None:
+    """The run summary's ``stragglers``: from the ``stragglers`` records of every attempt
+    (``(attempt, record)``, oldest first); None when no window was scored.
+
+    ``last``: the newest window's overall scores by rank (ranks of that attempt);
+    ``worst``: the highest overall score of the run; ``flagged``: per attempt and rank, the
+    windows at or above the threshold; ``dropped``: the ranks dropped, with the step.
+    """
+    if not windows:
+        return None
+    flagged: dict[tuple[int, str], dict[str, Any]] = {}
+    dropped, worst = [], None
+    for attempt, rec in windows:
+        overall = rec.get("overall", {})
+        relative = rec.get("relative", {})
+        for r, score in overall.items():
+            section = max(relative.get(r, {"-": 0}).items(), key=lambda kv: kv[1])[0]
+            if worst is None or score > worst["score"]:
+                worst = {"attempt": attempt, "rank": int(r), "score": score,
+                         "section": section, "step": rec.get("last_step")}
+        for r in rec.get("flagged", []):
+            key = (attempt, str(r))
+            f = flagged.setdefault(key, {"attempt": attempt, "rank": int(r), "windows": 0,
+                                         "first_step": rec.get("first_step"), "max_score": 0})
+            f["windows"] += 1
+            f["last_step"] = rec.get("last_step")
+            f["max_score"] = max(f["max_score"], overall.get(str(r), 0))
+        if rec.get("dropped") is not None:
+            r = str(rec["dropped"])
+            dropped.append({"attempt": attempt, "rank": int(r), "step": rec.get("last_step"),
+                            "score": overall.get(r),
+                            "windows": rec.get("streaks", {}).get(r)})
+    attempt, newest = windows[-1]
+    return {"window_steps": newest.get("window_steps"), "threshold": newest.get("threshold"),
+            "windows": len(windows),
+            "last": {"attempt": attempt, "step": newest.get("last_step"),
+                     "overall": dict(newest.get("overall", {}))},
+            "worst": worst, "flagged": list(flagged.values()), "dropped": dropped}
+
+
+def describe(summary: Mapping[str, Any] | None) -> str | None:
+    """One line for the run summary's text (None when nothing was flagged)."""
+    if not summary or not (summary.get("flagged") or summary.get("dropped")):
+        return None
+    parts = [f"rank {f['rank']} (attempt {f['attempt']}) slow in {f['windows']} window(s), "
+             f"up to {f['max_score']:.2f}x the median" for f in summary["flagged"]]
+    parts += [f"dropped rank {d['rank']} of attempt {d['attempt']} at step {d['step']} after "
+              f"{d['windows']} window(s)" for d in summary["dropped"]]
+    return f"  stragglers (windows of {summary['window_steps']} steps): " + "; ".join(parts)
+
+
 def detect_windows(windows: int | None = None) -> int:
     """Windows from the start of a lag to the drop of a rank that lags a whole window or
     more: ``windows`` (the config's N; default :class:`trainer.config.StragglerConfig`'s)."""
@@ -180,5 +338,5 @@ def detect_windows(windows: int | None = None) -> int:
     return int(windows)
 
 
-__all__ = ["DropPolicy", "FLOOR_S", "OWN_WORK", "Scorer", "WindowScores", "detect_windows",
-           "median_low", "ratio"]
+__all__ = ["DropPolicy", "FLOOR_S", "OWN_WORK", "Scorer", "StragglerWatch", "WindowScores",
+           "describe", "detect_windows", "median_low", "ratio", "summarize"]

@@ -20,6 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer.stragglers import describe as describe_stragglers
+from trainer.stragglers import summarize as summarize_stragglers
+
 RUN_DIR_ENV = "CKPT_ELASTIC_RUN_DIR"
 
 
@@ -130,6 +133,8 @@ class ElasticSummary:
     run_dir: str | None = None
     rollbacks: int = 0               # health-guard rollbacks, all attempts
     skipped_batches: int = 0         # distinct global batches skipped by them
+    stragglers: dict[str, Any] | None = None  # straggler scores, flags and drops
+                                              # (trainer.stragglers.summarize)
 
     @property
     def lost_fraction(self) -> float:
@@ -169,6 +174,9 @@ class ElasticSummary:
                     else "")
                  + (f", {self.rollbacks} rollback(s), {self.skipped_batches} batch(es) "
                     "skipped" if self.rollbacks or self.skipped_batches else "")]
+        stragglers = describe_stragglers(self.stragglers)
+        if stragglers:
+            lines.append(stragglers)
         for r in self.recoveries:
             lines.append(
                 f"  attempt {r.attempt} ended ({r.reason}; lost ranks {r.lost_ranks}) at "
@@ -324,7 +332,8 @@ def build_summary(run_dir: str | os.PathLike | None, *, total_steps: int, final_
         steps_lost=steps_lost, recoveries=recoveries, wall_s=round(wall, 3),
         lost_s=round(lost, 3), step_s=step_s, final_loss=final_loss,
         run_dir=None if run_dir is None else os.fspath(run_dir), rollbacks=rollbacks,
-        skipped_batches=skipped)
+        skipped_batches=skipped, stragglers=summarize_stragglers(
+            [(a["attempt"], w) for a in attempts for w in a.get("stragglers", [])]))
 
 
 def _new_invocation(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -403,6 +412,7 @@ def _attempt_facts(number: int, records: list[dict[str, Any]]) -> dict[str, Any]
         "end": max((r["time"] for r in records), default=None),
         "rollbacks": most_of_one_rank("rollback"),
         "skipped_offsets": {r["offset"] for r in by.get("skip", [])},
+        "stragglers": sorted(by.get("stragglers", []), key=lambda r: r.get("window", 0)),
     }
 
 

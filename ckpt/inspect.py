@@ -50,6 +50,7 @@ from ckpt._format.digest import digest
 from ckpt._step.headers import header_disagreement
 from ckpt._step.integrity import chunk_path, read_manifest
 from ckpt._step.listing import committed_steps
+from ckpt._step.verified import MarkerState, Verification, read_marker
 from ckpt._load.probe import (PROBE_ITEM, TOLERANCES, compared_outputs, run_forward,
                               sums_outside, tolerance_for)
 from ckpt._load.reader import load_step
@@ -59,7 +60,7 @@ from ckpt._shared.state import item_tree
 
 __all__ = [
     "PROBE_ITEM", "SAFETENSORS_DTYPES", "TOLERANCES", "Checkpoints", "Chunk", "Manifest",
-    "TensorEntry", "byte_view", "compared_outputs", "damaged_probe", "digest",
+    "MarkerState", "TensorEntry", "Verification", "byte_view", "compared_outputs", "damaged_probe", "digest",
     "header_disagreement",
     "is_tensor_leaf", "item_tree",
     "named_tensors", "open", "parameter_names", "plain_values", "run_forward", "step_dir",
@@ -146,6 +147,26 @@ class Checkpoints:
         except OSError as e:
             raise StorageError(f"reading the manifest of step {step} under {self.url} "
                                f"failed: {e}", path=self.url) from e
+
+    def marker(self, step: int) -> MarkerState:
+        """Whether ``step`` is verified (``CheckpointManager.mark_verified``): its marker,
+        validated against the step's manifest; a marker that is damaged, edited or stale
+        is reported in ``problem``, never trusted. A single directory's step is read the
+        same way (its marker lies beside its manifest).
+
+        Raises:
+            CheckpointNotFoundError: no such committed step.
+            StorageError: the storage failed.
+        """
+        location = self.location(step)
+        try:
+            return read_marker(self.storage, step, location)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.url} has no committed step {step}",
+                                          path=self.url) from None
+        except OSError as e:
+            raise StorageError(f"reading the verified marker of step {step} under "
+                               f"{self.url} failed: {e}", path=self.url) from e
 
     # -- files --------------------------------------------------------------------------------
     def chunk_path(self, step: int, chunk: Chunk) -> str:

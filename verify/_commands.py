@@ -31,26 +31,59 @@ def cmd_ls(args: argparse.Namespace) -> int:
             m = cps.manifest(step)
             rows.append({"step": step, "created": m.created, "bytes": sum(m.files.values()),
                          "files": len(m.files), "tensors": len(m.tensors),
-                         "world_size": m.world_size, "status": "committed"})
+                         "world_size": m.world_size, "status": "committed",
+                         **_verified(cps, step)})
         except CheckpointNotFoundError:
             continue  # retired by a live writer since the listing
         except CheckpointError as e:
             rows.append({"step": step, "created": None, "bytes": None, "files": None,
-                         "tensors": None, "world_size": None, "status": f"bad: {e}"})
+                         "tensors": None, "world_size": None, "status": f"bad: {e}",
+                         "verified": None})
     if args.json:
         echo(verify.to_json({"root": cps.url, "steps": rows}))
         return EXIT_OK
     if not rows:
         echo(f"{cps.url}: no committed steps")
         return EXIT_OK
-    echo(table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "STATUS"], [
+    echo(table(["STEP", "CREATED", "SIZE", "FILES", "TENSORS", "WORLD", "VERIFIED", "STATUS"], [
         [r["step"], _when(r["created"]), size(r["bytes"]) if r["bytes"] is not None else "-",
          r["files"] or "-", r["tensors"] or "-", r["world_size"] or "-",
-         r["status"] if r["status"] == "committed" else "bad (below)"] for r in rows]))
+         _verified_cell(r), r["status"] if r["status"] == "committed" else "bad (below)"]
+        for r in rows]))
     for r in rows:  # in full: the reason follows a long path
         if r["status"] != "committed":
             echo(f"step {r['step']}: {r['status']}")
+        elif r.get("verified_problem"):
+            echo(f"step {r['step']}: verified marker ignored: {r['verified_problem']}")
     return EXIT_OK
+
+
+def _verified(cps: Checkpoints, step: int) -> dict[str, Any]:
+    """A step's verified state for ``ls``: ``verified`` ("verified", "unverified" or
+    "untrusted"), and the evidence, or why a marker there is not trusted."""
+    try:
+        marker = cps.marker(step)
+    except CheckpointError as e:  # retired meanwhile, or the storage failed: not known
+        return {"verified": "unknown", "verified_problem": str(e)}
+    out: dict[str, Any] = {"verified": marker.status}
+    if marker.verification is not None:
+        out["verified_at"] = marker.verification.time
+        out["verified_evidence"] = dict(marker.verification.evidence)
+    if marker.problem is not None:
+        out["verified_problem"] = marker.problem
+    return out
+
+
+def _verified_cell(row: Mapping[str, Any]) -> str:
+    state = row.get("verified")
+    if state == "verified":
+        confirmed = row.get("verified_evidence", {}).get("confirmed_at")
+        return "yes" if not _is_int(confirmed) else f"yes (at {confirmed})"
+    return {"unverified": "-", "untrusted": "ignored (below)", None: "-"}.get(state, str(state))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _when(created: float | None) -> str:

@@ -74,9 +74,9 @@ def marker_path(step: int) -> str:
     return f"{step_dir(step)}/{VERIFIED_NAME}"
 
 
-def _manifest_sha256(storage: Storage, step: int) -> str:
-    """The SHA-256 of ``step``'s committed manifest (FileNotFoundError: not committed)."""
-    return hashlib.sha256(storage.read(f"{step_dir(step)}/{MANIFEST_NAME}")).hexdigest()
+def _manifest_sha256(storage: Storage, location: str) -> str:
+    """The SHA-256 of the manifest at ``location`` (FileNotFoundError: not committed)."""
+    return hashlib.sha256(storage.read(f"{location}/{MANIFEST_NAME}")).hexdigest()
 
 
 def _no_constant(name: str) -> Any:
@@ -95,9 +95,11 @@ def parse_marker(raw: bytes, step: int, manifest_sha256: str) -> Verification:
     if not isinstance(doc, dict) or doc.get("format") != VERIFIED_FORMAT:
         raise ValueError(f"not a {VERIFIED_FORMAT} document")
     if set(doc) != _FIELDS:
-        raise ValueError(f"expected the fields {sorted(_FIELDS)}, found {sorted(doc)}")
+        missing, unknown = sorted(_FIELDS - set(doc)), sorted(set(doc) - _FIELDS)
+        raise ValueError(f"missing fields {missing}, unknown fields {unknown[:5]}"
+                         f"{' ...' if len(unknown) > 5 else ''}")
     if type(doc["step"]) is not int or doc["step"] != step:
-        raise ValueError(f"names step {doc['step']!r}, but lies in {step_dir(step)}")
+        raise ValueError(f"names step {doc['step']!r}, but vouches for step {step}")
     digest = doc["manifest_sha256"]
     if not isinstance(digest, str) or not _SHA256.match(digest):
         raise ValueError("manifest_sha256 is not a SHA-256 in hex")
@@ -112,19 +114,21 @@ def parse_marker(raw: bytes, step: int, manifest_sha256: str) -> Verification:
     return Verification(step, float(when), doc["evidence"])
 
 
-def read_marker(storage: Storage, step: int) -> MarkerState:
+def read_marker(storage: Storage, step: int, location: str | None = None) -> MarkerState:
     """The marker of the committed ``step`` (one the caller listed), validated against its
     manifest; never raises for a bad marker: that is its ``problem``. Raises
     FileNotFoundError when a marker is there but the step's manifest is not (retired since
-    the listing), OSError when the storage fails."""
+    the listing), OSError when the storage fails. ``location``: the step's directory
+    (default: its name in a root)."""
+    location = location or step_dir(step)
     try:
-        raw = storage.read(marker_path(step), 0, MAX_MARKER_BYTES + 1)
+        raw = storage.read(f"{location}/{VERIFIED_NAME}", 0, MAX_MARKER_BYTES + 1)
     except (FileNotFoundError, NotADirectoryError):
         return MarkerState(step)  # (most steps: one request, the manifest is not read)
     except NotAFileError as e:  # a directory, FIFO or link planted under the marker's name
         return MarkerState(step, problem=f"{VERIFIED_NAME} is not a file ({e.strerror})")
     try:
-        return MarkerState(step, parse_marker(raw, step, _manifest_sha256(storage, step)))
+        return MarkerState(step, parse_marker(raw, step, _manifest_sha256(storage, location)))
     except ValueError as e:
         return MarkerState(step, problem=f"{VERIFIED_NAME} is not trusted: {e}")
 
@@ -187,7 +191,7 @@ def write_marker(storage: Storage, step: int,
         OSError: the storage failed.
     """
     evidence = checked_evidence(evidence)
-    manifest = _manifest_sha256(storage, step)
+    manifest = _manifest_sha256(storage, step_dir(step))
     current = read_marker(storage, step)
     if current.verification is not None:
         return current.verification

@@ -29,6 +29,7 @@ import torch
 
 import ckpt
 from trainer.checkpointing import VERIFY_LEVELS
+from trainer.hangs import HangRule
 from trainer.health import HealthGuard
 from trainer.hooks import Hooks
 
@@ -167,12 +168,25 @@ class FailureConfig:
             with ``EXIT_PEER_LOST`` instead of raising. Default: when run by torchrun or on
             more than one rank (the process group is unusable after such an error and a
             clean shutdown can hang); a plain single process raises.
+        hang_factor: a rank whose training thread stays in one section (data,
+            forward_backward, collective N, optimizer, save) longer than this many times
+            the section's typical duration in the run (never less than as many typical
+            steps) while the others wait for it is hung: named with its section and stack,
+            and dropped (docs/elastic.md, "When a rank hangs or slows down"). None: off
+            (a hang is then found by the collective timeout). Needs the heartbeat.
+        hang_floor, hang_ceiling: bounds in seconds of that limit (default ceiling: half
+            the collective timeout, so that the hang is named before the collectives time
+            out). A section is never judged before it was seen twice, nor below 1.5 times
+            the longest it took.
     """
 
     heartbeat_timeout: float | None = 30.0
     heartbeat_interval: float = 1.0
     collective_timeout: float = 60.0
     hard_exit: bool | None = None
+    hang_factor: float | None = 3.0
+    hang_floor: float = 10.0
+    hang_ceiling: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collective_timeout", float(self.collective_timeout))
@@ -180,6 +194,16 @@ class FailureConfig:
         if timeout is not None and timeout < 2 * interval:
             raise ValueError(f"heartbeat_timeout {timeout}s must be at least two "
                              f"heartbeat intervals ({2 * interval}s)")
+        self.hang_rule()  # refuses impossible bounds now, not at the first step
+
+    def hang_rule(self) -> HangRule | None:
+        """The hang detector's rule (None when ``hang_factor`` is None)."""
+        if self.hang_factor is None:
+            return None
+        ceiling = (max(self.collective_timeout / 2, self.hang_floor)
+                   if self.hang_ceiling is None else self.hang_ceiling)
+        return HangRule(factor=float(self.hang_factor), floor=float(self.hang_floor),
+                        ceiling=float(ceiling))
 
     def exits_hard(self, *, elastic: bool, world_size: int) -> bool:
         """Whether a lost peer or failed collective ends the process: ``hard_exit`` if

@@ -65,6 +65,7 @@ from trainer.parts import AttemptParts, build_parts, seed_everything
 from trainer.progress import (RUN_DIR_ENV, ElasticSummary, Recovery, build_summary,
                               default_run_dir, next_attempt, read_jsonl)
 from trainer.records import RunRecords
+from trainer.sections import Sections
 
 log = logging.getLogger("trainer.elastic")
 #: One ``event key=value ...`` line per event (docs/observability.md lists them).
@@ -130,6 +131,8 @@ class ElasticTrainer:
                                            else health if isinstance(health, HealthGuard)
                                            else None)
         self.metrics = TrainerMetrics(labels=default_labels())
+        #: Where the training thread is (progress markers, read by the heartbeat).
+        self.sections = Sections()
         self.summary: ElasticSummary | None = None
         #: The parts of the attempt under way (None before the first fit).
         self._parts: AttemptParts | None = None
@@ -244,9 +247,11 @@ class ElasticTrainer:
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, exits.on_sigterm)
         try:
+            self.sections.begin_attempt()  # on this thread: whose stack a hang shows
             parts.heartbeat = start_heartbeat(
                 parts.attempt, failure.heartbeat_timeout, failure.heartbeat_interval,
-                exits.peer_lost if self.hard_exit else None)
+                exits.peer_lost if self.hard_exit else None, sections=self.sections,
+                hang_rule=failure.hang_rule())
             if parts.heartbeat is not None:
                 exits.attach(heartbeat=parts.heartbeat)
                 self.metrics.heartbeat = parts.heartbeat

@@ -3,6 +3,11 @@
 - a lost peer (the heartbeat watchdog) or a failed collective: the process group is
   unusable, so the worker records why and exits with :data:`EXIT_PEER_LOST`, and torchrun
   restarts the group;
+- a hung rank (the watchdog found a training thread that stopped making progress while
+  the others wait for it, :mod:`trainer.hangs`): every rank records the culprit, its
+  section and its Python stack; the culprit itself exits with :data:`EXIT_HUNG` (it is
+  dropped like a dead node: its agent starts a fresh worker in its place), the others with
+  :data:`EXIT_PEER_LOST`;
 - an error in our own code: exit status 1 under torchrun (a restart is used up), raised in
   a plain single process;
 - SIGTERM (preemption, or torchrun restarting the workers because a node joined): all
@@ -26,6 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.checkpointing import TrainerCheckpointer
+from trainer.hangs import section_name
 from trainer.health import TrainingHealthError
 from trainer.heartbeat import Heartbeat, PeerLoss
 from trainer.metrics import TrainerMetrics, format_event
@@ -37,6 +43,9 @@ events = logging.getLogger("ckpt.trainer")
 #: Exit status of a worker that gave up on its process group (a peer was lost, a collective
 #: failed or timed out): any non-zero status makes torchrun restart the group.
 EXIT_PEER_LOST = 75
+#: Exit status of a worker whose own training thread was found hung (any non-zero status
+#: makes torchrun restart the group; this one says why).
+EXIT_HUNG = 76
 #: Exit status after a checkpoint taken on SIGTERM (128 + SIGTERM).
 EXIT_PREEMPTED = 128 + signal.SIGTERM
 
@@ -110,28 +119,51 @@ class ExitPolicy:
 
     def peer_lost(self, loss: PeerLoss) -> None:
         """Heartbeat watchdog verdict (watchdog thread): record it and leave."""
-        self._give_up(f"lost ranks ({loss.reason})", loss, None)
+        self._give_up("hung rank" if loss.reason == "hang" else f"lost ranks ({loss.reason})",
+                      loss, None)
 
     def _give_up(self, reason: str, loss: PeerLoss | None, error: BaseException | None) -> None:
         step = self._current_step()
         lost = loss.lost if loss else []
+        hang = loss.hang if loss else None
+        status = EXIT_HUNG if hang is not None and self.rank in lost else EXIT_PEER_LOST
+        culprits = {} if hang is None else {r: hang.progress[r] for r in lost}
         events.error(format_event(
             "train.detect", rank=self.rank, step=step, reason=reason, lost=lost,
             last_steps=[loss.last_steps.get(r) for r in lost] if loss else [],
             error=f"{type(error).__name__}: {error}".splitlines()[0][:200] if error else None,
-            exit_status=EXIT_PEER_LOST))
+            exit_status=status))
+        for r, p in culprits.items():
+            events.error(format_event(
+                "train.hang", rank=self.rank, culprit=r, section=section_name(p),
+                age_s=round(p.age, 3), limit_s=p.limit, step=p.step,
+                where=" | ".join(x.strip() for x in (p.stack or "").strip().splitlines()[-2:])
+                or None))
+            self.metrics.hang_detected(culprit=r, section=p.section)
+            log.error("rank %d: rank %d hung in %s for %.1fs; its stack:\n%s", self.rank, r,
+                      section_name(p), p.age, p.stack or "(not published)")
         log.error("rank %d: giving up on the process group at step %d: %s%s; exiting with "
                   "status %d so torchrun restarts the workers", self.rank, step, reason,
                   f" - {loss.describe()}" if loss else " - no peer identified as lost",
-                  EXIT_PEER_LOST)
+                  status)
+        extra = {}
+        if hang is not None:
+            extra["hung"] = {str(r): {"section": p.section, "collectives": p.collectives,
+                                      "age": round(p.age, 3), "limit": p.limit,
+                                      "step": p.step, "stack": p.stack}
+                             for r, p in culprits.items()}
+            extra["waiting"] = {str(r): section_name(p) for r, p in hang.progress.items()
+                                if r not in culprits}
         self.records.record(
             "failure", step=step, reason=reason, lost=lost,
             last_steps={str(k): v for k, v in (loss.last_steps if loss else {}).items()},
             last_seen={str(k): v for k, v in (loss.last_seen if loss else {}).items()},
             detail=(loss.detail if loss else "")
-            + (f" {type(error).__name__}: {error}"[:500] if error else ""))
+            + (f" {type(error).__name__}: {error}"[:500] if error else ""), **extra)
+        with contextlib.suppress(Exception):
+            self.metrics.write_textfile()
         flush_streams()
-        os._exit(EXIT_PEER_LOST)
+        os._exit(status)
 
     def _record_error(self, reason: str, e: BaseException) -> None:
         self.records.record("failure", step=self._current_step(), reason=reason, lost=[],
@@ -208,5 +240,5 @@ class ExitPolicy:
         raise SystemExit(EXIT_PREEMPTED)
 
 
-__all__ = ["EXIT_PEER_LOST", "EXIT_PREEMPTED", "ExitPolicy", "flush_streams",
+__all__ = ["EXIT_HUNG", "EXIT_PEER_LOST", "EXIT_PREEMPTED", "ExitPolicy", "flush_streams",
            "is_distributed_error"]

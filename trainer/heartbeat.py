@@ -1,12 +1,19 @@
-"""Dropped-rank detection through the c10d store.
+"""Dropped-rank and hung-rank detection through the c10d store.
 
 Every rank runs two daemon threads:
 
 - the **beat** thread writes ``{"step", "seq", "time", "state"}`` under the rank's key every
-  ``interval`` seconds and reads the watched peers' keys (one ``multi_get`` once they exist);
+  ``interval`` seconds, with the training thread's progress when it has progress markers
+  (the keys listed in :mod:`trainer.sections`; the Python stack of the training thread
+  once its section is over the hang limit), and reads the watched peers' keys (one
+  ``multi_get`` once they exist);
 - the **watchdog** thread never touches the store. It looks at what the beat thread last saw
   and reports a peer whose beat has not changed for ``timeout`` seconds, or a store that has
-  not answered for ``timeout`` seconds (its host hangs) or keeps refusing (its host died).
+  not answered for ``timeout`` seconds (its host hangs) or keeps refusing (its host died);
+  with progress markers, also a rank whose training thread has not left its section for
+  longer than the section's limit while the others wait for it (:mod:`trainer.hangs`: a
+  live process whose beat thread runs on). When that rank is this one, its beat says
+  ``"state": "hung"`` with its stack before the watchdog reports it.
 
 Two threads because a store call can block: if the process that hosts the store is stopped,
 every ``set``/``get`` waits for the client's timeout, and a watchdog doing its own I/O would
@@ -28,6 +35,9 @@ import threading
 import time
 from typing import Any, Callable
 
+from trainer.hangs import Hang, HangRule, RankProgress, judge, thread_stack
+from trainer.sections import Sections
+
 log = logging.getLogger("trainer.heartbeat")
 
 #: Above this many ranks each rank watches only its next ``RING_WATCH`` peers (a ring): every
@@ -40,15 +50,19 @@ RING_WATCH = 8
 class PeerLoss:
     """What a heartbeat found wrong: which ranks are lost and what was last heard of them."""
 
-    reason: str                       # "heartbeat" (peers silent) or "store" (store unusable)
+    reason: str                       # "heartbeat" (peers silent), "store" (store unusable)
+                                      # or "hang" (a rank stopped making progress)
     lost: list[int]                   # ranks judged lost
     last_steps: dict[int, int | None]  # the step each lost rank last reported
     silent_s: dict[int, float]        # how long each lost rank has been silent
     last_seen: dict[int, float]       # wall time at which its beat last changed (our clock)
     detected_at: float                # wall time of the verdict
     detail: str = ""
+    hang: Hang | None = None          # reason "hang": where each rank was, the culprits' stacks
 
     def describe(self) -> str:
+        if self.hang is not None:
+            return f"hung: {self.hang.describe()}"
         ranks = ", ".join(f"rank {r} (last reported step {self.last_steps.get(r)}, silent "
                           f"{self.silent_s.get(r, 0.0):.1f}s)" for r in self.lost)
         what = "store unusable" if self.reason == "store" else "heartbeat lost"
@@ -74,12 +88,18 @@ class Heartbeat:
             is gone) are reported after this many seconds (default ``2 * interval``),
             without waiting for ``timeout``.
         watch: the ranks to watch (default: all peers up to 64 ranks, else a ring).
+        sections: the training thread's progress markers, published with each beat.
+        hang_rule: how long a section may stand still (None: progress is published, never
+            judged). A verdict needs every watched live peer's progress; when only a ring
+            is watched, ranks stuck together (none behind) are left to the collective
+            timeout, since the one behind may be outside the ring.
     """
 
     def __init__(self, store: Any, rank: int, world_size: int, *, timeout: float = 30.0,
                  interval: float = 1.0, on_lost: Callable[[PeerLoss], None] | None = None,
                  store_host_rank: int = 0, store_error_grace: float | None = None,
-                 watch: list[int] | None = None) -> None:
+                 watch: list[int] | None = None, sections: Sections | None = None,
+                 hang_rule: HangRule | None = None) -> None:
         if timeout <= 0 or interval <= 0:
             raise ValueError("timeout and interval must be positive")
         if timeout < 2 * interval:
@@ -100,6 +120,11 @@ class Heartbeat:
                 peers = [(rank + i) % world_size for i in range(1, RING_WATCH + 1)]
             watch = peers
         self.watch = sorted(set(watch) - {rank})
+        self.sections, self.hang_rule = sections, hang_rule
+        self._whole_world = len(self.watch) == world_size - 1
+        self._hung: Hang | None = None           # this rank's own hang, once judged
+        self._wake = threading.Event()           # beat now (this rank was found hung)
+        self._hung_published = threading.Event()
         self._keys = [str(r) for r in self.watch]
         self._lock = threading.Lock()
         self._step: int | None = None
@@ -141,6 +166,12 @@ class Heartbeat:
         """Tell the peers this rank finished ``step`` (read by the next beat)."""
         self._step = step
 
+    def peer_payloads(self) -> dict[int, dict]:
+        """The last beat read from each watched peer (its JSON object: see
+        :mod:`trainer.sections` for the progress keys), whatever its state."""
+        with self._lock:
+            return {r: dict(v) for r, v in self._peer_info.items()}
+
     def peer_ages(self) -> dict[int, float]:
         """Seconds since each watched, live peer's beat last changed (this rank's clock)."""
         now = time.monotonic()
@@ -153,6 +184,7 @@ class Heartbeat:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        self._wake.set()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=self.interval + self.timeout / 2 + 1)
@@ -165,18 +197,45 @@ class Heartbeat:
     def reported(self) -> PeerLoss | None:
         return self._reported
 
+    # -- progress ------------------------------------------------------------------------------
+    def own_progress(self, *, with_stack: bool = False) -> tuple[RankProgress, dict] | None:
+        """This rank's progress now and its payload keys (None without markers); the
+        training thread's stack is added when it is over its limit (or ``with_stack``)."""
+        if self.sections is None:
+            return None
+        payload = self.sections.payload()
+        rule = self.hang_rule
+        limit = None if rule is None else rule.limit(payload["section"], payload["stats"])
+        payload["limit"] = None if limit is None else round(limit, 4)
+        if with_stack or (limit is not None and payload["age"] > limit):
+            payload["stack"] = thread_stack(self.sections.thread_id)
+        payload["step"] = self._step
+        progress = RankProgress.from_payload(self.rank, payload)
+        assert progress is not None
+        return progress, payload
+
     # -- the beat thread: all store I/O --------------------------------------------------------
     def _payload(self, state: str = "alive") -> str:
         with self._lock:
             self._seq += 1
             seq = self._seq
-        return json.dumps({"step": self._step, "seq": seq, "time": time.time(), "state": state})
+        beat: dict[str, Any] = {"step": self._step, "seq": seq, "time": time.time(),
+                                "state": state}
+        own = self.own_progress(with_stack=self._hung is not None)
+        if own is not None:
+            beat.update({k: v for k, v in own[1].items() if k != "step"})
+        if self._hung is not None and state == "alive":
+            beat["state"] = "hung"
+        return json.dumps(beat)
 
     def _beat_loop(self) -> None:
         while not self._stopping.is_set():
             t0 = time.monotonic()
+            hung = self._hung is not None
             try:
                 self._beat_once()
+                if hung:
+                    self._hung_published.set()
             except Exception as e:  # refused, reset or timed out: the watchdog judges
                 now = time.monotonic()
                 with self._lock:
@@ -185,7 +244,8 @@ class Heartbeat:
                     self._last_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 log.debug("heartbeat rank=%d store error after %.2fs: %s", self.rank,
                           now - t0, self._last_error)
-            self._stopping.wait(max(0.0, self.interval - (time.monotonic() - t0)))
+            self._wake.wait(max(0.0, self.interval - (time.monotonic() - t0)))
+            self._wake.clear()
 
     def _beat_once(self) -> None:
         self.store.set(str(self.rank), self._payload())
@@ -207,9 +267,11 @@ class Heartbeat:
                     self._peer_value[r] = v
                     self._peer_change[r] = now
                     try:
-                        self._peer_info[r] = json.loads(v)
+                        beat = json.loads(v)
                     except ValueError:
-                        self._peer_info[r] = {}
+                        beat = {}
+                    # Anyone who reaches the store can write a key: only an object is a beat.
+                    self._peer_info[r] = beat if isinstance(beat, dict) else {}
 
     # -- the watchdog thread: judges, never blocks on the store --------------------------------
     def _watch_loop(self) -> None:
@@ -217,11 +279,22 @@ class Heartbeat:
         while not self._stopping.wait(period):
             verdict = self.check()
             if verdict is not None:
+                if verdict.hang is not None and self.rank in verdict.lost:
+                    self._publish_own_hang(verdict.hang)
                 self._reported = verdict
                 log.error("heartbeat rank=%d: %s", self.rank, verdict.describe())
                 if self.on_lost is not None:
                     self.on_lost(verdict)
                 return
+
+    def _publish_own_hang(self, hang: Hang) -> None:
+        """This rank is the one holding the job up: beat ``"hung"`` with the stack now, and
+        give the peers a beat's time to read it before the verdict (which may end the
+        process)."""
+        self._hung = hang
+        self._wake.set()
+        if self._hung_published.wait(2 * self.interval + 1.0):
+            self._stopping.wait(self.interval)
 
     def check(self, *, min_silence: float | None = None) -> PeerLoss | None:
         """The current verdict: None while every watched peer and the store are fine.
@@ -259,11 +332,47 @@ class Heartbeat:
         lost = [r for r in self.watch
                 if info.get(r, {}).get("state", "alive") == "alive" and now - change[r] > limit]
         if not lost:
-            return None
+            return self._check_progress(info, {r: seen(r) for r in change}, wall)
         never = [r for r in lost if r not in info]
         return PeerLoss("heartbeat", lost, {r: info.get(r, {}).get("step") for r in lost},
                         {r: now - change[r] for r in lost}, {r: seen(r) for r in lost}, wall,
                         f"never heard from {never}" if never else "")
+
+    def _check_progress(self, info: dict[int, dict], seen: dict[int, float],
+                        wall: float) -> PeerLoss | None:
+        """The hang verdict from this rank's progress (now) and the peers' (as they last
+        published it), or None (:mod:`trainer.hangs`)."""
+        if self.hang_rule is None:
+            return None
+        own = self.own_progress()
+        if own is None:
+            return None
+        progress = {self.rank: own[0]}
+        for r in self.watch:
+            beat = info.get(r)
+            if beat is None:
+                return None  # not heard from yet: it may be the one behind
+            if beat.get("state", "alive") not in ("alive", "hung"):
+                continue  # done, stopped, preempted: not waited for
+            p = RankProgress.from_payload(r, beat)
+            if p is None:
+                return None
+            progress[r] = p
+        hang = judge(progress)
+        if hang is None or (hang.together and not self._whole_world):
+            return None
+        if self.rank in hang.culprits and own[0].stack is None:  # the report carries it
+            own = self.own_progress(with_stack=True)
+            assert own is not None
+            progress[self.rank] = own[0]
+            hang = dataclasses.replace(hang, progress=progress)
+        lost = hang.culprits
+        # When each culprit entered its section: the failure's time in the run summary.
+        entered = {r: (wall if r == self.rank else seen.get(r, wall)) - progress[r].age
+                   for r in lost}
+        return PeerLoss("hang", lost, {r: progress[r].step for r in lost},
+                        {r: progress[r].age for r in lost}, entered, wall, hang.describe(),
+                        hang)
 
     def diagnose(self, grace: float) -> PeerLoss | None:
         """After a collective failed: wait up to ``grace`` seconds for a culprit to show.

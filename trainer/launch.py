@@ -242,12 +242,13 @@ class Attempt:
 
 
 def start_heartbeat(attempt: Attempt, timeout: float | None, interval: float,
-                    on_lost: Callable[[Any], None] | None) -> Heartbeat | None:
-    """The heartbeat of this rank (None: no peers to watch, or no timeout asked)."""
+                    on_lost: Callable[[Any], None] | None, **progress: Any) -> Heartbeat | None:
+    """The heartbeat of this rank (None: no peers to watch, or no timeout asked);
+    ``progress``: its ``sections`` and ``hang_rule`` (:class:`Heartbeat`)."""
     if not attempt.distributed or timeout is None or attempt.world_size == 1:
         return None
     return Heartbeat(heartbeat_store(attempt.number), attempt.rank, attempt.world_size,
-                     timeout=timeout, interval=interval, on_lost=on_lost).start()
+                     timeout=timeout, interval=interval, on_lost=on_lost, **progress).start()
 
 
 __all__ = ["Attempt", "check_world_size", "expected_world_size", "heartbeat_store",

@@ -3,7 +3,9 @@
 :class:`TrainingLoop` restores the newest good checkpoint (or, with a health guard, saves
 step 0 of a fresh run), runs the steps to the last one (rolling back a bad step, saving on
 the schedule, leaving on preemption), saves the final state, and ends the attempt with the
-job's :class:`trainer.progress.ElasticSummary`.
+job's :class:`trainer.progress.ElasticSummary`. It moves the progress markers
+(:mod:`trainer.sections`) at the step's boundaries: restore, data, save, the user's hooks,
+finish (the step runner marks the rest).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class TrainingLoop:
         trainer, parts = self.trainer, self.parts
         attempt, checkpointer, batches = parts.attempt, parts.checkpointer, parts.batches
         assert checkpointer is not None and batches is not None and parts.steps is not None
+        trainer.sections.enter("restore")
         t0 = time.time()
         restored = checkpointer.restore()
         start = restored or 0
@@ -96,6 +99,7 @@ class TrainingLoop:
         assert batches is not None and steps is not None and rollbacks is not None
         assert checkpointer is not None and feed is not None
         hooks = parts.hook_runner
+        sections = self.trainer.sections
         log_every = self.trainer.config.observability.log_every
         feed.start(batches, rollbacks.bad, total_steps - start)
         step_times: list[float] = []
@@ -105,8 +109,11 @@ class TrainingLoop:
         while step < total_steps:
             step += 1
             t0 = time.perf_counter()
+            sections.step(step)
             if hooks is not None:
-                hooks.poll()
+                with sections.user("hooks"):
+                    hooks.poll()
+            sections.enter("data")
             rollbacks.pass_known_bad(step, batches)
             batch = batches.take()
             loss_sum, grad_norm = steps.forward_backward(batch.micro, feed.fetch)
@@ -115,6 +122,8 @@ class TrainingLoop:
                                                           grad_norm, exits.sigterm)
             verdict = rollbacks.judge(step, loss_value, norm_value)
             if verdict is not None and not verdict.ok:
+                sections.enter("restore")
+                sections.restart()
                 step = rollbacks.rollback(verdict, batch)
                 parts.at_step(step)
                 feed.start(batches, rollbacks.bad, total_steps - step)  # the position jumped
@@ -122,20 +131,24 @@ class TrainingLoop:
             steps.update()
             parts.step = step
             if hooks is not None:
-                hooks.step_done(step)
+                with sections.user("hooks"):
+                    hooks.step_done(step)
             handle = self._commit_step(step, loss_value, norm_value, batch,
                                        last=preempt or step == total_steps)
             if hooks is not None:
-                hooks.checkpoint_taken(step, handle)
+                with sections.user("hooks"):
+                    hooks.checkpoint_taken(step, handle)
             step_times.append(time.perf_counter() - t0)
             metrics.step_done(step=step, seconds=step_times[-1], loss=loss_value,
                               grad_norm=norm_value, learning_rate=lr)
             if log_every and (step % log_every == 0 or step == total_steps):
                 self._log_step(step, step_times, loss_value, norm_value, lr)
             if preempt:
+                sections.enter("finish")
                 feed.stop()
                 exits.preempted(step, handle, None if hooks is None else
                                 lambda taken: hooks.preempted(step, taken))
+        sections.enter("finish")
         feed.stop()
         if handle is None and start < total_steps:
             # the final state, whatever the schedule
@@ -162,9 +175,13 @@ class TrainingLoop:
         parts.records.record("step", step=step, loss=loss, grad_norm=json_float(grad_norm))
         if parts.heartbeat is not None:
             parts.heartbeat.update(step)
+        sections = self.trainer.sections
+        sections.enter("save")
         handle = parts.checkpointer.save(step, meta, persist=last)
         if handle is not None:
             parts.records.record("save", step=step)
+        else:
+            sections.discard()  # no save was due: not a save's duration
         return handle
 
     def _log_step(self, step: int, step_times: list[float], loss: float, grad_norm: float,

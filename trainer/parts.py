@@ -102,7 +102,7 @@ def build_parts(trainer: ElasticTrainer, parts: AttemptParts) -> None:
     grad_scaler = config.step.grad_scaler
     parts.steps = StepRunner(attempt, model, optimizer, scheduler, grad_scaler,
                              trainer.step_fn, max_grad_norm=config.step.max_grad_norm,
-                             fsdp=bool(fsdp))
+                             fsdp=bool(fsdp), sections=trainer.sections)
     checkpoint = config.checkpoint
     parts.checkpointer = TrainerCheckpointer(
         trainer.checkpoint_root, every=trainer.checkpoint_every,

@@ -18,6 +18,8 @@ Sections of the trainer (in the order of a step)::
     restore           a restore or a health rollback (never judged: it happens once)
     user              the user's hooks and anything wrapped in :meth:`Sections.user`
                       (never judged: evaluation may take minutes)
+    finish            the end of the attempt: the last save's wait, the summary (never
+                      judged)
     idle              before the first marker
 
 ``mark`` counts the trainer's own sections entered in this attempt. Every rank passes the
@@ -55,16 +57,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 #: Sections the trainer marks itself, in the order of a step.
 TRAINER_SECTIONS = ("data", "forward_backward", "collective", "optimizer", "save")
 #: Sections whose stillness is never called a hang (see the module docstring).
-UNJUDGED = frozenset({"idle", "restore", "user"})
+UNJUDGED = frozenset({"idle", "restore", "user", "finish"})
 #: Durations the typical one is the median of.
 WINDOW = 32
 
@@ -107,8 +108,7 @@ class SectionStats:
                 "worst": round(self.worst, 4)}
 
 
-@dataclasses.dataclass(frozen=True)
-class Position:
+class Position(NamedTuple):
     """Where the training thread is: a section, entered at ``since`` (monotonic)."""
 
     section: str
@@ -137,16 +137,26 @@ class Sections:
         self.thread_id = threading.get_ident()  # the training thread (for its stack)
 
     # -- the training thread -------------------------------------------------------------------
+    def begin_attempt(self) -> None:
+        """A new attempt (a new process group): marks and collectives count from 0 again,
+        as on the peers; the statistics stay (the same job, the same machine)."""
+        with self._lock:
+            self._pos = Position("idle", self._clock(), 0, 0, None)
+            self._count_it = False
+            self._step_start = None
+            self.thread_id = threading.get_ident()
+
     def enter(self, name: str) -> None:
         """The training thread enters the trainer's section ``name`` now (the previous
         one ends and its duration is recorded)."""
         now = self._clock()
-        pos = self._pos
+        section, since, mark, collectives, step = self._pos
         with self._lock:
-            self._close(pos, now)
+            if self._count_it:
+                self._stats_of(section).add(now - since)
             self._count_it = name not in UNJUDGED
-            self._pos = Position(name, now, pos.mark + 1,
-                                 pos.collectives + (name == "collective"), pos.step)
+            self._pos = Position(name, now, mark + 1,
+                                 collectives + (name == "collective"), step)
 
     def step(self, step: int) -> None:
         """Step ``step`` starts now: the previous step's duration is recorded."""
@@ -155,7 +165,7 @@ class Sections:
             if self._step_start is not None:
                 self._stats_of("step").add(now - self._step_start)
             self._step_start = now
-            self._pos = dataclasses.replace(self._pos, step=step)
+            self._pos = self._pos._replace(step=step)
 
     def discard(self) -> None:
         """The current section's duration is not recorded (e.g. a save that was not due:
@@ -180,14 +190,13 @@ class Sections:
         with self._lock:
             self._close(before, now)
             self._count_it = False
-            self._pos = dataclasses.replace(before, section=name, since=now)
+            self._pos = before._replace(section=name, since=now)
         try:
             yield
         finally:
             with self._lock:
                 self._count_it = False  # the resumed section's time is cut in two
-                self._pos = dataclasses.replace(self._pos, section=before.section,
-                                                since=self._clock())
+                self._pos = self._pos._replace(section=before.section, since=self._clock())
 
     def _close(self, pos: Position, now: float) -> None:
         if self._count_it:

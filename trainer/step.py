@@ -4,7 +4,9 @@ The rank's share of the global batch is split into micro batches whose gradients
 accumulated (synchronized across ranks on the last one only), the gradient norm is
 measured (and clipped), one small all-reduce agrees on the loss, the norm and any SIGTERM,
 and the optimizer (through a ``GradScaler`` with mixed precision) and scheduler step.
-:class:`StepRunner` does this for :class:`trainer.elastic.ElasticTrainer`.
+:class:`StepRunner` does this for :class:`trainer.elastic.ElasticTrainer`, marking each
+part for the hang detector (:mod:`trainer.sections`: data, forward_backward, collective,
+optimizer).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from trainer.launch import Attempt
+from trainer.sections import Sections
 
 T = TypeVar("T")
 
@@ -45,14 +48,17 @@ class StepRunner:
         step_fn: ``(model, batch) -> loss`` of one micro batch.
         max_grad_norm: clip the gradient norm to this (None: measure only).
         fsdp: whether ``model`` is sharded with FSDP2 (gradient sync is switched on it).
+        sections: the progress markers to move (default: markers nobody reads).
     """
 
     def __init__(self, attempt: Attempt, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any | None,
                  grad_scaler: torch.amp.GradScaler | None,
                  step_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *,
-                 max_grad_norm: float | None, fsdp: bool) -> None:
+                 max_grad_norm: float | None, fsdp: bool,
+                 sections: Sections | None = None) -> None:
         self.attempt = attempt
+        self.sections = sections if sections is not None else Sections()
         self.device = attempt.device
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.grad_scaler, self.step_fn = grad_scaler, step_fn
@@ -80,8 +86,11 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         scaler = self.grad_scaler
         total = torch.zeros((), device=self.device)
+        enter = self.sections.enter
         for i, m in enumerate(micro):
+            enter("data")
             batch = _to_device(fetch(m), self.device)
+            enter("forward_backward")
             with self._sync_context(i == len(micro) - 1):
                 loss = self.step_fn(self.model, batch)
                 part = loss / len(micro)
@@ -107,6 +116,7 @@ class StepRunner:
         agreed numbers, so all of them roll back, or none."""
         agree = torch.stack([loss, torch.tensor(float(sigterm), device=self.device),
                              grad_norm])
+        self.sections.enter("collective")
         self.attempt.all_reduce(agree)
         loss_total, sigterms, norm_total = agree.tolist()
         world = self.attempt.world_size
@@ -116,6 +126,7 @@ class StepRunner:
 
     def update(self) -> None:
         """The optimizer step (through the GradScaler, if any), then the scheduler's."""
+        self.sections.enter("optimizer")
         if self.grad_scaler is not None:
             self.grad_scaler.step(self.optimizer)  # skipped when the gradient overflowed
             self.grad_scaler.update()

@@ -47,7 +47,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-sleep", type=float, default=0.0)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--collective-timeout", type=float, default=10.0)
+    p.add_argument("--hang-factor", type=float, default=3.0)
+    p.add_argument("--hang-floor", type=float, default=10.0)
+    # A rank whose training thread gets stuck while its heartbeat thread runs on.
+    p.add_argument("--stall", action="append", default=[], metavar="RANK:STEP:HOW",
+                   help="once per job (a file in the run dir says it happened), that rank "
+                   "gets stuck in that step: 'sleep' in its data loader (fetching the "
+                   "step's first micro batch) or 'spin' in Python (in step_fn)")
     p.add_argument("--fsdp", action="store_true")
     # Holds make the scenarios independent of how fast agents start on a loaded machine: the
     # workers wait (heartbeats going, no collective in flight) until torchrun SIGTERMs them
@@ -80,6 +88,20 @@ class IndexedWindows(torch.utils.data.Dataset):
     def __getitem__(self, i: int):
         x, y = self.windows[i]
         return x, y, i
+
+
+class StallingDataset(torch.utils.data.Dataset):
+    """A dataset that calls ``check()`` before each read (which may never return)."""
+
+    def __init__(self, dataset, check) -> None:
+        self.dataset, self.check = dataset, check
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        self.check()
+        return self.dataset[i]
 
 
 def collate_indexed(samples):
@@ -174,6 +196,26 @@ def main(argv: list[str] | None = None) -> int:
     dataset = WindowDataset(make_corpus(args.seed, args.sentences))
     if args.loader_workers is not None or args.hooks_log:
         dataset = IndexedWindows(dataset)
+    stalls = [tuple(x.split(":")) for x in args.stall]
+
+    def maybe_stall(how: str) -> None:
+        t = trainer
+        for i, (rank, step, kind) in enumerate(stalls):
+            if kind == how and t.rank == int(rank) and t.step == int(step) - 1:
+                try:  # once per job: not again when the restarted job passes this step
+                    os.close(os.open(Path(args.run_dir) / f"stalled-{i}",
+                                     os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    continue
+                logging.getLogger("elastic_job").info("stalling (%s) in step %s", how, step)
+                if how == "sleep":
+                    time.sleep(3600)
+                while True:  # spin: hold the interpreter (the beat thread still gets turns)
+                    pass
+
+    if stalls:
+        dataset = StallingDataset(dataset, lambda: trainer.sections.position().section == "data"
+                                  and maybe_stall("sleep"))
     extras = user_extras(args, lambda: trainer, dataset)
     note = extras.pop("note", None)
 
@@ -191,11 +233,14 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger("elastic_job").info("holding before step %d until SIGTERM",
                                                   t.step + 1)
             deadline = time.time() + 120
-            while not t.preempted and time.time() < deadline:
-                time.sleep(0.05)
+            with t.sections.user("hold"):  # a wait of ours, not a hang
+                while not t.preempted and time.time() < deadline:
+                    time.sleep(0.05)
 
     def step_fn(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         maybe_hold()
+        if stalls:
+            maybe_stall("spin")
         x, y = batch[:2]
         if note is not None:  # the samples really trained
             note("seen", trainer.step + 1, ids=batch[2].tolist())
@@ -223,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
             memory_options=ckpt.MemoryTierOptions(shm_dir=str(memory_dir)),
             extra_state=extras.get("extra_state")),
         failure=FailureConfig(heartbeat_timeout=args.heartbeat_timeout,
-                              collective_timeout=args.collective_timeout),
+                              heartbeat_interval=args.heartbeat_interval,
+                              collective_timeout=args.collective_timeout,
+                              hang_factor=args.hang_factor, hang_floor=args.hang_floor),
         observability=ObservabilityConfig(audit_dir=args.audit_dir, run_dir=args.run_dir))
     trainer = ElasticTrainer(
         TinyLM, optimizer_fn, dataset, step_fn, checkpoint_root=args.root,

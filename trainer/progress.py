@@ -439,8 +439,10 @@ def _ending(a: dict[str, Any]) -> tuple[str, list[int], float | None, float | No
     failures, preempted = a["failures"], a["preempted"]
     # Lost: named by a survivor's heartbeat, or silent (started, then left no final record:
     # killed, or stopped and killed by its agent).
-    # (A rank named by a peer that then recorded its own exit was alive: not lost.)
-    spoke = {f["rank"] for f in failures} | {p["rank"] for p in preempted}
+    # (A rank named by a peer that then recorded its own exit was alive: not lost, unless
+    # it named itself: a hung rank that found its own training thread stuck.)
+    spoke = ({f["rank"] for f in failures if f["rank"] not in f.get("lost", [])}
+             | {p["rank"] for p in preempted})
     lost = sorted(({r for f in failures for r in f.get("lost", [])} - spoke)
                   | set(a["silent"]))
     if failures:

@@ -54,6 +54,7 @@ class MemoryPublisher:
     def __init__(self, storage: Storage, group: Group, options: MemoryTierOptions,
                  metrics: CheckpointMetrics | None) -> None:
         self.group, self.metrics = group, metrics
+        self._staged: Any = None  # the slab of the save being staged
         self.replicator: Replicator | None = None
         self.pg: Any = None  # the gloo group of a multi-rank memory tier
         self.tier: MemoryTier = None  # type: ignore[assignment]  # set below unless disabled
@@ -111,6 +112,8 @@ class MemoryPublisher:
                                    [e[1] for e in everyone], options.replicas)
             # The job's key authenticates the peers (replication.py).
             self.replicator.connect([everyone[t][2] for t in targets], key)
+            # A step being sent keeps its slab until it is gone (ckpt/_memory/slabs.py).
+            self.tier.slabs.reading = self.replicator.reading
             log.info("ckpt._memory.tier node=%s replicas to ranks %s", self.tier.node, targets)
 
     def _disable(self, why: str) -> None:
@@ -138,31 +141,53 @@ class MemoryPublisher:
         rank step holds every box this rank has, also those another rank writes to the root."""
         return self.tier.ranked
 
+    def destinations(self, boxes: list[tuple[str, tuple[int, ...], Any]],
+                     chunk_bytes: int) -> dict[str, Any]:
+        """Where a save copies the boxes it stages (``snapshot(destinations=)``): the views
+        of a slab of the segment (``ckpt/_memory/slabs.py``), cut into chunks of about
+        ``chunk_bytes``, checked against the budget when a new slab is needed. On the
+        caller's thread; one save is staged at a time."""
+        self.discard_staged()  # a snapshot that failed after staging
+        self._staged = self.tier.slabs.acquire(boxes, chunk_bytes, self.tier.check_space)
+        return self._staged.views
+
+    def discard_staged(self) -> None:
+        """The slab of a snapshot that will not be published goes back to the spare."""
+        slab, self._staged = self._staged, None
+        if slab is not None:
+            self.tier.slabs.release(slab)
+
     def publish(self, payload: Any, blocking: float, writer: BackgroundWriter,
                 options: SaveOptions) -> SaveHandle:
-        """Queue the step's publish into shared memory (checked against the budget now)."""
-        self.tier.check_space(sum(t.numel() * t.element_size() for _, t in
-                                  [*payload.pieces.values(), *payload.held.values()]))
+        """Queue the publish of the step staged in shared memory (``destinations``)."""
+        slab, self._staged = self._staged, None
+        if slab is None:
+            raise CheckpointError(f"step {payload.step} was not staged into the memory tier")
         if self.tier.ranked:
-            handle = writer.submit_call(
-                payload.step, blocking, lambda pool: self._publish_rank(payload, options, pool))
+            handle = writer.submit_call(payload.step, blocking,
+                                        lambda pool: self._publish_rank(payload, slab))
         else:
-            handle = writer.submit(  # then retire the generations beyond the tier's keep
-                self.tier.storage, payload, blocking,
-                lambda manifest: self._retire(payload.step))
+            handle = writer.submit_call(payload.step, blocking,
+                                        lambda pool: self._publish_step(payload, slab))
         handle.add_done_callback(_log_failure)
         return handle
 
-    def _retire(self, step: int) -> None:
-        """After a single process's publish of ``step``: the generations beyond the tier's
-        keep go, and those above ``step`` (a line of training the job went back from)."""
-        collect(self.tier.storage, self.tier.kept_steps(step))
+    def _publish_step(self, payload: Any, slab: Any) -> SaveResult:
+        """On the writer thread: a single process's step committed into its segment, then
+        the generations beyond the tier's keep retired, and those above ``step`` (a line of
+        training the job went back from)."""
+        t0 = time.perf_counter()
+        self.tier.publish_step(payload, slab)
+        self.tier.retire(payload.step)
+        collect(self.tier.storage, self.tier.kept_steps(payload.step))
         self.tier.prune_tags()
+        return SaveResult(payload.step, f"{self.tier.path}/{payload.name}", slab.size, 0, 1,
+                          0.0, time.perf_counter() - t0)
 
-    def _publish_rank(self, payload: Any, options: SaveOptions, pool: Any) -> SaveResult:
+    def _publish_rank(self, payload: Any, slab: Any) -> SaveResult:
         """On the writer thread: this rank's share into its segment, then to its peers."""
         t0 = time.perf_counter()
-        table = self.tier.publish_rank(payload, options, pool)
+        table = self.tier.publish_rank(payload, slab)
         if self.replicator is not None:
             self.replicator.submit(payload.step, os.path.join(self.tier.path, payload.name),
                                    self.group.rank)

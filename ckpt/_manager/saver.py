@@ -76,7 +76,8 @@ class Saver:
             state = {**state, PROBE_ITEM: self.options.probe.record(state)}
         payload = snapshot(state, step=step, name=step_dir(step), group=self.group,
                            stager=self.stager, options=self.options, copy=self.copy,
-                           metadata=metadata, previous=base, hold_all=self.hold_all)
+                           metadata=metadata, previous=base, hold_all=self.hold_all,
+                           destinations=self._destinations)
         blocking = time.perf_counter() - t0
         handle = None
         if self.memory is not None:  # published first; the same writer thread, in order
@@ -98,6 +99,13 @@ class Saver:
                                path=self.storage.url) from e
 
     @property
+    def _destinations(self) -> Callable | None:
+        """With a memory tier, a save is staged straight into its shared memory."""
+        if self.memory is None:
+            return None
+        return lambda boxes: self.memory.destinations(boxes, self.options.chunk_bytes)
+
+    @property
     def hold_all(self) -> bool:
         """A rank step in memory holds every box this rank has, also those another rank
         writes to the root (a process group's memory tier; ckpt/_memory/tier.py)."""
@@ -107,7 +115,10 @@ class Saver:
         """Allocate the staging buffers for ``state`` (collective, like a save)."""
         self.wait()
         snapshot(state, step=0, name="prepare", group=self.group, stager=self.stager,
-                 options=self.options, copy=self.copy, hold_all=self.hold_all)
+                 options=self.options, copy=self.copy, hold_all=self.hold_all,
+                 destinations=self._destinations)
+        if self.memory is not None:  # its slab is the spare the first save is staged into
+            self.memory.discard_staged()
 
     def _wait_for_previous(self, step: int) -> None:
         """One save in flight at a time; raise the previous one's error."""

@@ -101,6 +101,7 @@ class Replicator:
         self._lock = threading.Condition()
         self._pending: tuple[int, str, int] | None = None  # (step, step dir, origin)
         self._busy = False
+        self._sending: str | None = None  # the step directory being sent
         self._closed = False
         self._thread = threading.Thread(target=self._send_loop, name="ckpt-replica-send",
                                         daemon=True)
@@ -125,6 +126,13 @@ class Replicator:
             self._pending = (step, step_path, origin)
             self._lock.notify_all()
 
+    def reading(self, step_path: str) -> bool:
+        """Whether ``step_path`` (a step directory of this rank's segment) is queued or being
+        sent: its files must stay as they are until it is done."""
+        with self._lock:
+            return self._sending == step_path or (
+                self._pending is not None and self._pending[1] == step_path)
+
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or being sent; False on timeout."""
         with self._lock:
@@ -138,6 +146,7 @@ class Replicator:
                 if self._pending is None:
                     return
                 job, self._pending, self._busy = self._pending, None, True
+                self._sending = job[1]
             for target in self.targets:
                 try:
                     self._send(target, *job)
@@ -147,7 +156,7 @@ class Replicator:
                     log.warning("ckpt._memory.replication step=%d to %s:%d failed: %s", job[0],
                                 target[0], target[1], e)
             with self._lock:
-                self._busy = False
+                self._busy, self._sending = False, None
                 self._lock.notify_all()
 
     def _send(self, target: tuple[str, int], step: int, path: str, origin: int) -> None:

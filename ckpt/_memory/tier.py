@@ -45,8 +45,9 @@ import secrets
 import shutil
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
+from storage_backends.faults import fault_point
 from storage_backends.posix import PosixStorage
 
 from ckpt.errors import CheckpointError, CorruptCheckpointError
@@ -202,6 +203,10 @@ class MemoryTier:
         self.set_key(key)
         for name in self.storage.uncommitted():  # a publish cut short by a crash
             self.storage.delete(name)
+        from ckpt._memory.slabs import SlabPool  # imports torch; this module stays light
+
+        # The data files saves are staged into: the ``keep`` steps' and the next save's.
+        self.slabs = SlabPool(self.path, keep + 1)
 
     def set_key(self, key: bytes | None) -> None:
         """The job's memory key: what this tier signs with, and checks."""
@@ -227,7 +232,8 @@ class MemoryTier:
             return False
 
     def check_space(self, nbytes: int) -> None:
-        """Raise before writing when the step does not fit the budget or /dev/shm."""
+        """Raise before writing when the step does not fit the budget or /dev/shm (the
+        spare slab the step is written into counts as held already)."""
         held = tree_bytes(self.path)
         # Until the oldest generation is retired, keep+1 steps are held at once.
         if self.budget is not None and held + nbytes > self.budget:
@@ -243,20 +249,17 @@ class MemoryTier:
                 f"tier; enlarge /dev/shm (docker: --shm-size), lower MemoryTierOptions(keep=) "
                 f"(now {self.keep}) or pass memory_tier=False", path=self.shm_root)
 
-    def publish_rank(self, payload: Any, options: Any, pool: Any) -> Any:
-        """Write this rank's share of a save as a rank step (no collectives: runs on the
-        writer thread); the newest ``keep`` rank steps are kept. Returns the RankTable."""
-        from ckpt._save.rank_write import write_rank  # imports torch; this module stays light
-
+    def publish_rank(self, payload: Any, slab: Any) -> Any:
+        """Publish this rank's share of a save, staged in ``slab``, as a rank step (no
+        collectives: runs on the writer thread); the newest ``keep`` rank steps are kept.
+        Returns the RankTable."""
         if self.key is None:
             raise CheckpointError(f"{self.path}: the memory tier has no key yet", path=self.path)
-        if payload.ready is not None:
-            payload.ready.synchronize()
         # Everything this rank holds, also the boxes another rank writes to the root.
         payload = dataclasses.replace(payload, pieces={**payload.pieces, **payload.held})
         staging = self.storage.begin(payload.name, payload.token)
         try:
-            table = write_rank(self.storage, staging, payload, options, pool)
+            table = self._fill(payload, slab, staging)
             doc = {"format": RANK_FORMAT, "step": payload.step, "rank": payload.rank,
                    "world_size": payload.world_size, "token": payload.token,
                    "created": time.time(), "node": self.node,
@@ -265,12 +268,60 @@ class MemoryTier:
                    "metadata": payload.metadata or {}, "table": table.to_json()}
             write_private(os.path.join(self.path, staging, RANK_DOC),
                           json.dumps(sign_doc(self.key, doc)).encode())
-            commit_dir(os.path.join(self.path, staging), os.path.join(self.path, payload.name))
+            fault_point("memory_commit")
+            final = os.path.join(self.path, payload.name)
+            commit_dir(os.path.join(self.path, staging), final,
+                       lambda old: self.slabs.reclaim(old, readers_path=final))
         except BaseException:
+            self.slabs.release(slab)
             shutil.rmtree(os.path.join(self.path, staging), ignore_errors=True)
             raise
-        retire_rank_steps(self.path, self.keep, payload.step)
+        retire_rank_steps(self.path, self.keep, payload.step, self.slabs.reclaim)
         return table
+
+    def publish_step(self, payload: Any, slab: Any) -> Any:
+        """Publish a single process's save, staged in ``slab``, as a step of the segment's
+        ckpt root (its manifest's tag written before the commit); returns the manifest. The
+        caller retires the older generations (:meth:`retire`)."""
+        from ckpt._save.commit import commit_step  # imports torch; this module stays light
+        from ckpt._save.rank_write import write_table
+
+        staging = self.storage.begin(payload.name, payload.token)
+        try:
+            table = self._fill(payload, slab, staging)
+            fault_point("memory_commit")
+            if payload.layouts is not None:
+                report = write_table(self.storage, staging, payload, table)
+                return commit_step(self.storage, staging, payload, reports=[report])
+            return commit_step(self.storage, staging, payload, [table])
+        except BaseException:
+            self.slabs.release(slab)
+            shutil.rmtree(os.path.join(self.path, staging), ignore_errors=True)
+            raise
+
+    def _fill(self, payload: Any, slab: Any, staging: str) -> Any:
+        """Complete ``slab`` (the boxes staged elsewhere, CUDA's, copied in once they have
+        landed), move it into the step's ``staging`` directory and return its chunk table,
+        every digest read from the shared pages."""
+        from ckpt._memory.slabs import staged_elsewhere
+        from ckpt._save.chunking import data_file_name
+
+        if payload.ready is not None:
+            payload.ready.synchronize()
+        for view, staged in staged_elsewhere(slab, payload.pieces):
+            view.copy_(staged)
+        name = data_file_name(payload.token, payload.rank, 0)
+        self.slabs.place(slab, os.path.join(self.path, staging), name)
+        fault_point("memory_placed")
+        return slab.table(name)
+
+    def retire(self, newest: int) -> None:
+        """After a single process's publish of ``newest``: the steps beyond the tier's keep
+        (and those above ``newest``) stop existing, their slabs kept for the next saves."""
+        kept = self.kept_steps(newest)
+        for s, committed in step_dirs(self.storage).items():
+            if committed and s not in kept:
+                self.slabs.reclaim(os.path.join(self.path, step_dir(s)))
 
     def kept_steps(self, newest: int | None = None) -> set[int]:
         """The generations to keep: the newest ``keep`` committed steps, signed or not (the
@@ -299,7 +350,9 @@ class MemoryTier:
         self.close()
 
     def close(self) -> None:
-        """Release ownership; the segment stays for a restarted worker."""
+        """Release ownership; the segment stays for a restarted worker (without its spare
+        slab, which holds no step)."""
+        self.slabs.close()
         if not self._owner.closed:
             self._owner.close()
 
@@ -376,24 +429,32 @@ def open_plain(path: str) -> Any:
     return os.fdopen(open_checked(path), "rb")
 
 
-def commit_dir(staging: str, final: str) -> None:
-    """Publish a finished step directory: one rename (over an older save of the step)."""
+def commit_dir(staging: str, final: str,
+               remove: Callable[[str], None] | None = None) -> None:
+    """Publish a finished step directory: one rename (over an older save of the step,
+    moved aside first and then removed with ``remove``, by default deleted)."""
     if os.path.lexists(final):
         old = f"{os.path.dirname(final)}/{STAGING}old-{os.path.basename(final)}-{time.time_ns()}"
         os.rename(final, old)
         os.rename(staging, final)
+        if remove is not None:
+            remove(old)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(staging, final)
 
 
-def retire_rank_steps(path: str, keep: int, newest: int | None = None) -> None:
+def retire_rank_steps(path: str, keep: int, newest: int | None = None,
+                      remove: Callable[[str], None] | None = None) -> None:
     """Delete all but the newest ``keep`` rank steps of a segment. ``newest``: the step just
-    committed; steps numbered above it go first (see :func:`current_line`)."""
+    committed; steps numbered above it go first (see :func:`current_line`). ``remove``:
+    how a step directory goes (the tier's takes its slab back first)."""
     steps = rank_steps(path)
     kept = current_line(steps, newest)[-keep:]
     for s in steps:
         if s not in kept:
+            if remove is not None:
+                remove(os.path.join(path, step_dir(s)))
             shutil.rmtree(os.path.join(path, step_dir(s)), ignore_errors=True)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ckpt._format.digest import digest
 from ckpt._format.layout import BoxLayout, Layout, written_by
@@ -22,14 +22,19 @@ from ckpt._shared.state import FlatState, flatten, tensor_keys
 from ckpt.errors import CheckpointError
 from ckpt.options import SaveOptions
 
+# The memory tier's staging destinations (see :func:`snapshot`).
+Destinations = Callable[[list[tuple[str, tuple[int, ...], Any]]], Mapping[str, Any]]
+
 
 def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, stager: Stager,
              options: SaveOptions, copy: bool, metadata: dict | None = None,
-             previous: Manifest | None = None, hold_all: bool = False) -> StepPayload:
+             previous: Manifest | None = None, hold_all: bool = False,
+             destinations: Destinations | None = None) -> StepPayload:
     """Prepare ``state`` for the background writer (collectives run here, never later).
 
     ``hold_all``: also stage the boxes other ranks write (``payload.held``), for the memory
-    tier."""
+    tier. ``destinations``: called with the boxes to stage, (key, global offsets, local
+    tensor), returns where to copy some of them (the memory tier's shared pages) or None."""
     flat = flatten(state, allow_pickle=options.allow_pickle, rank=group.rank)
     locals_: dict[str, tuple[tuple[int, ...], Any]] = {}
     specs = []
@@ -43,14 +48,15 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
     if tables:
         return _snapshot_tables(state, flat, specs, locals_, token, step=step, name=name,
                                 group=group, stager=stager, options=options, copy=copy,
-                                metadata=metadata, previous=previous, hold_all=hold_all)
+                                metadata=metadata, previous=previous, hold_all=hold_all,
+                                destinations=destinations)
     gathered = group.all_gather({"specs": specs, "items": flat.items, "aliases": flat.aliases,
                                  "token": token})
     _check_same_items([_item_names(g["items"]) for g in gathered])
     writers = assign_writers([g["specs"] for g in gathered])
     mine = [s.key for s in specs if writers[(s.key, s.offsets)] == group.rank]
     pieces, held, ready = _stage(state, specs, locals_, mine, stager=stager, options=options,
-                                 copy=copy, hold_all=hold_all)
+                                 copy=copy, hold_all=hold_all, destinations=destinations)
     tensors = {s.key: (s.dtype, s.global_shape) for g in gathered for s in g["specs"]}
     return StepPayload(
         step=step, name=name, pieces=pieces, held=held, tensors=tensors,
@@ -62,7 +68,8 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
 def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[PieceSpec],
                      locals_: dict, token: str, *, step: int, name: str, group: Group,
                      stager: Stager, options: SaveOptions, copy: bool, metadata: dict | None,
-                     previous: Manifest | None, hold_all: bool) -> StepPayload:
+                     previous: Manifest | None, hold_all: bool,
+                     destinations: Destinations | None = None) -> StepPayload:
     """Format 2: who writes what follows from each tensor's layout, computed locally.
 
     Ranks exchange only a digest of their tensors' descriptions (keys, dtypes, shapes,
@@ -121,7 +128,8 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         layouts = boxes_layouts(all_specs)
         tensors = {s.key: (s.dtype, s.global_shape) for r in all_specs for s in r}
     pieces, held, ready = _stage(state, specs, locals_, written_here(specs, layouts, group.rank),
-                                 stager=stager, options=options, copy=copy, hold_all=hold_all)
+                                 stager=stager, options=options, copy=copy, hold_all=hold_all,
+                                 destinations=destinations)
     # Per-rank items carry this rank's tree only: it goes into this rank's table (and rank
     # step); the manifest marks them "in the tables".
     return StepPayload(
@@ -154,14 +162,17 @@ def _check_same_items(by_rank: list[dict[str, list[str]]]) -> None:
 
 def _stage(state: Mapping[str, Any], specs: list[PieceSpec], locals_: dict,
            mine: list[str], *, stager: Stager, options: SaveOptions, copy: bool,
-           hold_all: bool) -> tuple[dict, dict, Any]:
+           hold_all: bool, destinations: Destinations | None = None
+           ) -> tuple[dict, dict, Any]:
     """Copy to host the boxes this rank writes (``mine``, in the order of ``specs``) and,
     with ``hold_all``, the others it holds (for the memory tier): (pieces, held, ready)."""
     writes = set(mine)
     held = [s.key for s in specs if hold_all and s.key not in writes]
     guards = optimizers_in(state) if options.overlap_device_copy else []
-    staged, ready = stager.stage({k: locals_[k][1] for k in [*mine, *held]}, copy=copy,
-                                 guards=guards)
+    keys = [*mine, *held]
+    into = destinations([(k, *locals_[k]) for k in keys]) if destinations else None
+    staged, ready = stager.stage({k: locals_[k][1] for k in keys}, copy=copy, guards=guards,
+                                 into=into)
     return ({k: (locals_[k][0], staged[k]) for k in mine},
             {k: (locals_[k][0], staged[k]) for k in held}, ready)
 

@@ -8,7 +8,7 @@ fence tells the writer when the bytes are there to read.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -81,19 +81,29 @@ class Stager:
         self._buffers.clear()
 
     def stage(self, tensors: dict[str, torch.Tensor], copy: bool,
-              guards: Sequence[torch.optim.Optimizer] = ()
+              guards: Sequence[torch.optim.Optimizer] = (),
+              into: Mapping[str, torch.Tensor] | None = None
               ) -> tuple[dict[str, torch.Tensor], _Ready | None]:
         """Host-memory, contiguous copies of ``tensors``, and what to ``synchronize()`` on
         before reading them (CUDA) or None.
 
         With ``copy=False`` (a synchronous save: training waits anyway) CPU tensors that are
-        already contiguous are used as they are.
+        already contiguous are used as they are. ``into``: destinations of some keys (the
+        memory tier's shared pages, ``ckpt/_memory/slabs.py``): a CPU tensor is copied
+        there, with or without ``copy``, and keeps no buffer here; a CUDA tensor still goes
+        to its pinned buffer (the memory tier copies it over once it has landed).
         """
         staged: dict[str, torch.Tensor] = {}
         cuda_sources: list = []
         guarded = _optimizer_storages(guards) if guards else set()
         deferred: list = []
+        into = into or {}
         for key, t in tensors.items():
+            if key in into and t.device.type == "cpu":
+                self._buffers.pop(key, None)
+                into[key].copy_(t)
+                staged[key] = into[key]
+                continue
             if not copy and t.device.type == "cpu":
                 # resolve_*: a lazy conjugate/negative view has no plain bytes of its own
                 staged[key] = t.resolve_conj().resolve_neg().contiguous()

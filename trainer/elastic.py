@@ -66,6 +66,7 @@ from trainer.progress import (RUN_DIR_ENV, ElasticSummary, Recovery, build_summa
                               default_run_dir, next_attempt, read_jsonl)
 from trainer.records import RunRecords
 from trainer.sections import Sections
+from trainer.stragglers import watch_for
 
 log = logging.getLogger("trainer.elastic")
 #: One ``event key=value ...`` line per event (docs/observability.md lists them).
@@ -256,6 +257,7 @@ class ElasticTrainer:
                 exits.attach(heartbeat=parts.heartbeat)
                 self.metrics.heartbeat = parts.heartbeat
             build_parts(self, parts)
+            parts.stragglers = watch_for(self, parts)
             loop = TrainingLoop(self, parts, counted=self._skips_counted)
             start = loop.restore()
             return loop.run(start, total_steps)

@@ -126,6 +126,8 @@ class TrainingLoop:
                 sections.restart()
                 step = rollbacks.rollback(verdict, batch)
                 parts.at_step(step)
+                if parts.stragglers is not None:
+                    parts.stragglers.restart_window()  # the undone steps are no window's
                 feed.start(batches, rollbacks.bad, total_steps - step)  # the position jumped
                 continue
             steps.update()
@@ -143,6 +145,8 @@ class TrainingLoop:
                               grad_norm=norm_value, learning_rate=lr)
             if log_every and (step % log_every == 0 or step == total_steps):
                 self._log_step(step, step_times, loss_value, norm_value, lr)
+            if parts.stragglers is not None:  # at a window's end: scores, maybe a drop
+                parts.stragglers.step_done(step, handle)
             if preempt:
                 sections.enter("finish")
                 feed.stop()

@@ -32,6 +32,7 @@ from trainer.launch import Attempt, wrap_model
 from trainer.records import RunRecords
 from trainer.rollback import Rollbacks
 from trainer.step import StepRunner
+from trainer.stragglers import StragglerWatch
 
 if TYPE_CHECKING:
     from trainer.elastic import ElasticTrainer
@@ -56,6 +57,8 @@ class AttemptParts:
     feed: DatasetFeed | LoaderFeed | None = None
     hook_runner: HookRunner | None = None
     rollbacks: Rollbacks | None = None
+    #: The straggler scores and drop policy (None: off, or one rank).
+    stragglers: StragglerWatch | None = None
 
     def at_step(self, step: int) -> None:
         """``step`` is where training stands now (done, restored or rolled back to)."""

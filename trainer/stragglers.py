@@ -32,8 +32,12 @@ A rank that keeps up from its start is dropped N windows after it began to lag
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import signal
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +50,8 @@ events = logging.getLogger("ckpt.trainer")
 OWN_WORK = ("data", "forward", "optimizer")
 #: Per-step times below this many seconds are raised to it before a ratio is taken.
 FLOOR_S = 1e-3
+#: Exit status of a worker dropped as a straggler (after it asked its torchrun agent to stop).
+EXIT_DROPPED = 77
 
 
 def median_low(values: Sequence[float]) -> float:
@@ -232,6 +238,9 @@ class StragglerWatch:
         import torch
 
         totals = self._totals()
+        # A collective like the step's agreement: every rank enters it at the same step, so
+        # the hang detector judges it too (its wait counts in the next window).
+        self.sections.enter("collective")
         table = torch.zeros(self.attempt.world_size, len(totals), dtype=torch.float64)
         table[self.attempt.rank] = torch.tensor(
             [(t - t0) / self._steps for t, t0 in zip(totals, self._start)],
@@ -240,14 +249,14 @@ class StragglerWatch:
         scores = self.last = self.scorer.score(table.tolist(), self._first, step)
         self._start, self._steps, self._first = totals, 0, None
         flagged = self.policy.flagged(scores)
-        drop = self.policy.observe(scores) if self.config.drop else None
-        if drop is not None and not self.can_drop:
+        drop = self.policy.observe(scores)  # counts the streaks even when drops are off
+        if not (self.config.drop and self.can_drop):
             drop = None
         self._report(scores, flagged, drop)
         if drop is not None and self.exits is not None:
-            self.exits.drop_straggler(drop, step, handle, score=scores.overall[drop],
-                                      windows=self.policy.streaks[drop],
-                                      section=scores.worst_section(drop))
+            leave_for_drop(self.exits, drop, step, handle, score=scores.overall[drop],
+                           windows=self.policy.streaks[drop],
+                           section=scores.worst_section(drop))
         return scores
 
     def _report(self, scores: WindowScores, flagged: list[int], drop: int | None) -> None:
@@ -272,6 +281,93 @@ class StragglerWatch:
                 section=scores.worst_section(r), windows=self.policy.streaks.get(r, 0),
                 threshold=self.config.threshold,
                 action="drop" if r == drop else "none"))
+
+
+def watch_for(trainer: Any, parts: Any) -> StragglerWatch | None:
+    """The straggler watch of an attempt of ``trainer`` (an ElasticTrainer) whose parts are
+    built; None when scores are off or there is one rank. Under FSDP the forward gathers
+    parameters from the peers, so only data and the optimizer step count as own work. A
+    drop needs torchrun (which restarts the others); elsewhere ranks are flagged only."""
+    config = trainer.config.stragglers
+    if not config.enabled or not parts.attempt.collective:
+        return None
+    own_work = ("data", "optimizer") if trainer.config.step.fsdp else OWN_WORK
+    return StragglerWatch(config, attempt=parts.attempt, sections=trainer.sections,
+                          records=parts.records, metrics=trainer.metrics, exits=parts.exits,
+                          own_work=own_work, can_drop=trainer.elastic)
+
+
+# ------------------------------------------------------------------------------- the drop
+
+
+def torchrun_agent() -> int | None:
+    """The pid of the torchrun agent that started this worker (its parent), None if this
+    worker's parent is not one (no ``TORCHELASTIC_RUN_ID``, or another program)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    return parent if any("torchrun" in a or "torch.distributed.run" in a for a in argv) \
+        else None
+
+
+def leave_for_drop(exits: Any, straggler: int, step: int, handle: Any, *, score: float,
+                   windows: int, section: str | None) -> None:
+    """Every rank decided at ``step`` that rank ``straggler`` is dropped; this rank leaves.
+
+    All ranks first checkpoint ``step`` together (unless ``handle``, its save, is in
+    flight), so the job resumes where it stood. The straggler then records ``dropped`` and
+    asks its torchrun agent to stop (SIGTERM: the agent stops its workers and leaves the
+    rendezvous without closing it, as a node that dies), so the restarted job runs without
+    that node; the others record a ``failure`` naming it and exit with ``EXIT_PEER_LOST``
+    for torchrun to restart them. ``exits`` is the attempt's
+    :class:`trainer.exits.ExitPolicy` (its records, metrics, heartbeat and checkpointer).
+    """
+    # Imported here: trainer.exits imports torch and ckpt, and the run summary
+    # (trainer.progress) imports this module without needing them.
+    from trainer.exits import EXIT_PEER_LOST, flush_streams
+
+    rank = exits.rank
+    if exits.heartbeat is not None:  # peers stop watching: our silence is no failure now
+        exits.heartbeat.stop(final_state="dropped")
+    checkpointer = exits.checkpointer
+    if checkpointer is not None:
+        if handle is None:
+            checkpointer.save(step, checkpointer.meta, force=True)
+        checkpointer.wait()
+    detail = (f"rank {straggler} was {score:.2f}x the median of the ranks in its own work "
+              f"for {windows} window(s) (slowest in {section})")
+    if rank == straggler:
+        agent = torchrun_agent()
+        exits.records.record("dropped", step=step, reason="straggler", score=score,
+                             windows=windows, section=section, agent=agent)
+        events.warning(format_event("train.dropped", rank=rank, step=step, reason="straggler",
+                                    score=round(score, 3), windows=windows, section=section,
+                                    agent=agent, exit_status=EXIT_DROPPED))
+        with contextlib.suppress(Exception):
+            exits.metrics.write_textfile()
+        flush_streams()
+        if agent is not None:
+            os.kill(agent, signal.SIGTERM)
+            # The agent stops its workers with SIGTERM (caught by the trainer's handler):
+            # leaving before that could make it restart this worker instead of stopping.
+            deadline = time.monotonic() + 10.0
+            while not exits.sigterm and time.monotonic() < deadline:
+                time.sleep(0.05)
+        os._exit(EXIT_DROPPED)
+    events.error(format_event("train.detect", rank=rank, step=step, reason="straggler",
+                              lost=[straggler], last_steps=[step], error=None,
+                              exit_status=EXIT_PEER_LOST))
+    exits.records.record("failure", step=step, reason="straggler", lost=[straggler],
+                         last_steps={str(straggler): step}, last_seen={}, detail=detail)
+    with contextlib.suppress(Exception):
+        exits.metrics.write_textfile()
+    flush_streams()
+    os._exit(EXIT_PEER_LOST)
 
 
 # ------------------------------------------------------------------------------- the summary
@@ -338,5 +434,6 @@ def detect_windows(windows: int | None = None) -> int:
     return int(windows)
 
 
-__all__ = ["DropPolicy", "FLOOR_S", "OWN_WORK", "Scorer", "StragglerWatch", "WindowScores",
-           "describe", "detect_windows", "median_low", "ratio", "summarize"]
+__all__ = ["DropPolicy", "EXIT_DROPPED", "FLOOR_S", "OWN_WORK", "Scorer", "StragglerWatch", "WindowScores",
+           "describe", "detect_windows", "leave_for_drop", "watch_for", "median_low", "ratio", "summarize",
+           "torchrun_agent"]

@@ -1,11 +1,16 @@
 """CkptCheckpointIO keeps Lightning's checkpoint contract: its folders list what Lightning's own
 IO leaves there, a save leaves no thread or lock behind (a second Trainer of the same process
 uses the folder), ``save_last="link"`` keeps one live link, and a URL is refused clearly.
-Each test runs the real Trainer, with Lightning's own IO as the reference where one applies."""
+A ``.ckpt`` is Lightning's own file (``torch.load``/``pl_load`` return what Lightning's IO
+wrote) whose bytes ckpt's step checks by digest. Each test runs the real Trainer, with
+Lightning's own IO as the reference where one applies."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -13,7 +18,8 @@ import pytest
 import torch
 
 L = pytest.importorskip("lightning")
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.fabric.utilities.cloud_io import _load as pl_load  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import ckpt  # noqa: E402
 from tests.support.other_user import planted_sibling_roots  # noqa: E402
@@ -37,12 +43,14 @@ def data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
 
 
-def trainer(ckpt_io: bool, steps: int = 4, **callback: object) -> L.Trainer:
+def trainer(ckpt_io: bool | CkptCheckpointIO, steps: int = 4, extra: list | None = None,
+            **callback: object) -> L.Trainer:
+    io = ckpt_io if isinstance(ckpt_io, CkptCheckpointIO) else CkptCheckpointIO()
     return L.Trainer(max_steps=steps, accelerator="cpu", logger=False,
                      enable_progress_bar=False, enable_model_summary=False,
-                     plugins=[CkptCheckpointIO()] if ckpt_io else None,
+                     plugins=[io] if ckpt_io else None,
                      enable_checkpointing=bool(callback),
-                     callbacks=[ModelCheckpoint(**callback)] if callback else None)
+                     callbacks=[ModelCheckpoint(**callback)] * bool(callback) + (extra or []))
 
 
 def listing(folder: Path) -> dict[str, str]:
@@ -52,7 +60,7 @@ def listing(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("save_last", [True, "link"])
-def test_dirpath_lists_what_lightnings_own_io_leaves_there(tmp_path, save_last, capsys):
+def test_dirpath_lists_what_lightnings_own_io_leaves_there(tmp_path, save_last):
     """Top-k rotation and last.ckpt (a copy, or a link to the top-k file): the folder holds
     the same names, kinds and link targets as with Lightning's own IO, no ckpt file among
     them (steps, lock and staging live in the hidden sibling), and no link dangles."""
@@ -64,10 +72,6 @@ def test_dirpath_lists_what_lightnings_own_io_leaves_there(tmp_path, save_last, 
     assert all((tmp_path / "ckpt" / n).exists() for n in ours)  # no dangling link
     assert sorted(p.name for p in (tmp_path / ".ckpt.ckpt").glob("step-*")) == [
         "step-00000003", "step-00000004"]
-    from verify.cli import main  # the ckpt command follows the pointer to the sibling root
-
-    assert main(["verify", str(tmp_path / "ckpt/epoch=0-step=4.ckpt")]) == 0
-    assert capsys.readouterr().out.startswith("step 4: OK")
     resumed = trainer(True, steps=5)
     resumed.fit(Net(), data(), ckpt_path=str(tmp_path / "ckpt/last.ckpt"))
     assert resumed.global_step == 5
@@ -88,6 +92,81 @@ def test_a_second_run_into_the_folder_lists_as_lightnings_own_io(tmp_path):
     assert all((tmp_path / "ckpt" / n).exists() for n in ours)
 
 
+def same(a: object, b: object) -> bool:
+    """Equal checkpoints: the same keys, values, and tensors (dtype and bits)."""
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_torch_load_and_pl_load_return_what_lightnings_own_io_wrote(tmp_path, async_save):
+    """Every .ckpt CkptCheckpointIO leaves (top-k files and last.ckpt) is read by torch.load
+    (weights_only=True, torch's default, and False) and Lightning's pl_load into the dict
+    Lightning's own IO wrote at that path; last.ckpt and the top-k file of the same state
+    are one file on disk (a second name), where Lightning's own IO writes the bytes twice."""
+    run = tmp_path / "ckpts"  # the same dirpath for both: ModelCheckpoint's state names it
+    options = dict(dirpath=run, every_n_train_steps=1, save_top_k=2, monitor="step",
+                   mode="max", save_last=True)
+    torch.manual_seed(0)
+    trainer(False, **options).fit(Net(), data())
+    shutil.move(run, tmp_path / "own")
+    torch.manual_seed(0)
+    trainer(CkptCheckpointIO(async_save=async_save), **options).fit(Net(), data())
+    names = sorted(os.listdir(run))
+    assert names == sorted(os.listdir(tmp_path / "own")) == [
+        "epoch=0-step=3.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    for name in names:
+        own = torch.load(tmp_path / "own" / name, weights_only=False)
+        assert same(torch.load(run / name, weights_only=True), own), name
+        assert same(torch.load(run / name, weights_only=False), own), name
+        assert same(pl_load(run / name), own), name
+    assert os.path.samefile(run / "last.ckpt", run / "epoch=0-step=4.ckpt")
+    assert not os.path.samefile(tmp_path / "own/last.ckpt", tmp_path / "own/epoch=0-step=4.ckpt")
+
+
+class StartStep(Callback):
+    def on_train_start(self, trainer, *args) -> None:
+        self.step = trainer.global_step
+
+
+def test_a_flipped_bit_in_a_ckpt_is_caught_and_the_resume_falls_back(tmp_path, caplog):
+    """One bit flipped in a tensor's bytes inside last.ckpt: torch.load still reads the file
+    (a weight silently changed), but a resume through the plugin checks it against its
+    step's digests, names the tensor record that differs, and resumes from the step before,
+    whose weights are those Lightning's own IO saved there."""
+    options = dict(dirpath=tmp_path / "run", every_n_train_steps=1, save_top_k=2,
+                   monitor="step", mode="max", save_last=True)
+    torch.manual_seed(0)
+    trainer(True, **options).fit(Net(), data())
+    last = tmp_path / "run/last.ckpt"
+    good = torch.load(last, weights_only=True)
+    step3 = torch.load(tmp_path / "run/epoch=0-step=3.ckpt", weights_only=True)
+    records = json.loads((tmp_path / ".run.ckpt/step-00000004/manifest.json").read_text())[
+        "metadata"]["lightning_files"][0]["records"]
+    weight = good["state_dict"]["layer.weight"]
+    name, (offset, _, _) = next((k, v) for k, v in records.items() if "/data/" in k and v[1]
+                                == weight.numel() * weight.element_size())
+    raw = bytearray(last.read_bytes())
+    raw[offset + 2] ^= 0x10
+    last.write_bytes(bytes(raw))  # one inode: epoch=0-step=4.ckpt holds the flip as well
+    assert not torch.equal(torch.load(last, weights_only=True)["state_dict"]["layer.weight"],
+                           weight)  # torch alone reads the changed weight
+
+    start = StartStep()
+    model = Net()
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        trainer(True, steps=5, extra=[start]).fit(model, data(), ckpt_path=str(last))
+    assert start.step == 3
+    assert f"skipping step 4" in caplog.text and f"record {name}" in caplog.text
+    loaded = CkptCheckpointIO().load_checkpoint(last)
+    assert same(loaded, step3)
+
+
 def test_save_checkpoint_outside_fit_leaves_no_thread_or_lock(tmp_path):
     """trainer.save_checkpoint() after fit() is not followed by a teardown: the save returns
     with its step committed, no writer thread alive and the folder unlocked, so a second
@@ -103,7 +182,8 @@ def test_save_checkpoint_outside_fit_leaves_no_thread_or_lock(tmp_path):
     second = trainer(True, steps=6, dirpath=tmp_path)  # keeps first alive: same process
     second.fit(Net(), data(), ckpt_path=str(tmp_path / "manual.ckpt"))
     assert second.global_step == 6 and first.global_step == 4
-    assert set(os.listdir(tmp_path)) == {"manual.ckpt", "epoch=1-step=6.ckpt"}
+    # manual.ckpt holds the state after fit (epoch 1 begun), as with Lightning's own IO
+    assert set(os.listdir(tmp_path)) == {"manual.ckpt", "epoch=2-step=6.ckpt"}
 
 
 def test_an_asynchronous_save_releases_the_folder_at_the_next_load(tmp_path):

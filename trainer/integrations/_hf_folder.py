@@ -183,6 +183,18 @@ class FolderWriter:
         self.wait()
         self._pending = self._pool.submit(job)
 
+    def then(self, job: Callable[[], None]) -> None:
+        """Queue ``job`` after the write in flight without waiting for it (it fails with
+        that write's error, if any)."""
+        before = self._pending
+
+        def chained() -> None:
+            if before is not None:
+                before.result()
+            job()
+
+        self._pending = self._pool.submit(chained)
+
     def wait(self) -> None:
         """Wait for the write in flight; raise its error."""
         pending, self._pending = self._pending, None

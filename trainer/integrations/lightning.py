@@ -1,26 +1,25 @@
 """PyTorch Lightning: ``L.Trainer(plugins=[CkptCheckpointIO()])`` writes through ckpt.
 
-Every checkpoint Lightning asks for (``ModelCheckpoint``, ``trainer.save_checkpoint``) becomes
-a ckpt step ``step-<global_step>`` (digested, atomic, under the root's writer lock), and the
-``.ckpt`` path itself becomes a small pointer to that step, so ``save_top_k``, ``save_last``
-(also ``"link"``) and ``fit(ckpt_path="last")`` keep working. The steps of a folder ``ckpts``
-live in its hidden sibling ``.ckpts.ckpt``: ``ckpts`` lists exactly the files Lightning's own
-IO leaves there. A top-k file and ``last.ckpt`` of the same step share one step on disk.
-Loading a pointer whose step is corrupt or was never committed falls back, with a warning, to
-the newest good step before it. A ``.ckpt`` that is not a pointer (written by Lightning's own
-IO) is loaded with ``torch.load`` as Lightning would.
+Every checkpoint Lightning asks for (``ModelCheckpoint``, ``trainer.save_checkpoint``) is a
+``.ckpt`` file of Lightning's own format (``torch.save``: ``torch.load``, ``pl_load`` and
+``Model.load_from_checkpoint`` read it), written atomically and durably, and a ckpt step
+``step-<global_step>`` (under the root's writer lock) whose manifest records the file's digests
+(:mod:`._pl_file`): the bytes are on disk once. The steps of a folder ``ckpts`` live in its
+hidden sibling ``.ckpts.ckpt``: ``ckpts`` lists exactly the files Lightning's own IO leaves
+there. A second save of the same step with the same contents (the top-k file, then
+``last.ckpt``) is a hard link to the first file. Loading checks the file against its step's
+digests; a file whose step is corrupt or was never committed falls back, with a warning, to
+the newest good step before it (its file). A ``.ckpt`` of Lightning's own IO (no claim) is
+loaded with ``torch.load`` as Lightning would, and a pointer of earlier versions through ckpt.
 
-A save returns once its step is committed, and leaves no thread or lock behind, as Lightning's
-own IO (``trainer.save_checkpoint`` outside ``fit`` included). With ``async_save=True`` it
-returns once the state is copied to host memory and the write goes on, holding the lock, until
-the next save, a load, or ``teardown`` (the end of ``fit``/``validate``/``test``).
+A save returns once its file and step are committed, and leaves no thread or lock behind, as
+Lightning's own IO (``trainer.save_checkpoint`` outside ``fit`` included). With
+``async_save=True`` it returns once the state is copied to host memory and the write goes on,
+holding the lock, until the next save, a load, or ``teardown``.
 
 Under DDP, Lightning saves from rank 0 only: rank 0 writes alone (its own one-rank group),
 every rank reads. Paths are local: an fsspec URL (``memory://``, ``s3://``...) is refused with
 a ``ValueError`` (use Lightning's own IO there).
-
-``torch.load``/``pl_load`` of a pointer raise ``pickle.UnpicklingError`` (it is JSON): load with
-:func:`load_from_checkpoint`, ``ckpt.load`` or ``CkptCheckpointIO().load_checkpoint(path)``.
 """
 
 from __future__ import annotations
@@ -28,22 +27,24 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 import ckpt
-from ckpt.tools import read_pointer, write_pointer
+import ckpt.inspect
+from ckpt.tools import read_pointer
 
+from . import _pl_file as plf
+from ._hf_folder import FolderWriter, HostCopies
 from ._steps import StepStore, check_own_root, load_newest_good, pickle_allowed, solo_group
 
 log = logging.getLogger("ckpt")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def root_for(folder: str) -> str:
     """ckpt's root for the checkpoints of ``folder``: its hidden sibling ``.<name>.ckpt`` (a
     folder that already holds steps, as written by earlier versions, is its own root)."""
@@ -84,7 +85,8 @@ def _same_folder_link(full: str) -> str:
 
 
 def _named_steps(folder: str) -> set[int]:
-    """The steps the pointers in ``folder`` name (links are not followed)."""
+    """The steps the files in ``folder`` claim, or its pointers name (links are not
+    followed)."""
     named = set()
     try:
         entries = list(os.scandir(folder))
@@ -92,18 +94,60 @@ def _named_steps(folder: str) -> set[int]:
         return named
     for entry in entries:
         if entry.name.endswith(".ckpt") and entry.is_file(follow_symlinks=False):
-            step = read_pointer(entry.path)
+            step = plf.claim(entry.path)
+            step = read_pointer(entry.path) if step is None else step
             if step is not None:
                 named.add(step)
     return named
+
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a checkpoint's structure with each tensor replaced by its storage's identity."""
+
+    def __init__(self, buffer: io.BytesIO) -> None:
+        super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        self.tensors.append(obj)
+        return (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape),
+                tuple(obj.stride()), str(obj.dtype), str(obj.device))
+
+
+def _fingerprint(checkpoint: dict[str, Any]) -> tuple[bytes, list[torch.Tensor]] | None:
+    """What tells whether a second save of a step holds what the first did, without reading
+    tensor bytes: the structure and every value but the tensors, which must be the same
+    storages (kept alive until the next save, so no address is reused meanwhile). None when
+    it cannot be taken: the second save is then written in full."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer)
+    try:
+        pickler.dump(checkpoint)
+    except Exception:  # noqa: BLE001 - torch.save reports what it cannot save
+        return None
+    return buffer.getvalue(), pickler.tensors
+
+
+class _Saved:
+    """The newest save of this plugin: a second save of the same step may link to it."""
+
+    def __init__(self, root: str, step: int, path: str, seen: Any) -> None:
+        self.root, self.step, self.path, self.seen = root, step, path, seen
+        self.records: list[dict[str, Any]] = []  # the step's file records, filled when written
+
+    def same(self, root: str, step: int, seen: Any) -> bool:
+        return (self.root, self.step) == (root, step) and seen is not None \
+            and self.seen is not None and seen[0] == self.seen[0]
 
 
 class CkptCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves through a :class:`ckpt.CheckpointManager`.
 
     Args:
-        manager_options: passed to the manager (``async_save=True``, ``options=ckpt.
-            SaveOptions(compression=..., incremental=..., allow_pickle=...)``, ``metrics``...).
+        manager_options: passed to the manager (``async_save=True``, ``metrics``...).
             Saves are synchronous unless ``async_save=True``. The save schedule and retention
             are Lightning's (``ModelCheckpoint``), so ``every_steps``, ``keep_last`` and
             ``keep_every`` are refused. SIGTERM is Lightning's too (``trainer.received_sigterm``,
@@ -121,33 +165,55 @@ class CkptCheckpointIO(CheckpointIO):
         StepStore.check_options(manager_options)
         self.manager_options = {"schedule": ckpt.Schedule(handle_sigterm=False),
                                 "async_save": False, **manager_options}
-        self._store: StepStore | None = None  # an asynchronous write in flight
+        self._store: StepStore | None = None  # with async_save: the store of the write
+        self._writer: FolderWriter | None = None  # in flight, and its thread
         self._group: Any = None  # rank 0's one-rank group under DDP, made once
-        self._last: tuple[str, int, frozenset] | None = None
+        self._host = HostCopies()  # async_save: host buffers, reused from save to save
+        self._last: _Saved | None = None
 
-    def _open(self, root: str) -> StepStore:
+    # -- running jobs that write under a root ------------------------------------------------
+    def _run(self, root: str, job: Callable[[StepStore], None]) -> None:
+        """Run ``job`` with the root's store: now, then close it (no lock or thread left), or
+        with ``async_save`` on a writer thread that holds the store until :meth:`_finish`."""
         self._finish()
         if self._group is None:
             self._group = solo_group() or False
-        return StepStore(root, self.manager_options, group=self._group or None)
+        # The plugin's writer thread is the asynchrony: the manager itself saves in it.
+        store = StepStore(root, {**self.manager_options, "async_save": False},
+                          group=self._group or None)
+        if not self.manager_options["async_save"]:
+            try:
+                job(store)
+            finally:
+                store.close()
+            return
+        self._store, self._writer = store, FolderWriter()
+        self._writer.submit(lambda: job(store))
+
+    def _queue(self, root: str, job: Callable[[StepStore], None]) -> None:
+        """``job`` after the write in flight under ``root`` (without waiting), or now."""
+        store = self._store
+        if store is not None and store.root == root:
+            self._writer.then(lambda: job(store))
+        else:
+            self._run(root, job)
 
     def _finish(self) -> None:
         """Finish the asynchronous write in flight (raising its error), release the lock."""
-        if self._store is not None:
-            store, self._store = self._store, None
-            store.close()
+        store, writer = self._store, self._writer
+        self._store = self._writer = None
+        if store is not None:
+            try:
+                writer.close()
+            finally:
+                store.close()
 
-    def _done(self, store: StepStore) -> None:
-        """A save or removal is submitted: close the store now, or at the write's end."""
-        if self.manager_options["async_save"]:
-            self._store = store
-        else:
-            store.close()
-
+    # -- saving ------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any = None) -> None:
-        """Save ``checkpoint`` as step ``global_step`` and point ``path`` at it; returns once
-        the step is committed (with ``async_save=True``: once copied to host memory)."""
+        """Write ``checkpoint`` to ``path`` as Lightning does, recorded by step
+        ``global_step``; returns once both are committed (with ``async_save=True``: once
+        copied to host memory)."""
         if storage_options is not None:
             raise TypeError("CkptCheckpointIO takes no storage_options; pass manager options "
                             "to CkptCheckpointIO(...) instead")
@@ -155,97 +221,195 @@ class CkptCheckpointIO(CheckpointIO):
         folder = os.path.dirname(full)
         root = root_for(folder)
         step = int(checkpoint.get("global_step", 0))
-        key = (root, step, frozenset(checkpoint))
         os.makedirs(folder, exist_ok=True)
-        if key == self._last and step in self._steps(root):
-            # the same step under a second name (top-k and last.ckpt): one step on disk
-            write_pointer(full, step)
+        seen = _fingerprint(checkpoint)
+        last = self._last
+        if last is not None and last.same(root, step, seen) and last.path != full:
+            # the same state under a second name (top-k and last.ckpt): one file on disk
+            self._queue(root, lambda store: self._link(store, last.path, full))
             return
-        store = self._open(root)
+        saved = _Saved(root, step, full, seen)
+        if last is not None and (last.root, last.step) == (root, step):
+            saved.records = last.records  # the step's other file stays recorded
+        if self.manager_options["async_save"]:
+            self._finish()  # one write in flight: its host buffers are reused now
+            checkpoint = self._host.copy(checkpoint)
+        self._last = None
+        self._run(root, lambda store: self._write(store, checkpoint, saved))
+        self._last = saved
+
+    @staticmethod
+    def _write(store: StepStore, checkpoint: dict[str, Any], saved: _Saved) -> None:
+        folder = os.path.dirname(saved.path)
+        tmp, record = plf.write(checkpoint, saved.path, saved.step)
         try:
+            records = [r for r in saved.records if r["name"] != record["name"]] + [record]
             # as Lightning's own IO writes over a file: a resume from an older checkpoint
             # saves its steps again
-            store.save(step, dict(checkpoint), overwrite=True)
-            self._last = key
-            write_pointer(full, step)
-            store.retire(set(store.mgr.steps()) - _named_steps(folder) - {step})
+            store.save(saved.step, {"lightning_file": record["name"]},
+                       metadata={plf.FILES_KEY: records}, overwrite=True)
+            store.mgr.wait()
+            plf.publish(tmp, saved.path)  # once its step is committed
+            saved.records = records
         except BaseException:
-            store.close()
+            if os.path.exists(tmp):
+                os.remove(tmp)
             raise
-        self._done(store)
+        store.retire(set(store.mgr.steps()) - _named_steps(folder) - {saved.step})
 
-    def _steps(self, root: str) -> list[int]:
-        """The steps committed under ``root`` or being written by this plugin."""
+    @staticmethod
+    def _link(store: StepStore, source: str, full: str) -> None:
+        plf.link(source, full)
+        store.retire(set(store.mgr.steps()) - _named_steps(os.path.dirname(full)))
+
+    # -- loading -----------------------------------------------------------------------------
+    def load_checkpoint(self, path: Any, map_location: Any = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint at ``path``, checked against its step's digests (or the newest good
+        one before it), read with ``torch.load`` as Lightning's own IO reads it."""
+        self._finish()  # a save of this process may still be writing
+        full = _same_folder_link(_local(path))
+        if map_location is None:  # Lightning's own IO's default: where the tensors were
+            map_location = lambda storage, loc: storage  # noqa: E731
+        step = plf.claim(full)
+        if step is None and read_pointer(full) is not None:
+            return self._load_pointer(full, map_location)
+        if step is None:
+            if not os.path.exists(full):  # Lightning's message, naming the path as given
+                raise FileNotFoundError(f"Checkpoint file not found: {path}")
+            log.info("ckpt: %s was not written by CkptCheckpointIO; loading it with "
+                     "torch.load", full)
+            return TorchCheckpointIO().load_checkpoint(full, map_location, weights_only)
+        folder = os.path.dirname(full)
+        root = root_for(folder)
+        with ckpt.CheckpointManager(root, read_only=True, metrics=False,  # no collectives
+                                    schedule=ckpt.Schedule(handle_sigterm=False)) as ro:
+            candidates = [s for s in ro.steps() if s <= step] if os.path.isdir(root) else []
+        if step not in candidates:
+            log.warning("ckpt: %s belongs to step %d, which was never committed under %s (the "
+                        "job stopped while writing it); loading the newest step before it",
+                        full, step, root)
+        failures = []
+        for s in reversed(candidates):
+            try:
+                loaded = self._load_step(root, s, full, folder, map_location, weights_only)
+            except (ckpt.CorruptCheckpointError, ckpt.CheckpointNotFoundError) as e:
+                loaded = str(e)
+            if isinstance(loaded, dict):
+                if s != step:
+                    log.warning("ckpt: %s (step %d) cannot be loaded; resuming from step %d",
+                                full, step, s)
+                return loaded
+            log.warning("ckpt: skipping step %d under %s: %s", s, root, loaded)
+            failures.append(f"step {s}: {loaded}")
+        if failures:
+            raise ckpt.CorruptCheckpointError(
+                f"no checkpoint of {folder} at or before step {step} could be loaded; `ckpt "
+                f"verify --all {root}` checks the steps:\n  " + "\n  ".join(failures),
+                path=full)
+        raise FileNotFoundError(f"{full} belongs to step {step}, but no step at or before it "
+                                f"was committed under {root}")
+
+    def _load_step(self, root: str, step: int, full: str, folder: str, map_location: Any,
+                   weights_only: bool | None) -> dict[str, Any] | str:
+        """Step ``step``'s checkpoint from a file of ``folder`` that claims it and matches
+        its digests (``full`` first); what failed when none does."""
+        records = ckpt.inspect.open(root).manifest(step).metadata.get(plf.FILES_KEY)
+        if records is None:  # a step of an earlier version holds the state itself
+            return self._load_pointer_step(root, step, map_location)
+        problems, seen = [], set()
+        for path in [full, *sorted(e.path for e in os.scandir(folder)
+                                   if e.name.endswith(".ckpt") and e.path != full)]:
+            if plf.claim(path) != step:
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:  # checked and read through one descriptor
+                inode = os.fstat(fd)[1:3]
+                if inode in seen:  # a second name of a file already checked
+                    continue
+                seen.add(inode)
+                problem = plf.problem(f, records, os.path.basename(path))
+                if problem is None:
+                    f.seek(0)
+                    return torch.load(f, map_location=map_location, weights_only=weights_only)
+                problems.append(problem)
+        return "; ".join(problems) or f"no file in {folder} holds it any more"
+
+    def _load_pointer(self, full: str, map_location: Any) -> dict[str, Any]:
+        """A pointer of earlier versions: its step holds the state."""
+        step = read_pointer(full)
+        root = root_for(os.path.dirname(full))
+        found = load_newest_good(root, step, allow_pickle=pickle_allowed(self.manager_options),
+                                 map_location=_device(map_location)) \
+            if os.path.isdir(root) else None
+        if found is None:
+            raise FileNotFoundError(f"{full} points at step {step}, but no step at or before "
+                                    f"it was committed under {root}")
+        return found[1]
+
+    def _load_pointer_step(self, root: str, step: int, map_location: Any) -> dict[str, Any]:
+        return ckpt.load(os.path.join(root, ckpt.inspect.step_dir(step)),
+                         allow_pickle=pickle_allowed(self.manager_options),
+                         map_location=_device(map_location))
+
+    # -- removing ----------------------------------------------------------------------------
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the file (a link itself, never what it names); a step goes once no file
+        claims it."""
+        full = _local(path)
+        if os.path.islink(full):
+            os.remove(full)  # save_last="link": the link goes, the file it names stays
+            return
+        ours = plf.claim(full) is not None or read_pointer(full) is not None
+        if os.path.isfile(full):
+            os.remove(full)
+        if not ours:
+            return  # a checkpoint of Lightning's own format, in the same folder
+        folder = os.path.dirname(full)
+        root = root_for(folder)
+
+        def retire(store: StepStore) -> None:
+            store.retire(set(store.mgr.steps()) - _named_steps(folder))
+
         if self._store is not None and self._store.root == root:
-            steps = self._store.mgr.steps()
-            return steps + [self._last[1]] if self._last and self._last[0] == root else steps
+            self._queue(root, retire)  # after the write in flight
+            return
+        if set(self._steps(root)) - _named_steps(folder):
+            self._run(root, retire)
+
+    @staticmethod
+    def _steps(root: str) -> list[int]:
+        """The steps committed under ``root``."""
         if not os.path.isdir(root):
             return []
         with ckpt.CheckpointManager(root, read_only=True, metrics=False,
                                     schedule=ckpt.Schedule(handle_sigterm=False)) as ro:
             return ro.steps()
 
-    def load_checkpoint(self, path: Any, map_location: Any = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint ``path`` points at (or the newest good one before it)."""
-        full = _same_folder_link(_local(path))
-        step = read_pointer(full)
-        if step is None:
-            if not os.path.exists(full):  # Lightning's message, naming the path as given
-                raise FileNotFoundError(f"Checkpoint file not found: {path}")
-            log.info("ckpt: %s is not a ckpt pointer; loading it with torch.load", full)
-            return TorchCheckpointIO().load_checkpoint(full, weights_only=weights_only)
-        self._finish()  # a save of this process may still be writing that step
-        root = root_for(os.path.dirname(full))
-        found = load_newest_good(root, step, allow_pickle=pickle_allowed(self.manager_options),
-                                 map_location=map_location) if os.path.isdir(root) else None
-        if found is None:
-            raise FileNotFoundError(f"{full} points at step {step}, but no step at or before "
-                                    f"it was committed under {root}")
-        loaded_step, checkpoint = found
-        if loaded_step != step:
-            log.warning("ckpt: %s names step %d, which cannot be loaded; resuming from step %d",
-                        full, step, loaded_step)
-        return checkpoint
-
-    def remove_checkpoint(self, path: Any) -> None:
-        """Remove the file (a link itself, never what it names); a step goes once no pointer
-        names it."""
-        full = _local(path)
-        if os.path.islink(full):
-            os.remove(full)  # save_last="link": the link goes, the file it names stays
-            return
-        if read_pointer(full) is None:
-            if os.path.isfile(full):
-                os.remove(full)  # a checkpoint of Lightning's own format, in the same folder
-            return
-        os.remove(full)
-        folder = os.path.dirname(full)
-        root = root_for(folder)
-        doomed = set(self._steps(root)) - _named_steps(folder)
-        if doomed:
-            store = self._store if self._store is not None and self._store.root == root \
-                else self._open(root)
-            store.retire(doomed)
-            if store is not self._store:
-                self._done(store)
-
     def teardown(self) -> None:
         """Finish the write in flight (raising its error), delete dropped steps, unlock."""
         self._finish()
 
 
-def load_from_checkpoint(cls: type, path: Any, map_location: Any = None, **kwargs: Any) -> Any:
-    """``cls.load_from_checkpoint(path, map_location, **kwargs)`` where ``path`` is a pointer
-    written by :class:`CkptCheckpointIO` (or a ``.ckpt`` of Lightning's own format).
+def _device(map_location: Any) -> Any:
+    """ckpt.load's map_location: a device, or None (a function stays Lightning's)."""
+    return map_location if isinstance(map_location, (str, torch.device)) else None
 
-    ``cls`` is a LightningModule or LightningDataModule class. Example::
+
+def load_from_checkpoint(cls: type, path: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(path, map_location, **kwargs)``, with the file checked
+    against its step's digests first (falling back past a bad one as a resume does).
+
+    ``cls`` is a LightningModule or LightningDataModule class. ``cls.load_from_checkpoint``
+    reads the same file, unchecked. Example::
 
         model = load_from_checkpoint(MyModule, "ckpts/last.ckpt", map_location="cpu")
     """
-    if read_pointer(_same_folder_link(_local(path))) is None:
+    full = _same_folder_link(_local(path))
+    if plf.claim(full) is None and read_pointer(full) is None:
         return cls.load_from_checkpoint(path, map_location=map_location, **kwargs)
-    checkpoint = CkptCheckpointIO().load_checkpoint(path, map_location=map_location)
+    checkpoint = CkptCheckpointIO().load_checkpoint(path, map_location=map_location,
+                                                    weights_only=kwargs.get("weights_only"))
     buffer = io.BytesIO()  # Lightning's loader reads a file object with torch.load
     torch.save(checkpoint, buffer)
     buffer.seek(0)

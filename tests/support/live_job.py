@@ -1,0 +1,183 @@
+"""A replica group of a small live job (trainer.live), and how tests run and read one.
+
+As a script (started by ``trainer.live.supervisor``): trains a small MLP with dropout
+(so the RNG matters) and AdamW + StepLR on 96 samples, global batch 12, recording every
+commit with digests. Faults, each injected once per job (a marker file), by env
+``LIVE_KILL=group:step:where``, comma separated:
+
+- ``forward``: the group SIGKILLs itself in the middle of the step (after its forward);
+- ``allreduce``: at the gradient all-reduce it waits until its peers are surely inside
+  theirs (0.3 s), then SIGKILLs itself.
+
+  (at the first step from the one named on at which all three groups are in the quorum).
+
+Each kill is written to ``kills.jsonl`` (group, step, time) just before the signal. A
+``stop_at`` file in the run directory ends the job at that step (the test writes one a few
+steps ahead once it has seen what it waits for).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+SAMPLES, GLOBAL_BATCH = 96, 12
+
+
+def _kills() -> dict[int, tuple[int, str]]:
+    out = {}
+    for spec in filter(None, os.environ.get("LIVE_KILL", "").split(",")):
+        group, step, where = spec.split(":")
+        out[int(group)] = (int(step), where)
+    return out
+
+
+def _die(run_dir: Path, group: int, step: int, where: str) -> None:
+    """SIGKILL this process, once per job for (group, step, where)."""
+    marker = run_dir / f"killed-{group}-{step}-{where}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # the replacement passes this point again
+    with open(run_dir / "kills.jsonl", "a") as f:
+        f.write(json.dumps({"group": group, "step": step, "where": where, "pid": os.getpid(),
+                            "time": time.time()}) + "\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from trainer.live import LiveConfig, LiveTrainer, run
+
+    run_dir = Path(os.environ["LIVE_RUN_DIR"])
+    live = LiveConfig.from_env()
+    group = live.replica_group
+    kill = _kills().get(group)
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(SAMPLES, 8, generator=g)
+    y = torch.randint(0, 4, (SAMPLES,), generator=g)
+
+    stop_file = run_dir / "stop_at"
+
+    class Job(LiveTrainer):
+        def issue_allreduce(self, flat: torch.Tensor) -> Any:
+            step = self.manager.current_step() + 1
+            # the first step from the one named on at which the quorum is whole
+            if (kill and kill[1] == "allreduce" and step >= kill[0]
+                    and self.manager.num_participants() == 3):
+                time.sleep(0.3)
+                _die(run_dir, group, kill[0], "allreduce")
+            return super().issue_allreduce(flat)
+
+        def last_step(self, total_steps: int) -> int:
+            # the test may end the job sooner: a step every group reads before it
+            if stop_file.exists():
+                return min(total_steps, int(stop_file.read_text() or total_steps))
+            return total_steps
+
+    holder: dict[str, Job] = {}
+
+    def step_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+        step = holder["t"].manager.current_step() + 1
+        if kill and kill == (step, "forward"):
+            _die(run_dir, group, step, "forward")
+        return loss
+
+    trainer = Job(
+        lambda: torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+                                    torch.nn.Dropout(0.2), torch.nn.Linear(32, 4)),
+        lambda params: torch.optim.AdamW(params, lr=0.01),
+        TensorDataset(x, y), step_fn,
+        scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5, gamma=0.9),
+        checkpoint_root=os.environ["LIVE_CKPT_ROOT"],
+        checkpoint_every=int(os.environ.get("LIVE_CKPT_EVERY", "4")),
+        global_batch_size=GLOBAL_BATCH, live=live, seed=7, record_dir=run_dir,
+        digests=True, manager_options={"async_save": False})
+    holder["t"] = trainer
+    run(trainer, int(os.environ["LIVE_TOTAL_STEPS"]))
+
+
+# -- the test side ------------------------------------------------------------------------
+def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float = 1.0,
+              quorum_timeout: float = 3.0, quorum_retries: int = 2,
+              respawn_delay: float = 0.0, extra: list[str] | None = None
+              ) -> subprocess.Popen:
+    """The supervisor of a 3-group job in a network namespace of its own (torchft's
+    manager server listens on every interface: nothing outside can reach it there)."""
+    run_dir, root = tmp / "run", tmp / "ckpt"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "LIVE_RUN_DIR": str(run_dir), "LIVE_CKPT_ROOT": str(root),
+           "LIVE_TOTAL_STEPS": str(steps), "LIVE_KILL": kill,
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    supervisor = [sys.executable, "-m", "trainer.live.supervisor", "--groups", "3",
+                  "--host", "127.0.0.1", "--heartbeat-timeout", str(heartbeat_timeout),
+                  "--quorum-timeout", str(quorum_timeout),
+                  "--quorum-retries", str(quorum_retries), "--timeout", "5",
+                  "--respawn-delay", str(respawn_delay), "--run-dir", str(run_dir),
+                  "--job-timeout", "400", *(extra or []), "--",
+                  sys.executable, "-m", "tests.support.live_job"]
+    script = 'ip link set lo up && exec "$@"'
+    return subprocess.Popen(["unshare", "-n", "sh", "-c", script, "sh", *supervisor],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut by SIGKILL
+    return out
+
+
+def group_records(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    return {g: read(run_dir / f"group-{g}.jsonl") for g in range(3)}
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def committed_at_least(run_dir: Path, step: int) -> bool:
+    return any(r["event"] == "commit" and r["step"] >= step
+               for recs in group_records(run_dir).values() for r in recs)
+
+
+def stop_soon(run_dir: Path, ahead: int = 4) -> int:
+    """End the job ``ahead`` steps after the newest commit; returns that step."""
+    newest = max((r["step"] for recs in group_records(run_dir).values() for r in recs
+                  if r["event"] == "commit"), default=0)
+    (run_dir / "stop_at.tmp").write_text(str(newest + ahead))
+    os.replace(run_dir / "stop_at.tmp", run_dir / "stop_at")
+    return newest + ahead
+
+
+def finish(proc: subprocess.Popen, timeout: float = 420) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"supervisor exited {proc.returncode}:\n{out[-6000:]}"
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Settings of live recovery: where the lighthouse is, how fast a lost replica group is
+dropped from the quorum, and when the job gives up on live recovery for a ckpt resume.
+
+Plain values only (no torch): the supervisor and the lighthouse read them without
+importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+#: Environment variable with the job's heal key (hex); every replica group of a job needs
+#: the same one. :class:`trainer.live.supervisor.LiveJob` makes one per job.
+LIVE_KEY_ENV = "CKPT_LIVE_KEY"
+
+#: Exit status of a replica group that lost the quorum for good (the lighthouse beyond the
+#: retry window, or too few replicas for ``quorum_timeout``): restart the whole job, which
+#: resumes from ckpt's newest good step.
+EXIT_QUORUM_LOST = 76
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveConfig:
+    """How the replica groups of a live job find each other and survive losses.
+
+    Args:
+        lighthouse: ``host:port`` of the lighthouse (:mod:`trainer.live.lighthouse`).
+        host: this replica group's address on the job's network: the heal server binds
+            it and the manager advertises it (never ``0.0.0.0``).
+        replica_group: this group's number, ``0 .. replica_groups-1``; its identity in the
+            quorum, its RNG streams and its checkpoint folder.
+        replica_groups: how many groups the job runs when whole.
+        min_replicas: fewest groups that may commit a step (default: a majority). Below
+            it the survivors wait for replacements up to ``quorum_timeout`` per try.
+        heartbeat_timeout: seconds of silence after which the lighthouse drops a group
+            from the next quorum; the survivors' next step comes about this long after a
+            loss (a lighthouse setting: :class:`LighthouseSettings` takes it from here).
+        quorum_timeout: seconds one step's quorum may take (waiting for enough groups, or
+            for a restarted lighthouse): the retry window. A group still without a quorum
+            then leaves with :data:`EXIT_QUORUM_LOST`.
+        quorum_retries: times the group's manager asks the lighthouse again within
+            ``quorum_timeout`` after a failed request (spread evenly over it): a
+            lighthouse restarted within the window costs no step.
+        join_timeout: seconds a process's first quorum may take (the job's groups
+            starting, importing torch).
+        timeout: seconds for the gradient all-reduce, the commit vote and a heal transfer.
+        heartbeat_interval: seconds between a group's heartbeats to the lighthouse.
+    """
+
+    lighthouse: str
+    host: str = "127.0.0.1"
+    replica_group: int = 0
+    replica_groups: int = 1
+    min_replicas: int | None = None
+    heartbeat_timeout: float = 5.0
+    quorum_timeout: float = 10.0
+    quorum_retries: int = 3
+    join_timeout: float = 60.0
+    timeout: float = 10.0
+    heartbeat_interval: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.host in ("", "0.0.0.0", "::", "[::]"):
+            raise ValueError(f"host must be this group's address on the job's network, not "
+                             f"{self.host!r}: the heal server would listen on every "
+                             f"interface")
+        if ":" not in self.lighthouse:
+            raise ValueError(f"lighthouse must be host:port, not {self.lighthouse!r}")
+        if self.replica_groups < 1 or not 0 <= self.replica_group < self.replica_groups:
+            raise ValueError(f"replica_group {self.replica_group} is not one of "
+                             f"0..{self.replica_groups - 1}")
+        if not 1 <= self.quorum_size <= self.replica_groups:
+            raise ValueError(f"min_replicas must be 1..{self.replica_groups}, not "
+                             f"{self.min_replicas}")
+        for name in ("heartbeat_timeout", "quorum_timeout", "join_timeout", "timeout",
+                     "heartbeat_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.quorum_retries < 0:
+            raise ValueError("quorum_retries must be >= 0")
+
+    @property
+    def quorum_size(self) -> int:
+        """The fewest replica groups that commit a step."""
+        return self.min_replicas or self.replica_groups // 2 + 1
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> LiveConfig:
+        """The config a :class:`trainer.live.supervisor.LiveJob` hands its groups
+        (``CKPT_LIVE_*`` variables), with ``overrides`` on top."""
+        env = os.environ
+        values: dict[str, object] = {
+            "lighthouse": env.get("CKPT_LIVE_LIGHTHOUSE", ""),
+            "host": env.get("CKPT_LIVE_HOST", "127.0.0.1"),
+            "replica_group": int(env.get("CKPT_LIVE_GROUP", "0")),
+            "replica_groups": int(env.get("CKPT_LIVE_GROUPS", "1")),
+        }
+        for name, kind in (("min_replicas", int), ("heartbeat_timeout", float),
+                           ("quorum_timeout", float), ("quorum_retries", int),
+                           ("join_timeout", float), ("timeout", float)):
+            raw = env.get(f"CKPT_LIVE_{name.upper()}")
+            if raw:
+                values[name] = kind(raw)
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    def to_env(self) -> dict[str, str]:
+        """The ``CKPT_LIVE_*`` variables :meth:`from_env` reads (the group left out)."""
+        env = {"CKPT_LIVE_LIGHTHOUSE": self.lighthouse, "CKPT_LIVE_HOST": self.host,
+               "CKPT_LIVE_GROUPS": str(self.replica_groups)}
+        for name in ("min_replicas", "heartbeat_timeout", "quorum_timeout",
+                     "quorum_retries", "join_timeout", "timeout"):
+            value = getattr(self, name)
+            if value is not None:
+                env[f"CKPT_LIVE_{name.upper()}"] = str(value)
+        return env
+
+
+__all__ = ["EXIT_QUORUM_LOST", "LIVE_KEY_ENV", "LiveConfig"]

@@ -1,0 +1,214 @@
+"""Run a live job on one machine: the lighthouse and one process per replica group, all
+bound to the job's address, with the supervision live recovery needs.
+
+- a group that dies (any status but 0 and :data:`EXIT_QUORUM_LOST`) is started again, a
+  replacement that heals from a peer while the others train on;
+- a lighthouse that dies is started again at once at the same address (the groups'
+  quorum retries cover the gap);
+- a group that exits with :data:`EXIT_QUORUM_LOST` means live recovery gave up (a
+  majority lost for ``quorum_timeout``, or the lighthouse for the retry window): every
+  group is stopped and the job starts again, resuming from ckpt's newest good step;
+- the job is done when every group has exited with status 0.
+
+On a cluster the same roles fall to the scheduler: one lighthouse per job (restarted by
+the scheduler at the same address), one torchrun or task per replica group with restarts.
+
+``python -m trainer.live.supervisor --groups 3 --run-dir D -- python train.py ...``; it
+writes ``supervisor.jsonl`` in the run directory (every start, loss, replacement and
+restart, with pids and times). No torch import here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainer.live.config import EXIT_QUORUM_LOST, LIVE_KEY_ENV, LiveConfig
+from trainer.progress import JsonLines
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_listening(host: str, port: int, timeout: float) -> bool:
+    """Whether ``host:port`` accepts a connection within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.02)
+    return False
+
+
+@dataclasses.dataclass
+class LiveJob:
+    """The lighthouse and ``config.replica_groups`` group processes of ``command``.
+
+    Args:
+        command: the group's command line (it builds a :class:`trainer.live.LiveTrainer`
+            with ``LiveConfig.from_env()``); each group gets ``CKPT_LIVE_GROUP`` and the
+            job's ``CKPT_LIVE_*`` settings and key in its environment.
+        config: the job's settings (``replica_group`` is ignored; ``lighthouse``'s port
+            0 picks a free one).
+        run_dir: where ``supervisor.jsonl`` goes.
+        respawn_delay: seconds before a lost group is started again (a node's
+            replacement time; 0 on one machine).
+        max_restarts: whole-job restarts allowed after :data:`EXIT_QUORUM_LOST`.
+    """
+
+    command: list[str]
+    config: LiveConfig
+    run_dir: Path
+    respawn_delay: float = 0.0
+    max_restarts: int = 3
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        host, port = self.config.lighthouse.rsplit(":", 1)
+        if int(port) == 0:
+            self.config = dataclasses.replace(self.config,
+                                              lighthouse=f"{host}:{free_port(host)}")
+        self.key = secrets.token_hex(32)
+        self.events = JsonLines(self.run_dir / "supervisor.jsonl")
+        self.groups: dict[int, subprocess.Popen | None] = {}
+        self.lighthouse: subprocess.Popen | None = None
+        self.restarts = 0
+
+    def _event(self, event: str, **fields: object) -> None:
+        self.events.write({"event": event, "time": time.time(), **fields})
+
+    def start_lighthouse(self) -> None:
+        c = self.config
+        self.lighthouse = subprocess.Popen(
+            [sys.executable, "-m", "trainer.live.lighthouse", "--bind", c.lighthouse,
+             "--min-replicas", str(c.quorum_size),
+             "--heartbeat-timeout", str(c.heartbeat_timeout)])
+        host, port = c.lighthouse.rsplit(":", 1)
+        up = wait_listening(host, int(port), 30.0)
+        self._event("lighthouse", pid=self.lighthouse.pid, listening=up)
+
+    def start_group(self, group: int, why: str) -> None:
+        env = {**os.environ, **self.config.to_env(), "CKPT_LIVE_GROUP": str(group),
+               LIVE_KEY_ENV: self.key}
+        proc = subprocess.Popen(self.command, env=env)
+        self.groups[group] = proc
+        self._event("group", group=group, pid=proc.pid, why=why)
+
+    def stop_groups(self) -> None:
+        for proc in self.groups.values():
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        for proc in self.groups.values():
+            if proc is not None:
+                proc.wait()
+
+    def run(self, timeout: float = 3600.0) -> int:
+        """Supervise until every group finished (0), the restarts are used up or
+        ``timeout`` passed (1)."""
+        self.start_lighthouse()
+        for g in range(self.config.replica_groups):
+            self.start_group(g, "start")
+        pending: dict[int, float] = {}  # group -> when to start its replacement
+        finished = False  # a group reached the last step: the job's training is done
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if self.lighthouse is not None and self.lighthouse.poll() is not None:
+                    self._event("lighthouse_lost", rc=self.lighthouse.returncode)
+                    self.start_lighthouse()
+                for g, proc in list(self.groups.items()):
+                    rc = None if proc is None else proc.poll()
+                    if rc is None:
+                        continue
+                    self.groups[g] = None
+                    if rc == 0:
+                        self._event("group_done", group=g, pid=proc.pid)
+                        self.groups.pop(g)
+                        finished = True
+                    elif rc == EXIT_QUORUM_LOST:
+                        return_code = self._restart_job(g)
+                        if return_code is not None:
+                            return return_code
+                        pending.clear()
+                        break
+                    else:
+                        self._event("group_lost", group=g, pid=proc.pid, rc=rc)
+                        if finished:
+                            self.groups.pop(g)
+                        else:
+                            pending[g] = time.monotonic() + self.respawn_delay
+                for g, when in list(pending.items()):
+                    if time.monotonic() >= when:
+                        pending.pop(g)
+                        self.start_group(g, "replacement")
+                if not self.groups and not pending:
+                    self._event("done", restarts=self.restarts)
+                    return 0
+                time.sleep(0.01)
+            self._event("timeout")
+            return 1
+        finally:
+            self.stop_groups()
+            if self.lighthouse is not None and self.lighthouse.poll() is None:
+                self.lighthouse.terminate()
+                self.lighthouse.wait()
+
+    def _restart_job(self, group: int) -> int | None:
+        """Live recovery gave up: stop every group and start the job again from ckpt."""
+        self._event("quorum_lost", group=group)
+        self.stop_groups()
+        if self.restarts >= self.max_restarts:
+            self._event("gave_up", restarts=self.restarts)
+            return 1
+        self.restarts += 1
+        for g in range(self.config.replica_groups):
+            self.start_group(g, "restart")
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.live.supervisor")
+    p.add_argument("--groups", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="the job's address")
+    p.add_argument("--lighthouse-port", type=int, default=0)
+    p.add_argument("--min-replicas", type=int, default=None)
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    p.add_argument("--quorum-timeout", type=float, default=10.0)
+    p.add_argument("--quorum-retries", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--respawn-delay", type=float, default=0.0)
+    p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--job-timeout", type=float, default=3600.0)
+    p.add_argument("command", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not command:
+        p.error("give the group's command after --")
+    config = LiveConfig(lighthouse=f"{a.host}:{a.lighthouse_port}", host=a.host,
+                        replica_groups=a.groups, min_replicas=a.min_replicas,
+                        heartbeat_timeout=a.heartbeat_timeout,
+                        quorum_timeout=a.quorum_timeout, quorum_retries=a.quorum_retries,
+                        timeout=a.timeout)
+    job = LiveJob(command, config, Path(a.run_dir), respawn_delay=a.respawn_delay,
+                  max_restarts=a.max_restarts)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return job.run(a.job_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,364 @@
+"""One replica group of a live job: a training loop that commits each step with the quorum
+and heals from a peer, so that losing another group costs it about a heartbeat timeout.
+
+Each step:
+
+1. **quorum** (``Manager.start_quorum``, synchronous): the lighthouse names the groups of
+   this step; a group behind the others (a replacement) heals here, from a peer, to the
+   newest step: model, optimizer, scheduler, data position and step metadata (all of it
+   replicated: every group holds the same values at a committed step);
+2. **RNG**: this group's torch/NumPy/``random`` streams are keyed by (seed, group, step),
+   so a replacement draws at step k exactly what the lost group would have drawn;
+3. **data**: the step's global batch comes from the global :class:`ResumableSampler`;
+   the group trains its share (split over the groups of the quorum), so the gradient is
+   the global batch's mean whatever the number of groups;
+4. **gradients**: one ``manager.allreduce`` of the flattened gradients after backward
+   (torchft's ``DistributedDataParallel`` crashes the survivors when a peer dies inside
+   its all-reduce; a failed ``manager.allreduce`` only fails the commit);
+5. **commit** (``Manager.should_commit``): the optimizer steps only if the quorum commits;
+   otherwise the data position goes back and the step is tried again, so no sample is
+   skipped or repeated;
+6. **checkpoint**: a committed step is the moment to snapshot; every ``checkpoint_every``
+   steps ckpt saves the state to this group's folder (``<root>/group-<g>``), from which a
+   group starts (before the quorum says whether a peer is ahead) and from which the whole
+   job resumes when live recovery gives up (:data:`EXIT_QUORUM_LOST`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+import ckpt
+from trainer.data import ResumableSampler
+from trainer.live.config import EXIT_QUORUM_LOST, LIVE_KEY_ENV, LiveConfig
+from trainer.progress import JsonLines
+
+try:
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+    np = None
+
+log = logging.getLogger("trainer.live")
+
+
+class QuorumLostError(RuntimeError):
+    """The lighthouse did not answer within the retry window, or too few groups joined
+    for ``quorum_timeout``: live recovery cannot go on; resume the job from ckpt."""
+
+
+def step_seed(seed: int, group: int, step: int) -> int:
+    """The 63-bit seed of ``group``'s RNG streams at ``step``."""
+    digest = hashlib.blake2b(f"ckpt-live/{seed}/{group}/{step}".encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def key_rng(seed: int, group: int, step: int) -> None:
+    """Seed torch, NumPy and ``random`` for ``group`` at ``step``."""
+    s = step_seed(seed, group, step)
+    torch.manual_seed(s)
+    random.seed(s)
+    if np is not None:
+        np.random.seed(s % 2 ** 32)
+
+
+def state_digest(value: Any) -> str:
+    """A SHA-256 of a (nested) state: tensors by dtype, shape and bytes; the rest by repr."""
+    h = hashlib.sha256()
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(v, dict):
+            for k in sorted(v, key=repr):
+                h.update(repr(k).encode())
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            h.update(f"L{len(v)}".encode())
+            for x in v:
+                walk(x)
+        else:
+            h.update(repr(v).encode())
+
+    walk(value)
+    return h.hexdigest()[:16]
+
+
+def rng_state() -> dict[str, Any]:
+    """The streams :func:`key_rng` sets, as they are now."""
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    if np is not None:
+        out["numpy"] = np.random.get_state()
+    return out
+
+
+class LiveTrainer:
+    """A replica group's training loop under torchft (one process per group).
+
+    Args:
+        model_fn, optimizer_fn, dataset, step_fn, scheduler_fn: as for
+            :class:`trainer.ElasticTrainer` (``step_fn(model, batch) -> mean loss``).
+        checkpoint_root: the job's checkpoint root; this group saves under ``group-<g>``.
+        checkpoint_every: save every N committed steps.
+        global_batch_size: samples per step, split evenly over the groups of the quorum:
+            it must divide by every group count from ``min_replicas`` to
+            ``replica_groups``.
+        live: the :class:`LiveConfig` (default: from the ``CKPT_LIVE_*`` environment).
+        seed: seeds the model (same weights in every group) and the RNG keys.
+        key: the job's heal key (default: env ``CKPT_LIVE_KEY``, hex).
+        record_dir: where ``group-<g>.jsonl`` records every start, heal, commit (with the
+            step's global batch and this group's share: the audit) and failed step.
+        digests: also record digests of the model, optimizer, RNG and data per commit.
+        manager_options: more ``ckpt.CheckpointManager`` keywords (``memory_tier=``...).
+    """
+
+    def __init__(self, model_fn: Callable[[], torch.nn.Module],
+                 optimizer_fn: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+                 dataset: Dataset, step_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *,
+                 checkpoint_root: str | os.PathLike, checkpoint_every: int,
+                 global_batch_size: int, live: LiveConfig | None = None,
+                 scheduler_fn: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 seed: int = 0, key: bytes | None = None,
+                 collate_fn: Callable[[list[Any]], Any] | None = None,
+                 record_dir: str | os.PathLike | None = None, digests: bool = False,
+                 manager_options: dict[str, Any] | None = None) -> None:
+        self.live = live = live or LiveConfig.from_env()
+        for n in range(live.quorum_size, live.replica_groups + 1):
+            if global_batch_size % n:
+                raise ValueError(f"global_batch_size {global_batch_size} does not split over "
+                                 f"{n} replica groups; it must divide by every count from "
+                                 f"{live.quorum_size} to {live.replica_groups}")
+        key = key or bytes.fromhex(os.environ.get(LIVE_KEY_ENV, ""))
+        if not key:
+            raise ValueError(f"live recovery needs the job's key: pass key= or set "
+                             f"{LIVE_KEY_ENV} (the same in every group)")
+        self.group, self.seed = live.replica_group, seed
+        self.dataset, self.step_fn = dataset, step_fn
+        self.collate_fn = collate_fn or default_collate
+        self.global_batch_size = global_batch_size
+        self.digests = digests
+        torch.manual_seed(seed)
+        self.model = model_fn()
+        self.optimizer = optimizer_fn(self.model.parameters())
+        self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
+        self.sampler = ResumableSampler(len(dataset), seed=seed)
+        self.meta: dict[str, Any] = {"step": 0, "batches_committed": 0}
+        self.state: dict[str, Any] = {"model": self.model, "optim": self.optimizer,
+                                      "data": self.sampler, "rng": ckpt.RNGState(),
+                                      "meta": self.meta}
+        if self.scheduler is not None:
+            self.state["sched"] = self.scheduler
+        options = {"keep_last": 3, **(manager_options or {})}
+        self.checkpoints = ckpt.CheckpointManager(
+            Path(checkpoint_root) / f"group-{self.group}", every_steps=checkpoint_every,
+            **options)
+        self.records = (JsonLines(Path(record_dir) / f"group-{self.group}.jsonl")
+                        if record_dir is not None else None)
+        self._healed = False
+        self._joined = False
+        self.manager = self._start_manager(key)
+
+    # -- torchft -----------------------------------------------------------------------------
+    def _start_manager(self, key: bytes) -> Any:
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+
+        from trainer.live.transport import KeyedHTTPTransport
+
+        live = self.live
+        timeout = timedelta(seconds=live.timeout)
+        # The group's own store (one process per group: nobody else connects to it).
+        self._store = TCPStore(live.host, 0, is_master=True, wait_for_workers=False)
+        self.transport = KeyedHTTPTransport(live.host, key, timeout)
+        return Manager(
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=live.quorum_size,
+            load_state_dict=self._load_live, state_dict=self._live_state,
+            use_async_quorum=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=live.quorum_timeout), connect_timeout=timeout,
+            rank=0, world_size=1, store_addr=live.host, store_port=self._store.port,
+            lighthouse_addr=f"http://{live.lighthouse}", replica_id=f"group{self.group}",
+            hostname=live.host, heartbeat_interval=timedelta(seconds=live.heartbeat_interval),
+            checkpoint_transport=self.transport, init_sync=False,
+            quorum_retries=live.quorum_retries)
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a healing peer receives: the replicated state of the committed step."""
+        out = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+               "data": self.sampler.state_dict(), "meta": dict(self.meta)}
+        if self.scheduler is not None:
+            out["sched"] = self.scheduler.state_dict()
+        return out
+
+    def _load_live(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.sampler.load_state_dict(state["data"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["sched"])
+        self.meta.clear()
+        self.meta.update(state["meta"])
+        self._healed = True
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _record(self, event: str, **fields: Any) -> None:
+        if self.records is not None:
+            self.records.write({"event": event, "group": self.group, "pid": os.getpid(),
+                                "time": time.time(), **fields})
+
+    def restore(self) -> int:
+        """Load this group's newest good checkpoint (0: none) and tell the manager."""
+        restored = self.checkpoints.restore(self.state) or 0
+        self.manager.load_state_dict({"step": restored,
+                                      "batches_committed": self.meta.get("batches_committed", 0)})
+        return restored
+
+    def fit(self, total_steps: int) -> int:
+        """Train until ``total_steps`` committed steps; returns the last step.
+
+        Raises:
+            QuorumLostError: the quorum could not be formed within the retry window.
+        """
+        restored = self.restore()
+        self._record("start", restored=restored, started=_process_start())
+        try:
+            while self.manager.current_step() < self.last_step(total_steps):
+                self.train_step()
+        finally:
+            self.checkpoints.wait()
+        return self.manager.current_step()
+
+    def last_step(self, total_steps: int) -> int:
+        """The step to stop after (``total_steps``; a subclass may end the job sooner,
+        at a step every group learns of before it gets there)."""
+        return total_steps
+
+    def train_step(self) -> bool:
+        """One step: quorum (maybe a heal), forward/backward, gradient sync, commit."""
+        first = not self._joined
+        try:
+            # A process's first quorum waits for the other groups to start (or for the
+            # replacement's peers to answer); later ones for quorum_timeout.
+            self.manager.start_quorum(timeout=timedelta(seconds=self.live.join_timeout)
+                                      if first else None)
+            self._joined = True
+        except Exception as e:
+            self._record("quorum_lost", step=self.manager.current_step(), error=str(e)[:300])
+            raise QuorumLostError(f"no quorum: {e}") from e
+        step = self.manager.current_step() + 1  # the step this one commits
+        if self._healed:
+            self._healed = False
+            self._record("heal", step=step - 1, **self._digest_fields())
+        participants = self.manager.num_participants()
+        rank = self.manager.participating_rank()
+        key_rng(self.seed, self.group, step)
+        before = self.sampler.state_dict()
+        start = self._start_fields(before)
+        batch = self.sampler.next_indices(self.global_batch_size)
+        mine = (ResumableSampler.rank_slice(batch, rank, participants)
+                if rank is not None else [])
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = torch.zeros(())
+        if mine:
+            loss = self.step_fn(self.model, self.collate_fn([self.dataset[i] for i in mine]))
+            loss.backward()
+        self.sync_gradients()
+        try:
+            committed = self.manager.should_commit()
+        except Exception as e:  # our own manager server failed: nothing to commit with
+            self._record("quorum_lost", step=step - 1, error=str(e)[:300])
+            raise QuorumLostError(f"commit vote failed: {e}") from e
+        if not committed:
+            self.sampler.load_state_dict(before)  # the batch is trained again
+            self._record("failed", step=step, participants=participants)
+            return False
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.meta.update(step=step, batches_committed=self.manager.batches_committed())
+        self._record("commit", step=step, participants=participants, rank=rank,
+                     batch=batch, indices=mine, loss=float(loss.detach()),
+                     **self._digest_fields(), **start)
+        self.checkpoints.save(step, self.state)
+        return True
+
+    def issue_allreduce(self, flat: torch.Tensor) -> Any:
+        """Start the average of ``flat`` over the quorum (torchft's work handle)."""
+        return self.manager.allreduce(flat)
+
+    def sync_gradients(self) -> None:
+        """Average the gradients over the quorum with one all-reduce; a failure (a peer
+        lost inside it) is reported to the manager, which then does not commit."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        try:
+            self.issue_allreduce(flat).wait()
+        except Exception as e:
+            self.manager.report_error(e)
+            return
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            if p.grad is None:
+                p.grad = g
+            p.grad.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
+
+    def _digest_fields(self) -> dict[str, Any]:
+        """Digests of the model and optimizer as they are now (``digests=True``)."""
+        if not self.digests:
+            return {}
+        return {"model": state_digest(self.model.state_dict()),
+                "optim": state_digest(self.optimizer.state_dict()),
+                "data_next": self.sampler.state_dict()}
+
+    def _start_fields(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The RNG streams and data position a step starts from (``digests=True``)."""
+        if not self.digests:
+            return {}
+        return {"rng": state_digest(rng_state()), "data": data}
+
+    def close(self) -> None:
+        """Finish the checkpoint in flight and stop the manager."""
+        self.checkpoints.close()
+        self.manager.shutdown(wait=False)
+        if self.records is not None:
+            self.records.close()
+
+
+def _process_start() -> float:
+    from trainer.launch import process_start_time
+
+    return process_start_time()
+
+
+def run(trainer: LiveTrainer, total_steps: int) -> None:
+    """Train to ``total_steps`` and leave the process: status 0, or
+    :data:`EXIT_QUORUM_LOST` when the quorum is lost (the supervisor then restarts the job,
+    which resumes from ckpt). ``os._exit``: torchft's threads may block a clean exit."""
+    code = 0
+    try:
+        trainer.fit(total_steps)
+        trainer.close()
+    except QuorumLostError as e:
+        log.error("replica group %d: %s; exiting with status %d for a resume from the "
+                  "newest checkpoint", trainer.group, e, EXIT_QUORUM_LOST)
+        code = EXIT_QUORUM_LOST
+    logging.shutdown()
+    os._exit(code)
+
+
+__all__ = ["LiveTrainer", "QuorumLostError", "key_rng", "rng_state", "run", "state_digest",
+           "step_seed"]

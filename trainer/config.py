@@ -168,8 +168,8 @@ class FailureConfig:
             with ``EXIT_PEER_LOST`` instead of raising. Default: when run by torchrun or on
             more than one rank (the process group is unusable after such an error and a
             clean shutdown can hang); a plain single process raises.
-        hang_factor: a rank whose training thread stays in one section (data,
-            forward_backward, collective N, optimizer, save) longer than this many times
+        hang_factor: a rank whose training thread stays in one section (data, forward,
+            backward, collective N, optimizer, save) longer than this many times
             the section's typical duration in the run (never less than as many typical
             steps) while the others wait for it is hung: named with its section and stack,
             and dropped (docs/elastic.md, "When a rank hangs or slows down"). None: off

@@ -48,7 +48,7 @@ GAUGES = {
     "heartbeat_age_seconds": "Seconds since the slowest watched peer's heartbeat last changed "
                              "(0 without peers)",
     "section_age_seconds": "Seconds this rank's training thread has been in its current "
-                           "section (data, forward_backward, collective, ...; 0 without "
+                           "section (data, forward, backward, collective, ...; 0 without "
                            "progress markers)",
     "straggler_score_max": "The highest overall straggler score of the last window (see "
                            "ckpt_train_straggler_score; NaN before the first window)",

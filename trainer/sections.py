@@ -10,8 +10,9 @@ an uncontended lock: well under a microsecond, far below 1% of a 100 ms step
 Sections of the trainer (in the order of a step)::
 
     data              one micro batch fetched (dataset or DataLoader)
-    forward_backward  its forward and backward (DDP's or FSDP's own gradient collectives
-                      run inside it), then the gradient norm and clipping
+    forward           its forward (the user's step_fn; FSDP gathers parameters inside it)
+    backward          its backward (DDP's or FSDP's gradient collectives run inside the
+                      last one's), then the gradient norm and clipping
     collective        the step's agreement all-reduce (loss, grad norm, SIGTERM)
     optimizer         optimizer and scheduler step
     save              a checkpoint taken (only steps whose save was due are timed)
@@ -63,7 +64,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 #: Sections the trainer marks itself, in the order of a step.
-TRAINER_SECTIONS = ("data", "forward_backward", "collective", "optimizer", "save")
+TRAINER_SECTIONS = ("data", "forward", "backward", "collective", "optimizer", "save")
 #: Sections whose stillness is never called a hang (see the module docstring).
 UNJUDGED = frozenset({"idle", "restore", "user", "finish"})
 #: Durations the typical one is the median of.

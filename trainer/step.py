@@ -5,8 +5,8 @@ accumulated (synchronized across ranks on the last one only), the gradient norm 
 measured (and clipped), one small all-reduce agrees on the loss, the norm and any SIGTERM,
 and the optimizer (through a ``GradScaler`` with mixed precision) and scheduler step.
 :class:`StepRunner` does this for :class:`trainer.elastic.ElasticTrainer`, marking each
-part for the hang detector (:mod:`trainer.sections`: data, forward_backward, collective,
-optimizer).
+part for the hang detector and the straggler scores (:mod:`trainer.sections`: data,
+forward, backward, collective, optimizer).
 """
 
 from __future__ import annotations
@@ -90,10 +90,11 @@ class StepRunner:
         for i, m in enumerate(micro):
             enter("data")
             batch = _to_device(fetch(m), self.device)
-            enter("forward_backward")
+            enter("forward")
             with self._sync_context(i == len(micro) - 1):
                 loss = self.step_fn(self.model, batch)
                 part = loss / len(micro)
+                enter("backward")  # with DDP, the last one waits for the gradient all-reduce
                 (scaler.scale(part) if scaler is not None else part).backward()
             total += loss.detach().float()
         if scaler is not None:

@@ -4,6 +4,10 @@ Every checkpoint holds the RNG streams, the data position (the global sampler), 
 metadata, the model and optimizer (through ``ckpt.ModelOptimizer`` with FSDP, so that any
 world size can load them), the scheduler and grad scaler when there are any, and the
 user's extra items (an EMA copy of the model, a counter: anything ``ckpt`` saves).
+
+With a verified window, a checkpoint whose following steps the health guard judged healthy
+is marked verified (``CheckpointManager.mark_verified``, by rank 0, once it is committed),
+and restores prefer the newest verified step.
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ from typing import Any
 import torch
 
 import ckpt
+from trainer.health import HealthGuard, HealthyWindow, Verdict
+from trainer.metrics import format_event
 
 log = logging.getLogger("trainer.elastic")
+events = logging.getLogger("ckpt.trainer")
 
 #: Restore levels (``CheckpointManager.restore``'s ``verify``).
 VERIFY_LEVELS = ("structure", "digest", "forward")
@@ -141,11 +148,16 @@ class TrainerCheckpointer:
         probe: recorded with every save (None: none).
         verify: what a step must pass to be restored (see :data:`VERIFY_LEVELS`); a step
             that fails is skipped for the one before it, on a resume and on a rollback.
+        verified_window, guard: mark a checkpoint verified once ``verified_window`` steps
+            after it were judged healthy by ``guard`` (see :class:`HealthyWindow`), and
+            restore the newest verified step first; None for either: neither.
     """
 
     def __init__(self, root: str | os.PathLike, *, every: int, items: dict[str, Any],
                  collective_timeout: float, options: dict[str, Any],
-                 probe: ckpt.Probe | None = None, verify: str = "digest") -> None:
+                 probe: ckpt.Probe | None = None, verify: str = "digest",
+                 verified_window: int | None = None,
+                 guard: HealthGuard | None = None) -> None:
         self.state: dict[str, Any] = dict(items)
         self.state.setdefault("meta", {"step": 0})
         options = {"keep_last": 3, **options}
@@ -159,6 +171,10 @@ class TrainerCheckpointer:
         self.manager = ckpt.CheckpointManager(
             root, every_steps=every, schedule=ckpt.Schedule(handle_sigterm=False),
             options=dataclasses.replace(saving, probe=probe), **kwargs)
+        self.window = (HealthyWindow(verified_window, guard)
+                       if verified_window is not None and guard is not None else None)
+        self._handles: dict[int, Any] = {}  # saves awaiting their window: their handles
+        self._confirmed: list[tuple[int, dict]] = []  # (step, evidence) not yet marked
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -166,9 +182,35 @@ class TrainerCheckpointer:
         return self.state.get("meta") or {}
 
     def restore(self) -> int | None:
-        """Load the newest checkpoint that passes the ``verify`` level into the state; its
-        step (None: none)."""
-        return self.manager.restore(self.state, verify=self.verify)
+        """Load the newest checkpoint that passes the ``verify`` level into the state (with
+        a verified window: the newest verified one first); its step (None: none). The
+        restored step waits for its window again (it is marked verified once the steps
+        after it are healthy, if it is not yet)."""
+        if self.window is None:
+            return self.manager.restore(self.state, verify=self.verify)
+        self.manager.wait()
+        self._mark_confirmed()  # before a rollback replaces the timeline they belong to
+        restored = self.manager.restore(self.state, verify=self.verify, prefer="verified")
+        self.window.rewind(-1 if restored is None else restored)
+        self._confirmed = [(s, e) for s, e in self._confirmed if restored is not None
+                           and s <= restored]
+        if restored is not None:
+            self.window.saved(restored)
+        return restored
+
+    def judged(self, verdict: Verdict) -> None:
+        """The health guard's verdict on a step: count it in the windows of the saves
+        before it; mark those it confirms verified once committed (rank 0)."""
+        if self.window is None:
+            return
+        confirmed, dropped = self.window.observe(verdict)
+        for step in dropped:
+            self._handles.pop(step, None)
+            events.warning(format_event("train.unverified", step=step, at_step=verdict.step,
+                                        reason=verdict.reason if not verdict.ok
+                                        else "grad_norm_over_limit"))
+        self._confirmed += confirmed
+        self._mark_confirmed()
 
     @property
     def memory_tier(self) -> bool:
@@ -194,12 +236,44 @@ class TrainerCheckpointer:
         preemption checkpoints) and one with ``persist=True`` also go to the root when the
         memory tier is on, whatever ``persist_every`` says."""
         self.state["meta"] = meta
-        return self.manager.save(step, self.state, force=force,
-                                 persist=True if force or persist else None)
+        handle = self.manager.save(step, self.state, force=force,
+                                   persist=True if force or persist else None)
+        if handle is not None and self.window is not None:
+            self.window.saved(step)
+            self._handles[step] = handle
+        return handle
+
+    def _mark_confirmed(self) -> None:
+        """Mark the confirmed saves verified whose writes are done (the others at a later
+        call: training never waits for a write to mark one)."""
+        waiting = []
+        for step, evidence in self._confirmed:
+            handle = self._handles.get(step)
+            if handle is not None and not handle.done():
+                waiting.append((step, evidence))
+                continue
+            self._handles.pop(step, None)
+            if handle is not None and handle.failed():
+                continue  # the save failed: nothing to verify (its error surfaces anyway)
+            try:
+                marked = self.manager.mark_verified(step, evidence)
+            except ckpt.CheckpointNotFoundError:
+                log.info("step %d was confirmed healthy but is not in the root (a save kept "
+                         "in the memory tier only, or retired): not marked verified", step)
+                continue
+            except ckpt.StorageError as e:
+                log.warning("marking step %d verified failed: %s", step, e)
+                continue
+            if marked is not None:
+                events.info(format_event("train.verified", step=step,
+                                         confirmed_at=evidence["confirmed_at"],
+                                         window=evidence["window"]))
+        self._confirmed = waiting
 
     def wait(self) -> None:
-        """Until the save in flight is committed."""
+        """Until the save in flight is committed (and the confirmed saves are marked)."""
         self.manager.wait()
+        self._mark_confirmed()
 
     def close(self) -> None:
         """Finish the save in flight and release the root."""

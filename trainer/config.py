@@ -127,6 +127,16 @@ class CheckpointConfig:
             training resumes, e.g. ``{"ema": ema_model, "counter": counter}``. Objects
             with ``state_dict``/``load_state_dict`` and tensors are restored in place;
             plain values are replaced in the trainer's ``state``.
+        verified_window: with a health guard, a checkpoint becomes *verified* once this
+            many steps after it were judged healthy (finite loss and gradient norm, no
+            loss spike, the norm within the guard's ``grad_norm_limit``); rank 0 marks it
+            in the root, and resumes and health rollbacks restore the newest verified step
+            first (``restore(prefer="verified")``), retention always keeps it, ``ckpt ls``
+            shows it. A checkpoint with a bad step inside its window is never verified.
+            None (default): no marking; restores take the newest good step. A window costs
+            a resume up to ``verified_window + checkpoint_every`` steps of recomputation;
+            a few times the steps a fault takes to show (e.g. 2-3 checkpoint intervals) is
+            a sensible value (docs/observability.md, "Verified checkpoints").
     """
 
     manager_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -135,8 +145,14 @@ class CheckpointConfig:
     probe: bool | Callable[[Any], Any] | ckpt.Probe | None = True
     verify: str = "forward"
     extra_state: Callable[[torch.nn.Module], dict[str, Any]] | None = None
+    verified_window: int | None = None
 
     def __post_init__(self) -> None:
+        window = self.verified_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise ValueError(f"verified_window must be a positive int or None, not "
+                             f"{window!r}")
         options = dict(self.manager_options or {})
         reserved = RESERVED_MANAGER_OPTIONS & options.keys()
         if reserved:

@@ -13,6 +13,10 @@ The guard only detects and counts. What to do about a bad step (roll back to the
 checkpoint, skip the offending batch, give up after ``max_rollbacks``) is the trainer's part;
 see ``trainer.ElasticTrainer`` and docs/observability.md.
 
+:class:`HealthyWindow` turns the guard's verdicts into *verified* checkpoints: a save is
+verified once the ``steps`` steps after it were all judged healthy; a bad step (or, with the
+guard's ``grad_norm_limit``, a gradient norm above it) before that means it never is.
+
 Example::
 
     guard = HealthGuard(spike_factor=5.0, window=100, min_history=20, max_rollbacks=3)
@@ -35,6 +39,8 @@ OK = "ok"
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRAD_NORM = "nonfinite_grad_norm"
 LOSS_SPIKE = "loss_spike"
+#: Not a verdict (the step is accepted): why a step confirmed no save (HealthyWindow).
+GRAD_NORM_OVER_LIMIT = "grad_norm_over_limit"
 
 
 class TrainingHealthError(Exception):
@@ -89,6 +95,10 @@ class HealthGuard:
         check_grad_norm: judge the gradient norm's finiteness.
         max_rollbacks: :meth:`rollback` raises :class:`TrainingHealthError` when asked for
             one more than this (per guard, i.e. per ``fit`` of the trainer).
+        grad_norm_limit: a finite gradient norm above this is not healthy for verification
+            (:class:`HealthyWindow`): no save before such a step becomes verified. It does
+            not roll back (clipping, ``StepConfig.max_grad_norm``, deals with the update).
+            None: only finiteness counts.
 
     The spike check assumes a positive loss (cross-entropy, MSE, ...): with a median at or
     below zero it is skipped.
@@ -96,7 +106,7 @@ class HealthGuard:
 
     def __init__(self, *, spike_factor: float | None = 5.0, window: int = 100,
                  min_history: int = 20, check_grad_norm: bool = True,
-                 max_rollbacks: int = 3) -> None:
+                 max_rollbacks: int = 3, grad_norm_limit: float | None = None) -> None:
         if spike_factor is not None and not spike_factor > 1.0:
             raise ValueError(f"spike_factor must be above 1 (or None), not {spike_factor!r}")
         if not isinstance(window, int) or window < 1:
@@ -106,6 +116,12 @@ class HealthGuard:
                              f"{min_history!r}")
         if not isinstance(max_rollbacks, int) or max_rollbacks < 0:
             raise ValueError(f"max_rollbacks must be a non-negative int, not {max_rollbacks!r}")
+        if grad_norm_limit is not None and not (isinstance(grad_norm_limit, (int, float))
+                                                and grad_norm_limit > 0
+                                                and math.isfinite(grad_norm_limit)):
+            raise ValueError(f"grad_norm_limit must be a positive number or None, not "
+                             f"{grad_norm_limit!r}")
+        self.grad_norm_limit = grad_norm_limit
         self.spike_factor = spike_factor
         self.window = window
         self.min_history = min_history
@@ -170,6 +186,89 @@ class HealthGuard:
         self._history.clear()
         self.rollbacks = []
 
+    def checks(self) -> list[str]:
+        """What a healthy step passed, for the evidence of a verified checkpoint."""
+        out = [NONFINITE_LOSS]
+        if self.check_grad_norm:
+            out.append(NONFINITE_GRAD_NORM)
+        if self.spike_factor is not None:
+            out.append(f"{LOSS_SPIKE}(factor={self.spike_factor:g}, window={self.window})")
+        if self.grad_norm_limit is not None:
+            out.append(f"{GRAD_NORM_OVER_LIMIT}(limit={self.grad_norm_limit:g})")
+        return out
 
-__all__ = ["LOSS_SPIKE", "NONFINITE_GRAD_NORM", "NONFINITE_LOSS", "OK", "HealthGuard",
-           "TrainingHealthError", "Verdict"]
+    def over_limit(self, verdict: Verdict) -> bool:
+        """Whether an accepted step's gradient norm is above ``grad_norm_limit``."""
+        return (self.grad_norm_limit is not None and verdict.grad_norm is not None
+                and verdict.grad_norm > self.grad_norm_limit)
+
+
+class HealthyWindow:
+    """The saves awaiting verification, and the healthy steps since each.
+
+    A save of step S is *confirmed* once steps S+1 .. S+``steps`` were all judged healthy
+    (accepted by the guard, and within its ``grad_norm_limit``). A step that is not healthy
+    first drops every save waiting: the training after them did not stay healthy, so they
+    are never verified. A rollback (:meth:`rewind`) drops the saves after the step it went
+    back to. Pure bookkeeping: writing the marker is the caller's part.
+
+    Args:
+        steps: the window, in steps.
+        guard: the health guard whose verdicts are observed (its rules go into the evidence).
+    """
+
+    def __init__(self, steps: int, guard: HealthGuard) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"the verified window must be a positive int, not {steps!r}")
+        self.steps, self.guard = steps, guard
+        # saved step -> [healthy steps since, max loss, max grad norm]
+        self._pending: dict[int, list] = {}
+
+    @property
+    def pending(self) -> list[int]:
+        """The saves awaiting their window, oldest first."""
+        return sorted(self._pending)
+
+    def saved(self, step: int) -> None:
+        """A checkpoint of ``step`` was taken (or restored: its window starts again)."""
+        self._pending.setdefault(step, [0, None, None])
+
+    def observe(self, verdict: Verdict) -> tuple[list[tuple[int, dict]], list[int]]:
+        """Count ``verdict``'s step: (the saves it confirmed, each with its evidence; the
+        saves it dropped as not healthy)."""
+        if not verdict.ok or self.guard.over_limit(verdict):
+            dropped = [s for s in self.pending if s < verdict.step]
+            for s in dropped:
+                del self._pending[s]
+            return [], dropped
+        confirmed = []
+        for step in self.pending:
+            if step >= verdict.step:
+                continue
+            window = self._pending[step]
+            window[0] += 1
+            window[1] = _max(window[1], verdict.loss)
+            norm = verdict.grad_norm  # None: not judged; not finite: not checked
+            window[2] = _max(window[2], norm if norm is not None and math.isfinite(norm)
+                             else None)
+            if window[0] >= self.steps:
+                del self._pending[step]
+                confirmed.append((step, {
+                    "window": self.steps, "confirmed_at": verdict.step,
+                    "checks": self.guard.checks(), "max_loss": window[1],
+                    "max_grad_norm": window[2]}))
+        return confirmed, []
+
+    def rewind(self, step: int) -> None:
+        """The state went back to ``step``: the saves after it wait no more."""
+        self._pending = {s: w for s, w in self._pending.items() if s <= step}
+
+
+def _max(current: float | None, value: float | None) -> float | None:
+    if value is None:
+        return current
+    return value if current is None else max(current, value)
+
+
+__all__ = ["GRAD_NORM_OVER_LIMIT", "LOSS_SPIKE", "NONFINITE_GRAD_NORM", "NONFINITE_LOSS",
+           "OK", "HealthGuard", "HealthyWindow", "TrainingHealthError", "Verdict"]

@@ -119,7 +119,8 @@ def build_parts(trainer: ElasticTrainer, parts: AttemptParts) -> None:
                  **checkpoint.manager_options},
         probe=make_probe(checkpoint.probe, module, lambda: probe_batch(trainer),
                          fsdp=bool(fsdp)),
-        verify=checkpoint.verify)
+        verify=checkpoint.verify, verified_window=checkpoint.verified_window,
+        guard=trainer.health)
     parts.exits.attach(checkpointer=parts.checkpointer)
     trainer.metrics.attach_checkpoint(parts.checkpointer.manager.metrics)
     data = config.data

@@ -2,7 +2,8 @@
 
 Every rank judges a step from the same agreed loss and gradient norm
 (:class:`trainer.health.HealthGuard`), so on a bad step all of them roll back to the newest
-good checkpoint together. The step's global batch is then marked bad (by its data offset,
+good checkpoint together: the newest *verified* one when the trainer marks them (a
+checkpoint whose following steps were healthy; ``CheckpointConfig.verified_window``). The step's global batch is then marked bad (by its data offset,
 in the run directory's ``skips.jsonl``) and passed over from then on, in this attempt and
 the ones after it. :class:`Rollbacks` does this for :class:`trainer.elastic.ElasticTrainer`.
 """
@@ -51,18 +52,22 @@ class Rollbacks:
         self._counted = counted
 
     def judge(self, step: int, loss: float, grad_norm: float) -> Verdict | None:
-        """The health guard's verdict on the agreed loss and gradient norm (None: no guard)."""
+        """The health guard's verdict on the agreed loss and gradient norm (None: no guard);
+        it also counts in the verified windows of the checkpoints before ``step``."""
         if self.guard is None:
             return None
         norm: float | None = grad_norm
         scaler = self.steps.grad_scaler
         if scaler is not None and scaler.is_enabled() and not math.isfinite(grad_norm):
             norm = None  # an overflowed scaled gradient: the scaler skips the update itself
-        return self.guard.observe(step, loss, norm)
+        verdict = self.guard.observe(step, loss, norm)
+        self.checkpointer.judged(verdict)
+        return verdict
 
     def rollback(self, verdict: Verdict, batch: StepBatch) -> int:
-        """A bad step, agreed by every rank: restore the newest good checkpoint, mark the
-        step's global ``batch`` to be skipped, return the restored step.
+        """A bad step, agreed by every rank: restore the newest good checkpoint (the newest
+        verified one first, with a verified window), mark the step's global ``batch`` to be
+        skipped, return the restored step.
 
         Raises TrainingHealthError past the guard's ``max_rollbacks``.
         """

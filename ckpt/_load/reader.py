@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import logging
 from typing import Any, MutableMapping
 
 import torch
@@ -37,6 +38,7 @@ from storage_backends import Storage
 from ckpt._format.gcpause import paused_gc
 from ckpt._format.manifest import Manifest
 from ckpt._load.chunk_read import OpenFiles
+from ckpt._load.cooperative import Cooperation, GroupFailed, Shares
 from ckpt._load.read_plan import ChunkRead, needed_tensors, reads_for
 from ckpt._load.read_run import Applier, Scratch, run_reads, verify_jobs
 from ckpt._shared.buffers import await_device_copies
@@ -46,6 +48,8 @@ from ckpt._shared.state import (FlatState, check_compatible, decode, flatten, is
 from ckpt._step.headers import check_headers
 from ckpt._step.integrity import check_structure, chunk_path
 from ckpt.errors import CorruptCheckpointError, PartialLoadError, StateMismatchError
+
+log = logging.getLogger("ckpt")
 
 
 def _live_state(state: MutableMapping[str, Any], rank: int) -> FlatState:
@@ -61,7 +65,7 @@ def _live_state(state: MutableMapping[str, Any], rank: int) -> FlatState:
 def load_step(storage: Storage, location: str, manifest: Manifest,
               state: MutableMapping[str, Any], *, rank: int = 0, allow_pickle: bool = False,
               verify: bool = True, pool: cf.ThreadPoolExecutor | None = None,
-              in_place: bool = False) -> frozenset[str]:
+              in_place: bool = False, coop: Cooperation | None = None) -> frozenset[str]:
     """Load ``manifest``'s step into this rank's ``state`` (see the module docstring);
     returns the keys of the live tensors it wrote.
 
@@ -72,6 +76,10 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
     which. Without ``verify`` nothing is checked against digests. Everything that can be
     checked without the data (manifest, files, keys, shapes, dtypes, parameter groups,
     pickle, value tags) is checked before the first byte is read.
+
+    ``coop`` (every rank of its group calls this together): the chunks several ranks need
+    are read once, by one of them, and sent to the others (:mod:`ckpt._load.cooperative`),
+    with the same guarantees; plain reads where the group cannot.
 
     Every live tensor is written by a load that succeeds (a step that lacks one does not
     fit the state: StateMismatchError before the first read), so loading a good step
@@ -88,12 +96,54 @@ def load_step(storage: Storage, location: str, manifest: Manifest,
     # restore of a freshly started worker (~80 ms here for a state of 256 tensors).
     with paused_gc():
         return _load_step(storage, location, manifest, state, rank, allow_pickle, verify, pool,
-                          in_place)
+                          in_place, coop)
 
 
 def _load_step(storage: Storage, location: str, manifest: Manifest,
                state: MutableMapping[str, Any], rank: int, allow_pickle: bool, verify: bool,
-               pool: cf.ThreadPoolExecutor | None, in_place: bool) -> frozenset[str]:
+               pool: cf.ThreadPoolExecutor | None, in_place: bool,
+               coop: Cooperation | None) -> frozenset[str]:
+    try:
+        reads, values, written = _plan(storage, location, manifest, state, rank, allow_pickle)
+    except BaseException as e:
+        if coop is not None:  # the other ranks wait for this rank's list of reads
+            coop.abandon(e)
+        raise
+    scratch = Scratch()
+    if _tiny(storage, reads):
+        pool = None
+    shares = None
+    try:
+        shares = coop.enter(storage.url, location, manifest, reads) if coop else None
+        if shares is not None:
+            _read_shared(storage, location, manifest, reads, shares, scratch, pool, verify,
+                         in_place, written)
+            _apply_items(state, manifest, values)
+            return frozenset(written)
+    except GroupFailed as e:
+        log.warning("ckpt.restore: reading the replicated chunks once for all ranks failed "
+                    "(%s); every rank reads what it needs from %s instead", e, storage.url)
+    # Plain reads. After a failed exchange they rewrite what it wrote (verified bytes of
+    # this same step), and a failure now says which live tensors it had changed.
+    try:
+        if verify and not in_place:
+            run_reads(verify_jobs(storage, location, reads, scratch), pool)
+        _apply_pass(storage, location, manifest, reads, scratch, pool, verify and in_place,
+                    written)
+    except Exception as e:
+        if shares is not None and not isinstance(e, PartialLoadError) and any(
+                k in shares.started for k in written):
+            raise _partial(e, manifest.step, written, reads, shares) from e
+        raise
+    _apply_items(state, manifest, values)
+    return frozenset(written)
+
+
+def _plan(storage: Storage, location: str, manifest: Manifest, state: MutableMapping[str, Any],
+          rank: int, allow_pickle: bool
+          ) -> tuple[list[ChunkRead], dict[str, Any], list[str]]:
+    """Everything checked before the first byte of data is read: (the reads, the decoded
+    values to hand to the live objects, the keys of the live tensors read into in place)."""
     src = source_rank(rank, manifest.world_size)
     live = _live_state(state, src)
     spec = {k: (e.shape, e.torch_dtype) for k, e in manifest.tensors.items()}
@@ -117,15 +167,26 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{storage.url}/{location}: a saved value cannot be "
                                      f"decoded ({e!r}); nothing was loaded", path=location) from e
-    scratch = Scratch()
-    if _tiny(storage, reads):
-        pool = None
+    return reads, values, written
+
+
+def _read_shared(storage: Storage, location: str, manifest: Manifest, reads: list[ChunkRead],
+                 shares: Shares, scratch: Scratch, pool: cf.ThreadPoolExecutor | None,
+                 verify: bool, in_place: bool, written: list[str]) -> None:
+    """The passes of a cooperative load: two-pass loads verify each rank's share first
+    (raising on every rank, nothing changed, when a chunk fails), then the exchange fills
+    every destination; a failure there says which live tensors changed."""
     if verify and not in_place:
-        run_reads(verify_jobs(storage, location, reads, scratch), pool)
-    _apply_pass(storage, location, manifest, reads, scratch, pool, verify and in_place,
-                written)
-    _apply_items(state, manifest, values)
-    return frozenset(written)
+        shares.verify(storage, location, scratch, pool)
+    await_device_copies()  # (as in _apply_pass)
+    try:
+        shares.exchange(storage, location, pool, landing=verify and in_place, check=verify)
+    except GroupFailed:
+        raise
+    except Exception as e:
+        if any(k in shares.started for k in written):
+            raise _partial(e, manifest.step, written, reads, shares) from e
+        raise
 
 
 def _destinations(manifest: Manifest, live: FlatState, needed: set[str]
@@ -217,7 +278,7 @@ def _tiny(storage: Storage, reads: list[ChunkRead]) -> bool:
 
 
 def _partial(error: Exception, step: int, written: list[str], reads: list[ChunkRead],
-             apply: Applier) -> PartialLoadError:
+             apply: Applier | Shares) -> PartialLoadError:
     """The apply pass failed: say exactly which live tensors changed."""
     total = collections.Counter(r.key for r in reads)
     full = [k for k in written if apply.finished.get(k, 0) == total[k]]

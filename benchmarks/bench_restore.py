@@ -1,0 +1,269 @@
+"""Restore under a process group, and a cold load, against their floors and DCP.
+
+Two parts, each in one run with its methods interleaved, medians and ratios:
+
+* ``ddp``: ``--world`` (default 4) gloo ranks on this machine, each holding the same
+  replicated state (DDP), save one step, then restore the newest step into every rank
+  (``CheckpointManager.restore``). Rows: the cooperative restore (each rank reads its share
+  of the chunks from the root, the ranks exchange the rest over gloo), the plain restore
+  (every rank reads every chunk), and world 1 (rank 0 alone, the others idle). Reported:
+  the slowest rank's time, and the bytes read from the root summed over the ranks as
+  ``last_restore.ranks`` counts them, against the checkpoint's size. Before each repetition
+  the checkpoint's pages are evicted from the page cache (``POSIX_FADV_DONTNEED``: no root
+  needed), so the root is read cold.
+* ``cold``: one process. ``ckpt.load`` (every chunk verified before the first live byte
+  changes), ``CheckpointManager.restore`` of the newest step (one pass, digested where it
+  lands), ``torch.distributed.checkpoint.load`` of the same state saved by ``dcp.save``,
+  and a raw read of ckpt's own data files straight into the destinations (one thread per
+  file, as ckpt reads them), each with the files evicted from the page cache first.
+
+On this machine the "disk" is the host's page cache behind a virtual disk, and 2 cores
+serve every process: a world of 4 ranks shares them, and gloo's loopback transfers cost
+CPU that a read from a warm cache does not. The bytes from the root are what the
+cooperative restore saves on shared storage (Lustre, S3), where N ranks reading the whole
+state cost N times the bytes.
+
+Run from the repository root::
+
+    python benchmarks/bench_restore.py [--parts ddp,cold] [--sizes 256M] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402  (puts the repository root on sys.path too)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import ckpt  # noqa: E402
+
+warnings.filterwarnings("ignore", "torch.distributed is disabled")
+
+
+def evict(path: str) -> None:
+    """Drop ``path``'s files (a file or a directory tree) from the page cache."""
+    files = [path] if os.path.isfile(path) else [
+        os.path.join(d, f) for d, _, names in os.walk(path) for f in names]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def set_cooperative(on: bool) -> None:
+    """Switch the cooperative restore on or off in this process (a benchmark switch)."""
+    try:
+        from ckpt._load import cooperative
+    except ImportError:  # code without it: every restore is plain
+        return
+    cooperative.ENABLED = on
+
+
+# -- part ddp: world N gloo ranks -------------------------------------------------------------
+
+def _ddp_rank(rank: int, world: int, store: str, root: str, nbytes: int, shape: str,
+              reps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world)
+    source = common.make_state(nbytes, shape)
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"model": source}, force=True)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, names in
+               os.walk(os.path.join(root, "step-00000001")) for f in names
+               if f != "manifest.json")
+    alone = dist.new_group([0])
+    dest = {"model": common.empty_like_state(source)}
+    mgr = ckpt.CheckpointManager(root, read_only=True)
+    solo = ckpt.CheckpointManager(root, read_only=True, process_group=alone) if rank == 0 \
+        else None
+
+    def restore(case: str) -> tuple[float, int]:
+        for t in dest["model"].values():
+            t.zero_()
+        if rank == 0:
+            evict(root)
+        dist.barrier()
+        if case == "world 1 (rank 0 alone)":
+            took, nread = 0.0, 0
+            if rank == 0:
+                t0 = time.perf_counter()
+                solo.restore(dest)
+                took = time.perf_counter() - t0
+                nread = solo.last_restore.bytes_from_storage
+                assert common.same_values(source, dest["model"])
+            dist.barrier()
+            return took, nread
+        set_cooperative(case.startswith("cooperative"))
+        t0 = time.perf_counter()
+        mgr.restore(dest)
+        took = time.perf_counter() - t0
+        assert common.same_values(source, dest["model"]), "a restore was not bit-exact"
+        return took, sum(b for _, b in mgr.last_restore.ranks)
+
+    cases = ["cooperative", "plain (every rank reads all)", "world 1 (rank 0 alone)"]
+    results: dict[str, list[tuple[float, int]]] = {c: [] for c in cases}
+    for c in cases:  # warm the code paths (not timed)
+        restore(c)
+    for rep in range(reps):
+        for c in [cases[(rep + i) % len(cases)] for i in range(len(cases))]:
+            took, nread = restore(c)
+            everyone = [None] * world
+            dist.all_gather_object(everyone, took)
+            results[c].append((max(everyone), nread))
+    mgr.close()
+    if solo is not None:
+        solo.close()
+    if rank == 0:
+        torch.save({"results": results, "size": size}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def part_ddp(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> str:
+    work = common.fresh_dir(os.path.join(base, f"ddp-{shape}-{nbytes}"))
+    out = os.path.join(work, "results.pt")
+    store = os.path.join(work, "store")
+    mp.spawn(_ddp_rank, args=(args.world, store, os.path.join(work, "root"), nbytes, shape,
+                              args.reps, out), nprocs=args.world, join=True)
+    data = torch.load(out)
+    size = data["size"]
+    rows = []
+    anchor = common.median([t for t, _ in data["results"]["world 1 (rank 0 alone)"]])
+    for name, runs in data["results"].items():
+        took = common.median([t for t, _ in runs])
+        nread = common.median([n for _, n in runs])
+        rows.append([name, f"{took:.3f}", f"{min(t for t, _ in runs):.3f}.."
+                     f"{max(t for t, _ in runs):.3f}", f"{nread / size:.2f}",
+                     f"{took / anchor:.2f}"])
+    common.remove(work)
+    return (f"\n### world {args.world} (gloo), DDP restore of {common.format_size(nbytes)} "
+            f"({shape}: {common.SHAPES[shape]} tensors), root read cold; median of "
+            f"{args.reps}, interleaved\n\n" + common.markdown_table(
+                ["method", "median s (slowest rank)", "min..max s",
+                 "bytes from the root, all ranks / checkpoint", "time / world 1"], rows) + "\n")
+
+
+# -- part cold: one process -------------------------------------------------------------------
+
+def _raw_read(paths: list[str], dests: list[list[tuple[int, memoryview]]]) -> None:
+    """Each file's data bytes straight into their destinations, in file order, one thread
+    per file."""
+    def one(path: str, views: list[tuple[int, memoryview]]) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for pos, view in views:
+                while view:
+                    n = os.preadv(fd, [view], pos)
+                    if n == 0:
+                        raise EOFError(path)
+                    pos, view = pos + n, view[n:]
+        finally:
+            os.close(fd)
+
+    with cf.ThreadPoolExecutor(len(paths)) as pool:
+        list(pool.map(one, paths, dests))
+
+
+def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> str:
+    import torch.distributed.checkpoint as dcp
+    from ckpt._step.integrity import read_manifest
+    from storage_backends import PosixStorage
+
+    work = common.fresh_dir(os.path.join(base, f"cold-{shape}-{nbytes}"))
+    source = common.make_state(nbytes, shape)
+    one = os.path.join(work, "one")
+    ckpt.save({"model": source}, one, step=1)
+    root = os.path.join(work, "root")
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"model": source}, force=True)
+    dcp_path = os.path.join(work, "dcp")
+    dcp.save({"model": source}, checkpoint_id=dcp_path, no_dist=True)
+    manifest = read_manifest(PosixStorage(work, create=False), "one")
+    dest = {"model": common.empty_like_state(source)}
+    chunks = sorted((c.file, c.start, key.split("/", 1)[1], c.offsets[0], c.shape[0])
+                    for key, entry in manifest.tensors.items() for c in entry.chunks)
+    files = sorted({c[0] for c in chunks})
+    paths = [os.path.join(one, f) for f in files]
+
+    def raw_read() -> None:
+        """ckpt's data files read straight into the destinations (which a load may have
+        replaced: taken afresh each time), as ckpt's chunks lay them out."""
+        views = {f: [] for f in files}
+        for f, start, name, row, rows in chunks:
+            views[f].append((start, common.byte_view(dest["model"][name][row:row + rows])))
+        _raw_read(paths, [views[f] for f in files])
+
+    reader = ckpt.CheckpointManager(root, read_only=True)
+
+    def case(name: str, path: str, load) -> tuple[str, object]:
+        def run(rep: int) -> dict[str, float]:
+            for t in dest["model"].values():
+                t.zero_()
+            evict(path)
+            with common.Stopwatch() as sw:
+                load()
+            assert common.same_values(source, dest["model"]), f"{name} was not bit-exact"
+            return {"s": sw.seconds, "cpu": sw.cpu_seconds}
+        return name, run
+
+    cases = [
+        case("raw read of ckpt's files", one, raw_read),
+        case("ckpt.load (verify, then apply)", one, lambda: ckpt.load(dest, one)),
+        case("ckpt restore(), newest step (one pass)", root, lambda: reader.restore(dest)),
+        case("dcp.load", dcp_path, lambda: dcp.load(dest, checkpoint_id=dcp_path,
+                                                    no_dist=True)),
+    ]
+    for _, fn in cases:
+        fn(0)
+    timings = common.run_interleaved(cases, args.reps, progress=f"cold {shape} {nbytes}")
+    reader.close()
+    rows = [common.Row(n, t["s"], t["cpu"]) for n, t in timings.items()]
+    common.remove(work)
+    return (f"\n### cold load of {common.format_size(nbytes)} ({shape}: "
+            f"{common.SHAPES[shape]} tensors, {len(paths)} data files); median of "
+            f"{args.reps}, interleaved\n\n" + common.throughput_table(
+                rows, common.state_bytes(source),
+                anchors=["raw read of ckpt's files", "dcp.load"]) + "\n\n(x anchor: "
+            "throughput ratio, > 1 is faster than the anchor)\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="ddp,cold")
+    parser.add_argument("--sizes", default="256M")
+    parser.add_argument("--shapes", default="many")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dir", default=common.DEFAULT_DIR)
+    args = parser.parse_args()
+    sizes = [common.parse_size(s) for s in args.sizes.split(",") if s]
+    shapes = [s for s in args.shapes.split(",") if s]
+    base = common.fresh_dir(os.path.join(args.dir, "restore"))
+    print(f"machine: {common.machine_description()}; load {common.load_average()}; "
+          f"code {common.code_version()}")
+    try:
+        for part in args.parts.split(","):
+            for nbytes in sizes:
+                for shape in shapes:
+                    fn = {"ddp": part_ddp, "cold": part_cold}[part]
+                    print(fn(args, base, nbytes, shape), flush=True)
+    finally:
+        common.remove(base)
+    print(f"load average at the end: {common.load_average()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""Cooperative restore: a chunk that several ranks need is read from storage once, by one of
+them (its owner), and sent to the others over the process group.
+
+Under DDP every rank restores the whole replicated state; under HSDP the ranks that hold
+the same replica of a shard need the same chunks. Read by every rank, the bytes read from
+the root (Lustre, S3) are the state times the replica count. Here:
+
+1. Entry (collective, once per attempt): the ranks compare what they need (a digest of
+   their chunk lists; the lists themselves only when they differ). A chunk needed by
+   several ranks gets one owner among them: largest chunks first, each to the rank with
+   the fewest bytes so far, the chunks a rank alone needs counted first (the same on every
+   rank, no further exchange).
+2. In batches of at most :data:`BATCH_BYTES`, each owner reads its chunks of the batch
+   (digested as they land when the load reads in one pass), the ranks exchange their
+   outcomes (a small all_gather), and only then does each owner send the bytes to the
+   ranks that need them (send/recv; chunks of :data:`DIRECT_BYTES` or more straight from
+   the owner's destination into the receiver's, smaller ones packed per pair of ranks).
+   Every receiver checks each chunk it received against the digest in its own manifest.
+3. A chunk that fails on its owner fails the attempt on every rank with the owner's reason
+   (the restore then falls back to an older step on every rank alike).
+
+A load that verifies before it applies (two passes) first has every owner verify its
+share, agrees, then runs the exchange as the apply pass: no live byte changes before every
+chunk was verified by its owner.
+
+Reads stay plain (every rank reads what it needs) where the group cannot help: no process
+group or world 1, a backend that does not carry CPU tensors (NCCL alone: initialize with
+``backend="cpu:gloo,cuda:nccl"``), no chunk needed by two ranks, or a collective that fails
+(:class:`GroupFailed`, logged by the caller, who then reads plainly).
+
+Threat model: only the ranks of the job's process group reach this exchange (the same
+trust as the commit vote and every other ``all_gather_object`` of ckpt). A rank that sends
+wrong bytes (a bug, a flipped bit in its memory) is caught by the receiver's digest check,
+unless digests are off (``verify="structure"``), where a peer is trusted as the storage is.
+Message sizes come from the receiver's own plan, never from the sender, so a peer cannot
+make a receiver allocate more than its batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import heapq
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from storage_backends import Storage
+
+from ckpt._format.digest import digest
+from ckpt._format.manifest import Manifest
+from ckpt._format.names import step_dir
+from ckpt._load.chunk_read import OpenFiles, mismatch, read_chunk_into
+from ckpt._load.read_plan import ChunkRead
+from ckpt._load.read_run import Scratch, run_reads, verify_jobs
+from ckpt._shared.buffers import byte_view
+from ckpt._shared.distributed import Group
+from ckpt._shared.sharding import sub_slices
+from ckpt._step.integrity import chunk_path
+from ckpt.errors import CorruptCheckpointError
+
+log = logging.getLogger("ckpt")
+
+#: Whether restores under a process group read replicated chunks together (benchmarks
+#: switch it off to measure plain reads beside it).
+ENABLED = True
+#: Chunks of at least this many bytes travel in a message of their own, without a copy;
+#: smaller ones are packed per pair of ranks (one message instead of thousands).
+DIRECT_BYTES = 1 << 20
+#: The chunk bytes read and sent per batch, over all ranks: bounds the packing buffers.
+BATCH_BYTES = 256 << 20
+
+ChunkId = tuple[str, int]  # (file path, start): one stored chunk
+_WARNED: set[str] = set()
+
+
+class GroupFailed(Exception):
+    """A collective of the exchange failed: the caller reads plainly instead."""
+
+
+def _carries_cpu_tensors(group: Group) -> bool:
+    backend = str(dist.get_backend(group.pg)).lower()
+    return "gloo" in backend or "mpi" in backend
+
+
+class Cooperation:
+    """One attempt's cooperation over ``group``: every rank calls :meth:`enter` once, or
+    :meth:`abandon` when its attempt failed before it could."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self.entered = False
+
+    @classmethod
+    def of(cls, group: Group) -> Cooperation | None:
+        """A cooperation over ``group``, or None where reads stay plain (the same answer on
+        every rank)."""
+        if not (ENABLED and group.enabled):
+            return None
+        if not _carries_cpu_tensors(group):
+            backend = str(dist.get_backend(group.pg))
+            if backend not in _WARNED:
+                _WARNED.add(backend)
+                log.info("ckpt.restore: every rank reads the replicated chunks itself: the "
+                         "process group's backend %r does not carry CPU tensors (initialize "
+                         "with backend='cpu:gloo,cuda:nccl' to read them once per job)",
+                         backend)
+            return None
+        return cls(group)
+
+    def abandon(self, error: BaseException) -> None:
+        """This rank's attempt failed before :meth:`enter`: say so to the others (they
+        stop too, before reading). Nothing after :meth:`enter`."""
+        if not self.entered:
+            try:
+                self._entry(None, f"{type(error).__name__}: {error}")
+            except GroupFailed:  # the attempt fails anyway, with this rank's own error
+                pass
+
+    def _entry(self, signature: str | None, error: str | None) -> list[Any]:
+        self.entered = True
+        try:
+            return self.group.all_gather((signature, error))
+        except RuntimeError as e:
+            raise GroupFailed(f"the first exchange failed: {e}") from e
+
+    def enter(self, url: str, location: str, manifest: Manifest,
+              reads: list[ChunkRead]) -> Shares | None:
+        """Agree on who reads which chunk (collective); None when no chunk is needed by two
+        ranks. Raises CorruptCheckpointError when another rank's attempt failed before."""
+        mine: dict[ChunkId, list[ChunkRead]] = {}
+        for r in reads:
+            mine.setdefault((chunk_path(location, r.chunk), r.chunk.start), []).append(r)
+        table = sorted((cid, rs[0].chunk.numel * manifest.tensors[rs[0].key].torch_dtype.itemsize)
+                       for cid, rs in mine.items())
+        signature = hashlib.blake2b(repr(table).encode(), digest_size=16).hexdigest()
+        everyone = self._entry(signature, None)
+        for rank, (_, error) in enumerate(everyone):
+            if error:
+                raise CorruptCheckpointError(
+                    f"{url}/{location}: rank {rank} cannot load this step ({error}); rank "
+                    f"{self.group.rank} read none of it", path=f"{url}/{location}")
+        if all(s == signature for s, _ in everyone):  # DDP: every rank needs every chunk
+            return Shares(self.group, table, None, mine)
+        try:
+            tables = self.group.all_gather(table)
+        except RuntimeError as e:
+            raise GroupFailed(f"exchanging the chunk lists failed: {e}") from e
+        needers: dict[ChunkId, list[int]] = {}
+        sizes: dict[ChunkId, int] = {}
+        for rank, part in enumerate(tables):
+            for cid, size in part:
+                needers.setdefault(cid, []).append(rank)
+                sizes[cid] = size
+        if all(len(ranks) < 2 for ranks in needers.values()):
+            return None  # nothing replicated (FSDP): nothing to share
+        return Shares(self.group, sorted(sizes.items()), needers, mine)
+
+
+class Shares:
+    """Who reads which chunk, and the exchange that brings every rank its chunks.
+
+    ``started`` and ``finished`` count the writes into the destinations, as the plain
+    apply pass does, for an error that must say which live tensors changed."""
+
+    def __init__(self, group: Group, table: list[tuple[ChunkId, int]],
+                 needers: dict[ChunkId, list[int]] | None,
+                 mine: dict[ChunkId, list[ChunkRead]]) -> None:
+        self.group, self.table, self.needers, self.mine = group, table, needers, mine
+        self.me = group.rank
+        self.owner = _owners(table, needers, group.world_size)
+        self.started: set[str] = set()
+        self.finished: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._global = [dist.get_global_rank(group.pg, r) if group.pg is not None else r
+                        for r in range(group.world_size)]
+
+    def holders(self, cid: ChunkId) -> list[int] | range:
+        return self.needers[cid] if self.needers is not None else range(self.group.world_size)
+
+    def owned_reads(self) -> list[ChunkRead]:
+        """One read per chunk this rank owns (what it reads from storage)."""
+        return [self.mine[cid][0] for cid, _ in self.table if self.owner[cid] == self.me]
+
+    def verify(self, storage: Storage, location: str, scratch: Scratch,
+               pool: cf.ThreadPoolExecutor | None) -> None:
+        """Two-pass loads: every owner verifies its share; raises on every rank when any
+        chunk failed (nothing live changed)."""
+        error = None
+        try:
+            run_reads(verify_jobs(storage, location, self.owned_reads(), scratch), pool)
+        except Exception as e:
+            error = e
+        self._agree(error, None, storage.url, location)
+
+    def exchange(self, storage: Storage, location: str, pool: cf.ThreadPoolExecutor | None,
+                 *, landing: bool, check: bool) -> None:
+        """Fill every destination: each owner reads its chunks (``landing``: digested as
+        they land), then sends them; each receiver checks what it got (``check``)."""
+        files = OpenFiles(storage)
+        received_error: str | None = None
+        try:
+            for batch in _batches(self.table):
+                error = None
+                try:
+                    data = self._read_own(storage, location, batch, files, pool, landing)
+                except Exception as e:
+                    error, data = e, {}
+                self._agree(error, received_error, storage.url, location)
+                received_error = self._send_and_receive(batch, data, check, storage)
+            self._agree(None, received_error, storage.url, location)
+        finally:
+            files.close()
+
+    # -- one batch ---------------------------------------------------------------------------
+    def _read_own(self, storage: Storage, location: str, batch: list[tuple[ChunkId, int]],
+                  files: OpenFiles, pool: cf.ThreadPoolExecutor | None,
+                  landing: bool) -> dict[ChunkId, memoryview]:
+        data: dict[ChunkId, memoryview] = {}
+
+        def read(cid: ChunkId, size: int) -> None:
+            reads = self.mine[cid]
+            first = next((r for r in reads if r.into is not None), None)
+            self._start(reads)
+            if first is not None:
+                out = first.into
+            else:
+                out = byte_view(torch.empty(size, dtype=torch.uint8))
+            r = first or reads[0]
+            read_chunk_into(storage, location, r.key, r.chunk, out, r.dest.dtype, landing,
+                            files)
+            for other in reads:
+                if other is not first:
+                    _place(other, out)
+            data[cid] = out
+
+        jobs = [(cid[0], cid[1], lambda cid=cid, size=size: read(cid, size))
+                for cid, size in batch if self.owner[cid] == self.me]
+        run_reads(jobs, pool)
+        return data
+
+    def _send_and_receive(self, batch: list[tuple[ChunkId, int]],
+                          data: dict[ChunkId, memoryview], check: bool,
+                          storage: Storage) -> str | None:
+        """Post every send and receive of the batch, wait, then check and place what came;
+        returns the first chunk that failed its check here (reported at the next
+        agreement), or None."""
+        tags: dict[tuple[int, int], int] = {}
+        packs: dict[tuple[int, int], list[tuple[ChunkId, int]]] = {}
+        sends: list[tuple[int, int, torch.Tensor]] = []
+        # (from, tag, buffer, its chunks, the read whose destination is the buffer or None)
+        recvs: list[tuple[int, int, torch.Tensor, list[tuple[ChunkId, int]],
+                          ChunkRead | None]] = []
+
+        def tag(pair: tuple[int, int]) -> int:
+            tags[pair] = tags.get(pair, -1) + 1
+            return tags[pair]
+
+        for cid, size in batch:
+            owner = self.owner[cid]
+            if size == 0 or (owner != self.me and cid not in self.mine):
+                continue
+            for n in self.holders(cid):
+                if n == owner or (owner != self.me and n != self.me):
+                    continue
+                if size < DIRECT_BYTES:
+                    packs.setdefault((owner, n), []).append((cid, size))
+                elif owner == self.me:
+                    sends.append((n, tag((owner, n)), _tensor(data[cid])))
+                else:
+                    first = next((r for r in self.mine[cid] if r.into is not None), None)
+                    self._start(self.mine[cid])
+                    buf = (_tensor(first.into) if first is not None
+                           else torch.empty(size, dtype=torch.uint8))
+                    recvs.append((owner, tag((owner, n)), buf, [(cid, size)], first))
+        built: dict[tuple[ChunkId, ...], torch.Tensor] = {}  # DDP: one pack for all peers
+        for (owner, n), cids in sorted(packs.items()):
+            if owner == self.me:
+                key = tuple(c for c, _ in cids)
+                if key not in built:
+                    built[key] = torch.cat([_tensor(data[c]) for c, _ in cids])
+                sends.append((n, tag((owner, n)), built[key]))
+            else:
+                for cid, _ in cids:
+                    self._start(self.mine[cid])
+                recvs.append((owner, tag((owner, n)),
+                              torch.empty(sum(s for _, s in cids), dtype=torch.uint8), cids,
+                              None))
+        try:
+            works = [dist.irecv(buf, src=self._global[o], group=self.group.pg, tag=t)
+                     for o, t, buf, _, _ in recvs]
+            works += [dist.isend(buf, dst=self._global[n], group=self.group.pg, tag=t)
+                      for n, t, buf in sends]
+            for w in works:
+                w.wait()
+        except RuntimeError as e:
+            raise GroupFailed(f"sending the chunks failed: {e}") from e
+        failed = None
+        for owner, _, buf, cids, landed in recvs:
+            at = 0
+            view = byte_view(buf)
+            for cid, size in cids:
+                part = view[at:at + size]
+                at += size
+                reads = self.mine[cid]
+                if check and failed is None and digest(part) != reads[0].chunk.digest:
+                    failed = (f"{mismatch(storage, cid[0], reads[0].key, reads[0].chunk)} "
+                              f"(as received from rank {owner}, which read it)")
+                for r in reads:
+                    if r is not landed:
+                        _place(r, part)
+        for reads in (self.mine[cid] for cid, _ in batch if cid in self.mine):
+            with self._lock:
+                for r in reads:
+                    self.finished[r.key] = self.finished.get(r.key, 0) + 1
+        return failed
+
+    def _start(self, reads: list[ChunkRead]) -> None:
+        with self._lock:
+            self.started.update(r.key for r in reads)
+
+    def _agree(self, error: BaseException | None, received: str | None, url: str,
+               location: str) -> None:
+        """Every rank's outcome so far; raises on every rank when any rank failed: this
+        rank's own error, or the first failing rank's reason."""
+        mine = f"{error}" if error is not None else received
+        try:
+            everyone = self.group.all_gather(mine)
+        except RuntimeError as e:
+            raise GroupFailed(f"agreeing on the reads failed: {e}") from e
+        if error is not None:
+            raise error
+        for rank, why in enumerate(everyone):
+            if why:
+                raise CorruptCheckpointError(
+                    f"rank {rank}, reading its share of the chunks for all ranks: {why}",
+                    path=f"{url}/{location}")
+
+
+def _tensor(view: memoryview) -> torch.Tensor:
+    """The bytes of ``view`` as a uint8 tensor sharing its memory."""
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def _place(r: ChunkRead, data: memoryview) -> None:
+    """Put a chunk's bytes ``data`` into ``r``'s destination."""
+    if r.into is not None:
+        r.into[:] = data
+        return
+    chunk = torch.frombuffer(data, dtype=torch.uint8).view(r.dest.dtype).view(r.chunk.shape)
+    r.dest[sub_slices(r.dest_box, r.overlap)].copy_(
+        chunk[sub_slices((r.chunk.offsets, r.chunk.shape), r.overlap)])
+
+
+def owners_of(manifest: Manifest, world: int) -> dict[ChunkId, int]:
+    """The rank that reads each chunk of ``manifest`` when each of ``world`` ranks restores
+    all of it (DDP): what :class:`Shares` computes for such a restore."""
+    location = step_dir(manifest.step)
+    table = sorted({((chunk_path(location, c), c.start), c.numel * e.torch_dtype.itemsize)
+                    for e in manifest.tensors.values() for c in e.chunks})
+    return _owners(table, None, world)
+
+
+def _owners(table: list[tuple[ChunkId, int]], needers: dict[ChunkId, list[int]] | None,
+            world: int) -> dict[ChunkId, int]:
+    """The rank that reads each chunk: largest first, each to the rank needing it that has
+    the fewest bytes so far (ties: the lowest rank); a chunk one rank alone needs is its own,
+    counted first."""
+    load = [0] * world
+    owner: dict[ChunkId, int] = {}
+    if needers is not None:
+        for cid, size in table:
+            if len(needers[cid]) == 1:
+                owner[cid] = needers[cid][0]
+                load[owner[cid]] += size
+    largest = sorted(((cid, size) for cid, size in table if cid not in owner),
+                     key=lambda p: (-p[1], p[0]))
+    if needers is None:  # every rank holds every chunk: a heap of (bytes, rank)
+        heap = [(0, r) for r in range(world)]
+        for cid, size in largest:
+            bytes_so_far, rank = heapq.heappop(heap)
+            owner[cid] = rank
+            heapq.heappush(heap, (bytes_so_far + size, rank))
+        return owner
+    for cid, size in largest:
+        rank = min(needers[cid], key=lambda r: (load[r], r))
+        owner[cid] = rank
+        load[rank] += size
+    return owner
+
+
+def _batches(table: list[tuple[ChunkId, int]]) -> list[list[tuple[ChunkId, int]]]:
+    """The chunks in file order, cut into batches of at most :data:`BATCH_BYTES` (a larger
+    chunk alone)."""
+    batches: list[list[tuple[ChunkId, int]]] = [[]]
+    filled = 0
+    for cid, size in table:
+        if batches[-1] and filled + size > BATCH_BYTES:
+            batches.append([])
+            filled = 0
+        batches[-1].append((cid, size))
+        filled += size
+    return batches

@@ -1,0 +1,65 @@
+"""Cooperative restore: under a process group, a chunk that several ranks need (a DDP
+model's, or one replica of an HSDP shard) is read from the root once, by one rank, and sent
+to the others; every rank ends bit-exact, and a chunk that fails on the rank that read it
+fails the step on every rank alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import cooperative_workers as workers
+from tests.support.ranks import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+
+def test_each_rank_reads_only_its_share_and_every_rank_ends_bit_exact(tmp_path):
+    """World 4: a replicated state plus a tensor replicated over one mesh dimension and
+    sharded over the other. The bytes read from the root, counted as last_restore counts
+    them, sum to the checkpoint once (not 4 times), each rank's about a quarter."""
+    results = run_ranks(4, workers.restore_replicated, str(tmp_path / "root"), timeout=90)
+    total = results[0]["checkpoint"]
+    for r in results:
+        assert r["step"] == 2 and r["exact"], r
+        assert r["ranks"] == results[0]["ranks"]  # the same account on every rank
+        assert r["mine"] < 0.4 * total, (r["mine"], total)  # its share, not the state
+    summed = sum(results[0]["ranks"])
+    assert total <= summed < 1.1 * total, (summed, total)  # (+ each rank's file headers)
+
+
+def test_a_corrupt_chunk_read_by_rank_2_fails_the_step_on_every_rank_alike(tmp_path):
+    """restore() of the newest step falls back to step 1 on every rank with the same reason
+    (rank 2's digest mismatch); restore(step=2) raises on every rank and changes nothing,
+    although only rank 2 read the chunk."""
+    results = run_ranks(4, workers.corrupt_owned_chunk, str(tmp_path / "root"), 2, timeout=90)
+    reasons = {str(r["skipped"]) for r in results}
+    errors = {r["error"] for r in results if r["error"] != results[2]["error"]}
+    for r in results:
+        assert r["newest"] == 1 and r["fell_back"], r
+        assert [s for s, _ in r["skipped"]] == [2]
+        assert r["error"] and "digest mismatch" in r["error"] and r["unchanged"], r
+    assert len(reasons) == 1, reasons  # one reason, agreed
+    assert "digest mismatch" in results[0]["skipped"][0][1]
+    assert "rank 2" in results[0]["skipped"][0][1]
+    assert len(errors) == 1 and "rank 2" in errors.pop()  # the others name the reader
+
+
+def test_bytes_damaged_by_the_rank_that_sends_them_are_refused_by_every_receiver(tmp_path):
+    """A rank whose reads pass their digest but whose sent bytes are damaged (bad memory, a
+    hostile peer): every receiver checks what it got against its own manifest, and every
+    rank falls back to step 1."""
+    results = run_ranks(4, workers.hostile_sender, str(tmp_path / "root"), 1, timeout=90)
+    for r in results:
+        assert r["newest"] == 1, r
+        assert [s for s, _ in r["skipped"]] == [2]
+        assert "as received from rank 1" in r["skipped"][0][1]
+
+
+def test_when_the_group_cannot_carry_the_chunks_every_rank_reads_them_itself(tmp_path):
+    """Every send fails as a closed gloo connection does: the restore still ends bit-exact,
+    each rank having read the whole checkpoint itself, and the log says why."""
+    results = run_ranks(2, workers.broken_exchange, str(tmp_path / "root"), timeout=90)
+    for r in results:
+        assert r["step"] == 2 and r["exact"], r
+        assert r["mine"] >= r["checkpoint"]
+        assert r["logged"] and "Connection closed by peer" in r["logged"][0]

@@ -1,0 +1,156 @@
+"""Rank bodies for tests/load/test_cooperative_restore.py (run on gloo ranks by name)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+import ckpt
+from ckpt._format.names import step_dir
+from ckpt._step.integrity import chunk_path, read_manifest
+from storage_backends import PosixStorage
+
+
+def replicated(step: int) -> dict[str, torch.Tensor]:
+    """A DDP state (the same on every rank): two tensors of 2 MiB (sent in messages of their
+    own) and 40 small ones (packed), its values set by ``step``."""
+    g = torch.Generator().manual_seed(step)
+    tensors = {f"big{i}": torch.rand(512, 1024, generator=g) for i in range(2)}
+    tensors.update({f"small{i:02d}": torch.rand(64 + i, 33, generator=g) for i in range(40)})
+    return tensors
+
+
+def sharded(mesh, step: int):
+    """An HSDP-like tensor: replicated over the mesh's first dimension, sharded over its
+    second (ranks 0 and 2 hold one half, ranks 1 and 3 the other)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(100 + step)
+    return distribute_tensor(torch.rand(256, 1024, generator=g), mesh, [Replicate(), Shard(0)])
+
+
+def zeroed(state: dict) -> dict:
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def data_bytes(root: str, step: int) -> int:
+    """The bytes of the step's chunks (what a restore must read, once)."""
+    manifest = read_manifest(PosixStorage(root, create=False), step_dir(step), step)
+    return sum(c.length for e in manifest.tensors.values() for c in e.chunks)
+
+
+def save_two_steps(root: str, with_sharded: bool = False):
+    """Steps 1 and 2 of the replicated state (and the sharded tensor) on every rank."""
+    mesh = None
+    if with_sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2))
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        for step in (1, 2):
+            state = {"model": replicated(step)}
+            if mesh is not None:
+                state["sharded"] = sharded(mesh, step)
+            mgr.save(step, state)
+    return mesh
+
+
+def restore_replicated(rank: int, world: int, root: str) -> dict:
+    """Save, then restore the newest step into zeroed tensors on every rank."""
+    mesh = save_two_steps(root, with_sharded=True)
+    shard = sharded(mesh, 2)
+    expected = shard.to_local().clone()
+    shard.to_local().zero_()
+    state = {"model": zeroed(replicated(2)), "sharded": shard}
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        restored = mgr.restore(state)
+        info = mgr.last_restore
+    return {"step": restored, "exact": same(state["model"], replicated(2)) and torch.equal(
+                shard.to_local(), expected),
+            "ranks": [b for _, b in info.ranks], "mine": info.bytes_from_storage,
+            "checkpoint": data_bytes(root, 2)}
+
+
+def corrupt_owned_chunk(rank: int, world: int, root: str, owner: int) -> dict:
+    """Flip a bit in a chunk of step 2 that rank ``owner`` reads for everyone; restore the
+    newest step (one pass: every rank falls back to step 1), then step 2 by number (two
+    passes: every rank raises, nothing changed)."""
+    from ckpt._load.cooperative import owners_of
+
+    save_two_steps(root)
+    if rank == 0:
+        manifest = read_manifest(PosixStorage(root, create=False), step_dir(2), 2)
+        chunks = {(chunk_path(step_dir(2), c), c.start): c
+                  for e in manifest.tensors.values() for c in e.chunks}
+        owned = [cid for cid, r in owners_of(manifest, world).items() if r == owner]
+        path, start = owned[0]
+        with open(os.path.join(root, path), "r+b") as f:
+            f.seek(start + chunks[(path, start)].length // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+    dist.barrier()
+    state = {"model": zeroed(replicated(2))}  # (a plain dict item: restore replaces it)
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        newest = mgr.restore(state)
+        skipped = list(mgr.skipped)
+        fell_back = same(state["model"], replicated(1))
+        before = {k: v.clone() for k, v in state["model"].items()}
+        try:
+            mgr.restore(state, step=2)
+            error = None
+        except ckpt.CorruptCheckpointError as e:
+            error = f"{type(e).__name__}: {e}"
+        unchanged = same(state["model"], before)
+    return {"newest": newest, "skipped": skipped, "fell_back": fell_back, "error": error,
+            "unchanged": unchanged}
+
+
+def hostile_sender(rank: int, world: int, root: str, bad: int) -> dict:
+    """Rank ``bad`` reads its share correctly, then damages the bytes it sends (a bad
+    memory, a hostile peer); the others must refuse them and fall back to step 1."""
+    from ckpt._load import cooperative
+
+    save_two_steps(root)
+    if rank == bad:
+        real = cooperative.read_chunk_into
+
+        def read_then_damage(storage, location, key, chunk, view, *args, **kwargs):
+            real(storage, location, key, chunk, view, *args, **kwargs)
+            if location == step_dir(2) and len(view):
+                view[0] ^= 0x01  # after its own digest check passed
+
+        cooperative.read_chunk_into = read_then_damage
+    model = zeroed(replicated(2))
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        newest = mgr.restore({"model": model})
+        return {"newest": newest, "skipped": list(mgr.skipped)}
+
+
+def broken_exchange(rank: int, world: int, root: str) -> dict:
+    """The group fails to carry the chunks (every send raises as a closed gloo connection
+    does): every rank reads what it needs itself, and says so in the log."""
+    save_two_steps(root)
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[gloo] Connection closed by peer (injected)")
+
+    dist.isend = closed
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("ckpt").addHandler(handler)
+    state = {"model": zeroed(replicated(2))}
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        restored = mgr.restore(state)
+        info = mgr.last_restore
+    return {"step": restored, "exact": same(state["model"], replicated(2)),
+            "mine": info.bytes_from_storage, "checkpoint": data_bytes(root, 2),
+            "logged": [line for line in lines if "reads what it needs" in line]}

@@ -13,6 +13,7 @@ from storage_backends import Storage
 
 from ckpt._format.manifest import Manifest
 from ckpt._format.names import step_dir
+from ckpt._load.cooperative import Cooperation
 from ckpt._load.levels import Gate, verify_level
 from ckpt._load.probe import PROBE_ITEM
 from ckpt._load.reader import few_keys, load_step
@@ -192,7 +193,11 @@ class Restorer:
         counted = storage if isinstance(storage, CountedReads) else CountedReads(storage)
         before = counted.bytes_read
         try:
-            loaded = self._try_load(step, state, pool, counted, gate, in_place=in_place)
+            # The root's replicated chunks are read once for the group (a memory tier reads
+            # this node's memory, and plans its own peer reads).
+            coop = Cooperation.of(self.group) if tier.tier is Tier.STORAGE else None
+            loaded = self._try_load(step, state, pool, counted, gate, in_place=in_place,
+                                    coop=coop)
             return (*loaded, storage, counted.bytes_read - before)
         finally:
             if tier.owns_storage:
@@ -233,7 +238,7 @@ class Restorer:
                                                     skipped=done.skipped))
 
     def _try_load(self, step: int, state: MutableMapping[str, Any], pool: cf.ThreadPoolExecutor,
-                  storage: Any, gate: Gate, *, in_place: bool
+                  storage: Any, gate: Gate, *, in_place: bool, coop: Cooperation | None = None
                   ) -> tuple[BaseException | None, frozenset[str], Manifest | None]:
         """Load ``step`` into ``state``: (the error, or None; the live tensors written; the
         manifest when it loaded)."""
@@ -244,8 +249,10 @@ class Restorer:
                 storage, location, step)
             wrote = load_step(storage, location, manifest, gate.target(manifest),
                               rank=self.group.rank, allow_pickle=self.allow_pickle, pool=pool,
-                              in_place=in_place, verify=gate.digests)
+                              in_place=in_place, verify=gate.digests, coop=coop)
         except Exception as e:  # classified by Verdict.of; re-raised by restore
+            if coop is not None:
+                coop.abandon(e)  # (if it failed before load_step: the others wait for it)
             gate.agree(self.group, False)  # ranks run the forward check all or none
             return e, frozenset(), None
         forward_error = gate.check(step, manifest, self.group, f"{self.root}/{location}")

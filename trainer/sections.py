@@ -76,10 +76,11 @@ class SectionStats:
     worst and last. Updated by the training thread, read by the beat thread (under the
     owner's lock)."""
 
-    __slots__ = ("count", "best", "worst", "last", "_window")
+    __slots__ = ("count", "total", "best", "worst", "last", "_window")
 
     def __init__(self) -> None:
         self.count = 0
+        self.total = 0.0  # seconds, all durations summed (straggler windows take differences)
         self.best = float("inf")
         self.worst = 0.0
         self.last = 0.0
@@ -87,6 +88,7 @@ class SectionStats:
 
     def add(self, seconds: float) -> None:
         self.count += 1
+        self.total += seconds
         self.last = seconds
         if seconds < self.best:
             self.best = seconds
@@ -224,7 +226,8 @@ class Sections:
             out = {}
             for name, s in self._stats.items():
                 c = out[name] = SectionStats()
-                c.count, c.best, c.worst, c.last = s.count, s.best, s.worst, s.last
+                c.count, c.total, c.best, c.worst, c.last = (s.count, s.total, s.best, s.worst,
+                                                             s.last)
                 c._window.extend(s._window)
             return out
 

@@ -281,6 +281,10 @@ class Heartbeat:
             if verdict is not None:
                 if verdict.hang is not None and self.rank in verdict.lost:
                     self._publish_own_hang(verdict.hang)
+                elif verdict.hang is not None and self.rank == self.store_host_rank:
+                    # The store goes with this process: give the peers two beats to read
+                    # the culprit's own beat, so they name it rather than a lost store.
+                    self._stopping.wait(2 * self.interval)
                 self._reported = verdict
                 log.error("heartbeat rank=%d: %s", self.rank, verdict.describe())
                 if self.on_lost is not None:

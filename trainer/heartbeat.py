@@ -125,6 +125,7 @@ class Heartbeat:
         self._hung: Hang | None = None           # this rank's own hang, once judged
         self._wake = threading.Event()           # beat now (this rank was found hung)
         self._hung_published = threading.Event()
+        self._crossing: float | None = None       # when this rank's section passes its limit
         self._keys = [str(r) for r in self.watch]
         self._lock = threading.Lock()
         self._step: int | None = None
@@ -222,8 +223,14 @@ class Heartbeat:
         beat: dict[str, Any] = {"step": self._step, "seq": seq, "time": time.time(),
                                 "state": state}
         own = self.own_progress(with_stack=self._hung is not None)
+        self._crossing = None
         if own is not None:
             beat.update({k: v for k, v in own[1].items() if k != "step"})
+            progress = own[0]
+            if progress.limit is not None and progress.age <= progress.limit:
+                # beat again the moment the section passes its limit (with the stack), not
+                # up to an interval later
+                self._crossing = time.monotonic() + progress.limit - progress.age
         if self._hung is not None and state == "alive":
             beat["state"] = "hung"
         return json.dumps(beat)
@@ -244,7 +251,10 @@ class Heartbeat:
                     self._last_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                 log.debug("heartbeat rank=%d store error after %.2fs: %s", self.rank,
                           now - t0, self._last_error)
-            self._wake.wait(max(0.0, self.interval - (time.monotonic() - t0)))
+            until = t0 + self.interval
+            if self._crossing is not None:
+                until = min(until, self._crossing + 0.005)
+            self._wake.wait(max(0.0, until - time.monotonic()))
             self._wake.clear()
 
     def _beat_once(self) -> None:

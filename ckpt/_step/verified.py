@@ -99,7 +99,8 @@ def parse_marker(raw: bytes, step: int, manifest_sha256: str) -> Verification:
         raise ValueError(f"missing fields {missing}, unknown fields {unknown[:5]}"
                          f"{' ...' if len(unknown) > 5 else ''}")
     if type(doc["step"]) is not int or doc["step"] != step:
-        raise ValueError(f"names step {doc['step']!r}, but vouches for step {step}")
+        raise ValueError(f"names step {doc['step']!r}, not step {step} beside whose "
+                         "manifest it lies (copied from another step?)")
     digest = doc["manifest_sha256"]
     if not isinstance(digest, str) or not _SHA256.match(digest):
         raise ValueError("manifest_sha256 is not a SHA-256 in hex")

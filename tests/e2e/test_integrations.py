@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -166,6 +165,25 @@ def flip_a_bit(step_dir: Path, key_part: str) -> None:
     path.write_bytes(bytes(raw))
 
 
+def flip_a_bit_in_ckpt_file(path: Path, key_part: str) -> None:
+    """Flip one bit in the bytes of the first tensor of a Lightning .ckpt (a torch zip of
+    stored records) whose state_dict key contains ``key_part``."""
+    import zipfile
+
+    sd = torch.load(path, weights_only=True)["state_dict"]
+    key = next(k for k in sd if key_part in k)
+    with zipfile.ZipFile(path) as archive:  # the storage record of exactly that many bytes
+        size = sd[key].numel() * sd[key].element_size()
+        info = next(i for i in archive.infolist() if "/data/" in i.filename
+                    and i.file_size == size)
+    raw = bytearray(path.read_bytes())
+    start = info.header_offset + 30 + int.from_bytes(raw[info.header_offset + 26:
+                                                         info.header_offset + 28], "little") \
+        + int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
+    raw[start + 1] ^= 0x08
+    path.write_bytes(bytes(raw))
+
+
 def same_weights(a: Path, b: Path) -> bool:
     sa, sb = torch.load(a), torch.load(b)
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -177,12 +195,15 @@ def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path, killed_job)
     pytest.importorskip("lightning")
     job = killed_job("pl_job.py")
     root, steps = tmp_path / "pl", tmp_path / ".pl.ckpt"  # the steps live in the sibling
-    # Killed after step 7: steps 4 and 6 are kept (save_top_k=2), last.ckpt points at 6.
+    # Killed after step 7: steps 4 and 6 are kept (save_top_k=2), last.ckpt is step 6's file.
     assert (steps / "step-00000006/manifest.json").exists()
-    assert json.loads((root / "last.ckpt").read_text())["step"] == 6
+    assert torch.load(root / "last.ckpt", weights_only=True)["global_step"] == 6
     shutil.copytree(root, tmp_path / "pl_bad")
     shutil.copytree(steps, tmp_path / ".pl_bad.ckpt")
-    flip_a_bit(tmp_path / ".pl_bad.ckpt/step-00000006", "net.0.weight")
+    step6 = [tmp_path / "pl_bad/last.ckpt", *(tmp_path / "pl_bad").glob("*step=6.ckpt")]
+    assert os.path.samefile(*(root / p.name for p in step6))  # one file, two names
+    for copy in step6:  # copied apart by copytree: flip the same bit in both
+        flip_a_bit_in_ckpt_file(copy, "net.0.weight")
 
     stderr = job.resume()
 
@@ -192,7 +213,7 @@ def test_lightning_resumes_through_ckpt_as_its_own_io_does(tmp_path, killed_job)
     assert same_weights(out / "ckpt.pt", out / "torch6.pt")
     assert same_weights(out / "ckpt_bad.pt", out / "torch4.pt")
     assert not same_weights(out / "torch6.pt", out / "torch4.pt")  # the comparison can fail
-    assert "skipping step 6" in stderr and "digest mismatch" in stderr
+    assert "skipping step 6" in stderr and "fails its digest" in stderr
     # The resumed run kept Lightning's retention: two top-k steps (last.ckpt shares one).
     assert sorted(p.name for p in steps.glob("step-*")) == ["step-00000010", "step-00000012"]
 
@@ -204,7 +225,7 @@ def test_lightning_ddp_on_two_cpu_processes_saves_from_rank_0_and_resumes(tmp_pa
     assert json.loads((out / "ddp_starts.json").read_text()) == {"ckpt": 6, "torch": 6}
     assert same_weights(out / "ddp_ckpt.pt", out / "ddp_torch.pt")
     root = tmp_path / "ddp_ckpt"
-    assert json.loads((root / "last.ckpt").read_text())["step"] == 12
+    assert torch.load(root / "last.ckpt", weights_only=True)["global_step"] == 12
     assert (tmp_path / ".ddp_ckpt.ckpt/step-00000012/manifest.json").exists()
 
 
@@ -373,10 +394,10 @@ def test_accelerate_resumes_a_seedable_stateful_loader_in_its_epochs_order(tmp_p
     acc.wait_for_checkpoints()
 
 
-def test_lightning_module_loads_from_a_ckpt_pointer_for_inference(tmp_path):
-    """MyModule.load_from_checkpoint("last.ckpt") reads the file with torch.load, which a
-    pointer is not (an UnpicklingError that advises weights_only=False); the integration's
-    load_from_checkpoint gives the module with its hyperparameters and trained weights."""
+def test_lightning_module_loads_from_a_ckpt_file_for_inference(tmp_path):
+    """MyModule.load_from_checkpoint("last.ckpt") reads the file with torch.load; the
+    integration's load_from_checkpoint checks it against its step's digests first, and gives
+    the same module with its hyperparameters and trained weights."""
     pytest.importorskip("lightning")
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -403,8 +424,7 @@ def test_lightning_module_loads_from_a_ckpt_pointer_for_inference(tmp_path):
               enable_model_summary=False, plugins=[CkptCheckpointIO()],
               callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)]).fit(trained, data)
     last = tmp_path / "last.ckpt"
-    with pytest.raises(Exception):  # Lightning's own reader on a pointer
-        Net.load_from_checkpoint(last)
+    assert torch.equal(Net.load_from_checkpoint(last).layer.weight, trained.layer.weight)
     loaded = load_from_checkpoint(Net, last, map_location="cpu")
     assert loaded.hparams.width == 5
     assert torch.equal(loaded.layer.weight, trained.layer.weight)
@@ -413,10 +433,10 @@ def test_lightning_module_loads_from_a_ckpt_pointer_for_inference(tmp_path):
     assert torch.equal(linked.layer.weight, trained.layer.weight)
 
 
-def test_lightning_last_link_to_a_pointer_resumes_its_step(tmp_path):
-    """ModelCheckpoint(save_last="link") makes last.ckpt a link to the top-k file beside it;
-    fit(ckpt_path="last") loaded the link with torch.load (a pointer is JSON). A link out of
-    the folder is not followed to a pointer."""
+def test_lightning_last_link_to_a_ckpt_file_resumes_its_step(tmp_path, caplog):
+    """ModelCheckpoint(save_last="link") makes last.ckpt a link to the top-k file beside it:
+    it loads that file's step, checked. A link out of the folder is not followed to ckpt's
+    steps: it is read with torch.load, as Lightning's own IO reads it."""
     pytest.importorskip("lightning")
     from trainer.integrations.lightning import CkptCheckpointIO
 
@@ -431,8 +451,9 @@ def test_lightning_last_link_to_a_pointer_resumes_its_step(tmp_path):
     elsewhere = tmp_path / "other"
     elsewhere.mkdir()
     os.symlink(tmp_path / "epoch=0-step=4.ckpt", elsewhere / "last.ckpt")
-    with pytest.raises(pickle.UnpicklingError):  # read as Lightning would: torch.load
-        CkptCheckpointIO().load_checkpoint(elsewhere / "last.ckpt")
+    with caplog.at_level(logging.INFO, logger="ckpt"):  # read as Lightning would: torch.load
+        assert CkptCheckpointIO().load_checkpoint(elsewhere / "last.ckpt")["global_step"] == 4
+    assert "not written by CkptCheckpointIO" in caplog.text
 
 
 def test_lightning_plugin_leaves_sigterm_to_lightning(tmp_path):

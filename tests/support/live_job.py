@@ -40,9 +40,9 @@ def _kills() -> dict[int, tuple[int, str]]:
     return out
 
 
-def _die(run_dir: Path, group: int, step: int, where: str) -> None:
-    """SIGKILL this process, once per job for (group, step, where)."""
-    marker = run_dir / f"killed-{group}-{step}-{where}"
+def _die(run_dir: Path, group: int, named: int, step: int, where: str) -> None:
+    """SIGKILL this process (at ``step``), once per job for (group, named step, where)."""
+    marker = run_dir / f"killed-{group}-{named}-{where}"
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
@@ -76,7 +76,7 @@ def main() -> None:
             if (kill and kill[1] == "allreduce" and step >= kill[0]
                     and self.manager.num_participants() == 3):
                 time.sleep(0.3)
-                _die(run_dir, group, kill[0], "allreduce")
+                _die(run_dir, group, kill[0], step, "allreduce")
             return super().issue_allreduce(flat)
 
         def last_step(self, total_steps: int) -> int:
@@ -91,8 +91,9 @@ def main() -> None:
         inputs, targets = batch
         loss = torch.nn.functional.cross_entropy(model(inputs), targets)
         step = holder["t"].manager.current_step() + 1
-        if kill and kill == (step, "forward"):
-            _die(run_dir, group, step, "forward")
+        if (kill and kill[1] == "forward" and step >= kill[0]
+                and holder["t"].manager.num_participants() == 3):
+            _die(run_dir, group, kill[0], step, "forward")
         return loss
 
     trainer = Job(
@@ -111,7 +112,7 @@ def main() -> None:
 
 # -- the test side ------------------------------------------------------------------------
 def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float = 1.0,
-              quorum_timeout: float = 3.0, quorum_retries: int = 2,
+              quorum_timeout: float = 6.0, quorum_retries: int = 2,
               respawn_delay: float = 0.0, extra: list[str] | None = None
               ) -> subprocess.Popen:
     """The supervisor of a 3-group job in a network namespace of its own (torchft's
@@ -124,8 +125,9 @@ def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float
     supervisor = [sys.executable, "-m", "trainer.live.supervisor", "--groups", "3",
                   "--host", "127.0.0.1", "--heartbeat-timeout", str(heartbeat_timeout),
                   "--quorum-timeout", str(quorum_timeout),
-                  "--quorum-retries", str(quorum_retries), "--timeout", "5",
-                  "--respawn-delay", str(respawn_delay), "--run-dir", str(run_dir),
+                  "--quorum-retries", str(quorum_retries), "--timeout", "4",
+                  "--join-timeout", "1", "--respawn-delay", str(respawn_delay),
+                  "--run-dir", str(run_dir),
                   "--job-timeout", "400", *(extra or []), "--",
                   sys.executable, "-m", "tests.support.live_job"]
     script = 'ip link set lo up && exec "$@"'
@@ -171,6 +173,17 @@ def stop_soon(run_dir: Path, ahead: int = 4) -> int:
     (run_dir / "stop_at.tmp").write_text(str(newest + ahead))
     os.replace(run_dir / "stop_at.tmp", run_dir / "stop_at")
     return newest + ahead
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a job's supervisor (SIGTERM: it stops its groups and lighthouse first)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def finish(proc: subprocess.Popen, timeout: float = 420) -> str:

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 #: Environment variable with the job's heal key (hex); every replica group of a job needs
 #: the same one. :class:`trainer.live.supervisor.LiveJob` makes one per job.
 LIVE_KEY_ENV = "CKPT_LIVE_KEY"
+
+#: Set (to "1") in a warm spare's environment: :meth:`LiveConfig.from_env` then waits
+#: for the supervisor to name the group on the spare's stdin (imports already paid).
+SPARE_ENV = "CKPT_LIVE_SPARE"
 
 #: Exit status of a replica group that lost the quorum for good (the lighthouse beyond the
 #: retry window, or too few replicas for ``quorum_timeout``): restart the whole job, which
@@ -42,8 +47,11 @@ class LiveConfig:
         quorum_retries: times the group's manager asks the lighthouse again within
             ``quorum_timeout`` after a failed request (spread evenly over it): a
             lighthouse restarted within the window costs no step.
-        join_timeout: seconds a process's first quorum may take (the job's groups
+        start_timeout: seconds a process's first quorum may take (the job's groups
             starting, importing torch).
+        join_timeout: seconds the lighthouse holds a quorum for a group that heartbeats
+            but has not asked yet (a replacement starting): longer stalls the survivors,
+            shorter lets a slow replacement join one step later.
         timeout: seconds for the gradient all-reduce, the commit vote and a heal transfer.
         heartbeat_interval: seconds between a group's heartbeats to the lighthouse.
     """
@@ -54,9 +62,10 @@ class LiveConfig:
     replica_groups: int = 1
     min_replicas: int | None = None
     heartbeat_timeout: float = 5.0
-    quorum_timeout: float = 10.0
+    quorum_timeout: float = 30.0
     quorum_retries: int = 3
-    join_timeout: float = 60.0
+    start_timeout: float = 60.0
+    join_timeout: float = 2.0
     timeout: float = 10.0
     heartbeat_interval: float = 0.1
 
@@ -73,10 +82,16 @@ class LiveConfig:
         if not 1 <= self.quorum_size <= self.replica_groups:
             raise ValueError(f"min_replicas must be 1..{self.replica_groups}, not "
                              f"{self.min_replicas}")
-        for name in ("heartbeat_timeout", "quorum_timeout", "join_timeout", "timeout",
-                     "heartbeat_interval"):
+        for name in ("heartbeat_timeout", "quorum_timeout", "start_timeout", "join_timeout",
+                     "timeout", "heartbeat_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.quorum_timeout <= self.timeout:
+            # A group that errs before the all-reduce skips it; its peers wait there for
+            # up to `timeout` while it already waits for the next quorum.
+            raise ValueError(f"quorum_timeout ({self.quorum_timeout}) must exceed timeout "
+                             f"({self.timeout}): a group waits for the next quorum while "
+                             f"its peers may still wait out a failed all-reduce")
         if self.quorum_retries < 0:
             raise ValueError("quorum_retries must be >= 0")
 
@@ -88,7 +103,9 @@ class LiveConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> LiveConfig:
         """The config a :class:`trainer.live.supervisor.LiveJob` hands its groups
-        (``CKPT_LIVE_*`` variables), with ``overrides`` on top."""
+        (``CKPT_LIVE_*`` variables), with ``overrides`` on top. A warm spare
+        (:data:`SPARE_ENV`) first waits here for its group number on stdin."""
+        take_assignment()
         env = os.environ
         values: dict[str, object] = {
             "lighthouse": env.get("CKPT_LIVE_LIGHTHOUSE", ""),
@@ -98,7 +115,8 @@ class LiveConfig:
         }
         for name, kind in (("min_replicas", int), ("heartbeat_timeout", float),
                            ("quorum_timeout", float), ("quorum_retries", int),
-                           ("join_timeout", float), ("timeout", float)):
+                           ("start_timeout", float), ("join_timeout", float),
+                           ("timeout", float)):
             raw = env.get(f"CKPT_LIVE_{name.upper()}")
             if raw:
                 values[name] = kind(raw)
@@ -110,11 +128,23 @@ class LiveConfig:
         env = {"CKPT_LIVE_LIGHTHOUSE": self.lighthouse, "CKPT_LIVE_HOST": self.host,
                "CKPT_LIVE_GROUPS": str(self.replica_groups)}
         for name in ("min_replicas", "heartbeat_timeout", "quorum_timeout",
-                     "quorum_retries", "join_timeout", "timeout"):
+                     "quorum_retries", "start_timeout", "join_timeout", "timeout"):
             value = getattr(self, name)
             if value is not None:
                 env[f"CKPT_LIVE_{name.upper()}"] = str(value)
         return env
 
 
-__all__ = ["EXIT_QUORUM_LOST", "LIVE_KEY_ENV", "LiveConfig"]
+def take_assignment() -> None:
+    """In a warm spare, block until the supervisor names the group (one line on stdin),
+    then become that group's process; elsewhere, nothing."""
+    if os.environ.get(SPARE_ENV) != "1":
+        return
+    line = sys.stdin.readline()
+    if not line.strip():
+        os._exit(0)  # the supervisor is gone or let the spare go
+    os.environ["CKPT_LIVE_GROUP"] = str(int(line))
+    os.environ.pop(SPARE_ENV)
+
+
+__all__ = ["EXIT_QUORUM_LOST", "LIVE_KEY_ENV", "SPARE_ENV", "LiveConfig", "take_assignment"]

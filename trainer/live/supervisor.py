@@ -10,6 +10,11 @@ bound to the job's address, with the supervision live recovery needs.
   group is stopped and the job starts again, resuming from ckpt's newest good step;
 - the job is done when every group has exited with status 0.
 
+``mode="restart"`` handles every lost group like a lost quorum (the restart path of
+torchrun-style jobs, for comparison); ``warm=True`` keeps spare processes that have paid
+their imports and wait for a group number on stdin (:data:`trainer.live.config.SPARE_ENV`),
+so a replacement or a restart starts without importing torch.
+
 On a cluster the same roles fall to the scheduler: one lighthouse per job (restarted by
 the scheduler at the same address), one torchrun or task per replica group with restarts.
 
@@ -31,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.live.config import EXIT_QUORUM_LOST, LIVE_KEY_ENV, LiveConfig
+from trainer.live.config import EXIT_QUORUM_LOST, LIVE_KEY_ENV, SPARE_ENV, LiveConfig
 from trainer.progress import JsonLines
 
 
@@ -68,6 +73,8 @@ class LiveJob:
         respawn_delay: seconds before a lost group is started again (a node's
             replacement time; 0 on one machine).
         max_restarts: whole-job restarts allowed after :data:`EXIT_QUORUM_LOST`.
+        mode: ``"live"`` (replace a lost group) or ``"restart"`` (restart the job).
+        warm: start groups from spare processes that imported everything already.
     """
 
     command: list[str]
@@ -75,6 +82,8 @@ class LiveJob:
     run_dir: Path
     respawn_delay: float = 0.0
     max_restarts: int = 3
+    mode: str = "live"
+    warm: bool = False
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -87,6 +96,9 @@ class LiveJob:
         self.groups: dict[int, subprocess.Popen | None] = {}
         self.lighthouse: subprocess.Popen | None = None
         self.restarts = 0
+        self.spares: list[subprocess.Popen] = []
+        if self.mode not in ("live", "restart"):
+            raise ValueError(f"mode must be 'live' or 'restart', not {self.mode!r}")
 
     def _event(self, event: str, **fields: object) -> None:
         self.events.write({"event": event, "time": time.time(), **fields})
@@ -96,17 +108,35 @@ class LiveJob:
         self.lighthouse = subprocess.Popen(
             [sys.executable, "-m", "trainer.live.lighthouse", "--bind", c.lighthouse,
              "--min-replicas", str(c.quorum_size),
-             "--heartbeat-timeout", str(c.heartbeat_timeout)])
+             "--heartbeat-timeout", str(c.heartbeat_timeout),
+             "--join-timeout", str(c.join_timeout)])
         host, port = c.lighthouse.rsplit(":", 1)
         up = wait_listening(host, int(port), 30.0)
         self._event("lighthouse", pid=self.lighthouse.pid, listening=up)
 
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, **self.config.to_env(), LIVE_KEY_ENV: self.key}
+
+    def fill_spares(self) -> None:
+        """Keep one warm spare per replica group."""
+        while self.warm and len(self.spares) < self.config.replica_groups:
+            self.spares.append(subprocess.Popen(self.command, env={**self._env(),
+                                                SPARE_ENV: "1"}, stdin=subprocess.PIPE,
+                                                text=True))
+
     def start_group(self, group: int, why: str) -> None:
-        env = {**os.environ, **self.config.to_env(), "CKPT_LIVE_GROUP": str(group),
-               LIVE_KEY_ENV: self.key}
-        proc = subprocess.Popen(self.command, env=env)
+        spare = next((p for p in self.spares if p.poll() is None), None)
+        if spare is not None and why != "start":
+            self.spares.remove(spare)
+            assert spare.stdin is not None
+            spare.stdin.write(f"{group}\n")
+            spare.stdin.flush()
+            proc = spare
+        else:
+            proc = subprocess.Popen(self.command,
+                                    env={**self._env(), "CKPT_LIVE_GROUP": str(group)})
         self.groups[group] = proc
-        self._event("group", group=group, pid=proc.pid, why=why)
+        self._event("group", group=group, pid=proc.pid, why=why, warm=proc is spare)
 
     def stop_groups(self) -> None:
         for proc in self.groups.values():
@@ -122,6 +152,7 @@ class LiveJob:
         self.start_lighthouse()
         for g in range(self.config.replica_groups):
             self.start_group(g, "start")
+        self.fill_spares()
         pending: dict[int, float] = {}  # group -> when to start its replacement
         finished = False  # a group reached the last step: the job's training is done
         deadline = time.monotonic() + timeout
@@ -147,6 +178,12 @@ class LiveJob:
                         break
                     else:
                         self._event("group_lost", group=g, pid=proc.pid, rc=rc)
+                        if self.mode == "restart" and not finished:
+                            return_code = self._restart_job(g)
+                            if return_code is not None:
+                                return return_code
+                            pending.clear()
+                            break
                         if finished:
                             self.groups.pop(g)
                         else:
@@ -155,6 +192,7 @@ class LiveJob:
                     if time.monotonic() >= when:
                         pending.pop(g)
                         self.start_group(g, "replacement")
+                self.fill_spares()
                 if not self.groups and not pending:
                     self._event("done", restarts=self.restarts)
                     return 0
@@ -163,13 +201,16 @@ class LiveJob:
             return 1
         finally:
             self.stop_groups()
+            for spare in self.spares:
+                spare.kill()
+                spare.wait()
             if self.lighthouse is not None and self.lighthouse.poll() is None:
                 self.lighthouse.terminate()
                 self.lighthouse.wait()
 
     def _restart_job(self, group: int) -> int | None:
         """Live recovery gave up: stop every group and start the job again from ckpt."""
-        self._event("quorum_lost", group=group)
+        self._event("restart" if self.mode == "restart" else "quorum_lost", group=group)
         self.stop_groups()
         if self.restarts >= self.max_restarts:
             self._event("gave_up", restarts=self.restarts)
@@ -187,11 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lighthouse-port", type=int, default=0)
     p.add_argument("--min-replicas", type=int, default=None)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
-    p.add_argument("--quorum-timeout", type=float, default=10.0)
+    p.add_argument("--quorum-timeout", type=float, default=30.0)
     p.add_argument("--quorum-retries", type=int, default=3)
+    p.add_argument("--join-timeout", type=float, default=2.0)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--respawn-delay", type=float, default=0.0)
     p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--mode", choices=("live", "restart"), default="live")
+    p.add_argument("--warm", action="store_true", help="start groups from warm spares")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--job-timeout", type=float, default=3600.0)
     p.add_argument("command", nargs=argparse.REMAINDER)
@@ -203,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                         replica_groups=a.groups, min_replicas=a.min_replicas,
                         heartbeat_timeout=a.heartbeat_timeout,
                         quorum_timeout=a.quorum_timeout, quorum_retries=a.quorum_retries,
-                        timeout=a.timeout)
+                        join_timeout=a.join_timeout, timeout=a.timeout)
     job = LiveJob(command, config, Path(a.run_dir), respawn_delay=a.respawn_delay,
-                  max_restarts=a.max_restarts)
+                  max_restarts=a.max_restarts, mode=a.mode, warm=a.warm)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return job.run(a.job_timeout)
 

@@ -79,7 +79,7 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         if not key:
             raise ValueError("the heal transport needs the job's key")
         self._host, self._key, self._timeout = host, key, timeout
-        self._lock = threading.Lock()
+        self._served = threading.Condition()
         self._step: int | None = None
         self._body = b""
         transport = self
@@ -113,7 +113,10 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         if step is None or not hmac.compare_digest(given, request_mac(self._key, step)):
             request.send_error(403, "the job's key is required")
             return
-        with self._lock:
+        # The peer may ask before this group's quorum thread has staged the step: wait.
+        with self._served:
+            self._served.wait_for(lambda: self._step is not None and self._step >= step,
+                                  timeout=self._timeout.total_seconds())
             served, body = self._step, self._body
         if served != step:
             request.send_error(409, f"serving step {served}, not {step}")
@@ -132,8 +135,9 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         cpu = tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v,
                        state_dict)
         torch.save(cpu, buf)
-        with self._lock:
+        with self._served:
             self._step, self._body = step, buf.getvalue()
+            self._served.notify_all()
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta) -> Any:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+import torchft  # noqa: F401 (imported here so that a warm spare has paid for it)
 from torch.utils.data import Dataset, default_collate
 
 import ckpt
@@ -168,7 +169,8 @@ class LiveTrainer:
                         if record_dir is not None else None)
         self._healed = False
         self._joined = False
-        self.manager = self._start_manager(key)
+        self._key = key
+        self.manager: Any = None  # started by fit, after the restore
 
     # -- torchft -----------------------------------------------------------------------------
     def _start_manager(self, key: bytes) -> Any:
@@ -218,8 +220,12 @@ class LiveTrainer:
                                 "time": time.time(), **fields})
 
     def restore(self) -> int:
-        """Load this group's newest good checkpoint (0: none) and tell the manager."""
+        """Load this group's newest good checkpoint (0: none), then start the manager at
+        that step. In this order because the lighthouse holds each quorum (up to
+        ``join_timeout``) for a group that heartbeats but has not asked yet: the
+        manager's heartbeats start only once the group is ready to ask."""
         restored = self.checkpoints.restore(self.state) or 0
+        self.manager = self._start_manager(self._key)
         self.manager.load_state_dict({"step": restored,
                                       "batches_committed": self.meta.get("batches_committed", 0)})
         return restored
@@ -231,7 +237,8 @@ class LiveTrainer:
             QuorumLostError: the quorum could not be formed within the retry window.
         """
         restored = self.restore()
-        self._record("start", restored=restored, started=_process_start())
+        self._record("start", restored=restored, started=_process_start(),
+                     heal_port=self.transport.port)
         try:
             while self.manager.current_step() < self.last_step(total_steps):
                 self.train_step()
@@ -250,7 +257,7 @@ class LiveTrainer:
         try:
             # A process's first quorum waits for the other groups to start (or for the
             # replacement's peers to answer); later ones for quorum_timeout.
-            self.manager.start_quorum(timeout=timedelta(seconds=self.live.join_timeout)
+            self.manager.start_quorum(timeout=timedelta(seconds=self.live.start_timeout)
                                       if first else None)
             self._joined = True
         except Exception as e:
@@ -281,7 +288,9 @@ class LiveTrainer:
             raise QuorumLostError(f"commit vote failed: {e}") from e
         if not committed:
             self.sampler.load_state_dict(before)  # the batch is trained again
-            self._record("failed", step=step, participants=participants)
+            error = self.manager.errored()
+            self._record("failed", step=step, participants=participants,
+                         error=str(getattr(error, "original_exception", error))[:300])
             return False
         self.optimizer.step()
         if self.scheduler is not None:
@@ -333,7 +342,8 @@ class LiveTrainer:
     def close(self) -> None:
         """Finish the checkpoint in flight and stop the manager."""
         self.checkpoints.close()
-        self.manager.shutdown(wait=False)
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
         if self.records is not None:
             self.records.close()
 

@@ -1,0 +1,434 @@
+"""Live recovery (trainer.live, on torchft): a lost replica group costs the others a
+heartbeat timeout, not a restart; a replacement heals from a peer to the job's state.
+
+Real processes: the supervisor, the lighthouse and three replica groups (gloo, CPU) in a
+network namespace of their own (torchft's manager server listens on every interface),
+faults injected with SIGKILL (tests/support/live_job.py). Heartbeat timeout 1 s.
+
+- one group SIGKILLed in the middle of a step, later another while its peers wait inside
+  the gradient all-reduce: the survivors go on without a restart (the time from the kill
+  to their next committed step is measured and reported), no step is lost or repeated,
+  every sample is trained exactly once per epoch, and each replacement heals to the
+  survivors' model and optimizer, with the RNG streams and data position an
+  uninterrupted run has at that step;
+- the lighthouse SIGKILLed and restarted within the retry window: training goes on in
+  the same processes;
+- a majority of groups lost (and not replaced within the quorum timeout): the job
+  restarts and resumes from ckpt's newest good step;
+- as an attacker on the job's network: the heal server and the lighthouse listen on the
+  job's address only; the heal server gives nothing without the job's key, and a healing
+  group loads nothing a fake peer sends.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.support.live_job import (committed_at_least, finish, group_records, read,
+                                    start_job, stop, stop_soon, wait_for)
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.multiproc
+
+
+def _netns_ok() -> bool:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+needs_netns = pytest.mark.skipif(not _netns_ok(), reason="needs unshare -n (root)")
+
+
+def _commits(recs: list[dict]) -> list[dict]:
+    return [r for r in recs if r["event"] == "commit"]
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of the sockets listening in ``pid``'s network namespace."""
+    out = set()
+    for name, width in (("tcp", 8), ("tcp6", 32)):
+        path = Path(f"/proc/{pid}/net/{name}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state != "0A":  # LISTEN
+                continue
+            addr, port = local.split(":")
+            raw = bytes.fromhex(addr)
+            if width == 8:
+                text = socket.inet_ntop(socket.AF_INET, raw[::-1])
+            else:  # four little-endian 32-bit words
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                text = socket.inet_ntop(socket.AF_INET6, words)
+            out.add((text, int(port, 16)))
+    return out
+
+
+# -- the jobs (each runs once per module) ------------------------------------------------
+@pytest.fixture(scope="module")
+def killed_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Group 2 killed mid-step at step 4; group 1 at the gradient all-reduce of the first
+    step from 6 on with the whole quorum; each replaced; the job ends a few steps after
+    the second replacement's first commit."""
+    if not _netns_ok():
+        pytest.skip("needs unshare -n (root)")
+    tmp = tmp_path_factory.mktemp("live-killed")
+    run_dir = tmp / "run"
+    proc = start_job(tmp, steps=400, kill="2:4:forward,1:6:allreduce")
+    try:
+        wait_for(lambda: committed_at_least(run_dir, 2), 300, "the first commits")
+        first = [r for r in read(run_dir / "supervisor.jsonl") if r["event"] == "group"]
+        sockets = _listening(first[0]["pid"])
+        heal_ports = {r["group"]: r["heal_port"] for recs in group_records(run_dir).values()
+                      for r in recs if r["event"] == "start"}
+
+        def second_replacement_committed() -> bool:
+            kills = read(run_dir / "kills.jsonl")
+            if len(kills) < 2:
+                return False
+            victim = kills[1]
+            return any(r["event"] == "commit" and r["pid"] != victim["pid"]
+                       and r["time"] > victim["time"]
+                       for r in group_records(run_dir)[victim["group"]])
+
+        wait_for(second_replacement_committed, 400, "both replacements to commit")
+        stop_soon(run_dir)
+        finish(proc)
+    finally:
+        stop(proc)
+    return {"run": run_dir, "sockets": sockets, "heal_ports": heal_ports}
+
+
+@pytest.fixture(scope="module")
+def reference(killed_job: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same job without faults, to the killed job's last step."""
+    last = max(r["step"] for r in _commits(group_records(killed_job["run"])[0]))
+    tmp = tmp_path_factory.mktemp("live-reference")
+    finish(start_job(tmp, steps=last))
+    return tmp / "run"
+
+
+def _report(name: str, values: list[float]) -> None:
+    print(f"\n{name}: " + ", ".join(f"{v:.2f}s" for v in values))
+
+
+# -- a lost group ---------------------------------------------------------------------------
+@needs_netns
+def test_survivors_commit_next_step_without_restart(killed_job: dict) -> None:
+    """After each kill the survivors commit again in the processes they started in (no
+    restart), the step the victim died in included; the delay is reported."""
+    run_dir = killed_job["run"]
+    recs = group_records(run_dir)
+    kills = read(run_dir / "kills.jsonl")
+    assert [k["where"] for k in kills] == ["forward", "allreduce"]
+    supervisor = read(run_dir / "supervisor.jsonl")
+    assert not [e for e in supervisor if e["event"] in ("quorum_lost", "lighthouse_lost")]
+    lost = [e for e in supervisor if e["event"] == "group_lost"]
+    assert sorted(e["pid"] for e in lost) == sorted(k["pid"] for k in kills)
+    delays = []
+    for kill in kills:
+        for g in {0, 1, 2} - {kill["group"]}:
+            before = [r for r in recs[g] if r["time"] < kill["time"]]
+            after = [r for r in _commits(recs[g]) if r["time"] > kill["time"]]
+            if not before:
+                continue  # a replacement that was still starting
+            pid = before[-1]["pid"]
+            # the same process commits again, and commits the step the victim died in
+            assert after and after[0]["pid"] == pid, (g, kill)
+            assert after[0]["step"] <= kill["step"] + 1
+            delays.append(after[0]["time"] - kill["time"])
+    # group 0 was never restarted: one process from the first record to the last
+    assert len({r["pid"] for r in recs[0]}) == 1
+    _report("kill -> survivors' next committed step", delays)
+
+
+@needs_netns
+def test_killed_inside_allreduce_fails_only_that_commit(killed_job: dict) -> None:
+    """A peer lost while the others wait inside the gradient all-reduce: their step is not
+    committed (no update from a partial average) and is committed next with the groups
+    left, by the same processes."""
+    run_dir = killed_job["run"]
+    kill = read(run_dir / "kills.jsonl")[1]
+    for g in {0, 1, 2} - {kill["group"]}:
+        mine = [r for r in group_records(run_dir)[g] if r["time"] > kill["time"]]
+        assert mine[0]["event"] == "failed" and mine[0]["participants"] == 3, mine[:2]
+        nxt = next(r for r in mine if r["event"] == "commit")
+        assert nxt["step"] == mine[0]["step"] and nxt["participants"] == 2
+        assert nxt["pid"] == mine[0]["pid"]
+
+
+@needs_netns
+def test_no_step_lost_or_repeated(killed_job: dict) -> None:
+    """Every step is committed once, in order, by every group in its quorum, with one
+    global batch and one resulting model."""
+    recs = group_records(killed_job["run"])
+    steps0 = [r["step"] for r in _commits(recs[0])]
+    assert steps0 == list(range(1, len(steps0) + 1))
+    by_step: dict[int, list[dict]] = {}
+    for g in recs:
+        steps = [r["step"] for r in _commits(recs[g])]
+        assert len(steps) == len(set(steps)), f"group {g} committed a step twice"
+        for r in _commits(recs[g]):
+            by_step.setdefault(r["step"], []).append(r)
+    for step, rows in by_step.items():
+        assert len({tuple(r["batch"]) for r in rows}) == 1, step
+        assert len({r["model"] for r in rows}) == 1, step
+        assert len({r["optim"] for r in rows}) == 1, step
+
+
+@needs_netns
+def test_every_sample_trained_once_per_epoch(killed_job: dict) -> None:
+    """The audit: each committed step's global batch is split over exactly the groups of
+    its quorum, and the batches of the job cover each epoch's samples exactly once."""
+    recs = group_records(killed_job["run"])
+    rows: dict[int, list[dict]] = {}
+    for g in recs:
+        for r in _commits(recs[g]):
+            rows.setdefault(r["step"], []).append(r)
+    trained: list[int] = []
+    for step in sorted(rows):
+        group = rows[step]
+        batch = group[0]["batch"]
+        assert len(group) == group[0]["participants"], step
+        shares = sorted(i for r in group for i in r["indices"])
+        assert shares == sorted(batch), step
+        trained.extend(batch)
+    samples = 96
+    for start in range(0, len(trained), samples):
+        epoch = trained[start:start + samples]
+        assert len(set(epoch)) == len(epoch), f"a sample twice in epoch {start // samples}"
+        if len(epoch) == samples:
+            assert sorted(epoch) == list(range(samples))
+
+
+@needs_netns
+def test_replacement_heals_to_uninterrupted_state(killed_job: dict, reference: Path) -> None:
+    """Each replacement heals to the survivors' model and optimizer at the step it joins,
+    then starts its first step with the RNG streams and data position that group has at
+    that step in a run without failures."""
+    run_dir = killed_job["run"]
+    recs, ref = group_records(run_dir), group_records(reference)
+    heal_times = []
+    for kill in read(run_dir / "kills.jsonl"):
+        g = kill["group"]
+        later = [r for r in recs[g] if r["pid"] != kill["pid"] and r["time"] > kill["time"]]
+        start = next(r for r in later if r["event"] == "start")
+        heal = next(r for r in later if r["event"] == "heal")
+        first = next(r for r in later if r["event"] == "commit")
+        survivor = next(r for h in ({0, 1, 2} - {g}) for r in _commits(recs[h])
+                        if r["step"] == heal["step"])
+        assert (heal["model"], heal["optim"]) == (survivor["model"], survivor["optim"])
+        assert heal["data_next"] == survivor["data_next"]
+        expected = next(r for r in _commits(ref[g]) if r["step"] == first["step"])
+        assert first["step"] == heal["step"] + 1
+        assert first["rng"] == expected["rng"] and first["data"] == expected["data"]
+        heal_times.append(first["time"] - start["time"])
+    _report("replacement: start -> first committed step", heal_times)
+
+
+@needs_netns
+def test_listeners_bound_to_job_address(killed_job: dict) -> None:
+    """Seen from the job's network: the heal servers listen on the job's address, not on
+    a wildcard (torchft's manager server and the group's store do listen on every
+    interface; docs/elastic.md, "Live recovery", threat model)."""
+    sockets = killed_job["sockets"]
+    for port in killed_job["heal_ports"].values():
+        bound = {addr for addr, p in sockets if p == port}
+        assert bound == {"127.0.0.1"}, (port, bound)
+    assert all(addr in ("127.0.0.1", "0.0.0.0", "::") for addr, _ in sockets)
+
+
+# -- the lighthouse and a majority ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def lighthouse_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The lighthouse SIGKILLed at step 3 (the supervisor restarts it); at step 3 after
+    that, groups 0 and 1 SIGKILLed and not replaced (respawn 600 s): group 2 gives up on
+    the quorum, the job restarts from ckpt."""
+    if not _netns_ok():
+        pytest.skip("needs unshare -n (root)")
+    tmp = tmp_path_factory.mktemp("live-lighthouse")
+    run_dir = tmp / "run"
+    proc = start_job(tmp, steps=400, respawn_delay=600, quorum_timeout=6.0,
+                     quorum_retries=3)
+    out: dict = {"run": run_dir}
+    try:
+        wait_for(lambda: committed_at_least(run_dir, 3), 300, "the first commits")
+        lighthouse = [e for e in read(run_dir / "supervisor.jsonl")
+                      if e["event"] == "lighthouse"][-1]
+        out["lighthouse_sockets"] = _listening(lighthouse["pid"])
+        out["lighthouse_kill"] = time.time()
+        os.kill(lighthouse["pid"], signal.SIGKILL)
+        newest = max(r["step"] for r in _commits(group_records(run_dir)[2]))
+        wait_for(lambda: committed_at_least(run_dir, newest + 3), 120,
+                 "commits after the lighthouse restart")
+        groups = {e["group"]: e["pid"] for e in read(run_dir / "supervisor.jsonl")
+                  if e["event"] == "group"}
+        out["majority_kill"] = time.time()
+        for g in (0, 1):
+            os.kill(groups[g], signal.SIGKILL)
+
+        def resumed() -> bool:
+            restarted = [e for e in read(run_dir / "supervisor.jsonl")
+                         if e["event"] == "group" and e["why"] == "restart"]
+            pids = {e["pid"] for e in restarted}
+            return len(pids) == 3 and all(
+                any(r["event"] == "commit" and r["pid"] in pids
+                    for r in group_records(run_dir)[g]) for g in range(3))
+
+        wait_for(resumed, 300, "the restarted job's commits")
+        stop_soon(run_dir)
+        finish(proc)
+    finally:
+        stop(proc)
+    return out
+
+
+@needs_netns
+def test_lighthouse_restarted_within_retry_window_training_goes_on(lighthouse_job: dict
+                                                                   ) -> None:
+    """A lighthouse killed and restarted at its address: the same group processes go on
+    committing, no step lost or repeated."""
+    run_dir, killed = lighthouse_job["run"], lighthouse_job["lighthouse_kill"]
+    supervisor = read(run_dir / "supervisor.jsonl")
+    assert [e["event"] for e in supervisor if e["time"] > killed][:2] == [
+        "lighthouse_lost", "lighthouse"]
+    recs = group_records(run_dir)
+    gaps = []
+    for g in range(3):
+        window = [r for r in recs[g] if killed < r["time"] < lighthouse_job["majority_kill"]]
+        commits = _commits(window)
+        assert len(commits) >= 2 and len({r["pid"] for r in window}) == 1
+        assert all(r["event"] != "start" for r in window)
+        before = [r["step"] for r in _commits(recs[g]) if r["time"] < killed]
+        steps = before + [r["step"] for r in commits]
+        assert steps == list(range(1, len(steps) + 1))
+        gaps.append(commits[0]["time"] - killed)
+    _report("lighthouse kill -> next committed step", gaps)
+
+
+@needs_netns
+def test_majority_lost_job_resumes_from_newest_good_checkpoint(lighthouse_job: dict
+                                                               ) -> None:
+    """Two of three groups lost and not replaced: the survivor leaves for lack of a
+    quorum, the job starts again and every group resumes from the newest checkpoint."""
+    run_dir = lighthouse_job["run"]
+    supervisor = read(run_dir / "supervisor.jsonl")
+    events = [e["event"] for e in supervisor]
+    assert "quorum_lost" in events
+    restarted = {e["pid"] for e in supervisor if e["event"] == "group" and e["why"] == "restart"}
+    assert len(restarted) == 3
+    recs = group_records(run_dir)
+    last_before = max(r["step"] for g in range(3) for r in _commits(recs[g])
+                      if r["pid"] not in restarted)
+    newest_saved = last_before - last_before % 4  # checkpoint_every=4, synchronous saves
+    for g in range(3):
+        start = next(r for r in recs[g] if r["event"] == "start" and r["pid"] in restarted)
+        first = next(r for r in _commits(recs[g]) if r["pid"] in restarted)
+        assert first["step"] == newest_saved + 1, (g, first["step"], newest_saved)
+        assert start["restored"] <= newest_saved
+    lost = [r for r in recs[2] if r["event"] == "quorum_lost"]
+    assert lost, "the survivor did not leave for lack of a quorum"
+    print(f"\nmajority lost: resumed from step {newest_saved}, "
+          f"{last_before - newest_saved} steps trained again")
+
+
+@needs_netns
+def test_lighthouse_bound_to_job_address(lighthouse_job: dict) -> None:
+    """The lighthouse listens on the job's address only."""
+    assert {a for a, _ in lighthouse_job["lighthouse_sockets"]} == {"127.0.0.1"}
+
+
+# -- as an attacker on the job's network ------------------------------------------------------
+def test_heal_server_gives_nothing_without_the_key() -> None:
+    """Someone who reaches a group's heal server without the job's key gets 403 and no
+    byte of state, with no header, a made-up one, or one for another step."""
+    import torch
+
+    from trainer.live.transport import AUTH_HEADER, KeyedHTTPTransport, request_mac
+
+    t = KeyedHTTPTransport("127.0.0.1", b"k" * 32, timedelta(seconds=5))
+    try:
+        assert t._server.server_address[0] == "127.0.0.1"
+        secret = torch.arange(1000, dtype=torch.float32) * 3.25
+        t.send_checkpoint([1], 7, {"model": {"w": secret}}, timedelta(seconds=5))
+        url = t.metadata() + "7"
+        for headers in ({}, {AUTH_HEADER: "0" * 64},
+                        {AUTH_HEADER: request_mac(b"k" * 32, 8)},
+                        {AUTH_HEADER: request_mac(b"x" * 32, 7)}):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5)
+            assert e.value.code == 403
+            assert secret.numpy().tobytes()[:64] not in e.value.read()
+        got = t.recv_checkpoint(0, t.metadata(), 7, timedelta(seconds=5))
+        assert torch.equal(got["model"]["w"], secret)  # the key holder gets it
+    finally:
+        t.shutdown()
+
+
+def test_healing_group_loads_nothing_from_a_fake_peer(tmp_path: Path) -> None:
+    """A fake peer (registered with the lighthouse by whoever reaches it) that serves a
+    pickle which would run code: the healing group refuses it unread, so nothing runs."""
+    import pickle
+
+    from trainer.live.transport import HealAuthError, KeyedHTTPTransport
+
+    marker = tmp_path / "owned"
+
+    class Evil:
+        def __reduce__(self):  # runs at unpickling
+            return (open, (str(marker), "w"))
+
+    payload = pickle.dumps(Evil())
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("X-Ckpt-Live-Signature", "f" * 64)
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    t = KeyedHTTPTransport("127.0.0.1", b"k" * 32, timedelta(seconds=5))
+    try:
+        fake = f"http://127.0.0.1:{server.server_address[1]}/checkpoint/"
+        with pytest.raises(HealAuthError, match="signature"):
+            t.recv_checkpoint(0, fake, 3, timedelta(seconds=5))
+        assert not marker.exists()
+    finally:
+        t.shutdown()
+        server.shutdown()
+
+
+def test_wildcard_addresses_refused() -> None:
+    """The job's listeners that we bind take its address, never a wildcard."""
+    from trainer.live.config import LiveConfig
+    from trainer.live.lighthouse import start_lighthouse
+
+    for host in ("0.0.0.0", "::", ""):
+        with pytest.raises(ValueError, match="address"):
+            LiveConfig(lighthouse="127.0.0.1:1", host=host)
+    with pytest.raises(ValueError, match="address"):
+        start_lighthouse("0.0.0.0:0", 1)

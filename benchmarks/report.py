@@ -59,6 +59,8 @@ SCRIPTS = {
     "scale": ("bench_scale.py", [], ["--ranks", "8,64", "--layouts", "fsdp,hsdp"]),
     "memory_tier": ("bench_memory_tier.py", [], ["--quick"]),
     "load_fixed": ("bench_load_fixed.py", [], ["--counts", "1000", "--reps", "3"]),
+    "peers": ("bench_peers.py", ["--reps", "5"], ["--sizes", "256M", "--reps", "2",
+                                                   "--ckpt-variants", ""]),
 }
 TITLES = {
     "save_load": "Save and load",
@@ -75,6 +77,7 @@ TITLES = {
     "scale": "Planning at scale: 8 to 4,096 simulated ranks",
     "memory_tier": "Memory tier and warm restarts: restore by tier, recovery",
     "load_fixed": "The fixed cost of a load: thousands of small tensors",
+    "peers": "Asynchronous save against the peers: torch_checkpointing, DCP, torch.save",
 }
 COMMIT_TAG = "<!-- measured at commit {} -->"
 # How to read the tables; the same for every run, so written here rather than measured.

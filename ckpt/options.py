@@ -19,13 +19,36 @@ def default_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+class _ChosenThreads(int):
+    """``SaveOptions.write_threads`` when the caller did not set it: the number itself
+    (what a restore's readers use, the most writer threads), marked so that a background
+    save may use fewer (ckpt._save.concurrency). An int passed by the caller is not marked."""
+
+    def __repr__(self) -> str:
+        return f"{int(self)} (chosen per save)"
+
+
+def chosen_threads(value: int) -> bool:
+    """Whether ``write_threads`` is the default, which a save may adapt, not the caller's."""
+    return isinstance(value, _ChosenThreads)
+
+
 @dataclass(frozen=True)
 class SaveOptions:
     """How a save lays out and writes its bytes.
 
     Args:
         chunk_bytes: target size of one chunk (the unit of digests, reuse and parallel reads).
-        write_threads: data files written in parallel by one rank (one file per thread).
+        write_threads: data files written in parallel by one rank (one file per thread),
+            and a restore's reader threads. Default: chosen per save (docs/guide.md, "Writer
+            threads"): a save of CPU tensors gets one writer thread per core that training
+            leaves free (the cores in this process's affinity mask minus
+            ``torch.get_num_threads()``), at least 1; a save staged from a GPU or written
+            to an object store gets one per core, at most 4. An explicit
+            ``write_threads=N`` is used as given.
+        writer_nice: how far below training's the writer threads' scheduling priority is
+            (a nice increment, Linux; 0: the same priority). On a contended core training's
+            threads run first, and the write takes the time they leave.
         allow_pickle: store values that are neither tensors nor JSON by pickling them.
         compression: None, or "zstd" (floating-point chunks byte-grouped first).
         compression_level: the zstd level; 1 is as small as 3 on weights and much faster.
@@ -52,7 +75,7 @@ class SaveOptions:
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    write_threads: int = default_threads()
+    write_threads: int = _ChosenThreads(default_threads())
     allow_pickle: bool = False
     compression: str | None = None
     compression_level: int = 1
@@ -63,14 +86,21 @@ class SaveOptions:
     full_every: int = 10
     commit_timeout: float = 600.0
     probe: Any = None  # a ckpt.Probe; not imported here, the save wing sits below it
+    writer_nice: int = 10
 
     def __post_init__(self) -> None:
         _positive_int("full_every", self.full_every)
         _positive_number("commit_timeout", self.commit_timeout)
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be at least 4096, not {self.chunk_bytes}")
-        if self.write_threads < 1:
-            raise ValueError(f"write_threads must be at least 1, not {self.write_threads}")
+        if isinstance(self.write_threads, bool) or not isinstance(self.write_threads, int) \
+                or self.write_threads < 1:
+            raise ValueError(f"write_threads must be an integer of at least 1, not "
+                             f"{self.write_threads!r}")
+        if isinstance(self.writer_nice, bool) or not isinstance(self.writer_nice, int) \
+                or not 0 <= self.writer_nice <= 19:
+            raise ValueError(f"writer_nice must be an integer in [0, 19], not "
+                             f"{self.writer_nice!r}")
         if self.compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', not {self.compression!r}")
         if self.compression_threads < 0:

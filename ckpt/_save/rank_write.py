@@ -85,9 +85,12 @@ def _encoder() -> Callable:
 
 def write_rank(storage: Storage, staging: str, payload: StepPayload, options: SaveOptions,
                pool: cf.ThreadPoolExecutor | None,
-               progress: ByteCounter | None = None) -> RankTable:
+               progress: ByteCounter | None = None, threads: int | None = None) -> RankTable:
     """Write this rank's new chunks into ``staging``; returns its table (nothing committed).
-    ``progress`` counts the chunks' bytes (before compression) as their files are written."""
+    ``progress`` counts the chunks' bytes (before compression) as their files are written;
+    ``threads`` (at most the pool's size; default ``options.write_threads``) files are
+    written at once."""
+    threads = options.write_threads if threads is None else threads
     fault_point("before_data")
     encode = _encoder() if options.compression else None
     reused, to_write = _plan(payload, options)
@@ -96,7 +99,7 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
         progress.total = new_bytes
     # Compressed: several files per thread, so one file's write overlaps the next's compression.
     per_thread = 4 if options.compression else 1
-    n_files = max(options.write_threads * per_thread, -(-new_bytes // options.max_file_bytes))
+    n_files = max(threads * per_thread, -(-new_bytes // options.max_file_bytes))
     groups = assign_files([c for c, _, _ in to_write], n_files) if to_write else []
     data_of = {(c.key, c.index): (data, d) for c, data, d in to_write}
 
@@ -131,7 +134,8 @@ def write_rank(storage: Storage, staging: str, payload: StepPayload, options: Sa
         return name, size, records
 
     if options.compression:
-        results = _pipeline(groups, encode_chunk, write_file, pool, options.write_threads)
+        results = _pipeline(groups, encode_chunk, write_file, pool if threads > 1 else None,
+                            threads)
     else:
         def raw_file(index: int) -> tuple[str, int, list]:
             return write_file(index, [encode_chunk(c) for c in groups[index]])

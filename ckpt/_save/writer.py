@@ -2,9 +2,11 @@
 
 Threads started here: ``ckpt-writer`` (one: saves run one at a time, in the order submitted)
 and ``ckpt-io`` (the pool that digests, compresses and writes a save's files); a compressed
-save adds its ``ckpt-put`` I/O threads (:mod:`ckpt._save.rank_write`). No collectives run on
-them: ranks agree through the store (:class:`ckpt._shared.distributed.Group`), so a
-background save never races the training loop's own collectives.
+save adds its ``ckpt-put`` I/O threads (:mod:`ckpt._save.rank_write`). How many of the pool's
+threads one save uses, and their lower priority: :mod:`ckpt._save.concurrency`. No
+collectives run on them: ranks agree through the store
+(:class:`ckpt._shared.distributed.Group`), so a background save never races the training
+loop's own collectives.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from storage_backends import LockHeldError, Storage
 
 from ckpt._format.manifest import Manifest
 from ckpt._save.commit import abort, commit_step
+from ckpt._save.concurrency import lower_priority, niced, writer_threads
 from ckpt._save.handle import SaveHandle, SaveResult
 from ckpt._save.payload import RankTable, StepPayload
 from ckpt._save.rank_write import write_rank, write_table
@@ -34,8 +37,11 @@ class BackgroundWriter:
         self.options = options
         self.group = group or Group()
         self.commit_timeout = commit_timeout
-        self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer")
-        self._pool = (cf.ThreadPoolExecutor(options.write_threads, thread_name_prefix="ckpt-io")
+        # Each thread lowers its own priority as it starts (threads it starts inherit it).
+        below = {"initializer": lower_priority, "initargs": (niced(options.writer_nice),)}
+        self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", **below)
+        self._pool = (cf.ThreadPoolExecutor(options.write_threads, thread_name_prefix="ckpt-io",
+                                            **below)
                       if options.write_threads > 1 else None)
 
     def _run(self, storage: Storage, payload: StepPayload,
@@ -49,11 +55,18 @@ class BackgroundWriter:
             return self._run_alone(storage, staging, payload, progress)
         return self._run_voting(storage, staging, payload, progress)
 
+    def _threads_for(self, storage: Storage, payload: StepPayload) -> int:
+        """The policy's thread count for this save (staged from a GPU: ``ready`` is set; an
+        object store streams no blocks: each read and write is a request)."""
+        return writer_threads(self.options, from_gpu=payload.ready is not None,
+                              requests=getattr(storage, "stream_block", None) is None)
+
     def _run_alone(self, storage: Storage, staging: str, payload: StepPayload,
                    progress: ByteCounter) -> tuple[Manifest, RankTable]:
         """One process: write this rank's files and commit them."""
         try:
-            table = write_rank(storage, staging, payload, self.options, self._pool, progress)
+            table = write_rank(storage, staging, payload, self.options, self._pool, progress,
+                               self._threads_for(storage, payload))
             if payload.layouts is not None:
                 report = write_table(storage, staging, payload, table)
                 return commit_step(storage, staging, payload, reports=[report]), table
@@ -70,7 +83,8 @@ class BackgroundWriter:
         tables = payload.layouts is not None
         me = f"{payload.token}/rank{group.rank}"
         try:
-            table = write_rank(storage, staging, payload, self.options, self._pool, progress)
+            table = write_rank(storage, staging, payload, self.options, self._pool, progress,
+                               self._threads_for(storage, payload))
             group.publish(me, {"ok": write_table(storage, staging, payload, table) if tables
                                else table.to_json()})
         except BaseException as e:

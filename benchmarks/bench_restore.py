@@ -15,7 +15,10 @@ Two parts, each in one run with its methods interleaved, medians and ratios:
   changes), ``CheckpointManager.restore`` of the newest step (one pass, digested where it
   lands), ``torch.distributed.checkpoint.load`` of the same state saved by ``dcp.save``,
   and a raw read of ckpt's own data files straight into the destinations (one thread per
-  file, as ckpt reads them), each with the files evicted from the page cache first.
+  file, as ckpt reads them), each with the files evicted from the page cache first. One
+  more anchor, "raw, read twice": the same raw read, then again from the page cache: the
+  floor of a load that checks every byte before the first live one changes and holds no
+  second copy of the state (docs/design.md, "Loading: verify, then apply").
 
 On this machine the "disk" is the host's page cache behind a virtual disk, and 2 cores
 serve every process: a world of 4 ranks shares them, and gloo's loopback transfers cost
@@ -182,6 +185,9 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
     from ckpt._step.integrity import read_manifest
     from storage_backends import PosixStorage
 
+    # One intra-op thread: on 2 cores shared with other jobs, OpenMP's spinning threads made
+    # dcp.load's per-tensor copy_ 4-5x slower than one thread (measured while writing this).
+    torch.set_num_threads(1)
     work = common.fresh_dir(os.path.join(base, f"cold-{shape}-{nbytes}"))
     source = common.make_state(nbytes, shape)
     one = os.path.join(work, "one")
@@ -221,6 +227,8 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
 
     cases = [
         case("raw read of ckpt's files", one, raw_read),
+        case("raw, read twice (cold, then from the page cache)", one,
+             lambda: (raw_read(), raw_read())),
         case("ckpt.load (verify, then apply)", one, lambda: ckpt.load(dest, one)),
         case("ckpt restore(), newest step (one pass)", root, lambda: reader.restore(dest)),
         case("dcp.load", dcp_path, lambda: dcp.load(dest, checkpoint_id=dcp_path,

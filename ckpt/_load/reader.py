@@ -18,6 +18,10 @@ Order matters for "a failed load changes nothing":
    for the pass (``Storage.open_reader``), not once per chunk.
 4. Objects get ``load_state_dict`` last.
 
+Under a process group (a restore from the root), the chunks several ranks need are read by
+one of them and sent to the others (:mod:`ckpt._load.cooperative`): the same passes, each
+rank reading its share.
+
 The extra memory is a block and a few chunk-sized buffers per reading thread, whatever the
 state's size (docs/design.md, "Loading", has the measurements behind this choice). Should the
 apply pass fail all the same (a file removed or a read error between the passes), the error

@@ -275,7 +275,7 @@ def bench_step_slowdown(size: int, shape: str, reps: int, workdir: str, threads:
 
     base = common.median(steps["idle"])
     names = {"idle": "no save in flight",
-             "ckpt": f"ckpt writer running ({ckpt.SaveOptions().write_threads} write threads)",
+             "ckpt": "ckpt writer running (default SaveOptions: threads chosen per save)",
              "raw": "raw write+fsync thread running (1 thread)"}
     rows = []
     for key, values in steps.items():

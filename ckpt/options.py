@@ -24,8 +24,10 @@ class _ChosenThreads(int):
     (what a restore's readers use, the most writer threads), marked so that a background
     save may use fewer (ckpt._save.concurrency). An int passed by the caller is not marked."""
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # in SaveOptions' repr; str() and format() give the number
         return f"{int(self)} (chosen per save)"
+
+    __str__ = int.__repr__
 
 
 def chosen_threads(value: int) -> bool:

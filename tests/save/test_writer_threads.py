@@ -82,16 +82,21 @@ def test_an_explicit_write_threads_is_used_as_given(monkeypatch, torch_threads):
         assert writer_threads(ckpt.SaveOptions(write_threads=n), from_gpu=False) == n
 
 
-def test_the_default_survives_replacing_another_field():
-    """Options rebuilt with another field changed (as the manager's keywords do) keep the
-    default chosen per save; an int the caller passed is not the default."""
+def test_the_default_survives_replacing_another_field_and_pickling():
+    """Options rebuilt with another field changed (as the manager's keywords do) or sent to
+    another process keep the default chosen per save, which reads as a plain number; an int
+    the caller passed is not the default."""
     import dataclasses
+    import pickle
 
     from ckpt.options import chosen_threads
 
-    assert chosen_threads(ckpt.SaveOptions().write_threads)
-    assert chosen_threads(dataclasses.replace(ckpt.SaveOptions(), incremental=True)
-                          .write_threads)
+    default = ckpt.SaveOptions()
+    assert chosen_threads(default.write_threads)
+    assert chosen_threads(dataclasses.replace(default, incremental=True).write_threads)
+    assert chosen_threads(pickle.loads(pickle.dumps(default)).write_threads)
+    number = str(int(default.write_threads))
+    assert str(default.write_threads) == f"{default.write_threads}" == number
     default = int(ckpt.SaveOptions().write_threads)
     assert not chosen_threads(ckpt.SaveOptions(write_threads=default).write_threads)
 

@@ -198,7 +198,6 @@ class TorchCheckpointing:
 
     def save(self, step: int) -> Saving:
         saving = Saving(self.manager.lock)  # optimizer.step() under manager.lock(), per its docs
-        common.remove(os.path.join(self.root, f"step_{step - 1}"))
         future = self.manager.save(os.path.join(self.root, f"step_{step}"), {
             "model": self.training.model.state_dict(),
             "optimizer": self.training.optimizer.state_dict(), "step": step})
@@ -219,7 +218,6 @@ class DCP:
 
     def save(self, step: int) -> Saving:
         saving = Saving()
-        common.remove(os.path.join(self.root, f"step_{step - 1}"))
         model_sd, optim_sd = get_state_dict(self.training.model, self.training.optimizer)
         path = os.path.join(self.root, f"step_{step}")
         if not self.process:
@@ -244,7 +242,6 @@ class TorchSave:
 
     def save(self, step: int) -> Saving:
         saving = Saving()
-        common.remove(os.path.join(self.root, f"{step - 1}.pt"))
         path = os.path.join(self.root, f"{step}.pt")
         torch.save({"model": self.training.model.state_dict(),
                     "optim": self.training.optimizer.state_dict()}, path)
@@ -286,6 +283,9 @@ def bench_size(size: int, reps: int, variants: list[dict[str, int]], peers: list
 
     def one_save(method: Any) -> dict[str, float]:
         step_no[0] += 1
+        if not isinstance(method, Ckpt):  # ckpt's keep_last=1 deletes in its background
+            for old in os.listdir(method.root):
+                common.remove(os.path.join(method.root, old))
         t0 = time.perf_counter()
         saving = method.save(step_no[0])
         returned = time.perf_counter() - t0

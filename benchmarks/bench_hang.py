@@ -28,7 +28,7 @@ thread scenario; marker cost as a fraction of a 100 ms step; N from
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -83,13 +83,14 @@ def marker_cost(steps: int = 20000, micro: int = 2) -> tuple[float, float]:
     return statistics.median(runs), (time.perf_counter() - t0) / 1000
 
 
-def thread_scenario(how: str) -> tuple[float, float, list[int]]:
-    """(typical step, seconds until every rank named the culprit, the ranks named)."""
+def thread_scenario(how: str) -> tuple[float, float, float, list[int]]:
+    """(typical step, seconds until the first and every rank named the culprit, the ranks
+    named)."""
     ranks = ThreadRanks(3, (1, 8, how), HangRule(factor=2.0, floor=0.2, ceiling=5.0),
                         step_sleep=REFERENCE_STEP_S, interval=0.05)
-    typical, detect = ranks.run()
+    typical, first, detect = ranks.run()
     named = sorted({r for v in ranks.lost.values() for r in v[0].lost})
-    return typical, detect, named
+    return typical, first, detect, named
 
 
 def torchrun_scenarios(tmp: Path) -> list[dict]:
@@ -133,6 +134,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--no-torchrun", action="store_true", help="skip the torchrun scenarios")
     a = p.parse_args()
+    logging.getLogger("trainer.heartbeat").addHandler(logging.NullHandler())
+    logging.getLogger("trainer.heartbeat").propagate = False  # the verdicts, printed below
 
     cost, beat = marker_cost()
     fraction = cost / REFERENCE_STEP_S
@@ -144,10 +147,11 @@ def main() -> None:
           "beats every 50 ms):")
     summary = {}
     for how in ("sleep", "spin"):
-        typical, detect, named = thread_scenario(how)
+        typical, first, detect, named = thread_scenario(how)
         summary.setdefault("thread", (typical, detect, named))
-        print(f"  {how:5}: typical step {typical:.3f}s, named {named} by every rank "
-              f"{detect:.2f}s after it stopped ({detect / typical:.1f} typical steps)")
+        print(f"  {how:5}: typical step {typical:.3f}s, named {named} first {first:.2f}s "
+              f"({first / typical:.1f} steps), by every rank {detect:.2f}s "
+              f"({detect / typical:.1f} steps) after it stopped")
 
     headline = summary["thread"]
     if not a.no_torchrun:

@@ -51,6 +51,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--collective-timeout", type=float, default=10.0)
     p.add_argument("--hang-factor", type=float, default=3.0)
     p.add_argument("--hang-floor", type=float, default=10.0)
+    p.add_argument("--verified-window", type=int, default=None,
+                   help="mark a checkpoint verified after this many healthy steps; restores "
+                   "take the newest verified step")
     # A rank whose training thread gets stuck while its heartbeat thread runs on.
     p.add_argument("--stall", action="append", default=[], metavar="RANK:STEP:HOW",
                    help="once per job (a file in the run dir says it happened), that rank "
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint=CheckpointConfig(
             manager_options={"keep_last": 2},
             memory_options=ckpt.MemoryTierOptions(shm_dir=str(memory_dir)),
-            extra_state=extras.get("extra_state")),
+            extra_state=extras.get("extra_state"), verified_window=args.verified_window),
         failure=FailureConfig(heartbeat_timeout=args.heartbeat_timeout,
                               heartbeat_interval=args.heartbeat_interval,
                               collective_timeout=args.collective_timeout,

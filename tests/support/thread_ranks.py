@@ -34,6 +34,7 @@ class ThreadRanks:
         self.threads = [threading.Thread(target=self.train, args=(r,), daemon=True)
                         for r in range(world)]
         self.step_times: list[float] = []
+        self.named_at: dict[int, float] = {}
 
     def store(self):
         s = dist.TCPStore("127.0.0.1", self.master.port, is_master=False,
@@ -44,7 +45,7 @@ class ThreadRanks:
         sections = Sections()
         sections.begin_attempt()
         self.beats[rank] = Heartbeat(self.store(), rank, self.world, timeout=5.0,
-                                     interval=self.interval, on_lost=self.lost[rank].append,
+                                     interval=self.interval, on_lost=lambda v, r=rank: self._named(r, v),
                                      sections=sections, hang_rule=self.rule).start()
         step = 0
         while not self.release.is_set():
@@ -68,9 +69,13 @@ class ThreadRanks:
             if rank == 0:
                 self.step_times.append(time.monotonic() - t0)
 
-    def run(self) -> tuple[float, float]:
-        """Start; wait for every rank's verdict; returns (typical step, detection time of
-        the last rank to name the culprit)."""
+    def _named(self, rank: int, verdict) -> None:
+        self.named_at.setdefault(rank, time.monotonic())
+        self.lost[rank].append(verdict)
+
+    def run(self) -> tuple[float, float, float]:
+        """Start; wait for every rank's verdict; returns (typical step, seconds from the
+        stop to the first rank's verdict, to the last rank's)."""
         for t in self.threads:
             t.start()
         deadline = time.monotonic() + 20
@@ -85,7 +90,9 @@ class ThreadRanks:
             t.join(5)
         assert all(self.lost.values()), {r: len(v) for r, v in self.lost.items()}
         assert self.stuck_at is not None
-        return statistics.median(self.step_times), detected - self.stuck_at
+        first = min(self.named_at.values())
+        return (statistics.median(self.step_times), first - self.stuck_at,
+                detected - self.stuck_at)
 
 
 def sleep_in_loader(release: threading.Event) -> None:

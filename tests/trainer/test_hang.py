@@ -5,8 +5,8 @@ a rank that stops altogether: found by its silent heartbeat.
 The rule (trainer.hangs) is checked directly; the detection through the heartbeat with
 threads standing in for ranks (one process, one c10d store); the whole path under real
 torchrun agents (tests/support/elastic_job.py's --stall): the culprit exits, torchrun
-restarts the group, the job resumes from its newest checkpoint and trains every sample
-exactly once (audit log). Times are measured and printed, never asserted.
+restarts the group, the job resumes from its newest verified checkpoint and trains every
+sample exactly once (audit log). Times are measured and printed, never asserted.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank(how):
     stack of its training thread; nobody names the waiting ranks."""
     rule = HangRule(factor=2.0, floor=0.3, ceiling=5.0)
     ranks = ThreadRanks(3, (1, 6, how), rule, step_sleep=0.15)
-    typical, detect = ranks.run()
+    typical, first, detect = ranks.run()
     for r in range(3):
         loss = ranks.lost[r][0]
         assert loss.reason == "hang" and loss.lost == [1], (r, loss)
@@ -126,7 +126,7 @@ def test_a_rank_stuck_in_its_data_loader_is_named_by_every_rank(how):
             assert loss.hang.progress[w].mark > culprit.mark
             assert loss.hang.progress[w].collectives >= 5
     print(f"\n{how}: typical step {typical * 1e3:.0f} ms, limit {culprit.limit:.2f}s, "
-          f"named by all 3 ranks {detect:.2f}s after it stopped "
+          f"named first {first:.2f}s, by all 3 ranks {detect:.2f}s after it stopped "
           f"({detect / typical:.1f} typical steps)")
 
 
@@ -179,6 +179,7 @@ def test_forged_beats_in_the_store_crash_nothing_and_name_nobody():
 STEPS, EVERY, GLOBAL, MICRO, SENTENCES, SEED = 24, 4, 12, 2, 60, 0
 SAMPLE_SLEEP = 0.04     # ~0.16 s of sleep per step and rank at world size 3, plus compute
 HANG = dict(interval=0.1, factor=2.0, floor=0.5)
+VERIFIED_WINDOW = 2  # a checkpoint is verified after 2 healthy steps; resumes prefer those
 STALLS = ("1:9:sleep", "2:17:spin")   # rank:step:how, each once per job
 HEARTBEAT_TIMEOUT, COLLECTIVE_TIMEOUT = 3.0, 30.0
 JOB_TIMEOUT = 300.0
@@ -192,7 +193,8 @@ def job_args(tmp: Path, stalls: tuple[str, ...] = ()) -> list[str]:
             str(SAMPLE_SLEEP), "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
             "--heartbeat-interval", str(HANG["interval"]), "--collective-timeout",
             str(COLLECTIVE_TIMEOUT), "--hang-factor", str(HANG["factor"]), "--hang-floor",
-            str(HANG["floor"]), *(a for s in stalls for a in ("--stall", s))]
+            str(HANG["floor"]), "--verified-window", str(VERIFIED_WINDOW),
+            *(a for s in stalls for a in ("--stall", s))]
 
 
 def check_audit(audit_dir: Path) -> None:
@@ -226,6 +228,18 @@ def run_cluster(tmp: Path, args: list[str], act=None) -> tuple[job.LocalCluster,
     print("\n" + s.format())
     assert s.final_step == STEPS and len(nodes) == 3
     return c, s
+
+
+_VERIFIED = re.compile(r"\[pid (\d+) rank \d+\] ckpt\.trainer INFO train\.verified step=(\d+)")
+
+
+def newest_verified(c: job.LocalCluster, run_dir: Path, attempt: int) -> int | None:
+    """The newest step the workers of attempts up to ``attempt`` marked verified (their
+    ``train.verified`` lines)."""
+    pids = {r["pid"] for a in range(attempt + 1) for r in attempt_records(run_dir, a)
+            if r["event"] == "start"}
+    return max((int(step) for pid, step in _VERIFIED.findall(c.logs()) if int(pid) in pids),
+               default=None)
 
 
 def typical_step(records: list[dict]) -> float:
@@ -267,7 +281,8 @@ def test_a_hung_rank_is_named_dropped_and_the_job_resumes(tmp_path):
     thread's stack, the culprit exits with EXIT_HUNG. Then rank 1's process is SIGSTOPped
     (its heartbeat stops too): the others name it from its silence, its agent kills it
     after the restart grace. Each time torchrun restarts the group and the job resumes
-    from its newest checkpoint; in the end every sample was trained exactly once."""
+    from its newest verified checkpoint (healthy for 2 steps after it); in the end every
+    sample was trained exactly once, none skipped or repeated."""
     stopped: dict[str, float] = {}
     c, s = run_cluster(tmp_path, job_args(tmp_path, STALLS),
                        stop_rank_1_after_the_stalls(tmp_path, stopped))
@@ -295,7 +310,8 @@ def test_a_hung_rank_is_named_dropped_and_the_job_resumes(tmp_path):
                        for w in f["waiting"].values()), f["waiting"]
         rec = next(r for r in s.recoveries if r.attempt == attempt)
         assert rec.lost_ranks == [culprit] and rec.reason == "hung rank", rec
-        assert rec.restored_step is not None and rec.restored_step % EVERY == 0
+        # resumed from the newest verified checkpoint (not a newer one still unconfirmed)
+        assert rec.restored_step == newest_verified(c, tmp_path / "run", attempt), rec
         typical = typical_step(records)
         first = min(f["time"] for f in naming)
         entered = min(f["last_seen"][rank] for f in naming)
@@ -316,6 +332,7 @@ def test_a_hung_rank_is_named_dropped_and_the_job_resumes(tmp_path):
     assert fails[0]["lost"] == [1], fails
     rec = next(r for r in s.recoveries if r.attempt == stopped["attempt"])
     assert rec.lost_ranks == [1] and "lost ranks (heartbeat)" in rec.reason, rec
+    assert rec.restored_step == newest_verified(c, tmp_path / "run", stopped["attempt"]), rec
     assert rec.steps_lost == rec.last_step - rec.restored_step
     print(f"attempt {stopped['attempt']}: rank 1 SIGSTOPped, named "
           f"{fails[0]['time'] - stopped['at']:.2f}s later (heartbeat timeout "

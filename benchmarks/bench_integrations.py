@@ -8,7 +8,8 @@ total_limit=2). Methods run interleaved (default, ckpt, default, ckpt, ...); med
 time the training loop waited per checkpoint (Lightning: the ModelCheckpoint's saves of one
 step together, top-k file and last; HF: ``_save_checkpoint``; Accelerate: ``save_state()``).
 Bytes: the checkpoint folder at the end of a run (after ckpt's background writes finished),
-with CkptTrainer's hidden sibling root (``.<output_dir>.ckpt``).
+with the hidden sibling root of CkptTrainer and CkptCheckpointIO (``.<folder>.ckpt``); a file
+with two names (a hard link) counts once.
 
     python benchmarks/bench_integrations.py [--layers 4] [--width 384] [--reps 2]
 
@@ -47,7 +48,11 @@ def tokens() -> torch.Tensor:
 
 
 def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+    """Bytes of the files under ``path``, each file once (a hard link is a second name of
+    the same bytes on disk; a symbolic link holds none)."""
+    files = {(s.st_dev, s.st_ino): s.st_size for p in path.rglob("*")
+             if p.is_file() and not p.is_symlink() for s in [p.stat()]}
+    return sum(files.values())
 
 
 # -- Lightning ---------------------------------------------------------------------------------
@@ -232,7 +237,9 @@ def main() -> None:
           "rotation, and any wait for the previous background write to finish "
           "(backpressure); digests, the write and the commit ran in the background. "
           "Lightning's default writes last.ckpt and the top-k file as two full copies; "
-          "ckpt writes one step for both. CkptTrainer writes HF's checkpoint-N folder "
+          "CkptCheckpointIO writes Lightning's .ckpt file once (torch.save, fsync, xxh3 "
+          "digests recorded in a ckpt step) and makes last.ckpt a hard link to it when "
+          "Lightning saves the same state again. CkptTrainer writes HF's checkpoint-N folder "
           "(the model as HF's safetensors, once, from the writer thread) and the "
           "optimizer as a ckpt step.")
 

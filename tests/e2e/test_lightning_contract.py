@@ -167,6 +167,31 @@ def test_a_flipped_bit_in_a_ckpt_is_caught_and_the_resume_falls_back(tmp_path, c
     assert same(loaded, step3)
 
 
+def test_a_ckpt_replaced_by_another_file_naming_its_step_is_not_loaded(tmp_path, caplog):
+    """Threat: someone who may write the checkpoint folder (not ckpt's sibling root, which is
+    refused when not ours) replaces last.ckpt with a torch file of hers whose zip comment
+    names the same step, so that a resume loads her weights (or her pickle). The load checks
+    the file against the digests its step recorded, skips it, and resumes from the step
+    before; her file is never unpickled."""
+    io = CkptCheckpointIO()
+    io.save_checkpoint({"global_step": 3, "w": torch.zeros(4)}, tmp_path / "step3.ckpt")
+    io.save_checkpoint({"global_step": 4, "w": torch.ones(4)}, tmp_path / "last.ckpt")
+    from trainer.integrations import _pl_file
+
+    class Boom:  # unpickling it would run her code
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    tmp, _ = _pl_file.write({"global_step": 4, "w": torch.full((4,), 7.0), "x": Boom()},
+                            str(tmp_path / "last.ckpt"), 4)
+    os.replace(tmp, tmp_path / "last.ckpt")
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        loaded = io.load_checkpoint(tmp_path / "last.ckpt", weights_only=False)
+    assert loaded["global_step"] == 3 and torch.equal(loaded["w"], torch.zeros(4))
+    assert "skipping step 4" in caplog.text and "fails its digest" in caplog.text
+    assert not (tmp_path / "pwned").exists()
+
+
 def test_save_checkpoint_outside_fit_leaves_no_thread_or_lock(tmp_path):
     """trainer.save_checkpoint() after fit() is not followed by a teardown: the save returns
     with its step committed, no writer thread alive and the folder unlocked, so a second

@@ -188,7 +188,8 @@ def problem(f: BinaryIO, records: list[dict[str, Any]], name: str) -> str | None
     if any(r.get("bytes") == size and r.get("xxh3") == whole for r in records):
         return None
     if size != mine.get("bytes"):
-        return f"{name} has {size} bytes, its step recorded {mine.get('bytes')}"
+        return (f"{name} fails its digest (xxh3-64): it has {size} bytes, its step "
+                f"recorded {mine.get('bytes')}")
     bad = [k for k, v in mine.get("records", {}).items() if parts.get(k) != v[2]]
     where = f"record {', '.join(sorted(bad)[:3])}" if bad else "the zip headers"
     return f"{name} fails its digest (xxh3-64): {where} differ"

@@ -29,6 +29,7 @@ from trainer.elastic import ElasticSummary, read_audit, read_jsonl
 from trainer.exits import EXIT_HUNG
 from trainer.hangs import HangRule, RankProgress, judge
 from trainer.heartbeat import Heartbeat
+from trainer.metrics import TrainerMetrics
 from trainer.sections import Sections
 from trainer.tiny_lm import WindowDataset, make_corpus
 
@@ -104,6 +105,20 @@ def test_markers_cost_little_and_record_each_sections_durations():
     with pytest.raises(ValueError):
         with s.user("data"):
             pass
+
+
+def test_a_named_hang_is_in_the_metrics(tmp_path):
+    """The hung rank and its section as Prometheus series (written to the textfile before
+    the process leaves), with this rank's section age."""
+    metrics = TrainerMetrics(labels={"rank": "0"})
+    textfile = tmp_path / "train.prom"
+    metrics.export(textfile=str(textfile))
+    metrics.hang_detected(culprit=1, section="data")
+    metrics.write_textfile()
+    text = textfile.read_text()
+    assert 'ckpt_train_hung_rank{culprit_rank="1",rank="0",section="data"} 1.0' in text, text
+    assert 'ckpt_train_hangs_total{rank="0"} 1.0' in text
+    assert "ckpt_train_section_age_seconds" in text
 
 
 # ------------------------------------------------------------------------- ranks as threads
@@ -320,8 +335,13 @@ def test_a_hung_rank_is_named_dropped_and_the_job_resumes(tmp_path):
               f"{first - entered:.2f}s after it stopped ({(first - entered) / typical:.1f} "
               f"typical steps), by all ranks {max(f['time'] for f in fails) - entered:.2f}s; "
               f"resumed from step {rec.restored_step}")
-    # the culprits left with their own status (their agents logged it)
-    assert len(re.findall(rf"exitcode: {EXIT_HUNG}\b", c.logs())) == 2, c.logs()[-5000:]
+    # the culprits left with their own status (their agents logged it), and the ckpt.trainer
+    # log names each one with its section and the innermost line of its stack
+    logs = c.logs()
+    assert len(re.findall(rf"exitcode: {EXIT_HUNG}\b", logs)) == 2, logs[-5000:]
+    for rank, section, line in (("1", "data", "time.sleep"), ("2", "forward", "while True")):
+        hangs = re.findall(rf"train\.hang rank=\d culprit={rank} section={section} .*", logs)
+        assert len(hangs) >= 2 and all(line in h for h in hangs), hangs
 
     # the stopped rank: named from its silent heartbeat by the first to notice (the other
     # may instead see the first one leave: a failed collective, or the store gone with

@@ -185,6 +185,7 @@ class Ckpt:
 class TorchCheckpointing:
     def __init__(self, training: Training, root: str) -> None:
         from torch_checkpointing import CheckpointManager
+        from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
         from torch_checkpointing.config import AsyncCheckpointSaverConfig
         from torch_checkpointing.staging import CheckpointStagerConfig
         from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
@@ -192,8 +193,11 @@ class TorchCheckpointing:
         cuda = torch.cuda.is_available()
         self.training, self.root = training, common.fresh_dir(root)
         self.manager = CheckpointManager(CheckpointManager.Config(
-            save=AsyncCheckpointSaverConfig(staging_config=CheckpointStagerConfig(
-                use_pinned_memory=cuda, use_non_blocking_copy=cuda)),
+            save=AsyncCheckpointSaverConfig(
+                staging_config=CheckpointStagerConfig(use_pinned_memory=cuda,
+                                                      use_non_blocking_copy=cuda),
+                # its writer process imports torch first: minutes on a busy machine
+                process_config=CheckpointProcessConfig(subprocess_init_timeout_secs=600)),
             storage_config=LocalFileSystemStorageConfig(use_direct_io=False)))
 
     def save(self, step: int) -> Saving:

@@ -10,6 +10,10 @@ wait on requests more than they compute) gets them all. An explicit
 ``write_threads=N`` is used as given. Writer threads also run at a lower scheduling priority
 (``SaveOptions.writer_nice``) so that, on a contended core, training's threads run first and
 the write takes the time they leave.
+
+Who reaches this: only the program, through ``SaveOptions`` (validated when made). It reads
+the process's own affinity mask and torch's thread count, and only ever raises the nice value
+of ckpt's own threads, which any process may do; it never lowers one (that needs privilege).
 """
 
 from __future__ import annotations

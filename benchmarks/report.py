@@ -61,6 +61,7 @@ SCRIPTS = {
     "load_fixed": ("bench_load_fixed.py", [], ["--counts", "1000", "--reps", "3"]),
     "peers": ("bench_peers.py", ["--reps", "5"], ["--sizes", "256M", "--reps", "2",
                                                    "--ckpt-variants", ""]),
+    "hang": ("bench_hang.py", [], ["--no-torchrun"]),
 }
 TITLES = {
     "save_load": "Save and load",
@@ -78,6 +79,7 @@ TITLES = {
     "memory_tier": "Memory tier and warm restarts: restore by tier, recovery",
     "load_fixed": "The fixed cost of a load: thousands of small tensors",
     "peers": "Asynchronous save against the peers: torch_checkpointing, DCP, torch.save",
+    "hang": "Hung ranks: the progress markers' cost and the time to name a stuck rank",
 }
 COMMIT_TAG = "<!-- measured at commit {} -->"
 # How to read the tables; the same for every run, so written here rather than measured.

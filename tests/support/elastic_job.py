@@ -27,7 +27,8 @@ import torch.nn.functional as F  # noqa: E402
 import ckpt  # noqa: E402
 
 from trainer.config import (CheckpointConfig, DataConfig, ElasticConfig,  # noqa: E402
-                            FailureConfig, ObservabilityConfig, StepConfig)
+                            FailureConfig, ObservabilityConfig, StepConfig,
+                            StragglerConfig)
 from trainer.elastic import ElasticTrainer  # noqa: E402
 from trainer.progress import JsonLines  # noqa: E402
 from trainer.tiny_lm import TinyLM, WindowDataset, make_corpus, warmup_cosine  # noqa: E402
@@ -60,6 +61,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    "gets stuck in that step: 'sleep' in its data loader (fetching the "
                    "step's first micro batch) or 'spin' in Python (in step_fn)")
     p.add_argument("--fsdp", action="store_true")
+    # A straggler: that rank's forward (step_fn) takes F times as long, at world size
+    # --slow-at-world (any world size: 0).
+    p.add_argument("--slow-rank", type=int, default=None)
+    p.add_argument("--slow-factor", type=float, default=3.0)
+    p.add_argument("--slow-at-world", type=int, default=0)
+    p.add_argument("--straggler-window", type=int, default=10)
+    p.add_argument("--straggler-windows", type=int, default=3)
+    p.add_argument("--straggler-drop", action="store_true")
     # Holds make the scenarios independent of how fast agents start on a loaded machine: the
     # workers wait (heartbeats going, no collective in flight) until torchrun SIGTERMs them
     # because another node arrived, then checkpoint the step and exit for the restart.
@@ -247,10 +256,15 @@ def main(argv: list[str] | None = None) -> int:
         x, y = batch[:2]
         if note is not None:  # the samples really trained
             note("seen", trainer.step + 1, ids=batch[2].tolist())
+        t0 = time.perf_counter()
         if args.sample_sleep:
             time.sleep(args.sample_sleep * len(x))
         logits = model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        if args.slow_rank == trainer.rank and args.slow_at_world in (0, trainer.world_size):
+            # the straggler: its forward takes slow_factor times as long as it just did
+            time.sleep((args.slow_factor - 1) * (time.perf_counter() - t0))
+        return loss
 
     def optimizer_fn(params):
         return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -274,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                               heartbeat_interval=args.heartbeat_interval,
                               collective_timeout=args.collective_timeout,
                               hang_factor=args.hang_factor, hang_floor=args.hang_floor),
-        observability=ObservabilityConfig(audit_dir=args.audit_dir, run_dir=args.run_dir))
+        observability=ObservabilityConfig(audit_dir=args.audit_dir, run_dir=args.run_dir),
+        stragglers=StragglerConfig(window=args.straggler_window, windows=args.straggler_windows,
+                                   drop=args.straggler_drop))
     trainer = ElasticTrainer(
         TinyLM, optimizer_fn, dataset, step_fn, checkpoint_root=args.root,
         checkpoint_every=args.every, global_batch_size=args.global_batch,

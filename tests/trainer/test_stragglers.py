@@ -9,9 +9,21 @@ as such (gloo ranks, policy off), and dropped after N windows (torchrun, policy 
 
 from __future__ import annotations
 
-import pytest
+import logging
+import time
+from pathlib import Path
 
-from trainer.config import ElasticConfig, StragglerConfig
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support import elastic_job as job
+from tests.support.prom import parse_metrics
+from tests.support.ranks import run_ranks
+from tests.trainer import test_elastic as elastic
+from trainer.config import (CheckpointConfig, ElasticConfig, FailureConfig,
+                            ObservabilityConfig, StragglerConfig)
+from trainer.metrics import parse_event
 from trainer.stragglers import DropPolicy, Scorer, detect_windows, median_low
 
 SECTIONS = ("data", "forward", "backward", "collective", "optimizer")
@@ -121,3 +133,138 @@ def test_policy_and_config_refuse_meaningless_settings():
     with pytest.raises(TypeError, match="ElasticConfig.stragglers must be a StragglerConfig"):
         ElasticConfig(stragglers={"drop": True})
     assert ElasticConfig().stragglers.drop is False  # off by default
+
+
+# ------------------------------------------------------------------------------- in the trainer
+
+SLOW_RANK, FACTOR = 2, 3.0
+FORWARD_S = 0.04     # the others' forward per micro batch: a sleep, not the 2 cores' work
+WINDOW, WINDOWS = 2, 2
+
+
+def slow_rank_job(rank: int, world: int, tmp: str, steps: int) -> tuple[dict, list[str]]:
+    """The trainer on gloo ranks (no torchrun), rank SLOW_RANK's forward FACTOR times
+    slower; returns rank 0's summary and its ``train.straggler`` lines."""
+    from trainer.elastic import ElasticTrainer
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logging.getLogger("ckpt.trainer").addHandler(Keep())
+    logging.getLogger("ckpt.trainer").setLevel(logging.INFO)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 4, generator=g),
+                                          torch.randn(96, 1, generator=g))
+
+    def step_fn(model: torch.nn.Module, batch) -> torch.Tensor:
+        time.sleep(FORWARD_S * (FACTOR if rank == SLOW_RANK else 1.0))
+        x, y = batch
+        return F.mse_loss(model(x), y)
+
+    root = Path(tmp)
+    config = ElasticConfig(
+        health=None, failure=FailureConfig(heartbeat_timeout=None),
+        checkpoint=CheckpointConfig(memory_tier=False, probe=False),
+        observability=ObservabilityConfig(run_dir=root / "run", audit_dir=root / "audit",
+                                          metrics_textfile=root / "metrics.prom",
+                                          log_every=None),
+        stragglers=StragglerConfig(window=WINDOW, windows=WINDOWS))
+    t = ElasticTrainer(lambda: torch.nn.Linear(4, 1), lambda p: torch.optim.SGD(p, lr=0.01),
+                       data, step_fn, checkpoint_root=root / "ckpt", checkpoint_every=100,
+                       global_batch_size=6, micro_batch_size=1, config=config)
+    t0 = time.perf_counter()
+    summary = t.fit(steps)
+    lines.append(f"fit took {time.perf_counter() - t0:.2f}s")
+    return summary.to_dict(), [m for m in lines if m.startswith(("train.straggler ", "fit "))]
+
+
+@pytest.mark.multiproc
+def test_a_rank_three_times_slower_is_scored_and_reported_while_training_goes_on(tmp_path):
+    """Three gloo ranks, policy off: rank 2's forward sleeps 3x as long. Its overall score
+    is over the threshold in the summary, the metrics and a train.straggler line per
+    window; nobody is dropped and the job trains to its last step."""
+    steps = 4 * WINDOW
+    t0 = time.perf_counter()
+    results = run_ranks(3, slow_rank_job, str(tmp_path), steps, timeout=120)
+    took = time.perf_counter() - t0
+    summary, lines = results[0]
+    fit_s = lines.pop()
+    assert summary["final_step"] == steps and summary["world_sizes"] == [3]
+    st = summary["stragglers"]
+    assert (st["window_steps"], st["windows"], st["dropped"]) == (WINDOW, 4, [])
+    last = st["last"]["overall"]
+    assert last[str(SLOW_RANK)] >= 2.0, st
+    assert max(last["0"], last["1"]) < 1.5, st
+    [flag] = st["flagged"]
+    assert (flag["rank"], flag["attempt"]) == (SLOW_RANK, 0) and flag["windows"] >= 2, st
+    assert st["worst"]["rank"] == SLOW_RANK and st["worst"]["section"] == "forward", st
+    # one line per flagged window, with no action taken
+    events = [parse_event(m)[1] for m in lines]
+    seen = [(e["straggler"], e["action"], e["section"]) for e in events]
+    assert seen == [(str(SLOW_RANK), "none", "forward")] * flag["windows"], seen
+    # the textfile rank 0 exported at the end
+    scraped = parse_metrics((tmp_path / "metrics.prom").read_text())
+    score = {k: v for k, v in scraped.items() if k.startswith("ckpt_train_straggler_score{")}
+    assert score[f'ckpt_train_straggler_score{{scored_rank="{SLOW_RANK}"}}'] >= 2.0, score
+    assert scraped["ckpt_train_straggler_flags_total"] == flag["windows"]
+    assert scraped["ckpt_train_stragglers_dropped_total"] == 0
+    assert scraped["ckpt_train_straggler_score_max"] == pytest.approx(last[str(SLOW_RANK)],
+                                                                      abs=1e-3)
+    print(f"3 gloo ranks, {steps} steps ({fit_s}, {took:.1f}s with the ranks' start); "
+          f"scores of the last window {last}; flagged in {flag['windows']} of 4 windows")
+
+
+TORCHRUN_STEPS = 16
+TORCHRUN_TIMEOUT = 240.0  # only a guard against a hang: a loaded machine starts agents slowly
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_rank_three_times_slower_is_dropped_after_n_windows_and_the_job_goes_on(tmp_path):
+    """torchrun, three nodes (one agent and one worker each), policy on: rank 2's compute
+    takes 3x as long at world size 3. After WINDOWS flagged windows of WINDOW steps every
+    rank checkpoints the step and leaves; rank 2's worker stops its own agent, so its node
+    leaves the job, and the other two finish at world size 2 from the step of the drop,
+    with no sample skipped or repeated (audit log)."""
+    args = elastic.job_args(tmp_path, hold=("--hold-until-world", "3"))
+    args[args.index("--steps") + 1] = str(TORCHRUN_STEPS)
+    args += [
+        "--slow-rank", str(SLOW_RANK), "--slow-factor", str(FACTOR), "--slow-at-world", "3",
+        "--straggler-window", str(WINDOW), "--straggler-windows", str(WINDOWS),
+        "--straggler-drop"]
+    # restart_grace: a worker that ignores its agent's SIGTERM is SIGKILLed after 2 s, not 30
+    cluster = job.LocalCluster(tmp_path, args, restart_grace=2.0)
+    t0 = time.time()
+    try:
+        nodes = [cluster.add_node() for _ in range(3)]
+        codes = cluster.wait(TORCHRUN_TIMEOUT)
+    finally:
+        cluster.close()
+    took = time.time() - t0
+    logs = {n.name: n.log() for n in nodes}
+    dropped = [n.name for n in nodes if "train.dropped" in logs[n.name]]
+    assert len(dropped) == 1, (codes, cluster.logs()[-20000:])
+    survivors = {name: code for name, code in codes.items() if name not in dropped}
+    assert set(survivors.values()) == {0}, (codes, cluster.logs()[-20000:])
+    assert codes[dropped[0]] is not None, codes  # its agent left
+
+    s = elastic.summary_of(tmp_path)
+    print("\n" + s.format())
+    assert s.final_step == TORCHRUN_STEPS and s.world_sizes[-1] == 2, s.world_sizes
+    [rec] = [r for r in s.recoveries if r.reason == "straggler"]
+    assert (rec.lost_ranks, rec.world_before, rec.world_after) == ([SLOW_RANK], 3, 2), rec
+    [drop] = s.stragglers["dropped"]
+    assert (drop["rank"], drop["attempt"], drop["windows"]) == (SLOW_RANK, rec.attempt,
+                                                                WINDOWS), s.stragglers
+    assert drop["step"] == rec.last_step and drop["score"] >= 2.0, (drop, rec)
+    # every rank checkpointed the step of the drop: nothing to train again
+    assert rec.restored_step == rec.last_step and rec.steps_lost == 0, rec
+    [flag] = [f for f in s.stragglers["flagged"] if f["attempt"] == rec.attempt]
+    assert flag["rank"] == SLOW_RANK and flag["windows"] >= WINDOWS, s.stragglers
+    elastic.check_audit(tmp_path / "audit", steps=TORCHRUN_STEPS)
+    print(f"rank {SLOW_RANK} dropped at step {drop['step']} after {drop['windows']} windows "
+          f"of {WINDOW} steps (score {drop['score']:.2f}); job finished at world 2; "
+          f"{took:.1f}s in all")

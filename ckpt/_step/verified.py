@@ -27,7 +27,7 @@ from typing import Any
 
 from storage_backends import NotAFileError, PosixStorage, Storage
 from storage_backends.lease import ConditionalStorage
-from storage_backends.posix import fsync_dir
+from storage_backends.posix import SymlinkRefusedError, fsync_dir
 
 from ckpt._format.names import MANIFEST_NAME, step_dir
 
@@ -124,6 +124,9 @@ def read_marker(storage: Storage, step: int, location: str | None = None) -> Mar
     location = location or step_dir(step)
     try:
         raw = storage.read(f"{location}/{VERIFIED_NAME}", 0, MAX_MARKER_BYTES + 1)
+    except SymlinkRefusedError:  # (a FileNotFoundError) planted: never followed
+        return MarkerState(step, problem=f"{VERIFIED_NAME} is a symbolic link (never "
+                                         "followed); remove it")
     except (FileNotFoundError, NotADirectoryError):
         return MarkerState(step)  # (most steps: one request, the manifest is not read)
     except NotAFileError as e:  # a directory, FIFO or link planted under the marker's name
@@ -220,7 +223,11 @@ def _create_only(storage: Storage, path: str, data: bytes) -> bool:
     if isinstance(storage, ConditionalStorage):
         return storage.create_only(path, data) is not None
     if isinstance(storage, PosixStorage):
-        final = storage.local_path(path)
+        try:
+            final = storage.local_path(path)
+        except SymlinkRefusedError as e:  # never written through, nor removed by us
+            raise OSError(f"{e.filename or path} is a symbolic link; remove it to mark "
+                          "the step verified") from None
         tmp = f"{path}.{secrets.token_hex(8)}.part"
         storage.write(tmp, [data])  # created without following links, fsynced
         try:

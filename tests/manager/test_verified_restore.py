@@ -117,7 +117,7 @@ def test_mark_verified_refuses_what_it_cannot_vouch_for(tmp_path):
 
 def test_hand_edited_stale_and_planted_markers_are_never_trusted(tmp_path):
     root = str(tmp_path / "r")
-    saved_root(root, steps=(2, 4, 6, 8, 10))
+    saved_root(root, steps=(2, 4, 6, 8, 10, 14))
     with ckpt.CheckpointManager(root) as mgr:
         mgr.mark_verified(2)
         mgr.mark_verified(4)
@@ -129,6 +129,7 @@ def test_hand_edited_stale_and_planted_markers_are_never_trusted(tmp_path):
     with open(marker(root, 8), "wb") as f:
         f.write(b"\x1b[31m{not json" * 5000)
     os.mkfifo(marker(root, 10))
+    os.symlink(marker(root, 2), marker(root, 14))  # step 14: a link to a valid marker
     os.mkdir(os.path.join(root, "step-00000012"))
     with open(marker(root, 12), "w") as f:
         json.dump({**good, "step": 12}, f)
@@ -138,18 +139,21 @@ def test_hand_edited_stale_and_planted_markers_are_never_trusted(tmp_path):
 
     cps = ckpt.inspect.open(root)
     states = {s: cps.marker(s) for s in cps.steps()}
-    assert sorted(states) == [2, 4, 6, 8, 10]
+    assert sorted(states) == [2, 4, 6, 8, 10, 14]
     assert states[2].status == "verified"
     assert {s: m.status for s, m in states.items() if s != 2} == dict.fromkeys(
-        (4, 6, 8, 10), "untrusted")
+        (4, 6, 8, 10, 14), "untrusted")
     assert "another save" in states[4].problem and "names step 4, not step 6" in \
         states[6].problem
     assert "larger than" in states[8].problem and "not a file" in states[10].problem
+    assert "symbolic link" in states[14].problem
     with ckpt.CheckpointManager(root) as mgr:
         assert mgr.verified_steps() == [2]
         assert mgr.restore(state(-1), prefer="verified") == 2
         mgr.mark_verified(4)                             # an untrusted marker is replaced
         assert mgr.verified_steps() == [2, 4]
+        with pytest.raises(ckpt.StorageError, match="symbolic link"):
+            mgr.mark_verified(14)                        # never written through a link
 
 
 def test_a_verified_restore_takes_the_step_from_memory(tmp_path):

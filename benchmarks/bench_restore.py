@@ -71,7 +71,7 @@ def set_cooperative(on: bool) -> None:
         from ckpt._load import cooperative
     except ImportError:  # code without it: every restore is plain
         return
-    cooperative.ENABLED = on
+    cooperative.MODE = "always" if on else "never"
 
 
 # -- part ddp: world N gloo ranks -------------------------------------------------------------

@@ -26,7 +26,10 @@ chunk was verified by its owner.
 Reads stay plain (every rank reads what it needs) where the group cannot help: no process
 group or world 1, a backend that does not carry CPU tensors (NCCL alone: initialize with
 ``backend="cpu:gloo,cuda:nccl"``), no chunk needed by two ranks, or a collective that fails
-(:class:`GroupFailed`, logged by the caller, who then reads plainly).
+(:class:`GroupFailed`, logged by the caller, who then reads plainly). And by default
+(:data:`MODE` "auto") where reading once buys nothing: every rank on one host and a root
+read through the host's page cache (a file system), where the kernel reads each byte from
+the disk once for all of them and the exchange would only add copies over loopback.
 
 Threat model: only the ranks of the job's process group reach this exchange (the same
 trust as the commit vote and every other ``all_gather_object`` of ckpt). A rank that sends
@@ -42,6 +45,7 @@ import concurrent.futures as cf
 import hashlib
 import heapq
 import logging
+import socket
 import threading
 from typing import Any
 
@@ -64,9 +68,10 @@ from ckpt.errors import CorruptCheckpointError
 
 log = logging.getLogger("ckpt")
 
-#: Whether restores under a process group read replicated chunks together (benchmarks
-#: switch it off to measure plain reads beside it).
-ENABLED = True
+#: When restores under a process group read replicated chunks together: "auto" (when the
+#: ranks span several hosts or the root has no page cache: object stores), "always" or
+#: "never" (benchmarks and tests set it to compare or to run on one host).
+MODE = "auto"
 #: Chunks of at least this many bytes travel in a message of their own, without a copy;
 #: smaller ones are packed per pair of ranks (one message instead of thousands).
 DIRECT_BYTES = 1 << 20
@@ -98,7 +103,7 @@ class Cooperation:
     def of(cls, group: Group) -> Cooperation | None:
         """A cooperation over ``group``, or None where reads stay plain (the same answer on
         every rank)."""
-        if not (ENABLED and group.enabled):
+        if MODE == "never" or not group.enabled:
             return None
         if not _carries_cpu_tensors(group):
             backend = str(dist.get_backend(group.pg))
@@ -116,34 +121,38 @@ class Cooperation:
         stop too, before reading). Nothing after :meth:`enter`."""
         if not self.entered:
             try:
-                self._entry(None, f"{type(error).__name__}: {error}")
+                self._entry(None, f"{type(error).__name__}: {error}", False)
             except GroupFailed:  # the attempt fails anyway, with this rank's own error
                 pass
 
-    def _entry(self, signature: str | None, error: str | None) -> list[Any]:
+    def _entry(self, signature: str | None, error: str | None, cached: bool) -> list[Any]:
         self.entered = True
         try:
-            return self.group.all_gather((signature, error))
+            return self.group.all_gather((signature, error, socket.gethostname(), cached))
         except RuntimeError as e:
             raise GroupFailed(f"the first exchange failed: {e}") from e
 
-    def enter(self, url: str, location: str, manifest: Manifest,
-              reads: list[ChunkRead]) -> Shares | None:
-        """Agree on who reads which chunk (collective); None when no chunk is needed by two
-        ranks. Raises CorruptCheckpointError when another rank's attempt failed before."""
+    def enter(self, url: str, location: str, manifest: Manifest, reads: list[ChunkRead], *,
+              cached: bool) -> Shares | None:
+        """Agree on who reads which chunk (collective); None when reads stay plain (no chunk
+        needed by two ranks; in "auto" mode, one host whose page cache serves the root:
+        ``cached``). Raises CorruptCheckpointError when another rank's attempt failed."""
         mine: dict[ChunkId, list[ChunkRead]] = {}
         for r in reads:
             mine.setdefault((chunk_path(location, r.chunk), r.chunk.start), []).append(r)
         table = sorted((cid, rs[0].chunk.numel * manifest.tensors[rs[0].key].torch_dtype.itemsize)
                        for cid, rs in mine.items())
         signature = hashlib.blake2b(repr(table).encode(), digest_size=16).hexdigest()
-        everyone = self._entry(signature, None)
-        for rank, (_, error) in enumerate(everyone):
+        everyone = self._entry(signature, None, cached)
+        for rank, (_, error, _, _) in enumerate(everyone):
             if error:
                 raise CorruptCheckpointError(
                     f"{url}/{location}: rank {rank} cannot load this step ({error}); rank "
                     f"{self.group.rank} read none of it", path=f"{url}/{location}")
-        if all(s == signature for s, _ in everyone):  # DDP: every rank needs every chunk
+        if MODE == "auto" and len({e[2] for e in everyone}) == 1 and all(
+                e[3] for e in everyone):
+            return None  # one host, one page cache: the disk is read once anyway
+        if all(e[0] == signature for e in everyone):  # DDP: every rank needs every chunk
             return Shares(self.group, table, None, mine)
         try:
             tables = self.group.all_gather(table)

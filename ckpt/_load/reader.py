@@ -118,7 +118,10 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
         pool = None
     shares = None
     try:
-        shares = coop.enter(storage.url, location, manifest, reads) if coop else None
+        # A file system's root is read through the host's page cache, shared by its ranks.
+        cached = getattr(storage, "stream_block", None) is not None
+        shares = coop.enter(storage.url, location, manifest, reads,
+                            cached=cached) if coop else None
         if shares is not None:
             _read_shared(storage, location, manifest, reads, shares, scratch, pool, verify,
                          in_place, written)

@@ -1,7 +1,11 @@
 """Cooperative restore: under a process group, a chunk that several ranks need (a DDP
 model's, or one replica of an HSDP shard) is read from the root once, by one rank, and sent
 to the others; every rank ends bit-exact, and a chunk that fails on the rank that read it
-fails the step on every rank alike."""
+fails the step on every rank alike.
+
+The ranks of these tests share one host, where restores from a file system read plainly by
+default (the page cache already reads the disk once for all); the workers switch the
+cooperation on, as ranks on several hosts have it."""
 
 from __future__ import annotations
 
@@ -63,3 +67,12 @@ def test_when_the_group_cannot_carry_the_chunks_every_rank_reads_them_itself(tmp
         assert r["step"] == 2 and r["exact"], r
         assert r["mine"] >= r["checkpoint"]
         assert r["logged"] and "Connection closed by peer" in r["logged"][0]
+
+
+def test_ranks_on_one_host_read_a_file_system_root_themselves_by_default(tmp_path):
+    """One host, one page cache: the disk is read once for every rank anyway, so the default
+    leaves the exchange out and each rank reads the whole checkpoint itself."""
+    results = run_ranks(2, workers.one_host_by_default, str(tmp_path / "root"), timeout=90)
+    for r in results:
+        assert r["step"] == 2 and r["exact"], r
+        assert r["mine"] >= r["checkpoint"]

@@ -14,6 +14,14 @@ from ckpt._step.integrity import chunk_path, read_manifest
 from storage_backends import PosixStorage
 
 
+def cooperate_on_one_host() -> None:
+    """These ranks share one host (and its page cache), where restores read plainly by
+    default: make them read together, as ranks on several hosts do."""
+    from ckpt._load import cooperative
+
+    cooperative.MODE = "always"
+
+
 def replicated(step: int) -> dict[str, torch.Tensor]:
     """A DDP state (the same on every rank): two tensors of 2 MiB (sent in messages of their
     own) and 40 small ones (packed), its values set by ``step``."""
@@ -64,6 +72,7 @@ def save_two_steps(root: str, with_sharded: bool = False):
 
 def restore_replicated(rank: int, world: int, root: str) -> dict:
     """Save, then restore the newest step into zeroed tensors on every rank."""
+    cooperate_on_one_host()
     mesh = save_two_steps(root, with_sharded=True)
     shard = sharded(mesh, 2)
     expected = shard.to_local().clone()
@@ -84,6 +93,7 @@ def corrupt_owned_chunk(rank: int, world: int, root: str, owner: int) -> dict:
     passes: every rank raises, nothing changed)."""
     from ckpt._load.cooperative import owners_of
 
+    cooperate_on_one_host()
     save_two_steps(root)
     if rank == 0:
         manifest = read_manifest(PosixStorage(root, create=False), step_dir(2), 2)
@@ -118,6 +128,7 @@ def hostile_sender(rank: int, world: int, root: str, bad: int) -> dict:
     memory, a hostile peer); the others must refuse them and fall back to step 1."""
     from ckpt._load import cooperative
 
+    cooperate_on_one_host()
     save_two_steps(root)
     if rank == bad:
         real = cooperative.read_chunk_into
@@ -137,6 +148,7 @@ def hostile_sender(rank: int, world: int, root: str, bad: int) -> dict:
 def broken_exchange(rank: int, world: int, root: str) -> dict:
     """The group fails to carry the chunks (every send raises as a closed gloo connection
     does): every rank reads what it needs itself, and says so in the log."""
+    cooperate_on_one_host()
     save_two_steps(root)
 
     def closed(*args, **kwargs):
@@ -154,3 +166,14 @@ def broken_exchange(rank: int, world: int, root: str) -> dict:
     return {"step": restored, "exact": same(state["model"], replicated(2)),
             "mine": info.bytes_from_storage, "checkpoint": data_bytes(root, 2),
             "logged": [line for line in lines if "reads what it needs" in line]}
+
+
+def one_host_by_default(rank: int, world: int, root: str) -> dict:
+    """The default: ranks on one host, a file system root: each rank reads what it needs."""
+    save_two_steps(root)
+    state = {"model": zeroed(replicated(2))}
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        restored = mgr.restore(state)
+        info = mgr.last_restore
+    return {"step": restored, "exact": same(state["model"], replicated(2)),
+            "mine": info.bytes_from_storage, "checkpoint": data_bytes(root, 2)}

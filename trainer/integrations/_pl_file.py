@@ -57,11 +57,13 @@ def write(checkpoint: Any, path: str, step: int) -> tuple[str, dict[str, Any]]:
 
 def _append_claim(f: BinaryIO, step: int) -> None:
     comment = json.dumps({"format": CLAIM_FORMAT, "step": step}).encode()
-    f.seek(-_EOCD_SIZE, os.SEEK_END)
+    end = f.seek(0, os.SEEK_END)
+    f.seek(max(0, end - _EOCD_SIZE))
     eocd = f.read(_EOCD_SIZE)
     if eocd[:4] != _EOCD or eocd[20:22] != b"\0\0":
-        raise RuntimeError("torch.save did not end its file with an empty zip comment; this "
-                           "torch version's format is not supported by CkptCheckpointIO")
+        raise RuntimeError(f"torch.save wrote {end} bytes that do not end as a zip archive "
+                           "without a comment (torch's format): CkptCheckpointIO cannot record "
+                           "them. Is torch.save replaced (a mock), or this torch too old?")
     f.seek(-2, os.SEEK_END)
     f.write(struct.pack("<H", len(comment)) + comment)
 

@@ -3,9 +3,11 @@
 A **window** is ``StragglerConfig.window`` consecutive steps (W, default 10) finished in this
 attempt (steps a health rollback undid do not count). At the end of each window every rank
 takes, from its progress markers (:class:`trainer.sections.Sections`), the mean time per
-step it spent in each section during the window, and one all-reduce of a small
-``world x sections`` table gives every rank every rank's times. Every rank then computes the
-same scores, so a decision to drop a rank is the same on every rank at the same step.
+step it spent in each section during the window, and one all-gather of these rows gives
+every rank the ``world x sections`` table. Every rank then computes the same scores, so a
+decision to drop a rank is the same on every rank at the same step. (An all-gather, not a
+sum: each rank can only report its own times. A time that is not a finite number of seconds
+counts as 0.)
 
 Scores (1.0 is typical, 2.0 twice as slow):
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import time
@@ -65,6 +68,28 @@ def ratio(t: float, ref: float, floor: float = FLOOR_S) -> float:
     return max(t, floor) / max(ref, floor)
 
 
+def seconds_or_zero(value: Any) -> float:
+    """``value`` as seconds: 0.0 for anything but a finite number >= 0 (a rank's report
+    that is NaN, infinite or negative says nothing about its speed)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return v if math.isfinite(v) and v >= 0 else 0.0
+
+
+def slowest_section(seconds: Mapping[Any, Mapping[str, float]], rank: Any) -> str | None:
+    """The section in which ``rank`` loses the most time per step against the median of
+    the ranks (``seconds[rank][section]``). Seconds, not ratios: a section of microseconds
+    may have the highest ratio and cost nothing."""
+    row = seconds.get(rank) or {}
+    if not row:
+        return None
+    excess = {s: t - median_low([r.get(s, 0.0) for r in seconds.values()])
+              for s, t in row.items()}
+    return max(sorted(excess), key=lambda s: excess[s])
+
+
 @dataclasses.dataclass(frozen=True)
 class WindowScores:
     """The scores of one window (ranks of this attempt)."""
@@ -83,9 +108,8 @@ class WindowScores:
         return max(sorted(self.overall), key=lambda r: self.overall[r])
 
     def worst_section(self, rank: int) -> str | None:
-        """The section in which ``rank`` is furthest behind the others."""
-        rel = self.relative.get(rank) or {}
-        return max(sorted(rel), key=lambda s: rel[s]) if rel else None
+        """The section in which ``rank`` loses the most time against the others."""
+        return slowest_section(self.seconds, rank)
 
     def to_record(self) -> dict[str, Any]:
         """The window as JSON (ranks as strings, ratios to 3 decimals, seconds to 0.1 ms)."""
@@ -131,7 +155,7 @@ class Scorer:
             raise ValueError(f"a window's table needs one row of {len(self.sections)} "
                              f"section times per rank, got {[len(r) for r in table]}")
         ranks = range(len(table))
-        seconds = {r: dict(zip(self.sections, map(float, table[r]))) for r in ranks}
+        seconds = {r: dict(zip(self.sections, map(seconds_or_zero, table[r]))) for r in ranks}
         relative: dict[int, dict[str, float]] = {r: {} for r in ranks}
         vs_best: dict[int, dict[str, float]] = {r: {} for r in ranks}
         for s in self.sections:
@@ -190,7 +214,7 @@ class StragglerWatch:
 
     Args:
         config: a :class:`trainer.config.StragglerConfig`.
-        attempt: the attempt's rank, world size and ``all_reduce``
+        attempt: the attempt's rank, world size and whether it has peers
             (:class:`trainer.launch.Attempt`).
         sections: this rank's progress markers (:class:`trainer.sections.Sections`); the
             window's times are differences of their cumulative ``(count, total)``.
@@ -241,12 +265,9 @@ class StragglerWatch:
         # A collective like the step's agreement: every rank enters it at the same step, so
         # the hang detector judges it too (its wait counts in the next window).
         self.sections.enter("collective")
-        table = torch.zeros(self.attempt.world_size, len(totals), dtype=torch.float64)
-        table[self.attempt.rank] = torch.tensor(
-            [(t - t0) / self._steps for t, t0 in zip(totals, self._start)],
-            dtype=torch.float64)
-        self.attempt.all_reduce(table)  # every rank's row: the same table on every rank
-        scores = self.last = self.scorer.score(table.tolist(), self._first, step)
+        row = torch.tensor([(t - t0) / self._steps for t, t0 in zip(totals, self._start)],
+                           dtype=torch.float64)
+        scores = self.last = self.scorer.score(self._gather(row), self._first, step)
         self._start, self._steps, self._first = totals, 0, None
         flagged = self.policy.flagged(scores)
         drop = self.policy.observe(scores)  # counts the streaks even when drops are off
@@ -258,6 +279,17 @@ class StragglerWatch:
                            windows=self.policy.streaks[drop],
                            section=scores.worst_section(drop))
         return scores
+
+    def _gather(self, row: Any) -> list[list[float]]:
+        """Every rank's row, by rank (the same table on every rank)."""
+        if not self.attempt.collective:
+            return [row.tolist()]
+        import torch
+        import torch.distributed as dist
+
+        rows = [torch.empty_like(row) for _ in range(self.attempt.world_size)]
+        dist.all_gather(rows, row)
+        return [r.tolist() for r in rows]
 
     def _report(self, scores: WindowScores, flagged: list[int], drop: int | None) -> None:
         rank = self.attempt.rank
@@ -373,38 +405,73 @@ def leave_for_drop(exits: Any, straggler: int, step: int, handle: Any, *, score:
 # ------------------------------------------------------------------------------- the summary
 
 
+def _rank_key(value: Any) -> str | None:
+    """A rank as the records key it: a decimal string, None for anything else."""
+    text = str(value)
+    return text if isinstance(value, (int, str)) and text.isdigit() else None
+
+
+def _window_record(rec: Any) -> dict[str, Any] | None:
+    """A ``stragglers`` record as the summary reads it, None when it is not one (a torn
+    line, or a record not written by :class:`StragglerWatch`): the summary skips it."""
+    if not isinstance(rec, Mapping):
+        return None
+    overall, seconds = rec.get("overall"), rec.get("seconds", {})
+    if not isinstance(overall, Mapping) or not isinstance(seconds, Mapping):
+        return None
+    overall = {k: v for k, v in overall.items() if _rank_key(k) is not None
+               and isinstance(v, (int, float)) and math.isfinite(v)}
+    if not overall:
+        return None
+    seconds = {k: v for k, v in seconds.items() if _rank_key(k) is not None
+               and isinstance(v, Mapping)
+               and all(isinstance(t, (int, float)) for t in v.values())}
+    flagged = rec.get("flagged", [])
+    flagged = [_rank_key(r) for r in flagged] if isinstance(flagged, list) else []
+    streaks = rec.get("streaks", {})
+    steps = [rec.get(k) for k in ("first_step", "last_step")]
+    return {"overall": overall, "seconds": seconds,
+            "flagged": [r for r in flagged if r is not None and r in overall],
+            "dropped": _rank_key(rec.get("dropped")),
+            "streaks": streaks if isinstance(streaks, Mapping) else {},
+            "first_step": steps[0] if isinstance(steps[0], int) else None,
+            "last_step": steps[1] if isinstance(steps[1], int) else None,
+            "window_steps": rec.get("window_steps"), "threshold": rec.get("threshold")}
+
+
 def summarize(windows: Sequence[tuple[int, Mapping[str, Any]]]) -> dict[str, Any] | None:
     """The run summary's ``stragglers``: from the ``stragglers`` records of every attempt
-    (``(attempt, record)``, oldest first); None when no window was scored.
+    (``(attempt, record)``, oldest first); None when no window was scored. Records that are
+    not well-formed are skipped.
 
     ``last``: the newest window's overall scores by rank (ranks of that attempt);
     ``worst``: the highest overall score of the run; ``flagged``: per attempt and rank, the
     windows at or above the threshold; ``dropped``: the ranks dropped, with the step.
     """
+    windows = [(a, w) for a, rec in windows if (w := _window_record(rec)) is not None]
     if not windows:
         return None
     flagged: dict[tuple[int, str], dict[str, Any]] = {}
     dropped, worst = [], None
     for attempt, rec in windows:
         overall = rec.get("overall", {})
-        relative = rec.get("relative", {})
         for r, score in overall.items():
-            section = max(relative.get(r, {"-": 0}).items(), key=lambda kv: kv[1])[0]
+            section = slowest_section(rec.get("seconds", {}), r)
             if worst is None or score > worst["score"]:
                 worst = {"attempt": attempt, "rank": int(r), "score": score,
                          "section": section, "step": rec.get("last_step")}
-        for r in rec.get("flagged", []):
-            key = (attempt, str(r))
+        for r in rec["flagged"]:
+            key = (attempt, r)
             f = flagged.setdefault(key, {"attempt": attempt, "rank": int(r), "windows": 0,
                                          "first_step": rec.get("first_step"), "max_score": 0})
             f["windows"] += 1
             f["last_step"] = rec.get("last_step")
             f["max_score"] = max(f["max_score"], overall.get(str(r), 0))
-        if rec.get("dropped") is not None:
-            r = str(rec["dropped"])
+        if rec["dropped"] is not None:
+            r = rec["dropped"]
             dropped.append({"attempt": attempt, "rank": int(r), "step": rec.get("last_step"),
                             "score": overall.get(r),
-                            "windows": rec.get("streaks", {}).get(r)})
+                            "windows": rec["streaks"].get(r)})
     attempt, newest = windows[-1]
     return {"window_steps": newest.get("window_steps"), "threshold": newest.get("threshold"),
             "windows": len(windows),
@@ -434,6 +501,6 @@ def detect_windows(windows: int | None = None) -> int:
     return int(windows)
 
 
-__all__ = ["DropPolicy", "EXIT_DROPPED", "FLOOR_S", "OWN_WORK", "Scorer", "StragglerWatch", "WindowScores",
-           "describe", "detect_windows", "leave_for_drop", "watch_for", "median_low", "ratio", "summarize",
-           "torchrun_agent"]
+__all__ = ["DropPolicy", "EXIT_DROPPED", "FLOOR_S", "OWN_WORK", "Scorer", "StragglerWatch",
+           "WindowScores", "describe", "detect_windows", "leave_for_drop", "median_low", "ratio",
+           "slowest_section", "summarize", "torchrun_agent", "watch_for"]

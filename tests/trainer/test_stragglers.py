@@ -24,7 +24,8 @@ from tests.trainer import test_elastic as elastic
 from trainer.config import (CheckpointConfig, ElasticConfig, FailureConfig,
                             ObservabilityConfig, StragglerConfig)
 from trainer.metrics import parse_event
-from trainer.stragglers import DropPolicy, Scorer, detect_windows, median_low
+from trainer.stragglers import (DropPolicy, Scorer, StragglerWatch, detect_windows,
+                                median_low, summarize)
 
 SECTIONS = ("data", "forward", "backward", "collective", "optimizer")
 
@@ -95,6 +96,35 @@ def test_a_window_record_is_json_with_rank_keys_as_strings():
         Scorer(SECTIONS).score([[0.1, 0.2]], 1, 10)
 
 
+def test_a_report_that_is_not_a_finite_time_counts_as_zero():
+    table = window({2: 3.0})
+    table[0] = [float("nan"), float("inf"), -5.0, 0.002, 0.01]
+    s = Scorer(SECTIONS).score(table, 1, 10)
+    assert s.seconds[0]["data"] == s.seconds[0]["forward"] == s.seconds[0]["backward"] == 0.0
+    assert all(v == v and v < float("inf") for row in s.relative.values()
+               for v in row.values())
+    assert s.slowest() == 2
+
+
+def test_the_summary_skips_records_that_are_not_well_formed():
+    """The run directory's records are read back: a torn or forged stragglers record is
+    left out of the summary, and the summary is still built from the others."""
+    good = Scorer(SECTIONS).score(window({1: 3.0}), 1, 10).to_record()
+    good.update(flagged=[1], dropped=None, streaks={"0": 0, "1": 1, "2": 0},
+                window_steps=10, threshold=2.0)
+    forged = [
+        {"overall": [1, 2, 3]},                                # not a mapping
+        {"overall": {"0": "fast", "1": float("nan"), "x": 9}, "flagged": "1"},
+        {"overall": {"0": 1.0}, "seconds": {"0": {"data": "slow"}}, "dropped": "0; rm"},
+        "not a record",
+    ]
+    st = summarize([(0, rec) for rec in forged] + [(0, good)])
+    assert st["windows"] == 2 and st["dropped"] == []  # the good one, and the forged
+    [flag] = st["flagged"]                             # record whose fields were dropped
+    assert (flag["rank"], flag["windows"]) == (1, 1) and st["worst"]["rank"] == 1
+    assert summarize([(0, rec) for rec in forged[:1] + forged[3:]]) is None
+
+
 # ------------------------------------------------------------------------------- the policy
 
 
@@ -136,6 +166,58 @@ def test_policy_and_config_refuse_meaningless_settings():
 
 
 # ------------------------------------------------------------------------------- in the trainer
+
+
+class FakeStats:
+    def __init__(self, total: float) -> None:
+        self.total = total
+
+
+class ReportedTimes:
+    """Progress markers whose sections have taken ``per_step[s]`` seconds per step."""
+
+    def __init__(self, per_step: dict[str, float]) -> None:
+        self.per_step, self.steps, self.entered = per_step, 0, []
+
+    def stats(self) -> dict[str, FakeStats]:
+        return {s: FakeStats(t * self.steps) for s, t in self.per_step.items()}
+
+    def enter(self, name: str) -> None:
+        self.entered.append(name)
+
+
+class GlooAttempt:
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world_size, self.collective = rank, world, True
+
+
+def exchange_job(rank: int, world: int) -> tuple[dict, list[str]]:
+    """Every rank reports its own times through the watch's all-gather; rank 1 is hostile
+    (NaN, infinite and negative times), rank 2 three times slower in forward."""
+    hostile = {"data": float("nan"), "forward": float("inf"), "backward": -1.0}
+    times = dict.fromkeys(SECTIONS, 0.01) | {"forward": 0.05 * (3 if rank == 2 else 1)}
+    sections = ReportedTimes(times | (hostile if rank == 1 else {}))
+    watch = StragglerWatch(StragglerConfig(window=2), attempt=GlooAttempt(rank, world),
+                           sections=sections, names=SECTIONS)
+    for step in (1, 2):
+        sections.steps = step
+        scores = watch.step_done(step)
+    return scores.to_record(), sections.entered
+
+
+@pytest.mark.multiproc
+def test_every_rank_scores_the_same_table_of_each_ranks_own_report():
+    """Three gloo ranks exchange their times: every rank scores the same table, whose row r
+    is rank r's own report; rank 1's NaN, infinite and negative times count as 0, so the
+    hostile report neither breaks the scores nor gets an honest rank flagged."""
+    results = run_ranks(3, exchange_job)
+    records = [r for r, _ in results]
+    assert records[0] == records[1] == records[2]
+    rec, entered = records[0], results[0][1]
+    assert rec["seconds"]["1"]["data"] == rec["seconds"]["1"]["forward"] == 0.0
+    assert rec["seconds"]["0"]["forward"] == 0.05 and rec["seconds"]["2"]["forward"] == 0.15
+    assert rec["overall"]["2"] > 2.0 and rec["overall"]["0"] == 1.0
+    assert entered == ["collective"]  # the exchange is a collective of the step's sequence
 
 SLOW_RANK, FACTOR = 2, 3.0
 FORWARD_S = 0.04     # the others' forward per micro batch: a sleep, not the 2 cores' work

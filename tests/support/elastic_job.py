@@ -389,7 +389,7 @@ class LocalCluster:
                  max_restarts: int = 3, last_call_timeout: int = 3, keep_alive_interval: int = 1,
                  keep_alive_max_attempt: int = 4, monitor_interval: float = 0.5,
                  restart_grace: float | None = None,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, warm: bool = False) -> None:
         import torch.distributed as dist
 
         self.workdir = Path(workdir)
@@ -419,6 +419,11 @@ class LocalCluster:
                         PET_LOG_DIR=str(self.workdir / "torchelastic"),
                         PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get(
                             "PYTHONPATH")) if p), **(extra_env or {}))
+        # warm: the agents start the workers through ``-m trainer.warm`` (restarts fork from
+        # a zygote per node that imported torch once), their sockets in <workdir>/warm.
+        self.warm = warm
+        if warm:
+            self.env["CKPT_WARM_DIR"] = str(self.workdir / "warm")
         self.nodes: list[Node] = []
 
     def add_node(self) -> Node:
@@ -430,8 +435,8 @@ class LocalCluster:
                "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
                f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=elastic-test",
-               f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1", SCRIPT,
-               *self.job_args]
+               f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1",
+               *(["-m", "trainer.warm"] if self.warm else []), SCRIPT, *self.job_args]
         with open(log_path, "w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)

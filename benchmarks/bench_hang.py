@@ -8,7 +8,8 @@
    100 ms step in one process, one stuck in its data section, sleeping or spinning in
    Python, while its heartbeat runs: seconds from the stop until every rank named it.
 3. **Detection under torchrun** (tests/support/elastic_job.py ``--stall``): the tiny LM on
-   three local agents; rank 1 sleeps in its data loader, later rank 2 spins in Python.
+   three local agents (warm restarts); rank 1 sleeps in its data loader, later rank 2
+   spins in Python.
    From the run records: the typical step, the limit, and how long after the stop the
    first rank and all ranks named the culprit (the culprit names itself too).
 
@@ -103,7 +104,7 @@ def torchrun_scenarios(tmp: Path) -> list[dict]:
             "--sample-sleep", "0.04", "--heartbeat-timeout", "3", "--heartbeat-interval",
             "0.1", "--collective-timeout", "30", "--hang-factor", "2", "--hang-floor", "0.5",
             *(a for s in stalls for a in ("--stall", s))]
-    c = job.LocalCluster(tmp, args, restart_grace=2.0, max_restarts=6)
+    c = job.LocalCluster(tmp, args, restart_grace=2.0, max_restarts=6, warm=True)
     try:
         for _ in range(3):
             c.add_node()

@@ -45,19 +45,28 @@
    under 2 s with the memory tier. ``--quick``: the killed worker only, cold and warm with
    the memory tier.
 
+3. **Save cost** (``--save-cost``, alone; ``benchmarks/memory_save_cost.py``): a save into
+   the memory tier against GEMINI's capture (lm-resiliency, the ``bench`` extra) and the
+   copy floor, beside a training-like CPU loop: blocking, training time lost per save, and
+   the bytes resident in ``/dev/shm`` and the process's resident set. Goal: training time
+   lost <= 1.2x the copy floor's. Default sizes 256 MiB and 1 GiB, 5 repetitions.
+
 Run from the repository root::
 
     python benchmarks/bench_memory_tier.py [--sizes 1G] [--reps 3] [--quick] [--auth]
         [--no-restore] [--no-peer] [--no-timeline] [--pad-mb 0] [--timeline-reps 1]
+    python benchmarks/bench_memory_tier.py --save-cost [--sizes 256M,1G] [--reps 5]
 
 It never asserts on timings.
 """
 
 from __future__ import annotations
 
+import argparse
 import concurrent.futures as cf
 import contextlib
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -71,6 +80,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (puts the repository root on sys.path too)
+import memory_save_cost  # noqa: E402
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
@@ -702,8 +712,28 @@ def main() -> None:
                        help="timeline: runs of each configuration (interleaved; medians)")
         p.add_argument("--pad-mb", type=float, default=0.0,
                        help="timeline: checkpoint this many MB besides the tiny LM")
+        p.add_argument("--save-cost", action="store_true",
+                       help="only what a save costs training: the memory tier against "
+                            "GEMINI's capture and the copy floor (memory_save_cost.py; "
+                            "default sizes 256M,1G, 5 reps)")
+        p.add_argument("--save-memory-probe", help=argparse.SUPPRESS)
 
     args = common.parse_args(__doc__.splitlines()[0], 3, extra)
+    if args.save_memory_probe:  # a child of --save-cost: one method's resident memory
+        print(json.dumps(memory_save_cost.memory_probe(args.save_memory_probe, args.sizes[0],
+                                                       args.dir)))
+        return
+    if args.save_cost:
+        if "--sizes" not in sys.argv:
+            args.sizes = [common.parse_size("256M"), common.parse_size("1G")]
+        if "--reps" not in sys.argv:
+            args.reps = 5
+        print(f"# bench_memory_tier --save-cost  ({common.machine_description()}; load "
+              f"{common.load_average()}; code {common.code_version()})\n")
+        print(memory_save_cost.run(args))
+        print(common.GATE.summary())
+        print(f"\nload average at the end: {common.load_average()}")
+        return
     if args.auth:
         args.no_s3 = args.no_peer = args.no_timeline = True
     if args.quick:

@@ -1,0 +1,280 @@
+"""What a save into the memory tier costs training (``bench_memory_tier.py --save-cost``).
+
+Three ways to keep an in-memory copy of the same state (a GPT-like set of fp32 tensors,
+``common.make_state``), each run beside a training-like CPU loop (an MLP's forward, backward
+and AdamW step, a few milliseconds, torch's default intra-op threads):
+
+- **copy floor**: ``copy_`` of every tensor into preallocated host buffers; nothing after.
+- **ckpt memory tier**: ``CheckpointManager(memory_tier=MemoryTierOptions(persist_every=
+  10**6), async_save=True).save()``: memory only (the root is never written), so the save is
+  the copy into ``/dev/shm`` plus what the background writer does to publish it there. The
+  copy outlives the process.
+- **GEMINI** (lm-resiliency 0.2.0): ``InMemoryCheckpointManager(InMemoryCkptConfig(
+  interval=1, disk_flush_interval=0)).save(state, step)`` as its docs say, after the optimizer
+  step, and ``maybe_wait()`` before the next save; on CPU its capture is a ``copy_`` into its
+  own buffers. Its copy dies with the process.
+
+Per save: **blocking** (the call's wall time) and **training time lost**: the wall time of
+the save plus a fixed window of ``W`` training steps, minus the same ``W`` steps with no save
+(the "idle" case of the same repetition), paired by repetition; ``W`` covers the memory
+tier's background work several times over (the row says how often the background work still
+ran when the window ended). Cases interleaved (idle, copy, ckpt, GEMINI; each repetition
+starting one further), medians. Then, each in a fresh process after four saves: bytes
+resident in ``/dev/shm`` (allocated blocks) and the growth of the process's resident set
+(anonymous and shared pages apart).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import common
+import torch
+
+import ckpt
+
+COPY, CKPT, GEMINI, IDLE = "copy floor", "ckpt memory tier", "GEMINI capture", "idle"
+GOAL = 1.2  # training time lost by a memory-tier save, at most this times the copy floor's
+
+
+class Training:
+    """A training-like CPU loop: a 4-layer MLP (512 wide, batch 32) with AdamW."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        layers: list[torch.nn.Module] = []
+        for _ in range(4):
+            layers += [torch.nn.Linear(512, 512), torch.nn.GELU()]
+        self.model = torch.nn.Sequential(*layers)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(32, 512)
+
+    def step(self) -> None:
+        loss = self.model(self.x).square().mean()
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.step()
+
+
+def _gemini(workdir: str):
+    from lm_resiliency.checkpointing import InMemoryCheckpointManager, InMemoryCkptConfig
+
+    config = InMemoryCkptConfig(interval=1, disk_flush_interval=0,
+                                disk_folder=os.path.join(workdir, "gemini"),
+                                run_id=f"bench{uuid.uuid4().hex[:8]}")
+    return InMemoryCheckpointManager(config)
+
+
+def _ckpt(workdir: str) -> ckpt.CheckpointManager:
+    tier = ckpt.MemoryTierOptions(persist_every=1_000_000, job=f"bench{uuid.uuid4().hex[:10]}")
+    return ckpt.CheckpointManager(tempfile.mkdtemp(prefix="ckpt-root-", dir=workdir),
+                                  memory_tier=tier, async_save=True,
+                                  schedule=ckpt.Schedule(handle_sigterm=False))
+
+
+def _close_ckpt(mgr: ckpt.CheckpointManager) -> None:
+    segment = mgr._publisher.tier.path if mgr._publisher else None
+    mgr.close()
+    if segment:  # memory-only steps: close() keeps the segment for a restart
+        shutil.rmtree(segment, ignore_errors=True)
+
+
+def bench_save_cost(size: int, reps: int, workdir: str) -> str:
+    state = common.make_state(size, "many")
+    buffers = common.empty_like_state(state)
+    for k in state:
+        buffers[k].copy_(state[k])  # resident before any timed copy
+    training = Training()
+    training.steps(5)
+    mgr, gem = _ckpt(workdir), _gemini(workdir)
+    step = [0]
+    handles: list = []
+
+    def save_ckpt() -> float:
+        step[0] += 1
+        t0 = time.perf_counter()
+        handles.append(mgr.save(step[0], state))
+        return time.perf_counter() - t0
+
+    # Warm up: the memory tier's first saves make its slabs, GEMINI allocates its buffers;
+    # then size the window to cover the memory tier's background work.
+    for _ in range(3):
+        save_ckpt()
+        handles[-1].wait()
+        gem.save(state, step[0])
+        gem.maybe_wait()
+    t0 = time.perf_counter()
+    one = time.perf_counter()
+    training.steps(10)
+    step_s = (time.perf_counter() - one) / 10
+    save_ckpt()
+    blocking0 = time.perf_counter() - t0
+    while not handles[-1].done():
+        training.step()
+    background = time.perf_counter() - t0 - blocking0
+    window = min(400, max(20, math.ceil(3 * background / step_s) + 5))
+    print(f"  [save cost {common.format_size(size)}] step {step_s * 1e3:.1f} ms, background "
+          f"{background * 1e3:.0f} ms: window {window} steps", file=sys.stderr, flush=True)
+    outlasted = {CKPT: 0, GEMINI: 0}
+
+    def idle(rep: int) -> dict[str, float]:
+        with common.Stopwatch() as sw:
+            training.steps(window)
+        return {"wall": sw.seconds, "block": 0.0}
+
+    def copy(rep: int) -> dict[str, float]:
+        with common.Stopwatch() as sw:
+            t0 = time.perf_counter()
+            for k, t in state.items():
+                buffers[k].copy_(t)
+            block = time.perf_counter() - t0
+            training.steps(window)
+        return {"wall": sw.seconds, "block": block}
+
+    def memory_tier(rep: int) -> dict[str, float]:
+        handles[-1].wait()
+        with common.Stopwatch() as sw:
+            block = save_ckpt()
+            training.steps(window)
+        outlasted[CKPT] += not handles[-1].done()
+        handles[-1].wait()
+        return {"wall": sw.seconds, "block": block}
+
+    def gemini(rep: int) -> dict[str, float]:
+        step[0] += 1
+        with common.Stopwatch() as sw:
+            t0 = time.perf_counter()
+            gem.save(state, step[0])
+            block = time.perf_counter() - t0
+            training.steps(window)
+        thread = getattr(gem, "_completion_thread", None)
+        outlasted[GEMINI] += bool(thread is not None and thread.is_alive())
+        gem.maybe_wait()
+        return {"wall": sw.seconds, "block": block}
+
+    label = f"save cost {common.format_size(size)}"
+    timings = common.run_interleaved([(IDLE, idle), (COPY, copy), (CKPT, memory_tier),
+                                      (GEMINI, gemini)], reps, progress=label)
+    _close_ckpt(mgr)
+    gem.close()
+    idle_wall = timings[IDLE]["wall"]
+    lost = {name: common.median([w - i for w, i in zip(timings[name]["wall"], idle_wall)])
+            for name in (COPY, CKPT, GEMINI)}
+    block = {name: common.median(timings[name]["block"]) for name in (COPY, CKPT, GEMINI)}
+    rows = []
+    for name in (COPY, CKPT, GEMINI):
+        rows.append([name, f"{block[name] * 1e3:.0f}", f"{block[name] / block[COPY]:.2f}",
+                     f"{lost[name] * 1e3:.0f}", f"{lost[name] / lost[COPY]:.2f}",
+                     f"{outlasted.get(name, 0)}/{reps}"])
+    ratio = lost[CKPT] / lost[COPY] if lost[COPY] > 0 else float("nan")
+    verdict = ("met" if ratio <= GOAL else "NOT met") if ratio == ratio else \
+        "not resolved (the copy floor's loss is within the noise)"
+    return "\n".join([
+        f"### Save cost: {common.format_size(common.state_bytes(state))} in {len(state)} "
+        f"tensors, {reps} interleaved repetitions, medians", "",
+        f"Training loop: {step_s * 1e3:.1f} ms per step idle, {torch.get_num_threads()} "
+        f"intra-op threads; window {window} steps (the memory tier's background work took "
+        f"{background * 1e3:.0f} ms in the sizing run).", "",
+        common.markdown_table(["method", "blocking ms", "/ copy floor", "training lost ms",
+                               "/ copy floor", "background outlasted the window"], rows), "",
+        f"Goal: the memory tier's training time lost <= {GOAL}x the copy floor's: {verdict} "
+        f"({ratio:.2f}x).", "",
+    ])
+
+
+# -- resident memory, one fresh process per method --------------------------------------------
+
+def _status_kib() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("RssAnon", "RssShmem", "RssFile"):
+                out[name] = int(value.split()[0])
+    return out
+
+
+def _allocated(path: str) -> int:
+    """Bytes allocated (blocks) under ``path``."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def memory_probe(method: str, size: int, workdir: str) -> dict:
+    """In a fresh process: four saves, then /dev/shm bytes and the resident set's growth."""
+    state = common.make_state(size, "many")
+    before = _status_kib()
+    shm = 0
+    if method == COPY:
+        buffers = common.empty_like_state(state)
+        for _ in range(4):
+            for k, t in state.items():
+                buffers[k].copy_(t)
+        after = _status_kib()
+    elif method == CKPT:
+        mgr = _ckpt(workdir)
+        for s in range(1, 5):
+            mgr.save(s, state).wait()
+        after = _status_kib()
+        shm = _allocated(mgr._publisher.tier.path)
+        _close_ckpt(mgr)
+    else:
+        gem = _gemini(workdir)
+        for s in range(1, 5):
+            gem.save(state, s)
+            gem.maybe_wait()
+        after = _status_kib()
+        gem.close()
+    return {"shm": shm, **{k: (after[k] - before[k]) * 1024 for k in before}}
+
+
+def bench_memory(size: int, workdir: str) -> str:
+    rows = []
+    for method in (COPY, CKPT, GEMINI):
+        out = subprocess.run(
+            [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                          "bench_memory_tier.py"),
+             "--save-memory-probe", method, "--sizes", str(size), "--dir", workdir],
+            check=True, capture_output=True, text=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        rows.append([method, f"{r['shm'] / size:.2f}", f"{r['RssAnon'] / size:.2f}",
+                     f"{r['RssShmem'] / size:.2f}",
+                     f"{(r['shm'] + r['RssAnon']) / size:.2f}"])
+    return "\n".join([
+        f"### Resident memory after four saves of {common.format_size(size)} (x the state; "
+        "a fresh process each)", "",
+        common.markdown_table(["method", "/dev/shm", "RSS anonymous", "RSS shared (mapped "
+                               "/dev/shm, counted in /dev/shm already)",
+                               "RAM in all (/dev/shm + anonymous)"], rows), "",
+    ])
+
+
+def run(args) -> str:
+    os.makedirs(args.dir, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="save-cost-", dir=args.dir)
+    parts = []
+    try:
+        for size in args.sizes:
+            parts.append(bench_save_cost(size, args.reps, workdir))
+            parts.append(bench_memory(size, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return "\n".join(parts)

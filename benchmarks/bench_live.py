@@ -40,7 +40,7 @@ from tests.support.live_job import (finish, group_records, read, start_job,  # n
                                     stop, stop_soon, wait_for)
 
 MODES = {"live": [], "restart": ["--mode", "restart"],
-         "restart-warm": ["--mode", "restart", "--warm"]}
+         "restart-warm": ["--mode", "restart", "--spares", "3"]}
 
 
 def _commits(run_dir: Path) -> list[dict]:

@@ -32,12 +32,24 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLES, GLOBAL_BATCH = 96, 12
 
 
-def _kills() -> dict[int, tuple[int, str]]:
+def _kills() -> dict[int, tuple[int, str, int]]:
+    """group -> (step, where, order): the n-th kill fires only after n-1 kills."""
     out = {}
-    for spec in filter(None, os.environ.get("LIVE_KILL", "").split(",")):
+    for order, spec in enumerate(filter(None, os.environ.get("LIVE_KILL", "").split(","))):
         group, step, where = spec.split(":")
-        out[int(group)] = (int(step), where)
+        out[int(group)] = (int(step), where, order)
     return out
+
+
+def _due(run_dir: Path, kill: tuple[int, str, int] | None, where: str, step: int,
+         participants: int) -> bool:
+    """Whether this group dies here: its kill's place, from its step on, with the whole
+    quorum (so any replacement of an earlier kill has joined), after the earlier kills."""
+    if not kill or kill[1] != where or step < kill[0] or participants != 3:
+        return False
+    earlier = read(run_dir / "kills.jsonl")
+    # a whole quorum after the previous kill's step: its replacement has joined
+    return len(earlier) == kill[2] and all(step > k["step"] for k in earlier)
 
 
 def _die(run_dir: Path, group: int, named: int, step: int, where: str) -> None:
@@ -73,8 +85,7 @@ def main() -> None:
         def issue_allreduce(self, flat: torch.Tensor) -> Any:
             step = self.manager.current_step() + 1
             # the first step from the one named on at which the quorum is whole
-            if (kill and kill[1] == "allreduce" and step >= kill[0]
-                    and self.manager.num_participants() == 3):
+            if _due(run_dir, kill, "allreduce", step, self.manager.num_participants()):
                 time.sleep(0.3)
                 _die(run_dir, group, kill[0], step, "allreduce")
             return super().issue_allreduce(flat)
@@ -91,8 +102,7 @@ def main() -> None:
         inputs, targets = batch
         loss = torch.nn.functional.cross_entropy(model(inputs), targets)
         step = holder["t"].manager.current_step() + 1
-        if (kill and kill[1] == "forward" and step >= kill[0]
-                and holder["t"].manager.num_participants() == 3):
+        if _due(run_dir, kill, "forward", step, holder["t"].manager.num_participants()):
             _die(run_dir, group, kill[0], step, "forward")
         return loss
 
@@ -128,12 +138,16 @@ def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float
                   "--quorum-retries", str(quorum_retries), "--timeout", "4",
                   "--join-timeout", "1", "--respawn-delay", str(respawn_delay),
                   "--run-dir", str(run_dir),
-                  "--job-timeout", "400", *(extra or []), "--",
+                  "--job-timeout", "3000", *(extra or []), "--",
                   sys.executable, "-m", "tests.support.live_job"]
     script = 'ip link set lo up && exec "$@"'
-    return subprocess.Popen(["unshare", "-n", "sh", "-c", script, "sh", *supervisor],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # To a file, not a pipe: torchft logs every quorum, and a full pipe nobody reads
+    # would block the lighthouse and the groups.
+    with open(tmp / "job.log", "ab") as log:
+        proc = subprocess.Popen(["unshare", "-n", "sh", "-c", script, "sh", *supervisor],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = tmp / "job.log"  # type: ignore[attr-defined]
+    return proc
 
 
 def read(path: Path) -> list[dict[str, Any]]:
@@ -186,10 +200,15 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def finish(proc: subprocess.Popen, timeout: float = 420) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, f"supervisor exited {proc.returncode}:\n{out[-6000:]}"
-    return out
+def finish(proc: subprocess.Popen, timeout: float = 3000) -> None:
+    """Wait for the job; AssertionError with the log's tail unless it ended well."""
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        stop(proc)
+    if proc.returncode != 0:
+        tail = Path(proc.log_path).read_text(errors="replace")[-6000:]  # type: ignore
+        raise AssertionError(f"supervisor exited {proc.returncode}:\n{tail}")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ bound to the job's address, with the supervision live recovery needs.
 - the job is done when every group has exited with status 0.
 
 ``mode="restart"`` handles every lost group like a lost quorum (the restart path of
-torchrun-style jobs, for comparison); ``warm=True`` keeps spare processes that have paid
-their imports and wait for a group number on stdin (:data:`trainer.live.config.SPARE_ENV`),
-so a replacement or a restart starts without importing torch.
+torchrun-style jobs, for comparison); ``spares=N`` keeps N processes that have paid their
+imports and wait for a group number on stdin (:data:`trainer.live.config.SPARE_ENV`), so
+a replacement or a restart starts without importing torch (warm).
 
 On a cluster the same roles fall to the scheduler: one lighthouse per job (restarted by
 the scheduler at the same address), one torchrun or task per replica group with restarts.
@@ -74,7 +74,8 @@ class LiveJob:
             replacement time; 0 on one machine).
         max_restarts: whole-job restarts allowed after :data:`EXIT_QUORUM_LOST`.
         mode: ``"live"`` (replace a lost group) or ``"restart"`` (restart the job).
-        warm: start groups from spare processes that imported everything already.
+        spares: processes kept warm (imports done) to become replacements or restarted
+            groups.
     """
 
     command: list[str]
@@ -83,7 +84,7 @@ class LiveJob:
     respawn_delay: float = 0.0
     max_restarts: int = 3
     mode: str = "live"
-    warm: bool = False
+    spares: int = 0
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -96,7 +97,7 @@ class LiveJob:
         self.groups: dict[int, subprocess.Popen | None] = {}
         self.lighthouse: subprocess.Popen | None = None
         self.restarts = 0
-        self.spares: list[subprocess.Popen] = []
+        self.pool: list[subprocess.Popen] = []  # the warm spares
         if self.mode not in ("live", "restart"):
             raise ValueError(f"mode must be 'live' or 'restart', not {self.mode!r}")
 
@@ -118,16 +119,17 @@ class LiveJob:
         return {**os.environ, **self.config.to_env(), LIVE_KEY_ENV: self.key}
 
     def fill_spares(self) -> None:
-        """Keep one warm spare per replica group."""
-        while self.warm and len(self.spares) < self.config.replica_groups:
-            self.spares.append(subprocess.Popen(self.command, env={**self._env(),
+        """Keep ``spares`` warm processes."""
+        self.pool = [p for p in self.pool if p.poll() is None]
+        while len(self.pool) < self.spares:
+            self.pool.append(subprocess.Popen(self.command, env={**self._env(),
                                                 SPARE_ENV: "1"}, stdin=subprocess.PIPE,
                                                 text=True))
 
     def start_group(self, group: int, why: str) -> None:
-        spare = next((p for p in self.spares if p.poll() is None), None)
+        spare = next((p for p in self.pool if p.poll() is None), None)
         if spare is not None and why != "start":
-            self.spares.remove(spare)
+            self.pool.remove(spare)
             assert spare.stdin is not None
             spare.stdin.write(f"{group}\n")
             spare.stdin.flush()
@@ -201,7 +203,7 @@ class LiveJob:
             return 1
         finally:
             self.stop_groups()
-            for spare in self.spares:
+            for spare in self.pool:
                 spare.kill()
                 spare.wait()
             if self.lighthouse is not None and self.lighthouse.poll() is None:
@@ -235,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--respawn-delay", type=float, default=0.0)
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--mode", choices=("live", "restart"), default="live")
-    p.add_argument("--warm", action="store_true", help="start groups from warm spares")
+    p.add_argument("--spares", type=int, default=0,
+                   help="processes kept warm to start groups from")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--job-timeout", type=float, default=3600.0)
     p.add_argument("command", nargs=argparse.REMAINDER)
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                         quorum_timeout=a.quorum_timeout, quorum_retries=a.quorum_retries,
                         join_timeout=a.join_timeout, timeout=a.timeout)
     job = LiveJob(command, config, Path(a.run_dir), respawn_delay=a.respawn_delay,
-                  max_restarts=a.max_restarts, mode=a.mode, warm=a.warm)
+                  max_restarts=a.max_restarts, mode=a.mode, spares=a.spares)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return job.run(a.job_timeout)
 

@@ -26,7 +26,6 @@ import io
 import logging
 import socket
 import threading
-import urllib.error
 import urllib.request
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

@@ -155,10 +155,9 @@ class LiveTrainer:
         self.optimizer = optimizer_fn(self.model.parameters())
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
         self.sampler = ResumableSampler(len(dataset), seed=seed)
-        self.meta: dict[str, Any] = {"step": 0, "batches_committed": 0}
         self.state: dict[str, Any] = {"model": self.model, "optim": self.optimizer,
                                       "data": self.sampler, "rng": ckpt.RNGState(),
-                                      "meta": self.meta}
+                                      "meta": {"step": 0, "batches_committed": 0}}
         if self.scheduler is not None:
             self.state["sched"] = self.scheduler
         options = {"keep_last": 3, **(manager_options or {})}
@@ -171,6 +170,11 @@ class LiveTrainer:
         self._joined = False
         self._key = key
         self.manager: Any = None  # started by fit, after the restore
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The committed step's metadata (``step``, ``batches_committed``), checkpointed."""
+        return self.state["meta"]
 
     # -- torchft -----------------------------------------------------------------------------
     def _start_manager(self, key: bytes) -> Any:
@@ -209,8 +213,7 @@ class LiveTrainer:
         self.sampler.load_state_dict(state["data"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["sched"])
-        self.meta.clear()
-        self.meta.update(state["meta"])
+        self.state["meta"] = dict(state["meta"])
         self._healed = True
 
     # -- the loop ----------------------------------------------------------------------------
@@ -236,8 +239,9 @@ class LiveTrainer:
         Raises:
             QuorumLostError: the quorum could not be formed within the retry window.
         """
+        started = _process_start()
         restored = self.restore()
-        self._record("start", restored=restored, started=_process_start(),
+        self._record("start", restored=restored, started=started,
                      heal_port=self.transport.port)
         try:
             while self.manager.current_step() < self.last_step(total_steps):
@@ -289,7 +293,7 @@ class LiveTrainer:
         if not committed:
             self.sampler.load_state_dict(before)  # the batch is trained again
             error = self.manager.errored()
-            self._record("failed", step=step, participants=participants,
+            self._record("failed", step=step, participants=participants, indices=mine,
                          error=str(getattr(error, "original_exception", error))[:300])
             return False
         self.optimizer.step()

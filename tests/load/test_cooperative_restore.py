@@ -13,6 +13,7 @@ import pytest
 
 from tests.support import cooperative_workers as workers
 from tests.support.ranks import run_ranks
+from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.multiproc
 
@@ -76,3 +77,15 @@ def test_ranks_on_one_host_read_a_file_system_root_themselves_by_default(tmp_pat
     for r in results:
         assert r["step"] == 2 and r["exact"], r
         assert r["mine"] >= r["checkpoint"]
+
+
+def test_ranks_read_an_object_store_root_together_by_default(s3):
+    """No page cache between an object store and its readers: by default the ranks share
+    the reading even on one host; the requests' bytes sum to the checkpoint once."""
+    results = run_ranks(2, workers.object_store_by_default, s3.root("coop"),
+                        s3.storage_options, timeout=90)
+    total = results[0]["checkpoint"]
+    for r in results:
+        assert r["step"] == 1 and r["exact"], r
+        assert max(r["ranks"]) < 0.75 * total, (r["ranks"], total)
+    assert total <= sum(results[0]["ranks"]) < 1.1 * total

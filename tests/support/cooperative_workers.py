@@ -177,3 +177,17 @@ def one_host_by_default(rank: int, world: int, root: str) -> dict:
         info = mgr.last_restore
     return {"step": restored, "exact": same(state["model"], replicated(2)),
             "mine": info.bytes_from_storage, "checkpoint": data_bytes(root, 2)}
+
+
+def object_store_by_default(rank: int, world: int, root: str, options: dict) -> dict:
+    """The default with an object-store root (no page cache): the ranks read together."""
+    with ckpt.CheckpointManager(root, async_save=False, storage_options=options) as mgr:
+        mgr.save(1, {"model": replicated(1)})
+    state = {"model": zeroed(replicated(1))}
+    with ckpt.CheckpointManager(root, read_only=True, storage_options=options) as mgr:
+        restored = mgr.restore(state)
+        manifest = mgr.manifest(1)
+        info = mgr.last_restore
+    return {"step": restored, "exact": same(state["model"], replicated(1)),
+            "ranks": [b for _, b in info.ranks],
+            "checkpoint": sum(c.length for e in manifest.tensors.values() for c in e.chunks)}

@@ -62,6 +62,7 @@ SCRIPTS = {
     "peers": ("bench_peers.py", ["--reps", "5"], ["--sizes", "256M", "--reps", "2",
                                                    "--ckpt-variants", ""]),
     "hang": ("bench_hang.py", [], ["--no-torchrun"]),
+    "live": ("bench_live.py", [], ["--trials", "1"]),
 }
 TITLES = {
     "save_load": "Save and load",
@@ -80,6 +81,7 @@ TITLES = {
     "load_fixed": "The fixed cost of a load: thousands of small tensors",
     "peers": "Asynchronous save against the peers: torch_checkpointing, DCP, torch.save",
     "hang": "Hung ranks: the progress markers' cost and the time to name a stuck rank",
+    "live": "Live recovery: a lost replica group, live (torchft) against restart",
 }
 COMMIT_TAG = "<!-- measured at commit {} -->"
 # How to read the tables; the same for every run, so written here rather than measured.

@@ -27,20 +27,16 @@ microseconds has ratios that are noise.
 A rank whose overall relative score is at least ``threshold`` in a window is **flagged**
 (logged, counted in the metrics, recorded). With ``drop=True`` a rank flagged in ``windows``
 consecutive windows (N) is **dropped**: every rank leaves the attempt at the same step, the
-others to be restarted by torchrun without it (:meth:`trainer.exits.ExitPolicy.drop_straggler`).
+others to be restarted by torchrun without it (:mod:`trainer.straggler_drop`).
 A rank that keeps up from its start is dropped N windows after it began to lag
 (:func:`detect_windows`); one that slows down mid-window may need one window more.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
-import os
-import signal
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -53,8 +49,6 @@ events = logging.getLogger("ckpt.trainer")
 OWN_WORK = ("data", "forward", "optimizer")
 #: Per-step times below this many seconds are raised to it before a ratio is taken.
 FLOOR_S = 1e-3
-#: Exit status of a worker dropped as a straggler (after it asked its torchrun agent to stop).
-EXIT_DROPPED = 77
 
 
 def median_low(values: Sequence[float]) -> float:
@@ -216,11 +210,12 @@ class StragglerWatch:
         config: a :class:`trainer.config.StragglerConfig`.
         attempt: the attempt's rank, world size and whether it has peers
             (:class:`trainer.launch.Attempt`).
-        sections: this rank's progress markers (:class:`trainer.sections.Sections`); the
-            window's times are differences of their cumulative ``(count, total)``.
+        sections: this rank's progress markers (:class:`trainer.sections.Sections`); a
+            window's times are differences of their sections' cumulative ``total``.
         records, metrics: where scores are written (run records: rank 0 only; the metrics on
             every rank, exported by rank 0).
-        exits: leaves the attempt when a rank is dropped (``drop_straggler``).
+        exits: the attempt's :class:`trainer.exits.ExitPolicy`, to leave on a drop
+            (:func:`trainer.straggler_drop.leave_for_drop`).
         names: the sections scored (default: the trainer's own).
         can_drop: whether a drop can be carried out (torchrun restarts the others).
     """
@@ -259,7 +254,7 @@ class StragglerWatch:
         self._steps += 1
         if self._steps < self.config.window:
             return None
-        import torch
+        import torch  # here: the run summary imports this module without torch
 
         totals = self._totals()
         # A collective like the step's agreement: every rank enters it at the same step, so
@@ -275,6 +270,8 @@ class StragglerWatch:
             drop = None
         self._report(scores, flagged, drop)
         if drop is not None and self.exits is not None:
+            from trainer.straggler_drop import leave_for_drop
+
             leave_for_drop(self.exits, drop, step, handle, score=scores.overall[drop],
                            windows=self.policy.streaks[drop],
                            section=scores.worst_section(drop))
@@ -327,79 +324,6 @@ def watch_for(trainer: Any, parts: Any) -> StragglerWatch | None:
     return StragglerWatch(config, attempt=parts.attempt, sections=trainer.sections,
                           records=parts.records, metrics=trainer.metrics, exits=parts.exits,
                           own_work=own_work, can_drop=trainer.elastic)
-
-
-# ------------------------------------------------------------------------------- the drop
-
-
-def torchrun_agent() -> int | None:
-    """The pid of the torchrun agent that started this worker (its parent), None if this
-    worker's parent is not one (no ``TORCHELASTIC_RUN_ID``, or another program)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    parent = os.getppid()
-    try:
-        with open(f"/proc/{parent}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return None
-    return parent if any("torchrun" in a or "torch.distributed.run" in a for a in argv) \
-        else None
-
-
-def leave_for_drop(exits: Any, straggler: int, step: int, handle: Any, *, score: float,
-                   windows: int, section: str | None) -> None:
-    """Every rank decided at ``step`` that rank ``straggler`` is dropped; this rank leaves.
-
-    All ranks first checkpoint ``step`` together (unless ``handle``, its save, is in
-    flight), so the job resumes where it stood. The straggler then records ``dropped`` and
-    asks its torchrun agent to stop (SIGTERM: the agent stops its workers and leaves the
-    rendezvous without closing it, as a node that dies), so the restarted job runs without
-    that node; the others record a ``failure`` naming it and exit with ``EXIT_PEER_LOST``
-    for torchrun to restart them. ``exits`` is the attempt's
-    :class:`trainer.exits.ExitPolicy` (its records, metrics, heartbeat and checkpointer).
-    """
-    # Imported here: trainer.exits imports torch and ckpt, and the run summary
-    # (trainer.progress) imports this module without needing them.
-    from trainer.exits import EXIT_PEER_LOST, flush_streams
-
-    rank = exits.rank
-    if exits.heartbeat is not None:  # peers stop watching: our silence is no failure now
-        exits.heartbeat.stop(final_state="dropped")
-    checkpointer = exits.checkpointer
-    if checkpointer is not None:
-        if handle is None:
-            checkpointer.save(step, checkpointer.meta, force=True)
-        checkpointer.wait()
-    detail = (f"rank {straggler} was {score:.2f}x the median of the ranks in its own work "
-              f"for {windows} window(s) (slowest in {section})")
-    if rank == straggler:
-        agent = torchrun_agent()
-        exits.records.record("dropped", step=step, reason="straggler", score=score,
-                             windows=windows, section=section, agent=agent)
-        events.warning(format_event("train.dropped", rank=rank, step=step, reason="straggler",
-                                    score=round(score, 3), windows=windows, section=section,
-                                    agent=agent, exit_status=EXIT_DROPPED))
-        with contextlib.suppress(Exception):
-            exits.metrics.write_textfile()
-        flush_streams()
-        if agent is not None:
-            os.kill(agent, signal.SIGTERM)
-            # The agent stops its workers with SIGTERM (caught by the trainer's handler):
-            # leaving before that could make it restart this worker instead of stopping.
-            deadline = time.monotonic() + 10.0
-            while not exits.sigterm and time.monotonic() < deadline:
-                time.sleep(0.05)
-        os._exit(EXIT_DROPPED)
-    events.error(format_event("train.detect", rank=rank, step=step, reason="straggler",
-                              lost=[straggler], last_steps=[step], error=None,
-                              exit_status=EXIT_PEER_LOST))
-    exits.records.record("failure", step=step, reason="straggler", lost=[straggler],
-                         last_steps={str(straggler): step}, last_seen={}, detail=detail)
-    with contextlib.suppress(Exception):
-        exits.metrics.write_textfile()
-    flush_streams()
-    os._exit(EXIT_PEER_LOST)
 
 
 # ------------------------------------------------------------------------------- the summary
@@ -501,6 +425,6 @@ def detect_windows(windows: int | None = None) -> int:
     return int(windows)
 
 
-__all__ = ["DropPolicy", "EXIT_DROPPED", "FLOOR_S", "OWN_WORK", "Scorer", "StragglerWatch",
-           "WindowScores", "describe", "detect_windows", "leave_for_drop", "median_low", "ratio",
-           "slowest_section", "summarize", "torchrun_agent", "watch_for"]
+__all__ = ["DropPolicy", "FLOOR_S", "OWN_WORK", "Scorer", "StragglerWatch", "WindowScores",
+           "describe", "detect_windows", "median_low", "ratio", "seconds_or_zero",
+           "slowest_section", "summarize", "watch_for"]

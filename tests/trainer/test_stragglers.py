@@ -350,3 +350,15 @@ def test_a_rank_three_times_slower_is_dropped_after_n_windows_and_the_job_goes_o
     print(f"rank {SLOW_RANK} dropped at step {drop['step']} after {drop['windows']} windows "
           f"of {WINDOW} steps (score {drop['score']:.2f}); job finished at world 2; "
           f"{took:.1f}s in all")
+
+
+def test_a_drop_signals_only_a_parent_that_is_a_torchrun_agent(monkeypatch):
+    """The dropped worker stops its agent with SIGTERM; a parent that is not torchrun (this
+    pytest, a shell, a scheduler's wrapper) is never signalled, nor any parent outside
+    torchrun's environment."""
+    from trainer.straggler_drop import torchrun_agent
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert torchrun_agent() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "forged")
+    assert torchrun_agent() is None  # our parent runs pytest, not torchrun

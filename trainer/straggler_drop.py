@@ -1,0 +1,95 @@
+"""How a rank dropped as a straggler leaves the job, and how the others leave.
+
+Every rank decided at the same step (:class:`trainer.stragglers.StragglerWatch`) that one
+rank is dropped. All of them checkpoint that step together, so the job resumes where it
+stood. The straggler then asks its torchrun agent to stop: the agent stops its workers and
+leaves the rendezvous without closing it, as a node that dies does, so torchrun restarts
+the others without that node. See docs/elastic.md, "Stragglers".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+from trainer.exits import EXIT_PEER_LOST, flush_streams
+from trainer.metrics import format_event
+
+#: One ``event key=value ...`` line per event (docs/observability.md lists them).
+events = logging.getLogger("ckpt.trainer")
+
+#: Exit status of a worker dropped as a straggler (after it asked its torchrun agent to stop).
+EXIT_DROPPED = 77
+
+
+def torchrun_agent() -> int | None:
+    """The pid of the torchrun agent that started this worker (its parent), None if this
+    worker's parent is not one (no ``TORCHELASTIC_RUN_ID``, or another program)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    return parent if any("torchrun" in a or "torch.distributed.run" in a for a in argv) \
+        else None
+
+
+def leave_for_drop(exits: Any, straggler: int, step: int, handle: Any, *, score: float,
+                   windows: int, section: str | None) -> None:
+    """Every rank decided at ``step`` that rank ``straggler`` is dropped; this rank leaves.
+
+    All ranks first checkpoint ``step`` together (unless ``handle``, its save, is in
+    flight), so the job resumes where it stood. The straggler then records ``dropped`` and
+    asks its torchrun agent to stop (SIGTERM: the agent stops its workers and leaves the
+    rendezvous without closing it, as a node that dies), so the restarted job runs without
+    that node; the others record a ``failure`` naming it and exit with ``EXIT_PEER_LOST``
+    for torchrun to restart them. ``exits`` is the attempt's
+    :class:`trainer.exits.ExitPolicy` (its records, metrics, heartbeat and checkpointer).
+    """
+    rank = exits.rank
+    if exits.heartbeat is not None:  # peers stop watching: our silence is no failure now
+        exits.heartbeat.stop(final_state="dropped")
+    checkpointer = exits.checkpointer
+    if checkpointer is not None:
+        if handle is None:
+            checkpointer.save(step, checkpointer.meta, force=True)
+        checkpointer.wait()
+    detail = (f"rank {straggler} was {score:.2f}x the median of the ranks in its own work "
+              f"for {windows} window(s) (slowest in {section})")
+    if rank == straggler:
+        agent = torchrun_agent()
+        exits.records.record("dropped", step=step, reason="straggler", score=score,
+                             windows=windows, section=section, agent=agent)
+        events.warning(format_event("train.dropped", rank=rank, step=step, reason="straggler",
+                                    score=round(score, 3), windows=windows, section=section,
+                                    agent=agent, exit_status=EXIT_DROPPED))
+        with contextlib.suppress(Exception):
+            exits.metrics.write_textfile()
+        flush_streams()
+        if agent is not None:
+            os.kill(agent, signal.SIGTERM)
+            # The agent stops its workers with SIGTERM (caught by the trainer's handler):
+            # leaving before that could make it restart this worker instead of stopping.
+            deadline = time.monotonic() + 10.0
+            while not exits.sigterm and time.monotonic() < deadline:
+                time.sleep(0.05)
+        os._exit(EXIT_DROPPED)
+    events.error(format_event("train.detect", rank=rank, step=step, reason="straggler",
+                              lost=[straggler], last_steps=[step], error=None,
+                              exit_status=EXIT_PEER_LOST))
+    exits.records.record("failure", step=step, reason="straggler", lost=[straggler],
+                         last_steps={str(straggler): step}, last_seen={}, detail=detail)
+    with contextlib.suppress(Exception):
+        exits.metrics.write_textfile()
+    flush_streams()
+    os._exit(EXIT_PEER_LOST)
+
+
+__all__ = ["EXIT_DROPPED", "leave_for_drop", "torchrun_agent"]

@@ -5,9 +5,9 @@ metadata, the model and optimizer (through ``ckpt.ModelOptimizer`` with FSDP, so
 world size can load them), the scheduler and grad scaler when there are any, and the
 user's extra items (an EMA copy of the model, a counter: anything ``ckpt`` saves).
 
-With a verified window, a checkpoint whose following steps the health guard judged healthy
-is marked verified (``CheckpointManager.mark_verified``, by rank 0, once it is committed),
-and restores prefer the newest verified step.
+With a verified window (on by default with the health guard), a checkpoint whose following
+steps the health guard judged healthy is marked verified (``CheckpointManager.mark_verified``,
+by rank 0, once it is committed), and restores prefer the newest verified step.
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ events = logging.getLogger("ckpt.trainer")
 
 #: Restore levels (``CheckpointManager.restore``'s ``verify``).
 VERIFY_LEVELS = ("structure", "digest", "forward")
+
+
+#: ``CheckpointConfig.verified_window``'s default, in steps: more than 2, so that a fault
+#: showing two steps after a save (a NaN, a spike) keeps that save unverified with a step of
+#: margin; small, because a crash inside the newest save's window resumes from the verified
+#: save before it (up to ``window + checkpoint_every`` steps recomputed, about ``window``
+#: more than without a window on average).
+DEFAULT_VERIFIED_WINDOW = 4
 
 
 #: Item names the trainer uses itself; extra items may not take them.
@@ -280,5 +288,6 @@ class TrainerCheckpointer:
         self.manager.close()
 
 
-__all__ = ["RESERVED_ITEMS", "TrainerCheckpointer", "VERIFY_LEVELS", "checkpointed_items",
-           "default_probe_inputs", "make_probe", "memory_job_id", "memory_tier_options"]
+__all__ = ["DEFAULT_VERIFIED_WINDOW", "RESERVED_ITEMS", "TrainerCheckpointer", "VERIFY_LEVELS",
+           "checkpointed_items", "default_probe_inputs", "make_probe", "memory_job_id",
+           "memory_tier_options"]

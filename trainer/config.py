@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import ckpt
-from trainer.checkpointing import VERIFY_LEVELS
+from trainer.checkpointing import DEFAULT_VERIFIED_WINDOW, VERIFY_LEVELS
 from trainer.hangs import HangRule
 from trainer.health import HealthGuard
 from trainer.hooks import Hooks
@@ -127,16 +127,25 @@ class CheckpointConfig:
             training resumes, e.g. ``{"ema": ema_model, "counter": counter}``. Objects
             with ``state_dict``/``load_state_dict`` and tensors are restored in place;
             plain values are replaced in the trainer's ``state``.
-        verified_window: with a health guard, a checkpoint becomes *verified* once this
-            many steps after it were judged healthy (finite loss and gradient norm, no
-            loss spike, the norm within the guard's ``grad_norm_limit``); rank 0 marks it
-            in the root, and resumes and health rollbacks restore the newest verified step
-            first (``restore(prefer="verified")``), retention always keeps it, ``ckpt ls``
-            shows it. A checkpoint with a bad step inside its window is never verified.
-            None (default): no marking; restores take the newest good step. A window costs
-            a resume up to ``verified_window + checkpoint_every`` steps of recomputation;
-            a few times the steps a fault takes to show (e.g. 2-3 checkpoint intervals) is
-            a sensible value (docs/observability.md, "Verified checkpoints").
+        verified_window: with a health guard (``ElasticConfig.health``, on by default), a
+            checkpoint becomes *verified* once this many steps after it were judged
+            healthy (finite loss and gradient norm, no loss spike, the norm within the
+            guard's ``grad_norm_limit``); rank 0 marks it in the root, and resumes and
+            health rollbacks restore the newest verified step first
+            (``restore(prefer="verified")``), retention always keeps it, ``ckpt ls`` shows
+            it. A checkpoint with a bad step inside its window is never verified.
+            Default :data:`DEFAULT_VERIFIED_WINDOW` (4 steps): more than 2, so that a NaN
+            or spike two steps after a save (corrupted weights that take a step or two to
+            show) keeps that save out of recovery with a step of margin, and small, since
+            a crash inside the newest save's window resumes from the verified save before
+            it: up to ``verified_window + checkpoint_every`` steps recomputed instead of
+            up to ``checkpoint_every`` (on average about ``verified_window`` steps more
+            per crash). The final checkpoint of a run and a preemption checkpoint have no
+            steps after them and stay unverified, so a later run resumes from the verified
+            save before them. None: no marking; restores take the newest good step.
+            Without a health guard (``health=None``/``False``) there are no verdicts, so
+            no window either, whatever this says (no error): restores take the newest
+            good step (docs/observability.md, "Verified checkpoints").
     """
 
     manager_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -145,7 +154,7 @@ class CheckpointConfig:
     probe: bool | Callable[[Any], Any] | ckpt.Probe | None = True
     verify: str = "forward"
     extra_state: Callable[[torch.nn.Module], dict[str, Any]] | None = None
-    verified_window: int | None = None
+    verified_window: int | None = DEFAULT_VERIFIED_WINDOW
 
     def __post_init__(self) -> None:
         window = self.verified_window

@@ -2,10 +2,11 @@
 
 Every rank judges a step from the same agreed loss and gradient norm
 (:class:`trainer.health.HealthGuard`), so on a bad step all of them roll back to the newest
-good checkpoint together: the newest *verified* one when the trainer marks them (a
-checkpoint whose following steps were healthy; ``CheckpointConfig.verified_window``). The step's global batch is then marked bad (by its data offset,
-in the run directory's ``skips.jsonl``) and passed over from then on, in this attempt and
-the ones after it. :class:`Rollbacks` does this for :class:`trainer.elastic.ElasticTrainer`.
+good checkpoint together: the newest *verified* one (a checkpoint whose following steps
+were healthy; ``CheckpointConfig.verified_window``, on by default), else the newest good
+one. The step's global batch is then marked bad (by its data offset, in the run
+directory's ``skips.jsonl``) and passed over from then on, in this attempt and the ones
+after it. :class:`Rollbacks` does this for :class:`trainer.elastic.ElasticTrainer`.
 """
 
 from __future__ import annotations

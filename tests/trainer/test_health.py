@@ -221,7 +221,8 @@ def test_nan_batch_rolls_back_skips_it_and_finishes(tmp_path, caplog):
     [anomaly] = event_lines(caplog, "train.anomaly")
     assert (anomaly["step"], anomaly["reason"], anomaly["loss"]) == ("13", NONFINITE_LOSS, "nan")
     [rollback] = event_lines(caplog, "train.rollback")
-    assert (rollback["step"], rollback["restored_step"], rollback["rollbacks"]) == ("13", "10", "1")
+    # Step 10's verified window (11-14) failed at 13: the rollback goes to verified step 5.
+    assert (rollback["step"], rollback["restored_step"], rollback["rollbacks"]) == ("13", "5", "1")
     assert rollback["skip_indices"] == ",".join(map(str, BAD_BATCH))
     [skip] = event_lines(caplog, "train.skip")
     assert skip["step"] == "13" and str(MARKED) in skip["indices"].split(",")
@@ -231,9 +232,9 @@ def test_nan_batch_rolls_back_skips_it_and_finishes(tmp_path, caplog):
     assert scraped["ckpt_train_rollbacks_total"] == 1
     assert scraped["ckpt_train_skipped_batches_total"] == 1
     assert scraped["ckpt_train_step"] == STEPS
-    assert scraped["ckpt_train_steps_total"] == STEPS + 2            # 11 and 12 twice
+    assert scraped["ckpt_train_steps_total"] == STEPS + 7            # 6 to 12 twice
     assert math.isfinite(scraped["ckpt_train_loss"])
-    assert scraped["ckpt_train_step_seconds_count"] == STEPS + 2
+    assert scraped["ckpt_train_step_seconds_count"] == STEPS + 7
     assert scraped["ckpt_restores_total"] == 1                       # the rollback's
     assert scraped["ckpt_last_committed_step"] == STEPS              # same port, ckpt_*
 
@@ -243,7 +244,7 @@ def test_nan_batch_rolls_back_skips_it_and_finishes(tmp_path, caplog):
     assert all(MARKED not in r["ranks"][0] for r in read_audit(tmp_path / "audit").values())
     [record] = [r for r in read_jsonl(tmp_path / "ckpt" / ".elastic" / "attempt-0000" /
                                       "rank-00000.jsonl") if r["event"] == "rollback"]
-    assert record["restored_step"] == 10 and record["loss"] == "nan"
+    assert record["restored_step"] == 5 and record["loss"] == "nan"
 
 
 def test_loss_spike_from_a_corrupted_batch_takes_the_same_path(tmp_path, caplog):
@@ -258,7 +259,7 @@ def test_loss_spike_from_a_corrupted_batch_takes_the_same_path(tmp_path, caplog)
     assert float(anomaly["loss"]) > float(anomaly["threshold"])
     assert math.isfinite(float(anomaly["grad_norm"]))
     [rollback] = event_lines(caplog, "train.rollback")
-    assert rollback["restored_step"] == "10" and rollback["reason"] == LOSS_SPIKE
+    assert rollback["restored_step"] == "5" and rollback["reason"] == LOSS_SPIKE
     assert summary.final_step == STEPS and summary.final_loss < 5 * float(anomaly["median"])
     written = parse_metrics(textfile.read_text())
     assert written["ckpt_train_rollbacks_total"] == 1
@@ -331,7 +332,9 @@ def test_persistent_failure_gives_up_after_max_rollbacks(tmp_path, caplog):
 
 def test_a_restart_skips_the_batches_earlier_rollbacks_skipped(tmp_path, caplog):
     """A crash after the rollback, before the next checkpoint: the next run resumes from the
-    checkpoint before the bad batch and passes over it without a new rollback."""
+    checkpoint before the bad batch and passes over it without a new rollback. The crash
+    (step 14) is inside the window of the new step 10 (11-14), so the resume goes to the
+    verified step 5."""
     caplog.set_level(logging.INFO, logger="ckpt.trainer")
     holder: list[ElasticTrainer] = []
     nan_step = make_step_fn("nan")
@@ -349,9 +352,9 @@ def test_a_restart_skips_the_batches_earlier_rollbacks_skipped(tmp_path, caplog)
     caplog.clear()
     second = trainer(tmp_path, nan_step)
     summary = second.fit(STEPS)
-    assert summary.restores == [0, 10] and summary.final_step == STEPS
+    assert summary.restores == [0, 5] and summary.final_step == STEPS
     [resume] = event_lines(caplog, "train.resume")
-    assert (resume["step"], resume["known_bad_batches"]) == ("10", "1")
+    assert (resume["step"], resume["known_bad_batches"]) == ("5", "1")
     assert not event_lines(caplog, "train.rollback")
     assert [s["step"] for s in event_lines(caplog, "train.skip")] == [str(BAD_STEP)]
     assert second.metrics.snapshot()["skipped_batches_total"] == 1
@@ -489,7 +492,8 @@ def test_a_users_data_loader_trains_exactly_the_trainers_batches(tmp_path):
     """data_loader=factory (2 workers, the user's collate_fn): the same samples in the same
     order as the trainer's own reading, with bit-identical results, across the NaN
     rollback (the loader restarts at the restored position) and across a crash after
-    the workers fetched ahead of the checkpoint: the saved position is the loop's."""
+    the workers fetched ahead of the checkpoint: the saved position is the loop's. (The
+    crash, step 17, is inside step 15's verified window, so the resume goes to step 10.)"""
     nan = make_step_fn("nan")
     own = Seen()
     own.trainer = trainer(tmp_path / "own", own.wrap(nan))
@@ -510,7 +514,7 @@ def test_a_users_data_loader_trains_exactly_the_trainers_batches(tmp_path):
     seen.trainer = trainer(tmp_path / "loader", seen.wrap(crash_at_17),
                            data=DataConfig(data_loader=loader_factory))
     summary = seen.trainer.fit(20)
-    assert summary.restores == [0, 15] and own_summary.rollbacks == 1
+    assert summary.restores == [0, 10] and own_summary.rollbacks == 1
     assert seen.order() == own.order() == [
         b for k, b in enumerate(no_failure_order(21), 1) if k != BAD_STEP]
     assert ({s: (r["ranks"], r["micro"]) for s, r in read_audit(tmp_path / "loader" /
@@ -667,9 +671,11 @@ def test_a_rollback_never_lands_on_a_step_whose_weights_went_nan(tmp_path, caplo
     """Step 10's update made a weight NaN; the loss and gradient of step 10 were fine, so
     the guard let it pass and step 10 was saved. Step 11's loss is NaN: the rollback's
     restore runs the probe through step 10's weights, refuses them and lands on step 5.
-    With digests only it lands on step 10's NaN weights and gives up."""
+    With digests only it lands on step 10's NaN weights and gives up. No verified window:
+    it would pass over step 10 (its window failed at 11) before the forward check runs."""
     caplog.set_level(logging.INFO)
-    t = trainer(tmp_path / "forward", make_step_fn(None), hooks=poison_at(10))
+    t = trainer(tmp_path / "forward", make_step_fn(None), hooks=poison_at(10),
+                checkpoint=CheckpointConfig(verified_window=None))
     summary = t.fit(20)
     assert (summary.final_step, summary.rollbacks) == (20, 1) and math.isfinite(
         summary.final_loss)
@@ -680,7 +686,7 @@ def test_a_rollback_never_lands_on_a_step_whose_weights_went_nan(tmp_path, caplo
     assert all(bool(torch.isfinite(p).all()) for p in t.module.parameters())
 
     digest_only = trainer(tmp_path / "digest", make_step_fn(None), hooks=poison_at(10),
-                          checkpoint=CheckpointConfig(verify="digest"),
+                          checkpoint=CheckpointConfig(verify="digest", verified_window=None),
                           health=HealthGuard(max_rollbacks=2))
     with pytest.raises(TrainingHealthError, match="more than max_rollbacks=2"):
         digest_only.fit(20)

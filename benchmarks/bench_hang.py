@@ -122,11 +122,11 @@ def torchrun_scenarios(tmp: Path) -> list[dict]:
         culprit = naming[0]["lost"][0]
         hung = naming[0]["hung"][str(culprit)]
         entered = min(f["last_seen"][str(culprit)] for f in naming)
+        verdicts = [f.get("detected_at") or f["time"] for f in naming]  # not the exits
         times = sorted(r["time"] for r in records if r["event"] == "step" and r["rank"] == 0)
         out.append({"culprit": culprit, "section": hung["section"], "limit": hung["limit"],
                     "typical": statistics.median(b - a for a, b in zip(times, times[1:])),
-                    "first": min(f["time"] for f in naming) - entered,
-                    "all": max(f["time"] for f in naming) - entered,
+                    "first": min(verdicts) - entered, "all": max(verdicts) - entered,
                     "named_by": sorted(f["rank"] for f in naming)})
     return out
 

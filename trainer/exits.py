@@ -159,7 +159,8 @@ class ExitPolicy:
             last_steps={str(k): v for k, v in (loss.last_steps if loss else {}).items()},
             last_seen={str(k): v for k, v in (loss.last_seen if loss else {}).items()},
             detail=(loss.detail if loss else "")
-            + (f" {type(error).__name__}: {error}"[:500] if error else ""), **extra)
+            + (f" {type(error).__name__}: {error}"[:500] if error else ""),
+            detected_at=loss.detected_at if loss else None, **extra)
         with contextlib.suppress(Exception):
             self.metrics.write_textfile()
         flush_streams()

@@ -329,12 +329,13 @@ def test_a_hung_rank_is_named_dropped_and_the_job_resumes(tmp_path):
         # resumed from the newest verified checkpoint (not a newer one still unconfirmed)
         assert rec.restored_step == newest_verified(c, tmp_path / "run", attempt), rec
         typical = typical_step(records)
-        first = min(f["time"] for f in naming)
+        verdicts = [f.get("detected_at") or f["time"] for f in naming]
+        first = min(verdicts)
         entered = min(f["last_seen"][rank] for f in naming)
         print(f"attempt {attempt}: rank {culprit} stuck ({how}) in step {step}; typical step "
               f"{typical:.3f}s, limit {naming[0]['hung'][rank]['limit']:.2f}s, first named "
               f"{first - entered:.2f}s after it stopped ({(first - entered) / typical:.1f} "
-              f"typical steps), by all ranks {max(f['time'] for f in fails) - entered:.2f}s; "
+              f"typical steps), by all ranks {max(verdicts) - entered:.2f}s; "
               f"resumed from step {rec.restored_step}")
     # the culprits left with their own status (their agents logged it), and the ckpt.trainer
     # log names each one with its section and the innermost line of its stack

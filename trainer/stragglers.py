@@ -49,6 +49,8 @@ events = logging.getLogger("ckpt.trainer")
 OWN_WORK = ("data", "forward", "optimizer")
 #: Per-step times below this many seconds are raised to it before a ratio is taken.
 FLOOR_S = 1e-3
+#: Up to this many ranks a window's record holds every rank's per-section tables.
+DETAIL_RANKS = 16
 
 
 def median_low(values: Sequence[float]) -> float:
@@ -105,16 +107,20 @@ class WindowScores:
         """The section in which ``rank`` loses the most time against the others."""
         return slowest_section(self.seconds, rank)
 
-    def to_record(self) -> dict[str, Any]:
-        """The window as JSON (ranks as strings, ratios to 3 decimals, seconds to 0.1 ms)."""
+    def to_record(self, detail: Iterable[int] | None = None) -> dict[str, Any]:
+        """The window as JSON (ranks as strings, ratios to 3 decimals, seconds to 0.1 ms):
+        every rank's overall scores, and the per-section tables and slowest section of the
+        ``detail`` ranks (default: all)."""
+        ranks = sorted(self.overall if detail is None else set(detail) & set(self.overall))
+
         def table(d: Mapping[int, Mapping[str, float]], digits: int) -> dict:
-            return {str(r): {s: round(v, digits) for s, v in row.items()}
-                    for r, row in sorted(d.items())}
+            return {str(r): {s: round(v, digits) for s, v in d[r].items()} for r in ranks}
         return {"window": self.index, "first_step": self.first_step,
                 "last_step": self.last_step,
                 "overall": {str(r): round(v, 3) for r, v in sorted(self.overall.items())},
                 "overall_vs_best": {str(r): round(v, 3)
                                     for r, v in sorted(self.overall_vs_best.items())},
+                "section": {str(r): self.worst_section(r) for r in ranks},
                 "relative": table(self.relative, 3), "vs_best": table(self.vs_best, 3),
                 "seconds": table(self.seconds, 4)}
 
@@ -297,7 +303,11 @@ class StragglerWatch:
         if rank != 0:
             return
         if self.records is not None:
-            self.records.record("stragglers", **scores.to_record(), flagged=flagged,
+            # Per-section tables of every rank for a small job; of the flagged and the
+            # slowest rank only past DETAIL_RANKS ranks (a record per window, for the run).
+            detail = (None if len(scores.overall) <= DETAIL_RANKS
+                      else {*flagged, scores.slowest()})
+            self.records.record("stragglers", **scores.to_record(detail), flagged=flagged,
                                 streaks={str(r): n for r, n in self.policy.streaks.items()},
                                 dropped=drop, window_steps=self.config.window,
                                 threshold=self.config.threshold, drop_after=self.config.windows
@@ -341,7 +351,9 @@ def _window_record(rec: Any) -> dict[str, Any] | None:
     if not isinstance(rec, Mapping):
         return None
     overall, seconds = rec.get("overall"), rec.get("seconds", {})
-    if not isinstance(overall, Mapping) or not isinstance(seconds, Mapping):
+    sections = rec.get("section", {})
+    if not isinstance(overall, Mapping) or not isinstance(seconds, Mapping) \
+            or not isinstance(sections, Mapping):
         return None
     overall = {k: v for k, v in overall.items() if _rank_key(k) is not None
                and isinstance(v, (int, float)) and math.isfinite(v)}
@@ -354,7 +366,8 @@ def _window_record(rec: Any) -> dict[str, Any] | None:
     flagged = [_rank_key(r) for r in flagged] if isinstance(flagged, list) else []
     streaks = rec.get("streaks", {})
     steps = [rec.get(k) for k in ("first_step", "last_step")]
-    return {"overall": overall, "seconds": seconds,
+    sections = {k: v for k, v in sections.items() if k in overall and isinstance(v, str)}
+    return {"overall": overall, "seconds": seconds, "section": sections,
             "flagged": [r for r in flagged if r is not None and r in overall],
             "dropped": _rank_key(rec.get("dropped")),
             "streaks": streaks if isinstance(streaks, Mapping) else {},
@@ -380,7 +393,7 @@ def summarize(windows: Sequence[tuple[int, Mapping[str, Any]]]) -> dict[str, Any
     for attempt, rec in windows:
         overall = rec.get("overall", {})
         for r, score in overall.items():
-            section = slowest_section(rec.get("seconds", {}), r)
+            section = rec["section"].get(r) or slowest_section(rec["seconds"], r)
             if worst is None or score > worst["score"]:
                 worst = {"attempt": attempt, "rank": int(r), "score": score,
                          "section": section, "step": rec.get("last_step")}
@@ -425,6 +438,6 @@ def detect_windows(windows: int | None = None) -> int:
     return int(windows)
 
 
-__all__ = ["DropPolicy", "FLOOR_S", "OWN_WORK", "Scorer", "StragglerWatch", "WindowScores",
-           "describe", "detect_windows", "median_low", "ratio", "seconds_or_zero",
-           "slowest_section", "summarize", "watch_for"]
+__all__ = ["DETAIL_RANKS", "DropPolicy", "FLOOR_S", "OWN_WORK", "Scorer", "StragglerWatch",
+           "WindowScores", "describe", "detect_windows", "median_low", "ratio",
+           "seconds_or_zero", "slowest_section", "summarize", "watch_for"]

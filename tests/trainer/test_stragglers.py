@@ -24,6 +24,7 @@ from tests.trainer import test_elastic as elastic
 from trainer.config import (CheckpointConfig, ElasticConfig, FailureConfig,
                             ObservabilityConfig, StragglerConfig)
 from trainer.metrics import parse_event
+from trainer.progress import ElasticSummary
 from trainer.stragglers import (DropPolicy, Scorer, StragglerWatch, detect_windows,
                                 median_low, summarize)
 
@@ -104,6 +105,20 @@ def test_a_report_that_is_not_a_finite_time_counts_as_zero():
     assert all(v == v and v < float("inf") for row in s.relative.values()
                for v in row.values())
     assert s.slowest() == 2
+
+
+def test_a_large_jobs_window_record_details_only_the_flagged_and_the_slowest_ranks():
+    """A record per window stays small at scale: every rank's overall scores, the section
+    tables of the flagged ranks and the slowest one only; the summary still names the
+    section."""
+    s = Scorer(SECTIONS).score(window({7: 3.0, 12: 2.5}, world=40), 1, 10)
+    rec = s.to_record({7, 12})
+    assert len(rec["overall"]) == 40 and set(rec["seconds"]) == set(rec["section"]) == {
+        "7", "12"}
+    assert rec["section"]["7"] == "forward"
+    st = summarize([(0, rec | {"flagged": [7, 12], "streaks": {}})])
+    assert st["worst"] == {"attempt": 0, "rank": 7, "score": rec["overall"]["7"],
+                           "section": "forward", "step": 10}
 
 
 def test_the_summary_skips_records_that_are_not_well_formed():
@@ -275,6 +290,8 @@ def test_a_rank_three_times_slower_is_scored_and_reported_while_training_goes_on
     summary, lines = results[0]
     fit_s = lines.pop()
     assert summary["final_step"] == steps and summary["world_sizes"] == [3]
+    text = ElasticSummary.from_dict(summary).format()
+    assert f"stragglers (windows of {WINDOW} steps): rank {SLOW_RANK} (attempt 0)" in text
     st = summary["stragglers"]
     assert (st["window_steps"], st["windows"], st["dropped"]) == (WINDOW, 4, [])
     last = st["last"]["overall"]

@@ -191,9 +191,9 @@ class TrainerCheckpointer:
 
     def restore(self) -> int | None:
         """Load the newest checkpoint that passes the ``verify`` level into the state (with
-        a verified window: the newest verified one first); its step (None: none). The
-        restored step waits for its window again (it is marked verified once the steps
-        after it are healthy, if it is not yet)."""
+        a verified window: the newest verified one first); its step (None: none). A
+        restored step that is not verified yet waits for its window again (it is marked
+        verified once the steps after it are healthy)."""
         if self.window is None:
             return self.manager.restore(self.state, verify=self.verify)
         self.manager.wait()
@@ -202,9 +202,19 @@ class TrainerCheckpointer:
         self.window.rewind(-1 if restored is None else restored)
         self._confirmed = [(s, e) for s, e in self._confirmed if restored is not None
                            and s <= restored]
-        if restored is not None:
+        if restored is not None and not self._is_verified(restored):
             self.window.saved(restored)
         return restored
+
+    def _is_verified(self, step: int) -> bool:
+        """Whether ``step`` carries a valid verified marker (False when they cannot be
+        read: it then waits for its window again, and marking it keeps its first marker)."""
+        try:
+            return step in self.manager.verified_steps()
+        except (OSError, ckpt.CheckpointError) as e:
+            log.info("cannot read the verified markers (%s): step %d waits for its window "
+                     "again", e, step)
+            return False
 
     def judged(self, verdict: Verdict) -> None:
         """The health guard's verdict on a step: count it in the windows of the saves

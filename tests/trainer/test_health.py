@@ -715,7 +715,10 @@ def test_the_default_probe_is_a_micro_batch_of_the_dataset(tmp_path):
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
 def test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan(tmp_path, wrap):
     """torchrun, 2 ranks: the marked sample is in rank 1's half of the batch, so only rank 1
-    computes a NaN loss. Both ranks roll back to step 10 and skip the same batch."""
+    computes a NaN loss at step 13. Both ranks judge the agreed loss: step 10's verified
+    window (11-14, the default 4 steps) fails, so neither marks it and both roll back to the
+    verified step 5 (not the newest, step 10) and skip the same batch. Only rank 0 writes
+    verified markers: step 10's is the new timeline's (confirmed at 14)."""
     assert BAD_BATCH.index(MARKED) >= GLOBAL // 2  # rank 1's share
     repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
@@ -735,7 +738,17 @@ def test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan(tmp_path, wrap):
     for rank in (0, 1):
         [rb] = [r for r in read_jsonl(tmp_path / "ckpt" / ".elastic" / "attempt-0000" /
                                       f"rank-{rank:05d}.jsonl") if r["event"] == "rollback"]
-        assert (rb["step"], rb["restored_step"], rb["skip_indices"]) == (13, 10, BAD_BATCH)
+        assert (rb["step"], rb["restored_step"], rb["skip_indices"]) == (13, 5, BAD_BATCH)
+        assert (f"[rank {rank}] ckpt.trainer train.unverified step=10 at_step=13 "
+                f"reason=nonfinite_loss") in proc.stderr, proc.stderr[-6000:]
+    marked = re.findall(r"\[rank (\d)\] ckpt.trainer train.verified step=(\d+) "
+                        r"confirmed_at=(\d+)", proc.stderr)
+    assert {rank for rank, _, _ in marked} == {"0"}, marked
+    assert [(s, c) for _, s, c in marked if s in ("5", "10")] == [("5", "9"), ("10", "14")]
+    cps = ckpt.inspect.open(str(tmp_path / "ckpt"))
+    kept = {s: cps.marker(s) for s in cps.steps()}
+    assert sorted(kept) == [30, 35, 40] and kept[40].status == "unverified"
+    assert kept[35].verification.evidence["confirmed_at"] == 39
     assert {r["rank"] for r in read_skips(tmp_path / "audit")} == {0, 1}
     check_trained_order(tmp_path, skipped_steps=[BAD_STEP])
 

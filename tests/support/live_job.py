@@ -122,7 +122,7 @@ def main() -> None:
 
 # -- the test side ------------------------------------------------------------------------
 def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float = 1.0,
-              quorum_timeout: float = 6.0, quorum_retries: int = 2,
+              quorum_timeout: float = 30.0, quorum_retries: int = 3,
               respawn_delay: float = 0.0, extra: list[str] | None = None
               ) -> subprocess.Popen:
     """The supervisor of a 3-group job in a network namespace of its own (torchft's
@@ -135,8 +135,8 @@ def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float
     supervisor = [sys.executable, "-m", "trainer.live.supervisor", "--groups", "3",
                   "--host", "127.0.0.1", "--heartbeat-timeout", str(heartbeat_timeout),
                   "--quorum-timeout", str(quorum_timeout),
-                  "--quorum-retries", str(quorum_retries), "--timeout", "4",
-                  "--join-timeout", "1", "--respawn-delay", str(respawn_delay),
+                  "--quorum-retries", str(quorum_retries), "--timeout", "15",
+                  "--join-timeout", "5", "--respawn-delay", str(respawn_delay),
                   "--run-dir", str(run_dir),
                   "--job-timeout", "3000", *(extra or []), "--",
                   sys.executable, "-m", "tests.support.live_job"]

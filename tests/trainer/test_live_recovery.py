@@ -278,7 +278,7 @@ def lighthouse_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
         pytest.skip("needs unshare -n (root)")
     tmp = tmp_path_factory.mktemp("live-lighthouse")
     run_dir = tmp / "run"
-    proc = start_job(tmp, steps=100000, respawn_delay=3000, quorum_timeout=6.0,
+    proc = start_job(tmp, steps=100000, respawn_delay=3000, quorum_timeout=20.0,
                      quorum_retries=3)
     out: dict = {"run": run_dir}
     try:

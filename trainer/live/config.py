@@ -65,7 +65,7 @@ class LiveConfig:
     quorum_timeout: float = 30.0
     quorum_retries: int = 3
     start_timeout: float = 60.0
-    join_timeout: float = 2.0
+    join_timeout: float = 5.0
     timeout: float = 10.0
     heartbeat_interval: float = 0.1
 

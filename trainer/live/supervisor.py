@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--quorum-timeout", type=float, default=30.0)
     p.add_argument("--quorum-retries", type=int, default=3)
-    p.add_argument("--join-timeout", type=float, default=2.0)
+    p.add_argument("--join-timeout", type=float, default=5.0)
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--respawn-delay", type=float, default=0.0)
     p.add_argument("--max-restarts", type=int, default=3)

@@ -181,10 +181,9 @@ def one_host_by_default(rank: int, world: int, root: str) -> dict:
 
 def object_store_by_default(rank: int, world: int, root: str, options: dict) -> dict:
     """The default with an object-store root (no page cache): the ranks read together."""
+    state = {"model": zeroed(replicated(1))}
     with ckpt.CheckpointManager(root, async_save=False, storage_options=options) as mgr:
         mgr.save(1, {"model": replicated(1)})
-    state = {"model": zeroed(replicated(1))}
-    with ckpt.CheckpointManager(root, read_only=True, storage_options=options) as mgr:
         restored = mgr.restore(state)
         manifest = mgr.manifest(1)
         info = mgr.last_restore

@@ -63,6 +63,7 @@ SCRIPTS = {
                                                    "--ckpt-variants", ""]),
     "hang": ("bench_hang.py", [], ["--no-torchrun"]),
     "live": ("bench_live.py", [], ["--trials", "1"]),
+    "restore": ("bench_restore.py", ["--reps", "5"], ["--sizes", "64M", "--reps", "2"]),
 }
 TITLES = {
     "save_load": "Save and load",
@@ -82,6 +83,7 @@ TITLES = {
     "peers": "Asynchronous save against the peers: torch_checkpointing, DCP, torch.save",
     "hang": "Hung ranks: the progress markers' cost and the time to name a stuck rank",
     "live": "Live recovery: a lost replica group, live (torchft) against restart",
+    "restore": "Restore under a process group (replicated bytes read once) and the cold load",
 }
 COMMIT_TAG = "<!-- measured at commit {} -->"
 # How to read the tables; the same for every run, so written here rather than measured.

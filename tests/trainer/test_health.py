@@ -727,7 +727,7 @@ def test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan(tmp_path, wrap):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--log-dir={tmp_path / 'torchelastic'}",  # not a /tmp/torchelastic_* left behind
            "--nproc-per-node=2", __file__, str(tmp_path), wrap]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     summary = json.loads(next(line for line in proc.stdout.splitlines()
@@ -759,7 +759,9 @@ def test_torchrun_job_resumes_past_a_step_saved_with_nan_weights(tmp_path):
     """torchrun, 2 ranks, at most one restart: step 10's update makes a weight NaN (loss and
     gradient were fine, so step 10 is saved, synchronously), then both workers die. The
     restarted workers' restore refuses step 10 by its forward check and resumes from step
-    5; the job finishes on its own, with finite weights and no rollback."""
+    5; the job finishes on its own, with finite weights and no rollback. The workers run
+    without a verified window: with it the restore would pass over step 10 (unverified)
+    for the verified step 5 before the forward check, this test's subject, runs."""
     repo = str(Path(__file__).resolve().parents[2])
     # Restarted workers sharing the agent's store may fail to form their group (FINDINGS.md)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo,
@@ -792,7 +794,8 @@ def _worker(argv: list[str]) -> None:
                         format=f"[rank {os.environ.get('RANK')}] %(name)s %(message)s")
     if argv[1] == "nan-weights":
         t = trainer(Path(argv[0]), make_step_fn(None), hooks=poison_at(10, exit_after_save=True),
-                    checkpoint=CheckpointConfig(manager_options={"async_save": False}),
+                    checkpoint=CheckpointConfig(manager_options={"async_save": False},
+                                                verified_window=None),
                     failure=FailureConfig(heartbeat_timeout=10.0, collective_timeout=30.0))
         summary = t.fit(NAN_STEPS)
         assert all(bool(torch.isfinite(p).all()) for p in t.module.parameters())

@@ -52,6 +52,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--collective-timeout", type=float, default=10.0)
     p.add_argument("--hang-factor", type=float, default=3.0)
     p.add_argument("--hang-floor", type=float, default=10.0)
+    # Off unless asked (the trainer's default is 4 steps): these jobs count the steps a node
+    # loss, a join or a drop costs from the newest checkpoint; test_hang turns it on.
     p.add_argument("--verified-window", type=int, default=None,
                    help="mark a checkpoint verified after this many healthy steps; restores "
                    "take the newest verified step")

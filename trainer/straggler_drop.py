@@ -16,7 +16,10 @@ import signal
 import time
 from typing import Any
 
+import torch.distributed as dist
+
 from trainer.exits import EXIT_PEER_LOST, flush_streams
+from trainer.launch import warm_start
 from trainer.metrics import format_event
 
 #: One ``event key=value ...`` line per event (docs/observability.md lists them).
@@ -26,12 +29,28 @@ events = logging.getLogger("ckpt.trainer")
 EXIT_DROPPED = 77
 
 
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def torchrun_agent() -> int | None:
-    """The pid of the torchrun agent that started this worker (its parent), None if this
-    worker's parent is not one (no ``TORCHELASTIC_RUN_ID``, or another program)."""
+    """The pid of the torchrun agent that started this worker, None if there is none (no
+    ``TORCHELASTIC_RUN_ID``, or a parent that is another program).
+
+    The agent is the worker's parent, or, for a worker forked by a zygote of
+    :mod:`trainer.warm`, the parent of the launcher that torchrun started in its place."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
-    parent = os.getppid()
+    parent: int | None = os.getppid()
+    launcher = warm_start().get("launcher")
+    if launcher is not None:
+        parent = _parent_of(launcher)
+    if parent is None or parent <= 1:
+        return None
     try:
         with open(f"/proc/{parent}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")
@@ -61,6 +80,11 @@ def leave_for_drop(exits: Any, straggler: int, step: int, handle: Any, *, score:
         if handle is None:
             checkpointer.save(step, checkpointer.meta, force=True)
         checkpointer.wait()
+    # Nobody leaves before every rank has its save's outcome: rank 0 hosts the job's store,
+    # and a peer still reading the commit from it would fail the save and exit with an error.
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer gone already: leave all the same
+            dist.barrier()
     detail = (f"rank {straggler} was {score:.2f}x the median of the ranks in its own work "
               f"for {windows} window(s) (slowest in {section})")
     if rank == straggler:

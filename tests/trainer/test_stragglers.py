@@ -10,6 +10,7 @@ as such (gloo ranks, policy off), and dropped after N windows (torchrun, policy 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -316,7 +317,7 @@ def test_a_rank_three_times_slower_is_scored_and_reported_while_training_goes_on
           f"scores of the last window {last}; flagged in {flag['windows']} of 4 windows")
 
 
-TORCHRUN_STEPS = 16
+TORCHRUN_STEPS = WINDOW * WINDOWS + 2  # the drop, then two steps at world size 2
 TORCHRUN_TIMEOUT = 240.0  # only a guard against a hang: a loaded machine starts agents slowly
 
 
@@ -334,8 +335,10 @@ def test_a_rank_three_times_slower_is_dropped_after_n_windows_and_the_job_goes_o
         "--slow-rank", str(SLOW_RANK), "--slow-factor", str(FACTOR), "--slow-at-world", "3",
         "--straggler-window", str(WINDOW), "--straggler-windows", str(WINDOWS),
         "--straggler-drop"]
-    # restart_grace: a worker that ignores its agent's SIGTERM is SIGKILLed after 2 s, not 30
-    cluster = job.LocalCluster(tmp_path, args, restart_grace=2.0)
+    # restart_grace: a worker that ignores its agent's SIGTERM is SIGKILLed after 2 s, not 30;
+    # warm: each restart forks the workers from their node's zygote (trainer.warm) instead
+    # of importing torch again, so the dropped worker's agent is its launcher's parent
+    cluster = job.LocalCluster(tmp_path, args, restart_grace=2.0, warm=True)
     t0 = time.time()
     try:
         nodes = [cluster.add_node() for _ in range(3)]
@@ -349,6 +352,8 @@ def test_a_rank_three_times_slower_is_dropped_after_n_windows_and_the_job_goes_o
     survivors = {name: code for name, code in codes.items() if name not in dropped}
     assert set(survivors.values()) == {0}, (codes, cluster.logs()[-20000:])
     assert codes[dropped[0]] is not None, codes  # its agent left
+    [agent] = re.findall(r"train\.dropped .*agent=(\d+)", logs[dropped[0]])
+    assert int(agent) == nodes[[n.name for n in nodes].index(dropped[0])].proc.pid, agent
 
     s = elastic.summary_of(tmp_path)
     print("\n" + s.format())

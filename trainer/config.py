@@ -315,8 +315,9 @@ class ElasticConfig:
         health: the training-health guard: True (default) for a
             :class:`trainer.health.HealthGuard` with its defaults, a configured
             ``HealthGuard``, or False/None for none. On a bad step (a non-finite loss or
-            gradient norm, or a loss spike) every rank rolls back to the newest good
-            checkpoint, the offending global batch is skipped, and training continues;
+            gradient norm, or a loss spike) every rank rolls back to the newest verified
+            checkpoint (see ``CheckpointConfig.verified_window``; else the newest good
+            one), the offending global batch is skipped, and training continues;
             past the guard's ``max_rollbacks`` it raises
             :class:`trainer.health.TrainingHealthError`. With a guard, a fresh run saves
             step 0 first (something to roll back to before the first checkpoint).

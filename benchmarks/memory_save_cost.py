@@ -16,10 +16,16 @@ and AdamW step, a few milliseconds, torch's default intra-op threads):
 
 Per save: **blocking** (the call's wall time) and **training time lost**: the wall time of
 the save plus a fixed window of ``W`` training steps, minus the same ``W`` steps with no save
-(the "idle" case of the same repetition), paired by repetition; ``W`` covers the memory
-tier's background work several times over (the row says how often the background work still
-ran when the window ended). Cases interleaved (idle, copy, ckpt, GEMINI; each repetition
-starting one further), medians. Then, each in a fresh process after four saves: bytes
+(the "idle" case of the same repetition), paired by repetition; ``W`` is three times the
+memory tier's background work, at most 150 steps or 10 s (the table says how often a
+method's background work still ran when the window ended: its cost is then undercounted). Cases interleaved (idle, copy, ckpt, GEMINI; each repetition
+starting one further), medians.
+
+lm-resiliency registers a torchrun rendezvous plugin (an entry point) that every torchrun
+agent of the environment then imports, seconds of CPU each, and that fails to register with
+torch 2.13 (a warning in every agent's log): install it where no torchrun jobs run, e.g.
+``pip install --no-deps --target DIR lm-resiliency==0.2.0`` and ``PYTHONPATH=DIR`` for this
+benchmark. Then, each in a fresh process after four saves: bytes
 resident in ``/dev/shm`` (allocated blocks) and the growth of the process's resident set
 (anonymous and shared pages apart).
 """
@@ -124,7 +130,7 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
     while not handles[-1].done():
         training.step()
     background = time.perf_counter() - t0 - blocking0
-    window = min(400, max(20, math.ceil(3 * background / step_s) + 5))
+    window = max(20, min(math.ceil(3 * background / step_s) + 5, 150, math.ceil(10 / step_s)))
     print(f"  [save cost {common.format_size(size)}] step {step_s * 1e3:.1f} ms, background "
           f"{background * 1e3:.0f} ms: window {window} steps", file=sys.stderr, flush=True)
     outlasted = {CKPT: 0, GEMINI: 0}

@@ -221,20 +221,6 @@ def exchange_job(rank: int, world: int) -> tuple[dict, list[str]]:
     return scores.to_record(), sections.entered
 
 
-@pytest.mark.multiproc
-def test_every_rank_scores_the_same_table_of_each_ranks_own_report():
-    """Three gloo ranks exchange their times: every rank scores the same table, whose row r
-    is rank r's own report; rank 1's NaN, infinite and negative times count as 0, so the
-    hostile report neither breaks the scores nor gets an honest rank flagged."""
-    results = run_ranks(3, exchange_job)
-    records = [r for r, _ in results]
-    assert records[0] == records[1] == records[2]
-    rec, entered = records[0], results[0][1]
-    assert rec["seconds"]["1"]["data"] == rec["seconds"]["1"]["forward"] == 0.0
-    assert rec["seconds"]["0"]["forward"] == 0.05 and rec["seconds"]["2"]["forward"] == 0.15
-    assert rec["overall"]["2"] > 2.0 and rec["overall"]["0"] == 1.0
-    assert entered == ["collective"]  # the exchange is a collective of the step's sequence
-
 SLOW_RANK, FACTOR = 2, 3.0
 FORWARD_S = 0.04     # the others' forward per micro batch: a sleep, not the 2 cores' work
 WINDOW, WINDOWS = 2, 2
@@ -279,16 +265,46 @@ def slow_rank_job(rank: int, world: int, tmp: str, steps: int) -> tuple[dict, li
     return summary.to_dict(), [m for m in lines if m.startswith(("train.straggler ", "fit "))]
 
 
+def gloo_job(rank: int, world: int, tmp: str, steps: int) -> tuple[tuple, tuple]:
+    """The exchange of hostile reports, then the trainer with a slow rank, on the same
+    three ranks (one start of the ranks for both tests)."""
+    return exchange_job(rank, world), slow_rank_job(rank, world, tmp, steps)
+
+
+@pytest.fixture(scope="module")
+def three_gloo_ranks(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("gloo")
+    steps = 4 * WINDOW
+    t0 = time.perf_counter()
+    results = run_ranks(3, gloo_job, str(tmp), steps, timeout=120)
+    return {"results": results, "tmp": tmp, "steps": steps,
+            "took": time.perf_counter() - t0}
+
+
 @pytest.mark.multiproc
-def test_a_rank_three_times_slower_is_scored_and_reported_while_training_goes_on(tmp_path):
+def test_every_rank_scores_the_same_table_of_each_ranks_own_report(three_gloo_ranks):
+    """Three gloo ranks exchange their times: every rank scores the same table, whose row r
+    is rank r's own report; rank 1's NaN, infinite and negative times count as 0, so the
+    hostile report neither breaks the scores nor gets an honest rank flagged."""
+    results = [exchanged for exchanged, _ in three_gloo_ranks["results"]]
+    records = [r for r, _ in results]
+    assert records[0] == records[1] == records[2]
+    rec, entered = records[0], results[0][1]
+    assert rec["seconds"]["1"]["data"] == rec["seconds"]["1"]["forward"] == 0.0
+    assert rec["seconds"]["0"]["forward"] == 0.05 and rec["seconds"]["2"]["forward"] == 0.15
+    assert rec["overall"]["2"] > 2.0 and rec["overall"]["0"] == 1.0
+    assert entered == ["collective"]  # the exchange is a collective of the step's sequence
+
+
+@pytest.mark.multiproc
+def test_a_rank_three_times_slower_is_scored_and_reported_while_training_goes_on(
+        three_gloo_ranks):
     """Three gloo ranks, policy off: rank 2's forward sleeps 3x as long. Its overall score
     is over the threshold in the summary, the metrics and a train.straggler line per
     window; nobody is dropped and the job trains to its last step."""
-    steps = 4 * WINDOW
-    t0 = time.perf_counter()
-    results = run_ranks(3, slow_rank_job, str(tmp_path), steps, timeout=120)
-    took = time.perf_counter() - t0
-    summary, lines = results[0]
+    tmp_path, steps, took = (three_gloo_ranks[k] for k in ("tmp", "steps", "took"))
+    summary, lines = three_gloo_ranks["results"][0][1]
+    lines = list(lines)
     fit_s = lines.pop()
     assert summary["final_step"] == steps and summary["world_sizes"] == [3]
     text = ElasticSummary.from_dict(summary).format()
@@ -313,7 +329,8 @@ def test_a_rank_three_times_slower_is_scored_and_reported_while_training_goes_on
     assert scraped["ckpt_train_stragglers_dropped_total"] == 0
     assert scraped["ckpt_train_straggler_score_max"] == pytest.approx(last[str(SLOW_RANK)],
                                                                       abs=1e-3)
-    print(f"3 gloo ranks, {steps} steps ({fit_s}, {took:.1f}s with the ranks' start); "
+    print(f"3 gloo ranks, {steps} steps ({fit_s}, {took:.1f}s with the ranks' start and "
+          "the exchange of hostile reports); "
           f"scores of the last window {last}; flagged in {flag['windows']} of 4 windows")
 
 

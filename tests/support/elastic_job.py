@@ -66,6 +66,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     # A straggler: that rank's forward (step_fn) takes F times as long, at world size
     # --slow-at-world (any world size: 0).
     p.add_argument("--slow-rank", type=int, default=None)
+    p.add_argument("--slow-lone-rank", action="store_true",
+                   help="the straggler is the rank alone on its node (LOCAL_WORLD_SIZE 1)")
     p.add_argument("--slow-factor", type=float, default=3.0)
     p.add_argument("--slow-at-world", type=int, default=0)
     p.add_argument("--straggler-window", type=int, default=10)
@@ -263,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.sample_sleep * len(x))
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        if args.slow_rank == trainer.rank and args.slow_at_world in (0, trainer.world_size):
+        slow = args.slow_rank == trainer.rank or (
+            args.slow_lone_rank and os.environ.get("LOCAL_WORLD_SIZE") == "1")
+        if slow and args.slow_at_world in (0, trainer.world_size):
             # the straggler: its forward takes slow_factor times as long as it just did
             time.sleep((args.slow_factor - 1) * (time.perf_counter() - t0))
         return loss
@@ -428,13 +432,14 @@ class LocalCluster:
             self.env["CKPT_WARM_DIR"] = str(self.workdir / "warm")
         self.nodes: list[Node] = []
 
-    def add_node(self) -> Node:
+    def add_node(self, nproc: int = 1) -> Node:
+        """Start one more agent, with ``nproc`` workers."""
         name = f"node{len(self.nodes)}"
         log_path = self.workdir / f"{name}.log"
         launcher = (["-m", "torch.distributed.run"] if self.restart_grace is None
                     else [TORCHRUN, str(self.restart_grace)])
         cmd = [sys.executable, *launcher, f"--nnodes={self.nnodes}",
-               "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
+               f"--nproc-per-node={nproc}", f"--max-restarts={self.max_restarts}",
                f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=elastic-test",
                f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1",

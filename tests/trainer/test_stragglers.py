@@ -334,7 +334,12 @@ def test_a_rank_three_times_slower_is_scored_and_reported_while_training_goes_on
           f"scores of the last window {last}; flagged in {flag['windows']} of 4 windows")
 
 
-TORCHRUN_STEPS = WINDOW * WINDOWS + 2  # the drop, then two steps at world size 2
+# The drop comes after WINDOWS flagged windows in a row: at step 4, or later when a busy
+# machine slows a fast rank in one window; then two steps or more at world size 2.
+TORCHRUN_STEPS = WINDOW * (WINDOWS + 2) + 2
+# Each sample's forward sleeps this long: the rank's own work is mostly time that does not
+# depend on how busy the CPUs are, so the 3x shows in every window
+TORCHRUN_SAMPLE_SLEEP = 0.05
 TORCHRUN_TIMEOUT = 240.0  # only a guard against a hang: a loaded machine starts agents slowly
 
 
@@ -346,7 +351,8 @@ def test_a_rank_three_times_slower_is_dropped_after_n_windows_and_the_job_goes_o
     WINDOW steps every rank checkpoints the step and leaves; the straggler stops its own
     agent, so its node leaves the job, and the other two finish at world size 2 from the
     step of the drop, with no sample skipped or repeated (audit log)."""
-    args = elastic.job_args(tmp_path, hold=("--hold-until-world", "3"))
+    args = elastic.job_args(tmp_path, sleep=TORCHRUN_SAMPLE_SLEEP,
+                            hold=("--hold-until-world", "3"))
     args[args.index("--steps") + 1] = str(TORCHRUN_STEPS)
     args += [
         "--slow-lone-rank", "--slow-factor", str(FACTOR), "--slow-at-world", "3",

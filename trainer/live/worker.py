@@ -303,7 +303,8 @@ class LiveTrainer:
         self._record("commit", step=step, participants=participants, rank=rank,
                      batch=batch, indices=mine, loss=float(loss.detach()),
                      **self._digest_fields(), **start)
-        self.checkpoints.save(step, self.state)
+        if self.checkpoints.save(step, self.state) is not None:
+            self._record("saved", step=step)
         return True
 
     def issue_allreduce(self, flat: torch.Tensor) -> Any:

@@ -10,6 +10,7 @@ as such (gloo ranks, policy off), and dropped after N windows (torchrun, policy 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -410,3 +411,10 @@ def test_a_drop_signals_only_a_parent_that_is_a_torchrun_agent(monkeypatch):
     assert torchrun_agent() is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "forged")
     assert torchrun_agent() is None  # our parent runs pytest, not torchrun
+    # a warm worker's agent is its launcher's parent: a launcher named in the environment
+    # is checked alike (here: this process, whose parent is no torchrun agent either)
+    from trainer.warm import LAUNCHER_ENV, ZYGOTE_ENV
+
+    monkeypatch.setenv(ZYGOTE_ENV, str(os.getppid()))
+    monkeypatch.setenv(LAUNCHER_ENV, str(os.getpid()))
+    assert torchrun_agent() is None

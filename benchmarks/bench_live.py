@@ -75,19 +75,28 @@ def run_mode(mode: str, trials: int, heartbeat_timeout: float, work: Path) -> li
             wait_for(lambda: _whole_since(run_dir, since, 3), 600, "a whole job")
             victim = 1 + trial % 2
             pids = _current_pids(run_dir)
-            before = max(r["step"] for r in _commits(run_dir))
+            old = set(pids.values())
             killed = time.time()
             os.kill(pids[victim], signal.SIGKILL)
             wait_for(lambda: _whole_since(run_dir, killed, 1), 600, "the recovery")
-            after = [r for r in _commits(run_dir) if r["time"] > killed]
+            commits = _commits(run_dir)
+            after = [r for r in commits if r["time"] > killed]
+            new = [r for r in after if r["pid"] not in old]  # processes started since
             new_pid = _current_pids(run_dir)[victim]
-            survivors = [r for r in after if r["pid"] != new_pid]
-            first_step = min(r["step"] for r in after)
+            # live: the survivors are the processes that ran before the kill; restart:
+            # they are stopped too (what they commit meanwhile is lost), and the job's
+            # next step is the restarted processes' first
+            survivors = [r for r in after if r["pid"] in old] if mode == "live" else new
+            # steps committed before (or, restarting, by the stopped processes) and
+            # committed again after
+            last = max(r["step"] for r in commits
+                       if r["pid"] in old and (mode != "live" or r["time"] <= killed))
+            first = min(r["step"] for r in survivors)
             timelines.append({
                 "survivors_next_step_s": min(r["time"] for r in survivors) - killed,
-                "replacement_first_step_s": min(r["time"] for r in after
+                "replacement_first_step_s": min(r["time"] for r in new
                                                 if r["pid"] == new_pid) - killed,
-                "steps_lost": max(0, before - (first_step - 1)),
+                "steps_lost": max(0, last - (first - 1)),
             })
             since = killed
         stop_soon(run_dir)

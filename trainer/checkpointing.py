@@ -7,7 +7,10 @@ user's extra items (an EMA copy of the model, a counter: anything ``ckpt`` saves
 
 With a verified window (on by default with the health guard), a checkpoint whose following
 steps the health guard judged healthy is marked verified (``CheckpointManager.mark_verified``,
-by rank 0, once it is committed), and restores prefer the newest verified step.
+by rank 0, once it is committed), and restores prefer the newest verified step. A stop
+checkpoint (the end of ``fit``, a preemption, a straggler drop) has no steps after it: the
+next attempt resumes from it all the same (:meth:`TrainerCheckpointer.stop_step`), and it
+waits for its own window there.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 import ckpt
+import ckpt.inspect
 from trainer.health import HealthGuard, HealthyWindow, Verdict
 from trainer.metrics import format_event
 
@@ -39,6 +43,12 @@ VERIFY_LEVELS = ("structure", "digest", "forward")
 #: save before it (up to ``window + checkpoint_every`` steps recomputed, about ``window``
 #: more than without a window on average).
 DEFAULT_VERIFIED_WINDOW = 4
+
+
+#: The manifest metadata key of a stop checkpoint, ``{"attempt": N, "reason": R}``: the
+#: attempt that took it, and why (one of :data:`STOP_REASONS`).
+STOP_KEY = "trainer_stop"
+STOP_REASONS = ("finished", "preempted", "dropped")
 
 
 #: Item names the trainer uses itself; extra items may not take them.
@@ -189,22 +199,60 @@ class TrainerCheckpointer:
         """The metadata of the step last saved or restored."""
         return self.state.get("meta") or {}
 
-    def restore(self) -> int | None:
+    def restore(self, stop: int | None = None) -> int | None:
         """Load the newest checkpoint that passes the ``verify`` level into the state (with
-        a verified window: the newest verified one first); its step (None: none). A
-        restored step that is not verified yet waits for its window again (it is marked
+        a verified window: the newest verified one first, unless ``stop``, the newest step,
+        is a stop checkpoint to resume from: see :meth:`stop_step`); its step (None: none).
+        A restored step that is not verified yet waits for its window again (it is marked
         verified once the steps after it are healthy)."""
         if self.window is None:
             return self.manager.restore(self.state, verify=self.verify)
         self.manager.wait()
         self._mark_confirmed()  # before a rollback replaces the timeline they belong to
-        restored = self.manager.restore(self.state, verify=self.verify, prefer="verified")
+        restored = self.manager.restore(self.state, verify=self.verify,
+                                        prefer="newest" if stop is not None else "verified")
         self.window.rewind(-1 if restored is None else restored)
         self._confirmed = [(s, e) for s, e in self._confirmed if restored is not None
                            and s <= restored]
         if restored is not None and not self._is_verified(restored):
             self.window.saved(restored)
         return restored
+
+    def stop_step(self, attempt: int) -> int | None:
+        """The newest committed step when a resume should take it although it is not
+        verified: a stop checkpoint (:data:`STOP_KEY` in its manifest's metadata) that
+        the previous attempt (``attempt - 1``) took, so the guard accepted every step up
+        to it. Else None: the resume prefers the newest verified step. A stop checkpoint
+        an attempt resumed from already (and then crashed inside its window) is not taken
+        again. Reads one manifest (rank 0 calls it and broadcasts the answer)."""
+        if self.window is None:
+            return None
+        try:
+            newest = self.manager.latest_step()
+            if newest is None or self._is_verified(newest):
+                return None
+            recorded = ckpt.inspect.open(self.manager).manifest(newest).metadata.get(STOP_KEY)
+        except (OSError, ckpt.CheckpointError) as e:
+            log.info("cannot read whether the newest step is a stop checkpoint (%s): "
+                     "resuming from the newest verified step", e)
+            return None
+        if recorded is None:
+            return None
+        if not (isinstance(recorded, dict) and recorded.get("reason") in STOP_REASONS
+                and type(recorded.get("attempt")) is int):
+            log.warning("step %d carries an invalid %r (%r): not taken as a stop checkpoint; "
+                        "resuming from the newest verified step", newest, STOP_KEY, recorded)
+            return None
+        if recorded["attempt"] != attempt - 1:
+            log.info("step %d is the stop checkpoint of attempt %d, not of the previous one "
+                     "(%d): resuming from the newest verified step", newest,
+                     recorded["attempt"], attempt - 1)
+            return None
+        log.info("step %d is the %s stop checkpoint of attempt %d: resuming from it; it is "
+                 "marked verified once the %d steps after it are healthy (a health rollback "
+                 "before then goes to the newest verified step)", newest, recorded["reason"],
+                 recorded["attempt"], self.window.steps)
+        return newest
 
     def _is_verified(self, step: int) -> bool:
         """Whether ``step`` carries a valid verified marker (False when they cannot be
@@ -248,14 +296,19 @@ class TrainerCheckpointer:
                 "skipped_steps": skipped}
 
     def save(self, step: int, meta: dict[str, Any], *, force: bool = False,
-             persist: bool | None = None) -> Any:
+             persist: bool | None = None, stop: str | None = None) -> Any:
         """Save ``step`` with ``meta`` if the schedule (or ``force``) says so; returns the
         manager's handle (None: not saved). A forced save (the trainer's first, final and
-        preemption checkpoints) and one with ``persist=True`` also go to the root when the
-        memory tier is on, whatever ``persist_every`` says."""
+        preemption checkpoints) and one with ``persist=True`` or ``stop`` also go to the
+        root when the memory tier is on, whatever ``persist_every`` says. ``stop`` (one of
+        :data:`STOP_REASONS`): the attempt stops after this step, every step judged healthy
+        so far; with a verified window it is recorded for :meth:`stop_step`."""
         self.state["meta"] = meta
-        handle = self.manager.save(step, self.state, force=force,
-                                   persist=True if force or persist else None)
+        metadata = None
+        if stop is not None and self.window is not None:
+            metadata = {STOP_KEY: {"attempt": meta.get("attempt"), "reason": stop}}
+        handle = self.manager.save(step, self.state, force=force, metadata=metadata,
+                                   persist=True if force or persist or stop else None)
         if handle is not None and self.window is not None:
             self.window.saved(step)
             self._handles[step] = handle
@@ -298,6 +351,7 @@ class TrainerCheckpointer:
         self.manager.close()
 
 
-__all__ = ["DEFAULT_VERIFIED_WINDOW", "RESERVED_ITEMS", "TrainerCheckpointer", "VERIFY_LEVELS",
+__all__ = ["DEFAULT_VERIFIED_WINDOW", "RESERVED_ITEMS", "STOP_KEY", "STOP_REASONS",
+           "TrainerCheckpointer", "VERIFY_LEVELS",
            "checkpointed_items", "default_probe_inputs", "make_probe", "memory_job_id",
            "memory_tier_options"]

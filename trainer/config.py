@@ -140,9 +140,11 @@ class CheckpointConfig:
             a crash inside the newest save's window resumes from the verified save before
             it: up to ``verified_window + checkpoint_every`` steps recomputed instead of
             up to ``checkpoint_every`` (on average about ``verified_window`` steps more
-            per crash). The final checkpoint of a run and a preemption checkpoint have no
-            steps after them and stay unverified, so a later run resumes from the verified
-            save before them. None: no marking; restores take the newest good step.
+            per crash). The checkpoints the trainer takes to stop (the final one of a run,
+            a preemption, a straggler drop) have no steps after them: the next attempt
+            resumes from them all the same, and they wait for their window there (a
+            rollback before then goes to the verified save before them). None: no
+            marking; restores take the newest good step.
             Without a health guard (``health=None``/``False``) there are no verdicts, so
             no window either, whatever this says (no error): restores take the newest
             good step (docs/observability.md, "Verified checkpoints").

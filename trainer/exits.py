@@ -216,7 +216,7 @@ class ExitPolicy:
         t0 = time.time()
         taken = None
         if handle is None:
-            taken = checkpointer.save(step, checkpointer.meta, force=True)
+            taken = checkpointer.save(step, checkpointer.meta, force=True, stop="preempted")
         checkpointer.wait()
         if committed is not None:
             committed(taken)

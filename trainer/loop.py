@@ -56,7 +56,11 @@ class TrainingLoop:
         assert checkpointer is not None and batches is not None and parts.steps is not None
         trainer.sections.enter("restore")
         t0 = time.time()
-        restored = checkpointer.restore()
+        # A stop checkpoint of the previous attempt is resumed from though not verified yet;
+        # rank 0 reads it once so that every rank restores the same step.
+        stop = attempt.broadcast(checkpointer.stop_step(attempt.number) if attempt.rank == 0
+                                 else None)
+        restored = checkpointer.restore(stop)
         start = restored or 0
         skipped = 0
         if restored is not None:
@@ -136,7 +140,8 @@ class TrainingLoop:
                 with sections.user("hooks"):
                     hooks.step_done(step)
             handle = self._commit_step(step, loss_value, norm_value, batch,
-                                       last=preempt or step == total_steps)
+                                       stop="preempted" if preempt else
+                                       "finished" if step == total_steps else None)
             if hooks is not None:
                 with sections.user("hooks"):
                     hooks.checkpoint_taken(step, handle)
@@ -156,7 +161,8 @@ class TrainingLoop:
         feed.stop()
         if handle is None and start < total_steps:
             # the final state, whatever the schedule
-            handle = checkpointer.save(total_steps, checkpointer.meta, force=True)
+            handle = checkpointer.save(total_steps, checkpointer.meta, force=True,
+                                       stop="finished")
             parts.records.record("save", step=total_steps)
             if hooks is not None:
                 hooks.checkpoint_taken(total_steps, handle)
@@ -167,10 +173,11 @@ class TrainingLoop:
         return self._finish(total_steps, step_times, loss_value)
 
     def _commit_step(self, step: int, loss: float, grad_norm: float, batch: StepBatch, *,
-                     last: bool = False) -> Any:
+                     stop: str | None = None) -> Any:
         """``step`` is done: its metadata, audit and progress records, heartbeat, and the
         checkpoint when one is due (returns the manager's save handle, None if none). The
-        ``last`` step (the final one, or preempted) is checkpointed to the root too."""
+        attempt's last step (``stop``: "finished" or "preempted") is checkpointed to the
+        root too, as a stop checkpoint."""
         parts = self.parts
         assert parts.checkpointer is not None
         parts.step = step
@@ -181,7 +188,7 @@ class TrainingLoop:
             parts.heartbeat.update(step)
         sections = self.trainer.sections
         sections.enter("save")
-        handle = parts.checkpointer.save(step, meta, persist=last)
+        handle = parts.checkpointer.save(step, meta, stop=stop)
         if handle is not None:
             parts.records.record("save", step=step)
         else:

@@ -78,7 +78,7 @@ def leave_for_drop(exits: Any, straggler: int, step: int, handle: Any, *, score:
     checkpointer = exits.checkpointer
     if checkpointer is not None:
         if handle is None:
-            checkpointer.save(step, checkpointer.meta, force=True)
+            checkpointer.save(step, checkpointer.meta, force=True, stop="dropped")
         checkpointer.wait()
     # Nobody leaves before every rank has its save's outcome: rank 0 hosts the job's store,
     # and a peer still reading the commit from it would fail the save and exit with an error.

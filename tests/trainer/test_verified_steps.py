@@ -1,6 +1,7 @@
 """Verified checkpoints in the elastic trainer: a checkpoint is marked verified only once the
 steps after it were judged healthy, and the health rollback and a resume go to the newest
-verified step.
+verified step; a resume after a stop checkpoint (the end of fit, SIGTERM) takes that one,
+and a rollback in its window still goes to the newest verified step.
 
 The job is test_health's (a small MLP, 400 samples, global batch 8, a checkpoint every 5
 steps) with the default verified window, 4 steps. The loss of step 12, two steps after the

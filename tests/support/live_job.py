@@ -13,7 +13,10 @@ commit with digests. Faults, each injected once per job (a marker file), by env
 
 Each kill is written to ``kills.jsonl`` (group, step, time) just before the signal. A
 ``stop_at`` file in the run directory ends the job at that step (the test writes one a few
-steps ahead once it has seen what it waits for).
+steps ahead once it has seen what it waits for). A ``hold_at`` file holds every group at a
+step boundary (after committing that step, before the next quorum) until the test removes
+it; each held group touches ``held-<group>-<step>``: faults injected there (the lighthouse
+killed, a majority stopped) find every group at the same committed step.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ def main() -> None:
     y = torch.randint(0, 4, (SAMPLES,), generator=g)
 
     stop_file = run_dir / "stop_at"
+    hold_file = run_dir / "hold_at"
 
     class Job(LiveTrainer):
         def issue_allreduce(self, flat: torch.Tensor) -> Any:
@@ -89,6 +93,18 @@ def main() -> None:
                 time.sleep(0.3)
                 _die(run_dir, group, kill[0], step, "allreduce")
             return super().issue_allreduce(flat)
+
+        def train_step(self) -> bool:
+            step = self.manager.current_step()
+            try:
+                hold = int(hold_file.read_text() or -1)
+            except (FileNotFoundError, ValueError):
+                hold = -1
+            if 0 <= hold <= step:
+                (run_dir / f"held-{group}-{hold}").touch()
+                while hold_file.exists():
+                    time.sleep(0.005)
+            return super().train_step()
 
         def last_step(self, total_steps: int) -> int:
             # the test may end the job sooner: a step every group reads before it
@@ -122,7 +138,7 @@ def main() -> None:
 
 # -- the test side ------------------------------------------------------------------------
 def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float = 1.0,
-              quorum_timeout: float = 30.0, quorum_retries: int = 3,
+              quorum_timeout: float = 30.0, quorum_retries: int = 3, timeout: float = 15.0,
               respawn_delay: float = 0.0, extra: list[str] | None = None
               ) -> subprocess.Popen:
     """The supervisor of a 3-group job in a network namespace of its own (torchft's
@@ -135,7 +151,7 @@ def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float
     supervisor = [sys.executable, "-m", "trainer.live.supervisor", "--groups", "3",
                   "--host", "127.0.0.1", "--heartbeat-timeout", str(heartbeat_timeout),
                   "--quorum-timeout", str(quorum_timeout),
-                  "--quorum-retries", str(quorum_retries), "--timeout", "15",
+                  "--quorum-retries", str(quorum_retries), "--timeout", str(timeout),
                   "--join-timeout", "5", "--respawn-delay", str(respawn_delay),
                   "--run-dir", str(run_dir),
                   "--job-timeout", "3000", *(extra or []), "--",
@@ -187,6 +203,25 @@ def stop_soon(run_dir: Path, ahead: int = 4) -> int:
     (run_dir / "stop_at.tmp").write_text(str(newest + ahead))
     os.replace(run_dir / "stop_at.tmp", run_dir / "stop_at")
     return newest + ahead
+
+
+def hold(run_dir: Path, ahead: int = 5) -> int:
+    """Hold every group after the step ``ahead`` past the newest commit (a step none of
+    them has passed yet); returns that step."""
+    newest = max((r["step"] for recs in group_records(run_dir).values() for r in recs
+                  if r["event"] == "commit"), default=0)
+    (run_dir / "hold_at.tmp").write_text(str(newest + ahead))
+    os.replace(run_dir / "hold_at.tmp", run_dir / "hold_at")
+    return newest + ahead
+
+
+def held(run_dir: Path, step: int) -> bool:
+    """Whether every group waits at the hold of ``step``."""
+    return all((run_dir / f"held-{g}-{step}").exists() for g in range(3))
+
+
+def release(run_dir: Path) -> None:
+    (run_dir / "hold_at").unlink()
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -152,6 +152,9 @@ def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float
                   "--host", "127.0.0.1", "--heartbeat-timeout", str(heartbeat_timeout),
                   "--quorum-timeout", str(quorum_timeout),
                   "--quorum-retries", str(quorum_retries), "--timeout", str(timeout),
+                  # a process's first quorum waits for its peers' imports (minutes on a
+                  # busy machine)
+                  "--start-timeout", "600",
                   "--join-timeout", "5", "--respawn-delay", str(respawn_delay),
                   "--run-dir", str(run_dir),
                   "--job-timeout", "3000", *(extra or []), "--",
@@ -205,7 +208,7 @@ def stop_soon(run_dir: Path, ahead: int = 4) -> int:
     return newest + ahead
 
 
-def hold(run_dir: Path, ahead: int = 5) -> int:
+def hold(run_dir: Path, ahead: int = 6) -> int:
     """Hold every group after the step ``ahead`` past the newest commit (a step none of
     them has passed yet); returns that step."""
     newest = max((r["step"] for recs in group_records(run_dir).values() for r in recs

@@ -121,7 +121,7 @@ def live_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
         pytest.skip("needs unshare -n (root)")
     tmp = tmp_path_factory.mktemp("live")
     run_dir = tmp / "run"
-    proc = start_job(tmp, steps=100000, kill="2:4:forward,1:6:allreduce", timeout=6.0,
+    proc = start_job(tmp, steps=100000, kill="2:4:forward,1:6:allreduce", timeout=8.0,
                      quorum_timeout=10.0, extra=["--spares", "1"])
     out: dict = {"run": run_dir}
     try:

@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quorum-retries", type=int, default=3)
     p.add_argument("--join-timeout", type=float, default=5.0)
     p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--start-timeout", type=float, default=60.0,
+                   help="seconds a process's first quorum may take")
     p.add_argument("--respawn-delay", type=float, default=0.0)
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--mode", choices=("live", "restart"), default="live")
@@ -250,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                         replica_groups=a.groups, min_replicas=a.min_replicas,
                         heartbeat_timeout=a.heartbeat_timeout,
                         quorum_timeout=a.quorum_timeout, quorum_retries=a.quorum_retries,
-                        join_timeout=a.join_timeout, timeout=a.timeout)
+                        join_timeout=a.join_timeout, timeout=a.timeout,
+                        start_timeout=a.start_timeout)
     job = LiveJob(command, config, Path(a.run_dir), respawn_delay=a.respawn_delay,
                   max_restarts=a.max_restarts, mode=a.mode, spares=a.spares)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

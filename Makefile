@@ -22,6 +22,10 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	# GEMINI (lm-resiliency) registers a torchrun plugin that every torchrun agent of an
+	# environment imports: it lives beside the venv, on the memory benchmark's path only.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps \
+		--target bench-out/gemini lm-resiliency==0.2.0
 	$(PY) benchmarks/bench_save_load.py
 	$(PY) benchmarks/bench_async.py
 	$(PY) benchmarks/bench_incremental.py
@@ -35,7 +39,14 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_integrations.py
 	$(PY) benchmarks/bench_scale.py
 	$(PY) benchmarks/bench_memory_tier.py
+	PYTHONPATH=bench-out/gemini $(PY) benchmarks/bench_memory_tier.py --save-cost
 	$(PY) benchmarks/bench_load_fixed.py
+	$(PY) benchmarks/bench_peers.py
+	$(PY) benchmarks/bench_restore.py
+	$(PY) benchmarks/bench_hang.py
+	$(PY) benchmarks/bench_live.py
+	$(PY) benchmarks/bench_dcp.py
+	$(PY) benchmarks/bench_replication.py
 
 clean:
 	rm -rf $(VENV) demo-run bench-out

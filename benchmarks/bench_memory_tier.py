@@ -45,11 +45,11 @@
    under 2 s with the memory tier. ``--quick``: the killed worker only, cold and warm with
    the memory tier.
 
-3. **Save cost** (``--save-cost``, alone; ``benchmarks/memory_save_cost.py``): a save into
-   the memory tier against GEMINI's capture (lm-resiliency, which ``make bench`` installs
-   beside the venv) and the copy floor, beside a training-like CPU loop: blocking, training time lost per save, and
-   the bytes resident in ``/dev/shm`` and the process's resident set. Goal: training time
-   lost <= 1.2x the copy floor's. Default sizes 256 MiB and 1 GiB, 5 repetitions.
+3. **Save cost** (``--save-cost``, alone; ``benchmarks/memory_save_cost.py``): a save into the
+   memory tier against GEMINI's capture (lm-resiliency, which ``make bench`` installs beside
+   the venv) and the copy floor, beside a training-like CPU loop: blocking, training time lost
+   per save, and the bytes resident in ``/dev/shm`` and the process's resident set. Goal:
+   training time lost <= 1.2x the copy floor's. Default sizes 256 MiB and 1 GiB, 5 repetitions.
 
 Run from the repository root::
 

@@ -9,7 +9,9 @@ commit with digests. Faults, each injected once per job (a marker file), by env
 - ``allreduce``: at the gradient all-reduce it waits until its peers are surely inside
   theirs (0.3 s), then SIGKILLs itself.
 
-  (at the first step from the one named on at which all three groups are in the quorum).
+  (at the first step from the one named on at which all three groups are in the quorum
+  and a warm spare waits: ``spare-<pid>`` in the run directory, so that the replacement
+  starts without importing torch; start the job with ``--spares``).
 
 Each kill is written to ``kills.jsonl`` (group, step, time) just before the signal. A
 ``stop_at`` file in the run directory ends the job at that step (the test writes one a few
@@ -50,6 +52,8 @@ def _due(run_dir: Path, kill: tuple[int, str, int] | None, where: str, step: int
     quorum (so any replacement of an earlier kill has joined), after the earlier kills."""
     if not kill or kill[1] != where or step < kill[0] or participants != 3:
         return False
+    if not any(run_dir.glob("spare-*")):
+        return False  # no warm spare yet: the replacement would import torch
     earlier = read(run_dir / "kills.jsonl")
     # a whole quorum after the previous kill's step: its replacement has joined
     return len(earlier) == kill[2] and all(step > k["step"] for k in earlier)
@@ -73,9 +77,15 @@ def main() -> None:
     from torch.utils.data import TensorDataset
 
     from trainer.live import LiveConfig, LiveTrainer, run
+    from trainer.live.config import SPARE_ENV
 
     run_dir = Path(os.environ["LIVE_RUN_DIR"])
+    # a warm spare (imports paid) says so while it waits for its group
+    ready = run_dir / f"spare-{os.getpid()}"
+    if os.environ.get(SPARE_ENV) == "1":
+        ready.touch()
     live = LiveConfig.from_env()
+    ready.unlink(missing_ok=True)
     group = live.replica_group
     kill = _kills().get(group)
     g = torch.Generator().manual_seed(1234)

@@ -121,8 +121,11 @@ def live_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
         pytest.skip("needs unshare -n (root)")
     tmp = tmp_path_factory.mktemp("live")
     run_dir = tmp / "run"
+    # a replacement 3 s after a loss (a node's replacement time): longer than the heartbeat
+    # timeout, so the survivors commit without the victim first and the replacement,
+    # whose own checkpoint is behind them by then, heals from a peer
     proc = start_job(tmp, steps=100000, kill="2:4:forward,1:6:allreduce", timeout=8.0,
-                     quorum_timeout=10.0, extra=["--spares", "1"])
+                     quorum_timeout=10.0, respawn_delay=3.0, extra=["--spares", "1"])
     out: dict = {"run": run_dir}
     try:
         wait_for(lambda: committed_at_least(run_dir, 2), 900, "the first commits")

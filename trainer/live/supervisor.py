@@ -218,6 +218,10 @@ class LiveJob:
             self._event("gave_up", restarts=self.restarts)
             return 1
         self.restarts += 1
+        # The lighthouse counts a stopped group's pending quorum request until its
+        # heartbeat expires: a group started sooner (a warm spare, in milliseconds) can be
+        # put in a quorum with it and wait out a gloo rendezvous with a dead peer.
+        time.sleep(self.config.heartbeat_timeout + 0.5)
         for g in range(self.config.replica_groups):
             self.start_group(g, "restart")
         return None

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+import torch._dynamo  # noqa: F401 (a first optimizer imports it, seconds: a warm spare pays now)
 import torchft  # noqa: F401 (imported here so that a warm spare has paid for it)
 from torch.utils.data import Dataset, default_collate
 

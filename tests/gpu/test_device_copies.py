@@ -175,8 +175,8 @@ def test_save_keeps_no_host_copy_of_cuda_tensors_and_async_save_keeps_one_for_re
     buffers: list = []
     real_stage = Stager.stage
 
-    def stage(self, tensors, copy, guards=()):
-        staged, ready = real_stage(self, tensors, copy, guards)
+    def stage(self, tensors, copy, guards=(), **kw):
+        staged, ready = real_stage(self, tensors, copy, guards, **kw)
         buffers.extend(weakref.ref(t) for t in staged.values())
         return staged, ready
 
@@ -236,7 +236,9 @@ def test_a_load_on_reading_threads_writes_after_the_callers_stream(
     from storage_backends import posix
 
     saved = {k: torch.randn(16, 256) for k in "abcd"}
-    ckpt.save(saved, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096))
+    # two data files (files are read in parallel), whatever cores this machine leaves free
+    ckpt.save(saved, tmp_path / "c", options=ckpt.SaveOptions(chunk_bytes=4096,
+                                                               write_threads=2))
     sim = fake_cuda.install(monkeypatch)
     monkeypatch.setattr(ckpt._load.reader, "TINY_CHUNK_BYTES", 0)  # read on the pool's threads
     readers = set()

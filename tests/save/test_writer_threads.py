@@ -115,6 +115,23 @@ def test_a_busy_machine_writes_one_file_and_an_explicit_count_its_own(
     assert free.files == ckpt.SaveOptions().write_threads
 
 
+def test_ckpt_save_with_the_defaults_number_given_explicitly_writes_that_many_files(
+        tmp_path, monkeypatch, torch_threads):
+    """ckpt.save reuses its module-level writer while the options are the same: an explicit
+    write_threads equal to the default's number is not the default, and is used as given."""
+    monkeypatch.setattr(concurrency, "cores_available", lambda: 2)
+    torch_threads(2)  # training uses both cores: the default writes one file
+    default = int(ckpt.SaveOptions().write_threads)
+    if default < 2:
+        pytest.skip("one CPU: the default is one thread either way")
+    ckpt.save(state(), tmp_path / "chosen", options=ckpt.SaveOptions(chunk_bytes=CHUNK))
+    ckpt.save(state(), tmp_path / "explicit",
+              options=ckpt.SaveOptions(chunk_bytes=CHUNK, write_threads=default))
+    files = {name: len(list((tmp_path / name).glob("*.safetensors")))
+             for name in ("chosen", "explicit")}
+    assert files == {"chosen": 1, "explicit": default}, files
+
+
 class RequestStorage(PosixStorage):
     """A file system that reads like an object store: no streamed blocks, each read a
     request (what S3 and tensorstore backends declare)."""

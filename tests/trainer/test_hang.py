@@ -325,7 +325,8 @@ def test_a_hung_rank_is_named_dropped_and_the_job_resumes(tmp_path):
             assert all(w.startswith(("collective", "backward"))
                        for w in f["waiting"].values()), f["waiting"]
         rec = next(r for r in s.recoveries if r.attempt == attempt)
-        assert rec.lost_ranks == [culprit] and rec.reason == "hung rank", rec
+        # the summary lists every rank's reason: the third rank's may be the collective
+        assert rec.lost_ranks == [culprit] and "hung rank" in rec.reason.split(", "), rec
         # resumed from the newest verified checkpoint (not a newer one still unconfirmed)
         assert rec.restored_step == newest_verified(c, tmp_path / "run", attempt), rec
         typical = typical_step(records)

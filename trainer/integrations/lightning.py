@@ -331,6 +331,8 @@ class CkptCheckpointIO(CheckpointIO):
                 problem = plf.problem(f, records, os.path.basename(path))
                 if problem is None:
                     f.seek(0)
+                    # weights_only as Lightning's caller asks, as its own IO loads: only
+                    # a file whose every record matched the step's digests gets here
                     return torch.load(f, map_location=map_location, weights_only=weights_only)
                 problems.append(problem)
         return "; ".join(problems) or f"no file in {folder} holds it any more"

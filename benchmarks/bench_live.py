@@ -8,7 +8,8 @@ times (each once the job is whole again and has committed 3 more steps) and meas
 from the kill:
 
 - ``survivors_next_step_s``: the survivors' next committed step (live: the same
-  processes; restart: the first step of the restarted job);
+  processes' first commit of a step past every step committed before the kill, not the
+  step in flight when it came; restart: the first step of the restarted job);
 - ``replacement_first_step_s``: the lost group's replacement's first committed step;
 - ``steps_lost``: steps committed before the kill and trained again after it.
 
@@ -87,16 +88,30 @@ def run_mode(mode: str, trials: int, heartbeat_timeout: float, work: Path) -> li
             # they are stopped too (what they commit meanwhile is lost), and the job's
             # next step is the restarted processes' first
             survivors = [r for r in after if r["pid"] in old] if mode == "live" else new
-            # steps committed before (or, restarting, by the stopped processes) and
-            # committed again after
-            last = max(r["step"] for r in commits
-                       if r["pid"] in old and (mode != "live" or r["time"] <= killed))
-            first = min(r["step"] for r in survivors)
+            if mode == "live":
+                # Each group records its own commit of a step: the victim's record of step
+                # S may precede the kill and the survivors' records of the same S follow it.
+                # That S is not recovery: the survivors' next step is one past every step
+                # committed before the kill, and a step is lost when a survivor commits
+                # again a step it had committed before.
+                last = max(r["step"] for r in commits if r["time"] <= killed)
+                nxt = [r for r in survivors if r["step"] > last]
+                lost = max(
+                    max((r["step"] for r in commits
+                         if r["pid"] == pid and r["time"] <= killed), default=0)
+                    - min(r["step"] for r in survivors if r["pid"] == pid) + 1
+                    for pid in {r["pid"] for r in survivors})
+            else:
+                # what the stopped processes committed and the restarted ones trained again
+                last = max(r["step"] for r in commits if r["pid"] in old)
+                nxt = survivors
+                lost = last - min(r["step"] for r in survivors) + 1
             timelines.append({
-                "survivors_next_step_s": min(r["time"] for r in survivors) - killed,
+                "survivors_next_step_s": min((r["time"] for r in nxt),
+                                             default=float("nan")) - killed,
                 "replacement_first_step_s": min(r["time"] for r in new
                                                 if r["pid"] == new_pid) - killed,
-                "steps_lost": max(0, last - (first - 1)),
+                "steps_lost": max(0, lost),
             })
             since = killed
         stop_soon(run_dir)

@@ -27,7 +27,7 @@ from ckpt._step.integrity import read_manifest
 from ckpt._step.listing import committed_steps
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                          StateMismatchError)
-from ckpt.options import SaveOptions, chosen_threads
+from ckpt.options import SaveOptions
 
 log = logging.getLogger("ckpt")
 
@@ -66,10 +66,7 @@ class _OneShot:
                 except CheckpointError:
                     pass  # that caller owns that error; it was raised through its handle
             group = Group()
-            # an explicit write_threads equals the default's number but is not chosen
             if (self._writer is None or self._writer.options != options
-                    or chosen_threads(self._writer.options.write_threads)
-                    != chosen_threads(options.write_threads)
                     or self._writer.group.rank != group.rank
                     or self._writer.group.world_size != group.world_size):
                 if self._writer is not None:

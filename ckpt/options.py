@@ -5,7 +5,7 @@ memory tier and metrics (its retention: :class:`ckpt.RetentionPolicy`)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # 8 MiB chunks: large enough that per-chunk overhead (a manifest entry, one read, one digest)
@@ -89,8 +89,12 @@ class SaveOptions:
     commit_timeout: float = 600.0
     probe: Any = None  # a ckpt.Probe; not imported here, the save wing sits below it
     writer_nice: int = 10
+    # Whether write_threads is the default a save may adapt: options that save differently
+    # are not equal, though an explicit count equals the default's number.
+    _threads_chosen: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_threads_chosen", chosen_threads(self.write_threads))
         _positive_int("full_every", self.full_every)
         _positive_number("commit_timeout", self.commit_timeout)
         if self.chunk_bytes < 4096:

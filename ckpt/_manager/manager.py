@@ -386,25 +386,31 @@ class CheckpointManager:
             self._saver.base = restored.manifest
         return restored.step
 
-    def load(self, step: int | None = None, *,
-             map_location: MapLocation = None) -> dict[str, Any] | None:
+    def load(self, step: int | None = None, *, map_location: MapLocation = None,
+             prefer: str = "newest") -> dict[str, Any] | None:
         """The newest good step (or ``step``) without a template, like ``torch.load``: a
         dict of the saved items (see :func:`ckpt.load`); ``mgr.loaded_step`` says which step.
 
         Falls back past steps that fail validation as :meth:`restore` does (each skipped with
         a warning, recorded in ``mgr.skipped``); an explicit ``step`` raises instead.
+        ``prefer="verified"`` tries the verified steps first, newest first, as
+        :meth:`restore` does (and, as there, the steps after the one it loaded may be saved
+        again without ``overwrite``). Reads the root only (never the memory tier).
 
         Returns:
             The saved items, or None when the root has no checkpoint yet.
 
         Raises:
+            ValueError: ``prefer`` is neither ``"newest"`` nor ``"verified"``.
             CorruptCheckpointError: every committed step failed validation.
             UnsupportedValueError: the step holds pickled values and the manager was not
                 opened with ``SaveOptions(allow_pickle=True)``.
         """
+        if prefer not in PREFERENCES:
+            raise ValueError(f"load(prefer=...) must be one of {PREFERENCES}, not {prefer!r}")
         if not self._read_only and not self._closed:
             self.wait()
-        loaded = self._restorer.load(step, map_location=map_location)
+        loaded = self._restorer.load(step, map_location=map_location, prefer=prefer)
         self._order.restored(None if loaded is None else loaded.step, step is None)
         if loaded is None:
             return None

@@ -76,6 +76,12 @@ class Attempts:
     skipped: tuple[tuple[int, Tier, str], ...]
 
 
+def _newer(candidates: list[int], step: int) -> frozenset[int]:
+    """The committed steps after ``step``, which a restore that preferred a verified step
+    passed over (the bad ones among them it skipped anyway)."""
+    return frozenset(s for s in candidates if s > step)
+
+
 def _one_line(why: str) -> str:
     """A reason on one line (it goes into a log line)."""
     return " ".join(why.split())
@@ -118,7 +124,7 @@ class Restorer:
                                path=self.root) from e
         verified = self._verified(candidates) if step is None and prefer == VERIFIED \
             else frozenset()
-        self.passed_over = frozenset(s for s in candidates if verified and s > max(verified))
+        self.passed_over = frozenset()
         root, order = restore_order(self.storage, self.memory, self.group, candidates, step,
                                     preferred=verified)
         tried = Fallback(self.group, self.root, self.skipped, "restore")
@@ -139,6 +145,7 @@ class Restorer:
                     # A step another rank failed on: what this rank wrote needs repair too.
                     dirty |= error.changed if isinstance(error, PartialLoadError) else wrote
                 if not agreed.bad:
+                    self.passed_over = _newer(candidates, s) if verified else frozenset()
                     return self._restored(s, manifest, storage, tier.tier, root.reads, tried,
                                           Attempts(nbytes, time.perf_counter() - started,
                                                    tuple(failed)))
@@ -261,11 +268,22 @@ class Restorer:
             return forward_error, wrote, None
         return None, wrote, manifest
 
-    def load(self, step: int | None, *, map_location: MapLocation) -> Restored | None:
+    def load(self, step: int | None, *, map_location: MapLocation,
+             prefer: str = NEWEST) -> Restored | None:
         """See :meth:`ckpt.CheckpointManager.load`."""
         tried = Fallback(self.group, self.root, self.skipped, "load")
+        try:
+            candidates = [step] if step is not None else list(reversed(self.steps()))
+        except OSError as e:  # the storage failed (after its retries): not a missing root
+            raise StorageError(f"listing the steps of {self.root} failed: {e}",
+                               path=self.root) from e
+        verified = self._verified(candidates) if step is None and prefer == VERIFIED \
+            else frozenset()
+        # As restore: the verified steps newest first, then the others newest first.
+        self.passed_over = frozenset()
+        candidates.sort(key=lambda s: (s in verified, s), reverse=True)
         with cf.ThreadPoolExecutor(self.threads) as pool:
-            for s in [step] if step is not None else list(reversed(self.steps())):
+            for s in candidates:
                 location, error, value = step_dir(s), None, None
                 try:
                     manifest = read_manifest(self.storage, location, s)
@@ -283,6 +301,7 @@ class Restorer:
                     raise CheckpointError(f"another rank failed to load step {s}: "
                                           f"{agreed.fatal[0]}", path=self.root)
                 if not agreed.bad:
+                    self.passed_over = _newer(candidates, s) if verified else frozenset()
                     log.info("ckpt.load step=%d root=%s skipped=%d", s, self.root,
                              len(tried.failures))
                     return Restored(s, manifest, value=value)

@@ -62,6 +62,39 @@ def test_restore_prefers_the_newest_verified_step(tmp_path):
             mgr.restore(state(-1), prefer="oldest")
 
 
+def test_load_prefers_the_verified_step_as_restore_does(tmp_path):
+    root = str(tmp_path / "r")
+    saved_root(root, steps=(2, 4, 6, 8))
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.load(prefer="verified")["w"][0].item() == 8.0  # none verified: newest
+        with pytest.raises(ValueError, match="prefer"):
+            mgr.load(prefer="oldest")
+    with ckpt.CheckpointManager(root) as mgr:
+        mgr.mark_verified(2)
+        mgr.mark_verified(6)
+    corrupt_data(root, 6)
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        assert mgr.load()["w"][0].item() == 8.0 and mgr.loaded_step == 8
+        # the newest verified step is corrupt: the older verified one, before step 8
+        assert mgr.load(prefer="verified")["w"][0].item() == 2.0 and mgr.loaded_step == 2
+        assert [s for s, _ in mgr.skipped] == [6]
+        assert mgr.load(step=4, prefer="verified")["w"][0].item() == 4.0  # explicit wins
+        assert mgr.load(prefer="verified")["w"][0].item() == 2.0
+        mgr.save(4, state(40))              # the steps it passed over may be saved again
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:  # and so with restore
+        assert mgr.restore(state(-1), prefer="verified") == 2
+        mgr.save(4, state(41))
+
+
+def corrupt_data(root, step: int) -> None:
+    """Flip the last 4 bytes of ``step``'s first data file."""
+    folder = os.path.join(root, f"step-{step:08d}")
+    data = sorted(f for f in os.listdir(folder) if f.startswith("data"))
+    with open(os.path.join(folder, data[0]), "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\xff\xff\xff\xff")
+
+
 def test_a_corrupt_verified_step_falls_back_to_the_older_verified_then_the_rest(tmp_path):
     root = str(tmp_path / "r")
     saved_root(root)

@@ -1,26 +1,48 @@
 """Recovery of a replica group lost mid-training: live recovery (trainer.live, torchft)
-against the restart path, on the same job.
+against the restart path under real torchrun agents, on the same job.
 
-The job (tests/support/live_job.py): three replica groups, one process each, an MLP with
-AdamW on 96 samples, a checkpoint every 4 steps, under ``trainer.live.supervisor`` in a
-network namespace of its own. In each mode it SIGKILLs a group mid-training ``--trials``
-times (each once the job is whole again and has committed 3 more steps) and measures,
-from the kill:
+The job: an MLP with AdamW + StepLR on 96 samples, global batch 12, a checkpoint every 4
+steps, in three replicas. Live: tests/support/live_job.py, three replica groups of one
+process under ``trainer.live.supervisor`` in a network namespace of its own. torchrun:
+tests/support/live_torchrun_job.py, the same model, data, batch, seed and checkpoint
+interval trained by ``trainer.ElasticTrainer`` with its defaults under three torchrun agents
+(one worker each, c10d rendezvous on localhost; benchmarks/live_torchrun.py). In each mode
+it SIGKILLs one group (torchrun: a whole node, agent and worker) mid-training ``--trials``
+times (each once the job is whole again and has committed 3 more steps); the lost group's
+replacement starts at once. From the kill it measures:
 
 - ``survivors_next_step_s``: the survivors' next committed step (live: the same
   processes' first commit of a step past every step committed before the kill, not the
-  step in flight when it came; restart: the first step of the restarted job);
+  step in flight when it came; restart paths: the first step of the restarted job on the
+  surviving groups or nodes, which may train again steps committed before the kill);
+- ``past_kill_step_s``: the job's first commit of a step past every step committed before
+  the kill (training is ahead again);
 - ``replacement_first_step_s``: the lost group's replacement's first committed step;
 - ``steps_lost``: steps committed before the kill and trained again after it.
 
-Modes: ``live`` (the survivors go on, the replacement heals from a peer), ``restart``
-(every group stopped and started again, resuming from ckpt; the torchrun path without its
-re-rendezvous, so a lower bound of it: docs/elastic.md has torchrun's own timeline) and
-``restart-warm`` (the same, from spare processes that imported torch already).
+Modes:
 
-    python benchmarks/bench_live.py [--trials 3] [--heartbeat-timeout 1.0]
+- ``live``: the survivors go on, the replacement heals from a peer;
+- ``torchrun``, ``torchrun-warm``: the restart path, cold and with warm restarts (workers
+  forked from a zygote per node, ``-m trainer.warm``); the replacement node's agent starts
+  at once and joins the survivors' re-rendezvous;
+- ``torchrun-warm-late``: as ``torchrun-warm``, but the replacement starts once the
+  survivors committed a step at world 2 (a replacement slower than the survivors' restart:
+  the survivors' best case; the replacement's join then restarts them once more);
+- ``restart``, ``restart-warm``: the live job's supervisor restarting every group (from
+  spare processes that imported torch with ``-warm``): the restart path without torchrun's
+  rendezvous, a lower bound of it.
 
-Medians; the last line is machine-readable. It never asserts on timings.
+torchrun's rendezvous is shortened from its defaults (live_torchrun.RDZV_CONF says how and
+why); the trainer runs with its defaults (memory tier on, async checkpoints, resumes from
+the newest verified step) apart from micro batches of 2 (the global batch must split at
+world 3 and 2).
+
+    python benchmarks/bench_live.py [--trials 3] [--heartbeat-timeout 1.0] [--modes ...]
+
+Medians; a line per mode, then the machine-readable last line, whose ``restart_path_s`` is
+the best median of the torchrun modes (the line before it names which). It never asserts
+on timings.
 """
 
 from __future__ import annotations
@@ -37,11 +59,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.live_torchrun import run_torchrun  # noqa: E402
 from tests.support.live_job import (finish, group_records, read, start_job,  # noqa: E402
                                     stop, stop_soon, wait_for)
 
-MODES = {"live": [], "restart": ["--mode", "restart"],
-         "restart-warm": ["--mode", "restart", "--spares", "3"]}
+#: the modes run by the live job's supervisor, with its arguments
+SUPERVISED = {"live": [], "restart": ["--mode", "restart"],
+              "restart-warm": ["--mode", "restart", "--spares", "3"]}
+TORCHRUN = ("torchrun", "torchrun-warm", "torchrun-warm-late")
+MODES = ("live", *TORCHRUN, "restart", "restart-warm")
 
 
 def _commits(run_dir: Path) -> list[dict]:
@@ -68,7 +94,7 @@ def run_mode(mode: str, trials: int, heartbeat_timeout: float, work: Path) -> li
     tmp = work / mode
     run_dir = tmp / "run"
     proc = start_job(tmp, steps=100000, heartbeat_timeout=heartbeat_timeout,
-                     extra=MODES[mode])
+                     extra=SUPERVISED[mode])
     timelines = []
     try:
         since = 0.0
@@ -106,9 +132,16 @@ def run_mode(mode: str, trials: int, heartbeat_timeout: float, work: Path) -> li
                 last = max(r["step"] for r in commits if r["pid"] in old)
                 nxt = survivors
                 lost = last - min(r["step"] for r in survivors) + 1
+            # training ahead again: a step past every one committed before (restart: by
+            # the stopped processes)
+            wait_for(lambda: any(r["step"] > last and r["time"] > killed
+                                 for r in _commits(run_dir)), 600, f"a step past {last}")
+            ahead = min(r["time"] for r in _commits(run_dir)
+                        if r["step"] > last and r["time"] > killed)
             timelines.append({
                 "survivors_next_step_s": min((r["time"] for r in nxt),
                                              default=float("nan")) - killed,
+                "past_kill_step_s": ahead - killed,
                 "replacement_first_step_s": min(r["time"] for r in new
                                                 if r["pid"] == new_pid) - killed,
                 "steps_lost": max(0, lost),
@@ -125,6 +158,20 @@ def run_mode(mode: str, trials: int, heartbeat_timeout: float, work: Path) -> li
     return timelines
 
 
+def run(mode: str, trials: int, heartbeat_timeout: float, work: Path) -> list[dict]:
+    if mode in TORCHRUN:
+        return run_torchrun(work / mode, trials, warm="-warm" in mode,
+                            late=mode.endswith("-late"))
+    return run_mode(mode, trials, heartbeat_timeout, work)
+
+
+def restarts(timelines: list[dict], mode: str) -> int:
+    """Job restarts over the mode's kills (the supervisor counts them per job)."""
+    if mode in TORCHRUN:
+        return sum(t["restarts"] for t in timelines)
+    return timelines[0]["restarts"] if timelines else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trials", type=int, default=3)
@@ -134,40 +181,61 @@ def main() -> int:
     a = p.parse_args()
     work = Path(a.dir or tempfile.mkdtemp(prefix="bench-live-"))
     results: dict[str, list[dict]] = {}
+    loads = []
     for mode in a.modes.split(","):
+        if mode not in MODES:
+            p.error(f"unknown mode {mode!r} (modes: {', '.join(MODES)})")
         t0 = time.time()
-        results[mode] = run_mode(mode, a.trials, a.heartbeat_timeout, work)
+        loads.append(os.getloadavg()[0])
+        results[mode] = run(mode, a.trials, a.heartbeat_timeout, work)
+        loads.append(os.getloadavg()[0])
         print(f"# {mode}: {len(results[mode])} kills in {time.time() - t0:.0f} s",
               flush=True)
 
     def med(mode: str, key: str) -> float:
         return statistics.median(t[key] for t in results[mode])
 
-    print(f"\nRecovery of one lost replica group of 3 (medians of {a.trials} kills, "
-          f"heartbeat timeout {a.heartbeat_timeout:g} s, {os.cpu_count()} CPUs, "
-          f"load {os.getloadavg()[0]:.1f})\n")
-    print("| mode | kill -> survivors' next step (s) | kill -> replacement's first step "
-          "(s) | steps lost | job restarts |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for mode in results:
+    print(f"\nRecovery of one lost replica of 3 (medians of {a.trials} kills; live heartbeat "
+          f"timeout {a.heartbeat_timeout:g} s; {os.cpu_count()} CPUs, load average "
+          f"{min(loads):.1f}-{max(loads):.1f} while it ran)\n")
+    print("| mode | kill -> survivors' next step (s) | kill -> a step past the kill's (s) "
+          "| kill -> replacement's first step (s) | steps lost per kill | job restarts |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for mode, tl in results.items():
         print(f"| {mode} | {med(mode, 'survivors_next_step_s'):.2f} | "
+              f"{med(mode, 'past_kill_step_s'):.2f} | "
               f"{med(mode, 'replacement_first_step_s'):.2f} | "
-              f"{med(mode, 'steps_lost'):g} | {results[mode][0]['restarts']} |")
-    for mode in results:
-        runs = ", ".join(f"{t['survivors_next_step_s']:.2f}" for t in results[mode])
+              f"{med(mode, 'steps_lost'):g} | {restarts(tl, mode)} |")
+    print()
+    for mode, tl in results.items():
+        runs = ", ".join(f"{t['survivors_next_step_s']:.2f}" for t in tl)
         print(f"- {mode}: survivors' next step per kill: {runs} s")
-    live = "live" in results
-    restart = "restart" in results
-    if live and restart:
-        ratio = med("restart", "survivors_next_step_s") / med("live", "survivors_next_step_s")
-        print(f"- restart path / live: {ratio:.1f}x")
-    if live:
+        if mode in TORCHRUN:
+            print(f"  survivors' restart (medians, s after the kill): failure seen "
+                  f"{med(mode, 'detect_s'):.2f}, new workers started {med(mode, 'spawn_s'):.2f}, "
+                  f"process group formed {med(mode, 'group_s'):.2f}; world sizes until whole "
+                  f"again: {'; '.join(','.join(map(str, t['worlds'])) for t in tl)}")
+    anchors = [m for m in TORCHRUN if m in results]
+    best = min(anchors, key=lambda m: med(m, "survivors_next_step_s"), default=None)
+    restart_path = med(best, "survivors_next_step_s") if best else float("nan")
+    if "live" in results and best:
+        print(f"- restart path (best torchrun mode, {best}) / live: "
+              f"{restart_path / med('live', 'survivors_next_step_s'):.1f}x")
+    print()
+    for mode, tl in results.items():
+        print(f"mode {mode}: survivors_next_step_s={med(mode, 'survivors_next_step_s'):.2f} "
+              f"past_kill_step_s={med(mode, 'past_kill_step_s'):.2f} "
+              f"replacement_first_step_s={med(mode, 'replacement_first_step_s'):.2f} "
+              f"steps_lost={int(sum(t['steps_lost'] for t in tl))} "
+              f"restarts={restarts(tl, mode)}")
+    if best:
+        print(f"restart path: mode={best} survivors_next_step_s={restart_path:.2f}")
+    if "live" in results:
         print(f"live: survivors_next_step_s={med('live', 'survivors_next_step_s'):.2f} "
               f"replacement_first_step_s={med('live', 'replacement_first_step_s'):.2f} "
               f"steps_lost={int(sum(t['steps_lost'] for t in results['live']))} "
-              f"restarts={results['live'][0]['restarts']} "
-              f"restart_path_s="
-              f"{med('restart', 'survivors_next_step_s') if restart else float('nan'):.2f}")
+              f"restarts={restarts(results['live'], 'live')} "
+              f"restart_path_s={restart_path:.2f}")
     return 0
 
 

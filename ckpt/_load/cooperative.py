@@ -31,6 +31,11 @@ group or world 1, a backend that does not carry CPU tensors (NCCL alone: initial
 read through the host's page cache (a file system), where the kernel reads each byte from
 the disk once for all of them and the exchange would only add copies over loopback.
 
+The memory tier uses the same exchange for the bytes a node's ranks would each fetch from
+another node (``ckpt/_memory/sharing.py``): its plan, agreed before the load, is a
+:class:`Sharing` (which of this rank's chunks it shares with which node-mates, and who
+fetches each); the chunks it reads from its own node's memory stay its own reads.
+
 Threat model: only the ranks of the job's process group reach this exchange (the same
 trust as the commit vote and every other ``all_gather_object`` of ckpt). A rank that sends
 wrong bytes (a bug, a flipped bit in its memory) is caught by the receiver's digest check,
@@ -47,6 +52,7 @@ import heapq
 import logging
 import socket
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,6 +92,23 @@ class GroupFailed(Exception):
     """A collective of the exchange failed: the caller reads plainly instead."""
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """Who reads which chunk, agreed before the load (the memory tier's plan): chunks
+    are named ``(path, start, scope)``, a scope being a set of ranks that share them.
+
+    ``scope``: this rank's shared chunks, (path, start) -> their scope; every other chunk
+    it reads is its own (scope ``"rank N"``). ``needers`` and ``owner``: every shared
+    chunk of every rank -> the ranks that need it, and the one that reads it for them.
+    ``tag_base``: the first message tag of the exchange (agreed; clear of the tags others
+    use on the same group)."""
+
+    scope: dict[ChunkId, str]
+    needers: dict[tuple[str, int, str], list[int]]
+    owner: dict[tuple[str, int, str], int]
+    tag_base: int = 0
+
+
 def _carries_cpu_tensors(group: Group) -> bool:
     backend = str(dist.get_backend(group.pg)).lower()
     return "gloo" in backend or "mpi" in backend
@@ -95,8 +118,9 @@ class Cooperation:
     """One attempt's cooperation over ``group``: every rank calls :meth:`enter` once, or
     :meth:`abandon` when its attempt failed before it could."""
 
-    def __init__(self, group: Group) -> None:
-        self.group = group
+    def __init__(self, group: Any, sharing: Sharing | None = None) -> None:
+        self.group = group  # a Group, or anything with its rank, world_size, pg, all_gather
+        self.sharing = sharing
         self.entered = False
 
     @classmethod
@@ -137,9 +161,12 @@ class Cooperation:
         """Agree on who reads which chunk (collective); None when reads stay plain (no chunk
         needed by two ranks; in "auto" mode, one host whose page cache serves the root:
         ``cached``). Raises CorruptCheckpointError when another rank's attempt failed."""
-        mine: dict[ChunkId, list[ChunkRead]] = {}
+        mine: dict[Any, list[ChunkRead]] = {}
         for r in reads:
-            mine.setdefault((chunk_path(location, r.chunk), r.chunk.start), []).append(r)
+            cid: Any = (chunk_path(location, r.chunk), r.chunk.start)
+            if self.sharing is not None:
+                cid = (*cid, self.sharing.scope.get(cid, f"rank {self.group.rank}"))
+            mine.setdefault(cid, []).append(r)
         table = sorted((cid, rs[0].chunk.numel * manifest.tensors[rs[0].key].torch_dtype.itemsize)
                        for cid, rs in mine.items())
         signature = hashlib.blake2b(repr(table).encode(), digest_size=16).hexdigest()
@@ -149,24 +176,44 @@ class Cooperation:
                 raise CorruptCheckpointError(
                     f"{url}/{location}: rank {rank} cannot load this step ({error}); rank "
                     f"{self.group.rank} read none of it", path=f"{url}/{location}")
-        if MODE == "auto" and len({e[2] for e in everyone}) == 1 and all(
-                e[3] for e in everyone):
+        if self.sharing is None and MODE == "auto" and len({e[2] for e in everyone}) == 1 \
+                and all(e[3] for e in everyone):
             return None  # one host, one page cache: the disk is read once anyway
-        if all(e[0] == signature for e in everyone):  # DDP: every rank needs every chunk
-            return Shares(self.group, table, None, mine)
+        if self.sharing is None and all(e[0] == signature for e in everyone):
+            return Shares(self.group, table, None, mine)  # DDP: every rank needs every chunk
         try:
             tables = self.group.all_gather(table)
         except RuntimeError as e:
             raise GroupFailed(f"exchanging the chunk lists failed: {e}") from e
-        needers: dict[ChunkId, list[int]] = {}
-        sizes: dict[ChunkId, int] = {}
+        needers: dict[Any, list[int]] = {}
+        sizes: dict[Any, int] = {}
         for rank, part in enumerate(tables):
             for cid, size in part:
                 needers.setdefault(cid, []).append(rank)
                 sizes[cid] = size
+        if self.sharing is not None:
+            return self._preset(needers, sizes, mine, url, location)
         if all(len(ranks) < 2 for ranks in needers.values()):
             return None  # nothing replicated (FSDP): nothing to share
         return Shares(self.group, sorted(sizes.items()), needers, mine)
+
+    def _preset(self, needers: dict[Any, list[int]], sizes: dict[Any, int],
+                mine: dict[Any, list[ChunkRead]], url: str, location: str) -> Shares:
+        """The agreed sharing's exchange, once every rank's reads are found to be what it
+        planned (the same verdict on every rank: all computed from the gathered tables)."""
+        sharing = self.sharing
+        assert sharing is not None
+        planned = {cid: ranks for cid, ranks in sharing.needers.items() if cid in needers}
+        differ = [cid for cid, ranks in needers.items()
+                  if sorted(ranks) != sorted(planned.get(cid, ranks[:1]))]
+        if differ or len(planned) != len(sharing.needers):
+            cid = differ[0] if differ else next(c for c in sharing.needers if c not in planned)
+            raise CorruptCheckpointError(
+                f"{url}/{location}: the ranks' reads differ from the plan they agreed on "
+                f"({cid[0]} at {cid[1]}: needed by ranks {needers.get(cid, [])}, planned for "
+                f"{sharing.needers.get(cid, [])})", path=f"{url}/{location}")
+        return Shares(self.group, sorted(sizes.items()), needers, mine,
+                      owner=sharing.owner, tag_base=sharing.tag_base)
 
 
 class Shares:
@@ -175,12 +222,14 @@ class Shares:
     ``started`` and ``finished`` count the writes into the destinations, as the plain
     apply pass does, for an error that must say which live tensors changed."""
 
-    def __init__(self, group: Group, table: list[tuple[ChunkId, int]],
-                 needers: dict[ChunkId, list[int]] | None,
-                 mine: dict[ChunkId, list[ChunkRead]]) -> None:
+    def __init__(self, group: Any, table: list[tuple[Any, int]],
+                 needers: dict[Any, list[int]] | None, mine: dict[Any, list[ChunkRead]], *,
+                 owner: dict[Any, int] | None = None, tag_base: int = 0) -> None:
         self.group, self.table, self.needers, self.mine = group, table, needers, mine
         self.me = group.rank
-        self.owner = _owners(table, needers, group.world_size)
+        self.owner = assign_owners(table, needers, group.world_size)
+        self.owner.update(owner or {})  # agreed before the load: who fetches a shared chunk
+        self.tag_base = tag_base
         self.started: set[str] = set()
         self.finished: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -211,6 +260,7 @@ class Shares:
         they land), then sends them; each receiver checks what it got (``check``)."""
         files = OpenFiles(storage)
         received_error: str | None = None
+        broken: str | None = None  # the group failed to carry this rank's chunks: agreed next
         try:
             for batch in _batches(self.table):
                 error = None
@@ -218,9 +268,9 @@ class Shares:
                     data = self._read_own(storage, location, batch, files, pool, landing)
                 except Exception as e:
                     error, data = e, {}
-                self._agree(error, received_error, storage.url, location)
-                received_error = self._send_and_receive(batch, data, check, storage)
-            self._agree(None, received_error, storage.url, location)
+                self._agree(error, received_error, storage.url, location, broken)
+                received_error, broken = self._send_and_receive(batch, data, check, storage)
+            self._agree(None, received_error, storage.url, location, broken)
         finally:
             files.close()
 
@@ -253,10 +303,11 @@ class Shares:
 
     def _send_and_receive(self, batch: list[tuple[ChunkId, int]],
                           data: dict[ChunkId, memoryview], check: bool,
-                          storage: Storage) -> str | None:
+                          storage: Storage) -> tuple[str | None, str | None]:
         """Post every send and receive of the batch, wait, then check and place what came;
         returns the first chunk that failed its check here (reported at the next
-        agreement), or None."""
+        agreement), or None; and why the sends or receives failed (the group cannot carry
+        the chunks), or None."""
         tags: dict[tuple[int, int], int] = {}
         packs: dict[tuple[int, int], list[tuple[ChunkId, int]]] = {}
         sends: list[tuple[int, int, torch.Tensor]] = []
@@ -265,7 +316,7 @@ class Shares:
                           ChunkRead | None]] = []
 
         def tag(pair: tuple[int, int]) -> int:
-            tags[pair] = tags.get(pair, -1) + 1
+            tags[pair] = tags.get(pair, self.tag_base - 1) + 1
             return tags[pair]
 
         for cid, size in batch:
@@ -305,8 +356,8 @@ class Shares:
                       for n, t, buf in sends]
             for w in works:
                 w.wait()
-        except RuntimeError as e:
-            raise GroupFailed(f"sending the chunks failed: {e}") from e
+        except RuntimeError as e:  # agreed next: ranks with nothing to send must know too
+            return None, f"sending the chunks failed: {e}"
         failed = None
         for owner, _, buf, cids, landed in recvs:
             at = 0
@@ -325,24 +376,28 @@ class Shares:
             with self._lock:
                 for r in reads:
                     self.finished[r.key] = self.finished.get(r.key, 0) + 1
-        return failed
+        return failed, None
 
     def _start(self, reads: list[ChunkRead]) -> None:
         with self._lock:
             self.started.update(r.key for r in reads)
 
     def _agree(self, error: BaseException | None, received: str | None, url: str,
-               location: str) -> None:
+               location: str, broken: str | None = None) -> None:
         """Every rank's outcome so far; raises on every rank when any rank failed: this
-        rank's own error, or the first failing rank's reason."""
+        rank's own error, or the first failing rank's reason; GroupFailed on every rank when
+        the group failed to carry some rank's chunks (``broken``: why, on that rank)."""
         mine = f"{error}" if error is not None else received
         try:
-            everyone = self.group.all_gather(mine)
+            everyone = self.group.all_gather((mine, broken))
         except RuntimeError as e:
             raise GroupFailed(f"agreeing on the reads failed: {e}") from e
+        for rank, (_, why) in enumerate(everyone):
+            if why:
+                raise GroupFailed(f"rank {rank}: {why}")
         if error is not None:
             raise error
-        for rank, why in enumerate(everyone):
+        for rank, (why, _) in enumerate(everyone):
             if why:
                 raise CorruptCheckpointError(
                     f"rank {rank}, reading its share of the chunks for all ranks: {why}",
@@ -370,10 +425,10 @@ def owners_of(manifest: Manifest, world: int) -> dict[ChunkId, int]:
     location = step_dir(manifest.step)
     table = sorted({((chunk_path(location, c), c.start), c.numel * e.torch_dtype.itemsize)
                     for e in manifest.tensors.values() for c in e.chunks})
-    return _owners(table, None, world)
+    return assign_owners(table, None, world)
 
 
-def _owners(table: list[tuple[ChunkId, int]], needers: dict[ChunkId, list[int]] | None,
+def assign_owners(table: list[tuple[ChunkId, int]], needers: dict[ChunkId, list[int]] | None,
             world: int) -> dict[ChunkId, int]:
     """The rank that reads each chunk: largest first, each to the rank needing it that has
     the fewest bytes so far (ties: the lowest rank); a chunk one rank alone needs is its own,

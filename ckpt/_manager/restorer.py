@@ -201,9 +201,10 @@ class Restorer:
         counted = storage if isinstance(storage, CountedReads) else CountedReads(storage)
         before = counted.bytes_read
         try:
-            # The root's replicated chunks are read once for the group (a memory tier reads
-            # this node's memory, and plans its own peer reads).
-            coop = Cooperation.of(self.group) if tier.tier is Tier.STORAGE else None
+            # The root's replicated chunks are read once for the group; a memory tier reads
+            # this node's memory, and what node-mates fetch from elsewhere once per node.
+            coop = (Cooperation.of(self.group) if tier.tier is Tier.STORAGE
+                    else getattr(storage, "cooperation", None))
             loaded = self._try_load(step, state, pool, counted, gate, in_place=in_place,
                                     coop=coop)
             return (*loaded, storage, counted.bytes_read - before)

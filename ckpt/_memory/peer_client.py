@@ -51,11 +51,15 @@ class PeerClient:
             order the holder numbers them.
         location: the step's directory (storage paths are ``<location>/<file>``).
         url: names the save in errors.
+        rounds: holder -> how many of its planned ranges (the first ones) a round sends
+            (default: all); the others are those a node-mate fetches for this rank
+            (``ckpt/_memory/sharing.py``), asked for alone only if that sharing fails.
     """
 
     def __init__(self, pg: Any, requests: dict[int, list[tuple[str, str, int, int]]],
-                 location: str, url: str) -> None:
+                 location: str, url: str, rounds: dict[int, int] | None = None) -> None:
         self.url = url
+        self._in_round = {h: (rounds or {}).get(h, len(r)) for h, r in requests.items()}
         self.piece = PEER_BLOCK
         self.holders: set[int] = set(requests)  # the peers this rank reads from
         # (path, start) -> (holder, index of the range, length)
@@ -149,12 +153,15 @@ class PeerClient:
         with self._round_lock:
             found = self._rounds.get((holder, kind))
             if found is None:
-                keys = round_keys(self._lengths[holder], self.piece)
+                count = self._in_round[holder]
+                keys = round_keys(self._lengths[holder][:count], self.piece)
                 base = _fresh_tags(max(1, len(keys)))
                 found = {(i, o): (base + k, n) for k, (i, o, n) in enumerate(keys)}
                 self._unread.update({(holder, tag): n for tag, n in found.values()})
                 self._rounds[(holder, kind)] = found
-                ask = torch.tensor([ROUND, kind, base, self.piece, 0], dtype=torch.int64)
+                if not count:  # nothing for a round (0 would ask for every range)
+                    return found
+                ask = torch.tensor([ROUND, kind, base, self.piece, count], dtype=torch.int64)
                 dist.isend(ask, dst=dist.get_global_rank(self._pg, holder), group=self._pg,
                            tag=REQUEST_TAG).wait()
             return found

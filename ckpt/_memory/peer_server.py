@@ -10,11 +10,14 @@ Messages, all point to point over ``pg`` (ranks below are ranks in ``pg``):
 * **Request** (reader -> holder, tag ``REQUEST_TAG`` = 0): five int64 (40 bytes),
   ``[op, a, b, c, tag]``:
 
-  - ``[ROUND, kind, first_tag, piece, 0]``: send every planned range, in order, cut into
-    messages of ``piece`` bytes (``PEER_BLOCK``, 4 MiB, in ckpt's reader; the last of a
-    range may be shorter): message ``k`` of ``round_keys(lengths, piece)`` goes with tag
-    ``first_tag + k``. ``kind`` (``VERIFY`` or ``APPLY``) names the load's pass; a reader
-    asks each holder for at most one round of each kind.
+  - ``[ROUND, kind, first_tag, piece, count]``: send the first ``count`` planned ranges
+    (0: all of them), in order, cut into messages of ``piece`` bytes (``PEER_BLOCK``, 4 MiB,
+    in ckpt's reader; the last of a range may be shorter): message ``k`` of
+    ``round_keys(lengths[:count], piece)`` goes with tag ``first_tag + k``. ``kind``
+    (``VERIFY`` or ``APPLY``) names the load's pass; a reader asks each holder for at most
+    one round of each kind. The ranges after ``count`` are those a node-mate of the reader
+    fetches for both of them (``ckpt/_memory/sharing.py``): read with ``READ`` only if that
+    sharing fails.
   - ``[READ, index, offset, length, tag]``: bytes ``[offset, offset + length)`` of planned
     range ``index``, as one message with tag ``tag``. A request outside the plan is
     answered with ``length`` zero bytes (at most ``ANSWER_MAX``; they fail their digests)
@@ -22,8 +25,8 @@ Messages, all point to point over ``pg`` (ranks below are ranks in ``pg``):
   - ``[DONE, 0, 0, 0, 0]``: the reader asks for nothing more.
 
   A request comes from a rank of the job (only they are in ``pg``), but it is checked all
-  the same: a ROUND of an unknown kind, a second one of a kind, a piece, tag or message count
-  out of bounds, a READ with a tag out of bounds, or an unknown op, is logged and not
+  the same: a ROUND of an unknown kind, a second one of a kind, a piece, tag, range count or
+  message count out of bounds, a READ with a tag out of bounds, or an unknown op, is logged and not
   answered; the thread goes on serving the other requests.
 
 * **Data** (holder -> reader, tags from 1): uint8 tensors, received straight into the
@@ -83,16 +86,20 @@ def round_keys(lengths: list[int], piece: int) -> list[tuple[int, int, int]]:
     return [(i, o, min(piece, n - o)) for i, n in enumerate(lengths) for o in range(0, n, piece)]
 
 
-def _bad_round(kind: int, first_tag: int, piece: int, lengths: list[int], sent: bool) -> str:
+def _bad_round(kind: int, first_tag: int, piece: int, lengths: list[int], sent: bool,
+               ranges: int = 0) -> str:
     """Why a ROUND request cannot be served ('' when it can): an unknown kind, a repeated round
-    of a kind, a piece or tags out of bounds, or more than ``ROUND_MAX`` messages."""
+    of a kind, a piece, tags or a count of ranges (``ranges``; 0: all) out of bounds, or more
+    than ``ROUND_MAX`` messages. ``lengths``: the planned ranges the round would send."""
     if kind not in (VERIFY, APPLY):
         return f"kind {kind}"
     if sent:
         return f"a repeated round of kind {kind}"
+    if not 0 <= ranges <= len(lengths):
+        return f"the first {ranges} of {len(lengths)} ranges"
     if not 1 <= piece <= PIECE_MAX:
         return f"pieces of {piece} bytes"
-    count = sum(-(-n // piece) for n in lengths)
+    count = sum(-(-n // piece) for n in lengths[:ranges or len(lengths)])
     if count > ROUND_MAX:
         return f"{count} messages"
     if not 1 <= first_tag <= TAG_MAX - count:
@@ -165,9 +172,10 @@ class PeerServer:
                 if op == DONE:
                     left.discard(peer)
                     continue
-                if op == ROUND:  # (kind, first tag, piece): every message of the round
+                if op == ROUND:  # (kind, first tag, piece, ranges): the round's every message
                     lengths = [n for _, _, n in mine]
-                    problem = _bad_round(a, b, c, lengths, (peer, a) in rounds)
+                    problem = _bad_round(a, b, c, lengths, (peer, a) in rounds, tag)
+                    lengths = lengths[:tag or len(lengths)]
                     if problem:
                         log.error("ckpt._memory.peer_server rank %d asked for a round it may "
                                   "not have (%s); not answered", peer, problem)

@@ -4,7 +4,8 @@ nodes hold completely, ``ckpt/_memory/discovery.py``) to the storage each rank l
 The ranks agree on who serves each origin rank's files, merge the origin ranks' tables into
 one manifest, and plan which chunks each rank's (possibly resharded) boxes need: read from
 its own node's segments directly, or from the rank on another node that holds them
-(``ckpt/_memory/peer_client.py`` and ``peer_server.py``).
+(``ckpt/_memory/peer_client.py`` and ``peer_server.py``); a chunk that several ranks of a
+node need from elsewhere is fetched by one of them for all (``ckpt/_memory/sharing.py``).
 
 Every function here is collective over ``pg`` (a gloo group) unless it says otherwise; errors
 on one rank become an agreed failure on all, so no rank is left waiting in a collective.
@@ -27,8 +28,10 @@ from ckpt._step.incremental import CHAIN_KEY
 from ckpt._memory.discovery import Candidate, Holding
 from ckpt._memory.peer_client import PeerClient
 from ckpt._memory.peer_server import PeerServer, Range, map_ranges
+from ckpt._memory.sharing import agree_attempt, next_attempt, share
 from ckpt._memory.source import MemorySource
 from ckpt._memory.tier import node_prefix, plain_name
+from ckpt._load import cooperative
 from ckpt._load.probe import PROBE_ITEM
 from ckpt._load.read_plan import needed_tensors
 from ckpt._shared.sharding import dtensor_type, overlapping, read_box, source_rank
@@ -43,9 +46,11 @@ class ReadPlan:
     """One rank's plan for a save: the merged manifest and where each chunk it needs comes
     from (not collective to build, but agreed with the other ranks before it is used).
 
-    ``local``: path -> file on this node; ``requests``: holder -> the ranges read from it;
-    ``sizes``: path -> the size its rank step recorded; ``tier``: "memory" when every byte
-    comes from this node's own segments, "peer" when any comes from a replica or a peer."""
+    ``local``: path -> file on this node; ``requests``: holder -> the ranges of chunks read
+    from it; ``headers``: holder -> the ranges of the headers of its data files this rank
+    reads; ``sizes``: path -> the size its rank step recorded; ``tier``: "memory" when every
+    byte comes from this node's own segments, "peer" when any comes from a replica or a
+    peer."""
 
     location: str
     manifest: Manifest
@@ -53,6 +58,7 @@ class ReadPlan:
     sizes: dict[str, int]
     local: dict[str, str]
     requests: Requests
+    headers: Requests
     tier: str
 
 
@@ -66,7 +72,8 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
     world = dist.get_world_size(pg)
     prefix = node_prefix(job, node)
     # Each origin's rank step document comes from its first holder (any copy: the digests
-    # inside are checked against the data as it is loaded).
+    # inside are checked against the data as it is loaded). Gathered with it: each rank's
+    # node, and its count of attempts (numbers the shared chunks' messages).
     docs, error = {}, None
     for origin, holders in sorted(c.holders.items()):
         holder_rank, h = holders[0]
@@ -77,31 +84,43 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
             else:
                 docs[origin] = doc
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, (docs, error), group=pg)
-    errors = [e for _, e in everyone if e]
+    dist.all_gather_object(everyone, (docs, error, prefix, next_attempt()), group=pg)
+    errors = [e for _, e, _, _ in everyone if e]
     if errors:
         raise CorruptCheckpointError(f"step {c.step} in memory: {errors[0]}")
-    docs = {int(o): d for part, _ in everyone for o, d in part.items()}
+    docs = {int(o): d for part, _, _, _ in everyone for o, d in part.items()}
+    nodes = [p for _, _, p, _ in everyone]
+    attempt = agree_attempt([n for _, _, _, n in everyone])
+    # Node-mates read a save in the same order (the same copy of each replicated box), so
+    # that the chunks they fetch from elsewhere are the same ones, fetched once for all.
+    sharing = cooperative.MODE != "never" and len(set(nodes)) < world
+    anchor = nodes.index(prefix) if sharing else rank
     location = step_dir(c.step)
     plan, error = None, None
     try:  # per rank: every failure must reach the exchange's agreement, not skip it
-        plan = _plan(c, docs, state, location, shm_dir, prefix, rank, probe)
+        plan = _plan(c, docs, state, location, shm_dir, prefix, rank, anchor, probe)
     except Exception as e:
         error = f"rank {rank} cannot use step {c.step} in memory: {e!r}"
-    serving = _exchange(plan.requests if plan else {}, error, c.step, location, shm_dir,
-                        prefix, rank, pg)
+    gathered = _exchange(plan.requests if plan else {}, plan.headers if plan else {}, error,
+                         c.step, location, pg)
     assert plan is not None  # else this rank's error made _exchange raise on every rank
+    mine, asked = share([g[0] for g in gathered], [g[1] for g in gathered], nodes, location,
+                        rank, pg, attempt, sharing)
+    serving = _serve(asked, c.step, location, shm_dir, prefix, rank, pg)
     url = f"memory:{c.step}"
-    peers = PeerClient(pg, plan.requests, location, url)
+    peers = PeerClient(pg, mine.requests, location, url, rounds=mine.rounds)
     server = PeerServer(pg, serving, url).start() if serving else None
     return MemorySource(url, location, plan.manifest, plan.raw, local=plan.local,
-                        sizes=plan.sizes, tier=plan.tier, peers=peers, server=server)
+                        sizes=plan.sizes, tier=plan.tier, peers=peers, server=server,
+                        cooperation=mine.cooperation)
 
 
 def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], location: str,
-          shm_dir: str, prefix: str, rank: int, probe: bool) -> ReadPlan:
+          shm_dir: str, prefix: str, rank: int, anchor: int, probe: bool) -> ReadPlan:
     """This rank's merged manifest and where each chunk it needs comes from: a file on this
-    node, or a request to a holder elsewhere (holder -> [(segment, file, start, length)])."""
+    node, or a request to a holder elsewhere (holder -> [(segment, file, start, length)]).
+    ``anchor``: the rank whose order of the copies this rank follows (itself, or the first
+    rank of its node when node-mates share what they fetch)."""
 
     world = len(docs)
 
@@ -109,7 +128,7 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
         """Own node's segments, then replicas on it, then other nodes' (spread over them);
         the second attempt reverses the order."""
         r, h = rh
-        key = (not h.segment.startswith(prefix), h.replica, (r - rank) % world)
+        key = (not h.segment.startswith(prefix), h.replica, (r - anchor) % world)
         return tuple(-k for k in key) if c.second else key
 
     chosen = {o: min(hs, key=preference) for o, hs in c.holders.items()}
@@ -118,6 +137,7 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
     origin_of = {name: origin for origin, names in files_of.items() for name in names}
     local: dict[str, str] = {}
     requests: Requests = {}
+    headers: Requests = {}
     remote_files: dict[str, tuple[int, str]] = {}  # file -> (holder, segment)
     tier = "memory"
     for key, chunk in _needed_chunks(manifest, state, rank, probe):
@@ -137,8 +157,9 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
     # two ranges it reads (a read of part of a planned range costs a request of its own).
     for name, (holder, segment) in sorted(remote_files.items()):
         end = _data_start(docs[origin_of[name]], name)
-        requests[holder] += [(segment, name, 0, 8), (segment, name, 8, end - 8)]
-    return ReadPlan(location, manifest, raw, sizes, local, requests, tier)
+        headers.setdefault(holder, []).extend([(segment, name, 0, 8),
+                                               (segment, name, 8, end - 8)])
+    return ReadPlan(location, manifest, raw, sizes, local, requests, headers, tier)
 
 
 def _data_start(doc: dict, name: str) -> int:
@@ -223,20 +244,27 @@ def _needed_chunks(manifest: Manifest, state: MutableMapping[str, Any], rank: in
     return out
 
 
-def _exchange(requests: Requests, error: str | None, step: int, location: str, shm_dir: str,
-              prefix: str, rank: int, pg: Any) -> dict[int, list[Range]]:
-    """Agree on what each rank reads from which peer (``requests``: holder -> [(segment,
-    file, start, length)]) and check that this rank can serve what it is asked for; every
-    rank raises when one cannot plan or serve. ``error``: this rank could not plan its
-    reads. Returns what this rank serves: peer -> its ranges here, mapped."""
-    world = dist.get_world_size(pg)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (requests, error), group=pg)
-    failed = [e for _, e in gathered if e]
+def _exchange(requests: Requests, headers: Requests, error: str | None, step: int,
+              location: str, pg: Any) -> list[tuple[Requests, Requests, None]]:
+    """Every rank's planned reads from peers (``requests``: holder -> [(segment, file,
+    start, length)] of chunks, ``headers``: of data files' headers); every rank raises when
+    one could not plan them (``error``: this rank's reason)."""
+    gathered: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(gathered, (requests, headers, error), group=pg)
+    failed = [e for _, _, e in gathered if e]
     if failed:
         raise CorruptCheckpointError(failed[0])
+    return gathered
+
+
+def _serve(asked_by: list[Requests], step: int, location: str, shm_dir: str, prefix: str,
+           rank: int, pg: Any) -> dict[int, list[Range]]:
+    """Check that this rank can serve what the others ask of it (``asked_by``: rank ->
+    holder -> ranges); every rank raises when one cannot. Returns what this rank serves:
+    peer -> its ranges here, mapped."""
+    world = dist.get_world_size(pg)
     # What each other rank asked of this one (its own node's ranges it reads locally).
-    asked = {dst: r.get(rank, []) for dst, (r, _) in enumerate(gathered) if dst != rank}
+    asked = {dst: r.get(rank, []) for dst, r in enumerate(asked_by) if dst != rank}
     serving: dict[int, list[Range]] = {}
     error = None
     try:

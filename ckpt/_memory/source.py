@@ -4,7 +4,7 @@ bytes its peers read from this rank, until both sides are done."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 from ckpt._format.manifest import Manifest
 from ckpt._format.names import MANIFEST_NAME
@@ -28,6 +28,8 @@ class MemorySource(ShmReader):
             "peer" when any comes from a replica or another node.
         peers: reads the paths that are not ``local`` from the peers that hold them.
         server: serves the peers reading from this rank (None: none does).
+        cooperation: the loader's exchange of the chunks this rank's node-mates fetch for
+            it and it for them (``ckpt/_memory/sharing.py``; None: nothing is shared).
 
     ``close`` ends both sides of the peer protocol (see ``ckpt/_memory/peer_server.py``),
     then releases the descriptors.
@@ -35,7 +37,7 @@ class MemorySource(ShmReader):
 
     def __init__(self, url: str, location: str, manifest: Manifest, raw: bytes, *,
                  local: dict[str, str], sizes: dict[str, int], tier: str, peers: PeerClient,
-                 server: PeerServer | None = None) -> None:
+                 server: PeerServer | None = None, cooperation: Any = None) -> None:
         super().__init__(url, lambda path: self.local.get(path))
         self.location = location
         self.parsed_manifest = manifest
@@ -45,6 +47,7 @@ class MemorySource(ShmReader):
         self._manifest = raw
         self._peers = peers
         self._server = server
+        self.cooperation = cooperation
         if peers.holders:  # the loader's block: a round's piece (fewer waits for a peer)
             self.stream_block = peers.piece
 

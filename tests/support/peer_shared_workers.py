@@ -1,0 +1,131 @@
+"""Rank bodies for tests/memory/test_peer_shared_restore.py: world 4 on two "nodes" of two
+ranks (names given to the memory tier, one segment directory), a DDP state saved to memory
+only with replicas; the second node is lost and replaced, and its ranks restore what they
+need from the replicas the first node holds. The bytes the holders send are counted where
+they leave (every range a holder serves goes through ``peer_server._bytes_of``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import ckpt
+from ckpt._memory import peer_server
+from ckpt._memory.tier import private_path
+
+JOB = "shared"
+SAVED = ["nodeA", "nodeA", "nodeB", "nodeB"]
+REPLACED = ["nodeA", "nodeA", "nodeC", "nodeC"]  # node B lost; node C is its replacement
+
+
+def replicated(step: int, mib: int = 4) -> dict[str, torch.Tensor]:
+    """A DDP model's state (the same on every rank): two large tensors (``mib`` MiB in all,
+    several peer pieces each) and a few small ones."""
+    g = torch.Generator().manual_seed(step)
+    rows = mib * (1 << 20) // 2 // (1024 * 4)
+    out = {f"big{i}": torch.rand(rows, 1024, generator=g) for i in range(2)}
+    out.update({f"small{i}": torch.rand(33 + i, 17, generator=g) for i in range(6)})
+    return out
+
+
+def zeroed(state: dict) -> dict:
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def exact(state: dict, step: int, mib: int) -> bool:
+    ref = replicated(step, mib)
+    return state.keys() == ref.keys() and all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+def count_served() -> list[int]:
+    """From now on, add the length of every range this process serves to a peer."""
+    served = [0]
+    real = peer_server._bytes_of
+    lock = threading.Lock()
+
+    def counted(mapping, start, length):
+        with lock:
+            served[0] += length
+        return real(mapping, start, length)
+
+    peer_server._bytes_of = counted
+    return served
+
+
+def manager(root: str, shm: str, node: str) -> ckpt.CheckpointManager:
+    tier = ckpt.MemoryTierOptions(shm_dir=shm, node=node, job=JOB, persist_every=1_000_000)
+    return ckpt.CheckpointManager(root, memory_tier=tier, async_save=False)
+
+
+def save_then_lose_node_b(rank: int, root: str, shm: str, mib: int) -> None:
+    """Step 1 in memory only, replicated (node A's ranks hold node B's replicas); then node
+    B's memory is gone."""
+    mgr = manager(root, shm, SAVED[rank])
+    mgr.save(1, {"model": replicated(1, mib)}, force=True)
+    assert mgr.wait_replicated(60)
+    dist.barrier()
+    mgr.close()
+    dist.barrier()
+    if rank == 0:
+        base = private_path(shm)
+        for name in os.listdir(base):
+            if name.startswith(f"ckpt-{JOB}-nodeB-"):
+                shutil.rmtree(os.path.join(base, name))
+    dist.barrier()
+
+
+def restore_once(rank: int, root: str, shm: str, mib: int, served: list[int],
+                 strict: bool = False) -> dict:
+    """One restore of the replaced world; what this rank's holders served for it."""
+    before = served[0]
+    state = {"model": zeroed(replicated(1, mib))}
+    mgr = manager(root, shm, REPLACED[rank])
+    t0 = time.perf_counter()
+    step = mgr.restore(state, strict=strict)
+    seconds = time.perf_counter() - t0
+    info = mgr.last_restore
+    mgr.close()
+    return {"step": step, "tier": str(info.tier), "exact": exact(state["model"], 1, mib),
+            "served": served[0] - before, "seconds": seconds,
+            "from_storage": info.bytes_from_storage,
+            "state": sum(t.numel() * t.element_size() for t in replicated(1, mib).values())}
+
+
+def replaced_node_restores(rank: int, world: int, root: str, shm: str, mib: int = 4,
+                           strict: bool = False) -> dict:
+    """Save, lose node B, restore on node C; the counted bytes served per rank."""
+    save_then_lose_node_b(rank, root, shm, mib)
+    served = count_served()
+    return restore_once(rank, root, shm, mib, served, strict)
+
+
+def plain_then_shared(rank: int, world: int, root: str, shm: str, mib: int,
+                      reps: int) -> list[dict]:
+    """For the benchmark: ``reps`` restores with the sharing off (every rank fetches from
+    the peers) and on, interleaved."""
+    from ckpt._load import cooperative
+
+    save_then_lose_node_b(rank, root, shm, mib)
+    served = count_served()
+    runs = []
+    for _ in range(reps):
+        for mode in ("never", "auto"):
+            cooperative.MODE = mode
+            dist.barrier()
+            runs.append({"mode": mode, **restore_once(rank, root, shm, mib, served)})
+    cooperative.MODE = "auto"
+    return runs
+
+
+def log_lines() -> list[str]:
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("ckpt").addHandler(handler)
+    return lines

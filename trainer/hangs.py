@@ -15,6 +15,11 @@ the progress markers (:mod:`trainer.sections`) do. The rule:
   and has been in its section longer than the section's limit. Ranks ahead of it (waiting
   in collective N it never entered) are never named. When all ranks share the lowest mark
   (all inside collective N, say) and are over the limit, all are named.
+- No verdict while a rank at the lowest mark is still within its limit: it arrived there
+  lately, so the job is moving (a rank over the limit beside it in a collective waited for
+  it). Nor while a peer's beat shows it before or inside a collective that this rank has
+  completed: every rank entered that collective, so the beat is older than the peer's
+  position (a beat is up to an interval old) and the peer is no culprit of the moment.
 
 Each rank judges its own section on its own clock and publishes the age, the limit and,
 once over the limit, its training thread's Python stack with its beat (peers never
@@ -146,12 +151,28 @@ def section_name(p: RankProgress) -> str:
     return f"collective {p.collectives}" if p.section == "collective" else p.section
 
 
-def judge(progress: dict[int, RankProgress]) -> Hang | None:
-    """The ranks that hold the job up (module docstring), None while none does."""
+def completed(p: RankProgress) -> int:
+    """The agreement collectives ``p``'s rank has come out of (every rank entered them)."""
+    return p.collectives - (p.section == "collective")
+
+
+def judge(progress: dict[int, RankProgress], me: int | None = None) -> Hang | None:
+    """The ranks that hold the job up (module docstring), None while none does.
+
+    ``me``: the rank whose view this is (its own progress is current, the peers' as they
+    last published it); peers' beats older than what ``me`` knows are not judged."""
     if not progress:
         return None
+    if me is not None and me in progress:
+        done = completed(progress[me])
+        if any(p.collectives < done or (p.collectives == done and p.section == "collective")
+               for r, p in progress.items() if r != me):
+            return None  # a stale beat: the peer's next one says where it is now
     low = min(p.mark for p in progress.values())
-    culprits = sorted(r for r, p in progress.items() if p.mark == low and p.over)
+    lowest = [r for r, p in progress.items() if p.mark == low]
+    if any(progress[r].limit is not None and not progress[r].over for r in lowest):
+        return None  # a rank came to the lowest mark lately: the job is moving
+    culprits = sorted(r for r in lowest if progress[r].over)
     return Hang(culprits, dict(progress)) if culprits else None
 
 
@@ -165,5 +186,5 @@ def thread_stack(thread_id: int) -> str | None:
     return text[-STACK_CHARS:]
 
 
-__all__ = ["Hang", "HangRule", "RankProgress", "STACK_CHARS", "judge", "section_name",
-           "thread_stack"]
+__all__ = ["Hang", "HangRule", "RankProgress", "STACK_CHARS", "completed", "judge",
+           "section_name", "thread_stack"]

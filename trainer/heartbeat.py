@@ -372,7 +372,7 @@ class Heartbeat:
             if p is None:
                 return None
             progress[r] = p
-        hang = judge(progress)
+        hang = judge(progress, me=self.rank)
         if hang is None or (hang.together and not self._whole_world):
             return None
         if self.rank in hang.culprits and own[0].stack is None:  # the report carries it

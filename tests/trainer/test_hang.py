@@ -178,9 +178,10 @@ def test_forged_beats_in_the_store_crash_nothing_and_name_nobody():
         time.sleep(0.15)
         assert not got, (beat if not isinstance(beat, dict) else beat.get("age"), got)
     # the watchdog still judges: a well-formed beat of a rank over its limit is named,
-    # its stack cut to a bounded size
-    forged.set("1", json.dumps({"state": "alive", "section": "data", "age": 99.0, "mark": 0,
-                                "collectives": 0, "limit": 0.01, "stack": big}))
+    # its stack cut to a bounded size (rank 1 in step 3's data: behind rank 0, inside
+    # collective 3, and past the two collectives rank 0 completed)
+    forged.set("1", json.dumps({"state": "alive", "section": "data", "age": 99.0, "mark": 5,
+                                "collectives": 2, "limit": 0.01, "stack": big}))
     deadline = time.monotonic() + 3
     while not got and time.monotonic() < deadline:
         time.sleep(0.02)

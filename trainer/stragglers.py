@@ -340,9 +340,13 @@ def watch_for(trainer: Any, parts: Any) -> StragglerWatch | None:
 
 
 def _rank_key(value: Any) -> str | None:
-    """A rank as the records key it: a decimal string, None for anything else."""
+    """A rank as the records key it: a decimal string, None for anything else. ASCII
+    digits only, and few: ``str.isdigit`` also takes '²' (which ``int`` refuses), and
+    ``int`` refuses more than 4300 digits; a hand-edited record must not end the summary."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return None
     text = str(value)
-    return text if isinstance(value, (int, str)) and text.isdigit() else None
+    return text if text.isascii() and text.isdigit() and len(text) <= 18 else None
 
 
 def _window_record(rec: Any) -> dict[str, Any] | None:
@@ -365,12 +369,14 @@ def _window_record(rec: Any) -> dict[str, Any] | None:
     flagged = rec.get("flagged", [])
     flagged = [_rank_key(r) for r in flagged] if isinstance(flagged, list) else []
     streaks = rec.get("streaks", {})
+    streaks = ({k: v for k, v in streaks.items() if _rank_key(k) is not None
+                and type(v) is int} if isinstance(streaks, Mapping) else {})
     steps = [rec.get(k) for k in ("first_step", "last_step")]
     sections = {k: v for k, v in sections.items() if k in overall and isinstance(v, str)}
     return {"overall": overall, "seconds": seconds, "section": sections,
             "flagged": [r for r in flagged if r is not None and r in overall],
             "dropped": _rank_key(rec.get("dropped")),
-            "streaks": streaks if isinstance(streaks, Mapping) else {},
+            "streaks": streaks,
             "first_step": steps[0] if isinstance(steps[0], int) else None,
             "last_step": steps[1] if isinstance(steps[1], int) else None,
             "window_steps": rec.get("window_steps"), "threshold": rec.get("threshold")}

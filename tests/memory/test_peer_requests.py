@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.multiproc]
 
 def test_hostile_requests_do_not_stop_the_serving_thread(tmp_path):
     """Rounds with pieces of 0, negative or huge size, negative or huge tags, an unknown kind,
-    a repeated round of a kind; READs with bad tags, an unknown op: none kills the server, none
+    more planned ranges than there are or a negative count of them, a repeated round of a
+    kind; READs with bad tags, an unknown op: none kills the server, none
     makes it allocate what it was asked (a READ of 1 TiB is answered with at most ANSWER_MAX
     zero bytes), and it then serves a READ and a round as usual and ends at DONE."""
     holder, reader = run_ranks(2, serve_hostile_requests, str(tmp_path), timeout=90)

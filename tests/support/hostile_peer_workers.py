@@ -20,6 +20,8 @@ HOSTILE_ROUNDS = [
     [ROUND, APPLY, -5, 1024, 0],         # negative tags
     [ROUND, APPLY, 1 << 40, 1024, 0],    # tags past gloo's
     [ROUND, 7, 1, 1024, 0],              # no such kind
+    [ROUND, VERIFY, 1, 1024, 2],         # more ranges than were planned
+    [ROUND, VERIFY, 1, 1024, -1],        # a negative count of ranges
     [ROUND, APPLY, (1 << 31) - 2, 1024, 0],  # tags that run past gloo's within the round
     [ROUND, APPLY, 1, 1024, 0],          # a round, served...
     [ROUND, APPLY, 100000, 1024, 0],     # ...but a repeated round of a kind is not sent

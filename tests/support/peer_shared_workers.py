@@ -63,11 +63,11 @@ def manager(root: str, shm: str, node: str) -> ckpt.CheckpointManager:
     return ckpt.CheckpointManager(root, memory_tier=tier, async_save=False)
 
 
-def save_then_lose_node_b(rank: int, root: str, shm: str, mib: int) -> None:
-    """Step 1 in memory only, replicated (node A's ranks hold node B's replicas); then node
-    B's memory is gone."""
+def save_then_lose_node_b(rank: int, root: str, shm: str, mib: int, step: int = 1) -> None:
+    """``step`` in memory only, replicated (node A's ranks hold node B's replicas); then
+    node B's memory is gone."""
     mgr = manager(root, shm, SAVED[rank])
-    mgr.save(1, {"model": replicated(1, mib)}, force=True)
+    mgr.save(step, {"model": replicated(step, mib)}, force=True)
     assert mgr.wait_replicated(60)
     dist.barrier()
     mgr.close()
@@ -81,28 +81,87 @@ def save_then_lose_node_b(rank: int, root: str, shm: str, mib: int) -> None:
 
 
 def restore_once(rank: int, root: str, shm: str, mib: int, served: list[int],
-                 strict: bool = False) -> dict:
+                 step: int = 1, strict: bool = False) -> dict:
     """One restore of the replaced world; what this rank's holders served for it."""
+    dist.barrier()
     before = served[0]
-    state = {"model": zeroed(replicated(1, mib))}
+    state = {"model": zeroed(replicated(step, mib))}
     mgr = manager(root, shm, REPLACED[rank])
     t0 = time.perf_counter()
-    step = mgr.restore(state, strict=strict)
+    restored = mgr.restore(state, strict=strict)
     seconds = time.perf_counter() - t0
     info = mgr.last_restore
     mgr.close()
-    return {"step": step, "tier": str(info.tier), "exact": exact(state["model"], 1, mib),
+    return {"step": restored, "tier": str(info.tier),
+            "exact": exact(state["model"], restored, mib),
             "served": served[0] - before, "seconds": seconds,
             "from_storage": info.bytes_from_storage,
-            "state": sum(t.numel() * t.element_size() for t in replicated(1, mib).values())}
+            "skipped": [(s, str(t), why) for s, t, why in info.skipped],
+            "state": sum(t.numel() * t.element_size() for t in replicated(step, mib).values())}
 
 
-def replaced_node_restores(rank: int, world: int, root: str, shm: str, mib: int = 4,
-                           strict: bool = False) -> dict:
-    """Save, lose node B, restore on node C; the counted bytes served per rank."""
-    save_then_lose_node_b(rank, root, shm, mib)
+class _NoSends:
+    """torch.distributed as the chunk exchange sees it, its sends failing as a closed gloo
+    connection's do (the peer protocol's own sends still work)."""
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+    @staticmethod
+    def isend(*args, **kwargs):
+        raise RuntimeError("[gloo] Connection closed by peer (injected)")
+
+
+def replaced_node_restores(rank: int, world: int, root: str, shm: str, mib: int = 4) -> dict:
+    """Step 1 in the root, step 2 in memory only (a memory tier's segments stay after its
+    manager closes only while their newest step is not in the root); node B lost; node C's ranks restore it five times: in one pass, strict (two passes), with
+    the exchange unable to send, with rank 2 damaging what it sends its node-mate, and with
+    rank 0 (a holder) damaging what it serves."""
+    from ckpt._load import cooperative
+
+    with ckpt.CheckpointManager(root, async_save=False) as plain:  # the next source
+        plain.save(1, {"model": replicated(1, mib)}, force=True)
+    save_then_lose_node_b(rank, root, shm, mib, step=2)
     served = count_served()
-    return restore_once(rank, root, shm, mib, served, strict)
+    out = {"one_pass": restore_once(rank, root, shm, mib, served, 2),
+           "strict": restore_once(rank, root, shm, mib, served, 2, strict=True)}
+
+    lines = log_lines()
+    real_dist = cooperative.dist
+    cooperative.dist = _NoSends()
+    try:
+        out["cannot_send"] = restore_once(rank, root, shm, mib, served, 2)
+    finally:
+        cooperative.dist = real_dist
+    out["cannot_send"]["logged"] = [line for line in lines if "reads what it needs" in line]
+
+    real_read = cooperative.read_chunk_into
+    if rank == 2:  # reads its share (digests pass), then damages what it sends
+        def read_then_damage(storage, location, key, chunk, view, *args, **kwargs):
+            real_read(storage, location, key, chunk, view, *args, **kwargs)
+            if len(view):
+                view[0] ^= 0x01
+        cooperative.read_chunk_into = read_then_damage
+    try:
+        out["bad_mate"] = restore_once(rank, root, shm, mib, served, 2)
+    finally:
+        cooperative.read_chunk_into = real_read
+
+    real_bytes = peer_server._bytes_of
+    if rank == 0:  # a holder serving damaged data (the headers left intact)
+        def damaged(mapping, start, length):
+            data = real_bytes(mapping, start, length)
+            if length < 64 << 10:
+                return data
+            data = data.clone()
+            data[length // 2] ^= 0x01
+            return data
+        peer_server._bytes_of = damaged
+    try:
+        out["bad_holder"] = restore_once(rank, root, shm, mib, served, 2)
+    finally:
+        peer_server._bytes_of = real_bytes
+    return out
 
 
 def plain_then_shared(rank: int, world: int, root: str, shm: str, mib: int,

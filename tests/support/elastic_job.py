@@ -83,6 +83,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hold-at-below-world", type=int, default=0,
                    help="--hold-at only at world sizes below this (a node joining a job "
                    "that shrank)")
+    # A pause puts every rank at a known point (no collective in flight) for the test to
+    # kill a node there; once released, the survivors meet the loss in their next collective.
+    p.add_argument("--pause-at", type=int, default=0,
+                   help="at the start of this step, at world size --pause-at-world, wait "
+                   "until the file release-s<STEP> exists in the run dir (or 120 s); a pause "
+                   "once released does not come back when a restored job passes the step")
+    p.add_argument("--pause-at-world", type=int, default=0)
     # A user's own DataLoader (workers, collate_fn), hooks and extra checkpointed items.
     p.add_argument("--loader-workers", type=int, default=None,
                    help="load through a DataLoader factory with this many workers")
@@ -253,8 +260,26 @@ def main(argv: list[str] | None = None) -> int:
                 while not t.preempted and time.time() < deadline:
                     time.sleep(0.05)
 
+    paused = []
+
+    def maybe_pause() -> None:
+        t = trainer
+        release = Path(args.run_dir) / f"release-s{args.pause_at}"
+        if (paused or not args.pause_at or t.step != args.pause_at - 1
+                or t.world_size != args.pause_at_world or release.exists()):
+            return
+        paused.append(t.step)
+        (Path(args.run_dir) / f"paused-s{args.pause_at}-r{t.rank}").write_text(str(os.getpid()))
+        logging.getLogger("elastic_job").info("pausing before step %d until %s", t.step + 1,
+                                              release.name)
+        deadline = time.time() + 120
+        with t.sections.user("pause"):  # a wait of ours, not a hang
+            while not release.exists() and not t.preempted and time.time() < deadline:
+                time.sleep(0.02)
+
     def step_fn(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
         maybe_hold()
+        maybe_pause()
         if stalls:
             maybe_stall("spin")
         x, y = batch[:2]
@@ -306,6 +331,16 @@ def main(argv: list[str] | None = None) -> int:
         print("ELASTIC_SUMMARY " + json.dumps(summary.to_dict()), flush=True)
         print(summary.format(), flush=True)
     return 0
+
+
+def host_store(conn) -> None:
+    """Host a c10d TCPStore, send its port on ``conn``, then wait to be killed (a process of
+    its own for a test to SIGSTOP; run from the suite's fork server)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    conn.send(store.port)
+    time.sleep(120)
 
 
 def run_plain(argv: list[str], environ: dict[str, str], log: str) -> None:

@@ -158,16 +158,6 @@ def reference(tmp_path_factory) -> dict[int, float]:
     return losses(tmp / "run")
 
 
-@pytest.fixture
-def cluster(tmp_path, request):
-    """Local torchrun agents. By default the first attempt waits for the third node if it
-    formed with two (an agent slow to start on a loaded machine); ``hold`` overrides."""
-    hold = getattr(request, "param", ("--hold-until-world", "3"))
-    c = job.LocalCluster(tmp_path, job_args(tmp_path, hold=hold))
-    yield c
-    c.close()
-
-
 def finish(c: job.LocalCluster, survivors: list[job.Node], tmp: Path) -> ElasticSummary:
     deadline = time.time() + JOB_TIMEOUT
     for n in survivors:
@@ -254,12 +244,15 @@ def test_heartbeat_names_a_silent_peer_and_a_dead_store():
 def test_heartbeat_notices_a_hung_store_host():
     """The process hosting the store is stopped (rank 0 hangs): store calls block, yet the
     watchdog (which never calls the store) reports it after the timeout."""
-    code = ("import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, "
-            "is_master=True, wait_for_workers=False); print(s.port, flush=True); "
-            "time.sleep(120)")
-    host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # the host: a process of its own, forked from the suite's fork server (torch imported)
+    ctx = forkserver()
+    ours, theirs = ctx.Pipe()
+    host = ctx.Process(target=job.host_store, args=(theirs,), daemon=True)
+    host.start()
+    theirs.close()
     try:
-        port = int(host.stdout.readline())
+        assert ours.poll(60), "the store's host did not start"
+        port = ours.recv()
         got: list = []
         hb = Heartbeat(dist.TCPStore("127.0.0.1", port, is_master=False,
                                      timeout=datetime.timedelta(seconds=30)), 1, 2,
@@ -277,7 +270,7 @@ def test_heartbeat_notices_a_hung_store_host():
         assert "has not answered" in got[0].detail
     finally:
         host.kill()
-        host.wait()
+        host.join()
     peer._stopping.set()
     hb._stopping.set()
 
@@ -300,9 +293,10 @@ def test_stopped_ranks_are_not_reported():
 
 
 def check_node_loss(s: ElasticSummary, rec, tmp: Path, victim: int, attempt: int,
-                    killed_at: float) -> float:
+                    killed_at: float, kill_at: int) -> float:
     """The recovery ``rec`` after the SIGKILL of rank ``victim``'s node during ``attempt``
-    (at world size 3); returns how long after the kill the survivors had both noticed."""
+    (at world size 3, past step ``kill_at``); returns how long after the kill the survivors
+    had both noticed."""
     assert s.restarts >= 1
     assert rec.attempt == attempt, (rec, attempt)
     assert rec.world_before == 3 and rec.world_after == 2, rec
@@ -314,61 +308,109 @@ def check_node_loss(s: ElasticSummary, rec, tmp: Path, victim: int, attempt: int
     assert detect >= 0, detect  # how fast is measured by bench_elastic, not asserted here
     # resumed from the newest checkpoint before the failure; the steps after it were redone
     assert rec.restored_step is not None and rec.restored_step % EVERY == 0
-    assert KILL_AT - 2 * EVERY <= rec.restored_step <= rec.last_step
-    assert rec.steps_lost == rec.last_step - rec.restored_step == s.steps_lost
+    assert kill_at - 2 * EVERY <= rec.restored_step <= rec.last_step
+    assert rec.steps_lost == rec.last_step - rec.restored_step
+    assert s.steps_lost == sum(r.steps_lost for r in s.recoveries), s
     return detect
 
 
-def kill_a_node_at_world_3(cluster, tmp_path, victim: int) -> tuple[list, int, dict, float]:
-    """Start three nodes; once they train at world size 3 past step KILL_AT, SIGKILL the node
-    (agent and worker) of rank ``victim``. Returns the surviving nodes, the attempt and the
-    hold record it was killed in, and when."""
-    nodes = [cluster.add_node() for _ in range(3)]
-    attempt, info = job.wait_for(at_step(tmp_path / "run", 3, KILL_AT), JOB_TIMEOUT,
-                                 "training at world size 3", cluster=cluster)
-    dead = cluster.node_of(info["pids"][victim])
-    killed_at = dead.kill(signal.SIGKILL)  # the agent and its worker: a whole node
-    return [n for n in nodes if n is not dead], attempt, info, killed_at
-
-
-@pytest.mark.slow
-@pytest.mark.multiproc
-def test_node_killed_survivors_resume_at_world_2(cluster, tmp_path, reference):
-    """Rank 1's node is SIGKILLed; the two survivors resume at world size 2 (rank 0's node,
-    the host of the job's store, is killed in test_rank0_node_killed_then_a_node_joins)."""
-    victim = 1
-    survivors, attempt, info, killed_at = kill_a_node_at_world_3(cluster, tmp_path, victim)
-    s = finish(cluster, survivors, tmp_path)
-
-    assert s.world_sizes[-1] == 2 and 3 in s.world_sizes, s.world_sizes
-    detect = check_node_loss(s, s.recoveries[-1], tmp_path, victim, attempt, killed_at)
-    check_audit(tmp_path / "audit")
-    tail, ref = check_loss(tmp_path, reference)
-    print(f"killed rank {victim}'s node at step {info['step']}; survivors detected it "
-          f"{detect:.2f}s later; mean loss of the last 10 steps {tail:.4f} (uninterrupted "
-          f"{ref:.4f})")
-
-
+# One job, three membership changes, shared by the two tests below (a torchrun job costs
+# more to start than a recovery): rank 0's node (its worker hosts the job's store) is
+# SIGKILLed at world size 3 past step KILL_AT and the survivors resume at world size 2;
+# a third node joins at step JOIN_AT (the workers hold there until the agents notice it)
+# and the job trains at world size 3 again; then, with every rank paused before step
+# PAUSE_AT, rank 1's node is SIGKILLed and the survivors resume at world size 2.
 JOIN_AT = KILL_AT + 3
+PAUSE_AT = 33  # a checkpoint at 30 is committed
 # torchrun's agent log line for a worker that failed (each one uses up a --max-restarts)
 _WORKER_FAILED = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: (\d+)\)")
 
 
-def check_join_used_no_restart(nodes: list, runs: dict[int, dict], joined_from: int) -> None:
+def paused(run_dir: Path):
+    """The pids of the three ranks once each paused before step PAUSE_AT."""
+    def check():
+        marks = [run_dir / f"paused-s{PAUSE_AT}-r{r}" for r in range(3)]
+        return all(m.exists() for m in marks) and [int(m.read_text()) for m in marks]
+    return check
+
+
+@pytest.fixture(scope="module")
+def kills_and_a_join(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("kills_and_a_join")
+    hold = ("--hold-until-world", "3", "--hold-at", str(JOIN_AT), "--hold-at-below-world", "3",
+            "--pause-at", str(PAUSE_AT), "--pause-at-world", "3")
+    # max_restarts: the two node losses use up one each (the join none), and a loaded
+    # machine may add one (see check_join_used_no_restart)
+    c = job.LocalCluster(tmp, job_args(tmp, hold=hold), max_restarts=4)
+    facts: dict = {"tmp": tmp}
+    try:
+        nodes = [c.add_node() for _ in range(3)]
+        attempt, info = job.wait_for(at_step(tmp / "run", 3, KILL_AT), JOB_TIMEOUT,
+                                     "training at world size 3", cluster=c)
+        dead = c.node_of(info["pids"][0])
+        killed_at = dead.kill(signal.SIGKILL)  # the agent and its worker: a whole node
+        facts["rank0"] = dict(attempt=attempt, step=info["step"], killed_at=killed_at)
+        survivors = [n for n in nodes if n is not dead]
+        shrunk, shrunk_info = job.wait_for(at_step(tmp / "run", 2, KILL_AT), JOB_TIMEOUT,
+                                           "training at world size 2", cluster=c)
+        facts["shrunk"] = shrunk
+        facts["restarts_before_join"] = max(r["restart_count"] for r in shrunk_info["events"]
+                                            if r["event"] == "start")
+        survivors.append(c.add_node())  # waits at the rendezvous; the agents restart
+
+        pids = job.wait_for(paused(tmp / "run"), JOB_TIMEOUT, "every rank to pause at "
+                            f"step {PAUSE_AT} at world size 3", cluster=c)
+        joined = max(job.progress(tmp / "run"))
+        # the agents' logs of the join, before the second loss adds its failed workers
+        facts["join_nodes"], facts["joined"] = list(survivors), joined
+        facts["join_logs"] = {n.name: n.log() for n in survivors}
+        dead = c.node_of(pids[1])
+        killed_at = dead.kill(signal.SIGKILL)
+        (tmp / "run" / f"release-s{PAUSE_AT}").touch()  # the survivors meet it in a collective
+        facts["rank1"] = dict(attempt=joined, step=PAUSE_AT - 1, killed_at=killed_at)
+        survivors = [n for n in survivors if n is not dead]
+        facts["summary"] = finish(c, survivors, tmp)
+    finally:
+        c.close()
+    return facts
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_node_killed_survivors_resume_at_world_2(kills_and_a_join, reference):
+    """Rank 1's node is SIGKILLed at world size 3 (the job's third membership change; rank 0's
+    node, the host of the job's store, is killed in the first, see
+    test_rank0_node_killed_then_a_node_joins); the two survivors resume at world size 2 and
+    finish the job."""
+    facts, tmp = kills_and_a_join, kills_and_a_join["tmp"]
+    s, kill = facts["summary"], facts["rank1"]
+    assert s.world_sizes[-1] == 2 and s.world_sizes[-2] == 3, s.world_sizes
+    rec = s.recoveries[-1]
+    detect = check_node_loss(s, rec, tmp, 1, kill["attempt"], kill["killed_at"], PAUSE_AT - 1)
+    check_audit(tmp / "audit")
+    tail, ref = check_loss(tmp, reference)
+    print(f"killed rank 1's node at step {kill['step']}; survivors detected it {detect:.2f}s "
+          f"later; mean loss of the last 10 steps {tail:.4f} (uninterrupted {ref:.4f})")
+
+
+def check_join_used_no_restart(nodes: list, logs: dict[str, str], runs: dict[int, dict],
+                               joined_from: int, joined: int) -> None:
     """Each agent stopped its worker of attempt ``joined_from`` for the join (a SIGTERM: a
     membership change) and never saw it fail, and every restart it counted after that is a
     worker it saw fail before that worker recorded a start. (Under heavy load a worker of
     the next round can start more than the collective timeout after its peers: their
-    process group does not form, torchrun counts a restart, and no attempt is recorded.)"""
+    process group does not form, torchrun counts a restart, and no attempt is recorded.)
+    ``joined``: the attempt at world size 3 after the join; ``logs``: each agent's log up to
+    its training."""
     started = {e["pid"] for r in runs.values() for e in r["events"] if e["event"] == "start"}
 
     def restart_counts(attempt: int) -> dict[int, int]:
         return {e["pid"]: e["restart_count"] for e in runs[attempt]["events"]
                 if e["event"] == "start"}
-    before, after = restart_counts(joined_from), restart_counts(max(runs))
+    before, after = restart_counts(joined_from), restart_counts(joined)
     assert len(before) == 2 and len(after) == 3, (before, after)
     for node in nodes:
-        log = node.log()
+        log = logs[node.name]
         stopped = [pid for pid in before if f"[pid {pid} " in log]  # the worker lines' prefix
         (now,) = [count for pid, count in after.items() if f"[pid {pid} " in log]
         after_join = log
@@ -384,38 +426,29 @@ def check_join_used_no_restart(nodes: list, runs: dict[int, dict], joined_from: 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("cluster", [("--hold-until-world", "3", "--hold-at", str(JOIN_AT),
-                                      "--hold-at-below-world", "3")],
-                         indirect=True, ids=["hold-at-step-25-below-world-3"])
-def test_rank0_node_killed_then_a_node_joins(cluster, tmp_path, reference):
-    """One job, two membership changes. Rank 0's node (its worker hosts the job's store) is
-    SIGKILLed at world size 3: the survivors resume at world size 2. Then a third node
-    starts; the workers wait at step 25 for the agents to notice it (a slow agent start must
-    not let the job finish first); the agents SIGTERM them and training continues at world
-    size 3."""
-    victim = 0
-    survivors, attempt, info, killed_at = kill_a_node_at_world_3(cluster, tmp_path, victim)
-    shrunk, shrunk_info = job.wait_for(at_step(tmp_path / "run", 2, KILL_AT), JOB_TIMEOUT,
-                                       "training at world size 2", cluster=cluster)
-    restarts_before_join = max(r["restart_count"] for r in shrunk_info["events"]
-                               if r["event"] == "start")
-    survivors.append(cluster.add_node())  # waits at the rendezvous; the agents restart
-    s = finish(cluster, survivors, tmp_path)
-
-    assert s.world_sizes[-3:] == [3, 2, 3], s.world_sizes
-    kill, join = s.recoveries[-2:]
+def test_rank0_node_killed_then_a_node_joins(kills_and_a_join, reference):
+    """The job's first two membership changes. Rank 0's node (its worker hosts the job's
+    store) is SIGKILLed at world size 3: the survivors resume at world size 2. Then a third
+    node starts; the workers wait at step 25 for the agents to notice it (a slow agent start
+    must not let the job go on first); the agents SIGTERM them and training continues at
+    world size 3."""
+    facts, tmp = kills_and_a_join, kills_and_a_join["tmp"]
+    s, kill, shrunk = facts["summary"], facts["rank0"], facts["shrunk"]
+    assert s.world_sizes[-4:] == [3, 2, 3, 2], s.world_sizes
+    kill_rec, join = s.recoveries[-3:-1]
     assert join.attempt == shrunk, (join, shrunk)
-    detect = check_node_loss(s, kill, tmp_path, victim, attempt, killed_at)
+    detect = check_node_loss(s, kill_rec, tmp, 0, kill["attempt"], kill["killed_at"], KILL_AT)
     # the join: SIGTERM from the agents became a checkpoint of the current step, nothing redone
     assert join.world_before == 2 and join.world_after == 3, join
     assert join.reason.startswith("SIGTERM") and join.lost_ranks == [], join
     assert join.steps_lost == 0 and join.restored_step == join.last_step == JOIN_AT, join
     # membership changes do not use up torchrun's --max-restarts; the node's death did
-    assert restarts_before_join >= 1, restarts_before_join
-    check_join_used_no_restart(survivors, job.progress(tmp_path / "run"), shrunk)
-    check_audit(tmp_path / "audit")
-    tail, ref = check_loss(tmp_path, reference)
-    print(f"killed rank 0's node at step {info['step']}; survivors detected it "
+    assert facts["restarts_before_join"] >= 1, facts["restarts_before_join"]
+    check_join_used_no_restart(facts["join_nodes"], facts["join_logs"],
+                               job.progress(tmp / "run"), shrunk, facts["joined"])
+    check_audit(tmp / "audit")
+    tail, ref = check_loss(tmp, reference)
+    print(f"killed rank 0's node at step {kill['step']}; survivors detected it "
           f"{detect:.2f}s later; a node joined at step {JOIN_AT}; mean loss of the last 10 "
           f"steps {tail:.4f} (uninterrupted {ref:.4f})")
 

@@ -2,16 +2,19 @@
 
 As a script (started by ``trainer.live.supervisor``): trains a small MLP with dropout
 (so the RNG matters) and AdamW + StepLR on 96 samples, global batch 12, recording every
-commit with digests. Faults, each injected once per job (a marker file), by env
-``LIVE_KILL=group:step:where``, comma separated:
+commit with digests; with several ranks per group (``--group-size``) the MLP is replicated
+inside the group (``LIVE_LAYOUT=ddp``) or sharded over it with FSDP2 (``hsdp``). Faults,
+each injected once per job (a marker file), by env ``LIVE_KILL=group:step:where[:rank]``,
+comma separated:
 
 - ``forward``: the group SIGKILLs itself in the middle of the step (after its forward);
 - ``allreduce``: at the gradient all-reduce it waits until its peers are surely inside
   theirs (0.3 s), then SIGKILLs itself.
 
-  (at the first step from the one named on at which all three groups are in the quorum
-  and a warm spare waits: ``spare-<pid>`` in the run directory, so that the replacement
-  starts without importing torch; start the job with ``--spares``).
+  (at the first step from the one named on at which all the job's groups are in the
+  quorum and ``LIVE_WAIT_SPARE`` warm spares (default 1) wait: ``spare-<pid>`` in the
+  run directory, so that the replacement starts without importing torch; start the job
+  with ``--spares``).
 
 Each kill is written to ``kills.jsonl`` (group, step, time) just before the signal. A
 ``stop_at`` file in the run directory ends the job at that step (the test writes one a few
@@ -37,12 +40,12 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLES, GLOBAL_BATCH = 96, 12
 
 
-def _kills() -> dict[int, tuple[int, str, int]]:
-    """group -> (step, where, order): the n-th kill fires only after n-1 kills."""
+def _kills() -> dict[tuple[int, int], tuple[int, str, int]]:
+    """(group, rank) -> (step, where, order): the n-th kill fires only after n-1 kills."""
     out = {}
     for order, spec in enumerate(filter(None, os.environ.get("LIVE_KILL", "").split(","))):
-        group, step, where = spec.split(":")
-        out[int(group)] = (int(step), where, order)
+        group, step, where, *rank = spec.split(":")
+        out[int(group), int(rank[0]) if rank else 0] = (int(step), where, order)
     return out
 
 
@@ -50,16 +53,18 @@ def _due(run_dir: Path, kill: tuple[int, str, int] | None, where: str, step: int
          participants: int) -> bool:
     """Whether this group dies here: its kill's place, from its step on, with the whole
     quorum (so any replacement of an earlier kill has joined), after the earlier kills."""
-    if not kill or kill[1] != where or step < kill[0] or participants != 3:
+    if not kill or kill[1] != where or step < kill[0] or \
+            participants != int(os.environ.get("LIVE_GROUPS", "3")):
         return False
-    if not any(run_dir.glob("spare-*")):
+    if len(list(run_dir.glob("spare-*"))) < int(os.environ.get("LIVE_WAIT_SPARE", "1")):
         return False  # no warm spare yet: the replacement would import torch
     earlier = read(run_dir / "kills.jsonl")
     # a whole quorum after the previous kill's step: its replacement has joined
     return len(earlier) == kill[2] and all(step > k["step"] for k in earlier)
 
 
-def _die(run_dir: Path, group: int, named: int, step: int, where: str) -> None:
+def _die(run_dir: Path, group: int, named: int, step: int, where: str, rank: int = 0
+         ) -> None:
     """SIGKILL this process (at ``step``), once per job for (group, named step, where)."""
     marker = run_dir / f"killed-{group}-{named}-{where}"
     try:
@@ -67,8 +72,8 @@ def _die(run_dir: Path, group: int, named: int, step: int, where: str) -> None:
     except FileExistsError:
         return  # the replacement passes this point again
     with open(run_dir / "kills.jsonl", "a") as f:
-        f.write(json.dumps({"group": group, "step": step, "where": where, "pid": os.getpid(),
-                            "time": time.time()}) + "\n")
+        f.write(json.dumps({"group": group, "rank": rank, "step": step, "where": where,
+                            "pid": os.getpid(), "time": time.time()}) + "\n")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -86,8 +91,8 @@ def main() -> None:
         ready.touch()
     live = LiveConfig.from_env()
     ready.unlink(missing_ok=True)
-    group = live.replica_group
-    kill = _kills().get(group)
+    group, rank = live.replica_group, live.group_rank
+    kill = _kills().get((group, rank))
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(SAMPLES, 8, generator=g)
     y = torch.randint(0, 4, (SAMPLES,), generator=g)
@@ -101,7 +106,7 @@ def main() -> None:
             # the first step from the one named on at which the quorum is whole
             if _due(run_dir, kill, "allreduce", step, self.manager.num_participants()):
                 time.sleep(0.3)
-                _die(run_dir, group, kill[0], step, "allreduce")
+                _die(run_dir, group, kill[0], step, "allreduce", rank)
             return super().issue_allreduce(flat)
 
         def train_step(self) -> bool:
@@ -129,19 +134,29 @@ def main() -> None:
         loss = torch.nn.functional.cross_entropy(model(inputs), targets)
         step = holder["t"].manager.current_step() + 1
         if _due(run_dir, kill, "forward", step, holder["t"].manager.num_participants()):
-            _die(run_dir, group, kill[0], step, "forward")
+            _die(run_dir, group, kill[0], step, "forward", rank)
         return loss
 
+    def model_fn() -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
+                                    torch.nn.Dropout(0.2), torch.nn.Linear(32, 4))
+        if os.environ.get("LIVE_LAYOUT") == "hsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model, mesh=init_device_mesh("cpu", (live.group_size,)))
+        return model
+
     trainer = Job(
-        lambda: torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
-                                    torch.nn.Dropout(0.2), torch.nn.Linear(32, 4)),
+        model_fn,
         lambda params: torch.optim.AdamW(params, lr=0.01),
         TensorDataset(x, y), step_fn,
         scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5, gamma=0.9),
         checkpoint_root=os.environ["LIVE_CKPT_ROOT"],
         checkpoint_every=int(os.environ.get("LIVE_CKPT_EVERY", "4")),
         global_batch_size=GLOBAL_BATCH, live=live, seed=7, record_dir=run_dir,
-        digests=True, manager_options={"async_save": False})
+        digests=True, manager_options={
+            "async_save": False, "keep_last": int(os.environ.get("LIVE_KEEP_LAST", "3"))})
     holder["t"] = trainer
     run(trainer, int(os.environ["LIVE_TOTAL_STEPS"]))
 
@@ -149,16 +164,26 @@ def main() -> None:
 # -- the test side ------------------------------------------------------------------------
 def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float = 1.0,
               quorum_timeout: float = 30.0, quorum_retries: int = 3, timeout: float = 15.0,
-              respawn_delay: float = 0.0, extra: list[str] | None = None
-              ) -> subprocess.Popen:
-    """The supervisor of a 3-group job in a network namespace of its own (torchft's
-    manager server listens on every interface: nothing outside can reach it there)."""
+              respawn_delay: float = 0.0, extra: list[str] | None = None,
+              groups: int = 3, group_size: int = 1, layout: str = "ddp",
+              min_replicas: int | None = None, checkpoint_every: int = 4,
+              wait_spare: int = 1, keep_last: int = 3) -> subprocess.Popen:
+    """The supervisor of a job of ``groups`` groups (``group_size`` ranks each, ``layout``
+    ``"ddp"`` or ``"hsdp"`` inside a group) in a network namespace of its own (torchft's
+    manager server listens on every interface: nothing outside can reach it there).
+    ``wait_spare``: a kill waits for that many warm spares (start the job with
+    ``--spares``)."""
     run_dir, root = tmp / "run", tmp / "ckpt"
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "LIVE_RUN_DIR": str(run_dir), "LIVE_CKPT_ROOT": str(root),
-           "LIVE_TOTAL_STEPS": str(steps), "LIVE_KILL": kill,
+           "LIVE_TOTAL_STEPS": str(steps), "LIVE_KILL": kill, "LIVE_GROUPS": str(groups),
+           "LIVE_LAYOUT": layout, "LIVE_CKPT_EVERY": str(checkpoint_every),
+           "LIVE_WAIT_SPARE": str(int(wait_spare)), "LIVE_KEEP_LAST": str(keep_last),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    supervisor = [sys.executable, "-m", "trainer.live.supervisor", "--groups", "3",
+    sizes = ["--groups", str(groups), "--group-size", str(group_size)]
+    if min_replicas is not None:
+        sizes += ["--min-replicas", str(min_replicas)]
+    supervisor = [sys.executable, "-m", "trainer.live.supervisor", *sizes,
                   "--host", "127.0.0.1", "--heartbeat-timeout", str(heartbeat_timeout),
                   "--quorum-timeout", str(quorum_timeout),
                   "--quorum-retries", str(quorum_retries), "--timeout", str(timeout),
@@ -191,8 +216,16 @@ def read(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def group_records(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    return {g: read(run_dir / f"group-{g}.jsonl") for g in range(3)}
+def group_records(run_dir: Path, groups: int = 3) -> dict[int, list[dict[str, Any]]]:
+    """group -> its records (one process per group)."""
+    return {g: read(run_dir / f"group-{g}.jsonl") for g in range(groups)}
+
+
+def rank_records(run_dir: Path, groups: int, group_size: int
+                 ) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """(group, rank) -> that rank's records (groups of several ranks)."""
+    return {(g, r): read(run_dir / f"group-{g}-rank-{r}.jsonl")
+            for g in range(groups) for r in range(group_size)}
 
 
 def wait_for(predicate: Any, timeout: float, what: str) -> None:
@@ -235,6 +268,42 @@ def held(run_dir: Path, step: int) -> bool:
 
 def release(run_dir: Path) -> None:
     (run_dir / "hold_at").unlink()
+
+
+def uninterrupted(group: int, step: int, rank: int = 0) -> tuple[str, dict[str, Any]]:
+    """The RNG digest and data position ``group``'s ``rank`` starts ``step`` with in a run
+    without failures: the streams keyed by (seed, group, rank, step), the sampler after
+    step - 1 global batches (the job's seed 7)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from trainer.data import ResumableSampler
+    from trainer.live.worker import key_rng, rng_state, state_digest
+
+    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        key_rng(7, group, step, rank)
+        rng = state_digest(rng_state())
+    finally:
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
+    sampler = ResumableSampler(SAMPLES, seed=7)
+    for _ in range(step - 1):
+        sampler.next_indices(GLOBAL_BATCH)
+    return rng, sampler.state_dict()
+
+
+def stop_after(run_dir: Path, records: dict[Any, list[dict[str, Any]]], ahead: int = 4) -> int:
+    """End the job ``ahead`` steps after the newest commit in ``records``; returns that
+    step."""
+    newest = max((r["step"] for recs in records.values() for r in recs
+                  if r["event"] == "commit"), default=0)
+    (run_dir / "stop_at.tmp").write_text(str(newest + ahead))
+    os.replace(run_dir / "stop_at.tmp", run_dir / "stop_at")
+    return newest + ahead
 
 
 def stop(proc: subprocess.Popen) -> None:

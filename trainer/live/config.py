@@ -36,6 +36,15 @@ class LiveConfig:
         replica_group: this group's number, ``0 .. replica_groups-1``; its identity in the
             quorum, its RNG streams and its checkpoint folder.
         replica_groups: how many groups the job runs when whole.
+        group_rank: this process's rank inside its replica group, ``0 .. group_size-1``.
+        group_size: processes per replica group. Inside a group they form a local gloo
+            process group (gradients averaged over it, checkpoints written together);
+            across groups each rank meets the ranks of the same index in the other groups
+            (its share of the gradient all-reduce, its heal). A group that loses one
+            rank is lost as a whole.
+        group_store: ``host:port`` of the group's c10d store, hosted by group rank 0
+            (a process of a group of several ranks needs it; with one rank a free port
+            is taken; the supervisor's own config leaves it out).
         min_replicas: fewest groups that may commit a step (default: a majority). Below
             it the survivors wait for replacements up to ``quorum_timeout`` per try.
         heartbeat_timeout: seconds of silence after which the lighthouse drops a group
@@ -60,6 +69,9 @@ class LiveConfig:
     host: str = "127.0.0.1"
     replica_group: int = 0
     replica_groups: int = 1
+    group_rank: int = 0
+    group_size: int = 1
+    group_store: str | None = None
     min_replicas: int | None = None
     heartbeat_timeout: float = 5.0
     quorum_timeout: float = 30.0
@@ -79,6 +91,11 @@ class LiveConfig:
         if self.replica_groups < 1 or not 0 <= self.replica_group < self.replica_groups:
             raise ValueError(f"replica_group {self.replica_group} is not one of "
                              f"0..{self.replica_groups - 1}")
+        if self.group_size < 1 or not 0 <= self.group_rank < self.group_size:
+            raise ValueError(f"group_rank {self.group_rank} is not one of "
+                             f"0..{self.group_size - 1}")
+        if self.group_store is not None and ":" not in self.group_store:
+            raise ValueError(f"group_store must be host:port, not {self.group_store!r}")
         if not 1 <= self.quorum_size <= self.replica_groups:
             raise ValueError(f"min_replicas must be 1..{self.replica_groups}, not "
                              f"{self.min_replicas}")
@@ -112,6 +129,9 @@ class LiveConfig:
             "host": env.get("CKPT_LIVE_HOST", "127.0.0.1"),
             "replica_group": int(env.get("CKPT_LIVE_GROUP", "0")),
             "replica_groups": int(env.get("CKPT_LIVE_GROUPS", "1")),
+            "group_rank": int(env.get("CKPT_LIVE_GROUP_RANK", "0")),
+            "group_size": int(env.get("CKPT_LIVE_GROUP_SIZE", "1")),
+            "group_store": env.get("CKPT_LIVE_GROUP_STORE") or None,
         }
         for name, kind in (("min_replicas", int), ("heartbeat_timeout", float),
                            ("quorum_timeout", float), ("quorum_retries", int),
@@ -124,9 +144,11 @@ class LiveConfig:
         return cls(**values)  # type: ignore[arg-type]
 
     def to_env(self) -> dict[str, str]:
-        """The ``CKPT_LIVE_*`` variables :meth:`from_env` reads (the group left out)."""
+        """The ``CKPT_LIVE_*`` variables :meth:`from_env` reads (the group, the rank and
+        the group's store left out: they differ by process)."""
         env = {"CKPT_LIVE_LIGHTHOUSE": self.lighthouse, "CKPT_LIVE_HOST": self.host,
-               "CKPT_LIVE_GROUPS": str(self.replica_groups)}
+               "CKPT_LIVE_GROUPS": str(self.replica_groups),
+               "CKPT_LIVE_GROUP_SIZE": str(self.group_size)}
         for name in ("min_replicas", "heartbeat_timeout", "quorum_timeout",
                      "quorum_retries", "start_timeout", "join_timeout", "timeout"):
             value = getattr(self, name)
@@ -135,16 +157,29 @@ class LiveConfig:
         return env
 
 
+def assignment(group: int, rank: int = 0, store: str | None = None) -> str:
+    """The line that makes a warm spare rank ``rank`` of ``group`` (see
+    :func:`take_assignment`)."""
+    return f"{group} {rank} {store or '-'}\n"
+
+
 def take_assignment() -> None:
-    """In a warm spare, block until the supervisor names the group (one line on stdin),
-    then become that group's process; elsewhere, nothing."""
+    """In a warm spare, block until the supervisor names the group, the rank in it and the
+    group's store (one line on stdin: :func:`assignment`), then become that process;
+    elsewhere, nothing."""
     if os.environ.get(SPARE_ENV) != "1":
         return
     line = sys.stdin.readline()
     if not line.strip():
         os._exit(0)  # the supervisor is gone or let the spare go
-    os.environ["CKPT_LIVE_GROUP"] = str(int(line))
+    fields = line.split()
+    os.environ["CKPT_LIVE_GROUP"] = str(int(fields[0]))
+    if len(fields) > 1:
+        os.environ["CKPT_LIVE_GROUP_RANK"] = str(int(fields[1]))
+    if len(fields) > 2 and fields[2] != "-":
+        os.environ["CKPT_LIVE_GROUP_STORE"] = fields[2]
     os.environ.pop(SPARE_ENV)
 
 
-__all__ = ["EXIT_QUORUM_LOST", "LIVE_KEY_ENV", "SPARE_ENV", "LiveConfig", "take_assignment"]
+__all__ = ["EXIT_QUORUM_LOST", "LIVE_KEY_ENV", "SPARE_ENV", "LiveConfig", "assignment",
+           "take_assignment"]

@@ -1,8 +1,10 @@
-"""Run a live job on one machine: the lighthouse and one process per replica group, all
-bound to the job's address, with the supervision live recovery needs.
+"""Run a live job on one machine: the lighthouse and the processes of each replica group
+(``group_size`` ranks each), all bound to the job's address, with the supervision live
+recovery needs.
 
-- a group that dies (any status but 0 and :data:`EXIT_QUORUM_LOST`) is started again, a
-  replacement that heals from a peer while the others train on;
+- a group that loses a rank (any status but 0 and :data:`EXIT_QUORUM_LOST`) is lost as a
+  whole: its other ranks are stopped and the group is started again, with a store of its
+  own, as a replacement that heals from a peer while the others train on;
 - a lighthouse that dies is started again at once at the same address (the groups'
   quorum retries cover the gap);
 - a group that exits with :data:`EXIT_QUORUM_LOST` means live recovery gave up (a
@@ -21,6 +23,11 @@ the scheduler at the same address), one torchrun or task per replica group with 
 ``python -m trainer.live.supervisor --groups 3 --run-dir D -- python train.py ...``; it
 writes ``supervisor.jsonl`` in the run directory (every start, loss, replacement and
 restart, with pids and times). No torch import here.
+
+A rank whose group lost another rank may itself exit with :data:`EXIT_QUORUM_LOST` (its
+group's manager, in rank 0, is gone): a group's status 76 counts as a lost quorum only
+when no rank of the group died otherwise (the supervisor waits for every rank of the
+group to exit, up to ``heartbeat_timeout``, before it decides).
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.live.config import EXIT_QUORUM_LOST, LIVE_KEY_ENV, SPARE_ENV, LiveConfig
+from trainer.live.config import (EXIT_QUORUM_LOST, LIVE_KEY_ENV, SPARE_ENV, LiveConfig,
+                                 assignment)
 from trainer.progress import JsonLines
 
 
@@ -61,21 +69,23 @@ def wait_listening(host: str, port: int, timeout: float) -> bool:
 
 @dataclasses.dataclass
 class LiveJob:
-    """The lighthouse and ``config.replica_groups`` group processes of ``command``.
+    """The lighthouse and ``config.replica_groups`` groups of ``config.group_size``
+    processes of ``command``.
 
     Args:
-        command: the group's command line (it builds a :class:`trainer.live.LiveTrainer`
-            with ``LiveConfig.from_env()``); each group gets ``CKPT_LIVE_GROUP`` and the
+        command: a rank's command line (it builds a :class:`trainer.live.LiveTrainer`
+            with ``LiveConfig.from_env()``); each process gets ``CKPT_LIVE_GROUP``,
+            ``CKPT_LIVE_GROUP_RANK``, its group's store (``CKPT_LIVE_GROUP_STORE``) and the
             job's ``CKPT_LIVE_*`` settings and key in its environment.
-        config: the job's settings (``replica_group`` is ignored; ``lighthouse``'s port
-            0 picks a free one).
+        config: the job's settings (``replica_group``, ``group_rank`` and
+            ``group_store`` are ignored; ``lighthouse``'s port 0 picks a free one).
         run_dir: where ``supervisor.jsonl`` goes.
         respawn_delay: seconds before a lost group is started again (a node's
             replacement time; 0 on one machine).
         max_restarts: whole-job restarts allowed after :data:`EXIT_QUORUM_LOST`.
         mode: ``"live"`` (replace a lost group) or ``"restart"`` (restart the job).
-        spares: processes kept warm (imports done) to become replacements or restarted
-            groups.
+        spares: processes kept warm (imports done) to become ranks of replacements or
+            restarted groups (``group_size`` of them make a whole group warm).
     """
 
     command: list[str]
@@ -94,7 +104,7 @@ class LiveJob:
                                               lighthouse=f"{host}:{free_port(host)}")
         self.key = secrets.token_hex(32)
         self.events = JsonLines(self.run_dir / "supervisor.jsonl")
-        self.groups: dict[int, subprocess.Popen | None] = {}
+        self.groups: dict[int, list[subprocess.Popen]] = {}
         self.lighthouse: subprocess.Popen | None = None
         self.restarts = 0
         self.pool: list[subprocess.Popen] = []  # the warm spares
@@ -127,26 +137,66 @@ class LiveJob:
                                                 text=True))
 
     def start_group(self, group: int, why: str) -> None:
-        spare = next((p for p in self.pool if p.poll() is None), None)
-        if spare is not None and why != "start":
-            self.pool.remove(spare)
-            assert spare.stdin is not None
-            spare.stdin.write(f"{group}\n")
-            spare.stdin.flush()
-            proc = spare
-        else:
-            proc = subprocess.Popen(self.command,
-                                    env={**self._env(), "CKPT_LIVE_GROUP": str(group)})
-        self.groups[group] = proc
-        self._event("group", group=group, pid=proc.pid, why=why, warm=proc is spare)
+        """Start ``group``'s ranks (from warm spares when there are, except at the job's
+        start), with a fresh store address: a replacement never meets its predecessor's
+        keys."""
+        size = self.config.group_size
+        host = self.config.host
+        store = f"{host}:{free_port(host)}" if size > 1 else None
+        procs = []
+        for rank in range(size):
+            spare = next((p for p in self.pool if p.poll() is None), None)
+            if spare is not None and why != "start":
+                self.pool.remove(spare)
+                assert spare.stdin is not None
+                spare.stdin.write(assignment(group, rank, store))
+                spare.stdin.flush()
+                proc = spare
+            else:
+                env = {**self._env(), "CKPT_LIVE_GROUP": str(group),
+                       "CKPT_LIVE_GROUP_RANK": str(rank)}
+                if store is not None:
+                    env["CKPT_LIVE_GROUP_STORE"] = store
+                proc = subprocess.Popen(self.command, env=env)
+            procs.append(proc)
+            self._event("group", group=group, rank=rank, pid=proc.pid, why=why,
+                        warm=proc is spare)
+        self.groups[group] = procs
 
     def stop_groups(self) -> None:
-        for proc in self.groups.values():
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        for proc in self.groups.values():
-            if proc is not None:
+        for procs in self.groups.values():
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+        for procs in self.groups.values():
+            for proc in procs:
                 proc.wait()
+
+    def _group_status(self, group: int) -> int | None:
+        """None while ``group`` runs; else its outcome: 0 (every rank finished),
+        :data:`EXIT_QUORUM_LOST` (its ranks gave up on the quorum) or the first other
+        status of a rank (the group is lost; its other ranks are stopped)."""
+        procs = self.groups[group]
+        codes = [p.poll() for p in procs]
+        if all(c is None for c in codes):
+            return None
+        if EXIT_QUORUM_LOST in codes and None in codes:
+            # a rank whose group lost a peer rank gives up on the quorum too: the other
+            # ranks' statuses say which it was (a lost quorum: they all give up)
+            deadline = time.monotonic() + self.config.heartbeat_timeout
+            while None in codes and time.monotonic() < deadline and \
+                    all(c in (None, 0, EXIT_QUORUM_LOST) for c in codes):
+                time.sleep(0.01)
+                codes = [p.poll() for p in procs]
+        lost = [c for c in codes if c not in (None, 0, EXIT_QUORUM_LOST)]
+        if not lost and EXIT_QUORUM_LOST not in codes:
+            return 0 if None not in codes else None  # ranks finishing one after another
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+        return lost[0] if lost else EXIT_QUORUM_LOST
 
     def run(self, timeout: float = 3600.0) -> int:
         """Supervise until every group finished (0), the restarts are used up or
@@ -163,14 +213,14 @@ class LiveJob:
                 if self.lighthouse is not None and self.lighthouse.poll() is not None:
                     self._event("lighthouse_lost", rc=self.lighthouse.returncode)
                     self.start_lighthouse()
-                for g, proc in list(self.groups.items()):
-                    rc = None if proc is None else proc.poll()
+                for g, procs in list(self.groups.items()):
+                    rc = self._group_status(g)
                     if rc is None:
                         continue
-                    self.groups[g] = None
+                    pids = [p.pid for p in procs]
+                    self.groups.pop(g)
                     if rc == 0:
-                        self._event("group_done", group=g, pid=proc.pid)
-                        self.groups.pop(g)
+                        self._event("group_done", group=g, pid=pids[0], pids=pids)
                         finished = True
                     elif rc == EXIT_QUORUM_LOST:
                         return_code = self._restart_job(g)
@@ -179,16 +229,15 @@ class LiveJob:
                         pending.clear()
                         break
                     else:
-                        self._event("group_lost", group=g, pid=proc.pid, rc=rc)
+                        self._event("group_lost", group=g, pid=pids[0], pids=pids, rc=rc,
+                                    rcs=[p.returncode for p in procs])
                         if self.mode == "restart" and not finished:
                             return_code = self._restart_job(g)
                             if return_code is not None:
                                 return return_code
                             pending.clear()
                             break
-                        if finished:
-                            self.groups.pop(g)
-                        else:
+                        if not finished:
                             pending[g] = time.monotonic() + self.respawn_delay
                 for g, when in list(pending.items()):
                     if time.monotonic() >= when:
@@ -230,6 +279,8 @@ class LiveJob:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.live.supervisor")
     p.add_argument("--groups", type=int, required=True)
+    p.add_argument("--group-size", type=int, default=1,
+                   help="processes per replica group (a local gloo process group)")
     p.add_argument("--host", default="127.0.0.1", help="the job's address")
     p.add_argument("--lighthouse-port", type=int, default=0)
     p.add_argument("--min-replicas", type=int, default=None)
@@ -253,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         p.error("give the group's command after --")
     config = LiveConfig(lighthouse=f"{a.host}:{a.lighthouse_port}", host=a.host,
-                        replica_groups=a.groups, min_replicas=a.min_replicas,
+                        replica_groups=a.groups, group_size=a.group_size,
+                        min_replicas=a.min_replicas,
                         heartbeat_timeout=a.heartbeat_timeout,
                         quorum_timeout=a.quorum_timeout, quorum_retries=a.quorum_retries,
                         join_timeout=a.join_timeout, timeout=a.timeout,

@@ -1,27 +1,37 @@
-"""One replica group of a live job: a training loop that commits each step with the quorum
-and heals from a peer, so that losing another group costs it about a heartbeat timeout.
+"""One rank of a replica group of a live job: a training loop that commits each step with
+the quorum and heals from a peer, so that losing another group costs it about a heartbeat
+timeout.
 
-Each step:
+A group has one rank or several (``LiveConfig.group_size``: a local gloo process group,
+:mod:`trainer.live.group`); torchft pairs each rank with the ranks of the same index in
+the other groups. Each step:
 
-1. **quorum** (``Manager.start_quorum``, synchronous): the lighthouse names the groups of
-   this step; a group behind the others (a replacement) heals here, from a peer, to the
-   newest step: model, optimizer, scheduler, data position and step metadata (all of it
-   replicated: every group holds the same values at a committed step);
-2. **RNG**: this group's torch/NumPy/``random`` streams are keyed by (seed, group, step),
-   so a replacement draws at step k exactly what the lost group would have drawn;
+1. **quorum** (``Manager.start_quorum``, synchronous; every rank of the group asks, the
+   group's manager asks the lighthouse once): the lighthouse names the groups of this
+   step; a group behind the others (a replacement) heals here, each rank from the rank of
+   the same index in a peer group, to the newest step: model, optimizer, scheduler, data
+   position and step metadata (all of it replicated across groups: every group holds the
+   same values at a committed step);
+2. **RNG**: each rank's torch/NumPy/``random`` streams are keyed by (seed, group, rank,
+   step), so a replacement draws at step k exactly what the lost rank would have drawn;
 3. **data**: the step's global batch comes from the global :class:`ResumableSampler`;
-   the group trains its share (split over the groups of the quorum), so the gradient is
-   the global batch's mean whatever the number of groups;
-4. **gradients**: one ``manager.allreduce`` of the flattened gradients after backward
-   (torchft's ``DistributedDataParallel`` crashes the survivors when a peer dies inside
-   its all-reduce; a failed ``manager.allreduce`` only fails the commit);
+   the rank trains its share (split over the quorum's groups times the group's ranks),
+   so the gradient is the global batch's mean whatever the number of groups;
+4. **gradients**: after backward, averaged over the group and across groups
+   (:meth:`LocalGroup.sync`: our own ``manager.allreduce``, since torchft's
+   ``DistributedDataParallel`` crashes the survivors when a peer dies inside its
+   all-reduce; a failed ``manager.allreduce`` only fails the commit);
 5. **commit** (``Manager.should_commit``): the optimizer steps only if the quorum commits;
    otherwise the data position goes back and the step is tried again, so no sample is
    skipped or repeated;
 6. **checkpoint**: a committed step is the moment to snapshot; every ``checkpoint_every``
-   steps ckpt saves the state to this group's folder (``<root>/group-<g>``), from which a
-   group starts (before the quorum says whether a peer is ahead) and from which the whole
-   job resumes when live recovery gives up (:data:`EXIT_QUORUM_LOST`).
+   steps ckpt saves the state to this group's folder (``<root>/group-<g>``, all ranks of
+   the group together), from which a group starts (before the quorum says whether a peer
+   is ahead) and from which the whole job resumes when live recovery gives up
+   (:data:`EXIT_QUORUM_LOST`). A group that healed to a step holds that step's state
+   without having committed it: it saves it then, if the schedule names it, as its peers
+   did at their commit (else a replacement that heals onto a save step would leave its
+   folder a whole interval behind).
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from torch.utils.data import Dataset, default_collate
 import ckpt
 from trainer.data import ResumableSampler
 from trainer.live.config import EXIT_QUORUM_LOST, LIVE_KEY_ENV, LiveConfig
+from trainer.live.group import LocalGroup, is_sharded, local_tree, shard_like
 from trainer.progress import JsonLines
 
 try:
@@ -58,16 +69,16 @@ class QuorumLostError(RuntimeError):
     for ``quorum_timeout``: live recovery cannot go on; resume the job from ckpt."""
 
 
-def step_seed(seed: int, group: int, step: int) -> int:
-    """The 63-bit seed of ``group``'s RNG streams at ``step``."""
-    digest = hashlib.blake2b(f"ckpt-live/{seed}/{group}/{step}".encode(),
+def step_seed(seed: int, group: int, step: int, rank: int = 0) -> int:
+    """The 63-bit seed of the RNG streams of ``group``'s ``rank`` at ``step``."""
+    digest = hashlib.blake2b(f"ckpt-live/{seed}/{group}/{rank}/{step}".encode(),
                              digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
-def key_rng(seed: int, group: int, step: int) -> None:
-    """Seed torch, NumPy and ``random`` for ``group`` at ``step``."""
-    s = step_seed(seed, group, step)
+def key_rng(seed: int, group: int, step: int, rank: int = 0) -> None:
+    """Seed torch, NumPy and ``random`` for ``group``'s ``rank`` at ``step``."""
+    s = step_seed(seed, group, step, rank)
     torch.manual_seed(s)
     random.seed(s)
     if np is not None:
@@ -79,6 +90,8 @@ def state_digest(value: Any) -> str:
     h = hashlib.sha256()
 
     def walk(v: Any) -> None:
+        if is_sharded(v):
+            v = v.to_local()
         if isinstance(v, torch.Tensor):
             t = v.detach().cpu().contiguous()
             h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
@@ -107,16 +120,20 @@ def rng_state() -> dict[str, Any]:
 
 
 class LiveTrainer:
-    """A replica group's training loop under torchft (one process per group).
+    """One rank's training loop of a replica group under torchft.
 
     Args:
         model_fn, optimizer_fn, dataset, step_fn, scheduler_fn: as for
             :class:`trainer.ElasticTrainer` (``step_fn(model, batch) -> mean loss``).
+            With several ranks per group ``model_fn`` runs after the group's process
+            group exists: a model it shards with FSDP2's ``fully_shard`` over the group's
+            ranks (``init_device_mesh("cpu", (group_size,))``) trains sharded inside the
+            group and replicated across groups (HSDP); a plain one is replicated (DDP).
         checkpoint_root: the job's checkpoint root; this group saves under ``group-<g>``.
         checkpoint_every: save every N committed steps.
-        global_batch_size: samples per step, split evenly over the groups of the quorum:
-            it must divide by every group count from ``min_replicas`` to
-            ``replica_groups``.
+        global_batch_size: samples per step, split evenly over the ranks of the quorum's
+            groups: it must divide by ``group_size`` times every group count from
+            ``min_replicas`` to ``replica_groups``.
         live: the :class:`LiveConfig` (default: from the ``CKPT_LIVE_*`` environment).
         seed: seeds the model (same weights in every group) and the RNG keys.
         key: the job's heal key (default: env ``CKPT_LIVE_KEY``, hex).
@@ -138,26 +155,37 @@ class LiveTrainer:
                  manager_options: dict[str, Any] | None = None) -> None:
         self.live = live = live or LiveConfig.from_env()
         for n in range(live.quorum_size, live.replica_groups + 1):
-            if global_batch_size % n:
+            if global_batch_size % (n * live.group_size):
                 raise ValueError(f"global_batch_size {global_batch_size} does not split over "
-                                 f"{n} replica groups; it must divide by every count from "
+                                 f"{n} replica groups of {live.group_size} ranks; it must "
+                                 f"divide by {live.group_size} times every group count from "
                                  f"{live.quorum_size} to {live.replica_groups}")
         key = key or bytes.fromhex(os.environ.get(LIVE_KEY_ENV, ""))
         if not key:
             raise ValueError(f"live recovery needs the job's key: pass key= or set "
                              f"{LIVE_KEY_ENV} (the same in every group)")
-        self.group, self.seed = live.replica_group, seed
+        self.group, self.rank, self.seed = live.replica_group, live.group_rank, seed
         self.dataset, self.step_fn = dataset, step_fn
         self.collate_fn = collate_fn or default_collate
         self.global_batch_size = global_batch_size
         self.digests = digests
+        self.local = LocalGroup(live, timedelta(seconds=live.timeout),
+                                timedelta(seconds=live.start_timeout))
         torch.manual_seed(seed)
         self.model = model_fn()
         self.optimizer = optimizer_fn(self.model.parameters())
         self.scheduler = scheduler_fn(self.optimizer) if scheduler_fn else None
         self.sampler = ResumableSampler(len(dataset), seed=seed)
-        self.state: dict[str, Any] = {"model": self.model, "optim": self.optimizer,
-                                      "data": self.sampler, "rng": ckpt.RNGState(),
+        self.sharded = any(is_sharded(p) for p in self.model.parameters())
+        self.local.replicated = not self.sharded
+        # FSDP2 state through torch's distributed state dict (names, shards, optimizer
+        # state that exists before the first step): what ckpt saves and a heal carries
+        self.train_state: Any = ckpt.ModelOptimizer(self.model, self.optimizer) \
+            if self.sharded else None
+        trained = {"train": self.train_state} if self.sharded else {
+            "model": self.model, "optim": self.optimizer}
+        self.state: dict[str, Any] = {**trained, "data": self.sampler,
+                                      "rng": ckpt.RNGState(),
                                       "meta": {"step": 0, "batches_committed": 0}}
         if self.scheduler is not None:
             self.state["sched"] = self.scheduler
@@ -165,7 +193,8 @@ class LiveTrainer:
         self.checkpoints = ckpt.CheckpointManager(
             Path(checkpoint_root) / f"group-{self.group}", every_steps=checkpoint_every,
             **options)
-        self.records = (JsonLines(Path(record_dir) / f"group-{self.group}.jsonl")
+        name = f"group-{self.group}" + (f"-rank-{self.rank}" if live.group_size > 1 else "")
+        self.records = (JsonLines(Path(record_dir) / f"{name}.jsonl")
                         if record_dir is not None else None)
         self._healed = False
         self._joined = False
@@ -179,38 +208,44 @@ class LiveTrainer:
 
     # -- torchft -----------------------------------------------------------------------------
     def _start_manager(self, key: bytes) -> Any:
-        from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
 
         from trainer.live.transport import KeyedHTTPTransport
 
         live = self.live
         timeout = timedelta(seconds=live.timeout)
-        # The group's own store (one process per group: nobody else connects to it).
-        self._store = TCPStore(live.host, 0, is_master=True, wait_for_workers=False)
         self.transport = KeyedHTTPTransport(live.host, key, timeout)
         return Manager(
             pg=ProcessGroupGloo(timeout=timeout), min_replica_size=live.quorum_size,
             load_state_dict=self._load_live, state_dict=self._live_state,
             use_async_quorum=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=live.quorum_timeout), connect_timeout=timeout,
-            rank=0, world_size=1, store_addr=live.host, store_port=self._store.port,
+            rank=self.rank, world_size=live.group_size, store_addr=self.local.store_host,
+            store_port=self.local.store_port,
             lighthouse_addr=f"http://{live.lighthouse}", replica_id=f"group{self.group}",
             hostname=live.host, heartbeat_interval=timedelta(seconds=live.heartbeat_interval),
             checkpoint_transport=self.transport, init_sync=False,
             quorum_retries=live.quorum_retries)
 
     def _live_state(self) -> dict[str, Any]:
-        """What a healing peer receives: the replicated state of the committed step."""
-        out = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-               "data": self.sampler.state_dict(), "meta": dict(self.meta)}
+        """What a healing peer's rank of the same index receives: the state of the
+        committed step replicated across groups (a sharded model: this rank's shards)."""
+        if self.sharded:
+            out = {"train": local_tree(self.train_state.state_dict())}
+        else:
+            out = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+        out.update(data=self.sampler.state_dict(), meta=dict(self.meta))
         if self.scheduler is not None:
             out["sched"] = self.scheduler.state_dict()
         return out
 
     def _load_live(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+        if self.sharded:
+            self.train_state.load_state_dict(
+                shard_like(self.train_state.state_dict(), state["train"]))
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optim"])
         self.sampler.load_state_dict(state["data"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["sched"])
@@ -220,8 +255,8 @@ class LiveTrainer:
     # -- the loop ----------------------------------------------------------------------------
     def _record(self, event: str, **fields: Any) -> None:
         if self.records is not None:
-            self.records.write({"event": event, "group": self.group, "pid": os.getpid(),
-                                "time": time.time(), **fields})
+            self.records.write({"event": event, "group": self.group, "group_rank": self.rank,
+                                "pid": os.getpid(), "time": time.time(), **fields})
 
     def restore(self) -> int:
         """Load this group's newest good checkpoint (0: none), then start the manager at
@@ -272,13 +307,16 @@ class LiveTrainer:
         if self._healed:
             self._healed = False
             self._record("heal", step=step - 1, **self._digest_fields())
+            # the peers saved this step at their commit if the schedule named it
+            self._save(step - 1)
         participants = self.manager.num_participants()
         rank = self.manager.participating_rank()
-        key_rng(self.seed, self.group, step)
+        key_rng(self.seed, self.group, step, self.rank)
         before = self.sampler.state_dict()
         start = self._start_fields(before)
         batch = self.sampler.next_indices(self.global_batch_size)
-        mine = (ResumableSampler.rank_slice(batch, rank, participants)
+        size = self.live.group_size
+        mine = (ResumableSampler.rank_slice(batch, rank * size + self.rank, participants * size)
                 if rank is not None else [])
         self.optimizer.zero_grad(set_to_none=False)
         loss = torch.zeros(())
@@ -304,39 +342,41 @@ class LiveTrainer:
         self._record("commit", step=step, participants=participants, rank=rank,
                      batch=batch, indices=mine, loss=float(loss.detach()),
                      **self._digest_fields(), **start)
+        self._save(step)
+        return True
+
+    def _save(self, step: int) -> None:
+        """Save ``step`` if the schedule names it (every rank of the group calls it)."""
         if self.checkpoints.save(step, self.state) is not None:
             self._record("saved", step=step)
-        return True
 
     def issue_allreduce(self, flat: torch.Tensor) -> Any:
         """Start the average of ``flat`` over the quorum (torchft's work handle)."""
         return self.manager.allreduce(flat)
 
     def sync_gradients(self) -> None:
-        """Average the gradients over the quorum with one all-reduce; a failure (a peer
-        lost inside it) is reported to the manager, which then does not commit."""
+        """Average the gradients over the group and the quorum (:meth:`LocalGroup.sync`);
+        a failure (a peer lost inside the cross-group all-reduce) is reported to the
+        manager, which then does not commit."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        try:
-            self.issue_allreduce(flat).wait()
-        except Exception as e:
-            self.manager.report_error(e)
-            return
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
+        for p in params:
             if p.grad is None:
-                p.grad = g
-            p.grad.copy_(flat[offset:offset + n].view_as(g))
-            offset += n
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad.to_local() if is_sharded(p.grad) else p.grad for p in params]
+        error = self.local.sync(grads, self.issue_allreduce)
+        if error is not None:
+            self.manager.report_error(error)
 
     def _digest_fields(self) -> dict[str, Any]:
         """Digests of the model and optimizer as they are now (``digests=True``)."""
         if not self.digests:
             return {}
-        return {"model": state_digest(self.model.state_dict()),
-                "optim": state_digest(self.optimizer.state_dict()),
+        if self.sharded:
+            train = self.train_state.state_dict()
+            model, optim = train["model"], train["optim"]
+        else:
+            model, optim = self.model.state_dict(), self.optimizer.state_dict()
+        return {"model": state_digest(model), "optim": state_digest(optim),
                 "data_next": self.sampler.state_dict()}
 
     def _start_fields(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -350,6 +390,7 @@ class LiveTrainer:
         self.checkpoints.close()
         if self.manager is not None:
             self.manager.shutdown(wait=False)
+        self.local.close()
         if self.records is not None:
             self.records.close()
 

@@ -4,7 +4,15 @@ and the data, until the receiver has published the replica and acknowledged it).
 
     python benchmarks/bench_replication.py [--sizes 256MiB,1GiB] [--reps 5] [--dir /dev/shm]
 
-Prints the median time and rate per size (and the spread); never asserts on timings.
+With ``--restore``: the restore from replicas of a replaced node's ranks (world 4 on gloo,
+two "nodes" of two ranks, a DDP state in memory only; node B lost, node C's two ranks fetch
+it from node A's replicas), each replicated byte fetched once per node (the default) against
+every rank fetching its own (``cooperative.MODE = "never"``), interleaved. A restore's time
+is its slowest rank's; the bytes the holders served are counted where they leave.
+
+    python benchmarks/bench_replication.py --restore [--sizes 64MiB,256MiB] [--reps 5]
+
+Prints medians and ratios (and the spread); never asserts on timings.
 """
 
 from __future__ import annotations
@@ -35,12 +43,52 @@ def _size(text: str) -> int:
     return int(text)
 
 
+def restore_table(sizes: list[int], reps: int, where: str) -> None:
+    """Restore from replicas, shared per node against fetched per rank (see the docstring)."""
+    from tests.support.peer_shared_workers import plain_then_shared
+    from tests.support.ranks import run_ranks
+
+    print("| state | per rank: median s | shared: median s | shared / per rank | "
+          "served per rank (x state) | served shared (x state) | spread s (per rank; "
+          "shared) |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for size in sizes:
+        base = tempfile.mkdtemp(prefix="bench-shared-restore-", dir=where)
+        os.chmod(base, 0o700)
+        try:
+            shm = os.path.join(base, "shm")
+            os.mkdir(shm)
+            ranks = run_ranks(4, plain_then_shared, os.path.join(base, "root"), shm,
+                              size // MiB, reps, timeout=3600)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        state = ranks[0][0]["state"]
+        times: dict[str, list[float]] = {"never": [], "auto": []}
+        served: dict[str, list[float]] = {"never": [], "auto": []}
+        for i, run in enumerate(ranks[0]):
+            times[run["mode"]].append(max(r[i]["seconds"] for r in ranks))
+            served[run["mode"]].append(sum(r[i]["served"] for r in ranks) / state)
+            assert all(r[i]["exact"] and r[i]["step"] == 1 for r in ranks)
+        plain, shared = (statistics.median(times[m]) for m in ("never", "auto"))
+        print(f"| {size / MiB:.0f} MiB | {plain:.3f} | {shared:.3f} | {shared / plain:.2f} | "
+              f"{statistics.median(served['never']):.2f} | "
+              f"{statistics.median(served['auto']):.2f} | "
+              f"{min(times['never']):.3f}-{max(times['never']):.3f}; "
+              f"{min(times['auto']):.3f}-{max(times['auto']):.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="256MiB,1GiB")
+    ap.add_argument("--sizes", default=None)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default="/dev/shm")
+    ap.add_argument("--restore", action="store_true",
+                    help="restore from replicas: shared per node against per rank")
     args = ap.parse_args()
+    if args.restore:
+        restore_table(list(map(_size, (args.sizes or "64MiB,256MiB").split(","))), args.reps,
+                      args.dir)
+        return
+    args.sizes = args.sizes or "256MiB,1GiB"
     base = tempfile.mkdtemp(prefix="bench-replication-", dir=args.dir)
     os.chmod(base, 0o700)
     try:

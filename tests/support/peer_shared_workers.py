@@ -166,15 +166,16 @@ def replaced_node_restores(rank: int, world: int, root: str, shm: str, mib: int 
 
 def plain_then_shared(rank: int, world: int, root: str, shm: str, mib: int,
                       reps: int) -> list[dict]:
-    """For the benchmark: ``reps`` restores with the sharing off (every rank fetches from
-    the peers) and on, interleaved."""
+    """For the benchmark: after a warm-up, ``reps`` restores with the sharing off (every
+    rank fetches from the peers) and on, interleaved (which goes first alternates)."""
     from ckpt._load import cooperative
 
     save_then_lose_node_b(rank, root, shm, mib)
     served = count_served()
+    restore_once(rank, root, shm, mib, served)  # warm-up (a process's first restore)
     runs = []
-    for _ in range(reps):
-        for mode in ("never", "auto"):
+    for rep in range(reps):
+        for mode in ("never", "auto")[::1 if rep % 2 else -1]:
             cooperative.MODE = mode
             dist.barrier()
             runs.append({"mode": mode, **restore_once(rank, root, shm, mib, served)})

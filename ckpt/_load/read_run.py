@@ -63,9 +63,10 @@ class Applier:
     """The apply pass: fills destinations, keeps count of what changed for error messages."""
 
     def __init__(self, storage: Storage, location: str, scratch: Scratch, verify: bool,
-                 files: OpenFiles) -> None:
+                 files: OpenFiles, staged: dict[int, torch.Tensor] | None = None) -> None:
         self.storage, self.location, self.scratch, self.files = storage, location, scratch, files
         self.verify = verify  # one-pass load: check each chunk where it landed
+        self.staged = staged if staged is not None else {}  # id(read) -> its verified chunk
         self._lock = threading.Lock()
         self._streams: dict[torch.device, Any] = {}
         self.started: set[str] = set()
@@ -83,7 +84,11 @@ class Applier:
     def __call__(self, r: ChunkRead) -> None:
         with self._lock:
             self.started.add(r.key)
-        if r.into is not None:
+        staged = self.staged.pop(id(r), None)
+        if staged is not None:  # read and verified before: a copy from memory
+            r.dest[sub_slices(r.dest_box, r.overlap)].copy_(
+                staged[sub_slices((r.chunk.offsets, r.chunk.shape), r.overlap)])
+        elif r.into is not None:
             read_chunk_into(self.storage, self.location, r.key, r.chunk, r.into, r.dest.dtype,
                        self.verify, self.files)
         else:

@@ -4,18 +4,24 @@ Order matters for "a failed load changes nothing":
 
 1. The manifest is validated and compared with the live state (keys, shapes, dtypes,
    optimizer parameter groups, pickle) and every value is decoded before any byte is read.
-2. Verify pass: every chunk this rank needs is read and checked against its digest. Nothing
-   live changes. Each file's run of adjacent chunks is streamed through one small block
-   buffer per reading thread (``Storage.stream_block``, 512 KiB on a file system: the block
-   is still in the CPU cache when it is digested, so checking costs no copy through memory);
-   where every read is a request (object stores), whole chunks go through two reused
-   chunk buffers instead. Compressed chunks are decoded into a chunk buffer to be digested.
-3. Apply pass: the same chunks are read again straight into the live tensors (CPU, contiguous,
-   whole rows), or through a few reused bounce buffers (pinned, copied on a side stream, for
-   CUDA tensors; also for non-contiguous tensors and chunks that only partly overlap a box).
-   The verify pass has just brought the files into the page cache, so this second read is a
-   memory copy while the step fits in free memory. Each reading thread opens each file once
-   for the pass (``Storage.open_reader``), not once per chunk.
+2. First pass: every chunk this rank needs is read and checked against its digest; nothing
+   live changes. A chunk whose destination is a new buffer (a value the caller's state holds
+   no tensor for, or one of another shape or dtype, handed over by ``load_state_dict`` at
+   the end) is read once, straight into that buffer, each block digested as it lands. A
+   chunk for a live tensor is read into staging memory where :mod:`ckpt._load.staging`
+   uses it (object stores, within a memory budget); otherwise each file's run of adjacent
+   chunks is streamed through one small block buffer per reading thread
+   (``Storage.stream_block``, 512 KiB on a file system: the block is still in the CPU cache
+   when it is digested, so checking costs no copy through memory); where every read is a
+   request, whole chunks go through two reused chunk buffers instead. Compressed chunks are
+   decoded into a chunk buffer to be digested.
+3. Apply pass: staged chunks are copied into their live tensors; the others are read again
+   straight into the live tensors (CPU, contiguous, whole rows), or through a few reused
+   bounce buffers (pinned, copied on a side stream, for CUDA tensors; also for
+   non-contiguous tensors and chunks that only partly overlap a box). The first pass has
+   just brought the files into the page cache, so this second read is a memory copy while
+   the step fits in free memory. Each reading thread opens each file once for the pass
+   (``Storage.open_reader``), not once per chunk.
 4. Objects get ``load_state_dict`` last.
 
 Under a process group (a restore from the root), the chunks several ranks need are read by
@@ -23,9 +29,10 @@ one of them and sent to the others (:mod:`ckpt._load.cooperative`): the same pas
 rank reading its share.
 
 The extra memory is a block and a few chunk-sized buffers per reading thread, whatever the
-state's size (docs/design.md, "Loading", has the measurements behind this choice). Should the
-apply pass fail all the same (a file removed or a read error between the passes), the error
-names the tensors that hold the new values, those partly written and those untouched.
+state's size, plus the staged chunks where staging is used (docs/design.md, "Loading", has
+the measurements behind these choices). Should the apply pass fail all the same (a file
+removed or a read error between the passes), the error names the tensors that hold the new
+values, those partly written and those untouched.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from ckpt._load.chunk_read import OpenFiles
 from ckpt._load.cooperative import Cooperation, GroupFailed, Shares
 from ckpt._load.read_plan import ChunkRead, needed_tensors, reads_for
 from ckpt._load.read_run import Applier, Scratch, run_reads, verify_jobs
+from ckpt._load.staging import Stage, plan_staging
 from ckpt._shared.buffers import await_device_copies
 from ckpt._shared.sharding import Box, dtensor_type, local_piece, prefetch, read_box, source_rank
 from ckpt._shared.state import (FlatState, check_compatible, decode, flatten, is_stateful,
@@ -134,9 +142,12 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
     # this same step), and a failure now says which live tensors it had changed.
     try:
         if verify and not in_place:
-            run_reads(verify_jobs(storage, location, reads, scratch), pool)
-        _apply_pass(storage, location, manifest, reads, scratch, pool, verify and in_place,
-                    written)
+            later, staged = _read_before_apply(storage, location, reads, written, scratch, pool)
+            _apply_pass(storage, location, manifest, later, scratch, pool, False, written,
+                        staged)
+        else:
+            _apply_pass(storage, location, manifest, reads, scratch, pool, verify and in_place,
+                        written)
     except Exception as e:
         if shares is not None and not isinstance(e, PartialLoadError) and any(
                 k in shares.started for k in written):
@@ -224,15 +235,48 @@ def _destinations(manifest: Manifest, live: FlatState, needed: set[str]
     return pending, loaded, written
 
 
+def _read_before_apply(storage: Storage, location: str, reads: list[ChunkRead],
+                       written: list[str], scratch: Scratch,
+                       pool: cf.ThreadPoolExecutor | None
+                       ) -> tuple[list[ChunkRead], dict[int, torch.Tensor]]:
+    """The first pass of an atomic load: every chunk read and checked, nothing live changed.
+
+    Chunks for new buffers are read once, straight into them, each block digested as it
+    lands; chunks for live tensors into staging memory where :mod:`ckpt._load.staging` uses
+    it, else streamed through a block (the verify pass) to be read again into place.
+    Returns (the reads left for the apply pass, the staged chunks by ``id`` of their read).
+    """
+    live_keys = set(written)
+    staged, twice = plan_staging(storage, [r for r in reads if r.key in live_keys])
+    fresh = [r for r in reads if r.key not in live_keys]
+    if fresh or staged:
+        log.debug("ckpt.load: %d chunks read once into new buffers, %d into staging, %d "
+                  "verified then read again into place", len(fresh), len(staged), len(twice))
+    files = OpenFiles(storage)
+    into_new = Applier(storage, location, scratch, verify=True, files=files)
+    stage = Stage(storage, location, files)
+    jobs = [(chunk_path(location, r.chunk), r.chunk.start, lambda r=r: into_new(r))
+            for r in fresh]
+    jobs += [(chunk_path(location, r.chunk), r.chunk.start, lambda r=r: stage(r))
+             for r in staged]
+    jobs += verify_jobs(storage, location, twice, scratch)
+    try:
+        run_reads(jobs, pool)
+    finally:
+        files.close()
+    return twice + staged, stage.buffers
+
+
 def _apply_pass(storage: Storage, location: str, manifest: Manifest, reads: list[ChunkRead],
                 scratch: Scratch, pool: cf.ThreadPoolExecutor | None, verify: bool,
-                written: list[str]) -> None:
-    """Read every chunk into its destination; on failure, say which live tensors changed."""
+                written: list[str], staged: dict[int, torch.Tensor] | None = None) -> None:
+    """Read every chunk into its destination (a staged one is copied from memory); on
+    failure, say which live tensors changed."""
     # A save's copies of parameters may still be waiting for the next optimizer step: the
     # writes below (and load_state_dict's) must come after them on the GPU.
     await_device_copies()
     files = OpenFiles(storage)
-    apply = Applier(storage, location, scratch, verify=verify, files=files)
+    apply = Applier(storage, location, scratch, verify=verify, files=files, staged=staged)
     for device in {r.dest.device for r in reads if r.dest.device.type == "cuda"}:
         apply.stream(device)  # here: training's stream is the current one of this thread only
     try:

@@ -100,20 +100,25 @@ def make_root(tmp_path: Path) -> dict[int, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.multiproc
-def test_the_command_in_a_terminal_on_a_good_root(tmp_path):
+def test_the_command_in_a_terminal_on_a_good_root(tmp_path, capsys):
+    """Two commands as the user runs them (the probe's model code imported from the current
+    directory, a relative output path), in subprocesses; the others in-process meanwhile
+    (each subprocess pays for importing torch)."""
     saved = make_root(tmp_path)
-    runs = run_all(
-        tmp_path,
-        ["--help"],
-        ["verify", "root"],
-        ["verify", "root", "--all", "--level", "forward", "--trust-recorded", "--json"],
-        ["diff", "root", "1", "2", "--json"],
-        ["export", "root", "--step", "1", "--to", "safetensors", "out.safetensors"],
-        ["export", "root", "--to", "torch", "out.pt", "--item", "model", "--json"],
-    )
-    for r in runs:
+    with cf.ThreadPoolExecutor(1) as pool:
+        terminal = pool.submit(
+            run_all, tmp_path,
+            ["verify", "root", "--all", "--level", "forward", "--trust-recorded", "--json"],
+            ["export", "root", "--step", "1", "--to", "safetensors", "out.safetensors"])
+        root = tmp_path / "root"
+        here = [Run(list(map(str, args)), *cli(capsys, *args)) for args in (
+            ["--help"], ["verify", root], ["diff", root, "1", "2", "--json"],
+            ["export", root, "--to", "torch", tmp_path / "out.pt", "--item", "model",
+             "--json"])]
+        verify_all, export_st = terminal.result()
+    for r in (*here, verify_all, export_st):
         assert r.code == 0, f"{r.args}: exit {r.code}\n{r.out}\n{r.err}"
-    help_, verify_, verify_all, diff_json, export_st, export_pt = runs
+    help_, verify_, diff_json, export_pt = here
 
     assert "exit status:" in help_.out and "2  usage or environment error" in help_.out
     for command in ("ls", "inspect", "verify", "diff", "export", "gc"):
@@ -994,7 +999,8 @@ def test_a_fifo_or_directory_planted_as_a_checkpoint_file_is_damage_not_a_hang(t
 HOSTILE_KEY = "\ud800\x1b]0;pwned\x07\x1b[2J\u202etxt.exe\u200b"
 
 
-def test_hostile_names_in_a_manifest_are_printed_escaped_and_a_closed_pipe_is_quiet(tmp_path):
+def test_hostile_names_in_a_manifest_are_printed_escaped_and_a_closed_pipe_is_quiet(tmp_path,
+                                                                                    capsys):
     """A tensor key holding a lone surrogate made `ckpt inspect` and `ckpt diff` die with a
     UnicodeEncodeError traceback, and terminal escapes in names reached the terminal raw. A
     reader that closes the pipe early (`| head -1`) got 'BrokenPipeError ... check the path
@@ -1006,18 +1012,24 @@ def test_hostile_names_in_a_manifest_are_printed_escaped_and_a_closed_pipe_is_qu
     doc["aliases"][HOSTILE_KEY] = "model/mix.weight"
     doc["metadata"][HOSTILE_KEY] = HOSTILE_KEY
     path.write_text(json.dumps(doc))
-    inspect_, diff, as_json = run_all(tmp_path, ["inspect", "root"], ["diff", "root", "1", "2"],
-                                      ["inspect", "root", "--json"])
-    for r in (inspect_, diff):
-        assert r.code == 0 and not r.err, (r.args, r.err)
-        assert not {"\x1b", "\u202e", "\x07", "\u200b"} & set(r.out)
-        assert "\\ud800\\x1b]0;pwned\\x07\\x1b[2J\\u202etxt.exe\\u200b" in r.out, r.out
-    assert as_json.json()["aliases"][HOSTILE_KEY] == "model/mix.weight"  # JSON: exact
+    # The closed pipes need processes of their own: started first, checked last.
+    procs = []
     for args in (["ls", "root"], ["verify", "root", "--all", "--json"]):
         p = subprocess.Popen([sys.executable, "-m", "ckpt", *args], cwd=tmp_path,
                              env={**os.environ, "PYTHONPATH": str(REPO)},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         p.stdout.close()  # before the command (which starts by importing torch) writes
+        procs.append((args, p))
+    # The names in-process: capsys's stdout encodes strictly as UTF-8, as a terminal's does
+    # (a lone surrogate printed raw raises UnicodeEncodeError there too).
+    inspect_, diff, as_json = (Run(list(map(str, args)), *cli(capsys, *args)) for args in (
+        ["inspect", root], ["diff", root, "1", "2"], ["inspect", root, "--json"]))
+    for r in (inspect_, diff):
+        assert r.code == 0 and not r.err, (r.args, r.err)
+        assert not {"\x1b", "\u202e", "\x07", "\u200b"} & set(r.out)
+        assert "\\ud800\\x1b]0;pwned\\x07\\x1b[2J\\u202etxt.exe\\u200b" in r.out, r.out
+    assert as_json.json()["aliases"][HOSTILE_KEY] == "model/mix.weight"  # JSON: exact
+    for args, p in procs:
         err = p.stderr.read().decode()
         assert p.wait(timeout=120) == 141 and err == "", (args, err)
 

@@ -28,7 +28,7 @@ from ckpt._step.incremental import CHAIN_KEY
 from ckpt._memory.discovery import Candidate, Holding
 from ckpt._memory.peer_client import PeerClient
 from ckpt._memory.peer_server import PeerServer, Range, map_ranges
-from ckpt._memory.sharing import agree_attempt, next_attempt, share
+from ckpt._memory.sharing import Requests, agree_attempt, next_attempt, share
 from ckpt._memory.source import MemorySource
 from ckpt._memory.tier import node_prefix, plain_name
 from ckpt._load import cooperative
@@ -36,9 +36,6 @@ from ckpt._load.probe import PROBE_ITEM
 from ckpt._load.read_plan import needed_tensors
 from ckpt._shared.sharding import dtensor_type, overlapping, read_box, source_rank
 from ckpt._shared.state import flatten, is_stateful, item_tree
-
-#: What a rank reads from one holder: [(segment, file, start, length)], numbered in order.
-Requests = dict[int, list[tuple[str, str, int, int]]]
 
 
 @dataclass
@@ -119,16 +116,18 @@ def _plan(c: Candidate, docs: dict[int, dict], state: MutableMapping[str, Any], 
           shm_dir: str, prefix: str, rank: int, anchor: int, probe: bool) -> ReadPlan:
     """This rank's merged manifest and where each chunk it needs comes from: a file on this
     node, or a request to a holder elsewhere (holder -> [(segment, file, start, length)]).
-    ``anchor``: the rank whose order of the copies this rank follows (itself, or the first
-    rank of its node when node-mates share what they fetch)."""
+    ``anchor``: the rank whose order of other nodes' copies this rank follows (itself, or
+    the first rank of its node when node-mates share what they fetch)."""
 
     world = len(docs)
 
     def preference(rh: tuple[int, Holding]) -> tuple:
-        """Own node's segments, then replicas on it, then other nodes' (spread over them);
-        the second attempt reverses the order."""
+        """Own node's segments, then replicas on it, then other nodes' (spread over them:
+        from this rank on, or from ``anchor`` on, the same for its node-mates); the second
+        attempt reverses the order."""
         r, h = rh
-        key = (not h.segment.startswith(prefix), h.replica, (r - anchor) % world)
+        here = h.segment.startswith(prefix)
+        key = (not here, h.replica, (r - (rank if here else anchor)) % world)
         return tuple(-k for k in key) if c.second else key
 
     chosen = {o: min(hs, key=preference) for o, hs in c.holders.items()}

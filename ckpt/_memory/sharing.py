@@ -98,7 +98,8 @@ def share(chunks: list[Requests], headers: list[Requests], nodes: list[str], loc
     if shared:
         scope = {cid[:2]: cid[2] for cid, ranks in shared.items() if rank in ranks}
         tag_base = TAG_BASE + (attempt % 1023) * TAG_WINDOW
-        cooperation = Cooperation(MemoryGroup(pg), Sharing(scope, shared, owner, tag_base))
+        cooperation = Cooperation(MemoryGroup(pg, rank, world),
+                                  Sharing(scope, shared, owner, tag_base))
     return Shared(asked[rank], rounds, cooperation), asked
 
 
@@ -107,10 +108,8 @@ class MemoryGroup:
 
     enabled = True
 
-    def __init__(self, pg: Any) -> None:
-        self.pg = pg
-        self.rank = dist.get_rank(pg)
-        self.world_size = dist.get_world_size(pg)
+    def __init__(self, pg: Any, rank: int, world_size: int) -> None:
+        self.pg, self.rank, self.world_size = pg, rank, world_size
 
     def all_gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

@@ -114,9 +114,10 @@ class _NoSends:
 
 def replaced_node_restores(rank: int, world: int, root: str, shm: str, mib: int = 4) -> dict:
     """Step 1 in the root, step 2 in memory only (a memory tier's segments stay after its
-    manager closes only while their newest step is not in the root); node B lost; node C's ranks restore it five times: in one pass, strict (two passes), with
-    the exchange unable to send, with rank 2 damaging what it sends its node-mate, and with
-    rank 0 (a holder) damaging what it serves."""
+    manager closes only while their newest step is not in the root); node B lost; node C's
+    ranks restore five times: in one pass, strict (two passes), with the exchange unable
+    to send, with rank 2 damaging what it sends its node-mate, and with rank 0 (a holder)
+    damaging what it serves."""
     from ckpt._load import cooperative
 
     with ckpt.CheckpointManager(root, async_save=False) as plain:  # the next source

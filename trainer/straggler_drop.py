@@ -56,8 +56,18 @@ def torchrun_agent() -> int | None:
             argv = f.read().decode(errors="replace").split("\0")
     except OSError:
         return None
-    return parent if any("torchrun" in a or "torch.distributed.run" in a for a in argv) \
-        else None
+    return parent if _is_torchrun(argv) else None
+
+
+def _is_torchrun(argv: list[str]) -> bool:
+    """Whether ``argv`` runs torchrun: the program (or the script python runs) is named
+    ``torchrun``, or python runs ``-m torch.distributed.run`` (``launch``). The program,
+    not any argument that mentions it: a wrapper such as ``python torchrun_job.py`` or
+    ``bash /jobs/torchrun/start.sh`` must never receive the SIGTERM meant for the agent."""
+    if "torchrun" in (os.path.basename(a) for a in argv[:2]):
+        return True
+    return any(a == "-m" and b in ("torch.distributed.run", "torch.distributed.launch")
+               for a, b in zip(argv, argv[1:]))
 
 
 def leave_for_drop(exits: Any, straggler: int, step: int, handle: Any, *, score: float,

@@ -17,7 +17,9 @@ from ckpt import inspect
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.inspect import Checkpoints
 
-from ._console import echo, open_path
+from ._console import echo, open_path, open_target
+from .lightning_file import FILES_KEY, LightningFile, untrusted_root
+from .lightning_file import check as check_file
 from .report import EXIT_FAILED, EXIT_OK, size, table
 
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
@@ -182,7 +184,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise verify.UsageError("--model, --loss, --rtol, --atol and --trust-recorded are for "
                                 "--level forward")
     reports = []
-    cps = open_path(args.root)
+    cps, lightning = open_target(args.root)
     for step in _steps(cps, args):
         progress = None
         if args.level != "structure":  # drawn only when stderr is a terminal
@@ -193,10 +195,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             except CheckpointError:
                 pass  # the verifier reports it
         try:
-            reports.append(verify.verify_step(
+            report = verify.verify_step(
                 cps, step, args.level, progress, model=args.model, loss=args.loss,
                 rtol=args.rtol, atol=args.atol, threads=args.threads,
-                trust_recorded=args.trust_recorded))
+                trust_recorded=args.trust_recorded)
+            if lightning is not None:
+                _check_lightning_file(cps, lightning, report)
+            reports.append(report)
         except CheckpointNotFoundError as e:
             if not args.all:
                 raise
@@ -205,6 +210,32 @@ def cmd_verify(args: argparse.Namespace) -> int:
     report = verify.Report(cps.url, reports)
     echo(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
     return report.exit_code
+
+
+def _check_lightning_file(cps: Checkpoints, found: LightningFile, report: verify.StepReport
+                          ) -> None:
+    """Add the ``file`` check to a Lightning step's report: the ``.ckpt`` file against the
+    size (structure level) or the digests (digest level and up) its step recorded; runs
+    after the step's own checks passed (the manifest holds the records)."""
+    report.location = f"{found.path} (step {found.step} of {found.root})"
+    if report.problems or report.error is not None:
+        return
+    untrusted = untrusted_root(found)
+    if untrusted is not None:
+        report.ok = False
+        report.error = (f"{found.root} {untrusted}: it cannot vouch for {found.path} (someone "
+                        "else may have planted its digests); check it as the files' owner")
+        return
+    t0 = time.perf_counter()
+    records = cps.manifest(found.step).metadata.get(FILES_KEY)
+    report.checks.append("file")
+    failed, nbytes = check_file(found, records, digest=report.level != "structure")
+    report.files += 1
+    report.bytes += nbytes
+    if failed is not None:
+        report.problems.append(verify.Problem("file", failed, found.path))
+        report.ok = False
+    report.seconds += time.perf_counter() - t0
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

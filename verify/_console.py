@@ -13,6 +13,7 @@ from ckpt.errors import CheckpointNotFoundError
 from ckpt.inspect import Checkpoints
 from ckpt.tools import POINTER_NAME, read_pointer, step_dir
 
+from .lightning_file import LightningFile, describe_foreign, locate
 from .report import UsageError
 
 # Control characters (but newline and tab), lone surrogates, zero-width characters and
@@ -29,24 +30,42 @@ def echo(text: str, file: Any = None) -> None:
           file=file if file is not None else sys.stdout)
 
 
-def open_path(path: str) -> Checkpoints:
+def open_path(path: str, *, files: bool = True) -> Checkpoints:
     """:func:`ckpt.inspect.open`, following a framework integration's pointer (Lightning's
-    ``last.ckpt``, HF's ``checkpoint-N/``, Accelerate's ``checkpoint_N/``) to its step."""
+    ``last.ckpt``, HF's ``checkpoint-N/``, Accelerate's ``checkpoint_N/``) to its step.
+    ``files``: a Lightning ``.ckpt`` opens its step, another file is a UsageError saying
+    what it is (False: a file is refused as not a directory, for ``gc``)."""
+    return open_target(path, files=files)[0]
+
+
+def open_target(path: str, *, files: bool = True) -> tuple[Checkpoints, LightningFile | None]:
+    """:func:`open_path`, and the Lightning ``.ckpt`` file ``path`` names, if it does (then
+    the checkpoints are its step's, in the folder's hidden sibling root)."""
     if not path.strip():  # an unset shell variable: never the current directory by accident
         raise UsageError("PATH is empty: give a checkpoint root or directory")
     if "://" in path:
-        return inspect.open(path)
+        return inspect.open(path), None
+    found = locate(path) if files and not os.path.isdir(path) else None
+    if found is not None:
+        return _open_step(path, found.root, found.step, "is the .ckpt file of step"), found
     step = read_pointer(os.path.join(path, POINTER_NAME) if os.path.isdir(path) else path)
     if step is None:
-        return inspect.open(path)
+        if files and os.path.lexists(path) and not os.path.isdir(path):
+            raise UsageError(f"{path} {describe_foreign(path)}")
+        return inspect.open(path), None
     root = os.path.dirname(os.path.abspath(path))
     sibling = os.path.join(os.path.dirname(root), f".{os.path.basename(root)}.ckpt")
     if not os.path.isdir(os.path.join(root, step_dir(step))) and os.path.isdir(sibling):
         root = sibling  # Lightning's plugin keeps the folder's steps in its hidden sibling
+    return _open_step(path, root, step, "points to step"), None
+
+
+def _open_step(path: str, root: str, step: int, relation: str) -> Checkpoints:
     target = os.path.join(root, step_dir(step))
     if not os.path.isdir(target):
         raise CheckpointNotFoundError(
-            f"{path} points to step {step} of {root}, which is not committed (its save never "
-            f"finished, or it was retired); `ckpt ls {root}` lists the steps there", path=path)
-    echo(f"ckpt: {path} points to step {step}: reading {target}", file=sys.stderr)
+            f"{path} {relation} {step} of {root}, which is not committed (its save never "
+            f"finished, it was retired, or the folder was moved without {root}); `ckpt ls "
+            f"{root}` lists the steps there", path=path)
+    echo(f"ckpt: {path} {relation} {step}: reading {target}", file=sys.stderr)
     return inspect.open(target)

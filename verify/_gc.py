@@ -23,7 +23,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         return _gc_memory(args)
     if args.root is None:
         raise verify.UsageError("gc needs ROOT (or --memory for shared-memory segments)")
-    cps = open_path(args.root)
+    cps = open_path(args.root, files=False)  # a root: never a file
     if not cps.is_root:
         raise verify.UsageError(
             f"{cps.url} is one checkpoint directory, not a root: gc collects the steps of a "

@@ -38,18 +38,21 @@ TRACEBACK_VARIABLE = "CKPT_TRACEBACK"  # set (to anything) to see a bug's traceb
 
 EPILOG = """\
 PATH is a checkpoint root (the directory holding step-XXXXXXXX directories), one step
-directory of a root, or one checkpoint directory written by ckpt.save.
+directory of a root, one checkpoint directory written by ckpt.save, or a Lightning .ckpt
+written by CkptCheckpointIO (its step; verify also checks the file against it).
 
 exit status:
   0  success: every check passed (verify), or the command did what was asked
   1  a check failed: a damaged or inconsistent checkpoint (the message names the file
-     and the check: manifest, structure, header, digest, weights, output, loss); gc
+     and the check: manifest, structure, header, digest, weights, output, loss,
+     file for a Lightning .ckpt); gc
      found no step that verifies, so it retired none; diff --exit-code: the steps differ
   2  usage or environment error: a missing root or step, no probe recorded for
      --level forward, a model factory that cannot be imported or does not fit,
      a root locked by a writer (gc --yes), storage that cannot be opened or written
      (a file, a read-only root, an unknown protocol, a missing backend library, an
-     unreachable endpoint), bad arguments
+     unreachable endpoint), bad arguments, a file ckpt cannot check (a .ckpt of
+     Lightning's own IO), a Lightning .ckpt whose step is gone
   3    an internal error, a bug in ckpt (one line; CKPT_TRACEBACK=1 shows the traceback)
   130  interrupted (Ctrl-C)
   141  stdout closed by its reader (ckpt ls ROOT | head -1): quiet, as after SIGPIPE
@@ -119,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ckpt", description="List, inspect, verify, compare, export and collect "
         "checkpoints.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    path_help = "a root, a step directory, or a ckpt.save directory"
+    path_help = "a root, a step directory, a ckpt.save directory or a CkptCheckpointIO .ckpt"
 
     p = sub.add_parser("ls", help="list committed steps")
     p.add_argument("root", metavar="PATH", help=path_help)

@@ -27,7 +27,8 @@ class UsageError(Exception):
 @dataclass
 class Problem:
     """One failed check. ``check`` names it (manifest, structure, header, digest, weights,
-    output, loss); ``file`` is the file it is about, when there is one."""
+    output, loss; file: a Lightning ``.ckpt`` against its step); ``file`` is the file it is
+    about, when there is one."""
 
     check: str
     message: str

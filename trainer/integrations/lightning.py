@@ -38,6 +38,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 import ckpt
 import ckpt.inspect
 from ckpt.tools import read_pointer
+from verify.lightning_file import sibling_root
 
 from . import _pl_file as plf
 from ._hf_folder import FolderWriter, HostCopies
@@ -49,14 +50,11 @@ def root_for(folder: str) -> str:
     """ckpt's root for the checkpoints of ``folder``: its hidden sibling ``.<name>.ckpt`` (a
     folder that already holds steps, as written by earlier versions, is its own root)."""
     folder = os.path.abspath(folder)
-    parent, name = os.path.split(folder.rstrip(os.sep)) if folder != os.sep else ("/", "")
-    sibling = os.path.join(parent, f".{name or 'root'}.ckpt")
-    if not os.path.lexists(sibling) and os.path.isdir(folder) and any(
-            n.startswith("step-") for n in os.listdir(folder)):
-        return folder
-    check_own_root(sibling, f"the checkpoints in {folder}", "point ModelCheckpoint(dirpath=...) "
-                   "at a folder in a directory only you can write")
-    return sibling
+    root = sibling_root(folder)
+    if root != folder:
+        check_own_root(root, f"the checkpoints in {folder}", "point ModelCheckpoint("
+                       "dirpath=...) at a folder in a directory only you can write")
+    return root
 
 
 def _local(path: Any) -> str:

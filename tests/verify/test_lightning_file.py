@@ -1,0 +1,132 @@
+"""``ckpt verify FILE.ckpt`` on a Lightning file written by ``CkptCheckpointIO``: the file is
+checked against the step in its hidden sibling root (size; xxh3 of the whole file and of
+each zip record) and reported like a step; ``ls`` and ``inspect`` show that step. A file
+ckpt did not write, or whose step is gone, is a one-line usage error (exit 2).
+
+Threat model: whoever can write the folder can put any file there (a FIFO, a link, another
+tool's pickle, a file claiming any step) and, if the sibling root is theirs, any digests.
+The command never unpickles a file, never blocks on a FIFO, reports a malformed record in
+a manifest as a failed check (not a crash), and does not let a sibling root owned by
+another user than the file's vouch for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import ckpt  # noqa: E402
+from trainer.integrations import _pl_file  # noqa: E402
+from trainer.integrations.lightning import CkptCheckpointIO  # noqa: E402
+from verify.cli import main  # noqa: E402
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def written(tmp_path):
+    """Two steps' files written by the plugin, as Lightning calls it: ``ckpts/e{1,2}.ckpt``."""
+    io = CkptCheckpointIO()
+    for s in (1, 2):
+        io.save_checkpoint({"global_step": s, "state_dict": {"w": torch.full((64,), float(s))}},
+                           str(tmp_path / "ckpts" / f"e{s}.ckpt"))
+    io.teardown()
+    return tmp_path / "ckpts"
+
+
+def flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_verify_checks_the_file_against_its_step(written, capsys):
+    path = written / "e2.ckpt"
+    code, out, err = cli(capsys, "verify", path)
+    assert code == 0, out + err
+    assert out.startswith("step 2: OK (digest: manifest, structure, header, digest, file")
+    assert "is the .ckpt file of step 2" in err
+    code, out, _ = cli(capsys, "verify", path, "--json")
+    step = json.loads(out)["steps"][0]
+    assert code == 0 and step["checks"][-1] == "file" and step["bytes"] == path.stat().st_size
+    assert str(path) in step["location"]
+
+    record = json.loads(cli(capsys, "inspect", path, "--json")[1])["metadata"][
+        "lightning_files"][0]["records"]["archive/data/0"]
+    flip(path, record[0] + 5)                            # one bit inside the weight's bytes
+    code, out, _ = cli(capsys, "verify", path, "--level", "structure")
+    assert code == 0                                     # the size still matches
+    code, out, _ = cli(capsys, "verify", path, "--json")
+    problem = json.loads(out)["steps"][0]["problems"][0]
+    assert code == 1 and problem["check"] == "file" and problem["file"] == str(path)
+    assert "record archive/data/0 differ" in problem["message"]
+    assert cli(capsys, "verify", written / "e1.ckpt")[0] == 0  # the other file is fine
+
+    data = path.read_bytes()
+    path.write_bytes(data[:100] + b"\0" + data[100:])   # a byte more, its claim still last
+    code, out, _ = cli(capsys, "verify", path, "--level", "structure")
+    assert code == 1 and "its step recorded" in out and "FAILED" in out
+    path.write_bytes(data + b"\0")                       # appended to: it names no step now
+    code, _, err = cli(capsys, "verify", path)
+    assert code == 2 and "appended to" in err
+
+    code, out, _ = cli(capsys, "ls", written / "e1.ckpt")
+    assert code == 0 and out.splitlines()[2].split()[0] == "1"
+    code, out, _ = cli(capsys, "inspect", written / "e1.ckpt", "--json")
+    assert code == 0 and json.loads(out)["step"] == 1
+
+
+def test_a_link_to_a_file_of_the_folder_is_checked_as_that_file(written, capsys):
+    os.symlink("e2.ckpt", written / "last.ckpt")         # save_last="link"
+    code, out, _ = cli(capsys, "verify", written / "last.ckpt", "--json")
+    assert code == 0 and "e2.ckpt (step 2" in json.loads(out)["steps"][0]["location"]
+
+
+def test_files_ckpt_did_not_write_or_cannot_check_are_one_line_usage_errors(
+        written, tmp_path, capsys):
+    torch.save({"state_dict": {}}, tmp_path / "own.ckpt")   # Lightning's own IO's file
+    (tmp_path / "junk.ckpt").write_bytes(b"hello")
+    os.mkfifo(tmp_path / "fifo.ckpt")                         # must not block the command
+    for name, says in (("own.ckpt", "torch.save file that names no ckpt step"),
+                       ("junk.ckpt", "not a checkpoint ckpt knows"),
+                       ("fifo.ckpt", "not a regular file")):
+        code, out, err = cli(capsys, "verify", tmp_path / name)
+        assert code == 2 and says in err and len(err.splitlines()) == 1, err
+        code, out, _ = cli(capsys, "verify", tmp_path / name, "--json")
+        assert code == 2 and json.loads(out)["exit_code"] == 2
+
+    root = tmp_path / ".ckpts.ckpt"
+    os.chown(root, 4242, 4242)                   # another user's root cannot vouch for it
+    code, out, _ = cli(capsys, "verify", written / "e2.ckpt")
+    assert code == 2 and "owned by uid 4242" in out and "cannot vouch" in out
+    os.chown(root, os.getuid(), os.getgid())
+
+    os.rename(root, tmp_path / "elsewhere")      # ckpts/ moved without its sibling root
+    code, _, err = cli(capsys, "verify", written / "e2.ckpt")
+    assert code == 2 and "is the .ckpt file of step 2" in err and "not committed" in err
+
+
+def test_a_malformed_record_in_the_step_fails_the_check(tmp_path, capsys):
+    """A root whose writer recorded garbage for the file (a hand-made manifest): exit 1
+    naming the record, never an internal error."""
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    with ckpt.CheckpointManager(str(tmp_path / ".ckpts.ckpt"), async_save=False) as mgr:
+        mgr.save(5, {"lightning_file": "x.ckpt"},
+                 metadata={"lightning_files": [{"name": "x.ckpt", "bytes": -1, "xxh3": 7,
+                                                "records": {"a": "b"}}]})
+    tmp, _ = _pl_file.write({"global_step": 5}, str(folder / "x.ckpt"), 5)
+    _pl_file.publish(tmp, str(folder / "x.ckpt"))
+    code, out, _ = cli(capsys, "verify", folder / "x.ckpt")
+    assert code == 1 and "malformed" in out

@@ -324,13 +324,18 @@ class StragglerWatch:
 
 def watch_for(trainer: Any, parts: Any) -> StragglerWatch | None:
     """The straggler watch of an attempt of ``trainer`` (an ElasticTrainer) whose parts are
-    built; None when scores are off or there is one rank. Under FSDP the forward gathers
-    parameters from the peers, so only data and the optimizer step count as own work. A
-    drop needs torchrun (which restarts the others); elsewhere ranks are flagged only."""
+    built; None when scores are off or there is one rank. Only data and the optimizer step
+    count as own work when the forward waits for the peers: under FSDP (it gathers the
+    parameters), and under DDP for a model with buffers (DDP broadcasts them from rank 0 at
+    the start of each forward: the others wait there for a rank slow in its data, and the
+    forward would make every rank look as slow as it). A drop needs torchrun (which
+    restarts the others); elsewhere ranks are flagged only."""
     config = trainer.config.stragglers
     if not config.enabled or not parts.attempt.collective:
         return None
-    own_work = ("data", "optimizer") if trainer.config.step.fsdp else OWN_WORK
+    module = getattr(parts, "module", None)
+    has_buffers = module is not None and any(True for _ in module.buffers())
+    own_work = ("data", "optimizer") if trainer.config.step.fsdp or has_buffers else OWN_WORK
     return StragglerWatch(config, attempt=parts.attempt, sections=trainer.sections,
                           records=parts.records, metrics=trainer.metrics, exits=parts.exits,
                           own_work=own_work, can_drop=trainer.elastic)

@@ -162,11 +162,13 @@ def load(state: Any, path: Any = None, *, step: int | None = None, allow_pickle:
 
     Under torch.distributed each rank loads the boxes it holds (any world size); from a
     root, ranks skip a step together when it fails on any of them. Every chunk is verified
-    before the first live tensor is written, streamed through one small buffer per reading
-    thread (the extra memory does not grow with the state); the files are then read again,
-    from the page cache, straight into the tensors. ``atomic=False`` reads once, verifying
-    each chunk where it lands: a digest mismatch then raises :class:`PartialLoadError`,
-    which names the tensors it overwrote (and nothing older is tried).
+    before the first live tensor is written: chunks for new tensors are read once, into
+    them; chunks for live tensors are streamed through one small buffer per reading thread
+    and read again, from the page cache, straight into the tensors (from an object store:
+    downloaded once into staging memory within a budget; docs/guide.md says what a load
+    reads). ``atomic=False`` reads once, verifying each chunk where it lands: a digest
+    mismatch then raises :class:`PartialLoadError`, which names the tensors it overwrote
+    (and nothing older is tried).
     ``verify`` is ``"structure"`` (False), ``"digest"`` (True, the default) or ``"forward"``:
     see :meth:`CheckpointManager.restore`; a failed forward check puts the models back.
 

@@ -11,14 +11,20 @@ Two parts, each in one run with its methods interleaved, medians and ratios:
   ``last_restore.ranks`` counts them, against the checkpoint's size. Before each repetition
   the checkpoint's pages are evicted from the page cache (``POSIX_FADV_DONTNEED``: no root
   needed), so the root is read cold.
-* ``cold``: one process. ``ckpt.load`` (every chunk verified before the first live byte
-  changes), ``CheckpointManager.restore`` of the newest step (one pass, digested where it
-  lands), ``torch.distributed.checkpoint.load`` of the same state saved by ``dcp.save``,
-  and a raw read of ckpt's own data files straight into the destinations (one thread per
-  file, as ckpt reads them), each with the files evicted from the page cache first. One
-  more anchor, "raw, read twice": the same raw read, then again from the page cache: the
-  floor of a load that checks every byte before the first live one changes and holds no
-  second copy of the state (docs/design.md, "Loading: verify, then apply").
+* ``cold``: one process. ``ckpt.load`` into a state whose item is a dict of tensors (the
+  load reads each chunk once into new tensors, digested as it lands, and hands them over
+  only once every chunk passed), ``ckpt.load`` in place into the live tensors of a stateful
+  object (every chunk verified before the first live byte changes: verified, then read
+  again from the page cache; and the same with ``ckpt._load.staging.STAGE_FILE_SYSTEMS``
+  on: read once into staging memory, then copied), ``CheckpointManager.restore`` of the
+  newest step (one pass, digested where it lands), ``torch.distributed.checkpoint.load`` of
+  the same state saved by ``dcp.save``, and a raw read of ckpt's own data files straight
+  into the destinations (one thread per file, as ckpt reads them), each with the files
+  evicted from the page cache first. Two more anchors: "raw read into new tensors" (the
+  floor of a load that hands over new tensors, whose pages a read touches for the first
+  time), and "raw, read twice": the same raw read, then again from the page cache: the
+  floor of a load into live tensors that checks every byte before the first live one
+  changes without staging the state (docs/design.md, "Loading: verify, then apply").
 
 On this machine the "disk" is the host's page cache behind a virtual disk, and 2 cores
 serve every process: a world of 4 ranks shares them, and gloo's loopback transfers cost
@@ -161,6 +167,21 @@ def part_ddp(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> st
 
 # -- part cold: one process -------------------------------------------------------------------
 
+class Holder:
+    """A stateful object holding tensors by name: a load writes them in place."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.sd = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for k, v in sd.items():
+            if v is not self.sd[k]:  # (a load in place hands back the live tensors)
+                self.sd[k].copy_(v)
+
+
 def _raw_read(paths: list[str], dests: list[list[tuple[int, memoryview]]]) -> None:
     """Each file's data bytes straight into their destinations, in file order, one thread
     per file."""
@@ -204,24 +225,47 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
     files = sorted({c[0] for c in chunks})
     paths = [os.path.join(one, f) for f in files]
 
-    def raw_read() -> None:
+    def raw_read(into: dict[str, torch.Tensor] | None = None) -> None:
         """ckpt's data files read straight into the destinations (which a load may have
         replaced: taken afresh each time), as ckpt's chunks lay them out."""
+        into = dest["model"] if into is None else into
         views = {f: [] for f in files}
         for f, start, name, row, rows in chunks:
-            views[f].append((start, common.byte_view(dest["model"][name][row:row + rows])))
+            views[f].append((start, common.byte_view(into[name][row:row + rows])))
         _raw_read(paths, [views[f] for f in files])
+
+    def raw_read_new() -> None:
+        """The same read into new tensors that then replace the old ones, as a load into
+        new tensors does (their pages are touched for the first time by the read)."""
+        new = {name: torch.empty_like(t) for name, t in dest["model"].items()}
+        raw_read(new)
+        dest["model"] = new
+
+    # The same tensors held by a stateful object: a load writes them in place.
+    live_one = os.path.join(work, "one-live")
+    ckpt.save({"model": Holder(source)}, live_one, step=1)
+    live = {"model": Holder(common.empty_like_state(source))}
+
+    def live_load(staged: bool) -> None:
+        from ckpt._load import staging
+        staging.STAGE_FILE_SYSTEMS = staged
+        try:
+            ckpt.load(live, live_one)
+        finally:
+            staging.STAGE_FILE_SYSTEMS = False
 
     reader = ckpt.CheckpointManager(root, read_only=True)
 
-    def case(name: str, path: str, load) -> tuple[str, object]:
+    def case(name: str, path: str, load, into: dict = dest) -> tuple[str, object]:
         def run(rep: int) -> dict[str, float]:
-            for t in dest["model"].values():
+            held = into["model"].sd if into is live else into["model"]
+            for t in held.values():
                 t.zero_()
             evict(path)
             with common.Stopwatch() as sw:
                 load()
-            assert common.same_values(source, dest["model"]), f"{name} was not bit-exact"
+            held = into["model"].sd if into is live else into["model"]
+            assert common.same_values(source, held), f"{name} was not bit-exact"
             return {"s": sw.seconds, "cpu": sw.cpu_seconds}
         return name, run
 
@@ -229,7 +273,12 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
         case("raw read of ckpt's files", one, raw_read),
         case("raw, read twice (cold, then from the page cache)", one,
              lambda: (raw_read(), raw_read())),
-        case("ckpt.load (verify, then apply)", one, lambda: ckpt.load(dest, one)),
+        case("raw read into new tensors", one, raw_read_new),
+        case("ckpt.load into new tensors (one read)", one, lambda: ckpt.load(dest, one)),
+        case("ckpt.load in place (verify, then read again)", live_one,
+             lambda: live_load(False), live),
+        case("ckpt.load in place, staged (one read, then copy)", live_one,
+             lambda: live_load(True), live),
         case("ckpt restore(), newest step (one pass)", root, lambda: reader.restore(dest)),
         case("dcp.load", dcp_path, lambda: dcp.load(dest, checkpoint_id=dcp_path,
                                                     no_dist=True)),
@@ -244,8 +293,9 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
             f"{common.SHAPES[shape]} tensors, {len(paths)} data files); median of "
             f"{args.reps}, interleaved\n\n" + common.throughput_table(
                 rows, common.state_bytes(source),
-                anchors=["raw read of ckpt's files", "dcp.load"]) + "\n\n(x anchor: "
-            "throughput ratio, > 1 is faster than the anchor)\n")
+                anchors=["raw read of ckpt's files", "raw read into new tensors", "dcp.load"])
+            + "\n\n(x anchor: throughput ratio, > 1 is faster than the anchor; the in-place "
+            "rows load a copy of the same tensors saved from a stateful object)\n")
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, MutableMapping
 
@@ -70,7 +71,7 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
     prefix = node_prefix(job, node)
     # Each origin's rank step document comes from its first holder (any copy: the digests
     # inside are checked against the data as it is loaded). Gathered with it: each rank's
-    # node, and its count of attempts (numbers the shared chunks' messages).
+    # node and host, and its count of attempts (numbers the shared chunks' messages).
     docs, error = {}, None
     for origin, holders in sorted(c.holders.items()):
         holder_rank, h = holders[0]
@@ -81,16 +82,20 @@ def open_candidate(c: Candidate, state: MutableMapping[str, Any], *, shm_dir: st
             else:
                 docs[origin] = doc
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, (docs, error, prefix, next_attempt()), group=pg)
-    errors = [e for _, e, _, _ in everyone if e]
+    dist.all_gather_object(everyone, (docs, error, prefix, socket.gethostname(), next_attempt()),
+                           group=pg)
+    errors = [e for _, e, _, _, _ in everyone if e]
     if errors:
         raise CorruptCheckpointError(f"step {c.step} in memory: {errors[0]}")
-    docs = {int(o): d for part, _, _, _ in everyone for o, d in part.items()}
-    nodes = [p for _, _, p, _ in everyone]
-    attempt = agree_attempt([n for _, _, _, n in everyone])
+    docs = {int(o): d for part, _, _, _, _ in everyone for o, d in part.items()}
+    nodes = [p for _, _, p, _, _ in everyone]
+    attempt = agree_attempt([n for _, _, _, _, n in everyone])
     # Node-mates read a save in the same order (the same copy of each replicated box), so
-    # that the chunks they fetch from elsewhere are the same ones, fetched once for all.
-    sharing = cooperative.MODE != "never" and len(set(nodes)) < world
+    # that the chunks they fetch from elsewhere are the same ones, fetched once for all;
+    # by default only across hosts (on one host the "network" is a copy in memory, which
+    # sharing cannot save: measured in docs/memory-tier.md).
+    sharing = len(set(nodes)) < world and (cooperative.MODE == "always" or (
+        cooperative.MODE == "auto" and len({h for _, _, _, h, _ in everyone}) > 1))
     anchor = nodes.index(prefix) if sharing else rank
     location = step_dir(c.step)
     plan, error = None, None

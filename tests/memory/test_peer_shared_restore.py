@@ -2,7 +2,11 @@
 fetched over the network once for the node: one rank fetches a chunk, its node-mates
 receive it from that rank and check its digest. World 4 on gloo, two "nodes" of two ranks
 (names given to the memory tier); node B is lost and node C takes its ranks. The bytes the
-holders send are counted where they leave. Bodies in tests/support/peer_shared_workers.py."""
+holders send are counted where they leave. Bodies in tests/support/peer_shared_workers.py.
+
+These ranks share one host, where by default node-mates each fetch their own (the network is
+a copy in memory there); after the first test the workers turn the sharing on, as ranks on
+several hosts have it."""
 
 from __future__ import annotations
 
@@ -25,6 +29,12 @@ def runs(tmp_path_factory):
 def served(runs: list[dict], case: str) -> float:
     """The bytes every holder sent for one restore, in multiples of the state."""
     return sum(r[case]["served"] for r in runs) / runs[0][case]["state"]
+
+
+def test_on_one_host_by_default_each_rank_fetches_its_own(runs):
+    for r in runs:
+        assert r["one_host"]["step"] == 2 and r["one_host"]["exact"], r["one_host"]
+    assert 2.0 <= served(runs, "one_host") < 2.1
 
 
 def test_the_replaced_nodes_ranks_fetch_each_replicated_byte_once(runs):

@@ -2,7 +2,10 @@
 ranks (names given to the memory tier, one segment directory), a DDP state saved to memory
 only with replicas; the second node is lost and replaced, and its ranks restore what they
 need from the replicas the first node holds. The bytes the holders send are counted where
-they leave (every range a holder serves goes through ``peer_server._bytes_of``)."""
+they leave (every range a holder serves goes through ``peer_server._bytes_of``).
+
+The ranks share one host, where by default node-mates each fetch their own (the "network"
+is a copy in memory); the bodies share the fetching, as ranks on several hosts do."""
 
 from __future__ import annotations
 
@@ -115,17 +118,20 @@ class _NoSends:
 def replaced_node_restores(rank: int, world: int, root: str, shm: str, mib: int = 4) -> dict:
     """Step 1 in the root, step 2 in memory only (a memory tier's segments stay after its
     manager closes only while their newest step is not in the root); node B lost; node C's
-    ranks restore five times: in one pass, strict (two passes), with the exchange unable
-    to send, with rank 2 damaging what it sends its node-mate, and with rank 0 (a holder)
-    damaging what it serves."""
+    ranks restore six times: by default (one host: each fetches its own), then sharing as
+    across hosts: in one pass, strict (two passes), with the exchange unable to send, with
+    rank 2 damaging what it sends its node-mate, and with rank 0 (a holder) damaging what
+    it serves."""
     from ckpt._load import cooperative
 
     with ckpt.CheckpointManager(root, async_save=False) as plain:  # the next source
         plain.save(1, {"model": replicated(1, mib)}, force=True)
     save_then_lose_node_b(rank, root, shm, mib, step=2)
     served = count_served()
-    out = {"one_pass": restore_once(rank, root, shm, mib, served, 2),
-           "strict": restore_once(rank, root, shm, mib, served, 2, strict=True)}
+    out = {"one_host": restore_once(rank, root, shm, mib, served, 2)}  # the default
+    cooperative.MODE = "always"  # as on several hosts
+    out.update({"one_pass": restore_once(rank, root, shm, mib, served, 2),
+                "strict": restore_once(rank, root, shm, mib, served, 2, strict=True)})
 
     lines = log_lines()
     real_dist = cooperative.dist
@@ -140,7 +146,7 @@ def replaced_node_restores(rank: int, world: int, root: str, shm: str, mib: int 
     if rank == 2:  # reads its share (digests pass), then damages what it sends
         def read_then_damage(storage, location, key, chunk, view, *args, **kwargs):
             real_read(storage, location, key, chunk, view, *args, **kwargs)
-            if len(view):
+            if location == "step-00000002" and len(view):  # (step 1: the root's)
                 view[0] ^= 0x01
         cooperative.read_chunk_into = read_then_damage
     try:
@@ -176,7 +182,7 @@ def plain_then_shared(rank: int, world: int, root: str, shm: str, mib: int,
     restore_once(rank, root, shm, mib, served)  # warm-up (a process's first restore)
     runs = []
     for rep in range(reps):
-        for mode in ("never", "auto")[::1 if rep % 2 else -1]:
+        for mode in ("never", "always")[::1 if rep % 2 else -1]:
             cooperative.MODE = mode
             dist.barrier()
             runs.append({"mode": mode, **restore_once(rank, root, shm, mib, served)})

@@ -11,8 +11,9 @@ docs/benchmarks.md a fresh page costs more than copying it: 256 MiB of new pages
 there too (benchmarks/bench_restore.py measures both).
 
 Bounded: the staged bytes may not exceed ``BUDGET_FRACTION`` of the memory available when
-the load starts; a load whose live chunks need more takes the two passes and logs so. CPU
-destinations only: CUDA tensors keep their pinned bounce buffers.
+the load starts, shared by the ranks of the host (``LOCAL_WORLD_SIZE``: they load at the same
+time and each sees the same free memory); a load whose live chunks need more takes the two
+passes and logs so. CPU destinations only: CUDA tensors keep their pinned bounce buffers.
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ def available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def staging_budget() -> int:
+    """The bytes this process may stage: its share of ``BUDGET_FRACTION`` of the memory
+    available now."""
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return int(available_memory() * BUDGET_FRACTION) // local_ranks
+
+
 def staged_bytes(reads: list[ChunkRead]) -> int:
     """The staging memory ``reads`` take (whole chunks: a chunk's digest covers all of it)."""
     return sum(r.chunk.numel * r.dest.element_size() for r in reads)
@@ -61,12 +72,12 @@ def plan_staging(storage: Storage, live: list[ChunkRead]
     cached = getattr(storage, "stream_block", None) is not None
     if not cpu or (cached and not STAGE_FILE_SYSTEMS):
         return [], live
-    need, budget = staged_bytes(cpu), int(available_memory() * BUDGET_FRACTION)
+    need, budget = staged_bytes(cpu), staging_budget()
     if need > budget:
         log.info("ckpt.load: the live tensors' chunks (%d bytes) exceed the staging budget "
-                 "(%d bytes, %d%% of the available memory): each is verified first, then "
-                 "read again from %s into place", need, budget, BUDGET_FRACTION * 100,
-                 storage.url)
+                 "(%d bytes, this process's share of %g%% of the available memory): each is "
+                 "verified first, then read again from %s into place", need, budget,
+                 BUDGET_FRACTION * 100, storage.url)
         return [], live
     staged = {id(r) for r in cpu}
     return cpu, [r for r in live if id(r) not in staged]

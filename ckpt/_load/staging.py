@@ -14,6 +14,11 @@ Bounded: the staged bytes may not exceed ``BUDGET_FRACTION`` of the memory avail
 the load starts, shared by the ranks of the host (``LOCAL_WORLD_SIZE``: they load at the same
 time and each sees the same free memory); a load whose live chunks need more takes the two
 passes and logs so. CPU destinations only: CUDA tensors keep their pinned bounce buffers.
+
+Who can steer it: whoever writes the root writes the manifest, but a staged chunk is a chunk
+of a live tensor whose shape and dtype the manifest was checked against before any read, so
+staging never exceeds the live tensors' bytes nor the budget; a chunk that fails its digest
+leaves the live tensors untouched (the staged buffers are dropped).
 """
 
 from __future__ import annotations

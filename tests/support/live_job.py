@@ -97,6 +97,7 @@ def main() -> None:
     x = torch.randn(SAMPLES, 8, generator=g)
     y = torch.randint(0, 4, (SAMPLES,), generator=g)
 
+    pause = float(os.environ.get("LIVE_STEP_PAUSE", "0"))
     stop_file = run_dir / "stop_at"
     hold_file = run_dir / "hold_at"
 
@@ -119,6 +120,7 @@ def main() -> None:
                 (run_dir / f"held-{group}-{hold}").touch()
                 while hold_file.exists():
                     time.sleep(0.005)
+            time.sleep(pause)  # leaves the CPU to the processes importing torch
             return super().train_step()
 
         def last_step(self, total_steps: int) -> int:
@@ -167,18 +169,22 @@ def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float
               respawn_delay: float = 0.0, extra: list[str] | None = None,
               groups: int = 3, group_size: int = 1, layout: str = "ddp",
               min_replicas: int | None = None, checkpoint_every: int = 4,
-              wait_spare: int = 1, keep_last: int = 3) -> subprocess.Popen:
+              wait_spare: int = 1, keep_last: int = 3, step_pause: float = 0.0
+              ) -> subprocess.Popen:
     """The supervisor of a job of ``groups`` groups (``group_size`` ranks each, ``layout``
     ``"ddp"`` or ``"hsdp"`` inside a group) in a network namespace of its own (torchft's
     manager server listens on every interface: nothing outside can reach it there).
     ``wait_spare``: a kill waits for that many warm spares (start the job with
-    ``--spares``)."""
+    ``--spares``). ``step_pause``: seconds each rank sleeps before a step (a test's
+    job on a small machine: the training loops leave the CPU to the processes that
+    import torch meanwhile, the spares and replacements)."""
     run_dir, root = tmp / "run", tmp / "ckpt"
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "LIVE_RUN_DIR": str(run_dir), "LIVE_CKPT_ROOT": str(root),
            "LIVE_TOTAL_STEPS": str(steps), "LIVE_KILL": kill, "LIVE_GROUPS": str(groups),
            "LIVE_LAYOUT": layout, "LIVE_CKPT_EVERY": str(checkpoint_every),
            "LIVE_WAIT_SPARE": str(int(wait_spare)), "LIVE_KEEP_LAST": str(keep_last),
+           "LIVE_STEP_PAUSE": str(step_pause),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     sizes = ["--groups", str(groups), "--group-size", str(group_size)]
     if min_replicas is not None:

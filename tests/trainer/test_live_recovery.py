@@ -17,28 +17,23 @@ timeout 1 s, one warm spare) runs the faults in turn, and the tests read its rec
 - the lighthouse SIGKILLed and restarted within the retry window: training goes on in
   the same processes;
 - as an attacker on the job's network: the heal server and the lighthouse listen on the
-  job's address only; the heal server gives nothing without the job's key, and a healing
-  group loads nothing a fake peer sends.
+  job's address only (the heal transport as that attacker: test_live_transport.py).
 """
 from __future__ import annotations
 
-import http.server
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
-import urllib.error
-import urllib.request
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from tests.support.live_job import (committed_at_least, finish, group_records, hold, held,
-                                    read, release, start_job, stop, stop_soon, wait_for)
+                                    read, release, start_job, stop, stop_soon, uninterrupted,
+                                    wait_for)
 
 pytest.importorskip("torchft")
 
@@ -125,7 +120,8 @@ def live_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     # timeout, so the survivors commit without the victim first and the replacement,
     # whose own checkpoint is behind them by then, heals from a peer
     proc = start_job(tmp, steps=100000, kill="2:4:forward,1:6:allreduce", timeout=8.0,
-                     quorum_timeout=10.0, respawn_delay=3.0, extra=["--spares", "1"])
+                     quorum_timeout=10.0, respawn_delay=3.0, step_pause=0.1,
+                     extra=["--spares", "1"])
     out: dict = {"run": run_dir}
     try:
         wait_for(lambda: committed_at_least(run_dir, 2), 900, "the first commits")
@@ -191,29 +187,8 @@ def _before(recs: dict[int, list[dict]], t: float) -> dict[int, list[dict]]:
 
 def _uninterrupted(group: int, step: int) -> tuple[str, dict]:
     """The RNG digest and data position ``group`` starts ``step`` with in a run without
-    failures: the streams keyed by (seed, group, step), the sampler after step - 1
-    global batches (the job's seed 7)."""
-    import random
-
-    import numpy as np
-    import torch
-
-    from tests.support.live_job import GLOBAL_BATCH, SAMPLES
-    from trainer.data import ResumableSampler
-    from trainer.live.worker import key_rng, rng_state, state_digest
-
-    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
-    try:
-        key_rng(7, group, step)
-        rng = state_digest(rng_state())
-    finally:
-        torch.set_rng_state(saved[0])
-        random.setstate(saved[1])
-        np.random.set_state(saved[2])
-    sampler = ResumableSampler(SAMPLES, seed=7)
-    for _ in range(step - 1):
-        sampler.next_indices(GLOBAL_BATCH)
-    return rng, sampler.state_dict()
+    failures (tests/support/live_job.py)."""
+    return uninterrupted(group, step)
 
 
 def _report(name: str, values: list[float]) -> None:
@@ -418,81 +393,3 @@ def test_lighthouse_bound_to_job_address(live_job: dict) -> None:
     """The lighthouse listens on the job's address only."""
     port = live_job["lighthouse_port"]
     assert {a for a, p in live_job["lighthouse_sockets"] if p == port} == {"127.0.0.1"}
-
-
-# -- as an attacker on the job's network ------------------------------------------------------
-def test_heal_server_gives_nothing_without_the_key() -> None:
-    """Someone who reaches a group's heal server without the job's key gets 403 and no
-    byte of state, with no header, a made-up one, or one for another step."""
-    import torch
-
-    from trainer.live.transport import AUTH_HEADER, KeyedHTTPTransport, request_mac
-
-    t = KeyedHTTPTransport("127.0.0.1", b"k" * 32, timedelta(seconds=5))
-    try:
-        assert t._server.server_address[0] == "127.0.0.1"
-        secret = torch.arange(1000, dtype=torch.float32) * 3.25
-        t.send_checkpoint([1], 7, {"model": {"w": secret}}, timedelta(seconds=5))
-        url = t.metadata() + "7"
-        for headers in ({}, {AUTH_HEADER: "0" * 64},
-                        {AUTH_HEADER: request_mac(b"k" * 32, 8)},
-                        {AUTH_HEADER: request_mac(b"x" * 32, 7)}):
-            with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5)
-            assert e.value.code == 403
-            assert secret.numpy().tobytes()[:64] not in e.value.read()
-        got = t.recv_checkpoint(0, t.metadata(), 7, timedelta(seconds=5))
-        assert torch.equal(got["model"]["w"], secret)  # the key holder gets it
-    finally:
-        t.shutdown()
-
-
-def test_healing_group_loads_nothing_from_a_fake_peer(tmp_path: Path) -> None:
-    """A fake peer (registered with the lighthouse by whoever reaches it) that serves a
-    pickle which would run code: the healing group refuses it unread, so nothing runs."""
-    import pickle
-
-    from trainer.live.transport import HealAuthError, KeyedHTTPTransport
-
-    marker = tmp_path / "owned"
-
-    class Evil:
-        def __reduce__(self):  # runs at unpickling
-            return (open, (str(marker), "w"))
-
-    payload = pickle.dumps(Evil())
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(200)
-            self.send_header("X-Ckpt-Live-Signature", "f" * 64)
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    t = KeyedHTTPTransport("127.0.0.1", b"k" * 32, timedelta(seconds=5))
-    try:
-        fake = f"http://127.0.0.1:{server.server_address[1]}/checkpoint/"
-        with pytest.raises(HealAuthError, match="signature"):
-            t.recv_checkpoint(0, fake, 3, timedelta(seconds=5))
-        assert not marker.exists()
-    finally:
-        t.shutdown()
-        server.shutdown()
-
-
-def test_wildcard_addresses_refused() -> None:
-    """The job's listeners that we bind take its address, never a wildcard."""
-    from trainer.live.config import LiveConfig
-    from trainer.live.lighthouse import start_lighthouse
-
-    for host in ("0.0.0.0", "::", ""):
-        with pytest.raises(ValueError, match="address"):
-            LiveConfig(lighthouse="127.0.0.1:1", host=host)
-    with pytest.raises(ValueError, match="address"):
-        start_lighthouse("0.0.0.0:0", 1)

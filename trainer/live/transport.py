@@ -8,14 +8,23 @@ can reach a group, or register a fake one with the lighthouse, could read the we
 run code in a healing group. This one:
 
 - binds the address given (the job's network), never a wildcard;
-- answers a request only with the job's key: ``X-Ckpt-Live-Auth`` is an HMAC of the step
-  under the key; anything else gets 403 and no byte of state;
+- answers a request only with the job's key: ``X-Ckpt-Live-Auth`` is an HMAC, under the
+  key, of the URL asked for (this server's address and the step), so a proof sent to a
+  fake heal source cannot be relayed to a real group; anything else gets 403 and no byte
+  of state;
 - signs each answer (HMAC of the step and the body's SHA-256), and the client checks the
   signature before it deserializes, with ``torch.load(weights_only=True)``: tensors and
-  plain containers only, never code.
+  plain containers only, never code;
+- the client asks only ``http://`` sources, requires a ``Content-Length`` within
+  ``max_bytes`` and reads the body in chunks against one deadline (``timeout`` for the
+  whole transfer): a source that lies about the size, trickles or never ends costs a
+  failed heal, not the group's memory or time;
+- the served copy is dropped once the step is voted on (``disallow_checkpoint``), and at
+  most ``max_requests`` requests are handled at once (503 past it).
 
 It carries no encryption: the state crosses the job's network in the clear, like the
-gradients do.
+gradients do; someone who can read that traffic could replay a request for the same
+step and source while it is served.
 """
 
 from __future__ import annotations
@@ -24,9 +33,12 @@ import hashlib
 import hmac
 import io
 import logging
+import re
 import socket
 import threading
+import time
 import urllib.request
+from urllib.parse import urlsplit
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -41,9 +53,9 @@ AUTH_HEADER = "X-Ckpt-Live-Auth"
 SIGNATURE_HEADER = "X-Ckpt-Live-Signature"
 
 
-def request_mac(key: bytes, step: int) -> str:
-    """The request's proof of the key for ``step``."""
-    return hmac.new(key, f"ckpt-live/get/{step}".encode(), hashlib.sha256).hexdigest()
+def request_mac(key: bytes, url: str) -> str:
+    """The request's proof of the key for ``url`` (the source's address and the step)."""
+    return hmac.new(key, f"ckpt-live/get/{url}".encode(), hashlib.sha256).hexdigest()
 
 
 def body_mac(key: bytes, step: int, body: bytes) -> str:
@@ -64,6 +76,11 @@ class _Server(ThreadingHTTPServer):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, 0), handler)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a client that hangs up early: a debug line, not a traceback on the group's
+        # stderr (anyone on the network could fill the log)
+        log.debug("heal server: request from %s failed", client_address, exc_info=True)
+
 
 class KeyedHTTPTransport(CheckpointTransport[Any]):
     """torchft's checkpoint transport, bound to ``host`` and keyed (see the module).
@@ -71,13 +88,19 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
     Args:
         host: the replica group's address on the job's network.
         key: the job's secret (the same bytes in every group).
-        timeout: seconds for a request and for each socket read.
+        timeout: seconds for a whole heal transfer (and for a request's arrival).
+        max_bytes: the largest state this group accepts from a peer (the trainer sets
+            a bound from its own state's size).
+        max_requests: requests handled at once; more get 503.
     """
 
-    def __init__(self, host: str, key: bytes, timeout: timedelta) -> None:
+    def __init__(self, host: str, key: bytes, timeout: timedelta, *,
+                 max_bytes: int = 1 << 34, max_requests: int = 16) -> None:
         if not key:
             raise ValueError("the heal transport needs the job's key")
         self._host, self._key, self._timeout = host, key, timeout
+        self.max_bytes = max_bytes
+        self._slots = threading.BoundedSemaphore(max_requests)
         self._served = threading.Condition()
         self._step: int | None = None
         self._body = b""
@@ -87,7 +110,13 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
             timeout = transport._timeout.total_seconds()
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                transport._answer(self)
+                if not transport._slots.acquire(blocking=False):
+                    self.send_error(503, "too many heal requests at once")
+                    return
+                try:
+                    transport._answer(self)
+                finally:
+                    transport._slots.release()
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("heal server: " + fmt, *args)
@@ -107,9 +136,12 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
 
     def _answer(self, request: BaseHTTPRequestHandler) -> None:
         parts = request.path.strip("/").split("/")
-        step = int(parts[1]) if len(parts) == 2 and parts[1].isdigit() else None
+        digits = len(parts) == 2 and re.fullmatch(r"[0-9]{1,19}", parts[1])
+        step = int(parts[1]) if digits else None
         given = request.headers.get(AUTH_HEADER, "")
-        if step is None or not hmac.compare_digest(given, request_mac(self._key, step)):
+        # the proof names this server's own URL: one made for another source is refused
+        if step is None or not hmac.compare_digest(
+                given, request_mac(self._key, f"{self.metadata()}{step}")):
             request.send_error(403, "the job's key is required")
             return
         # The peer may ask before this group's quorum thread has staged the step: wait.
@@ -140,20 +172,50 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int,
                         timeout: timedelta) -> Any:
-        """The state a peer serves as ``step``; :class:`HealAuthError` if its answer is
-        not signed with the job's key."""
-        request = urllib.request.Request(f"{metadata}{step}",
-                                         headers={AUTH_HEADER: request_mac(self._key, step)})
+        """The state a peer serves as ``step``; :class:`HealAuthError` if the source is
+        not an ``http://`` URL or its answer is not signed with the job's key, too large
+        or without a size; TimeoutError if it takes longer than ``timeout`` in all."""
+        url = f"{metadata}{step}"
+        if urlsplit(url).scheme != "http":
+            raise HealAuthError(f"the heal source {metadata!r} is not an http:// URL: not "
+                                f"asking it")
+        deadline = time.monotonic() + timeout.total_seconds()
+        request = urllib.request.Request(url, headers={AUTH_HEADER: request_mac(self._key, url)})
         with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as answer:
-            body = answer.read()
+            body = self._read(answer, metadata, deadline)
             signature = answer.headers.get(SIGNATURE_HEADER, "")
         if not hmac.compare_digest(signature, body_mac(self._key, step, body)):
             raise HealAuthError(f"the heal source {metadata} answered without the job's "
                                 f"signature: not loading its state")
         return torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")
 
+    def _read(self, answer: Any, source: str, deadline: float) -> bytes:
+        """The answer's body: its announced size within ``max_bytes``, read in chunks
+        until ``deadline``."""
+        try:
+            size = int(answer.headers.get("Content-Length", ""))
+        except ValueError:
+            raise HealAuthError(f"the heal source {source} sent no Content-Length: not "
+                                f"reading its answer") from None
+        if not 0 <= size <= self.max_bytes:
+            raise HealAuthError(f"the heal source {source} announced {size} bytes, more "
+                                f"than this group accepts ({self.max_bytes})")
+        out = bytearray()
+        while len(out) < size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the heal from {source} took longer than "
+                                   f"{self._timeout.total_seconds():g}s")
+            piece = answer.read1(min(1 << 20, size - len(out)))
+            if not piece:
+                break
+            out += piece
+        return bytes(out)
+
     def disallow_checkpoint(self) -> None:
-        """Nothing to do: the served state is a copy, safe from the next step's update."""
+        """The step was voted on (its healers have fetched it before the vote, which
+        follows their all-reduce with this group): drop the served copy."""
+        with self._served:
+            self._step, self._body = None, b""
 
     def shutdown(self, wait: bool = True) -> None:
         self._server.shutdown()

@@ -160,7 +160,16 @@ class LiveTrainer:
                                  f"{n} replica groups of {live.group_size} ranks; it must "
                                  f"divide by {live.group_size} times every group count from "
                                  f"{live.quorum_size} to {live.replica_groups}")
-        key = key or bytes.fromhex(os.environ.get(LIVE_KEY_ENV, ""))
+        if key is None:
+            # read once and dropped: child processes (data loader workers, tools) do
+            # not inherit it
+            raw = os.environ.pop(LIVE_KEY_ENV, "")
+            try:
+                key = bytes.fromhex(raw)
+            except ValueError:
+                raise ValueError(f"{LIVE_KEY_ENV} must be the job's key in hex, as the "
+                                 f"supervisor makes it (secrets.token_hex(32)); it is not "
+                                 f"hex") from None
         if not key:
             raise ValueError(f"live recovery needs the job's key: pass key= or set "
                              f"{LIVE_KEY_ENV} (the same in every group)")
@@ -214,7 +223,8 @@ class LiveTrainer:
 
         live = self.live
         timeout = timedelta(seconds=live.timeout)
-        self.transport = KeyedHTTPTransport(live.host, key, timeout)
+        self.transport = KeyedHTTPTransport(live.host, key, timeout,
+                                            max_bytes=self._heal_bound())
         return Manager(
             pg=ProcessGroupGloo(timeout=timeout), min_replica_size=live.quorum_size,
             load_state_dict=self._load_live, state_dict=self._live_state,
@@ -226,6 +236,13 @@ class LiveTrainer:
             hostname=live.host, heartbeat_interval=timedelta(seconds=live.heartbeat_interval),
             checkpoint_transport=self.transport, init_sync=False,
             quorum_retries=live.quorum_retries)
+
+    def _heal_bound(self) -> int:
+        """The most bytes a heal may carry: 8 times this rank's model (an Adam-like
+        optimizer holds two more copies; serialization adds a little), plus 64 MiB."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        local = sum((t.to_local() if is_sharded(t) else t).nbytes for t in tensors)
+        return 8 * local + (64 << 20)
 
     def _live_state(self) -> dict[str, Any]:
         """What a healing peer's rank of the same index receives: the state of the

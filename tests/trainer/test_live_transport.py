@@ -1,0 +1,251 @@
+"""The heal transport of live recovery (trainer/live/transport.py) as an attacker on the
+job's network sees it: someone who reaches a group's heal server, or who registers a fake
+replica group with the lighthouse and so becomes a healing group's source.
+
+The server gives no byte of state without a proof of the job's key made for its own URL
+(a proof sent to a fake source cannot be relayed), and drops the state once the step is
+voted on; the healing client asks only http:// sources, loads nothing unsigned, and bounds
+what a source can cost it: the body's size and the transfer's time.
+"""
+from __future__ import annotations
+
+import http.server
+import pickle
+import threading
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+pytest.importorskip("torchft")
+
+KEY = b"k" * 32
+T = timedelta(seconds=5)
+
+
+def _fake_source(respond: Callable[[http.server.BaseHTTPRequestHandler], None]
+                 ) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            respond(self)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _url(server: http.server.ThreadingHTTPServer) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}/checkpoint/"
+
+
+@pytest.fixture
+def source():
+    import torch
+
+    from trainer.live.transport import KeyedHTTPTransport
+
+    t = KeyedHTTPTransport("127.0.0.1", KEY, T)
+    secret = torch.arange(1000, dtype=torch.float32) * 3.25
+    t.send_checkpoint([1], 7, {"model": {"w": secret}}, T)
+    yield t, secret
+    t.shutdown()
+
+
+def _get(url: str, headers: dict[str, str]) -> urllib.error.HTTPError:
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5)
+    return e.value
+
+
+def test_heal_server_gives_nothing_without_the_key(source) -> None:
+    """Without the job's key: 403 and no byte of state, with no header, a made-up one,
+    one for another step or made with another key; the key holder gets the state."""
+    import torch
+
+    from trainer.live.transport import AUTH_HEADER, request_mac
+
+    t, secret = source
+    assert t._server.server_address[0] == "127.0.0.1"
+    url = t.metadata() + "7"
+    for headers in ({}, {AUTH_HEADER: "0" * 64},
+                    {AUTH_HEADER: request_mac(KEY, t.metadata() + "8")},
+                    {AUTH_HEADER: request_mac(b"x" * 32, url)}):
+        error = _get(url, headers)
+        assert error.code == 403
+        assert secret.numpy().tobytes()[:64] not in error.read()
+    got = t.recv_checkpoint(0, t.metadata(), 7, T)
+    assert torch.equal(got["model"]["w"], secret)
+
+
+def test_proof_sent_to_a_fake_source_cannot_be_relayed(source) -> None:
+    """A fake replica group named as the heal source receives the healing group's proof
+    for step 7; relayed to a real group's server it gets 403 (the proof names the URL it
+    was made for)."""
+    from trainer.live.transport import AUTH_HEADER, HealAuthError, KeyedHTTPTransport
+
+    t, secret = source
+    captured: dict[str, str] = {}
+
+    def capture(handler: http.server.BaseHTTPRequestHandler) -> None:
+        captured["proof"] = handler.headers[AUTH_HEADER]
+        handler.send_response(200)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    fake = _fake_source(capture)
+    healer = KeyedHTTPTransport("127.0.0.1", KEY, T)
+    try:
+        with pytest.raises(HealAuthError):
+            healer.recv_checkpoint(0, _url(fake), 7, T)
+        error = _get(t.metadata() + "7", {AUTH_HEADER: captured["proof"]})
+        assert error.code == 403 and secret.numpy().tobytes()[:64] not in error.read()
+    finally:
+        healer.shutdown()
+        fake.shutdown()
+
+
+def test_served_state_dropped_once_the_step_is_voted_on(source) -> None:
+    """After the vote (``disallow_checkpoint``) the server holds no copy of the state and
+    answers a valid proof for that step with 409, no state."""
+    from trainer.live.transport import AUTH_HEADER, request_mac
+
+    t, secret = source
+    t.disallow_checkpoint()
+    assert t._body == b""
+    url = t.metadata() + "7"
+    t._timeout = timedelta(seconds=0.2)  # the server waits this long for a staged step
+    error = _get(url, {AUTH_HEADER: request_mac(KEY, url)})
+    assert error.code == 409 and secret.numpy().tobytes()[:64] not in error.read()
+
+
+def test_malformed_step_refused(source) -> None:
+    """A request whose step is not plain ASCII digits ('²' passes str.isdigit) gets 403."""
+    import socket
+
+    t, _ = source
+    with socket.create_connection(("127.0.0.1", t.port), timeout=5) as s:
+        s.sendall(b"GET /checkpoint/\xb2 HTTP/1.0\r\n\r\n")
+        assert s.recv(64).startswith(b"HTTP/1.0 403")
+
+
+def test_healing_group_loads_nothing_from_a_fake_peer(tmp_path: Path) -> None:
+    """A fake peer that serves a pickle which would run code: the healing group refuses
+    it unread, so nothing runs."""
+    from trainer.live.transport import HealAuthError, KeyedHTTPTransport
+
+    marker = tmp_path / "owned"
+
+    class Evil:
+        def __reduce__(self):  # runs at unpickling
+            return (open, (str(marker), "w"))
+
+    payload = pickle.dumps(Evil())
+
+    def serve(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("X-Ckpt-Live-Signature", "f" * 64)
+        handler.send_header("Content-Length", str(len(payload)))
+        handler.end_headers()
+        handler.wfile.write(payload)
+
+    fake = _fake_source(serve)
+    t = KeyedHTTPTransport("127.0.0.1", KEY, T)
+    try:
+        with pytest.raises(HealAuthError, match="signature"):
+            t.recv_checkpoint(0, _url(fake), 3, T)
+        assert not marker.exists()
+    finally:
+        t.shutdown()
+        fake.shutdown()
+
+
+def test_heal_source_must_be_http(tmp_path: Path) -> None:
+    """A source named by a file:// (or any non-http) URL is not opened: the healing
+    group's own files, or /dev/zero, are never read."""
+    from trainer.live.transport import HealAuthError, KeyedHTTPTransport
+
+    t = KeyedHTTPTransport("127.0.0.1", KEY, T)
+    try:
+        for source in ("file:///dev/zero#", f"file://{tmp_path}/#", "ftp://127.0.0.1/"):
+            with pytest.raises(HealAuthError, match="http"):
+                t.recv_checkpoint(0, source, 3, T)
+    finally:
+        t.shutdown()
+
+
+def test_heal_body_size_bounded() -> None:
+    """A source that announces more than the group accepts, or no size at all, is not
+    read."""
+    from trainer.live.transport import HealAuthError, KeyedHTTPTransport
+
+    def huge(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(1 << 40))
+        handler.end_headers()
+
+    def unsized(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.end_headers()
+        handler.wfile.write(b"x" * 1000)
+
+    t = KeyedHTTPTransport("127.0.0.1", KEY, T, max_bytes=1 << 20)
+    servers = [_fake_source(huge), _fake_source(unsized)]
+    try:
+        with pytest.raises(HealAuthError, match="accepts"):
+            t.recv_checkpoint(0, _url(servers[0]), 3, T)
+        with pytest.raises(HealAuthError, match="Content-Length"):
+            t.recv_checkpoint(0, _url(servers[1]), 3, T)
+    finally:
+        t.shutdown()
+        for s in servers:
+            s.shutdown()
+
+
+def test_heal_transfer_bounded_by_one_deadline() -> None:
+    """A source that trickles its body (a byte every 0.4 s) fails the heal with a
+    TimeoutError once the transfer's deadline passes, though no single read waits that
+    long (the time taken is printed)."""
+    from trainer.live.transport import KeyedHTTPTransport
+
+    def drip(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", "20")
+        handler.end_headers()
+        for _ in range(20):
+            try:
+                handler.wfile.write(b"x")
+                handler.wfile.flush()
+            except OSError:
+                return
+            time.sleep(0.4)
+
+    fake = _fake_source(drip)
+    t = KeyedHTTPTransport("127.0.0.1", KEY, timedelta(seconds=1))
+    began = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="longer than"):
+            t.recv_checkpoint(0, _url(fake), 3, timedelta(seconds=1))
+    finally:
+        print(f"\ntrickling source given up after {time.monotonic() - began:.1f}s")
+        t.shutdown()
+        fake.shutdown()
+
+
+def test_wildcard_addresses_refused() -> None:
+    """The job's listeners that we bind take its address, never a wildcard."""
+    from trainer.live.config import LiveConfig
+    from trainer.live.lighthouse import start_lighthouse
+
+    for host in ("0.0.0.0", "::", ""):
+        with pytest.raises(ValueError, match="address"):
+            LiveConfig(lighthouse="127.0.0.1:1", host=host)
+    with pytest.raises(ValueError, match="address"):
+        start_lighthouse("0.0.0.0:0", 1)

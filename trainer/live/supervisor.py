@@ -82,7 +82,9 @@ class LiveJob:
         run_dir: where ``supervisor.jsonl`` goes.
         respawn_delay: seconds before a lost group is started again (a node's
             replacement time; 0 on one machine).
-        max_restarts: whole-job restarts allowed after :data:`EXIT_QUORUM_LOST`.
+        max_restarts: whole-job restarts allowed after :data:`EXIT_QUORUM_LOST`; also
+            how many times in a row a group may fail with the same error status (a
+            failure replacing does not cure) before the job gives up.
         mode: ``"live"`` (replace a lost group) or ``"restart"`` (restart the job).
         spares: processes kept warm (imports done) to become ranks of replacements or
             restarted groups (``group_size`` of them make a whole group warm).
@@ -105,6 +107,8 @@ class LiveJob:
         self.key = secrets.token_hex(32)
         self.events = JsonLines(self.run_dir / "supervisor.jsonl")
         self.groups: dict[int, list[subprocess.Popen]] = {}
+        self.started: dict[int, float] = {}  # group -> when its processes started
+        self.failures: dict[int, tuple[int, int]] = {}  # group -> (status, times in a row)
         self.lighthouse: subprocess.Popen | None = None
         self.restarts = 0
         self.pool: list[subprocess.Popen] = []  # the warm spares
@@ -149,8 +153,14 @@ class LiveJob:
             if spare is not None and why != "start":
                 self.pool.remove(spare)
                 assert spare.stdin is not None
-                spare.stdin.write(assignment(group, rank, store))
-                spare.stdin.flush()
+                try:
+                    spare.stdin.write(assignment(group, rank, store))
+                    spare.stdin.flush()
+                except OSError:  # the spare died since the poll: start a fresh one
+                    spare.kill()
+                    spare.wait()
+                    spare = None
+            if spare is not None and why != "start":
                 proc = spare
             else:
                 env = {**self._env(), "CKPT_LIVE_GROUP": str(group),
@@ -162,6 +172,7 @@ class LiveJob:
             self._event("group", group=group, rank=rank, pid=proc.pid, why=why,
                         warm=proc is spare)
         self.groups[group] = procs
+        self.started[group] = time.monotonic()
 
     def stop_groups(self) -> None:
         for procs in self.groups.values():
@@ -182,7 +193,8 @@ class LiveJob:
             return None
         if EXIT_QUORUM_LOST in codes and None in codes:
             # a rank whose group lost a peer rank gives up on the quorum too: the other
-            # ranks' statuses say which it was (a lost quorum: they all give up)
+            # ranks' statuses say which it was (a lost quorum: they all give up). The
+            # supervision waits here (at most a heartbeat timeout, only in this case).
             deadline = time.monotonic() + self.config.heartbeat_timeout
             while None in codes and time.monotonic() < deadline and \
                     all(c in (None, 0, EXIT_QUORUM_LOST) for c in codes):
@@ -199,16 +211,19 @@ class LiveJob:
         return lost[0] if lost else EXIT_QUORUM_LOST
 
     def run(self, timeout: float = 3600.0) -> int:
-        """Supervise until every group finished (0), the restarts are used up or
-        ``timeout`` passed (1)."""
-        self.start_lighthouse()
-        for g in range(self.config.replica_groups):
-            self.start_group(g, "start")
-        self.fill_spares()
+        """Supervise until every group finished (0), the restarts are used up, a group
+        fails the same way ``max_restarts + 1`` times in a row, or ``timeout`` passed
+        (1)."""
         pending: dict[int, float] = {}  # group -> when to start its replacement
         finished = False  # a group reached the last step: the job's training is done
+        lost_after_done: list[int] = []
         deadline = time.monotonic() + timeout
         try:
+            # inside the try: whatever started is stopped if a start fails
+            self.start_lighthouse()
+            for g in range(self.config.replica_groups):
+                self.start_group(g, "start")
+            self.fill_spares()
             while time.monotonic() < deadline:
                 if self.lighthouse is not None and self.lighthouse.poll() is not None:
                     self._event("lighthouse_lost", rc=self.lighthouse.returncode)
@@ -219,6 +234,7 @@ class LiveJob:
                         continue
                     pids = [p.pid for p in procs]
                     self.groups.pop(g)
+                    started = self.started.pop(g, time.monotonic())
                     if rc == 0:
                         self._event("group_done", group=g, pid=pids[0], pids=pids)
                         finished = True
@@ -231,21 +247,26 @@ class LiveJob:
                     else:
                         self._event("group_lost", group=g, pid=pids[0], pids=pids, rc=rc,
                                     rcs=[p.returncode for p in procs])
-                        if self.mode == "restart" and not finished:
+                        if finished:
+                            # the training is over: the groups that finished hold the
+                            # final state; the loss is only reported
+                            lost_after_done.append(g)
+                            continue
+                        if self._same_failure_again(g, rc, time.monotonic() - started):
+                            return 1
                             return_code = self._restart_job(g)
                             if return_code is not None:
                                 return return_code
                             pending.clear()
                             break
-                        if not finished:
-                            pending[g] = time.monotonic() + self.respawn_delay
+                        pending[g] = time.monotonic() + self.respawn_delay
                 for g, when in list(pending.items()):
                     if time.monotonic() >= when:
                         pending.pop(g)
                         self.start_group(g, "replacement")
                 self.fill_spares()
                 if not self.groups and not pending:
-                    self._event("done", restarts=self.restarts)
+                    self._event("done", restarts=self.restarts, lost_after_done=lost_after_done)
                     return 0
                 time.sleep(0.01)
             self._event("timeout")
@@ -258,6 +279,24 @@ class LiveJob:
             if self.lighthouse is not None and self.lighthouse.poll() is None:
                 self.lighthouse.terminate()
                 self.lighthouse.wait()
+
+    def _same_failure_again(self, group: int, rc: int, ran: float) -> bool:
+        """Count ``group``'s loss; True (the job gives up) when its processes exited by
+        themselves with the same error status ``max_restarts + 1`` times in a row, each
+        within 10 minutes of their start: a failure that replacing does not cure (a bug,
+        a bad input). Losses by a signal (a killed node) reset the count."""
+        if rc < 0 or ran > 600:
+            self.failures.pop(group, None)
+            return False
+        last, count = self.failures.get(group, (rc, 0))
+        count = count + 1 if last == rc else 1
+        self.failures[group] = (rc, count)
+        if count <= self.max_restarts:
+            return False
+        self._event("gave_up", group=group, rc=rc, failures=count,
+                    reason=f"group {group} failed with status {rc} {count} times in a row: "
+                           f"the same failure repeats; see the group's log")
+        return True
 
     def _restart_job(self, group: int) -> int | None:
         """Live recovery gave up: stop every group and start the job again from ckpt."""

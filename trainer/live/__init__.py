@@ -1,8 +1,10 @@
 """Live recovery: replica groups that survive the loss of one of them without a restart,
 on torchft (``pip install 'ckpt[live]'``); see docs/elastic.md, "Live recovery".
 
-- :class:`LiveTrainer` (:mod:`trainer.live.worker`): one replica group's training loop;
-- :class:`LiveConfig` (:mod:`trainer.live.config`): the lighthouse, timeouts, quorum size;
+- :class:`LiveTrainer` (:mod:`trainer.live.worker`): the training loop of one rank of a
+  replica group (a group of one rank or several: :mod:`trainer.live.group`);
+- :class:`LiveConfig` (:mod:`trainer.live.config`): the lighthouse, timeouts, quorum size,
+  group size;
 - :class:`LiveJob` (:mod:`trainer.live.supervisor`): the lighthouse and the groups on one
   machine, supervised; ``python -m trainer.live.supervisor``;
 - :func:`start_lighthouse` (:mod:`trainer.live.lighthouse`): ``python -m

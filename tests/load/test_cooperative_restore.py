@@ -32,11 +32,19 @@ def test_each_rank_reads_only_its_share_and_every_rank_ends_bit_exact(tmp_path):
     assert total <= summed < 1.1 * total, (summed, total)  # (+ each rank's file headers)
 
 
-def test_a_corrupt_chunk_read_by_rank_2_fails_the_step_on_every_rank_alike(tmp_path):
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """World 4, one job: rank 1 damages what it sends, then a chunk rank 2 reads for all is
+    corrupt in the root."""
+    root = str(tmp_path_factory.mktemp("faults") / "root")
+    return run_ranks(4, workers.damaged_then_corrupt, root, 1, 2, timeout=90)
+
+
+def test_a_corrupt_chunk_read_by_rank_2_fails_the_step_on_every_rank_alike(faults):
     """restore() of the newest step falls back to step 1 on every rank with the same reason
     (rank 2's digest mismatch); restore(step=2) raises on every rank and changes nothing,
     although only rank 2 read the chunk."""
-    results = run_ranks(4, workers.corrupt_owned_chunk, str(tmp_path / "root"), 2, timeout=90)
+    results = [r["corrupt"] for r in faults]
     reasons = {str(r["skipped"]) for r in results}
     errors = {r["error"] for r in results if r["error"] != results[2]["error"]}
     for r in results:
@@ -49,12 +57,11 @@ def test_a_corrupt_chunk_read_by_rank_2_fails_the_step_on_every_rank_alike(tmp_p
     assert len(errors) == 1 and "rank 2" in errors.pop()  # the others name the reader
 
 
-def test_bytes_damaged_by_the_rank_that_sends_them_are_refused_by_every_receiver(tmp_path):
+def test_bytes_damaged_by_the_rank_that_sends_them_are_refused_by_every_receiver(faults):
     """A rank whose reads pass their digest but whose sent bytes are damaged (bad memory, a
     hostile peer): every receiver checks what it got against its own manifest, and every
     rank falls back to step 1."""
-    results = run_ranks(4, workers.hostile_sender, str(tmp_path / "root"), 1, timeout=90)
-    for r in results:
+    for r in (f["hostile"] for f in faults):
         assert r["newest"] == 1, r
         assert [s for s, _ in r["skipped"]] == [2]
         assert "as received from rank 1" in r["skipped"][0][1]

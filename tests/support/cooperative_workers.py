@@ -87,14 +87,28 @@ def restore_replicated(rank: int, world: int, root: str) -> dict:
             "checkpoint": data_bytes(root, 2)}
 
 
-def corrupt_owned_chunk(rank: int, world: int, root: str, owner: int) -> dict:
+def damaged_then_corrupt(rank: int, world: int, root: str, bad: int, owner: int) -> dict:
+    """One job, two faults in turn (one set of processes and saves): rank ``bad`` damages
+    the bytes it sends (``hostile_sender``), then a chunk rank ``owner`` reads for everyone
+    is corrupt in the root (``corrupt_owned_chunk``)."""
+    cooperate_on_one_host()
+    save_two_steps(root)
+    out = {"hostile": hostile_sender(rank, world, root, bad, saved=True)}
+    dist.barrier()
+    out["corrupt"] = corrupt_owned_chunk(rank, world, root, owner, saved=True)
+    return out
+
+
+def corrupt_owned_chunk(rank: int, world: int, root: str, owner: int,
+                        saved: bool = False) -> dict:
     """Flip a bit in a chunk of step 2 that rank ``owner`` reads for everyone; restore the
     newest step (one pass: every rank falls back to step 1), then step 2 by number (two
     passes: every rank raises, nothing changed)."""
     from ckpt._load.cooperative import owners_of
 
     cooperate_on_one_host()
-    save_two_steps(root)
+    if not saved:
+        save_two_steps(root)
     if rank == 0:
         manifest = read_manifest(PosixStorage(root, create=False), step_dir(2), 2)
         chunks = {(chunk_path(step_dir(2), c), c.start): c
@@ -123,16 +137,16 @@ def corrupt_owned_chunk(rank: int, world: int, root: str, owner: int) -> dict:
             "unchanged": unchanged}
 
 
-def hostile_sender(rank: int, world: int, root: str, bad: int) -> dict:
+def hostile_sender(rank: int, world: int, root: str, bad: int, saved: bool = False) -> dict:
     """Rank ``bad`` reads its share correctly, then damages the bytes it sends (a bad
     memory, a hostile peer); the others must refuse them and fall back to step 1."""
     from ckpt._load import cooperative
 
     cooperate_on_one_host()
-    save_two_steps(root)
+    if not saved:
+        save_two_steps(root)
+    real = cooperative.read_chunk_into
     if rank == bad:
-        real = cooperative.read_chunk_into
-
         def read_then_damage(storage, location, key, chunk, view, *args, **kwargs):
             real(storage, location, key, chunk, view, *args, **kwargs)
             if location == step_dir(2) and len(view):
@@ -140,9 +154,12 @@ def hostile_sender(rank: int, world: int, root: str, bad: int) -> dict:
 
         cooperative.read_chunk_into = read_then_damage
     model = zeroed(replicated(2))
-    with ckpt.CheckpointManager(root, read_only=True) as mgr:
-        newest = mgr.restore({"model": model})
-        return {"newest": newest, "skipped": list(mgr.skipped)}
+    try:
+        with ckpt.CheckpointManager(root, read_only=True) as mgr:
+            newest = mgr.restore({"model": model})
+            return {"newest": newest, "skipped": list(mgr.skipped)}
+    finally:
+        cooperative.read_chunk_into = real
 
 
 def broken_exchange(rank: int, world: int, root: str) -> dict:

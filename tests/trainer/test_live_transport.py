@@ -136,6 +136,66 @@ def test_malformed_step_refused(source) -> None:
         assert s.recv(64).startswith(b"HTTP/1.0 403")
 
 
+def test_heal_request_never_goes_through_a_proxy(source, monkeypatch) -> None:
+    """An ``http_proxy`` in the environment (common on clusters) never sees a heal
+    request: the proof and the state go straight to the peer."""
+    import socket
+
+    import torch
+
+    t, secret = source
+    proxy = socket.socket()
+    proxy.bind(("127.0.0.1", 0))
+    proxy.listen(4)
+    proxy.settimeout(0.5)
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.getsockname()[1]}")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    try:
+        got = t.recv_checkpoint(0, t.metadata(), 7, T)
+        assert torch.equal(got["model"]["w"], secret)
+        with pytest.raises(socket.timeout):
+            proxy.accept()
+    finally:
+        proxy.close()
+
+
+def test_heal_server_bounds_its_connections() -> None:
+    """Connections past ``max_requests`` are closed unread (idle ones hold a slot only
+    until they go); once they go, the key holder is served again."""
+    import socket
+
+    import torch
+
+    from trainer.live.transport import KeyedHTTPTransport
+
+    t = KeyedHTTPTransport("127.0.0.1", KEY, T, max_requests=2)
+    idle = [socket.create_connection(("127.0.0.1", t.port), timeout=5) for _ in range(2)]
+    try:
+        t.send_checkpoint([1], 7, {"w": torch.ones(3)}, T)
+        time.sleep(0.2)  # the server accepts both idle connections
+        with socket.create_connection(("127.0.0.1", t.port), timeout=5) as extra:
+            extra.sendall(b"GET /checkpoint/7 HTTP/1.0\r\n\r\n")
+            assert extra.recv(64) == b""  # closed, nothing read or answered
+        for s in idle:
+            s.close()
+        wait_until = time.monotonic() + 10
+        while True:
+            try:
+                assert torch.equal(t.recv_checkpoint(0, t.metadata(), 7, T)["w"],
+                                   torch.ones(3))
+                break
+            except OSError:
+                if time.monotonic() > wait_until:
+                    raise
+                time.sleep(0.1)
+    finally:
+        for s in idle:
+            s.close()
+        t.shutdown()
+
+
 def test_healing_group_loads_nothing_from_a_fake_peer(tmp_path: Path) -> None:
     """A fake peer that serves a pickle which would run code: the healing group refuses
     it unread, so nothing runs."""

@@ -19,8 +19,9 @@ run code in a healing group. This one:
   ``max_bytes`` and reads the body in chunks against one deadline (``timeout`` for the
   whole transfer): a source that lies about the size, trickles or never ends costs a
   failed heal, not the group's memory or time;
+- the client never goes through an ``http_proxy`` from the environment;
 - the served copy is dropped once the step is voted on (``disallow_checkpoint``), and at
-  most ``max_requests`` requests are handled at once (503 past it).
+  most ``max_requests`` connections are handled at once (more are closed unread).
 
 It carries no encryption: the state crosses the job's network in the clear, like the
 gradients do; someone who can read that traffic could replay a request for the same
@@ -69,12 +70,37 @@ class HealAuthError(PermissionError):
     """A peer's answer to a heal request did not carry the job's signature."""
 
 
+# Heal requests go straight to the peer: never through an http_proxy from the
+# environment (it would see the proof and the state, or fail every heal).
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 class _Server(ThreadingHTTPServer):
+    """The heal server: at most ``max_requests`` connections handled at once (a slot taken
+    when the connection is accepted, before any byte of it is read)."""
+
     daemon_threads = True
 
-    def __init__(self, host: str, handler: type) -> None:
+    def __init__(self, host: str, handler: type, max_requests: int) -> None:
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._slots = threading.BoundedSemaphore(max_requests)
         super().__init__((host, 0), handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed unread
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # a client that hangs up early: a debug line, not a traceback on the group's
@@ -91,7 +117,7 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         timeout: seconds for a whole heal transfer (and for a request's arrival).
         max_bytes: the largest state this group accepts from a peer (the trainer sets
             a bound from its own state's size).
-        max_requests: requests handled at once; more get 503.
+        max_requests: connections handled at once; more are closed unread.
     """
 
     def __init__(self, host: str, key: bytes, timeout: timedelta, *,
@@ -100,7 +126,6 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
             raise ValueError("the heal transport needs the job's key")
         self._host, self._key, self._timeout = host, key, timeout
         self.max_bytes = max_bytes
-        self._slots = threading.BoundedSemaphore(max_requests)
         self._served = threading.Condition()
         self._step: int | None = None
         self._body = b""
@@ -110,18 +135,12 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
             timeout = transport._timeout.total_seconds()
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                if not transport._slots.acquire(blocking=False):
-                    self.send_error(503, "too many heal requests at once")
-                    return
-                try:
-                    transport._answer(self)
-                finally:
-                    transport._slots.release()
+                transport._answer(self)
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("heal server: " + fmt, *args)
 
-        self._server = _Server(host, Handler)
+        self._server = _Server(host, Handler, max_requests)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="ckpt-live-heal-server", daemon=True)
         self._thread.start()
@@ -181,7 +200,7 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
                                 f"asking it")
         deadline = time.monotonic() + timeout.total_seconds()
         request = urllib.request.Request(url, headers={AUTH_HEADER: request_mac(self._key, url)})
-        with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as answer:
+        with _DIRECT.open(request, timeout=timeout.total_seconds()) as answer:
             body = self._read(answer, metadata, deadline)
             signature = answer.headers.get(SIGNATURE_HEADER, "")
         if not hmac.compare_digest(signature, body_mac(self._key, step, body)):

@@ -1,12 +1,20 @@
 """The plan of who fetches a chunk that several ranks of a node need from other nodes
 (``ckpt/_memory/sharing.py``), computed from the ranks' gathered requests: the same answer
 on every rank, one fetcher per chunk and node, and the ranges a node-mate fetches kept in
-the plan after the rest (a round sends only the rest). No processes: the plan is a pure
-function of what the ranks gathered."""
+the plan after the rest (a round sends only the rest); and the loader's exchange following
+it. No processes: the plan is a pure function of what the ranks gathered, and the gathers
+of the exchange are answered as the other ranks would."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from ckpt._load.cooperative import Cooperation, Sharing
 from ckpt._memory.sharing import share
+from ckpt.errors import CorruptCheckpointError
 
 LOC = "step-00000002"
 A, C = "ckpt-j-nodeA-", "ckpt-j-nodeC-"
@@ -74,3 +82,43 @@ def test_turned_off_every_rank_fetches_everything_in_one_round():
         for holder, ranges in mine.requests.items():
             assert mine.rounds[holder] == len(ranges)
     assert plan(2, enabled=False)[0].requests[0] == BIG + HEAD  # as planned, in order
+
+
+class _Ranks:
+    """The gathers of one rank's Cooperation.enter, answered with what the other ranks
+    would send: the entry (no errors), then each rank's chunk table."""
+
+    def __init__(self, rank: int, tables: list[list]) -> None:
+        self.rank, self.world_size, self.pg, self.enabled = rank, len(tables), None, True
+        self.tables, self.calls = tables, 0
+
+    def all_gather(self, obj):
+        self.calls += 1
+        if self.calls == 1:
+            return [obj] * self.world_size
+        return [obj if r == self.rank else t for r, t in enumerate(self.tables)]
+
+
+def _enter(rank3_table):
+    """Rank 2 enters the exchange of two chunks it shares with rank 3 (owners 2 and 3)."""
+    path = f"{LOC}/data-0"
+    ids = [(path, 64, C), (path, 80, C)]
+    sharing = Sharing({(path, 64): C, (path, 80): C}, {i: [2, 3] for i in ids},
+                      dict(zip(ids, [2, 3])), tag_base=1 << 30)
+    reads = [NS(key="w", chunk=NS(file="data-0", step=None, start=s, numel=4))
+             for s in (64, 80)]
+    manifest = NS(tensors={"w": NS(torch_dtype=torch.float32)})
+    group = _Ranks(2, [[], [], None, rank3_table])
+    return Cooperation(group, sharing).enter("memory:2", LOC, manifest, reads, cached=True)
+
+
+def test_the_loader_follows_the_agreed_owners_and_refuses_reads_that_differ():
+    """The loader's exchange takes the owners the plan agreed on; if a rank's reads are not
+    what the plan said (a chunk missing), every rank refuses the step alike (computed from
+    the same gathered tables), before any byte moves."""
+    path = f"{LOC}/data-0"
+    shares = _enter([((path, 64, C), 16), ((path, 80, C), 16)])
+    assert shares.owner[(path, 64, C)] == 2 and shares.owner[(path, 80, C)] == 3
+    assert shares.tag_base == 1 << 30
+    with pytest.raises(CorruptCheckpointError, match="differ from the plan"):
+        _enter([((path, 64, C), 16)])  # rank 3 does not read the chunk at 80

@@ -16,7 +16,9 @@ holder (``ckpt/_memory/plan.py``), every rank computes the same answer:
   first part; the rest stays planned, so that if the exchange fails (the group cannot carry
   the chunks) every rank can still fetch them itself, one request each.
 
-Reads from the node's own memory are never shared (each rank reads its node's pages).
+Reads from the node's own memory are never shared (each rank reads its node's pages). By
+default ``plan.py`` shares only when the ranks span several hosts (on one host the network
+is a copy in memory: sharing saves nothing there).
 """
 
 from __future__ import annotations

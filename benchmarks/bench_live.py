@@ -34,11 +34,11 @@ Modes:
   rendezvous, a lower bound of it.
 
 torchrun's rendezvous is shortened from its defaults (live_torchrun.RDZV_CONF says how and
-why); the trainer runs with its defaults (memory tier on, async checkpoints, resumes from
+why; ``--rdzv-defaults`` keeps torchrun's own); the trainer runs with its defaults (memory tier on, async checkpoints, resumes from
 the newest verified step) apart from micro batches of 2 (the global batch must split at
 world 3 and 2).
 
-    python benchmarks/bench_live.py [--trials 3] [--heartbeat-timeout 1.0] [--modes ...]
+    python benchmarks/bench_live.py [--trials 3] [--heartbeat-timeout 1.0] [--modes ...] [--rdzv-defaults]
 
 Medians; a line per mode, then the machine-readable last line, whose ``restart_path_s`` is
 the best median of the torchrun modes (the line before it names which). It never asserts
@@ -59,7 +59,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.live_torchrun import run_torchrun  # noqa: E402
+from benchmarks.live_torchrun import RDZV_CONF, RDZV_DEFAULTS, run_torchrun  # noqa: E402
 from tests.support.live_job import (finish, group_records, read, start_job,  # noqa: E402
                                     stop, stop_soon, wait_for)
 
@@ -158,11 +158,12 @@ def run_mode(mode: str, trials: int, heartbeat_timeout: float, work: Path) -> li
     return timelines
 
 
-def run(mode: str, trials: int, heartbeat_timeout: float, work: Path) -> list[dict]:
+def run(mode: str, a: argparse.Namespace, work: Path) -> list[dict]:
     if mode in TORCHRUN:
-        return run_torchrun(work / mode, trials, warm="-warm" in mode,
-                            late=mode.endswith("-late"))
-    return run_mode(mode, trials, heartbeat_timeout, work)
+        return run_torchrun(work / mode, a.trials, warm="-warm" in mode,
+                            late=mode.endswith("-late"),
+                            rdzv_conf=RDZV_DEFAULTS if a.rdzv_defaults else RDZV_CONF)
+    return run_mode(mode, a.trials, a.heartbeat_timeout, work)
 
 
 def restarts(timelines: list[dict], mode: str) -> int:
@@ -177,6 +178,9 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--rdzv-defaults", action="store_true",
+                   help="torchrun's own rendezvous timings (last call 30 s, a node's "
+                   "keep-alive 5 s x 3) instead of the shortest safe ones")
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     a = p.parse_args()
     work = Path(a.dir or tempfile.mkdtemp(prefix="bench-live-"))
@@ -187,7 +191,7 @@ def main() -> int:
             p.error(f"unknown mode {mode!r} (modes: {', '.join(MODES)})")
         t0 = time.time()
         loads.append(os.getloadavg()[0])
-        results[mode] = run(mode, a.trials, a.heartbeat_timeout, work)
+        results[mode] = run(mode, a, work)
         loads.append(os.getloadavg()[0])
         print(f"# {mode}: {len(results[mode])} kills in {time.time() - t0:.0f} s",
               flush=True)
@@ -196,8 +200,10 @@ def main() -> int:
         return statistics.median(t[key] for t in results[mode])
 
     print(f"\nRecovery of one lost replica of 3 (medians of {a.trials} kills; live heartbeat "
-          f"timeout {a.heartbeat_timeout:g} s; {os.cpu_count()} CPUs, load average "
-          f"{min(loads):.1f}-{max(loads):.1f} while it ran)\n")
+          f"timeout {a.heartbeat_timeout:g} s; torchrun rendezvous "
+          f"{'defaults' if a.rdzv_defaults else 'shortened'}: "
+          f"{RDZV_DEFAULTS if a.rdzv_defaults else RDZV_CONF}; {os.cpu_count()} CPUs, load "
+          f"average {min(loads):.1f}-{max(loads):.1f} while it ran)\n")
     print("| mode | kill -> survivors' next step (s) | kill -> a step past the kill's (s) "
           "| kill -> replacement's first step (s) | steps lost per kill | job restarts |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")

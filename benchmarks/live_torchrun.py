@@ -35,6 +35,8 @@ SCRIPT = str(REPO / "tests" / "support" / "live_torchrun_job.py")
 #: the restart path its best showing.
 RDZV_CONF = ("is_host=false,last_call_timeout=3,keep_alive_interval=1,"
              "keep_alive_max_attempt=4,join_timeout=600")
+#: torchrun's own rendezvous timings (the store still hosted here).
+RDZV_DEFAULTS = "is_host=false"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -213,8 +215,8 @@ def _starts(job: TorchrunJob, attempt: int) -> list[dict[str, Any]]:
             for r in read_jsonl(p) if r["event"] in ("start", "failure")]
 
 
-def run_torchrun(work: Path, trials: int, *, warm: bool, late: bool = False
-                 ) -> list[dict[str, Any]]:
+def run_torchrun(work: Path, trials: int, *, warm: bool, late: bool = False,
+                 rdzv_conf: str = RDZV_CONF) -> list[dict[str, Any]]:
     """One torchrun job of three nodes; ``trials`` node kills; one timeline per kill.
 
     The lost node's replacement (a new agent) starts at once, or with ``late`` once the
@@ -224,7 +226,7 @@ def run_torchrun(work: Path, trials: int, *, warm: bool, late: bool = False
     ``detect_s`` (the first survivor's failure record), ``spawn_s`` (their first new
     worker process; a warm one: its launcher) and ``group_s`` (their process group formed).
     """
-    job = TorchrunJob(work, warm=warm)
+    job = TorchrunJob(work, warm=warm, rdzv_conf=rdzv_conf)
     timelines = []
     dead: set[str] = set()
     try:
@@ -286,4 +288,4 @@ def run_torchrun(work: Path, trials: int, *, warm: bool, late: bool = False
     return timelines
 
 
-__all__ = ["RDZV_CONF", "TorchrunJob", "run_torchrun"]
+__all__ = ["RDZV_CONF", "RDZV_DEFAULTS", "TorchrunJob", "run_torchrun"]

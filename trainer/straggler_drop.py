@@ -39,35 +39,50 @@ def _parent_of(pid: int) -> int | None:
 
 def torchrun_agent() -> int | None:
     """The pid of the torchrun agent that started this worker, None if there is none (no
-    ``TORCHELASTIC_RUN_ID``, or a parent that is another program).
+    ``TORCHELASTIC_RUN_ID``, or an ancestor that is another program).
 
     The agent is the worker's parent, or, for a worker forked by a zygote of
-    :mod:`trainer.warm`, the parent of the launcher that torchrun started in its place."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    :mod:`trainer.warm`, the parent of the launcher that torchrun started in its place;
+    past any process between the agent and the worker (an entrypoint script, which the
+    agent started with the workers' environment: :func:`_started_by_agent`)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
         return None
     parent: int | None = os.getppid()
     launcher = warm_start().get("launcher")
     if launcher is not None:
         parent = _parent_of(launcher)
-    if parent is None or parent <= 1:
+    for _ in range(MAX_WRAPPERS + 1):
+        if parent is None or parent <= 1:
+            return None
+        if not _started_by_agent(parent, run_id):
+            break
+        parent = _parent_of(parent)
+    else:
         return None
     try:
         with open(f"/proc/{parent}/cmdline", "rb") as f:
             argv = f.read().decode(errors="replace").split("\0")
     except OSError:
         return None
-    return parent if _is_torchrun(argv) else None
+    return parent if any("torchrun" in a or "torch.distributed.run" in a for a in argv) \
+        else None
 
 
-def _is_torchrun(argv: list[str]) -> bool:
-    """Whether ``argv`` runs torchrun: the program (or the script python runs) is named
-    ``torchrun``, or python runs ``-m torch.distributed.run`` (``launch``). The program,
-    not any argument that mentions it: a wrapper such as ``python torchrun_job.py`` or
-    ``bash /jobs/torchrun/start.sh`` must never receive the SIGTERM meant for the agent."""
-    if "torchrun" in (os.path.basename(a) for a in argv[:2]):
-        return True
-    return any(a == "-m" and b in ("torch.distributed.run", "torch.distributed.launch")
-               for a, b in zip(argv, argv[1:]))
+#: Processes between the agent and a worker that :func:`torchrun_agent` looks past.
+MAX_WRAPPERS = 4
+
+
+def _started_by_agent(pid: int, run_id: str) -> bool:
+    """Whether ``pid`` began with this run's ``TORCHELASTIC_RUN_ID``: torchrun puts it in
+    its workers' environment only, so such a process is a worker or a wrapper the agent
+    started (``bash train.sh``, a ``python torchrun_job.py``), never the agent, even when
+    its command line mentions torchrun: it must not receive the agent's SIGTERM."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"TORCHELASTIC_RUN_ID={run_id}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
 
 
 def leave_for_drop(exits: Any, straggler: int, step: int, handle: Any, *, score: float,

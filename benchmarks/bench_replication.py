@@ -9,7 +9,9 @@ two "nodes" of two ranks, a DDP state in memory only; node B lost, node C's two 
 it from node A's replicas), each replicated byte fetched once per node (``cooperative.MODE =
 "always"``, the default across hosts) against every rank fetching its own (``"never"``, the
 default on one host), interleaved. A restore's time
-is its slowest rank's; the bytes the holders served are counted where they leave.
+is its slowest rank's; its CPU time is summed over the ranks (every thread of each process:
+steadier than the wall time on a loaded machine); the bytes the holders served are counted
+where they leave.
 
     python benchmarks/bench_replication.py --restore [--sizes 64MiB,256MiB] [--reps 5]
 
@@ -50,8 +52,9 @@ def restore_table(sizes: list[int], reps: int, where: str) -> None:
     from tests.support.ranks import run_ranks
 
     print("| state | per rank: median s | shared: median s | shared / per rank | "
-          "served per rank (x state) | served shared (x state) | spread s (per rank; "
-          "shared) |\n| --- | --- | --- | --- | --- | --- | --- |")
+          "CPU s, all ranks: per rank | shared | served per rank (x state) | "
+          "served shared (x state) | spread s (per rank; shared) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for size in sizes:
         base = tempfile.mkdtemp(prefix="bench-shared-restore-", dir=where)
         os.chmod(base, 0o700)
@@ -65,12 +68,15 @@ def restore_table(sizes: list[int], reps: int, where: str) -> None:
         state = ranks[0][0]["state"]
         times: dict[str, list[float]] = {"never": [], "always": []}
         served: dict[str, list[float]] = {"never": [], "always": []}
+        cpu: dict[str, list[float]] = {"never": [], "always": []}
         for i, run in enumerate(ranks[0]):
             times[run["mode"]].append(max(r[i]["seconds"] for r in ranks))
+            cpu[run["mode"]].append(sum(r[i]["cpu"] for r in ranks))
             served[run["mode"]].append(sum(r[i]["served"] for r in ranks) / state)
             assert all(r[i]["exact"] and r[i]["step"] == 1 for r in ranks)
         plain, shared = (statistics.median(times[m]) for m in ("never", "always"))
         print(f"| {size / MiB:.0f} MiB | {plain:.3f} | {shared:.3f} | {shared / plain:.2f} | "
+              f"{statistics.median(cpu['never']):.2f} | {statistics.median(cpu['always']):.2f} | "
               f"{statistics.median(served['never']):.2f} | "
               f"{statistics.median(served['always']):.2f} | "
               f"{min(times['never']):.3f}-{max(times['never']):.3f}; "

@@ -90,14 +90,14 @@ def restore_once(rank: int, root: str, shm: str, mib: int, served: list[int],
     before = served[0]
     state = {"model": zeroed(replicated(step, mib))}
     mgr = manager(root, shm, REPLACED[rank])
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     restored = mgr.restore(state, strict=strict)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     info = mgr.last_restore
     mgr.close()
     return {"step": restored, "tier": str(info.tier),
             "exact": exact(state["model"], restored, mib),
-            "served": served[0] - before, "seconds": seconds,
+            "served": served[0] - before, "seconds": seconds, "cpu": cpu,
             "from_storage": info.bytes_from_storage,
             "skipped": [(s, str(t), why) for s, t, why in info.skipped],
             "state": sum(t.numel() * t.element_size() for t in replicated(step, mib).values())}

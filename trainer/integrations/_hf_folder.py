@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 import torch
@@ -178,10 +178,11 @@ class FolderWriter:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hf")
         self._pending: Future | None = None
+        self._latest: Future | None = None  # the last write queued, done or not
 
     def submit(self, job: Callable[[], None]) -> None:
         self.wait()
-        self._pending = self._pool.submit(job)
+        self._pending = self._latest = self._pool.submit(job)
 
     def then(self, job: Callable[[], None]) -> None:
         """Queue ``job`` after the write in flight without waiting for it (it fails with
@@ -193,7 +194,16 @@ class FolderWriter:
                 before.result()
             job()
 
-        self._pending = self._pool.submit(chained)
+        self._pending = self._latest = self._pool.submit(chained)
+
+    def settle(self, timeout: float) -> tuple[bool, BaseException | None]:
+        """Wait up to ``timeout`` seconds for the writes queued so far: (whether they are
+        done, the error of a failed one or None); raises nothing."""
+        pending = self._latest  # (wait() forgets _pending before it waits)
+        if pending is None:
+            return True, None
+        done, _ = wait([pending], timeout)
+        return bool(done), pending.exception() if done else None
 
     def wait(self) -> None:
         """Wait for the write in flight; raise its error."""

@@ -24,6 +24,7 @@ a ``ValueError`` (use Lightning's own IO there).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -42,6 +43,8 @@ from verify.lightning_file import sibling_root
 
 from . import _pl_file as plf
 from ._hf_folder import FolderWriter, HostCopies
+from ._pl_sigterm import DEFAULT_TIMEOUT as DEFAULT_SIGTERM_TIMEOUT
+from ._pl_sigterm import SigtermGuard
 from ._steps import StepStore, check_own_root, load_newest_good, pickle_allowed, solo_group
 
 log = logging.getLogger("ckpt")
@@ -150,6 +153,10 @@ class CkptCheckpointIO(CheckpointIO):
             are Lightning's (``ModelCheckpoint``), so ``every_steps``, ``keep_last`` and
             ``keep_every`` are refused. SIGTERM is Lightning's too (``trainer.received_sigterm``,
             ``on_exception``): ``schedule`` defaults to ``ckpt.Schedule(handle_sigterm=False)``.
+            With ``handle_sigterm=True``, a SIGTERM while a checkpoint is being written waits
+            for it to commit, then exits with 143 (:mod:`._pl_sigterm`).
+        sigterm_timeout: with ``handle_sigterm=True``, how long (seconds) a SIGTERM waits
+            for a background write before exiting without it.
 
     Example::
 
@@ -159,10 +166,15 @@ class CkptCheckpointIO(CheckpointIO):
         trainer.fit(model, ckpt_path="last")
     """
 
-    def __init__(self, **manager_options: Any) -> None:
+    def __init__(self, *, sigterm_timeout: float = DEFAULT_SIGTERM_TIMEOUT,
+                 **manager_options: Any) -> None:
         StepStore.check_options(manager_options)
-        self.manager_options = {"schedule": ckpt.Schedule(handle_sigterm=False),
-                                "async_save": False, **manager_options}
+        schedule = manager_options.pop("schedule", None) or ckpt.Schedule(handle_sigterm=False)
+        # The plugin's writes run outside the manager's sight (its own thread): SIGTERM is
+        # handled here, waiting for the write in flight (_pl_sigterm), not by the manager.
+        self._sigterm = SigtermGuard(sigterm_timeout) if schedule.handle_sigterm else None
+        self.manager_options = {"async_save": False, **manager_options,
+                                "schedule": dataclasses.replace(schedule, handle_sigterm=False)}
         self._store: StepStore | None = None  # with async_save: the store of the write
         self._writer: FolderWriter | None = None  # in flight, and its thread
         self._group: Any = None  # rank 0's one-rank group under DDP, made once
@@ -170,9 +182,10 @@ class CkptCheckpointIO(CheckpointIO):
         self._last: _Saved | None = None
 
     # -- running jobs that write under a root ------------------------------------------------
-    def _run(self, root: str, job: Callable[[StepStore], None]) -> None:
+    def _run(self, root: str, job: Callable[[StepStore], None], what: str = "") -> None:
         """Run ``job`` with the root's store: now, then close it (no lock or thread left), or
-        with ``async_save`` on a writer thread that holds the store until :meth:`_finish`."""
+        with ``async_save`` on a writer thread that holds the store until :meth:`_finish`.
+        ``what``: the checkpoint it writes, for the SIGTERM log lines."""
         self._finish()
         if self._group is None:
             self._group = solo_group() or False
@@ -180,13 +193,21 @@ class CkptCheckpointIO(CheckpointIO):
         store = StepStore(root, {**self.manager_options, "async_save": False},
                           group=self._group or None)
         if not self.manager_options["async_save"]:
+            if self._sigterm is not None:
+                self._sigterm.arm(what or root, None)
             try:
                 job(store)
             finally:
-                store.close()
+                try:
+                    store.close()
+                finally:
+                    if self._sigterm is not None:
+                        self._sigterm.disarm()  # exits if SIGTERM came meanwhile
             return
         self._store, self._writer = store, FolderWriter()
         self._writer.submit(lambda: job(store))
+        if self._sigterm is not None:
+            self._sigterm.arm(what or root, self._writer.settle)
 
     def _queue(self, root: str, job: Callable[[StepStore], None]) -> None:
         """``job`` after the write in flight under ``root`` (without waiting), or now."""
@@ -204,7 +225,11 @@ class CkptCheckpointIO(CheckpointIO):
             try:
                 writer.close()
             finally:
-                store.close()
+                try:
+                    store.close()
+                finally:
+                    if self._sigterm is not None:
+                        self._sigterm.disarm()
 
     # -- saving ------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -233,7 +258,8 @@ class CkptCheckpointIO(CheckpointIO):
             self._finish()  # one write in flight: its host buffers are reused now
             checkpoint = self._host.copy(checkpoint)
         self._last = None
-        self._run(root, lambda store: self._write(store, checkpoint, saved))
+        self._run(root, lambda store: self._write(store, checkpoint, saved),
+                  f"step {step}, {full}")
         self._last = saved
 
     @staticmethod

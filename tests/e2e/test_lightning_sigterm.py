@@ -1,0 +1,67 @@
+"""A real SIGTERM to a real Lightning fit whose plugin writes in the background
+(``CkptCheckpointIO(async_save=True, schedule=ckpt.Schedule(handle_sigterm=True))``): the
+process waits for the ``.ckpt`` in flight to commit, logs it, and exits 143; past
+``sigterm_timeout`` it exits without it, the previous checkpoint whole.
+
+The write of step 4 is made slow in the job (tests/support/pl_sigterm_job.py); the signal
+is sent once that write has started. Both fits run side by side, forked from one process
+after Lightning's import.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from verify.cli import main as ckpt_cli  # noqa: E402
+
+JOB = Path(__file__).resolve().parents[1] / "support" / "pl_sigterm_job.py"
+
+
+def sigterm_once_writing(job: subprocess.Popen, work: Path) -> None:
+    """SIGTERM the fit in ``work`` once its write of step 4 has started."""
+    deadline = time.monotonic() + 300
+    while not (work / "writing-4").exists():
+        assert job.poll() is None, job.communicate()[0]
+        assert time.monotonic() < deadline, "the job never reached the save of step 4"
+        time.sleep(0.05)
+    os.kill(int((work / "pid").read_text()), signal.SIGTERM)
+
+
+def test_sigterm_waits_for_the_ckpt_in_flight_then_exits_143(tmp_path, capsys):
+    """``waits``: a 3 s write, a 60 s bound; ``gives_up``: a 120 s write, a 1 s bound."""
+    job = subprocess.Popen([sys.executable, str(JOB), str(tmp_path), "waits:3:60",
+                            "gives_up:120:1"], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        for name in ("waits", "gives_up"):
+            sigterm_once_writing(job, tmp_path / name)
+        out = job.communicate(timeout=300)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out
+    waits, gives_up = tmp_path / "waits", tmp_path / "gives_up"
+    # within the bound: the save in flight is committed, its file checks against its step
+    assert (waits / "rc").read_text() == "143", out
+    assert f"waiting up to 60 s for the checkpoint in flight (step 4, {waits}" in out
+    assert f"step 4, {waits}/ckpts/epoch=0-step=4.ckpt committed after" in out
+    files = sorted(os.listdir(waits / "ckpts"))
+    assert "epoch=0-step=4.ckpt" in files, files
+    assert ckpt_cli(["verify", str(waits / "ckpts" / "epoch=0-step=4.ckpt")]) == 0
+    # past the bound: exits without it; the previous checkpoint stays whole
+    assert (gives_up / "rc").read_text() == "143", out
+    assert f"step 4, {gives_up}/ckpts/epoch=0-step=4.ckpt not committed after 1 s " \
+        "(sigterm_timeout)" in out
+    files = sorted(f for f in os.listdir(gives_up / "ckpts") if not f.startswith("."))
+    assert files == ["epoch=0-step=2.ckpt"], files
+    assert ckpt_cli(["verify", str(gives_up / "ckpts" / files[0])]) == 0
+    capsys.readouterr()

@@ -210,8 +210,9 @@ class CheckpointManager:
         except (FileNotFoundError, NotADirectoryError):
             raise CheckpointNotFoundError(
                 f"step {step} is not committed in {self.root}, so it cannot be marked "
-                "verified (a save kept in the memory tier only is never verified); list the "
-                "steps with mgr.steps()", path=self.root) from None
+                "verified (a save kept in the memory tier only is never verified: only a "
+                "step in the root has the manifest a marker vouches for; docs/guide.md, "
+                "'Verified steps'); list the steps with mgr.steps()", path=self.root) from None
         except OSError as e:
             raise StorageError(f"marking step {step} verified in {self.root} failed: {e}",
                                path=self.root) from e

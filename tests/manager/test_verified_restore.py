@@ -202,6 +202,22 @@ def test_a_verified_restore_takes_the_step_from_memory(tmp_path):
         assert mgr.last_restore.tier == "memory" and target["w"][0].item() == 4.0
 
 
+def test_a_memory_only_save_is_never_verified_and_a_verified_restore_passes_it_over(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    tier = ckpt.MemoryTierOptions(shm_dir=str(shm), job="memonly", keep=3)
+    with ckpt.CheckpointManager(str(tmp_path / "r"), memory_tier=tier, async_save=False) as mgr:
+        mgr.save(2, state(2))
+        mgr.save(4, state(4), persist=False)              # in this node's memory only
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="memory tier only"):
+            mgr.mark_verified(4)
+        mgr.mark_verified(2)
+        target = state(-1)
+        assert mgr.restore(target, prefer="verified") == 2
+        assert mgr.last_restore.tier == "memory" and target["w"][0].item() == 2.0
+        assert mgr.restore(state(-1)) == 4                # newest: the memory-only save
+
+
 def _two_ranks(rank: int, world: int, root: str) -> tuple:
     import torch.distributed as dist
 

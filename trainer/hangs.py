@@ -34,7 +34,7 @@ import sys
 import traceback
 from typing import Any
 
-from trainer.sections import UNJUDGED
+from trainer.sections import NAME_CHARS, UNJUDGED
 
 #: A stack published with a beat is cut to this many characters (its innermost frames).
 STACK_CHARS = 6000
@@ -109,7 +109,7 @@ class RankProgress:
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
         numbers = [age] + ([] if limit is None else [limit])
-        if (not isinstance(section, str) or len(section) > 64
+        if (not isinstance(section, str) or len(section) > NAME_CHARS
                 or not all(math.isfinite(x) and x >= 0 for x in numbers)
                 or not all(type(x) is int for x in (mark, collectives))
                 or not (step is None or type(step) is int)):

@@ -200,8 +200,9 @@ class Heartbeat:
 
     # -- progress ------------------------------------------------------------------------------
     def own_progress(self, *, with_stack: bool = False) -> tuple[RankProgress, dict] | None:
-        """This rank's progress now and its payload keys (None without markers); the
-        training thread's stack is added when it is over its limit (or ``with_stack``)."""
+        """This rank's progress now and its payload keys (None without markers, or in a
+        section the peers would not accept); the training thread's stack is added when it
+        is over its limit (or ``with_stack``)."""
         if self.sections is None:
             return None
         payload = self.sections.payload()
@@ -212,7 +213,10 @@ class Heartbeat:
             payload["stack"] = thread_stack(self.sections.thread_id)
         payload["step"] = self._step
         progress = RankProgress.from_payload(self.rank, payload)
-        assert progress is not None
+        if progress is None:
+            # A section name the peers would refuse (``Sections.enter`` takes any): beat
+            # without progress rather than fail the beat, which would read as a dead store.
+            return None
         return progress, payload
 
     # -- the beat thread: all store I/O --------------------------------------------------------
@@ -376,10 +380,10 @@ class Heartbeat:
         if hang is None or (hang.together and not self._whole_world):
             return None
         if self.rank in hang.culprits and own[0].stack is None:  # the report carries it
-            own = self.own_progress(with_stack=True)
-            assert own is not None
-            progress[self.rank] = own[0]
-            hang = dataclasses.replace(hang, progress=progress)
+            with_stack = self.own_progress(with_stack=True)
+            if with_stack is not None:  # (None: the thread moved on meanwhile)
+                progress[self.rank] = with_stack[0]
+                hang = dataclasses.replace(hang, progress=progress)
         lost = hang.culprits
         # When each culprit entered its section: the failure's time in the run summary.
         entered = {r: (wall if r == self.rank else seen.get(r, wall)) - progress[r].age

@@ -69,6 +69,8 @@ TRAINER_SECTIONS = ("data", "forward", "backward", "collective", "optimizer", "s
 UNJUDGED = frozenset({"idle", "restore", "user", "finish"})
 #: Durations the typical one is the median of.
 WINDOW = 32
+#: The longest section name a beat may carry (peers drop beats with longer ones).
+NAME_CHARS = 64
 
 
 class SectionStats:
@@ -188,6 +190,9 @@ class Sections:
         restarted). ``name`` must not be one of the trainer's sections."""
         if name in TRAINER_SECTIONS:
             raise ValueError(f"{name!r} is one of the trainer's own sections")
+        if not isinstance(name, str) or not 0 < len(name) <= NAME_CHARS:
+            raise ValueError(f"a section name is a string of 1 to {NAME_CHARS} characters "
+                             f"(the heartbeat publishes it), not {name!r:.80}")
         before = self._pos
         now = self._clock()
         with self._lock:
@@ -240,4 +245,5 @@ class Sections:
                 "stats": {k: v.to_dict() for k, v in self.stats().items()}}
 
 
-__all__ = ["Position", "SectionStats", "Sections", "TRAINER_SECTIONS", "UNJUDGED", "WINDOW"]
+__all__ = ["NAME_CHARS", "Position", "SectionStats", "Sections", "TRAINER_SECTIONS",
+           "UNJUDGED", "WINDOW"]

@@ -1,7 +1,8 @@
 """A real SIGTERM to a real Lightning fit whose plugin writes in the background
 (``CkptCheckpointIO(async_save=True, schedule=ckpt.Schedule(handle_sigterm=True))``): the
 process waits for the ``.ckpt`` in flight to commit, logs it, and exits 143; past
-``sigterm_timeout`` it exits without it, the previous checkpoint whole.
+``sigterm_timeout`` it exits without it, the previous checkpoint whole; a synchronous save
+(``async_save=False``) finishes, then the process exits 143.
 
 The write of step 4 is made slow in the job (tests/support/pl_sigterm_job.py); the signal
 is sent once that write has started. Both fits run side by side, forked from one process
@@ -37,12 +38,13 @@ def sigterm_once_writing(job: subprocess.Popen, work: Path) -> None:
 
 
 def test_sigterm_waits_for_the_ckpt_in_flight_then_exits_143(tmp_path, capsys):
-    """``waits``: a 3 s write, a 60 s bound; ``gives_up``: a 120 s write, a 1 s bound."""
+    """``waits``: a 3 s write, a 60 s bound; ``gives_up``: a 120 s write, a 1 s bound;
+    ``sync``: a 3 s write in the training thread (``async_save=False``)."""
     job = subprocess.Popen([sys.executable, str(JOB), str(tmp_path), "waits:3:60",
-                            "gives_up:120:1"], stdout=subprocess.PIPE,
+                            "gives_up:120:1", "sync:3:60:sync"], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     try:
-        for name in ("waits", "gives_up"):
+        for name in ("waits", "gives_up", "sync"):
             sigterm_once_writing(job, tmp_path / name)
         out = job.communicate(timeout=300)[0]
     finally:
@@ -64,4 +66,9 @@ def test_sigterm_waits_for_the_ckpt_in_flight_then_exits_143(tmp_path, capsys):
     files = sorted(f for f in os.listdir(gives_up / "ckpts") if not f.startswith("."))
     assert files == ["epoch=0-step=2.ckpt"], files
     assert ckpt_cli(["verify", str(gives_up / "ckpts" / files[0])]) == 0
+    # a synchronous save in the training thread: it finishes, then the process exits
+    sync = tmp_path / "sync"
+    assert (sync / "rc").read_text() == "143", out
+    assert f"SIGTERM during the save of step 4, {sync}" in out
+    assert ckpt_cli(["verify", str(sync / "ckpts" / "epoch=0-step=4.ckpt")]) == 0
     capsys.readouterr()

@@ -86,9 +86,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     # A pause puts every rank at a known point (no collective in flight) for the test to
     # kill a node there; once released, the survivors meet the loss in their next collective.
     p.add_argument("--pause-at", type=int, default=0,
-                   help="at the start of this step, at world size --pause-at-world, wait "
-                   "until the file release-s<STEP> exists in the run dir (or 120 s); a pause "
-                   "once released does not come back when a restored job passes the step")
+                   help="at the start of this step, at world size --pause-at-world, write "
+                   "paused-s<STEP>-a<ATTEMPT>-r<RANK> (the pid) to the run dir and wait until "
+                   "the file release-s<STEP> exists there (or 120 s); a pause once released "
+                   "does not come back when a restored job passes the step")
     p.add_argument("--pause-at-world", type=int, default=0)
     # A user's own DataLoader (workers, collate_fn), hooks and extra checkpointed items.
     p.add_argument("--loader-workers", type=int, default=None,
@@ -269,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 or t.world_size != args.pause_at_world or release.exists()):
             return
         paused.append(t.step)
-        (Path(args.run_dir) / f"paused-s{args.pause_at}-r{t.rank}").write_text(str(os.getpid()))
+        (Path(args.run_dir) / f"paused-s{args.pause_at}-a{t.attempt}-r{t.rank}").write_text(
+            str(os.getpid()))
         logging.getLogger("elastic_job").info("pausing before step %d until %s", t.step + 1,
                                               release.name)
         deadline = time.time() + 120

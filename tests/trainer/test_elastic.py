@@ -21,6 +21,7 @@ What is checked after each disruption:
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime
 import json
 import os
@@ -47,7 +48,7 @@ HEARTBEAT_TIMEOUT, COLLECTIVE_TIMEOUT = 5.0, 10.0
 SAMPLE_SLEEP = 0.01  # simulated compute per sample: ~0.1 s steps, room to act mid-training
 KILL_AT = 22         # act once the job passed this step (a checkpoint at 20 is committed)
 LOSS_TOLERANCE = 0.15
-JOB_TIMEOUT = 120.0
+JOB_TIMEOUT = 240.0  # a guard against a hang: the jobs run two at a time on a loaded machine
 
 
 def job_args(tmp: Path, *, sleep: float = SAMPLE_SLEEP, hold: tuple = ()) -> list[str]:
@@ -145,10 +146,8 @@ def run_plain(args: list[str], log: Path) -> None:
     assert proc.exitcode == 0, (proc.exitcode, log.read_text(errors="replace")[-8000:])
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def run_reference(tmp: Path) -> dict[int, float]:
     """An uninterrupted run as a plain single process (no torchrun, world size 1)."""
-    tmp = tmp_path_factory.mktemp("reference")
     run_plain(job_args(tmp, sleep=0.0), tmp / "reference.log")
     s = summary_of(tmp)
     assert (s.final_step, s.world_sizes, s.steps_lost, s.restarts) == (STEPS, [1], 0, 0)
@@ -290,6 +289,41 @@ def test_stopped_ranks_are_not_reported():
 
 
 # ------------------------------------------------------------------------- torchrun scenarios
+#
+# The jobs of the selected tests run two at a time (a torchrun job spends much of its time
+# waiting: for a rendezvous's last call, a peer's start, its sleeps per sample), the longest
+# first, started by the first of these tests (they come after the quick checks above); each
+# test asserts on the records of its own job.
+
+# The jobs each test needs (the reference: the loss curve of an uninterrupted run), the
+# longest first.
+NEEDS = {"test_node_killed_survivors_resume_at_world_2": ("kills_and_a_join", "reference"),
+         "test_rank0_node_killed_then_a_node_joins": ("kills_and_a_join", "reference"),
+         "test_fsdp2_model_trains_and_resumes_on_another_world_size": ("fsdp2",),
+         "test_users_data_loader_hooks_and_ema_survive_a_killed_node": ("loader",)}
+
+
+class Results:
+    """The jobs' futures; ``jobs[name]`` waits for that job (its error is the test's)."""
+
+    def __init__(self, futures: dict[str, cf.Future]) -> None:
+        self.futures = futures
+
+    def __getitem__(self, name: str):
+        return self.futures[name].result()
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory):
+    runs = {"kills_and_a_join": run_kills_and_a_join, "reference": run_reference,
+            "loader": run_loader, "fsdp2": run_fsdp2}
+    needed = {name for item in request.session.items if item.module is request.module
+              for name in NEEDS.get(item.originalname, ())}
+    wanted = [name for name in runs if name in needed]
+    with cf.ThreadPoolExecutor(2) as pool:
+        yield Results({name: pool.submit(runs[name], tmp_path_factory.mktemp(name))
+                       for name in wanted})
+
 
 
 def check_node_loss(s: ElasticSummary, rec, tmp: Path, victim: int, attempt: int,
@@ -326,17 +360,19 @@ PAUSE_AT = 33  # a checkpoint at 30 is committed
 _WORKER_FAILED = re.compile(r"failed \(exitcode: -?\d+\) local_rank: \d+ \(pid: (\d+)\)")
 
 
-def paused(run_dir: Path):
-    """The pids of the three ranks once each paused before step PAUSE_AT."""
+def paused(run_dir: Path, after: int):
+    """The attempt and the pids of its three ranks once each paused before step PAUSE_AT,
+    in an attempt after ``after``."""
     def check():
-        marks = [run_dir / f"paused-s{PAUSE_AT}-r{r}" for r in range(3)]
-        return all(m.exists() for m in marks) and [int(m.read_text()) for m in marks]
+        for attempt in range(after + 1, max(job.progress(run_dir), default=0) + 1):
+            marks = [run_dir / f"paused-s{PAUSE_AT}-a{attempt}-r{r}" for r in range(3)]
+            if all(m.exists() for m in marks):
+                return attempt, [int(m.read_text()) for m in marks]
+        return None
     return check
 
 
-@pytest.fixture(scope="module")
-def kills_and_a_join(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("kills_and_a_join")
+def run_kills_and_a_join(tmp: Path) -> dict:
     hold = ("--hold-until-world", "3", "--hold-at", str(JOIN_AT), "--hold-at-below-world", "3",
             "--pause-at", str(PAUSE_AT), "--pause-at-world", "3")
     # max_restarts: the two node losses use up one each (the join none), and a loaded
@@ -358,9 +394,8 @@ def kills_and_a_join(tmp_path_factory) -> dict:
                                             if r["event"] == "start")
         survivors.append(c.add_node())  # waits at the rendezvous; the agents restart
 
-        pids = job.wait_for(paused(tmp / "run"), JOB_TIMEOUT, "every rank to pause at "
-                            f"step {PAUSE_AT} at world size 3", cluster=c)
-        joined = max(job.progress(tmp / "run"))
+        joined, pids = job.wait_for(paused(tmp / "run", shrunk), JOB_TIMEOUT, "every rank to "
+                                    f"pause at step {PAUSE_AT} at world size 3", cluster=c)
         # the agents' logs of the join, before the second loss adds its failed workers
         facts["join_nodes"], facts["joined"] = list(survivors), joined
         facts["join_logs"] = {n.name: n.log() for n in survivors}
@@ -377,12 +412,13 @@ def kills_and_a_join(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_node_killed_survivors_resume_at_world_2(kills_and_a_join, reference):
+def test_node_killed_survivors_resume_at_world_2(jobs):
     """Rank 1's node is SIGKILLed at world size 3 (the job's third membership change; rank 0's
     node, the host of the job's store, is killed in the first, see
     test_rank0_node_killed_then_a_node_joins); the two survivors resume at world size 2 and
     finish the job."""
-    facts, tmp = kills_and_a_join, kills_and_a_join["tmp"]
+    facts, reference = jobs["kills_and_a_join"], jobs["reference"]
+    tmp = facts["tmp"]
     s, kill = facts["summary"], facts["rank1"]
     assert s.world_sizes[-1] == 2 and s.world_sizes[-2] == 3, s.world_sizes
     rec = s.recoveries[-1]
@@ -426,13 +462,14 @@ def check_join_used_no_restart(nodes: list, logs: dict[str, str], runs: dict[int
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_rank0_node_killed_then_a_node_joins(kills_and_a_join, reference):
+def test_rank0_node_killed_then_a_node_joins(jobs):
     """The job's first two membership changes. Rank 0's node (its worker hosts the job's
     store) is SIGKILLed at world size 3: the survivors resume at world size 2. Then a third
     node starts; the workers wait at step 25 for the agents to notice it (a slow agent start
     must not let the job go on first); the agents SIGTERM them and training continues at
     world size 3."""
-    facts, tmp = kills_and_a_join, kills_and_a_join["tmp"]
+    facts, reference = jobs["kills_and_a_join"], jobs["reference"]
+    tmp = facts["tmp"]
     s, kill, shrunk = facts["summary"], facts["rank0"], facts["shrunk"]
     assert s.world_sizes[-4:] == [3, 2, 3, 2], s.world_sizes
     kill_rec, join = s.recoveries[-3:-1]
@@ -455,10 +492,25 @@ def test_rank0_node_killed_then_a_node_joins(kills_and_a_join, reference):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_fsdp2_model_trains_and_resumes_on_another_world_size(tmp_path):
+def test_fsdp2_model_trains_and_resumes_on_another_world_size(jobs):
     """fsdp=True: the model is sharded with fully_shard and checkpointed through
     ckpt.ModelOptimizer; the job trained on 3 ranks continues as one plain process."""
+    tmp_path = jobs["fsdp2"]
+    s = summary_of(tmp_path)
+    print("\n" + s.format())
+    assert (s.final_step, s.world_sizes, s.restores, s.steps_lost) == (12, [3, 1], [0, 8], 0)
+    check_audit(tmp_path / "audit", steps=12)
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())
+    assert "train" in manifest["items"] and "model" not in manifest["items"]
+    assert manifest["world_size"] == 3
+
+
+def run_fsdp2(tmp_path: Path) -> Path:
+    """The job on 3 ranks under torchrun for 8 steps, then on as one plain process to 12."""
     args = job_args(tmp_path, sleep=0.0) + ["--fsdp"]
+    # No restarts here: the group must form at the first try, however slowly the three
+    # workers start beside another job (their first collective waits this long for them).
+    args[args.index("--collective-timeout") + 1] = "30"
     args[args.index("--every") + 1] = "4"
     args[args.index("--steps") + 1] = "8"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -468,13 +520,7 @@ def test_fsdp2_model_trains_and_resumes_on_another_world_size(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
     args[args.index("--steps") + 1] = "12"
     run_plain(args, tmp_path / "plain.log")  # the same job, on as one plain process
-    s = summary_of(tmp_path)
-    print("\n" + s.format())
-    assert (s.final_step, s.world_sizes, s.restores, s.steps_lost) == (12, [3, 1], [0, 8], 0)
-    check_audit(tmp_path / "audit", steps=12)
-    manifest = json.loads((tmp_path / "ckpt" / "step-00000008" / "manifest.json").read_text())
-    assert "train" in manifest["items"] and "model" not in manifest["items"]
-    assert manifest["world_size"] == 3
+    return tmp_path
 
 
 LOADER_STEPS, LOADER_EVERY, LOADER_KILL_AT, EVAL_EVERY = 30, 5, 12, 4
@@ -497,7 +543,7 @@ def hook_records(hooks_dir: Path) -> dict[int, dict[str, list[dict]]]:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_users_data_loader_hooks_and_ema_survive_a_killed_node(tmp_path):
+def test_users_data_loader_hooks_and_ema_survive_a_killed_node(jobs):
     """ElasticTrainer with a user's DataLoader factory (2 workers, its own collate_fn),
     hooks and extra checkpointed items (an EMA of the model, a counter), on two torchrun
     nodes; rank 1's node is SIGKILLed, the survivor resumes alone. The samples step_fn
@@ -505,26 +551,7 @@ def test_users_data_loader_hooks_and_ema_survive_a_killed_node(tmp_path):
     skipped, none repeated, although the workers had fetched past the checkpoint. The
     hooks ran for every step (evaluation every 4); the EMA and the counter continued from
     the checkpoint; after_checkpoint came for the resumed run's checkpoints."""
-    args = job_args(tmp_path)
-    for flag, value in (("--steps", LOADER_STEPS), ("--every", LOADER_EVERY)):
-        args[args.index(flag) + 1] = str(value)
-    args += ["--hold-until-world", "2", "--loader-workers", "2", "--hooks-log",
-             str(tmp_path / "hooks"), "--eval-every", str(EVAL_EVERY)]
-    c = job.LocalCluster(tmp_path, args, nnodes="1:2")
-    try:
-        nodes = [c.add_node() for _ in range(2)]
-        attempt, info = job.wait_for(at_step(tmp_path / "run", 2, LOADER_KILL_AT),
-                                     JOB_TIMEOUT, "training at world size 2", cluster=c)
-        dead = c.node_of(info["pids"][1])
-        dead.kill(signal.SIGKILL)
-        [survivor] = [n for n in nodes if n is not dead]
-        try:
-            survivor.proc.wait(timeout=JOB_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"still running after {JOB_TIMEOUT:.0f}s\n{c.logs()[-20000:]}")
-        assert survivor.proc.returncode == 0, c.logs()[-20000:]
-    finally:
-        c.close()
+    tmp_path = jobs["loader"]
     s = summary_of(tmp_path)
     print("\n" + s.format())
     assert s.final_step == LOADER_STEPS and 2 in s.world_sizes and s.world_sizes[-1] == 1
@@ -555,3 +582,29 @@ def test_users_data_loader_hooks_and_ema_survive_a_killed_node(tmp_path):
                for r in read_jsonl(p) if r["kind"] == "ckpt"]
     assert [r["step"] for r in resumed] == list(range(restored + LOADER_EVERY,
                                                       LOADER_STEPS + 1, LOADER_EVERY))
+
+
+def run_loader(tmp_path: Path) -> Path:
+    """Two torchrun nodes train with the user's data loader, hooks and extra state; rank 1's
+    node is SIGKILLed past step LOADER_KILL_AT and the survivor finishes alone."""
+    args = job_args(tmp_path)
+    for flag, value in (("--steps", LOADER_STEPS), ("--every", LOADER_EVERY)):
+        args[args.index(flag) + 1] = str(value)
+    args += ["--hold-until-world", "2", "--loader-workers", "2", "--hooks-log",
+             str(tmp_path / "hooks"), "--eval-every", str(EVAL_EVERY)]
+    c = job.LocalCluster(tmp_path, args, nnodes="1:2")
+    try:
+        nodes = [c.add_node() for _ in range(2)]
+        attempt, info = job.wait_for(at_step(tmp_path / "run", 2, LOADER_KILL_AT),
+                                     JOB_TIMEOUT, "training at world size 2", cluster=c)
+        dead = c.node_of(info["pids"][1])
+        dead.kill(signal.SIGKILL)
+        [survivor] = [n for n in nodes if n is not dead]
+        try:
+            survivor.proc.wait(timeout=JOB_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running after {JOB_TIMEOUT:.0f}s\n{c.logs()[-20000:]}")
+        assert survivor.proc.returncode == 0, c.logs()[-20000:]
+    finally:
+        c.close()
+    return tmp_path

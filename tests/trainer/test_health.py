@@ -17,6 +17,7 @@ the logs, in the metrics (scraped over HTTP or read from the textfile) and in th
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import logging
 import math
@@ -708,27 +709,72 @@ def test_the_default_probe_is_a_micro_batch_of_the_dataset(tmp_path):
 
 
 # ------------------------------------------------------------------------------- two ranks
+#
+# Each test runs its own torchrun job (an agent and two workers, each importing torch); the
+# jobs of the selected tests start the first time one of them asks (``torchrun_jobs``), two
+# at a time, the longest first, and each test asserts on the output of its own.
+
+
+def run_torchrun(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node=2 test_health.py TMP MODE`` (see _worker)."""
+    repo = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
+    restarts = []
+    if mode == "nan-weights":
+        # Restarted workers sharing the agent's store may fail to form their group
+        # (FINDINGS.md)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        restarts = ["--max-restarts=1"]
+    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--log-dir={tmp_path / 'torchelastic'}",  # not a /tmp/torchelastic_* left behind
+           "--nproc-per-node=2", *restarts, __file__, str(tmp_path), mode]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
+
+
+class Jobs:
+    """``jobs[mode]``: the finished job (its CompletedProcess) and its directory."""
+
+    def __init__(self, futures: dict) -> None:
+        self.futures = futures
+
+    def __getitem__(self, mode: str) -> tuple[subprocess.CompletedProcess, Path]:
+        future, tmp = self.futures[mode]
+        return future.result(), tmp
+
+
+@pytest.fixture(scope="module")
+def torchrun_jobs(request, tmp_path_factory):
+    modes = []
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        if item.originalname == "test_torchrun_job_resumes_past_a_step_saved_with_nan_weights":
+            modes.append("nan-weights")
+        elif item.originalname == "test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan":
+            modes.append(item.callspec.params["wrap"])
+    order = ["nan-weights", "fsdp", "ddp"]  # the longest first
+    with cf.ThreadPoolExecutor(2) as pool:
+        futures = {}
+        for mode in sorted(set(modes), key=order.index):
+            tmp = tmp_path_factory.mktemp(mode)
+            futures[mode] = (pool.submit(run_torchrun, tmp, mode), tmp)
+        yield Jobs(futures)
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
-def test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan(tmp_path, wrap):
+def test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan(torchrun_jobs, wrap):
     """torchrun, 2 ranks: the marked sample is in rank 1's half of the batch, so only rank 1
     computes a NaN loss at step 13. Both ranks judge the agreed loss: step 10's verified
     window (11-14, the default 4 steps) fails, so neither marks it and both roll back to the
     verified step 5 (not the newest, step 10) and skip the same batch. Only rank 0 writes
     verified markers: step 10's is the new timeline's (confirmed at 14)."""
     assert BAD_BATCH.index(MARKED) >= GLOBAL // 2  # rank 1's share
-    repo = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo)
-    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--log-dir={tmp_path / 'torchelastic'}",  # not a /tmp/torchelastic_* left behind
-           "--nproc-per-node=2", __file__, str(tmp_path), wrap]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
-                          check=False)
+    proc, tmp_path = torchrun_jobs[wrap]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     summary = json.loads(next(line for line in proc.stdout.splitlines()
                               if line.startswith("SUMMARY "))[len("SUMMARY "):])
@@ -755,24 +801,14 @@ def test_two_ranks_agree_to_roll_back_when_one_rank_sees_nan(tmp_path, wrap):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_torchrun_job_resumes_past_a_step_saved_with_nan_weights(tmp_path):
+def test_torchrun_job_resumes_past_a_step_saved_with_nan_weights(torchrun_jobs):
     """torchrun, 2 ranks, at most one restart: step 10's update makes a weight NaN (loss and
     gradient were fine, so step 10 is saved, synchronously), then both workers die. The
     restarted workers' restore refuses step 10 by its forward check and resumes from step
     5; the job finishes on its own, with finite weights and no rollback. The workers run
     without a verified window: with it the restore would pass over step 10 (unverified)
     for the verified step 5 before the forward check, this test's subject, runs."""
-    repo = str(Path(__file__).resolve().parents[2])
-    # Restarted workers sharing the agent's store may fail to form their group (FINDINGS.md)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=repo,
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--log-dir={tmp_path / 'torchelastic'}",  # not a /tmp/torchelastic_* left behind
-           "--nproc-per-node=2", "--max-restarts=1", __file__, str(tmp_path), "nan-weights"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
-                          check=False)
+    proc, _ = torchrun_jobs["nan-weights"]
     out = proc.stdout[-3000:] + proc.stderr[-8000:]
     assert proc.returncode == 0, out
     assert "exiting after the checkpoint of step 10" in proc.stderr, out

@@ -142,14 +142,14 @@ class MemoryPublisher:
         return self.tier.ranked
 
     def destinations(self, boxes: list[tuple[str, tuple[int, ...], Any]],
-                     chunk_bytes: int) -> dict[str, Any]:
-        """Where a save copies the boxes it stages (``snapshot(destinations=)``): the views
-        of a slab of the segment (``ckpt/_memory/slabs.py``), cut into chunks of about
-        ``chunk_bytes``, checked against the budget when a new slab is needed. On the
-        caller's thread; one save is staged at a time."""
+                     chunk_bytes: int) -> Any:
+        """Where a save copies the boxes it stages (``snapshot(destinations=)``): a slab of
+        the segment (``ckpt/_memory/slabs.py``), its boxes cut into chunks of about
+        ``chunk_bytes`` and digested as they are copied in, checked against the budget when
+        a new slab is needed. On the caller's thread; one save is staged at a time."""
         self.discard_staged()  # a snapshot that failed after staging
         self._staged = self.tier.slabs.acquire(boxes, chunk_bytes, self.tier.check_space)
-        return self._staged.views
+        return self._staged
 
     def discard_staged(self) -> None:
         """The slab of a snapshot that will not be published goes back to the spare."""
@@ -177,9 +177,15 @@ class MemoryPublisher:
         the generations beyond the tier's keep retired, and those above ``step`` (a line of
         training the job went back from)."""
         t0 = time.perf_counter()
+        resaved = os.path.lexists(os.path.join(self.tier.path, payload.name))
         self.tier.publish_step(payload, slab)
         self.tier.retire(payload.step)
-        collect(self.tier.storage, self.tier.kept_steps(payload.step))
+        kept = self.tier.kept_steps(payload.step)
+        # The collector reads every kept step's manifest (a third of a publish's work):
+        # only when something besides the kept steps is left, or a step number was saved
+        # again over its directory (the old save's files stay there until collected).
+        if resaved or self.tier.strays(kept):
+            collect(self.tier.storage, kept)
         self.tier.prune_tags()
         return SaveResult(payload.step, f"{self.tier.path}/{payload.name}", slab.size, 0, 1,
                           0.0, time.perf_counter() - t0)

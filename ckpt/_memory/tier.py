@@ -300,16 +300,15 @@ class MemoryTier:
             raise
 
     def _fill(self, payload: Any, slab: Any, staging: str) -> Any:
-        """Complete ``slab`` (the boxes staged elsewhere, CUDA's, copied in once they have
-        landed), move it into the step's ``staging`` directory and return its chunk table,
-        every digest read from the shared pages."""
+        """Complete ``slab`` (the boxes staged elsewhere, CUDA's, copied in and digested once
+        they have landed), move it into the step's ``staging`` directory and return its
+        chunk table, every digest that of the shared pages (taken as they were copied)."""
         from ckpt._memory.slabs import staged_elsewhere
         from ckpt._save.chunking import data_file_name
 
         if payload.ready is not None:
             payload.ready.synchronize()
-        for view, staged in staged_elsewhere(slab, payload.pieces):
-            view.copy_(staged)
+        slab.fill(staged_elsewhere(slab, payload.pieces))
         name = data_file_name(payload.token, payload.rank, 0)
         self.slabs.place(slab, os.path.join(self.path, staging), name)
         fault_point("memory_placed")
@@ -333,6 +332,12 @@ class MemoryTier:
         else:
             steps = sorted(s for s, c in step_dirs(self.storage).items() if c)
         return set(current_line(steps, newest)[-self.keep:])
+
+    def strays(self, kept: set[int]) -> bool:
+        """Whether a single process's segment holds a step directory other than the
+        committed steps in ``kept`` (for the collector)."""
+        return any(not committed or s not in kept
+                   for s, committed in step_dirs(self.storage).items())
 
     def prune_tags(self) -> None:
         """Remove the tags of steps no longer in a single process's segment."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,10 @@ class StepPayload:
     held: dict[str, tuple[tuple[int, ...], torch.Tensor]] = field(default_factory=dict)
     # Format 2 (rank tables): each tensor's layout (ckpt._format.layout); None writes format 1.
     layouts: dict | None = None
+    # Chunk digests already taken of the staged bytes (the memory tier's, as it copied them):
+    # .get((key, byte start in the box, byte length)) -> digest or None. The writer takes
+    # these instead of digesting the same bytes again.
+    digests: Any = field(default_factory=dict)
 
 
 @dataclass

@@ -36,8 +36,11 @@ def _plan(payload: StepPayload, options: SaveOptions) -> tuple[list, list]:
 
     An incremental save digests every chunk here that its base may hold (the digests decide
     what is reused); the others' digests (None) are left to the threads that write the files.
+    A digest the memory tier took of the same staged bytes (``payload.digests``) is used as
+    it is: nothing is digested twice.
     """
     reused, to_write = [], []
+    known = payload.digests
     for key, (offsets, t) in payload.pieces.items():
         previous = {}
         if payload.previous is not None and _same_layout(payload, key):
@@ -52,10 +55,11 @@ def _plan(payload: StepPayload, options: SaveOptions) -> tuple[list, list]:
         for c in chunk_tensor(key, tuple(t.shape), t.element_size(), options.chunk_bytes):
             box = tuple(o + b for o, b in zip(offsets, c.offsets))
             data = view[c.byte_start:c.byte_start + c.byte_length]
+            d = known.get((key, c.byte_start, c.byte_length))
             if not previous:  # nothing to reuse: the file writers digest, in parallel
-                to_write.append((dataclasses.replace(c, offsets=box), data, None))
+                to_write.append((dataclasses.replace(c, offsets=box), data, d))
                 continue
-            d = digest(data)
+            d = digest(data) if d is None else d
             old = previous.get((key, box, c.shape))
             if old is not None and old.digest == d:
                 step = payload.previous.step if old.step is None else old.step

@@ -23,7 +23,7 @@ from ckpt.errors import CheckpointError
 from ckpt.options import SaveOptions
 
 # The memory tier's staging destinations (see :func:`snapshot`).
-Destinations = Callable[[list[tuple[str, tuple[int, ...], Any]]], Mapping[str, Any]]
+Destinations = Callable[[list[tuple[str, tuple[int, ...], Any]]], Any]
 
 
 def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, stager: Stager,
@@ -34,7 +34,9 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
 
     ``hold_all``: also stage the boxes other ranks write (``payload.held``), for the memory
     tier. ``destinations``: called with the boxes to stage, (key, global offsets, local
-    tensor), returns where to copy some of them (the memory tier's shared pages) or None."""
+    tensor), returns where to copy some of them (the memory tier's shared pages, a
+    ``staging.Destination``) or None; the chunk digests it takes while copying go into
+    ``payload.digests``, for the root's writer."""
     flat = flatten(state, allow_pickle=options.allow_pickle, rank=group.rank)
     locals_: dict[str, tuple[tuple[int, ...], Any]] = {}
     specs = []
@@ -55,14 +57,15 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
     _check_same_items([_item_names(g["items"]) for g in gathered])
     writers = assign_writers([g["specs"] for g in gathered])
     mine = [s.key for s in specs if writers[(s.key, s.offsets)] == group.rank]
-    pieces, held, ready = _stage(state, specs, locals_, mine, stager=stager, options=options,
-                                 copy=copy, hold_all=hold_all, destinations=destinations)
+    pieces, held, ready, digests = _stage(state, specs, locals_, mine, stager=stager,
+                                          options=options, copy=copy, hold_all=hold_all,
+                                          destinations=destinations)
     tensors = {s.key: (s.dtype, s.global_shape) for g in gathered for s in g["specs"]}
     return StepPayload(
         step=step, name=name, pieces=pieces, held=held, tensors=tensors,
         items=_merge_items([g["items"] for g in gathered]), aliases=gathered[0]["aliases"],
         ready=ready, metadata=metadata, previous=previous, rank=group.rank,
-        world_size=group.world_size, token=gathered[0]["token"])
+        world_size=group.world_size, token=gathered[0]["token"], digests=digests)
 
 
 def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[PieceSpec],
@@ -127,15 +130,15 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         all_specs = group.all_gather(specs)
         layouts = boxes_layouts(all_specs)
         tensors = {s.key: (s.dtype, s.global_shape) for r in all_specs for s in r}
-    pieces, held, ready = _stage(state, specs, locals_, written_here(specs, layouts, group.rank),
-                                 stager=stager, options=options, copy=copy, hold_all=hold_all,
-                                 destinations=destinations)
+    pieces, held, ready, digests = _stage(
+        state, specs, locals_, written_here(specs, layouts, group.rank), stager=stager,
+        options=options, copy=copy, hold_all=hold_all, destinations=destinations)
     # Per-rank items carry this rank's tree only: it goes into this rank's table (and rank
     # step); the manifest marks them "in the tables".
     return StepPayload(
         step=step, name=name, pieces=pieces, held=held, tensors=tensors, items=dict(flat.items),
         aliases=flat.aliases, ready=ready, metadata=metadata, previous=previous, rank=group.rank,
-        world_size=world, token=gathered[0]["token"], layouts=layouts)
+        world_size=world, token=gathered[0]["token"], layouts=layouts, digests=digests)
 
 
 def _item_names(items: dict[str, dict]) -> dict[str, list[str]]:
@@ -163,9 +166,10 @@ def _check_same_items(by_rank: list[dict[str, list[str]]]) -> None:
 def _stage(state: Mapping[str, Any], specs: list[PieceSpec], locals_: dict,
            mine: list[str], *, stager: Stager, options: SaveOptions, copy: bool,
            hold_all: bool, destinations: Destinations | None = None
-           ) -> tuple[dict, dict, Any]:
+           ) -> tuple[dict, dict, Any, Any]:
     """Copy to host the boxes this rank writes (``mine``, in the order of ``specs``) and,
-    with ``hold_all``, the others it holds (for the memory tier): (pieces, held, ready)."""
+    with ``hold_all``, the others it holds (for the memory tier): (pieces, held, ready,
+    the chunk digests taken while copying, or {})."""
     writes = set(mine)
     held = [s.key for s in specs if hold_all and s.key not in writes]
     guards = optimizers_in(state) if options.overlap_device_copy else []
@@ -174,7 +178,8 @@ def _stage(state: Mapping[str, Any], specs: list[PieceSpec], locals_: dict,
     staged, ready = stager.stage({k: locals_[k][1] for k in keys}, copy=copy, guards=guards,
                                  into=into)
     return ({k: (locals_[k][0], staged[k]) for k in mine},
-            {k: (locals_[k][0], staged[k]) for k in held}, ready)
+            {k: (locals_[k][0], staged[k]) for k in held}, ready,
+            into.known_digests() if into is not None else {})
 
 
 def written_here(specs: list[PieceSpec], layouts: dict[str, Layout], rank: int) -> list[str]:

@@ -8,11 +8,24 @@ fence tells the writer when the bytes are there to read.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
 from ckpt._shared.buffers import register_copier
+
+
+class Destination(Protocol):
+    """Where a save's CPU tensors are copied instead of into this stager's buffers (the
+    memory tier's shared pages, ``ckpt/_memory/slabs.py``): ``views`` by key, ``fill``,
+    which copies tensors into their views (on ``threads`` threads, digesting as it goes),
+    and ``known_digests()``: those digests by (key, byte start, byte length) of a chunk."""
+
+    views: Mapping[str, torch.Tensor]
+
+    def fill(self, tensors: Mapping[str, torch.Tensor], threads: int = 1) -> None: ...
+
+    def known_digests(self) -> Any: ...
 
 
 def _optimizer_storages(optimizers: Sequence[torch.optim.Optimizer]) -> set[int]:
@@ -82,27 +95,31 @@ class Stager:
 
     def stage(self, tensors: dict[str, torch.Tensor], copy: bool,
               guards: Sequence[torch.optim.Optimizer] = (),
-              into: Mapping[str, torch.Tensor] | None = None
+              into: Destination | None = None
               ) -> tuple[dict[str, torch.Tensor], _Ready | None]:
         """Host-memory, contiguous copies of ``tensors``, and what to ``synchronize()`` on
         before reading them (CUDA) or None.
 
         With ``copy=False`` (a synchronous save: training waits anyway) CPU tensors that are
         already contiguous are used as they are. ``into``: destinations of some keys (the
-        memory tier's shared pages, ``ckpt/_memory/slabs.py``): a CPU tensor is copied
-        there, with or without ``copy``, and keeps no buffer here; a CUDA tensor still goes
+        memory tier's shared pages, ``ckpt/_memory/slabs.py``): CPU tensors are copied
+        there (``into.fill``, on as many threads as torch computes with, as its own copy
+        does), with or without ``copy``, and keep no buffer here; a CUDA tensor still goes
         to its pinned buffer (the memory tier copies it over once it has landed).
         """
         staged: dict[str, torch.Tensor] = {}
         cuda_sources: list = []
         guarded = _optimizer_storages(guards) if guards else set()
         deferred: list = []
-        into = into or {}
+        views = into.views if into is not None else {}
+        shared = {key: t for key, t in tensors.items()
+                  if key in views and t.device.type == "cpu"}
+        if shared:
+            into.fill(shared, threads=torch.get_num_threads())
         for key, t in tensors.items():
-            if key in into and t.device.type == "cpu":
+            if key in shared:
                 self._buffers.pop(key, None)
-                into[key].copy_(t)
-                staged[key] = into[key]
+                staged[key] = views[key]
                 continue
             if not copy and t.device.type == "cpu":
                 # resolve_*: a lazy conjugate/negative view has no plain bytes of its own

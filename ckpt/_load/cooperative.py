@@ -25,8 +25,10 @@ chunk was verified by its owner.
 
 Reads stay plain (every rank reads what it needs) where the group cannot help: no process
 group or world 1, a backend that does not carry CPU tensors (NCCL alone: initialize with
-``backend="cpu:gloo,cuda:nccl"``), no chunk needed by two ranks, or a collective that fails
-(:class:`GroupFailed`, logged by the caller, who then reads plainly). And by default
+``backend="cpu:gloo,cuda:nccl"``), no chunk needed by two ranks, or a collective, send or
+receive of the exchange that fails (:class:`GroupFailed`: a failed send or receive is
+reported at the next agreement, so that the ranks with nothing to send stop too; logged by
+the caller, who then reads plainly). And by default
 (:data:`MODE` "auto") where reading once buys nothing: every rank on one host and a root
 read through the host's page cache (a file system), where the kernel reads each byte from
 the disk once for all of them and the exchange would only add copies over loopback.

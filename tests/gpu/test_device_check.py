@@ -1,9 +1,15 @@
 """The scripts a device machine runs, checked on the CPU: benchmarks/bench_cuda.py,
 tests/gpu/test_cuda.py without a GPU, and benchmarks/device_check.sh. A device machine comes rarely
-and for minutes, and its image lacks zstandard, moto and s3fs."""
+and for minutes, and its image lacks zstandard, moto and s3fs.
+
+Every check runs those scripts in processes of their own, each importing torch: the runs of the
+selected tests start the first time one of them asks (``runs``), two at a time, and each test
+asserts on the output of its own.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import subprocess
 import sys
 import textwrap
@@ -25,10 +31,8 @@ def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.Comple
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
 
 
-def test_ckpt_saves_and_loads_without_zstandard_and_names_it_when_asked_to_compress(tmp_path):
-    """Without zstandard ckpt saves and loads, and a save asked to compress is refused naming the
-    package to install."""
-    result = run_python(f"""
+def without_zstandard(tmp_path: Path) -> subprocess.CompletedProcess:
+    return run_python(f"""
         import torch, ckpt
         state = {{"t": torch.arange(10.0)}}
         ckpt.save(state, {str(tmp_path / 'plain')!r})
@@ -41,9 +45,6 @@ def test_ckpt_saves_and_loads_without_zstandard_and_names_it_when_asked_to_compr
         except ckpt.CheckpointError as e:
             print("refused:", e)
         """)
-    assert result.returncode == 0, result.stderr
-    assert "refused: compression='zstd' needs the zstandard package" in result.stdout
-    assert "pip install zstandard" in result.stdout
 
 
 def run_bench_cuda(*args: str) -> subprocess.CompletedProcess:
@@ -54,11 +55,89 @@ def run_bench_cuda(*args: str) -> subprocess.CompletedProcess:
         """, timeout=300)
 
 
-def test_bench_cuda_dry_run_on_the_cpu_prints_every_row(tmp_path):
+def bench_cuda_dry_run(tmp_path: Path) -> subprocess.CompletedProcess:
+    return run_bench_cuda("--device", "cpu", "--sizes", "4M", "--reps", "1",
+                          "--quiet-wait", "0", "--dir", str(tmp_path))
+
+
+def bench_cuda_without_a_gpu(tmp_path: Path) -> subprocess.CompletedProcess:
+    return run_bench_cuda("--sizes", "4M")
+
+
+def cuda_tests_on_the_cpu(tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_cuda.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "CKPT_TEST_DEVICE": "cpu"})
+
+
+def run_device_check(out: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "benchmarks/device_check.sh"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600,
+                          env={"PATH": "/usr/bin:/bin", "OUT": str(out),
+                               "PYTHON": sys.executable, **env})
+
+
+def device_check_with_failures(tmp_path: Path) -> subprocess.CompletedProcess:
+    """One run with a test step that times out and a benchmark that refuses its sizes."""
+    return run_device_check(tmp_path, CKPT_COMMIT="abc1234", TEST_TIMEOUT="1",
+                            BENCH_SIZES="bogus")
+
+
+# The run each test needs, the longest first.
+NEEDS = {
+    "test_device_check_runs_every_step_keeps_their_logs_and_exits_with_the_first_failure":
+        device_check_with_failures,
+    "test_test_cuda_runs_on_the_cpu_where_it_is_not_about_cuda_itself": cuda_tests_on_the_cpu,
+    "test_bench_cuda_dry_run_on_the_cpu_prints_every_row": bench_cuda_dry_run,
+    "test_ckpt_saves_and_loads_without_zstandard_and_names_it_when_asked_to_compress":
+        without_zstandard,
+    "test_bench_cuda_without_a_gpu_says_so_and_exits_0": bench_cuda_without_a_gpu,
+}
+
+
+class Runs:
+    """``runs[test name]``: (the CompletedProcess of its run, the run's own directory)."""
+
+    def __init__(self, futures: dict[str, tuple[cf.Future, Path]]) -> None:
+        self.futures = futures
+
+    def __getitem__(self, name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        future, tmp = self.futures[name]
+        return future.result(), tmp
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    selected = {item.originalname for item in request.session.items
+                if item.module is request.module}
+    if torch.cuda.is_available():  # that test is skipped
+        selected.discard("test_bench_cuda_without_a_gpu_says_so_and_exits_0")
+    wanted = [name for name in NEEDS if name in selected]
+    # Two at a time (one per core of the CI machine: a torch import is one core's work),
+    # the longest first: device_check.sh's steps are five processes one after the other.
+    with cf.ThreadPoolExecutor(2) as pool:
+        futures = {}
+        for name in wanted:
+            tmp = tmp_path_factory.mktemp(name[5:30])
+            futures[name] = (pool.submit(NEEDS[name], tmp), tmp)
+        yield Runs(futures)
+
+
+def test_ckpt_saves_and_loads_without_zstandard_and_names_it_when_asked_to_compress(runs):
+    """Without zstandard ckpt saves and loads, and a save asked to compress is refused naming the
+    package to install."""
+    result, _ = runs["test_ckpt_saves_and_loads_without_zstandard_and_names_it_when_asked_to_"
+                     "compress"]
+    assert result.returncode == 0, result.stderr
+    assert "refused: compression='zstd' needs the zstandard package" in result.stdout
+    assert "pip install zstandard" in result.stdout
+
+
+def test_bench_cuda_dry_run_on_the_cpu_prints_every_row(runs):
     """benchmarks/bench_cuda.py on the CPU (a dry run) prints every row of its table and removes its
     data."""
-    result = run_bench_cuda("--device", "cpu", "--sizes", "4M", "--reps", "1",
-                            "--quiet-wait", "0", "--dir", str(tmp_path))
+    result, tmp_path = runs["test_bench_cuda_dry_run_on_the_cpu_prints_every_row"]
     assert result.returncode == 0, result.stderr
     for row in ("training step, no save", "device-to-host copy floor (pinned)",
                 "ckpt save() blocks (overlapped)", "ckpt next step (overlap off)",
@@ -72,38 +151,27 @@ def test_bench_cuda_dry_run_on_the_cpu_prints_every_row(tmp_path):
     assert not (tmp_path / "cuda").exists()  # its data removed
 
 
-def test_bench_cuda_without_a_gpu_says_so_and_exits_0():
+def test_bench_cuda_without_a_gpu_says_so_and_exits_0(runs):
     """benchmarks/bench_cuda.py without a GPU says it measured nothing and exits 0."""
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here")
-    result = run_bench_cuda("--sizes", "4M")
+    result, _ = runs["test_bench_cuda_without_a_gpu_says_so_and_exits_0"]
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("No CUDA device: bench_cuda.py measured nothing")
 
 
-def test_test_cuda_runs_on_the_cpu_where_it_is_not_about_cuda_itself():
+def test_test_cuda_runs_on_the_cpu_where_it_is_not_about_cuda_itself(runs):
     """tests/gpu/test_cuda.py with CKPT_TEST_DEVICE=cpu: the tests of saves and restores run."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_cuda.py"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "CKPT_TEST_DEVICE": "cpu"})
+    result, _ = runs["test_test_cuda_runs_on_the_cpu_where_it_is_not_about_cuda_itself"]
     assert result.returncode == 0, result.stdout[-3000:]
     assert "6 passed" in result.stdout, result.stdout[-3000:]
 
 
-def run_device_check(out: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "benchmarks/device_check.sh"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "OUT": str(out),
-                               "PYTHON": sys.executable, **env})
-
-
-def test_device_check_runs_every_step_keeps_their_logs_and_exits_with_the_first_failure(
-        tmp_path):
+def test_device_check_runs_every_step_keeps_their_logs_and_exits_with_the_first_failure(runs):
     """One run with a test step that times out and a benchmark that refuses its sizes: every
     step still runs, each keeps its log under $OUT, the status is the first failure's."""
-    result = run_device_check(tmp_path, CKPT_COMMIT="abc1234", TEST_TIMEOUT="1",
-                              BENCH_SIZES="bogus")
+    result, tmp_path = runs["test_device_check_runs_every_step_keeps_their_logs_and_exits_with_"
+                            "the_first_failure"]
     log = (tmp_path / "device_check.log").read_text()
     assert "commit abc1234" in log
     for line in ("import: exit 0", "test_cuda: TIMED OUT after 1s", "bench_cuda: exit 1"):

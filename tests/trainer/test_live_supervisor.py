@@ -45,3 +45,27 @@ def test_group_that_cannot_start_leaves_no_lighthouse(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         job.run(timeout=30)
     assert job.lighthouse is not None and job.lighthouse.poll() is not None
+
+
+def test_port_held_by_another_process_is_not_taken_for_the_lighthouse(tmp_path: Path) -> None:
+    """Someone already listens on the lighthouse's port: the supervisor does not take
+    that socket for its lighthouse (the groups would talk to it); it stops with an error
+    that names the port, and no group is started."""
+    import socket
+
+    from trainer.live.supervisor import LighthouseError
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(8)
+    port = squatter.getsockname()[1]
+    config = LiveConfig(lighthouse=f"127.0.0.1:{port}", replica_groups=1)
+    job = LiveJob([sys.executable, "-c", "import time; time.sleep(30)"], config, tmp_path)
+    try:
+        with pytest.raises(LighthouseError, match=str(port)):
+            job.run(timeout=60)
+    finally:
+        squatter.close()
+    events = read(tmp_path / "supervisor.jsonl")
+    assert [e["listening"] for e in events if e["event"] == "lighthouse"] == [False] * 3
+    assert not [e for e in events if e["event"] == "group"]

@@ -309,3 +309,26 @@ def test_wildcard_addresses_refused() -> None:
             LiveConfig(lighthouse="127.0.0.1:1", host=host)
     with pytest.raises(ValueError, match="address"):
         start_lighthouse("0.0.0.0:0", 1)
+
+
+def test_source_lost_mid_transfer_is_a_connection_error() -> None:
+    """A source that hangs up part way (the next group lost) fails the heal with a
+    ConnectionError that says so, not as an unsigned answer."""
+    from trainer.live.transport import KeyedHTTPTransport
+
+    def cut(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", "1000")
+        handler.end_headers()
+        handler.wfile.write(b"x" * 10)
+        handler.wfile.flush()
+        handler.close_connection = True
+
+    fake = _fake_source(cut)
+    t = KeyedHTTPTransport("127.0.0.1", KEY, T)
+    try:
+        with pytest.raises(ConnectionError, match="closed after 10 of 1000"):
+            t.recv_checkpoint(0, _url(fake), 3, T)
+    finally:
+        t.shutdown()
+        fake.shutdown()

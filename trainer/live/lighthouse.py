@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds")
     p.add_argument("--join-timeout", type=float, default=60.0, help="seconds")
     p.add_argument("--quorum-tick", type=float, default=0.1, help="seconds")
+    p.add_argument("--ready-file", default=None,
+                   help="a file created once listening (for a supervisor)")
     args = p.parse_args(argv)
     try:
         server = start_lighthouse(args.bind, args.min_replicas,
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"lighthouse: listening on {args.bind}", flush=True)
+    if args.ready_file:
+        Path(args.ready_file).touch()
     stop.wait()
     server.shutdown()  # type: ignore[attr-defined]
     return 0

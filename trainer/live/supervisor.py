@@ -55,16 +55,8 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def wait_listening(host: str, port: int, timeout: float) -> bool:
-    """Whether ``host:port`` accepts a connection within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return True
-        except OSError:
-            time.sleep(0.02)
-    return False
+class LighthouseError(RuntimeError):
+    """The lighthouse could not listen on the job's address and port."""
 
 
 @dataclasses.dataclass
@@ -119,15 +111,36 @@ class LiveJob:
         self.events.write({"event": event, "time": time.time(), **fields})
 
     def start_lighthouse(self) -> None:
+        """Start the lighthouse and wait until it says it listens (a file it writes once
+        bound: a connect could reach someone else's socket on the port).
+
+        Raises:
+            LighthouseError: it exited without listening (the port taken: by another
+                process, or another user), three times in a row.
+        """
         c = self.config
-        self.lighthouse = subprocess.Popen(
-            [sys.executable, "-m", "trainer.live.lighthouse", "--bind", c.lighthouse,
-             "--min-replicas", str(c.quorum_size),
-             "--heartbeat-timeout", str(c.heartbeat_timeout),
-             "--join-timeout", str(c.join_timeout)])
-        host, port = c.lighthouse.rsplit(":", 1)
-        up = wait_listening(host, int(port), 30.0)
-        self._event("lighthouse", pid=self.lighthouse.pid, listening=up)
+        ready = self.run_dir / "lighthouse.ready"
+        for attempt in range(3):
+            ready.unlink(missing_ok=True)
+            self.lighthouse = subprocess.Popen(
+                [sys.executable, "-m", "trainer.live.lighthouse", "--bind", c.lighthouse,
+                 "--min-replicas", str(c.quorum_size),
+                 "--heartbeat-timeout", str(c.heartbeat_timeout),
+                 "--join-timeout", str(c.join_timeout), "--ready-file", str(ready)])
+            deadline = time.monotonic() + 30.0
+            while not ready.exists() and self.lighthouse.poll() is None and \
+                    time.monotonic() < deadline:
+                time.sleep(0.01)
+            up = ready.exists() and self.lighthouse.poll() is None
+            self._event("lighthouse", pid=self.lighthouse.pid, listening=up)
+            if up:
+                return
+            if self.lighthouse.poll() is None:
+                self.lighthouse.kill()
+            self.lighthouse.wait()
+            time.sleep(0.5 * (attempt + 1))  # a port freed a moment later
+        raise LighthouseError(f"the lighthouse could not listen on {c.lighthouse} (3 tries; "
+                              f"the port is taken?): pass a free --lighthouse-port, or 0")
 
     def _env(self) -> dict[str, str]:
         return {**os.environ, **self.config.to_env(), LIVE_KEY_ENV: self.key}
@@ -227,7 +240,11 @@ class LiveJob:
             while time.monotonic() < deadline:
                 if self.lighthouse is not None and self.lighthouse.poll() is not None:
                     self._event("lighthouse_lost", rc=self.lighthouse.returncode)
-                    self.start_lighthouse()
+                    try:
+                        self.start_lighthouse()
+                    except LighthouseError as e:
+                        self._event("gave_up", reason=str(e))
+                        return 1
                 for g, procs in list(self.groups.items()):
                     rc = self._group_status(g)
                     if rc is None:
@@ -352,7 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     job = LiveJob(command, config, Path(a.run_dir), respawn_delay=a.respawn_delay,
                   max_restarts=a.max_restarts, mode=a.mode, spares=a.spares)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    return job.run(a.job_timeout)
+    try:
+        return job.run(a.job_timeout)
+    except LighthouseError as e:
+        print(f"supervisor: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -201,16 +201,17 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         deadline = time.monotonic() + timeout.total_seconds()
         request = urllib.request.Request(url, headers={AUTH_HEADER: request_mac(self._key, url)})
         with _DIRECT.open(request, timeout=timeout.total_seconds()) as answer:
-            body = self._read(answer, metadata, deadline)
+            body = self._read(answer, metadata, deadline, timeout)
             signature = answer.headers.get(SIGNATURE_HEADER, "")
         if not hmac.compare_digest(signature, body_mac(self._key, step, body)):
             raise HealAuthError(f"the heal source {metadata} answered without the job's "
                                 f"signature: not loading its state")
         return torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")
 
-    def _read(self, answer: Any, source: str, deadline: float) -> bytes:
+    def _read(self, answer: Any, source: str, deadline: float, timeout: timedelta) -> bytes:
         """The answer's body: its announced size within ``max_bytes``, read in chunks
-        until ``deadline``."""
+        until ``deadline``; ConnectionError if the source hangs up before the end (it
+        was likely lost: the next group to go)."""
         try:
             size = int(answer.headers.get("Content-Length", ""))
         except ValueError:
@@ -223,10 +224,11 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         while len(out) < size:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the heal from {source} took longer than "
-                                   f"{self._timeout.total_seconds():g}s")
+                                   f"{timeout.total_seconds():g}s")
             piece = answer.read1(min(1 << 20, size - len(out)))
             if not piece:
-                break
+                raise ConnectionError(f"the heal source {source} closed after {len(out)} of "
+                                      f"{size} bytes")
             out += piece
         return bytes(out)
 

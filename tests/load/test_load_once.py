@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt
 from ckpt import CheckpointManager, CorruptCheckpointError, SaveOptions
 from ckpt._load import staging
-from storage_backends import PosixStorage
-from storage_backends import fsspec_store
+from storage_backends import PosixStorage, fsspec_store
 from storage_backends.fsspec_store import FsspecStorage
 from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 

@@ -18,7 +18,7 @@ from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.inspect import Checkpoints
 
 from ._console import echo, open_path, open_target
-from .lightning_file import FILES_KEY, LightningFile, untrusted_root
+from .lightning_file import FILES_KEY, LightningFile, files_of, folder_of, untrusted_root
 from .lightning_file import check as check_file
 from .report import EXIT_FAILED, EXIT_OK, size, table
 
@@ -185,6 +185,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                                 "--level forward")
     reports = []
     cps, lightning = open_target(args.root)
+    # a Lightning folder's sibling root: its steps' .ckpt files are checked too
+    folder = folder_of(cps.url) if lightning is None and cps.is_root and \
+        "://" not in cps.url else None
     for step in _steps(cps, args):
         progress = None
         if args.level != "structure":  # drawn only when stderr is a terminal
@@ -201,6 +204,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 trust_recorded=args.trust_recorded)
             if lightning is not None:
                 _check_lightning_file(cps, lightning, report)
+            elif folder is not None:
+                _check_lightning_files(cps, folder, step, report)
             reports.append(report)
         except CheckpointNotFoundError as e:
             if not args.all:
@@ -212,13 +217,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-def _check_lightning_file(cps: Checkpoints, found: LightningFile, report: verify.StepReport
-                          ) -> None:
+def _check_lightning_file(cps: Checkpoints, found: LightningFile, report: verify.StepReport,
+                          *, location: bool = True) -> None:
     """Add the ``file`` check to a Lightning step's report: the ``.ckpt`` file against the
     size (structure level) or the digests (digest level and up) its step recorded; runs
-    after the step's own checks passed (the manifest holds the records)."""
-    report.location = f"{found.path} (step {found.step} of {found.root})"
-    if report.problems or report.error is not None:
+    after the step's own checks passed (the manifest holds the records). ``location``: the
+    report is about this file (``ckpt verify FILE.ckpt``)."""
+    if location:
+        report.location = f"{found.path} (step {found.step} of {found.root})"
+    if any(p.check != "file" for p in report.problems) or report.error is not None:
         return
     untrusted = untrusted_root(found)
     if untrusted is not None:
@@ -228,7 +235,8 @@ def _check_lightning_file(cps: Checkpoints, found: LightningFile, report: verify
         return
     t0 = time.perf_counter()
     records = cps.manifest(found.step).metadata.get(FILES_KEY)
-    report.checks.append("file")
+    if "file" not in report.checks:
+        report.checks.append("file")
     failed, nbytes = check_file(found, records, digest=report.level != "structure")
     report.files += 1
     report.bytes += nbytes
@@ -236,6 +244,27 @@ def _check_lightning_file(cps: Checkpoints, found: LightningFile, report: verify
         report.problems.append(verify.Problem("file", failed, found.path))
         report.ok = False
     report.seconds += time.perf_counter() - t0
+
+
+def _check_lightning_files(cps: Checkpoints, folder: str, step: int,
+                           report: verify.StepReport) -> None:
+    """The ``file`` check of each ``.ckpt`` in ``folder`` that claims ``step``, when the
+    step records Lightning files; one that none claims has lost its state."""
+    if report.problems or report.error is not None:
+        return
+    if FILES_KEY not in cps.manifest(step).metadata:
+        return  # not a Lightning step
+    files = files_of(folder, step, cps.url)
+    if not files:
+        report.checks.append("file")
+        report.problems.append(verify.Problem(
+            "file", f"no .ckpt file in {folder} names step {step}: its state is gone "
+            "(its files were deleted or moved outside Lightning, which retires a step with "
+            "its last file)", folder))
+        report.ok = False
+        return
+    for found in files:
+        _check_lightning_file(cps, found, report, location=False)
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from ckpt.errors import CheckpointNotFoundError
 from ckpt.inspect import Checkpoints
 from ckpt.tools import POINTER_NAME, read_pointer, step_dir
 
-from .lightning_file import LightningFile, describe_foreign, locate
+from .lightning_file import LightningFile, describe_foreign, locate, sibling_root
 from .report import UsageError
 
 # Control characters (but newline and tab), lone surrogates, zero-width characters and
@@ -45,6 +45,12 @@ def open_target(path: str, *, files: bool = True) -> tuple[Checkpoints, Lightnin
         raise UsageError("PATH is empty: give a checkpoint root or directory")
     if "://" in path:
         return inspect.open(path), None
+    if files and os.path.isdir(path):
+        sibling = _sibling_of(path)
+        if sibling is not None:
+            echo(f"ckpt: {path} is a Lightning or HF folder: reading its steps in {sibling}",
+                 file=sys.stderr)
+            return inspect.open(sibling), None
     found = locate(path) if files and not os.path.isdir(path) else None
     if found is not None:
         return _open_step(path, found.root, found.step, "is the .ckpt file of step"), found
@@ -58,6 +64,21 @@ def open_target(path: str, *, files: bool = True) -> tuple[Checkpoints, Lightnin
     if not os.path.isdir(os.path.join(root, step_dir(step))) and os.path.isdir(sibling):
         root = sibling  # Lightning's plugin keeps the folder's steps in its hidden sibling
     return _open_step(path, root, step, "points to step"), None
+
+
+def _sibling_of(folder: str) -> str | None:
+    """The hidden sibling root ``.<name>.ckpt`` that holds the steps of ``folder``, a
+    framework's checkpoint folder (Lightning's ``ckpts/``, HF's ``out/``) holding no steps
+    or pointer itself; None otherwise."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    if POINTER_NAME in names or "manifest.json" in names or any(
+            n.startswith("step-") for n in names):
+        return None  # a pointer, a checkpoint directory or a root itself
+    sibling = sibling_root(folder)
+    return sibling if os.path.isdir(sibling) and not os.path.islink(sibling) else None
 
 
 def _open_step(path: str, root: str, step: int, relation: str) -> Checkpoints:

@@ -181,6 +181,32 @@ def locate(path: str) -> LightningFile | None:
     return LightningFile(full, step, sibling_root(os.path.dirname(full)))
 
 
+def folder_of(root: str) -> str | None:
+    """The folder whose ``.ckpt`` files the steps of the local ``root`` record: ``ckpts``
+    for ``.ckpts.ckpt`` beside it; None when ``root`` is not such a sibling root."""
+    parent, name = os.path.split(os.path.abspath(root).rstrip(os.sep))
+    if not (name.startswith(".") and name.endswith(".ckpt") and len(name) > 6):
+        return None
+    folder = os.path.join(parent, name[1:-5])
+    if not os.path.isdir(folder) or sibling_root(folder) != os.path.join(parent, name):
+        return None
+    return folder
+
+
+def files_of(folder: str, step: int, root: str) -> list[LightningFile]:
+    """The regular ``.ckpt`` files of ``folder`` that claim ``step`` (links are not
+    followed), one name per file (a hard link is the same bytes: checked once)."""
+    found, seen = [], set()
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not entry.name.endswith(".ckpt") or not entry.is_file(follow_symlinks=False):
+            continue
+        inode = entry.inode()
+        if inode not in seen and claim(entry.path) == step:
+            seen.add(inode)
+            found.append(LightningFile(entry.path, step, root))
+    return found
+
+
 def untrusted_root(found: LightningFile) -> str | None:
     """Why ``found.root`` cannot vouch for the file (a link, not a folder, or owned by
     another user than the file: someone else may have planted its digests); None if it can."""

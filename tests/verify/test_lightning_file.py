@@ -87,6 +87,19 @@ def test_verify_checks_the_file_against_its_step(written, capsys):
     assert code == 0 and json.loads(out)["step"] == 1
 
 
+def test_verify_all_of_the_folder_or_its_root_checks_every_file(written, capsys):
+    os.link(written / "e2.ckpt", written / "last.ckpt")  # save_last: the same bytes, once
+    for path in (written, written.parent / ".ckpts.ckpt"):
+        code, out, err = cli(capsys, "verify", "--all", path)
+        assert code == 0 and out.count("file checked; 0 tensors in 1 files") == 2, out
+        assert ("reading its steps in" in err) == (path == written)
+    flip(written / "e2.ckpt", 1000)
+    os.remove(written / "e1.ckpt")
+    code, out, _ = cli(capsys, "verify", "--all", written, "--json")
+    problems = {s["step"]: s["problems"][0]["message"] for s in json.loads(out)["steps"]}
+    assert code == 1 and "no .ckpt file in" in problems[1] and "differ" in problems[2]
+
+
 def test_a_link_to_a_file_of_the_folder_is_checked_as_that_file(written, capsys):
     os.symlink("e2.ckpt", written / "last.ckpt")         # save_last="link"
     code, out, _ = cli(capsys, "verify", written / "last.ckpt", "--json")

@@ -42,9 +42,9 @@ class RestoreInfo:
     node's memory) or "storage" (the persistent root). ``bytes_from_storage`` (this rank): the
     bytes this restore read from the root, every attempt and pass counted (0 from memory; a
     two-pass load of a step reads its data twice; under a process group a chunk several
-    ranks need is read by one of them, ``ckpt._load.cooperative``). ``ranks``: (tier, bytes_from_storage) of
-    every rank, by rank, the same on all ranks (every rank restores the same step, but each
-    from its own tier). ``bytes`` (this rank): the bytes read for the step restored, from
+    ranks need is read by one of them, ``ckpt._load.cooperative``). ``ranks``: (tier,
+    bytes_from_storage) of every rank, by rank, the same on all ranks (every rank restores
+    the same step, but each from its own tier). ``bytes`` (this rank): the bytes read for the step restored, from
     its tier. ``seconds``: the restore's time on this rank, the steps it skipped and the
     discovery of what memory holds included. ``skipped``: (step, tier, why) of each attempt
     that failed before the one that loaded, newest first, the same on every rank (a step

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import signal
 import sys
 import threading
@@ -67,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds")
     p.add_argument("--join-timeout", type=float, default=60.0, help="seconds")
     p.add_argument("--quorum-tick", type=float, default=0.1, help="seconds")
-    p.add_argument("--ready-file", default=None,
-                   help="a file created once listening (for a supervisor)")
+    p.add_argument("--ready-fd", type=int, default=None,
+                   help="a pipe's file descriptor to write one byte to once listening "
+                        "(for a supervisor)")
     args = p.parse_args(argv)
     try:
         server = start_lighthouse(args.bind, args.min_replicas,
@@ -82,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"lighthouse: listening on {args.bind}", flush=True)
-    if args.ready_file:
-        Path(args.ready_file).touch()
+    if args.ready_fd is not None:
+        os.write(args.ready_fd, b"1")
+        os.close(args.ready_fd)
     stop.wait()
     server.shutdown()  # type: ignore[attr-defined]
     return 0

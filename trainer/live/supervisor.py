@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -111,27 +112,33 @@ class LiveJob:
         self.events.write({"event": event, "time": time.time(), **fields})
 
     def start_lighthouse(self) -> None:
-        """Start the lighthouse and wait until it says it listens (a file it writes once
-        bound: a connect could reach someone else's socket on the port).
+        """Start the lighthouse and wait until it says it listens (a byte on a pipe of
+        ours, written once bound: a connect could reach someone else's socket on the port,
+        and a file could be planted by another user).
 
         Raises:
             LighthouseError: it exited without listening (the port taken: by another
                 process, or another user), three times in a row.
         """
         c = self.config
-        ready = self.run_dir / "lighthouse.ready"
         for attempt in range(3):
-            ready.unlink(missing_ok=True)
-            self.lighthouse = subprocess.Popen(
-                [sys.executable, "-m", "trainer.live.lighthouse", "--bind", c.lighthouse,
-                 "--min-replicas", str(c.quorum_size),
-                 "--heartbeat-timeout", str(c.heartbeat_timeout),
-                 "--join-timeout", str(c.join_timeout), "--ready-file", str(ready)])
-            deadline = time.monotonic() + 30.0
-            while not ready.exists() and self.lighthouse.poll() is None and \
-                    time.monotonic() < deadline:
-                time.sleep(0.01)
-            up = ready.exists() and self.lighthouse.poll() is None
+            read_end, write_end = os.pipe()
+            try:
+                self.lighthouse = subprocess.Popen(
+                    [sys.executable, "-m", "trainer.live.lighthouse", "--bind", c.lighthouse,
+                     "--min-replicas", str(c.quorum_size),
+                     "--heartbeat-timeout", str(c.heartbeat_timeout),
+                     "--join-timeout", str(c.join_timeout), "--ready-fd", str(write_end)],
+                    pass_fds=(write_end,))
+            finally:
+                os.close(write_end)
+            try:
+                # a byte once bound; end of file (b"") when it exits without binding
+                ready, _, _ = select.select([read_end], [], [], 30.0)
+                said = os.read(read_end, 1) if ready else b""
+            finally:
+                os.close(read_end)
+            up = said == b"1" and self.lighthouse.poll() is None
             self._event("lighthouse", pid=self.lighthouse.pid, listening=up)
             if up:
                 return

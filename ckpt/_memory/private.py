@@ -15,6 +15,13 @@ could extend.
 What fails a check is skipped with a warning that names it: never read, never deleted. A
 private directory that fails them (another user made it first, or put a link there) turns the
 memory tier off for the manager that found it (see ``ckpt/_manager/publisher.py``).
+
+A process forked from an owner (a DataLoader worker, a multiprocessing child) lets go at once
+of every file descriptor it inherited that points into the private directory
+(:func:`_drop_inherited`): it would otherwise hold the segment's owner lock (a flock belongs
+to the open file, which the child shares) after its parent was killed, so that the restarted
+worker could not own its segment, and keep the pages of deleted slabs allocated in ``/dev/shm``
+(the slabs' mappings themselves are not inherited: ``ckpt/_memory/slabs.py``).
 """
 
 from __future__ import annotations
@@ -70,6 +77,41 @@ def problem(st: os.stat_result, *, private: bool) -> str | None:
     return None
 
 
+_DROPPED_IN_CHILDREN: set[str] = set()  # private directories (with a final "/")
+
+
+def _drop_in_children(private: str) -> None:
+    """Have every process forked from this one let go of its inherited descriptors into
+    ``private`` (registered once per process)."""
+    if not _DROPPED_IN_CHILDREN and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_drop_inherited)
+    _DROPPED_IN_CHILDREN.add(os.path.join(private, ""))
+
+
+def _drop_inherited() -> None:
+    """In a forked child: each descriptor that points into a private directory now points to
+    /dev/null instead (``dup2``: the child's objects that hold the number stay valid)."""
+    prefixes = tuple(_DROPPED_IN_CHILDREN)
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    null = -1
+    try:
+        for name in fds:
+            try:
+                target = os.readlink(f"/proc/self/fd/{name}")
+            except OSError:
+                continue
+            if target.startswith(prefixes):
+                if null < 0:
+                    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+                os.dup2(null, int(name), inheritable=False)
+    finally:
+        if null >= 0:
+            os.close(null)
+
+
 def private_dir(shm_dir: str, *, create: bool = True) -> str:
     """This user's directory of segments, created (0700) when missing and ``create``.
 
@@ -104,6 +146,7 @@ def private_dir(shm_dir: str, *, create: bool = True) -> str:
             "write", path=path)
     if created and stat.S_IMODE(st.st_mode) != 0o700:  # a umask took bits off: put them back
         os.chmod(path, 0o700, follow_symlinks=False)
+    _drop_in_children(os.path.realpath(path))  # /proc names a descriptor's file by real path
     return path
 
 
@@ -165,6 +208,7 @@ def own_segment(path: str, wait: float = 1.0) -> Any:
         UnsafeSegmentError: ``path`` is not this user's private directory.
         CheckpointError: another live process owns the segment.
     """
+    _drop_in_children(os.path.realpath(os.path.dirname(path)))
     deadline = time.monotonic() + wait
     while True:
         try:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import errno
 import math
 import mmap
 import os
@@ -45,6 +46,7 @@ import shutil
 import stat
 import threading
 import time
+import weakref
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -56,6 +58,7 @@ from ckpt._format.entries import Chunk
 from ckpt._memory.private import STAGING
 from ckpt._save.chunking import ChunkPlan, chunk_tensor
 from ckpt._save.payload import RankTable
+from ckpt.errors import CheckpointError
 
 SPARE = f"{STAGING}slab-"  # a spare slab's name in the segment: removed after a crash
 ASIDE = f"{STAGING}retired-"  # a retired step's directory while its slab is taken back
@@ -66,6 +69,14 @@ ASIDE = f"{STAGING}retired-"  # a retired step's directory while its slab is tak
 # 128 KiB 59, 256 KiB 54-57, 512 KiB 50-63, 1 MiB 51-58.
 BLOCK = 512 << 10
 MAX_THREADS = 8  # copying threads at most: more only contend for the memory bus
+# Slab mappings are not inherited by a forked child (MADV_DONTFORK: a DataLoader worker would
+# keep a deleted slab's pages allocated in /dev/shm while it lives; its inherited descriptors
+# are let go of too, ckpt/_memory/private.py). The child's copies of the mmap objects are kept
+# alive there for good: freeing one would unmap an address range the child may use by then.
+_MAPPINGS: weakref.WeakSet = weakref.WeakSet()
+_INHERITED: list = []
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _INHERITED.extend(_MAPPINGS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,11 +318,22 @@ class SlabPool:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600)
         try:
-            if size:
-                # Pages reserved now: a full /dev/shm fails here (ENOSPC), never as a SIGBUS
-                # on a write through the mapping.
+            # Pages reserved now: a full /dev/shm fails here, never as a SIGBUS on a write
+            # through the mapping. (A slab holds its header at least: size > 0.)
+            try:
                 os.posix_fallocate(fd, 0, size)
-            mapping = mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise
+                raise CheckpointError(
+                    f"{self.segment}: no room for the {size} bytes of this step in the memory "
+                    f"tier ({e.strerror}; /dev/shm is shared with every process of the node); "
+                    "enlarge /dev/shm (docker: --shm-size), lower MemoryTierOptions(keep=) or "
+                    "pass memory_tier=False", path=self.segment) from e
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            if hasattr(mmap, "MADV_DONTFORK"):
+                mapping.madvise(mmap.MADV_DONTFORK)
+            _MAPPINGS.add(mapping)
             mapping[:len(header)] = header
             st = os.fstat(fd)
         except BaseException:

@@ -57,7 +57,7 @@ def group_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     started = time.monotonic()
     proc = start_job(tmp, steps=100000, kill="1:3:forward:1", groups=GROUPS, group_size=SIZE,
                      layout="hsdp", min_replicas=1, checkpoint_every=1, wait_spare=SIZE,
-                     keep_last=1000, timeout=8.0, quorum_timeout=10.0,
+                     keep_last=1000, step_pause=0.1, timeout=8.0, quorum_timeout=10.0,
                      extra=["--spares", str(SIZE)])
     try:
         def replacement_whole() -> bool:
@@ -200,3 +200,56 @@ def test_group_saves_the_step_it_healed_to(group_job: dict) -> None:
 
     for key in keys:
         assert torch.equal(mine.read_tensor(step, key), peer.read_tensor(step, key)), key
+
+
+# -- the gradient average of a replicated group, on two real gloo ranks ----------------------
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+class _Failed:
+    def wait(self) -> None:
+        raise RuntimeError("peer lost inside the all-reduce")
+
+
+def _sync_body(rank: int, world: int, fail_rank: int) -> tuple:
+    import torch
+
+    from trainer.live.group import LocalGroup
+
+    group = LocalGroup.__new__(LocalGroup)  # the default group run_ranks made
+    group.rank, group.size, group.replicated = rank, world, True
+    grads = [torch.arange(5, dtype=torch.float32) * (rank + 1),
+             torch.full((2, 2), float(rank * 10))]
+    sent: list[int] = []
+
+    def cross(flat: torch.Tensor) -> object:
+        sent.append(flat.numel())
+        flat.mul_(1.0)  # the other groups hold the same average: averaging changes nothing
+        return _Failed() if rank == fail_rank else _Done()
+
+    error = group.sync(grads, cross)
+    return [g.tolist() for g in grads], sent, None if error is None else str(error)
+
+
+def test_replicated_group_averages_over_its_ranks_sending_a_slice_each() -> None:
+    """Inside a replicated group the gradients are averaged over its ranks, each rank
+    sends only its slice across groups, and every rank ends with the same values."""
+    from tests.support.ranks import run_ranks
+
+    results = run_ranks(2, _sync_body, -1)
+    (g0, sent0, e0), (g1, sent1, e1) = results
+    assert g0 == g1 and e0 is e1 is None
+    assert g0[0] == [1.5 * i for i in range(5)] and g0[1] == [[5.0, 5.0], [5.0, 5.0]]
+    assert sent0 == sent1 == [5]  # 9 values, padded to 10, half each
+
+
+def test_cross_group_failure_on_one_rank_leaves_no_rank_waiting() -> None:
+    """A rank whose cross-group all-reduce fails still takes part in its group's gather:
+    both ranks return, the failed one with the error (its vote then fails the group's
+    commit)."""
+    from tests.support.ranks import run_ranks
+
+    (_, _, e0), (_, _, e1) = run_ranks(2, _sync_body, 1, timeout=60)
+    assert e0 is None and "peer lost" in e1

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -178,6 +179,7 @@ class TrainerCheckpointer:
                  guard: HealthGuard | None = None) -> None:
         self.state: dict[str, Any] = dict(items)
         self.state.setdefault("meta", {"step": 0})
+        self.every = every
         options = {"keep_last": 3, **options}
         self.manager_options = options
         self.verify = verify
@@ -313,6 +315,29 @@ class TrainerCheckpointer:
             self.window.saved(step)
             self._handles[step] = handle
         return handle
+
+    def due(self, step: int) -> bool:
+        """Whether :meth:`save` of ``step`` writes a checkpoint (by the step schedule, the
+        same on every rank)."""
+        return step % self.every == 0
+
+    def wait_previous(self, step: int, *, report_after: float = 10.0) -> float:
+        """Before the due save of ``step``: wait for the previous save to be written (one
+        save in flight at a time; its error is raised here). A ``train.save_slow`` warning
+        every ``report_after`` seconds of waiting says the storage is slower than the save
+        interval (a slow save, not a hung rank). Returns the seconds waited."""
+        start = time.monotonic()
+        while True:
+            try:
+                self.manager.wait(report_after)
+                break
+            except TimeoutError:
+                events.warning(format_event(
+                    "train.save_slow", step=step,
+                    waited_s=round(time.monotonic() - start, 1),
+                    advice="the previous save is still being written: the storage is slower "
+                           "than the save interval (save less often or to faster storage)"))
+        return time.monotonic() - start
 
     def _mark_confirmed(self) -> None:
         """Mark the confirmed saves verified whose writes are done (the others at a later

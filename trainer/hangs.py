@@ -10,6 +10,12 @@ the progress markers (:mod:`trainer.sections`) do. The rule:
   section has taken in this process (what was slow once and finished is not a hang).
   A section seen fewer than ``min_count`` times, and the unjudged ones (``restore``,
   ``user``, ``idle``, ``finish``), have no limit.
+- ``save_wait`` (a due save waiting for the previous async save to be written) is the
+  storage's time, not the rank's: its limit is the save's deadline (``save_deadline``), not
+  a multiple of the typical step, so ranks that all wait there on a slow storage are not
+  named (the trainer logs ``train.save_slow`` instead). Past the deadline the storage is
+  taken for stuck: a rank alone there (the others gone on) is named, or all of them
+  together, as a storage hang.
 - Every rank passes the same sections in the same order, so the rank with the **lowest
   mark** is the one the others wait for. A rank is **hung** when it has the lowest mark
   and has been in its section longer than the section's limit. Ranks ahead of it (waiting
@@ -34,7 +40,7 @@ import sys
 import traceback
 from typing import Any
 
-from trainer.sections import NAME_CHARS, UNJUDGED
+from trainer.sections import NAME_CHARS, SAVE_WAIT, UNJUDGED
 
 #: A stack published with a beat is cut to this many characters (its innermost frames).
 STACK_CHARS = 6000
@@ -48,12 +54,15 @@ class HangRule:
         factor: k, the multiple of the typical duration.
         floor, ceiling: bounds of ``factor x typical`` in seconds.
         min_count: observations of a section before it is judged.
+        save_deadline: the limit of ``save_wait`` in seconds: how long one async save may
+            take to be written (as long as ``ckpt.SaveOptions``' default commit timeout).
     """
 
     factor: float = 3.0
     floor: float = 10.0
     ceiling: float = 30.0
     min_count: int = 2
+    save_deadline: float = 600.0
 
     def __post_init__(self) -> None:
         if self.factor <= 1 or self.floor <= 0 or self.ceiling < self.floor:
@@ -62,12 +71,16 @@ class HangRule:
                              f"ceiling={self.ceiling}")
         if self.min_count < 1:
             raise ValueError(f"min_count must be at least 1, not {self.min_count}")
+        if not self.save_deadline > 0:
+            raise ValueError(f"save_deadline must be positive, not {self.save_deadline}")
 
     def limit(self, section: str, stats: dict[str, dict[str, float]]) -> float | None:
         """Seconds ``section`` may last given the run's ``stats`` (a payload's ``stats``);
         None when it is not judged."""
         if section in UNJUDGED:
             return None
+        if section == SAVE_WAIT:
+            return self.save_deadline  # the storage's time: bounded by the save's deadline
         own = stats.get(section)
         if own is None or own["count"] < self.min_count:
             return None
@@ -141,6 +154,8 @@ class Hang:
         if waiting:
             where = sorted({section_name(self.progress[r]) for r in waiting})
             text += f"; ranks {waiting} wait for it in {', '.join(where)}"
+        elif self.together and all(p.section == SAVE_WAIT for p in self.progress.values()):
+            text += "; every rank waits for its previous save (the storage is stuck)"
         elif self.together and len(self.culprits) > 1:
             text += "; no rank is behind the others (a communication or shared-storage hang)"
         return text

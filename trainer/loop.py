@@ -187,6 +187,10 @@ class TrainingLoop:
         if parts.heartbeat is not None:
             parts.heartbeat.update(step)
         sections = self.trainer.sections
+        if parts.checkpointer.due(step):
+            # the storage's time, judged against the save's deadline, not the step's
+            sections.enter("save_wait")
+            parts.checkpointer.wait_previous(step)
         sections.enter("save")
         handle = parts.checkpointer.save(step, meta, stop=stop)
         if handle is not None:

@@ -15,6 +15,9 @@ Sections of the trainer (in the order of a step)::
                       last one's), then the gradient norm and clipping
     collective        the step's agreement all-reduce (loss, grad norm, SIGTERM)
     optimizer         optimizer and scheduler step
+    save_wait         a due save waits for the previous async save to be written (never a
+                      rank's hang: its limit is the save's deadline, and when every rank
+                      waits there it is the storage that is slow, see trainer.hangs)
     save              a checkpoint taken (only steps whose save was due are timed)
     restore           a restore or a health rollback (never judged: it happens once)
     user              the user's hooks and anything wrapped in :meth:`Sections.user`
@@ -64,7 +67,10 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 #: Sections the trainer marks itself, in the order of a step.
-TRAINER_SECTIONS = ("data", "forward", "backward", "collective", "optimizer", "save")
+TRAINER_SECTIONS = ("data", "forward", "backward", "collective", "optimizer", "save_wait",
+                    "save")
+#: The wait for the previous async save (entered on every due save, on every rank alike).
+SAVE_WAIT = "save_wait"
 #: Sections whose stillness is never called a hang (see the module docstring).
 UNJUDGED = frozenset({"idle", "restore", "user", "finish"})
 #: Durations the typical one is the median of.
@@ -245,5 +251,5 @@ class Sections:
                 "stats": {k: v.to_dict() for k, v in self.stats().items()}}
 
 
-__all__ = ["NAME_CHARS", "Position", "SectionStats", "Sections", "TRAINER_SECTIONS",
-           "UNJUDGED", "WINDOW"]
+__all__ = ["NAME_CHARS", "Position", "SAVE_WAIT", "SectionStats", "Sections",
+           "TRAINER_SECTIONS", "UNJUDGED", "WINDOW"]

@@ -194,6 +194,7 @@ class TrainerCheckpointer:
         self.window = (HealthyWindow(verified_window, guard)
                        if verified_window is not None and guard is not None else None)
         self._handles: dict[int, Any] = {}  # saves awaiting their window: their handles
+        self._last: Any = None  # the handle of the newest save (maybe still writing)
         self._confirmed: list[tuple[int, dict]] = []  # (step, evidence) not yet marked
 
     @property
@@ -311,6 +312,8 @@ class TrainerCheckpointer:
             metadata = {STOP_KEY: {"attempt": meta.get("attempt"), "reason": stop}}
         handle = self.manager.save(step, self.state, force=force, metadata=metadata,
                                    persist=True if force or persist or stop else None)
+        if handle is not None:
+            self._last = handle
         if handle is not None and self.window is not None:
             self.window.saved(step)
             self._handles[step] = handle
@@ -327,6 +330,11 @@ class TrainerCheckpointer:
         every ``report_after`` seconds of waiting says the storage is slower than the save
         interval (a slow save, not a hung rank). Returns the seconds waited."""
         start = time.monotonic()
+        if self._last is None or self._last.done():
+            return 0.0
+        metrics = getattr(self.manager, "metrics", None)
+        if metrics is not None:  # ckpt_backpressure_waits_total counts it, as the manager would
+            metrics.backpressure()
         while True:
             try:
                 self.manager.wait(report_after)

@@ -43,6 +43,7 @@ import argparse
 import concurrent.futures as cf
 import os
 import sys
+import tempfile
 import time
 import warnings
 
@@ -69,6 +70,12 @@ def evict(path: str) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def restored(step: int | None, root: str) -> None:
+    """A restore that found no committed step returns None and leaves the state as it was:
+    say so, rather than report the state as not bit-exact."""
+    assert step == 1, f"restore() of {root} loaded step {step}, not step 1: is the root gone?"
 
 
 def set_cooperative(on: bool) -> None:
@@ -109,7 +116,7 @@ def _ddp_rank(rank: int, world: int, store: str, root: str, nbytes: int, shape: 
             took, nread = 0.0, 0
             if rank == 0:
                 t0 = time.perf_counter()
-                solo.restore(dest)
+                restored(solo.restore(dest), root)
                 took = time.perf_counter() - t0
                 nread = solo.last_restore.bytes_from_storage
                 assert common.same_values(source, dest["model"])
@@ -117,8 +124,9 @@ def _ddp_rank(rank: int, world: int, store: str, root: str, nbytes: int, shape: 
             return took, nread
         set_cooperative(case.startswith("cooperative"))
         t0 = time.perf_counter()
-        mgr.restore(dest)
+        step = mgr.restore(dest)
         took = time.perf_counter() - t0
+        restored(step, root)
         assert common.same_values(source, dest["model"]), "a restore was not bit-exact"
         return took, sum(b for _, b in mgr.last_restore.ranks)
 
@@ -279,7 +287,8 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
              lambda: live_load(False), live),
         case("ckpt.load in place, staged (one read, then copy)", live_one,
              lambda: live_load(True), live),
-        case("ckpt restore(), newest step (one pass)", root, lambda: reader.restore(dest)),
+        case("ckpt restore(), newest step (one pass)", root,
+             lambda: restored(reader.restore(dest), root)),
         case("dcp.load", dcp_path, lambda: dcp.load(dest, checkpoint_id=dcp_path,
                                                     no_dist=True)),
     ]
@@ -309,7 +318,10 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [common.parse_size(s) for s in args.sizes.split(",") if s]
     shapes = [s for s in args.shapes.split(",") if s]
-    base = common.fresh_dir(os.path.join(args.dir, "restore"))
+    # A directory of this run's own: two runs given the same --dir (the default is shared by
+    # everyone working in the tree) must not remove or rewrite each other's checkpoints.
+    os.makedirs(args.dir, exist_ok=True)
+    base = tempfile.mkdtemp(prefix="restore-", dir=args.dir)
     print(f"machine: {common.machine_description()}; load {common.load_average()}; "
           f"code {common.code_version()}")
     try:

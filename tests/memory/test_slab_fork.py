@@ -10,39 +10,47 @@ import signal
 import time
 
 from ckpt._memory.private import own_segment, private_dir
+from tests.support.ranks import forkserver
 
 
-def owner_with_a_forked_child(segment: str) -> tuple[int, int, str]:
-    """A process (forked from this one: no second import of torch) that owns ``segment``
-    and made a slab, then forked a child of its own, as a DataLoader worker is: (owner's
-    pid, child's pid, the slab's path)."""
+def _owner(segment: str, conn) -> None:
+    """Own ``segment``, make a slab, fork a child as a DataLoader worker is, and send
+    (child's pid, the slab's path); then wait to be killed."""
     import torch
 
     from ckpt._memory.slabs import SlabPool
 
-    r, w = os.pipe()
-    owner = os.fork()
-    if owner == 0:
+    torch.set_num_threads(1)
+    held = own_segment(segment)
+    pool = SlabPool(segment, 2)
+    slab = pool.acquire([("w", (0,), torch.zeros(1 << 20, dtype=torch.uint8))],
+                        1 << 20, lambda nbytes: None)
+    if os.fork() == 0:  # the child: it says so once it runs
         try:
-            os.close(r)
-            held = own_segment(segment)
-            pool = SlabPool(segment, 2)
-            slab = pool.acquire([("w", (0,), torch.zeros(1 << 20, dtype=torch.uint8))],
-                                1 << 20, lambda nbytes: None)
-            if os.fork() == 0:  # the child: it says so once it runs
-                os.write(w, f"{os.getpid()} {slab.path}".encode())
-                os.close(w)
-                time.sleep(60)
-                os._exit(0)
-            os.close(w)
+            conn.send((os.getpid(), slab.path))
             time.sleep(60)
-            del held
         finally:
             os._exit(0)
-    os.close(w)
-    child, slab = os.read(r, 4096).decode().split()
-    os.close(r)
-    return owner, int(child), slab
+    time.sleep(60)
+    del held
+
+
+def owner_with_a_forked_child(segment: str):
+    """The owner of ``segment``, started from the suite's fork server (a single-threaded
+    process that imported torch already: a fork of the test process itself may inherit a
+    lock another thread holds), and its forked child: (owner process, child's pid, the
+    slab's path)."""
+    ctx = forkserver()
+    ours, theirs = ctx.Pipe(duplex=False)
+    owner = ctx.Process(target=_owner, args=(segment, theirs), daemon=True)
+    owner.start()
+    theirs.close()
+    if not ours.poll(120):
+        owner.kill()
+        raise AssertionError(f"the segment's owner sent nothing (exit code {owner.exitcode})")
+    child, slab = ours.recv()
+    ours.close()
+    return owner, child, slab
 
 
 def test_a_forked_child_holds_no_descriptor_or_mapping_of_the_segment(tmp_path):
@@ -56,19 +64,16 @@ def test_a_forked_child_holds_no_descriptor_or_mapping_of_the_segment(tmp_path):
         assert not [f for f in fds if f.startswith(private)]
         with open(f"/proc/{child}/maps") as f:
             assert slab not in f.read()
-        with open(f"/proc/{owner}/maps") as f:
+        with open(f"/proc/{owner.pid}/maps") as f:
             assert slab in f.read()  # the owner's own mapping stays
-        os.kill(owner, signal.SIGKILL)  # the owner dies; its child lives on
-        os.waitpid(owner, 0)
+        owner.kill()  # the owner dies; its child lives on
+        owner.join()
         held = own_segment(segment, wait=0)  # the restarted worker owns the segment
         held.close()
     finally:
-        for pid in (owner, child):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        owner.kill()
+        owner.join()
         try:
-            os.waitpid(owner, 0)
-        except ChildProcessError:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
             pass

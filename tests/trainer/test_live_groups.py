@@ -55,8 +55,13 @@ def group_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("live-groups")
     run_dir = tmp / "run"
     started = time.monotonic()
+    # The replacement starts 3 s after the loss: the survivors commit steps alone first, so
+    # it must heal from them. Started at once (a warm spare, half a second) it may join the
+    # survivors' first quorum after the loss at the step its own folder holds, with nothing
+    # to heal.
     proc = start_job(tmp, steps=100000, kill="1:3:forward:1", groups=GROUPS, group_size=SIZE,
                      layout="hsdp", min_replicas=1, checkpoint_every=1, wait_spare=SIZE,
+                     respawn_delay=3.0,
                      keep_last=1000, step_pause=0.1, timeout=8.0, quorum_timeout=10.0,
                      extra=["--spares", str(SIZE)])
     try:

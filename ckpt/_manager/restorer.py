@@ -110,13 +110,9 @@ class Restorer:
         # Committed steps newer than the verified step a restore preferred: passed over.
         self.passed_over: frozenset[int] = frozenset()
 
-    def restore(self, state: MutableMapping[str, Any], step: int | None, *, strict: bool,
-                verify: str, prefer: str = NEWEST) -> Restored | None:
-        """See :meth:`ckpt.CheckpointManager.restore`."""
-        started = time.perf_counter()
-        gate = Gate(verify_level(verify), state)
-        one_pass = step is None and not strict and gate.level == "digest"
-        dirty: frozenset[str] = frozenset()  # live tensors that failed steps left changed
+    def _candidates(self, step: int | None, prefer: str) -> tuple[list[int], frozenset[int]]:
+        """The steps to try (``step`` alone, else every committed step, newest first) and
+        those of them that are verified (only when ``prefer`` asks for them)."""
         try:
             candidates = [step] if step is not None else list(reversed(self.steps()))
         except OSError as e:  # the storage failed (after its retries): not a missing root
@@ -124,6 +120,16 @@ class Restorer:
                                path=self.root) from e
         verified = self._verified(candidates) if step is None and prefer == VERIFIED \
             else frozenset()
+        return candidates, verified
+
+    def restore(self, state: MutableMapping[str, Any], step: int | None, *, strict: bool,
+                verify: str, prefer: str = NEWEST) -> Restored | None:
+        """See :meth:`ckpt.CheckpointManager.restore`."""
+        started = time.perf_counter()
+        gate = Gate(verify_level(verify), state)
+        one_pass = step is None and not strict and gate.level == "digest"
+        dirty: frozenset[str] = frozenset()  # live tensors that failed steps left changed
+        candidates, verified = self._candidates(step, prefer)
         self.passed_over = frozenset()
         root, order = restore_order(self.storage, self.memory, self.group, candidates, step,
                                     preferred=verified)
@@ -273,13 +279,7 @@ class Restorer:
              prefer: str = NEWEST) -> Restored | None:
         """See :meth:`ckpt.CheckpointManager.load`."""
         tried = Fallback(self.group, self.root, self.skipped, "load")
-        try:
-            candidates = [step] if step is not None else list(reversed(self.steps()))
-        except OSError as e:  # the storage failed (after its retries): not a missing root
-            raise StorageError(f"listing the steps of {self.root} failed: {e}",
-                               path=self.root) from e
-        verified = self._verified(candidates) if step is None and prefer == VERIFIED \
-            else frozenset()
+        candidates, verified = self._candidates(step, prefer)
         # As restore: the verified steps newest first, then the others newest first.
         self.passed_over = frozenset()
         candidates.sort(key=lambda s: (s in verified, s), reverse=True)

@@ -164,6 +164,18 @@ def main() -> None:
 
 
 # -- the test side ------------------------------------------------------------------------
+def netns_ok() -> bool:
+    """Whether this machine lets the job run in a network namespace of its own
+    (``unshare -n``, as root, with ``ip``)."""
+    import shutil
+
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
 def start_job(tmp: Path, *, steps: int, kill: str = "", heartbeat_timeout: float = 1.0,
               quorum_timeout: float = 30.0, quorum_retries: int = 3, timeout: float = 15.0,
               respawn_delay: float = 0.0, extra: list[str] | None = None,

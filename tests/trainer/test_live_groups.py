@@ -20,25 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.live_job import (finish, rank_records, read, start_job, stop, stop_after,
-                                    uninterrupted, wait_for)
+from tests.support.live_job import (finish, netns_ok, rank_records, read, start_job, stop,
+                                    stop_after, uninterrupted, wait_for)
 
 pytest.importorskip("torchft")
 
 pytestmark = pytest.mark.multiproc
 
 GROUPS, SIZE = 2, 2
-
-
-def _netns_ok() -> bool:
-    import shutil
-    import subprocess
-
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return False
-    probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"],
-                           capture_output=True)
-    return probe.returncode == 0
 
 
 def _commits(recs: list[dict]) -> list[dict]:
@@ -50,7 +39,7 @@ def group_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The job: rank 1 of group 1 killed mid-step once two warm spares wait (so the
     replacement group starts without importing torch); it ends a few steps after the
     replacement committed with both groups."""
-    if not _netns_ok():
+    if not netns_ok():
         pytest.skip("needs unshare -n (root)")
     tmp = tmp_path_factory.mktemp("live-groups")
     run_dir = tmp / "run"

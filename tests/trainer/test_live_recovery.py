@@ -22,33 +22,23 @@ timeout 1 s, one warm spare) runs the faults in turn, and the tests read its rec
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.live_job import (committed_at_least, finish, group_records, hold, held,
-                                    read, release, start_job, stop, stop_soon, uninterrupted,
-                                    wait_for)
+                                    netns_ok, read, release, start_job, stop, stop_soon,
+                                    uninterrupted, wait_for)
 
 pytest.importorskip("torchft")
 
 pytestmark = pytest.mark.multiproc
 
 
-def _netns_ok() -> bool:
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return False
-    probe = subprocess.run(["unshare", "-n", "sh", "-c", "ip link set lo up"],
-                           capture_output=True)
-    return probe.returncode == 0
-
-
-needs_netns = pytest.mark.skipif(not _netns_ok(), reason="needs unshare -n (root)")
+needs_netns = pytest.mark.skipif(not netns_ok(), reason="needs unshare -n (root)")
 
 
 def _commits(recs: list[dict]) -> list[dict]:
@@ -112,7 +102,7 @@ def live_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     already hosted a quorum of that number rendezvouses gloo on stale keys (docs/elastic.md,
     "Live recovery", limitations).
     """
-    if not _netns_ok():
+    if not netns_ok():
         pytest.skip("needs unshare -n (root)")
     tmp = tmp_path_factory.mktemp("live")
     run_dir = tmp / "run"

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ log = logging.getLogger("ckpt")
 TRAINER_STATE_NAME = "trainer_state.json"
 CONFIG_KEY = "hf_config"  # manifest metadata: the model's config.json, for `ckpt export --to hf`
 JIT_SENTINEL = "checkpoint-is-incomplete.txt"  # HF's JIT checkpoint marks its folder with it
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")  # a storage URL, file:// included
 
 
 class CkptTrainer(Trainer):
@@ -53,6 +55,13 @@ class CkptTrainer(Trainer):
 
     def __init__(self, *args: Any, ckpt_options: dict | None = None,
                  ckpt_root: str | None = None, **kwargs: Any) -> None:
+        if ckpt_root is not None and _URL.match(os.fspath(ckpt_root)):
+            # abspath would make it a local folder named after the URL (``./s3:/bucket``):
+            # checkpoints the user believes off the node would stay on its disk.
+            raise ValueError(
+                f"CkptTrainer(ckpt_root={ckpt_root!r}): ckpt's root for HF checkpoints is a "
+                "local folder (its resume lists the folders beside it), not a URL; give a "
+                "local folder, or leave ckpt_root out for the hidden sibling of output_dir")
         super().__init__(*args, **kwargs)
         options = dict(ckpt_options or {})
         StepStore.check_options(options)
@@ -82,6 +91,10 @@ class CkptTrainer(Trainer):
 
     # -- saving ----------------------------------------------------------------------------
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        if self._ckpt_writer is not None:
+            # The write before (and its folder rotation) ends before this folder exists:
+            # the rotation must not count a folder whose checkpoint is not yet written.
+            self._ckpt_writer.wait()
         run_dir = self._get_output_dir(trial=trial)
         step = self.state.global_step
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
@@ -119,6 +132,7 @@ class CkptTrainer(Trainer):
         metadata = {CONFIG_KEY: json.loads(config.to_json_string())} if config is not None \
             and hasattr(config, "to_json_string") else {}
         with_optimizer = not self.args.save_only_model
+        limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
 
         def write() -> None:
             self._save(folder, state_dict=model_sd)
@@ -127,6 +141,11 @@ class CkptTrainer(Trainer):
             store.mgr.wait()  # committed: now the folder may say so
             if with_optimizer:
                 hff.write_marker(folder, step)
+            # HF's rotation, once this checkpoint is committed: run before, it could delete
+            # the folder (the model) of the newest committed checkpoint while this one is
+            # still written, and a crash then would leave nothing to resume from.
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=best, use_mtime=True)
             store.retire(set(store.mgr.steps()) - set(hff.folders(run_dir)))
 
         self._ckpt_writer.submit(write)
@@ -134,9 +153,6 @@ class CkptTrainer(Trainer):
             # HF's JIT checkpoint removes its marker when this returns: the checkpoint must be
             # on disk by then (the job is about to be killed).
             self._ckpt_writer.wait()
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=self.state.best_model_checkpoint,
-                           use_mtime=True)
 
     def state_json(self) -> str:
         """The trainer state as HF writes it to ``trainer_state.json``."""

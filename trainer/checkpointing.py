@@ -20,7 +20,6 @@ import hashlib
 import logging
 import os
 import re
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -179,7 +178,6 @@ class TrainerCheckpointer:
                  guard: HealthGuard | None = None) -> None:
         self.state: dict[str, Any] = dict(items)
         self.state.setdefault("meta", {"step": 0})
-        self.every = every
         options = {"keep_last": 3, **options}
         self.manager_options = options
         self.verify = verify
@@ -194,7 +192,6 @@ class TrainerCheckpointer:
         self.window = (HealthyWindow(verified_window, guard)
                        if verified_window is not None and guard is not None else None)
         self._handles: dict[int, Any] = {}  # saves awaiting their window: their handles
-        self._last: Any = None  # the handle of the newest save (maybe still writing)
         self._confirmed: list[tuple[int, dict]] = []  # (step, evidence) not yet marked
 
     @property
@@ -312,40 +309,22 @@ class TrainerCheckpointer:
             metadata = {STOP_KEY: {"attempt": meta.get("attempt"), "reason": stop}}
         handle = self.manager.save(step, self.state, force=force, metadata=metadata,
                                    persist=True if force or persist or stop else None)
-        if handle is not None:
-            self._last = handle
         if handle is not None and self.window is not None:
             self.window.saved(step)
             self._handles[step] = handle
         return handle
 
     def due(self, step: int) -> bool:
-        """Whether :meth:`save` of ``step`` writes a checkpoint (by the step schedule, the
-        same on every rank)."""
-        return step % self.every == 0
+        """Whether :meth:`save` of ``step`` writes a checkpoint: the manager's step schedule
+        (the same on every rank)."""
+        return self.manager.save_due(step)
 
-    def wait_previous(self, step: int, *, report_after: float = 10.0) -> float:
-        """Before the due save of ``step``: wait for the previous save to be written (one
-        save in flight at a time; its error is raised here). A ``train.save_slow`` warning
-        every ``report_after`` seconds of waiting says the storage is slower than the save
-        interval (a slow save, not a hung rank). Returns the seconds waited."""
-        start = time.monotonic()
-        if self._last is None or self._last.done():
-            return 0.0
-        metrics = getattr(self.manager, "metrics", None)
-        if metrics is not None:  # ckpt_backpressure_waits_total counts it, as the manager would
-            metrics.backpressure()
-        while True:
-            try:
-                self.manager.wait(report_after)
-                break
-            except TimeoutError:
-                events.warning(format_event(
-                    "train.save_slow", step=step,
-                    waited_s=round(time.monotonic() - start, 1),
-                    advice="the previous save is still being written: the storage is slower "
-                           "than the save interval (save less often or to faster storage)"))
-        return time.monotonic() - start
+    def wait_previous(self, step: int) -> float:
+        """Before the due save of ``step``: the manager's wait for the save in flight
+        (``CheckpointManager.wait_for_save_in_flight``: counted once as backpressure, its
+        error raised here, a ``ckpt.save_slow`` warning every 10 s of waiting), so that the
+        loop marks that wait as its own section. Returns the seconds waited."""
+        return self.manager.wait_for_save_in_flight(step)
 
     def _mark_confirmed(self) -> None:
         """Mark the confirmed saves verified whose writes are done (the others at a later

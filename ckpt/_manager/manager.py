@@ -20,7 +20,7 @@ from ckpt._manager.metrics import CheckpointMetrics, default_labels
 from ckpt._manager.publisher import MemoryPublisher
 from ckpt._manager.restorer import PREFERENCES, RestoreInfo, Restorer
 from ckpt._manager.root import RootOwner
-from ckpt._manager.saver import Saver
+from ckpt._manager.saver import REPORT_EVERY, Saver
 from ckpt._manager.schedule import SaveSchedule
 from ckpt._manager.step_order import StepOrder
 from ckpt._manager.settings import resolve
@@ -283,6 +283,50 @@ class CheckpointManager:
             self.close()
             raise SystemExit(128 + self._schedule.preempted_by)
         return handle
+
+    def save_due(self, step: int) -> bool:
+        """Whether ``save(step)`` will write, by the step schedule (``every_steps``, the same
+        on every rank) or because this rank got SIGTERM with ``save_on_preemption``. No
+        collective, nothing changes. With ``every_seconds`` the steps it makes due are known
+        only inside ``save`` (rank 0's clock decides there, for every rank): False here.
+
+        Example (time the wait for the previous save apart from the save)::
+
+            if mgr.save_due(step):
+                waited = mgr.wait_for_save_in_flight(step)
+            mgr.save(step, state)
+        """
+        return self._schedule.step_due(step) or self._schedule.preempted_save
+
+    def wait_for_save_in_flight(self, step: int, *,
+                                report_every: float | None = REPORT_EVERY) -> float:
+        """Before saving ``step``: wait for the save in flight, as ``save(step)`` does itself
+        when the previous save still writes (one save in flight at a time), for a loop that
+        times or marks that wait on its own. The wait counts once as backpressure
+        (``mgr.backpressure_waits``, ``ckpt_backpressure_waits_total``): the ``save`` after
+        it finds nothing in flight and does not wait or count again. While it waits, a
+        ``ckpt.save_slow step=N waiting_for=M waited_s=S`` warning every ``report_every``
+        seconds (None: none) says the storage is slower than the save interval; a
+        ``ckpt.backpressure`` line says how long it took.
+
+        Returns:
+            The seconds waited (0.0 when no save was in flight, or on a read-only manager).
+
+        Raises:
+            CheckpointError: the save in flight failed (its error, as ``wait`` raises it).
+            TypeError, ValueError: ``step`` is not an int, ``report_every`` not a positive
+                number or None.
+        """
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"wait_for_save_in_flight(step=...): step must be an int, not "
+                            f"{step!r}")
+        if report_every is not None and (isinstance(report_every, bool) or not isinstance(
+                report_every, (int, float)) or not report_every > 0):
+            raise ValueError("wait_for_save_in_flight(report_every=...) must be a positive "
+                             f"number of seconds or None, not {report_every!r}")
+        if self._saver is None:
+            return 0.0
+        return self._saver.wait_for_previous(step, report_every=report_every)
 
     def prepare(self, state: MutableMapping[str, Any]) -> None:
         """Allocate the host staging buffers for ``state`` now (pinned for CUDA tensors), so

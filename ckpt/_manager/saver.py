@@ -28,6 +28,9 @@ from ckpt.errors import StorageError
 
 log = logging.getLogger("ckpt")
 
+#: Seconds between two ``ckpt.save_slow`` warnings while a save waits for the one before it.
+REPORT_EVERY = 10.0
+
 
 class Saver:
     """A writable manager's saves.
@@ -54,12 +57,13 @@ class Saver:
         self.base: Manifest | None = None  # the newest step known good, for incremental saves
         self.inflight: SaveHandle | None = None
         self.backpressure_waits = 0
+        self.report_every: float | None = REPORT_EVERY  # save's wait for the one before it
 
     def save(self, step: int, state: MutableMapping[str, Any], metadata: dict | None, *,
              to_root: bool) -> SaveHandle:
         """Write ``state`` as ``step``: into the memory tier (if any), and to the root when
         ``to_root`` (always without a memory tier). Blocks until the state is copied."""
-        self._wait_for_previous(step)
+        self.wait_for_previous(step, report_every=self.report_every)
         if (self.group.is_coordinator
                 and not self.storage.replaces_committed_steps
                 and self._committed(step)):
@@ -120,16 +124,33 @@ class Saver:
         if self.memory is not None:  # its slab is the spare the first save is staged into
             self.memory.discard_staged()
 
-    def _wait_for_previous(self, step: int) -> None:
-        """One save in flight at a time; raise the previous one's error."""
-        if self.inflight is not None and not self.inflight.done():
-            self.backpressure_waits += 1
-            if self.metrics:
-                self.metrics.backpressure()
-            t = time.perf_counter()
-            self.inflight.wait()
-            log.info("ckpt.backpressure step=%d waited_s=%.3f", step, time.perf_counter() - t)
-        self.raise_failed()
+    def wait_for_previous(self, step: int, *, report_every: float | None) -> float:
+        """Before saving ``step``: wait for the save in flight (one at a time), counted as
+        backpressure once; a ``ckpt.save_slow`` warning every ``report_every`` seconds while
+        it lasts. Raises the previous save's error. Returns the seconds waited."""
+        h = self.inflight
+        if h is None or h.done():
+            self.raise_failed()
+            return 0.0
+        self.backpressure_waits += 1
+        if self.metrics:
+            self.metrics.backpressure()
+        t = time.monotonic()
+        while True:
+            try:
+                h.wait(report_every)
+                break
+            except TimeoutError:
+                if h.done():  # it ended meanwhile, or failed with a TimeoutError of its own
+                    h.wait()
+                    break
+                log.warning("ckpt.save_slow step=%d waiting_for=%d waited_s=%.1f: the save "
+                            "before it is still being written (the storage is slower than "
+                            "the save interval: save less often or to faster storage)",
+                            step, h.step, time.monotonic() - t)
+        waited = time.monotonic() - t
+        log.info("ckpt.backpressure step=%d waited_s=%.3f", step, waited)
+        return waited
 
     def raise_failed(self) -> None:
         """Raise the error of the save in flight, if it failed and was not raised yet."""

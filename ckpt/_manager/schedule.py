@@ -55,7 +55,7 @@ class SaveSchedule:
     def due(self, step: int, force: bool) -> bool:
         """Whether ``save(step)`` writes (collective with ``every_seconds``: every rank calls
         it, rank 0's clock decides). A due save restarts the clock."""
-        due = force or bool(self.every_steps and step % self.every_steps == 0)
+        due = force or self.step_due(step)
         if not due and self.every_seconds is not None:
             due = bool(self.group.broadcast(
                 self.clock() - self.last_save_time >= self.every_seconds))
@@ -63,6 +63,11 @@ class SaveSchedule:
         if due and self.group.is_coordinator:
             self.last_save_time = self.clock()
         return due
+
+    def step_due(self, step: int) -> bool:
+        """Whether ``every_steps`` makes ``step`` due: the same answer on every rank, with no
+        collective and no side effect."""
+        return bool(self.every_steps and step % self.every_steps == 0)
 
     @property
     def preempted_save(self) -> bool:

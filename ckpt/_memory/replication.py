@@ -9,12 +9,24 @@ or slow peer costs a timeout on the sender thread and a counted failure, never a
 step, and leaves no collective half done. The job's own gloo group would need no server, but
 a gloo send or recv on a background thread cannot be cancelled or given a deadline of its own,
 and a failed one can poison the group the restore needs (docs/elastic.md, "What crosses the
-network"). The newest step supersedes one still waiting to be sent. The receiver publishes a replica by renaming its staging directory, so a replica is
+network"). The receiver publishes a replica by renaming its staging directory, so a replica is
 whole or absent; the digests in ``rank.json`` are checked when it is loaded.
+
+Every generation the segment keeps is sent, oldest first: a restore that finds the newest
+step bad falls back to the one before it, and after losing a node that step exists only in
+the replicas. So the steps waiting to be sent are the newest ``keep`` (an older one is
+superseded: neither the segment nor the receiver would keep it), and a step saved below a
+waiting one (the job went back to an older line of training) supersedes those above it.
+Sending only the newest step waiting would be fresher by one save when saves outpace the
+network, but then a burst of saves leaves the receiver with other generations than the
+segment (steps 0 and 4 replicated while the segment keeps 2 and 4): step 2, the fallback,
+would be in memory on no live node.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,7 +34,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from ckpt._memory import replica_wire as wire
 from ckpt._memory.replica_receiver import ReplicaReceiver
@@ -75,7 +87,8 @@ class Replicator:
 
     Args:
         shm_dir, job, node: where replica segments go and how they are named.
-        keep: replica generations kept per origin rank.
+        keep: replica generations kept per origin rank; also the most steps of this rank
+            waiting to be sent.
         budget: the most bytes one origin's replica segment may hold (None: what fits in
             ``shm_dir``).
         timeout: seconds a connect, the header, or each block of a step may take.
@@ -88,7 +101,7 @@ class Replicator:
                  budget: int | None = None, timeout: float = 60.0,
                  count: Callable[[str], None] | None = None, host: str | None = None,
                  auth_timeout: float = 10.0, connections: int = 8) -> None:
-        self.job, self.timeout = job, timeout
+        self.job, self.timeout, self.keep = job, timeout, keep
         self._count = count or (lambda what: None)
         self._key = b""
         self.targets: list[tuple[str, int]] = []
@@ -99,7 +112,8 @@ class Replicator:
         self.address = self.receiver.address
         self.hold = self.receiver.hold  # a test seam: clear() holds received replicas
         self._lock = threading.Condition()
-        self._pending: tuple[int, str, int] | None = None  # (step, step dir, origin)
+        # The steps waiting to be sent, oldest first: (step, step dir, origin).
+        self._pending: collections.deque[tuple[int, str, int]] = collections.deque()
         self._busy = False
         self._sending: str | None = None  # the step directory being sent
         self._closed = False
@@ -115,66 +129,79 @@ class Replicator:
     # -- sending --------------------------------------------------------------------------
     def submit(self, step: int, step_path: str, origin: int) -> None:
         """Queue ``step`` (its directory in this rank's segment) for the peers; returns at
-        once. A step still waiting is replaced by this newer one."""
+        once. Waiting steps numbered ``step`` or above (a line of training the job left), and
+        those beyond the newest ``keep``, are superseded."""
         if not self.targets:
             return
         with self._lock:
-            if self._pending is not None:
+            dropped = [job for job in self._pending if job[0] >= step]
+            kept = [job for job in self._pending if job[0] < step]
+            while len(kept) >= self.keep:
+                dropped.append(kept.pop(0))
+            for job in dropped:
                 self._count("superseded")
-                log.info("ckpt._memory.replication step=%d superseded by step=%d", self._pending[0],
+                log.info("ckpt._memory.replication step=%d superseded by step=%d", job[0],
                          step)
-            self._pending = (step, step_path, origin)
+            self._pending = collections.deque([*kept, (step, step_path, origin)])
             self._lock.notify_all()
 
     def reading(self, step_path: str) -> bool:
-        """Whether ``step_path`` (a step directory of this rank's segment) is queued or being
-        sent: its files must stay as they are until it is done."""
+        """Whether ``step_path`` (a step directory of this rank's segment) is being sent: its
+        files must stay as they are until it is done. (A step still waiting is opened by
+        path when its turn comes: retired before that, it is gone, not read.)"""
         with self._lock:
-            return self._sending == step_path or (
-                self._pending is not None and self._pending[1] == step_path)
+            return self._sending == step_path
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or being sent; False on timeout."""
         with self._lock:
-            return self._lock.wait_for(lambda: self._pending is None and not self._busy,
-                                       timeout)
+            return self._lock.wait_for(lambda: not self._pending and not self._busy, timeout)
 
     def _send_loop(self) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._pending is not None or self._closed)
-                if self._pending is None:
+                self._lock.wait_for(lambda: self._pending or self._closed)
+                if not self._pending:
                     return
-                job, self._pending, self._busy = self._pending, None, True
-                self._sending = job[1]
-            for target in self.targets:
-                try:
-                    self._send(target, *job)
-                    self._count("replicated")
-                except Exception as e:  # a dead or slow peer must never fail a save
-                    self._count("failed")
-                    log.warning("ckpt._memory.replication step=%d to %s:%d failed: %s", job[0],
-                                target[0], target[1], e)
+                job = self._pending.popleft()
+                self._busy, self._sending = True, job[1]
+            try:
+                # Every file is opened before a byte is sent: a step the segment retires
+                # meanwhile (renamed aside, then deleted) is still read whole from them.
+                with _open_step(job[1]) as step_files:
+                    for target in self.targets:
+                        try:
+                            self._send(target, job[0], job[2], *step_files)
+                            self._count("replicated")
+                        except Exception as e:  # a dead or slow peer must never fail a save
+                            self._count("failed")
+                            log.warning("ckpt._memory.replication step=%d to %s:%d failed: %s",
+                                        job[0], target[0], target[1], e)
+            except FileNotFoundError:  # the segment let it go before its turn: none keeps it
+                self._count("superseded")
+                log.info("ckpt._memory.replication step=%d was retired before it was sent",
+                         job[0])
+            except OSError as e:
+                self._count("failed")
+                log.warning("ckpt._memory.replication step=%d cannot be read: %s", job[0], e)
             with self._lock:
                 self._busy, self._sending = False, None
                 self._lock.notify_all()
 
-    def _send(self, target: tuple[str, int], step: int, path: str, origin: int) -> None:
-        names = sorted(n for n in os.listdir(path) if n != RANK_DOC)
-        files = [(n, os.path.getsize(os.path.join(path, n))) for n in names]
-        with open(os.path.join(path, RANK_DOC), "rb") as f:
-            doc = f.read()
-        header = json.dumps({"origin": origin, "step": step, "files": files, "doc": len(doc),
+    def _send(self, target: tuple[str, int], step: int, origin: int, doc: bytes,
+              files: list[tuple[str, int, Any]]) -> None:
+        header = json.dumps({"origin": origin, "step": step,
+                             "files": [(name, size) for name, size, _ in files],
+                             "doc": len(doc),
                              "doc_sha256": hashlib.sha256(doc).hexdigest()}).encode()
         with socket.create_connection(target, timeout=self.timeout) as sock:
             nonces = wire.sender_handshake(sock, self._key, self.job,
                                            time.monotonic() + self.timeout)
             sock.settimeout(self.timeout)
             sock.sendall(wire.header_frame(self._key, nonces, header))
-            for name, size in files:
-                with open(os.path.join(path, name), "rb") as f:
-                    if sock.sendfile(f, 0, size) != size:
-                        raise OSError(f"{name} changed while it was sent")
+            for name, size, f in files:
+                if sock.sendfile(f, 0, size) != size:
+                    raise OSError(f"{name} changed while it was sent")
             sock.sendall(doc)
             reply = wire.recv_exact(sock, 2, time.monotonic() + self.timeout)
         if reply != b"OK":
@@ -188,6 +215,20 @@ class Replicator:
             self.drain(drain)
         with self._lock:
             self._closed = True
-            self._pending = None
+            self._pending.clear()
             self._lock.notify_all()
         self.receiver.close(remove_upto, wait=drain)
+
+
+@contextlib.contextmanager
+def _open_step(path: str) -> Iterator[tuple[bytes, list[tuple[str, int, Any]]]]:
+    """A step directory's ``rank.json`` and its data files, opened: (the document, [(name,
+    size, file)]). FileNotFoundError: the step is no longer there."""
+    with contextlib.ExitStack() as stack:
+        with open(os.path.join(path, RANK_DOC), "rb") as f:
+            doc = f.read()
+        files = []
+        for name in sorted(n for n in os.listdir(path) if n != RANK_DOC):
+            f = stack.enter_context(open(os.path.join(path, name), "rb"))
+            files.append((name, os.fstat(f.fileno()).st_size, f))
+        yield doc, files

@@ -95,18 +95,24 @@ def _flip(step_path: str, prefix: str) -> None:
 
 
 def save_then_restore(rank: int, world: int, root: str, shm: str) -> dict:
-    """Save steps 0 (root and memory), 2 and 4 (memory only); restore with the gate three
-    times: as saved; after rank 0's own copy of step 4 was damaged (its replica on node B is
+    """Save steps 0 (root and memory), 2 and 4 (memory only), faster than they are
+    replicated; restore with the gate three times: as saved; after rank 0's own copy of step 4 was damaged (its replica on node B is
     good); after node B lost its memory (rank 1 reads every byte, the probe's among them,
     from rank 0, whose only copy of step 4 is the damaged one)."""
     with _manager(root, shm, rank) as mgr:
         state, out = _state(0), {}
+        # Saves outpace replication: the replicas arriving here are stored only once every
+        # step is published (the first is still on its way when the later ones are queued).
+        mgr._publisher.replicator.hold.clear()
         for step in (0, 2, 4):
             with torch.no_grad():
                 for p in state["model"].parameters():
                     p.add_(0.01 * (step + 1))
             mgr.save(step, state, force=True)
             out[f"saved{step}"] = _weights(state)
+        mgr.wait()
+        dist.barrier()  # every rank has queued its steps
+        mgr._publisher.replicator.hold.set()
         assert mgr.wait_replicated(60)
         dist.barrier()
         out["root"] = mgr.steps()

@@ -4,6 +4,8 @@ stores (only what a peer of this job may send, its newest steps only)."""
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 import time
 
 import pytest
@@ -118,3 +120,84 @@ def test_a_step_sent_before_the_receiver_has_the_key_waits_for_it(tmp_path):
         assert (tmp_path / replica_name("j", "n", 1) / "step-00000003" / "data-0").exists()
     finally:
         rep.close()
+
+
+def _rank_step(segment, step: int, origin: int) -> str:
+    """A rank step directory of ``origin`` in ``segment``: one data file and its rank.json."""
+    path = segment / f"step-{step:08d}"
+    path.mkdir(parents=True)
+    (path / "data-0").write_bytes(bytes([step]) * 4)
+    (path / "rank.json").write_bytes(json.dumps({"step": step, "rank": origin}).encode())
+    return str(path)
+
+
+def _sender_and_receiver(tmp_path, keep: int = 2) -> tuple[Replicator, Replicator]:
+    """A sender whose steps go to a receiver (the receiver not given the key yet)."""
+    receiving = Replicator(shm_dir=str(tmp_path / "b"), job="j", node="b", keep=keep,
+                           timeout=10, host="127.0.0.1", auth_timeout=30)
+    sending = Replicator(shm_dir=str(tmp_path / "a"), job="j", node="a", keep=keep,
+                         timeout=10, host="127.0.0.1")
+    sending.connect([receiving.address], "s3cret")
+    return sending, receiving
+
+
+def _until(condition) -> None:
+    deadline = time.monotonic() + 30
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_burst_of_saves_replicates_every_generation_the_segment_keeps(tmp_path):
+    """Steps saved faster than they are replicated are all sent, oldest first, as long as
+    the segment keeps them: the replicas hold the same generations as the segment (the
+    newest and the one a restore falls back to), not whichever step was newest when the
+    sender was free. A step the segment retires while it is being sent is sent whole."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    counted: list[str] = []
+    sending, receiving = _sender_and_receiver(tmp_path)
+    sending._count = counted.append
+    segment = tmp_path / "a" / "own"
+    try:
+        sending.submit(0, _rank_step(segment, 0, origin=1), origin=1)
+        # Step 0 is on its way (connected; the receiver waits for its key) while steps 2
+        # and 4 are saved, and the segment, which keeps 2 and 4, retires it.
+        _until(lambda: any(t.name == "ckpt-replica-store" for t in threading.enumerate()))
+        for step in (2, 4):
+            sending.submit(step, _rank_step(segment, step, origin=1), origin=1)
+        (segment / "step-00000000").rename(segment / ".aside")
+        shutil.rmtree(segment / ".aside")
+        receiving.connect([], "s3cret")
+        assert sending.drain(30)
+        held = tmp_path / "b" / replica_name("j", "b", 1)
+        assert sorted(p.name for p in held.glob("step-*")) == ["step-00000002",
+                                                               "step-00000004"]
+        assert (held / "step-00000002" / "data-0").read_bytes() == bytes([2]) * 4
+        assert counted == ["replicated"] * 3
+    finally:
+        sending.close()
+        receiving.close()
+
+
+def test_waiting_steps_beyond_keep_or_of_a_left_line_are_superseded(tmp_path):
+    """At most ``keep`` steps wait to be sent (an older one would be retired on both sides);
+    a step saved below waiting ones (the job went back to an older step) supersedes them, so
+    a step of the line the job left is never sent after the new line's."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    counted: list[str] = []
+    sending, receiving = _sender_and_receiver(tmp_path)
+    sending._count = counted.append
+    segment = tmp_path / "a" / "own"
+    try:
+        sending.submit(1, _rank_step(segment, 1, origin=1), origin=1)
+        _until(lambda: any(t.name == "ckpt-replica-store" for t in threading.enumerate()))
+        for step in (4, 5, 9, 7):  # 9 pushes 4 out of the newest two; 7 supersedes 9
+            sending.submit(step, _rank_step(segment, step, origin=1), origin=1)
+        receiving.connect([], "s3cret")
+        assert sending.drain(30)
+        held = tmp_path / "b" / replica_name("j", "b", 1)
+        assert sorted(p.name for p in held.glob("step-*")) == ["step-00000005",
+                                                               "step-00000007"]
+        assert sorted(counted) == ["replicated"] * 3 + ["superseded"] * 2
+    finally:
+        sending.close()
+        receiving.close()

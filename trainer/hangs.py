@@ -13,7 +13,7 @@ the progress markers (:mod:`trainer.sections`) do. The rule:
 - ``save_wait`` (a due save waiting for the previous async save to be written) is the
   storage's time, not the rank's: its limit is the save's deadline (``save_deadline``), not
   a multiple of the typical step, so ranks that all wait there on a slow storage are not
-  named (the trainer logs ``train.save_slow`` instead). Past the deadline the storage is
+  named (the manager logs ``ckpt.save_slow`` instead). Past the deadline the storage is
   taken for stuck: a rank alone there (the others gone on) is named, or all of them
   together, as a storage hang.
 - Every rank passes the same sections in the same order, so the rank with the **lowest

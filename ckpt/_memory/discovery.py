@@ -88,9 +88,14 @@ def local_holdings(shm_dir: str, job: str, node: str,
 
 
 def candidates(mine: list[Holding], pg: Any,
-               docs: dict[tuple[str, int], dict] | None = None) -> list[Candidate]:
+               docs: dict[tuple[str, int], dict] | None = None,
+               partial: dict[int, str] | None = None) -> list[Candidate]:
     """Saves that the live ranks' nodes hold completely, newest first (one per step: the
-    latest save of that step number); ``docs``: what ``local_holdings`` read. Collective."""
+    latest save of that step number); ``docs``: what ``local_holdings`` read. Collective.
+
+    A step some live node holds a share of, but no live node all of, cannot be restored
+    from memory: each is logged (the same on every rank) and, when ``partial`` is given,
+    put there as step -> why, for the restore's account of what it passed over."""
     gathered: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(gathered, [h.__dict__ for h in mine], group=pg)
     saves: dict[tuple[int, str], Candidate] = {}
@@ -110,4 +115,26 @@ def candidates(mine: list[Holding], pg: Any,
     for c in best.values():
         c.docs = {seg: d for (seg, s), d in (docs or {}).items()
                   if s == c.step and d["token"] == c.token}
+    for step, why in sorted(_partial(saves, created, best).items(), reverse=True):
+        log.warning("ckpt._memory.discovery %s", why)
+        if partial is not None:
+            partial[step] = why
     return [best[s] for s in sorted(best, reverse=True)]
+
+
+def _partial(saves: dict[tuple[int, str], Candidate], created: dict[tuple[int, str], float],
+             complete: dict[int, Candidate]) -> dict[int, str]:
+    """step -> why it is not restorable from memory, for each step of which the live nodes
+    hold some ranks' shares but no save whole (the latest save of the step number)."""
+    out: dict[int, str] = {}
+    for key, c in sorted(saves.items(), key=lambda kv: created[kv[0]]):
+        if c.step in complete:
+            continue
+        lost = sorted(set(range(c.world)) - set(c.holders))
+        shown = ", ".join(map(str, lost[:8])) + (f" and {len(lost) - 8} more"
+                                                 if len(lost) > 8 else "")
+        out[c.step] = (f"step {c.step} is in memory only in part: no live node holds the "
+                       f"share of rank{'s' if len(lost) > 1 else ''} {shown} of its "
+                       f"{c.world} (its node was lost and its replica never arrived, or "
+                       "was lost too); not restorable from memory")
+    return out

@@ -387,21 +387,29 @@ class CkptCheckpointIO(CheckpointIO):
             os.remove(full)  # save_last="link": the link goes, the file it names stays
             return
         ours = plf.claim(full) is not None or read_pointer(full) is not None
-        if os.path.isfile(full):
-            os.remove(full)
         if not ours:
+            if os.path.isfile(full):
+                os.remove(full)
             return  # a checkpoint of Lightning's own format, in the same folder
         folder = os.path.dirname(full)
         root = root_for(folder)
 
-        def retire(store: StepStore) -> None:
+        def drop(store: StepStore) -> None:
+            if os.path.isfile(full):
+                os.remove(full)
             store.retire(set(store.mgr.steps()) - _named_steps(folder))
 
         if self._store is not None and self._store.root == root:
-            self._queue(root, retire)  # after the write in flight
+            # After the write in flight (async_save): Lightning drops the file its new one
+            # replaces as soon as the save returns, and until that save commits the dropped
+            # file may be the only one a resume can load (save_top_k=1). A failed write
+            # keeps it.
+            self._queue(root, drop)
             return
+        if os.path.isfile(full):
+            os.remove(full)
         if set(self._steps(root)) - _named_steps(folder):
-            self._run(root, retire)
+            self._run(root, drop)
 
     @staticmethod
     def _steps(root: str) -> list[int]:

@@ -1,0 +1,70 @@
+"""CkptCheckpointIO(async_save=True) meets Lightning's top-k rotation: the file Lightning
+drops is removed only once the checkpoint that replaces it is committed, so a job SIGKILLed
+while that checkpoint is written still holds a ``.ckpt`` to resume from.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+import ckpt
+
+L = pytest.importorskip("lightning")
+
+from tests.e2e.test_lightning_contract import Net, data, trainer  # noqa: E402
+from tests.support.ranks import forkserver  # noqa: E402
+from trainer.integrations.lightning import CkptCheckpointIO  # noqa: E402
+
+pytestmark = [pytest.mark.slow]
+
+_NEVER = threading.Event()
+
+
+class _StuckAtStep4(CkptCheckpointIO):
+    """Step 4's file is written (in the writer thread) for ever; the process is SIGKILLed
+    as soon as Lightning's rotation has asked to remove the file it replaces."""
+
+    @staticmethod
+    def _write(store, checkpoint, saved):
+        if saved.step == 4:
+            _NEVER.wait()
+        return CkptCheckpointIO._write(store, checkpoint, saved)
+
+    def remove_checkpoint(self, path):
+        super().remove_checkpoint(path)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fit_killed_while_step_4_is_written(folder: str) -> None:
+    trainer(_StuckAtStep4(async_save=True), steps=6, dirpath=folder, every_n_train_steps=2,
+            save_top_k=1, monitor="step", mode="max").fit(Net(), data())
+
+
+def test_sigkill_while_the_replacing_checkpoint_is_written_keeps_the_dropped_file(tmp_path):
+    """save_top_k=1, async: Lightning drops epoch=0-step=2.ckpt as soon as step 4's save is
+    handed over; killed while step 4 is written, the folder still holds step 2's file,
+    which loads (checked against its step) and resumes the fit."""
+    folder = tmp_path / "ckpts"
+    proc = forkserver().Process(target=_fit_killed_while_step_4_is_written,
+                                args=(str(folder),), daemon=True)
+    proc.start()
+    proc.join(300)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    assert proc.exitcode == -signal.SIGKILL, f"the fit exited {proc.exitcode}, not SIGKILL"
+    assert ckpt.inspect.open(tmp_path / ".ckpts.ckpt").steps() == [2]
+    kept = folder / "epoch=0-step=2.ckpt"
+    assert kept.is_file(), sorted(p.name for p in folder.iterdir())
+
+    assert CkptCheckpointIO().load_checkpoint(kept)["global_step"] == 2
+    resumed = trainer(True, steps=6, dirpath=folder, every_n_train_steps=2, save_top_k=1,
+                      monitor="step", mode="max")
+    resumed.fit(Net(), data(), ckpt_path=str(kept))
+    assert resumed.global_step == 6
+    assert (folder / "epoch=1-step=6.ckpt").is_file()

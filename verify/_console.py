@@ -46,7 +46,7 @@ def open_target(path: str, *, files: bool = True) -> tuple[Checkpoints, Lightnin
     if "://" in path:
         return inspect.open(path), None
     if files and os.path.isdir(path):
-        sibling = _sibling_of(path)
+        sibling = sibling_of(path)
         if sibling is not None:
             echo(f"ckpt: {path} is a Lightning or HF folder: reading its steps in {sibling}",
                  file=sys.stderr)
@@ -66,7 +66,7 @@ def open_target(path: str, *, files: bool = True) -> tuple[Checkpoints, Lightnin
     return _open_step(path, root, step, "points to step"), None
 
 
-def _sibling_of(folder: str) -> str | None:
+def sibling_of(folder: str) -> str | None:
     """The hidden sibling root ``.<name>.ckpt`` that holds the steps of ``folder``, a
     framework's checkpoint folder (Lightning's ``ckpts/``, HF's ``out/``) holding no steps
     or pointer itself; None otherwise."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -14,8 +15,14 @@ from ckpt.inspect import Checkpoints
 from ckpt.tools import (GcResult, KeepBest, RetentionPolicy, collect_root, committed_steps,
                         recorded_policy)
 
-from ._console import echo, open_path
+from ._console import echo, open_path, sibling_of
+from .lightning_file import FILES_KEY
 from .report import EXIT_FAILED, EXIT_OK, size
+
+# Manifest metadata that marks a step of a framework integration (trainer/integrations):
+# key -> (the framework, the setting that decides its retention).
+_FRAMEWORK_STEPS = {FILES_KEY: ("Lightning", "ModelCheckpoint's save_top_k"),
+                    "hf_model_files": ("the Hugging Face Trainer", "save_total_limit")}
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -24,10 +31,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.root is None:
         raise verify.UsageError("gc needs ROOT (or --memory for shared-memory segments)")
     cps = open_path(args.root, files=False)  # a root: never a file
+    sibling = sibling_of(args.root) if "://" not in args.root else None
+    if sibling is not None:  # Lightning's ckpts/, HF's out/: as ls and verify read them
+        echo(f"ckpt: {args.root} is a Lightning or HF folder: collecting its steps in "
+             f"{sibling}", file=sys.stderr)
+        cps = open_path(sibling, files=False)
     if not cps.is_root:
         raise verify.UsageError(
             f"{cps.url} is one checkpoint directory, not a root: gc collects the steps of a "
             "root (the directory holding step-XXXXXXXX directories)")
+    _refuse_rules_on_framework_root(cps, args)
     policy, source = gc_policy(cps, args)
     before = committed_steps(cps.storage)
     result = collect_root(cps.storage, policy, check=digest_check(cps, args.threads),
@@ -42,6 +55,29 @@ def cmd_gc(args: argparse.Namespace) -> int:
     else:
         echo(f"policy: {policy.describe()} ({source})\n{render_gc(result, kept)}")
     return code
+
+
+def _refuse_rules_on_framework_root(cps: Checkpoints, args: argparse.Namespace) -> None:
+    """Retention rules on the root of a framework integration are refused: there a step is
+    deleted once no file of the framework names it (its save_top_k, save_total_limit), and
+    retiring one by count would leave a framework file (a top-k ``.ckpt``, a
+    ``checkpoint-N`` folder) that no longer loads."""
+    if all(v is None for v in (args.keep_last, args.keep_every, args.keep_best)):
+        return
+    for step in reversed(committed_steps(cps.storage)):
+        try:
+            metadata = cps.manifest(step).metadata
+        except (ValueError, OSError):  # CorruptCheckpointError, unreadable or gone
+            continue  # the one before says whose root this is
+        for key, (framework, rule) in _FRAMEWORK_STEPS.items():
+            if key in metadata:
+                raise verify.UsageError(
+                    f"{cps.url} holds the steps of {framework}'s checkpoints, whose "
+                    f"retention is the framework's ({rule}): a step goes once no checkpoint "
+                    "of the framework names it. Delete the framework's checkpoints instead, "
+                    "or run gc without --keep-last/--keep-every/--keep-best to remove only "
+                    "what crashed saves left")
+        return
 
 
 def gc_policy(cps: Checkpoints, args: argparse.Namespace) -> tuple[RetentionPolicy, str]:

@@ -332,3 +332,88 @@ def test_source_lost_mid_transfer_is_a_connection_error() -> None:
     finally:
         t.shutdown()
         fake.shutdown()
+
+
+def test_trickled_status_and_headers_bounded_by_the_deadline() -> None:
+    """A fake source that answers with a status line, then trickles an endless header (a
+    byte every 0.2 s, for 30 s at most): the heal fails with a TimeoutError once the
+    transfer's deadline passes, though every single byte arrives in time."""
+    import socket
+
+    from trainer.live.transport import KeyedHTTPTransport
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            try:
+                conn.sendall(b"HTTP/1.0 200 OK\r\nX-Pad: ")
+                for _ in range(150):
+                    if done.is_set():
+                        return
+                    conn.sendall(b"a")
+                    time.sleep(0.2)
+            except OSError:
+                return
+
+    threading.Thread(target=drip, daemon=True).start()
+    t = KeyedHTTPTransport("127.0.0.1", KEY, timedelta(seconds=1))
+    began = time.monotonic()
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/checkpoint/"
+        with pytest.raises(TimeoutError, match="longer than"):
+            t.recv_checkpoint(0, url, 3, timedelta(seconds=1))
+    finally:
+        print(f"\ntrickled headers given up after {time.monotonic() - began:.1f}s")
+        done.set()
+        t.shutdown()
+        listener.close()
+
+
+def test_a_trickled_request_does_not_keep_its_slot() -> None:
+    """Connections that trickle their request line (a byte every 0.2 s, no key needed)
+    are cut once the request's deadline (``timeout`` from the accept) passes, before the
+    request is whole; the slots they held then serve the key holder again."""
+    import socket
+
+    import torch
+
+    from trainer.live.transport import KeyedHTTPTransport
+
+    t = KeyedHTTPTransport("127.0.0.1", KEY, timedelta(seconds=1), max_requests=2)
+    t.send_checkpoint([1], 7, {"w": torch.ones(3)}, T)
+    line = b"GET /checkpoint/" + b"7" * 100 + b" HTTP/1.0\r\n\r\n"
+    cut: list[bool] = []
+
+    def trickle() -> None:
+        with socket.create_connection(("127.0.0.1", t.port), timeout=5) as s:
+            try:
+                for i in range(len(line)):
+                    s.sendall(line[i:i + 1])
+                    time.sleep(0.2)
+                    s.setblocking(False)  # has the server hung up on us?
+                    try:
+                        if s.recv(1024) == b"":
+                            cut.append(True)
+                            return
+                    except BlockingIOError:
+                        pass
+                    finally:
+                        s.setblocking(True)
+            except OSError:
+                cut.append(True)
+
+    threads = [threading.Thread(target=trickle, daemon=True) for _ in range(2)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert cut == [True, True]  # both cut before their request was whole
+        got = t.recv_checkpoint(0, t.metadata(), 7, T)
+        assert torch.equal(got["w"], torch.ones(3))
+    finally:
+        t.shutdown()

@@ -16,12 +16,15 @@ run code in a healing group. This one:
   signature before it deserializes, with ``torch.load(weights_only=True)``: tensors and
   plain containers only, never code;
 - the client asks only ``http://`` sources, requires a ``Content-Length`` within
-  ``max_bytes`` and reads the body in chunks against one deadline (``timeout`` for the
-  whole transfer): a source that lies about the size, trickles or never ends costs a
-  failed heal, not the group's memory or time;
+  ``max_bytes``, and the whole answer (status line, headers and body) must arrive within
+  one deadline (``timeout``; at the deadline the connection is shut down): a source that
+  lies about the size, trickles or never ends costs a failed heal, not the group's memory
+  or time;
 - the client never goes through an ``http_proxy`` from the environment;
-- the served copy is dropped once the step is voted on (``disallow_checkpoint``), and at
-  most ``max_requests`` connections are handled at once (more are closed unread).
+- the served copy is dropped once the step is voted on (``disallow_checkpoint``); at most
+  ``max_requests`` connections are handled at once (more are closed unread), and a
+  request must arrive whole within ``timeout`` of its accept (a connection that trickles
+  it is cut then), so no one without the key holds a slot for longer.
 
 It carries no encryption: the state crosses the job's network in the clear, like the
 gradients do; someone who can read that traffic could replay a request for the same
@@ -32,13 +35,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import http.client
 import io
 import logging
 import re
 import socket
 import threading
 import time
-import urllib.request
 from urllib.parse import urlsplit
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -70,9 +73,22 @@ class HealAuthError(PermissionError):
     """A peer's answer to a heal request did not carry the job's signature."""
 
 
-# Heal requests go straight to the peer: never through an http_proxy from the
-# environment (it would see the proof and the state, or fail every heal).
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each limited to what is left until ``deadline`` (monotonic): a
+    peer that trickles a byte at a time cannot stretch a request past it."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
 
 
 class _Server(ThreadingHTTPServer):
@@ -134,6 +150,12 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         class Handler(BaseHTTPRequestHandler):
             timeout = transport._timeout.total_seconds()
 
+            def setup(self) -> None:
+                super().setup()
+                # the whole request within one timeout of its arrival, however it trickles
+                self.rfile = io.BufferedReader(_DeadlineReader(
+                    self.connection, time.monotonic() + self.timeout))
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 transport._answer(self)
 
@@ -171,6 +193,7 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         if served != step:
             request.send_error(409, f"serving step {served}, not {step}")
             return
+        request.connection.settimeout(self._timeout.total_seconds())  # for each write
         request.send_response(200)
         request.send_header("Content-Type", "application/octet-stream")
         request.send_header("Content-Length", str(len(body)))
@@ -193,16 +216,51 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
                         timeout: timedelta) -> Any:
         """The state a peer serves as ``step``; :class:`HealAuthError` if the source is
         not an ``http://`` URL or its answer is not signed with the job's key, too large
-        or without a size; TimeoutError if it takes longer than ``timeout`` in all."""
+        or without a size; ConnectionError if it answers with an error; TimeoutError if
+        the answer takes longer than ``timeout`` in all."""
         url = f"{metadata}{step}"
-        if urlsplit(url).scheme != "http":
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
             raise HealAuthError(f"the heal source {metadata!r} is not an http:// URL: not "
                                 f"asking it")
-        deadline = time.monotonic() + timeout.total_seconds()
-        request = urllib.request.Request(url, headers={AUTH_HEADER: request_mac(self._key, url)})
-        with _DIRECT.open(request, timeout=timeout.total_seconds()) as answer:
+        seconds = timeout.total_seconds()
+        deadline = time.monotonic() + seconds
+        # http.client, not urllib: never through an http_proxy from the environment (it
+        # would see the proof and the state), and the socket is ours to cut at the deadline
+        conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=seconds)
+        expired = threading.Event()
+
+        def cut() -> None:  # a source that trickles its status line or headers
+            expired.set()
+            if conn.sock is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(seconds, cut)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            conn.request("GET", parts.path or "/",
+                         headers={AUTH_HEADER: request_mac(self._key, url)})
+            answer = conn.getresponse()
+            if answer.status != 200:
+                raise ConnectionError(f"the heal source {metadata} answered HTTP "
+                                      f"{answer.status}: {answer.reason}")
             body = self._read(answer, metadata, deadline, timeout)
-            signature = answer.headers.get(SIGNATURE_HEADER, "")
+            signature = answer.getheader(SIGNATURE_HEADER, "")
+        except (OSError, http.client.HTTPException) as e:
+            if expired.is_set() or isinstance(e, TimeoutError):
+                raise TimeoutError(f"the heal from {metadata} took longer than "
+                                   f"{seconds:g}s") from e
+            if isinstance(e, OSError):
+                raise
+            raise ConnectionError(f"the heal source {metadata} sent no valid HTTP answer: "
+                                  f"{e!r}") from e
+        finally:
+            watchdog.cancel()
+            conn.close()
         if not hmac.compare_digest(signature, body_mac(self._key, step, body)):
             raise HealAuthError(f"the heal source {metadata} answered without the job's "
                                 f"signature: not loading its state")
@@ -213,7 +271,7 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         until ``deadline``; ConnectionError if the source hangs up before the end (it
         was likely lost: the next group to go)."""
         try:
-            size = int(answer.headers.get("Content-Length", ""))
+            size = int(answer.getheader("Content-Length", ""))
         except ValueError:
             raise HealAuthError(f"the heal source {source} sent no Content-Length: not "
                                 f"reading its answer") from None

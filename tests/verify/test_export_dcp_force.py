@@ -1,0 +1,51 @@
+"""``ckpt export --to dcp DIR --force`` replaces an earlier DCP export at ``DIR``, and only
+that: a folder holding anything else (the checkpoint root being exported, a folder that
+contains it, a user's files) is refused with status 2 and left as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from verify.cli import main
+
+
+def root_with_a_step(path: Path) -> Path:
+    with ckpt.CheckpointManager(path, async_save=False) as mgr:
+        mgr.save(1, {"m": {"w": torch.arange(6.0).reshape(2, 3)}}, force=True)
+    return path
+
+
+def tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_force_replaces_an_earlier_dcp_export(tmp_path):
+    root = root_with_a_step(tmp_path / "run1")
+    out = tmp_path / "export"
+    assert main(["export", str(root), "--to", "dcp", str(out)]) == 0
+    before = tree(out)
+    assert ".metadata" in before
+    assert main(["export", str(root), "--to", "dcp", str(out), "--force"]) == 0
+    assert tree(out) == before
+
+
+@pytest.mark.parametrize("target", ["the root", "its parent", "a user's folder"])
+def test_force_refuses_a_folder_that_is_no_dcp_export(tmp_path, capsys, target):
+    parent = tmp_path / "work"
+    parent.mkdir()
+    (parent / "notes.txt").write_text("precious")
+    root = root_with_a_step(parent / "run1")
+    folder = {"the root": root, "its parent": parent, "a user's folder": tmp_path}[target]
+    before = tree(tmp_path)
+    assert main(["export", str(root), "--to", "dcp", str(folder), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "not a DCP export" in err and "Traceback" not in err
+    assert tree(tmp_path) == before
+    assert ckpt.inspect.open(root).steps() == [1]
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]

@@ -3,11 +3,18 @@ default, as Prometheus exporters do), stops at the manager's ``close()``, and a 
 in use fails the opening with an error naming the port, leaving the root unlocked.
 
 The attacker of this surface is whoever can reach a listening address: a server bound to
-the loopback address is refused to a peer that comes through another interface."""
+the loopback address is refused to a peer that comes through another interface; someone
+who can reach it makes it spend at most ``MAX_CONNECTIONS`` threads, each for at most
+``REQUEST_S`` seconds. The textfile's attacker is another user who can write in its
+directory: a link planted where the temporary file would go is never written through."""
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -100,3 +107,86 @@ def test_a_port_in_use_fails_the_opening_naming_the_port_and_leaves_the_root_unl
 def test_an_empty_address_is_refused():
     with pytest.raises(ValueError, match="addr"):
         ckpt.MetricsOptions(port=9464, addr="")
+
+
+def test_connections_past_the_bound_take_no_thread(monkeypatch):
+    """Twenty idle connections (anyone who reaches the port can open them) make the server
+    start at most ``MAX_CONNECTIONS`` handler threads; the rest are closed unread, and once
+    the idle ones are cut the server answers a scrape again."""
+    from ckpt._manager import metrics as m
+
+    monkeypatch.setattr(m, "MAX_CONNECTIONS", 2, raising=False)
+    monkeypatch.setattr(m, "REQUEST_S", 1.0, raising=False)
+    port = free_port()
+    metrics = m.CheckpointMetrics(port=port, addr="127.0.0.1")
+    metrics.serve()
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(20)]
+    try:
+        time.sleep(0.5)  # the server accepts them all
+        assert threading.active_count() - before <= 2
+        for s in idle:  # each is cut: closed unread, or at the request's deadline
+            assert s.recv(64) == b""
+        assert scrape("127.0.0.1", port)["ckpt_saves_total"] == 0
+    finally:
+        for s in idle:
+            s.close()
+        metrics.close()
+
+
+def test_a_trickled_request_is_cut_at_its_deadline(monkeypatch):
+    """A connection that trickles its request line (a byte every 0.2 s) is cut once
+    ``REQUEST_S`` has passed since its accept, before the request is whole: each byte in
+    time does not keep it open."""
+    from ckpt._manager import metrics as m
+
+    monkeypatch.setattr(m, "REQUEST_S", 1.0, raising=False)
+    port = free_port()
+    metrics = m.CheckpointMetrics(port=port, addr="127.0.0.1")
+    metrics.serve()
+    line = b"GET /metrics?" + b"x" * 100 + b" HTTP/1.0\r\n\r\n"
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            sent = 0
+            try:
+                for i in range(len(line)):
+                    s.sendall(line[i:i + 1])
+                    sent += 1
+                    time.sleep(0.2)
+                    s.setblocking(False)
+                    try:
+                        if s.recv(64) == b"":
+                            break  # the server hung up
+                    except BlockingIOError:
+                        pass
+                    finally:
+                        s.setblocking(True)
+            except OSError:
+                pass
+            assert sent < len(line)
+        assert "ckpt_saves_total" in scrape("127.0.0.1", port)
+    finally:
+        metrics.close()
+
+
+def test_textfile_never_written_through_a_planted_link(tmp_path):
+    """Another user who can write in the textfile's directory plants a link where
+    prometheus_client would put its temporary file (``<path>.<pid>.<thread id>``): the
+    file it points to is left alone, the textfile is written whole, readable by
+    node_exporter, and no temporary file is left behind."""
+    from ckpt._manager.metrics import CheckpointMetrics
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    directory = tmp_path / "textfiles"
+    directory.mkdir()
+    path = directory / "ckpt.prom"
+    planted = f"{path}.{os.getpid()}.{threading.current_thread().ident}"
+    os.symlink(victim, planted)
+    metrics = CheckpointMetrics(textfile=str(path))
+    metrics.saved(step=3, blocking=0.1, write=0.2, written=10, reused=0)
+    assert victim.read_text() == "precious\n"
+    assert parse_metrics(path.read_text())["ckpt_saves_total"] == 1
+    assert not path.is_symlink() and path.stat().st_mode & stat.S_IROTH
+    assert sorted(p.name for p in directory.iterdir()) == sorted(["ckpt.prom",
+                                                                 os.path.basename(planted)])

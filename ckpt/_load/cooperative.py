@@ -18,6 +18,9 @@ the root (Lustre, S3) are the state times the replica count. Here:
    Every receiver checks each chunk it received against the digest in its own manifest.
 3. A chunk that fails on its owner fails the attempt on every rank with the owner's reason
    (the restore then falls back to an older step on every rank alike).
+4. When the group cannot carry the chunks (:class:`GroupFailed`), each rank reads plainly
+   only what the exchange left it without (:meth:`Shares.unsettled`): the chunks it read
+   itself and those it received whole and checked are in their destinations already.
 
 A load that verifies before it applies (two passes) first has every owner verify its
 share, agrees, then runs the exchange as the apply pass: no live byte changes before every
@@ -222,7 +225,10 @@ class Shares:
     """Who reads which chunk, and the exchange that brings every rank its chunks.
 
     ``started`` and ``finished`` count the writes into the destinations, as the plain
-    apply pass does, for an error that must say which live tensors changed."""
+    apply pass does, for an error that must say which live tensors changed. ``settled``:
+    this rank's chunks whose bytes are in every destination and checked as the pass
+    checks them (read by this rank, digested as they landed or verified by the verify
+    pass; received, and their digests compared when ``check``)."""
 
     def __init__(self, group: Any, table: list[tuple[Any, int]],
                  needers: dict[Any, list[int]] | None, mine: dict[Any, list[ChunkRead]], *,
@@ -234,12 +240,20 @@ class Shares:
         self.tag_base = tag_base
         self.started: set[str] = set()
         self.finished: dict[str, int] = {}
+        self.settled: set[Any] = set()
         self._lock = threading.Lock()
         self._global = [dist.get_global_rank(group.pg, r) if group.pg is not None else r
                         for r in range(group.world_size)]
 
     def holders(self, cid: ChunkId) -> list[int] | range:
         return self.needers[cid] if self.needers is not None else range(self.group.world_size)
+
+    def unsettled(self, reads: list[ChunkRead]) -> list[ChunkRead]:
+        """``reads`` less those of the settled chunks: what a plain read after a failed
+        exchange still has to do."""
+        with self._lock:
+            done = {id(r) for cid in self.settled for r in self.mine.get(cid, ())}
+        return [r for r in reads if id(r) not in done]
 
     def owned_reads(self) -> list[ChunkRead]:
         """One read per chunk this rank owns (what it reads from storage)."""
@@ -297,6 +311,8 @@ class Shares:
                 if other is not first:
                     _place(other, out)
             data[cid] = out
+            with self._lock:
+                self.settled.add(cid)
 
         jobs = [(cid[0], cid[1], lambda cid=cid, size=size: read(cid, size))
                 for cid, size in batch if self.owner[cid] == self.me]
@@ -374,6 +390,9 @@ class Shares:
                 for r in reads:
                     if r is not landed:
                         _place(r, part)
+                if not check or failed is None:
+                    with self._lock:
+                        self.settled.add(cid)
         for reads in (self.mine[cid] for cid, _ in batch if cid in self.mine):
             with self._lock:
                 for r in reads:

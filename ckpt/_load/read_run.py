@@ -4,6 +4,7 @@ pass's copies into the live tensors (a side stream per device for CUDA ones)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 from typing import Any
 
@@ -141,9 +142,15 @@ def verify_jobs(storage: Storage, location: str, reads: list[ChunkRead],
     return jobs
 
 
-def run_reads(jobs: list[ReadJob], pool: cf.ThreadPoolExecutor | None) -> None:
+def run_reads(jobs: list[ReadJob], pool: cf.ThreadPoolExecutor | None,
+              cached: bool = False) -> None:
     """Run reads file by file, each file's in offset order (sequential reads, which the
     kernel's readahead serves best), files in parallel on ``pool``.
+
+    ``cached``: the bytes are in the page cache (the apply pass after the verify pass read
+    them), so a read is a memory copy, bound by the CPU rather than the disk: where there are
+    more cores than files, each file's reads are cut into as many runs (contiguous, each in
+    offset order) as there are cores per file, read in parallel.
 
     After a failure no further read starts, and the error is raised only once every read
     already running has returned, so nothing changes behind the caller's back.
@@ -151,10 +158,13 @@ def run_reads(jobs: list[ReadJob], pool: cf.ThreadPoolExecutor | None) -> None:
     by_file: dict[str, list[ReadJob]] = {}
     for job in jobs:
         by_file.setdefault(job[0], []).append(job)
+    runs = [sorted(file_jobs, key=lambda j: j[1]) for file_jobs in by_file.values()]
+    if cached and pool is not None and runs:
+        runs = [part for run in runs for part in _cut(run, _cores() // len(runs))]
     stop = threading.Event()
 
     def read_file(file_jobs: list[ReadJob]) -> None:
-        for _, _, read in sorted(file_jobs, key=lambda j: j[1]):
+        for _, _, read in file_jobs:
             if stop.is_set():
                 return
             try:
@@ -163,11 +173,27 @@ def run_reads(jobs: list[ReadJob], pool: cf.ThreadPoolExecutor | None) -> None:
                 stop.set()
                 raise
 
-    if pool is None or len(by_file) < 2:
-        for file_jobs in by_file.values():
+    if pool is None or len(runs) < 2:
+        for file_jobs in runs:
             read_file(file_jobs)
         return
-    futures = [pool.submit(read_file, f) for f in by_file.values()]
+    futures = [pool.submit(read_file, f) for f in runs]
     cf.wait(futures)
     for future in futures:
         future.result()
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _cut(run: list[ReadJob], parts: int) -> list[list[ReadJob]]:
+    """``run`` (one file's reads in offset order) cut into at most ``parts`` contiguous runs
+    of about as many reads each."""
+    parts = max(1, min(parts, len(run)))
+    size = -(-len(run) // parts)
+    return [run[i:i + size] for i in range(0, len(run), size)]

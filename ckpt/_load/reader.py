@@ -20,8 +20,10 @@ Order matters for "a failed load changes nothing":
    bounce buffers (pinned, copied on a side stream, for CUDA tensors; also for
    non-contiguous tensors and chunks that only partly overlap a box). The first pass has
    just brought the files into the page cache, so this second read is a memory copy while
-   the step fits in free memory. Each reading thread opens each file once for the pass
-   (``Storage.open_reader``), not once per chunk.
+   the step fits in free memory; a memory copy is bound by the CPU, so where there are more
+   cores than files each file's chunks are cut into contiguous runs read in parallel. Each
+   reading thread opens each file once for the pass (``Storage.open_reader``), not once
+   per chunk.
 4. Objects get ``load_state_dict`` last.
 
 Under a process group (a restore from the root), the chunks several ranks need are read by
@@ -144,7 +146,7 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
         if verify and not in_place:
             later, staged = _read_before_apply(storage, location, reads, written, scratch, pool)
             _apply_pass(storage, location, manifest, later, scratch, pool, False, written,
-                        staged)
+                        staged, cached=cached)
         else:
             _apply_pass(storage, location, manifest, reads, scratch, pool, verify and in_place,
                         written)
@@ -269,9 +271,11 @@ def _read_before_apply(storage: Storage, location: str, reads: list[ChunkRead],
 
 def _apply_pass(storage: Storage, location: str, manifest: Manifest, reads: list[ChunkRead],
                 scratch: Scratch, pool: cf.ThreadPoolExecutor | None, verify: bool,
-                written: list[str], staged: dict[int, torch.Tensor] | None = None) -> None:
+                written: list[str], staged: dict[int, torch.Tensor] | None = None,
+                cached: bool = False) -> None:
     """Read every chunk into its destination (a staged one is copied from memory); on
-    failure, say which live tensors changed."""
+    failure, say which live tensors changed. ``cached``: the verify pass has just read the
+    files through the page cache (see :func:`run_reads`)."""
     # A save's copies of parameters may still be waiting for the next optimizer step: the
     # writes below (and load_state_dict's) must come after them on the GPU.
     await_device_copies()
@@ -282,7 +286,7 @@ def _apply_pass(storage: Storage, location: str, manifest: Manifest, reads: list
     try:
         try:
             run_reads([(chunk_path(location, r.chunk), r.chunk.start, lambda r=r: apply(r))
-                       for r in reads], pool)
+                       for r in reads], pool, cached=cached)
         finally:
             apply.wait()
             files.close()

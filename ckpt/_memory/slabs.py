@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import ctypes
 import dataclasses
 import errno
 import math
@@ -69,6 +70,10 @@ ASIDE = f"{STAGING}retired-"  # a retired step's directory while its slab is tak
 # 128 KiB 59, 256 KiB 54-57, 512 KiB 50-63, 1 MiB 51-58.
 BLOCK = 512 << 10
 MAX_THREADS = 8  # copying threads at most: more only contend for the memory bus
+# memmove(destination address, source address, bytes): a foreign call of ctypes, which
+# releases the GIL while it copies (numpy's copy does too, after a few microseconds more of
+# Python per call: a flat byte view of each tensor, a slice per block).
+_memmove = ctypes.memmove
 # Slab mappings are not inherited by a forked child (MADV_DONTFORK: a DataLoader worker would
 # keep a deleted slab's pages allocated in /dev/shm while it lives; its inherited descriptors
 # are let go of too, ckpt/_memory/private.py). The child's copies of the mmap objects are kept
@@ -145,6 +150,8 @@ class Slab:
         self.signature: tuple = ()  # the boxes its layout was planned for (SlabPool.acquire)
         self.views = {key: _view(mapping, p) for key, p in placements.items()}
         self.pages = np.frombuffer(mapping, dtype=np.uint8)  # the whole file, no copy
+        self.bytes = memoryview(mapping)  # the same, sliced for the digests
+        self.address = self.pages.ctypes.data
         self.digests: dict[tuple[str, int], str] = {}
         self.workers: Callable[[int], cf.Executor | None] = lambda n: None
 
@@ -155,26 +162,33 @@ class Slab:
         waits for, unlike the writer's niced threads). A tensor whose bytes cannot be read as
         they are (not contiguous, a lazy conjugate) is copied by torch first, its chunks then
         digested from the pages."""
-        jobs = []
+        large, small = [], []
         for key, t in tensors.items():
             p = self.placements[key]
-            source = _flat_bytes(t)
+            source = _address(t, p.nbytes)
             if source is None and p.nbytes:
                 self.views[key].copy_(t)
             for i, c in enumerate(p.chunks):
-                jobs.append((key, i, p.start + c.byte_start, c.byte_length,
-                             None if source is None else source[c.byte_start:]))
-        _run(jobs, self._fill_chunk, min(threads, MAX_THREADS, len(jobs)), self.workers)
+                (large if c.byte_length >= BLOCK else small).append(
+                    (key, i, p.start + c.byte_start, c.byte_length,
+                     None if source is None else source + c.byte_start))
+        _run(large, small, self._fill_chunk, min(threads, MAX_THREADS, len(large)),
+             self.workers)
 
     def _fill_chunk(self, job: tuple) -> None:
         key, index, start, length, source = job
-        pages, h = self.pages, Digest()
-        for at in range(0, length, BLOCK):
-            end = min(at + BLOCK, length)
-            block = pages[start + at:start + end]
+        pages, base = self.bytes, self.address
+        if length <= BLOCK:  # one block: no running state to keep
             if source is not None:
-                np.copyto(block, source[at:end])
-            h.update(block)
+                _memmove(base + start, source, length)
+            self.digests[(key, index)] = digest(pages[start:start + length])
+            return
+        h, end = Digest(), start + length
+        for at in range(start, end, BLOCK):
+            n = min(BLOCK, end - at)
+            if source is not None:
+                _memmove(base + at, source + (at - start), n)
+            h.update(pages[at:at + n])
         self.digests[(key, index)] = h.hexdigest()
 
     def known_digests(self) -> "ChunkDigests":
@@ -216,22 +230,24 @@ class ChunkDigests:
         return None if i is None else self.digests.get((key, i))
 
 
-def _flat_bytes(t: torch.Tensor) -> np.ndarray | None:
-    """The bytes of a contiguous CPU tensor as a flat uint8 array (no copy), or None when
-    they cannot be read as they are."""
-    if (t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg()
-            or t.layout != torch.strided or t.is_quantized):
+def _address(t: torch.Tensor, nbytes: int) -> int | None:
+    """Where the ``nbytes`` bytes of a contiguous CPU tensor start in memory, or None when
+    they cannot be read as they are (torch copies such a tensor)."""
+    if (not t.is_cpu or t.layout != torch.strided or not t.is_contiguous() or t.is_conj()
+            or t.is_neg() or t.is_quantized or t.numel() * t.element_size() != nbytes):
         return None
-    try:  # (detached: numpy() refuses a tensor that requires grad, a parameter)
-        return t.detach().reshape(-1).view(torch.uint8).numpy()
-    except (RuntimeError, TypeError):
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # a tensor without storage of its own (a wrapper subclass)
         return None
 
 
-def _run(jobs: list, do: Callable[[Any], None], threads: int,
+def _run(jobs: list, small: list, do: Callable[[Any], None], threads: int,
          workers: Callable[[int], cf.Executor | None]) -> None:
-    """``do(job)`` for every job, on this thread and ``threads - 1`` of a pool, each taking
-    the next job as it finishes one (numpy's copy and xxhash release the GIL)."""
+    """``do(job)`` for every job of ``jobs``, on this thread and ``threads - 1`` of a pool,
+    each taking the next job as it finishes one (the copy and xxhash release the GIL), then
+    for every job of ``small`` on this thread only: a small chunk's work is mostly Python,
+    which holds the GIL, and threads taking turns at it are slower than one thread alone."""
     lock, it = threading.Lock(), iter(jobs)
 
     def drain() -> None:
@@ -246,6 +262,8 @@ def _run(jobs: list, do: Callable[[Any], None], threads: int,
     helpers = [pool.submit(drain) for _ in range(threads - 1)] if pool is not None else []
     try:
         drain()
+        for job in small:
+            do(job)
     finally:
         for f in helpers:
             f.result()

@@ -7,6 +7,7 @@ what a step saved again over its number left behind is collected."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -81,6 +82,65 @@ def test_fill_digests_each_chunk_as_the_file_holds_it(tmp_path, monkeypatch):
         table = slab.table("file")
         assert [c.digest for _, c in table.chunks] == [slab.digests[(k, i)]
                                                        for k, i, _, _ in chunks]
+    finally:
+        pool.close()
+
+
+def test_helper_threads_take_only_chunks_of_a_whole_block(tmp_path, monkeypatch):
+    """The fill's helper threads copy and digest the chunks of at least a block (the copy
+    and the digest release the GIL); smaller chunks, mostly Python, stay on the calling
+    thread, and a fill of small chunks only starts no helper."""
+    monkeypatch.setattr(slabs, "BLOCK", 4096)
+    tensors = state_of(1)
+    pool = slabs.SlabPool(str(tmp_path), 3)
+    try:
+        slab = pool.acquire([(k, (0,) * t.dim(), t) for k, t in tensors.items()], 8192,
+                            lambda nbytes: None)
+        helpers_done = threading.Event()
+        workers = slab.workers
+
+        class Pool:  # the helpers' pool, telling when its drains have ended
+            def __init__(self, n: int) -> None:
+                self.pool = workers(n)
+
+            def submit(self, fn):
+                def run():
+                    try:
+                        fn()
+                    finally:
+                        helpers_done.set()
+                return self.pool.submit(run)
+
+        asked: list[int] = []
+        slab.workers = lambda n: asked.append(n) or Pool(n)
+        ran: dict[tuple[str, int], tuple[bool, int]] = {}
+        real = slab._fill_chunk
+        caller, first = threading.get_ident(), [True]
+
+        def fill_chunk(job: tuple) -> None:
+            here = threading.get_ident() == caller
+            if here and first:  # the caller's first chunk waits: the helper takes the rest
+                first.clear()
+                assert helpers_done.wait(60)
+            ran[(job[0], job[1])] = (here, job[3])
+            real(job)
+
+        slab._fill_chunk = fill_chunk
+        slab.fill(tensors, threads=2)
+        assert exact({k: slab.views[k] for k in tensors}, tensors)
+        assert asked == [1] and len(ran) == len(slab.digests)
+        helper = [n for here, n in ran.values() if not here]
+        mine = [n for here, n in ran.values() if here]
+        assert len(helper) > 1 and min(helper) >= 4096  # every other whole-block chunk
+        assert [n for n in mine if n < 4096]  # every small one, on the calling thread
+        assert sum(n >= 4096 for n in mine) == 1
+
+        asked.clear()
+        small = {k: t for k, t in tensors.items()  # its chunks all under a block
+                 if all(c.byte_length < 4096 for c in slab.placements[k].chunks)}
+        assert len(small) > 2
+        slab.fill(small, threads=2)
+        assert asked == [] and exact({k: slab.views[k] for k in small}, small)
     finally:
         pool.close()
 

@@ -300,15 +300,17 @@ def test_heal_transfer_bounded_by_one_deadline() -> None:
 
 
 def test_wildcard_addresses_refused() -> None:
-    """The job's listeners that we bind take its address, never a wildcard."""
+    """The job's listeners that we bind take its address, never a wildcard, however it is
+    spelt ('0' and '0x0' are 0.0.0.0 to bind(), '::0' is '::')."""
     from trainer.live.config import LiveConfig
     from trainer.live.lighthouse import start_lighthouse
 
-    for host in ("0.0.0.0", "::", ""):
+    spellings = ("0.0.0.0", "::", "", "0", "0.0", "0x0", "::0", "[::0]", "0:0::0", "[::]")
+    for host in spellings:
         with pytest.raises(ValueError, match="address"):
             LiveConfig(lighthouse="127.0.0.1:1", host=host)
-    with pytest.raises(ValueError, match="address"):
-        start_lighthouse("0.0.0.0:0", 1)
+        with pytest.raises(ValueError, match="address"):
+            start_lighthouse(f"{host}:0", 1)
 
 
 def test_source_lost_mid_transfer_is_a_connection_error() -> None:

@@ -8,7 +8,9 @@ importing torch.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import socket
 import sys
 
 #: Environment variable with the job's heal key (hex); every replica group of a job needs
@@ -82,7 +84,7 @@ class LiveConfig:
     heartbeat_interval: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.host in ("", "0.0.0.0", "::", "[::]"):
+        if is_wildcard(self.host):
             raise ValueError(f"host must be this group's address on the job's network, not "
                              f"{self.host!r}: the heal server would listen on every "
                              f"interface")
@@ -157,6 +159,19 @@ class LiveConfig:
         return env
 
 
+def is_wildcard(host: str) -> bool:
+    """Whether binding ``host`` listens on every interface: empty, or a numeric address
+    that bind() reads as 0.0.0.0 or :: ('0', '0x0', '::0', '[::]' as well)."""
+    literal = host.strip().removeprefix("[").removesuffix("]")
+    if not literal:
+        return True
+    try:  # glibc's reading, as bind() does: '0' and '0.0' are 0.0.0.0 too
+        address = socket.getaddrinfo(literal, None, flags=socket.AI_NUMERICHOST)[0][4][0]
+    except (socket.gaierror, UnicodeError):
+        return False  # a host name: resolved to this host's address, never a wildcard
+    return ipaddress.ip_address(address.split("%")[0]).is_unspecified
+
+
 def assignment(group: int, rank: int = 0, store: str | None = None) -> str:
     """The line that makes a warm spare rank ``rank`` of ``group`` (see
     :func:`take_assignment`)."""
@@ -182,4 +197,4 @@ def take_assignment() -> None:
 
 
 __all__ = ["EXIT_QUORUM_LOST", "LIVE_KEY_ENV", "SPARE_ENV", "LiveConfig", "assignment",
-           "take_assignment"]
+           "is_wildcard", "take_assignment"]

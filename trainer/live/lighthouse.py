@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from trainer.live.config import is_wildcard
+
 
 def native() -> ModuleType:
     """torchft's native extension (``torchft._torchft``), loaded without the package."""
@@ -51,8 +53,7 @@ def start_lighthouse(bind: str, min_replicas: int, *, heartbeat_timeout: float =
         join_timeout: seconds a new quorum waits for heartbeating stragglers to ask.
         quorum_tick: seconds between the lighthouse's checks for a quorum.
     """
-    host = bind.rsplit(":", 1)[0]
-    if host in ("", "0.0.0.0", "[::]", "::"):
+    if is_wildcard(bind.rsplit(":", 1)[0]):
         raise ValueError(f"bind the lighthouse to the job's address, not {bind!r}")
     return native().LighthouseServer(
         bind=bind, min_replicas=min_replicas, join_timeout_ms=int(join_timeout * 1000),

@@ -43,8 +43,16 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> SaveResult:
         try:
             return self._future.result(timeout)
-        except cf.TimeoutError:
-            raise TimeoutError(f"the save of step {self.step} is still running") from None
+        except cf.TimeoutError as e:
+            # cf.TimeoutError is the builtin TimeoutError, which an OSError with errno
+            # ETIMEDOUT also is (a store that stopped answering): the writer's own error
+            # must not read as "still running", or every later wait would repeat it.
+            if not self._future.done():
+                raise TimeoutError(f"the save of step {self.step} is still running") from None
+            if self._future.exception() is not e:  # it finished just after the wait ran out
+                return self.wait()
+            self.error_reported = True
+            raise
         except BaseException:
             self.error_reported = True
             raise

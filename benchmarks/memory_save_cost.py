@@ -5,6 +5,10 @@ Three ways to keep an in-memory copy of the same state (a GPT-like set of fp32 t
 and AdamW step, a few milliseconds, torch's default intra-op threads):
 
 - **copy floor**: ``copy_`` of every tensor into preallocated host buffers; nothing after.
+- **copy + digest floor**: the memory tier's own copy with its digests and nothing else
+  (``Slab.fill``: each 512 KiB block copied, then digested while it is in the core's cache,
+  on torch's thread count) into an anonymous mapping laid out as a slab: no segment, no
+  planning, no publish. What a save that digests every chunk cannot avoid.
 - **ckpt memory tier**: ``CheckpointManager(memory_tier=MemoryTierOptions(persist_every=
   10**6), async_save=True).save()``: memory only (the root is never written), so the save is
   the copy into ``/dev/shm`` plus what the background writer does to publish it there. The
@@ -18,10 +22,10 @@ Per save: **blocking** (the call's wall time), **training time lost**: the wall 
 the save plus a fixed window of ``W`` training steps, minus the same ``W`` steps with no save
 (the "idle" case of the same repetition), paired by repetition, and **CPU added**: the same
 difference in the process's CPU time (every thread's), which other processes on a loaded
-machine disturb less than the wall time; ``W`` is three times the
-memory tier's background work, at most 150 steps or 10 s (the table says how often a
-method's background work still ran when the window ended: its cost is then undercounted). Cases interleaved (idle, copy, ckpt, GEMINI; each repetition
-starting one further), medians.
+machine disturb less than the wall time; ``W`` is three times the memory tier's background
+work, at most 150 steps or 10 s (the table says how often a method's background work still
+ran when the window ended: its cost is then undercounted). Cases interleaved (idle, copy,
+copy + digest, ckpt, GEMINI; each repetition starting one further), medians.
 
 lm-resiliency registers a torchrun rendezvous plugin (an entry point) that every torchrun
 agent of the environment then imports, seconds of CPU each, and that fails to register with
@@ -34,8 +38,10 @@ resident in ``/dev/shm`` (allocated blocks) and the growth of the process's resi
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import math
+import mmap
 import os
 import shutil
 import subprocess
@@ -50,6 +56,8 @@ import torch
 import ckpt
 
 COPY, CKPT, GEMINI, IDLE = "copy floor", "ckpt memory tier", "GEMINI capture", "idle"
+DIGEST = "copy + digest floor"
+METHODS = (COPY, DIGEST, CKPT, GEMINI)
 GOAL = 1.2  # training time lost by a memory-tier save, at most this times the copy floor's
 
 
@@ -92,6 +100,21 @@ def _ckpt(workdir: str) -> ckpt.CheckpointManager:
                                   schedule=ckpt.Schedule(handle_sigterm=False))
 
 
+def _digest_floor(state: dict[str, torch.Tensor]):
+    """A slab over anonymous memory, laid out for ``state`` (see DIGEST), and its helper
+    threads' pool (to shut down)."""
+    from ckpt._memory import slabs
+
+    boxes = [(k, (0,) * t.dim(), t) for k, t in state.items()]
+    header, placements = slabs.plan(boxes, ckpt.SaveOptions().chunk_bytes)
+    size = len(header) + sum(p.nbytes for p in placements.values())
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    slab = slabs.Slab("", header, placements, size, mapping, (0, 0))
+    pool = cf.ThreadPoolExecutor(max(1, torch.get_num_threads() - 1))
+    slab.workers = lambda n: pool
+    return slab, pool
+
+
 def _close_ckpt(mgr: ckpt.CheckpointManager) -> None:
     segment = mgr._publisher.tier.path if mgr._publisher else None
     mgr.close()
@@ -107,6 +130,8 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
     training = Training()
     training.steps(5)
     mgr, gem = _ckpt(workdir), _gemini(workdir)
+    floor_slab, floor_pool = _digest_floor(state)
+    floor_slab.fill(state, threads=torch.get_num_threads())  # its pages written once
     step = [0]
     handles: list = []
 
@@ -151,6 +176,14 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
             training.steps(window)
         return {"wall": sw.seconds, "block": block, "cpu": sw.cpu_seconds}
 
+    def copy_digest(rep: int) -> dict[str, float]:
+        with common.Stopwatch() as sw:
+            t0 = time.perf_counter()
+            floor_slab.fill(state, threads=torch.get_num_threads())
+            block = time.perf_counter() - t0
+            training.steps(window)
+        return {"wall": sw.seconds, "block": block, "cpu": sw.cpu_seconds}
+
     def memory_tier(rep: int) -> dict[str, float]:
         handles[-1].wait()
         with common.Stopwatch() as sw:
@@ -173,18 +206,20 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
         return {"wall": sw.seconds, "block": block, "cpu": sw.cpu_seconds}
 
     label = f"save cost {common.format_size(size)}"
-    timings = common.run_interleaved([(IDLE, idle), (COPY, copy), (CKPT, memory_tier),
-                                      (GEMINI, gemini)], reps, progress=label)
+    timings = common.run_interleaved([(IDLE, idle), (COPY, copy), (DIGEST, copy_digest),
+                                      (CKPT, memory_tier), (GEMINI, gemini)], reps,
+                                     progress=label)
     _close_ckpt(mgr)
     gem.close()
+    floor_pool.shutdown()
     idle_wall, idle_cpu = timings[IDLE]["wall"], timings[IDLE]["cpu"]
     lost = {name: common.median([w - i for w, i in zip(timings[name]["wall"], idle_wall)])
-            for name in (COPY, CKPT, GEMINI)}
+            for name in METHODS}
     cpu = {name: common.median([c - i for c, i in zip(timings[name]["cpu"], idle_cpu)])
-           for name in (COPY, CKPT, GEMINI)}
-    block = {name: common.median(timings[name]["block"]) for name in (COPY, CKPT, GEMINI)}
+           for name in METHODS}
+    block = {name: common.median(timings[name]["block"]) for name in METHODS}
     rows = []
-    for name in (COPY, CKPT, GEMINI):
+    for name in METHODS:
         rows.append([name, f"{block[name] * 1e3:.0f}", f"{block[name] / block[COPY]:.2f}",
                      f"{lost[name] * 1e3:.0f}", f"{lost[name] / lost[COPY]:.2f}",
                      f"{cpu[name] * 1e3:.0f}", f"{cpu[name] / cpu[COPY]:.2f}",
@@ -203,7 +238,11 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
                                "background outlasted the window"], rows), "",
         f"Goal: the memory tier's training time lost <= {GOAL}x the copy floor's: {verdict} "
         f"({ratio:.2f}x; in CPU time added, which other processes on a loaded machine "
-        f"disturb less, {cpu[CKPT] / cpu[COPY]:.2f}x).", "",
+        f"disturb less, {cpu[CKPT] / cpu[COPY]:.2f}x). Against the copy + digest floor "
+        f"(what keeping every chunk's digest costs): training time lost "
+        f"{lost[CKPT] / lost[DIGEST]:.2f}x, CPU added {cpu[CKPT] / cpu[DIGEST]:.2f}x; the "
+        f"floor itself {lost[DIGEST] / lost[COPY]:.2f}x and {cpu[DIGEST] / cpu[COPY]:.2f}x "
+        "the copy floor's.", "",
     ])
 
 

@@ -419,3 +419,34 @@ def test_a_trickled_request_does_not_keep_its_slot() -> None:
         assert torch.equal(got["w"], torch.ones(3))
     finally:
         t.shutdown()
+
+
+def test_non_ascii_proofs_and_signatures_are_refused_as_such(source) -> None:
+    """A proof or a signature with bytes outside ASCII is a wrong one: the server answers
+    403, the client refuses the answer with a HealAuthError (not a TypeError from the
+    comparison)."""
+    import socket
+
+    from trainer.live.transport import HealAuthError, KeyedHTTPTransport
+
+    t, _ = source
+    with socket.create_connection(("127.0.0.1", t.port), timeout=5) as s:
+        s.sendall(b"GET /checkpoint/7 HTTP/1.0\r\nX-Ckpt-Live-Auth: " + b"\xff" * 64
+                  + b"\r\n\r\n")
+        assert s.recv(64).startswith(b"HTTP/1.0 403")
+
+    def serve(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("X-Ckpt-Live-Signature", "\xff" * 64)
+        handler.send_header("Content-Length", "3")
+        handler.end_headers()
+        handler.wfile.write(b"abc")
+
+    fake = _fake_source(serve)
+    healer = KeyedHTTPTransport("127.0.0.1", KEY, T)
+    try:
+        with pytest.raises(HealAuthError, match="signature"):
+            healer.recv_checkpoint(0, _url(fake), 3, T)
+    finally:
+        healer.shutdown()
+        fake.shutdown()

@@ -57,6 +57,12 @@ AUTH_HEADER = "X-Ckpt-Live-Auth"
 SIGNATURE_HEADER = "X-Ckpt-Live-Signature"
 
 
+def _same(given: str, expected: str) -> bool:
+    """``given`` (a header's value, any characters) equals ``expected``, in constant time
+    (compare_digest refuses str with characters outside ASCII: compare bytes)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())
+
+
 def request_mac(key: bytes, url: str) -> str:
     """The request's proof of the key for ``url`` (the source's address and the step)."""
     return hmac.new(key, f"ckpt-live/get/{url}".encode(), hashlib.sha256).hexdigest()
@@ -181,8 +187,8 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         step = int(parts[1]) if digits else None
         given = request.headers.get(AUTH_HEADER, "")
         # the proof names this server's own URL: one made for another source is refused
-        if step is None or not hmac.compare_digest(
-                given, request_mac(self._key, f"{self.metadata()}{step}")):
+        if step is None or not _same(given, request_mac(self._key,
+                                                         f"{self.metadata()}{step}")):
             request.send_error(403, "the job's key is required")
             return
         # The peer may ask before this group's quorum thread has staged the step: wait.
@@ -261,7 +267,7 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         finally:
             watchdog.cancel()
             conn.close()
-        if not hmac.compare_digest(signature, body_mac(self._key, step, body)):
+        if not _same(signature, body_mac(self._key, step, body)):
             raise HealAuthError(f"the heal source {metadata} answered without the job's "
                                 f"signature: not loading its state")
         return torch.load(io.BytesIO(body), weights_only=True, map_location="cpu")

@@ -131,8 +131,9 @@ class Restorer:
         dirty: frozenset[str] = frozenset()  # live tensors that failed steps left changed
         candidates, verified = self._candidates(step, prefer)
         self.passed_over = frozenset()
+        partial: dict[int, str] = {}  # steps the live nodes hold in memory only in part
         root, order = restore_order(self.storage, self.memory, self.group, candidates, step,
-                                    preferred=verified)
+                                    preferred=verified, partial=partial)
         tried = Fallback(self.group, self.root, self.skipped, "restore")
         in_memory_only: list[str] = []  # memory tiers' failures (the root may hold the step)
         failed: list[tuple[int, Tier, str]] = []  # every failed attempt, for last_restore
@@ -152,9 +153,14 @@ class Restorer:
                     dirty |= error.changed if isinstance(error, PartialLoadError) else wrote
                 if not agreed.bad:
                     self.passed_over = _newer(candidates, s) if verified else frozenset()
+                    # Newer saves the memory tier could not offer whole were passed over
+                    # too: say so beside the failed attempts, newest first.
+                    lost = [(p, Tier.MEMORY, _one_line(why)) for p, why in partial.items()
+                            if p > s]
+                    skipped = sorted(lost + failed, key=lambda f: -f[0])
                     return self._restored(s, manifest, storage, tier.tier, root.reads, tried,
                                           Attempts(nbytes, time.perf_counter() - started,
-                                                   tuple(failed)))
+                                                   tuple(skipped)))
                 failed.append((s, tier.tier, _one_line(agreed.bad[0])))
                 if tier.tier is not Tier.STORAGE:  # other copies, or the root, may hold it
                     log.warning("ckpt.restore memory tier step=%d unusable, falling through: "

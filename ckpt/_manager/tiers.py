@@ -88,12 +88,14 @@ class PeerReplicaTier(NodeMemoryTier):
 
 def restore_order(root: Storage, memory: MemoryPublisher | None, group: Group,
                   candidates: list[int], step: int | None,
-                  preferred: frozenset[int] = frozenset()
+                  preferred: frozenset[int] = frozenset(),
+                  partial: dict[int, str] | None = None
                   ) -> tuple[RootTier, list[tuple[int, RestoreTier]]]:
     """The root's tier and the (step, tier) pairs to try, newest first (the ``preferred``
     steps, the verified ones, before all others); at the same step memory first, then the
     replicas, then the root. Collective under a process group's memory tier (the ranks
-    agree on the saves their nodes hold)."""
+    agree on the saves their nodes hold); the steps the live nodes hold only in part (some
+    rank's share on none of them) go into ``partial`` as step -> why."""
     root_tier = RootTier(root)
     order: list[tuple[int, RestoreTier]] = [(s, root_tier) for s in candidates]
     if memory is not None and memory.ranked:
@@ -102,7 +104,11 @@ def restore_order(root: Storage, memory: MemoryPublisher | None, group: Group,
         mem = memory.tier
         docs: dict = {}  # the rank documents read while listing, not read again
         mine = local_holdings(mem.shm_dir, mem.job, mem.node, docs, key=mem.key)
-        plans = {c.step: c for c in in_memory(mine, memory.pg, docs) if step in (None, c.step)}
+        found: dict[int, str] = {}
+        plans = {c.step: c for c in in_memory(mine, memory.pg, docs, found)
+                 if step in (None, c.step)}
+        if partial is not None:
+            partial.update((s, why) for s, why in found.items() if step in (None, s))
         own, replicas = NodeMemoryTier(memory, group, plans), PeerReplicaTier(memory, group,
                                                                                plans)
         order += [(s, own) for s in plans]

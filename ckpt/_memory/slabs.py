@@ -9,7 +9,10 @@ where the root's writer reads them too. Each chunk is digested as it is copied: 
 :data:`BLOCK` bytes is copied, then digested from the shared pages while it is still in the
 core's cache (a separate pass would read the whole state back from memory, in the
 background, where on a busy machine it costs training more than the copy's own threads
-do); the copy runs on as many threads as torch computes with, as torch's own copy does.
+do). The chunks of a block or more are shared by as many threads as torch computes with, as
+torch's own copy does (each block is one ``memmove`` from the tensor's address and one digest
+call, both outside the GIL); smaller chunks, whose cost is mostly Python, are the calling
+thread's alone.
 The memory publish that follows writes the step's small documents and commits (a rename);
 the root's writer takes the same digests (``StepPayload.digests``) instead of computing
 them again. A slab is created in this user's private segment (0600,
@@ -65,9 +68,11 @@ SPARE = f"{STAGING}slab-"  # a spare slab's name in the segment: removed after a
 ASIDE = f"{STAGING}retired-"  # a retired step's directory while its slab is taken back
 # Bytes copied, then digested, at a time: a block's source and destination about fill one
 # core's L2 cache (512 KiB here), so the digest reads the block back from the cache, not from
-# memory. Measured on this machine (256 MiB, one thread, CPU time, a loaded machine: +-5 ms):
-# torch's copy 43-52 ms; that copy then a digest pass over the pages 66; fused in blocks of
-# 128 KiB 59, 256 KiB 54-57, 512 KiB 50-63, 1 MiB 51-58.
+# memory. Measured on this machine (256 MiB, one thread): on a quiet machine, blocks of
+# 512 KiB copied then digested took 1.15x the same blocks only copied, 1.25-1.35x for other
+# sizes; under load (CPU time, +-5 ms) torch's copy 43-52 ms, that copy then a digest pass
+# over the pages 66, fused in blocks of 128 KiB 59-63, 256 KiB 54-61, 512 KiB 50-65,
+# 1 MiB 51-58.
 BLOCK = 512 << 10
 MAX_THREADS = 8  # copying threads at most: more only contend for the memory bus
 # memmove(destination address, source address, bytes): a foreign call of ctypes, which

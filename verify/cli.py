@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import select
 import signal
 import sys
@@ -20,7 +21,7 @@ from typing import Sequence
 
 import verify
 from ckpt.errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError,
-                         StorageError)
+                         StepOrderError, StorageError)
 
 from ._commands import cmd_diff, cmd_export, cmd_inspect, cmd_ls, cmd_verify
 from ._console import echo
@@ -215,6 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointNotFoundError, CheckpointLockedError, StorageError,
             verify.UsageError) as e:
         return _error(args, e, EXIT_USAGE)
+    except StepOrderError as e:  # ckpt import: a step number the root's order refuses
+        first = re.sub(r"^save\(step=\d+\): ", "", str(e).split(". ")[0])
+        return _error(args, f"{first}; give a --step after the root's newest step, or "
+                      "import into another ROOT", EXIT_USAGE, path=getattr(e, "path", None))
     except CheckpointError as e:  # damage: say where the good steps are
         hint = "; `ckpt verify --all` tells which steps are good"
         if args.command in ("inspect", "export") and args.step is None:

@@ -3,7 +3,8 @@ trainer and its framework integrations (trainer/), and a user's own scripts.
 
 Step names and listings of a root, pointer files (the step a framework's checkpoint path
 stands for), the best step by a saved metric, the retention policy and the collection of a
-root, and the collection of memory-tier segments without a live owner. Reading a step's
+root, the collection of memory-tier segments without a live owner, and the bounded metrics
+server and link-safe textfile writer the manager exports its metrics with. Reading a step's
 contents is :mod:`ckpt.inspect`.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 from storage_backends import Storage, open_storage
 
 from ckpt._format.names import step_dir
-from ckpt._manager.metrics import default_labels
+from ckpt._manager.metrics import default_labels, serve_metrics, write_textfile
 from ckpt._memory.tier import gc_segments
 from ckpt._retention.apply import recorded_policy
 from ckpt._retention.gc import GcResult, collect_root
@@ -37,8 +38,10 @@ __all__ = [
     "gc_segments",
     "read_pointer",
     "recorded_policy",
+    "serve_metrics",
     "step_dir",
     "write_pointer",
+    "write_textfile",
 ]
 
 

@@ -1,6 +1,7 @@
-"""CkptCheckpointIO(async_save=True) meets Lightning's top-k rotation: the file Lightning
-drops is removed only once the checkpoint that replaces it is committed, so a job SIGKILLed
-while that checkpoint is written still holds a ``.ckpt`` to resume from.
+"""CkptCheckpointIO meets a SIGKILL in the middle of a write: with async_save=True the file
+Lightning's top-k rotation drops is removed only once the checkpoint that replaces it is
+committed, so the folder still holds a ``.ckpt`` to resume from; the hidden temporary file
+the killed write left is removed by the next save into the folder.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ L = pytest.importorskip("lightning")
 
 from tests.e2e.test_lightning_contract import Net, data, trainer  # noqa: E402
 from tests.support.ranks import forkserver  # noqa: E402
+from trainer.integrations import _pl_file as plf  # noqa: E402
 from trainer.integrations.lightning import CkptCheckpointIO  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
@@ -68,3 +70,43 @@ def test_sigkill_while_the_replacing_checkpoint_is_written_keeps_the_dropped_fil
     resumed.fit(Net(), data(), ckpt_path=str(kept))
     assert resumed.global_step == 6
     assert (folder / "epoch=1-step=6.ckpt").is_file()
+
+
+class _KilledBeforeRename(CkptCheckpointIO):
+    """SIGKILLed once step 4 is committed, before its file is renamed into place (the
+    hidden temporary file, as large as the checkpoint, is left in the folder)."""
+
+    @staticmethod
+    def _write(store, checkpoint, saved):
+        if saved.step == 4:
+            plf.publish = _kill_self
+        return CkptCheckpointIO._write(store, checkpoint, saved)
+
+
+def _kill_self(*args):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fit_killed_before_step_4_is_renamed(folder: str) -> None:
+    trainer(_KilledBeforeRename(), steps=6, dirpath=folder, every_n_train_steps=2,
+            save_top_k=1, monitor="step", mode="max").fit(Net(), data())
+
+
+def test_the_temporary_file_of_a_killed_write_is_removed_by_the_next_save(tmp_path):
+    folder = tmp_path / "ckpts"
+    proc = forkserver().Process(target=_fit_killed_before_step_4_is_renamed,
+                                args=(str(folder),), daemon=True)
+    proc.start()
+    proc.join(300)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    assert proc.exitcode == -signal.SIGKILL, f"the fit exited {proc.exitcode}, not SIGKILL"
+    left = [p.name for p in folder.iterdir() if p.name.endswith(".part")]
+    assert len(left) == 1, sorted(p.name for p in folder.iterdir())
+
+    resumed = trainer(True, steps=6, dirpath=folder, every_n_train_steps=2, save_top_k=1,
+                      monitor="step", mode="max")
+    resumed.fit(Net(), data(), ckpt_path=str(folder / "epoch=0-step=2.ckpt"))
+    assert resumed.global_step == 6
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import struct
 import zipfile
@@ -27,7 +28,8 @@ import torch
 from verify.lightning_file import (EOCD, EOCD_SIZE, CLAIM_FORMAT, FILES_KEY, claim,
                                    digests, problem)
 
-__all__ = ["CLAIM_FORMAT", "FILES_KEY", "claim", "link", "problem", "publish", "write"]
+__all__ = ["CLAIM_FORMAT", "FILES_KEY", "claim", "link", "problem", "publish",
+           "remove_leftovers", "write"]
 
 
 def write(checkpoint: Any, path: str, step: int) -> tuple[str, dict[str, Any]]:
@@ -79,6 +81,24 @@ def _record(f: BinaryIO, name: str) -> dict[str, Any]:
     whole, parts = digests(f, size, ranges)
     return {"name": name, "bytes": size, "xxh3": whole,
             "records": {k: [off, n, parts[k]] for k, (off, n) in ranges.items()}}
+
+
+# The hidden temporary names ``write`` and ``link`` use (``.<name>.<16 hex>.part``).
+_PART = re.compile(r"^\..+\.[0-9a-f]{16}\.part$")
+
+
+def remove_leftovers(directory: str) -> list[str]:
+    """Delete the temporary files of writes that died in ``directory`` (a SIGKILL, or a
+    SIGTERM past its bound, in the middle of a write: each leaves a file as large as a
+    checkpoint). The caller holds the folder's root lock, so no live write owns one.
+    Returns the names removed."""
+    removed = []
+    for entry in os.scandir(directory):
+        if _PART.match(entry.name) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(entry.name)
+    return removed
 
 
 def publish(tmp: str, path: str) -> None:

@@ -265,6 +265,8 @@ class CkptCheckpointIO(CheckpointIO):
     @staticmethod
     def _write(store: StepStore, checkpoint: dict[str, Any], saved: _Saved) -> None:
         folder = os.path.dirname(saved.path)
+        for name in plf.remove_leftovers(folder):  # the store holds the root's lock
+            log.info("ckpt: removed %s, the temporary file of a write that died", name)
         tmp, record = plf.write(checkpoint, saved.path, saved.step)
         try:
             records = [r for r in saved.records if r["name"] != record["name"]] + [record]

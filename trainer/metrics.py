@@ -212,14 +212,19 @@ class TrainerMetrics:
     def exporting(self) -> bool:
         return self._export is not None
 
-    def export(self, *, port: int | None = None, textfile: str | None = None) -> None:
-        """Export through prometheus_client: serve ``/metrics`` on ``port`` (all interfaces)
-        and/or write ``textfile`` whenever :meth:`write_textfile` is called. Once per object."""
+    def export(self, *, port: int | None = None, textfile: str | None = None,
+               addr: str = "0.0.0.0") -> None:
+        """Export through prometheus_client: serve ``/metrics`` on ``addr:port`` (all
+        interfaces by default, as Prometheus exporters do) and/or write ``textfile``
+        whenever :meth:`write_textfile` is called. Once per object. The server and the
+        textfile are the checkpoint manager's (``ckpt.tools.serve_metrics``,
+        ``write_textfile``): a bounded number of handler threads, each for a bounded time,
+        and a textfile never written through a link planted beside it."""
         if self._export is not None or (port is None and not textfile):
             return
         self._export = _Export(self, textfile)
         if port is not None:
-            self._export.serve(port)
+            self._export.serve(port, addr)
 
     def attach_checkpoint(self, checkpoint_metrics: Any) -> None:
         """Export a checkpoint manager's ``metrics`` with these: the ``ckpt_*`` series then
@@ -260,16 +265,20 @@ class _Export:
         self.registry.register(self.checkpoint)
         self._server: Any = None
 
-    def serve(self, port: int) -> None:
-        self._server, _ = self.pc.start_http_server(port, registry=self.registry)
+    def serve(self, port: int, addr: str) -> None:
+        from ckpt.tools import serve_metrics
+
+        self._server = serve_metrics(self.registry, port, addr)
 
     def attach_checkpoint(self, cm: Any) -> None:
         """Forward the checkpoint manager's series (ckpt_save_*, ckpt_saves_total, ...)."""
         self.checkpoint.source = cm.prometheus_registry()
 
     def write_textfile(self) -> None:
+        from ckpt.tools import write_textfile
+
         assert self.textfile
-        self.pc.write_to_textfile(self.textfile, self.registry)
+        write_textfile(self.textfile, self.registry)
 
     def close(self) -> None:
         if self._server is not None:

@@ -450,3 +450,13 @@ def test_non_ascii_proofs_and_signatures_are_refused_as_such(source) -> None:
     finally:
         healer.shutdown()
         fake.shutdown()
+
+
+def test_a_short_key_is_refused() -> None:
+    """A key shorter than 16 bytes (one a neighbour could search for, then ask for the
+    state with) is refused when the transport is made; the supervisor's is 32 bytes."""
+    from trainer.live.transport import KeyedHTTPTransport
+
+    for key in (b"", b"k", b"k" * 15):
+        with pytest.raises(ValueError, match="key"):
+            KeyedHTTPTransport("127.0.0.1", key, T)

@@ -54,6 +54,8 @@ from torchft.checkpointing.transport import CheckpointTransport
 log = logging.getLogger("trainer.live")
 
 AUTH_HEADER = "X-Ckpt-Live-Auth"
+#: The shortest key the transport takes.
+MIN_KEY_BYTES = 16
 SIGNATURE_HEADER = "X-Ckpt-Live-Signature"
 
 
@@ -135,7 +137,7 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
 
     Args:
         host: the replica group's address on the job's network.
-        key: the job's secret (the same bytes in every group).
+        key: the job's secret (the same bytes in every group; at least ``MIN_KEY_BYTES``).
         timeout: seconds for a whole heal transfer (and for a request's arrival).
         max_bytes: the largest state this group accepts from a peer (the trainer sets
             a bound from its own state's size).
@@ -144,8 +146,10 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
 
     def __init__(self, host: str, key: bytes, timeout: timedelta, *,
                  max_bytes: int = 1 << 34, max_requests: int = 16) -> None:
-        if not key:
-            raise ValueError("the heal transport needs the job's key")
+        if len(key) < MIN_KEY_BYTES:  # a short key could be searched for, then used
+            raise ValueError(f"the heal transport needs the job's key of at least "
+                             f"{MIN_KEY_BYTES} random bytes (the supervisor makes 32: "
+                             f"secrets.token_hex(32)), not {len(key)}")
         self._host, self._key, self._timeout = host, key, timeout
         self.max_bytes = max_bytes
         self._served = threading.Condition()
@@ -309,5 +313,5 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
             self._thread.join(timeout=self._timeout.total_seconds())
 
 
-__all__ = ["AUTH_HEADER", "SIGNATURE_HEADER", "HealAuthError", "KeyedHTTPTransport",
-           "body_mac", "request_mac"]
+__all__ = ["AUTH_HEADER", "MIN_KEY_BYTES", "SIGNATURE_HEADER", "HealAuthError",
+           "KeyedHTTPTransport", "body_mac", "request_mac"]

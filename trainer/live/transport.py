@@ -252,6 +252,9 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         watchdog.daemon = True
         watchdog.start()
         try:
+            conn.connect()
+            if expired.is_set():  # the watchdog fired before there was a socket to cut
+                raise TimeoutError("connecting took the whole deadline")
             conn.request("GET", parts.path or "/",
                          headers={AUTH_HEADER: request_mac(self._key, url)})
             answer = conn.getresponse()

@@ -162,11 +162,12 @@ class Slab:
 
     def fill(self, tensors: Mapping[str, torch.Tensor], threads: int = 1) -> None:
         """Copy each tensor into its view, and digest each chunk right after its bytes were
-        written, block by block (:data:`BLOCK`), on ``threads`` threads (this one and the
-        pool's, at training's priority on purpose: this is the blocking copy, which training
-        waits for, unlike the writer's niced threads). A tensor whose bytes cannot be read as
-        they are (not contiguous, a lazy conjugate) is copied by torch first, its chunks then
-        digested from the pages."""
+        written, block by block (:data:`BLOCK`), the chunks of a block or more on ``threads``
+        threads (this one and the pool's, at training's priority on purpose: this is the
+        blocking copy, which training waits for, unlike the writer's niced threads), smaller
+        ones on this thread alone. A tensor whose bytes cannot be read as they are (not
+        contiguous, a lazy conjugate) is copied by torch first, its chunks then digested from
+        the pages."""
         large, small = [], []
         for key, t in tensors.items():
             p = self.placements[key]

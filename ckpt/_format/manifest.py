@@ -1,7 +1,8 @@
 """The manifest: what a committed step holds, as typed dataclasses <-> JSON.
 
 Everything read from disk is validated (``ckpt._format.parse``) before any path, size or
-shape in it is used. A format-2 manifest keeps its chunks in per-rank tables; it reads them
+shape in it is used. The document carries the digest of its own bytes as its last member
+(``ckpt._format.sealed``), checked before it is parsed. A format-2 manifest keeps its chunks in per-rank tables; it reads them
 through the :class:`~ckpt._format.entries.RankTables` attached to it (``ckpt._step.tables``
 does that for a step on storage).
 """
@@ -20,6 +21,7 @@ from ckpt._format.layout import BoxLayout, Layout
 from ckpt._format.names import (FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_TABLES,
                                 PER_RANK_IN_TABLES)
 from ckpt._format.parse import parse_manifest
+from ckpt._format.sealed import is_sealed, seal, unseal
 
 # Fields that are not written as they are: rank tables and refs (format 2 only, reshaped),
 # and the tables attached after reading.
@@ -71,11 +73,12 @@ class Manifest:
             for (step, name), size in sorted(self.refs.items()):
                 refs.setdefault(str(step), {})[name] = size
             doc["refs"] = refs
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @classmethod
     def from_json(cls, raw: bytes, *, where: str) -> Manifest:
-        """Parse and validate a manifest; raises CorruptCheckpointError naming ``where``."""
+        """Check the manifest's own digest, then parse and validate it; raises
+        CorruptCheckpointError naming ``where``."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{where}: manifest is {len(raw)} bytes", path=where)
         with paused_gc():
@@ -84,7 +87,12 @@ class Manifest:
     @classmethod
     def _from_json(cls, raw: bytes, where: str) -> Manifest:
         try:
-            doc = json.loads(raw)
+            sealed = is_sealed(raw)  # before parsing: damage is named as such
+            doc = unseal(json.loads(raw), sealed)
+        except Invalid as e:
+            raise CorruptCheckpointError(
+                f"{where}: damaged manifest: {e}; the step cannot be loaded", path=where
+            ) from None
         except RecursionError:
             raise CorruptCheckpointError(
                 f"{where}: manifest nests deeper than Python can parse; the step cannot be "

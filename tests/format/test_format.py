@@ -13,6 +13,7 @@ import torch
 from ckpt.errors import CorruptCheckpointError, UnsupportedValueError
 from ckpt._format.entries import Chunk, TensorEntry
 from ckpt._format.manifest import Manifest
+from ckpt._format.sealed import sealed_json
 from ckpt._shared.sharding import overlapping
 from ckpt._shared.state import flatten
 
@@ -31,7 +32,7 @@ WHOLE = {"offsets": [0], "shape": [4], "file": "data-0.bin", "start": 0, "length
 
 
 def _parse(doc: dict) -> Manifest:
-    return Manifest.from_json(json.dumps(doc).encode(), where="m")
+    return Manifest.from_json(sealed_json(doc), where="m")
 
 
 def test_a_whole_tensor_chunk_parses():

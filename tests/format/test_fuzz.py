@@ -26,6 +26,7 @@ from ckpt._format.bounds import MAX_ZSTD_RATIO, Invalid
 from ckpt._format.entries import Chunk
 from ckpt._format.manifest import Manifest
 from ckpt._format.names import STEP_DIR
+from ckpt._format.sealed import DIGEST_MEMBER, seal
 from ckpt._format.tiling import check_tiling
 from ckpt._format.tree import check_tree
 from ckpt._step.integrity import chunk_path
@@ -113,8 +114,18 @@ def mutated_manifest(draw, base):
     return doc
 
 
-def _encode(doc) -> bytes:
+def _body(doc) -> bytes:
+    """``doc`` as compact JSON, without the digest member of the manifest it came from."""
+    if isinstance(doc, dict):
+        doc = {k: v for k, v in doc.items() if k != DIGEST_MEMBER}
     return json.dumps(doc, allow_nan=True, separators=(",", ":")).encode()
+
+
+def _encode(doc) -> bytes:
+    """``doc`` as a writer would write it (sealed with its digest, when it is an object): the
+    mutations are validated, not refused by the digest alone."""
+    body = _body(doc)
+    return seal(body) if isinstance(doc, dict) and doc else body
 
 
 def _check_accepted(storage: PosixStorage, manifest: Manifest) -> None:
@@ -183,10 +194,10 @@ def test_deep_nesting_is_refused_as_corrupt(real_step, opener):
     _, base = real_step
     closer = "]" if opener == "[" else "}"
     depth = sys.getrecursionlimit() * 100
-    text = _encode(base).decode().replace('"metadata":{', '"metadata":{"x":'
-                                          + opener * depth + "1" + closer * depth + ",", 1)
-    with pytest.raises(CorruptCheckpointError):
-        Manifest.from_json(text.encode(), where="fuzz")
+    text = _body(base).decode().replace('"metadata":{', '"metadata":{"x":'
+                                        + opener * depth + "1" + closer * depth + ",", 1)
+    with pytest.raises(CorruptCheckpointError, match="nests deeper"):
+        Manifest.from_json(seal(text.encode()), where="fuzz")
 
 
 def _first_file(doc):

@@ -13,6 +13,7 @@ from ckpt._format import bounds, tiling
 from ckpt._format import manifest as fmt
 from ckpt._format.bounds import MAX_DIMS
 from ckpt._format.manifest import Manifest
+from ckpt._format.sealed import sealed_json
 
 
 DIGEST = "0123456789abcdef"
@@ -47,7 +48,7 @@ def _v2(layout: dict | None = None, **top: object) -> dict:
 
 def _refused(doc: dict, message: str) -> None:
     with pytest.raises(CorruptCheckpointError, match="invalid manifest") as info:
-        Manifest.from_json(json.dumps(doc).encode(), where="m")
+        Manifest.from_json(sealed_json(doc), where="m")
     assert message in str(info.value)
 
 
@@ -276,5 +277,5 @@ def test_a_format2_layout_with_a_float_index_is_refused_as_corrupt(tmp_path, lay
     doc = {**doc, "meshes": [{"shape": [1], "ranks": [0]}],
            "tensors": {"t": {**doc["tensors"]["t"], "layout": layout}}}
     with pytest.raises(CorruptCheckpointError, match="invalid manifest") as info:
-        Manifest.from_json(json.dumps(doc).encode(), where="m")
+        Manifest.from_json(sealed_json(doc), where="m")
     assert message in str(info.value)

@@ -201,9 +201,17 @@ class Saver:
         self.base = manifest
         log.info("ckpt.commit step=%d root=%s", manifest.step, self.storage.url)
         if not self.retention.keeps_all:
-            keep = steps_to_keep(self.storage, self.retention, self.steps(),
-                                 newest=manifest.step)
-            report = collect(self.storage, keep)
+            # The step is committed: a storage failure while retiring older steps is not
+            # this save's failure. The files stay; the next save's retention retires them.
+            try:
+                keep = steps_to_keep(self.storage, self.retention, self.steps(),
+                                     newest=manifest.step)
+                report = collect(self.storage, keep)
+            except OSError as e:
+                log.warning("ckpt.retention failed after step %d was committed (%s): the "
+                            "older steps stay until the next save's retention retires them",
+                            manifest.step, e)
+                return
             if report.retired_steps:
                 log.info("ckpt.retention retired=%s freed_bytes=%d kept_files=%d",
                          report.retired_steps, report.freed_bytes, len(report.kept_files))

@@ -253,6 +253,9 @@ class ObservabilityConfig:
             manager's metrics through prometheus_client, on this HTTP port and/or to this
             node_exporter textfile. Rank 0 only (its values are the job's: the loss is the
             global mean). The HTTP server stays up until the trainer's ``close()``.
+        metrics_addr: the address ``metrics_port`` listens on: all interfaces by default,
+            as Prometheus exporters do; give the address your scraper reaches the node at
+            (or ``127.0.0.1`` for a scraper on the node) to keep the port off the others.
         log_every: log a ``train.step`` summary line every N steps on rank 0 (and write
             the textfile); None: no step lines.
     """
@@ -261,9 +264,13 @@ class ObservabilityConfig:
     audit_dir: str | os.PathLike | None = None
     metrics_port: int | None = None
     metrics_textfile: str | os.PathLike | None = None
+    metrics_addr: str = "0.0.0.0"
     log_every: int | None = 10
 
     def __post_init__(self) -> None:
+        if not isinstance(self.metrics_addr, str) or not self.metrics_addr:
+            raise ValueError(f"metrics_addr must be a host address such as '127.0.0.1', not "
+                             f"{self.metrics_addr!r}")
         every = self.log_every
         if every is not None and (not isinstance(every, int) or every < 1):
             raise ValueError(f"log_every must be a positive int or None, not {every!r}")

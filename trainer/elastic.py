@@ -309,7 +309,8 @@ class ElasticTrainer:
         if self.rank == 0:
             textfile = observability.metrics_textfile
             self.metrics.export(port=observability.metrics_port,
-                                textfile=None if textfile is None else os.fspath(textfile))
+                                textfile=None if textfile is None else os.fspath(textfile),
+                                addr=observability.metrics_addr)
         if self.health is not None:
             self.health.reset()
         fields = {"rank": self.rank, "world": self.world_size, "attempt": self.attempt,

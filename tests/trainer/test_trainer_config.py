@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import socket
 import warnings
 
 import pytest
@@ -18,6 +19,8 @@ from trainer import (CheckpointConfig, DataConfig, ElasticConfig, FailureConfig,
 from trainer.checkpointing import memory_job_id, memory_tier_options
 from trainer.config import LEGACY_KEYWORDS, new_spelling
 from trainer.elastic import ElasticTrainer
+
+from tests.support.prom import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -160,3 +163,37 @@ def test_the_former_attributes_read_the_config_with_a_deprecation_warning(tmp_pa
         assert t.seed == 4
     with pytest.raises(AttributeError, match="no attribute 'heartbeat'"):
         t.heartbeat  # noqa: B018
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local IPv4 addresses a socket listens on at ``port``, read from /proc/net/tcp
+    (what the kernel bound, whatever the process says)."""
+    found = set()
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            local, state = line.split()[1], line.split()[3]
+            host, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(socket.inet_ntoa(bytes.fromhex(host)[::-1]))
+    return found
+
+
+@pytest.mark.parametrize("addr", [None, "127.0.0.1"])
+def test_the_trainers_metrics_port_listens_on_the_configured_address(tmp_path, addr):
+    port = free_port()
+    given = {} if addr is None else {"metrics_addr": addr}
+    t = make(tmp_path, ElasticConfig(observability=ObservabilityConfig(
+        metrics_port=port, log_every=None, **given)))
+    try:
+        t.fit(2)
+        assert listening_addresses(port) == {addr or "0.0.0.0"}
+    finally:
+        t.close()
+    assert listening_addresses(port) == set()  # closed with the trainer
+
+
+def test_the_metrics_address_must_be_a_host():
+    for bad in ("", None, 7):
+        with pytest.raises(ValueError, match="metrics_addr must be a host address"):
+            ObservabilityConfig(metrics_addr=bad)

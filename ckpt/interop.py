@@ -10,6 +10,7 @@ Loading a DCP directory straight into a live state is ``ckpt.load(state, DCP_DIR
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 import warnings
@@ -113,12 +114,16 @@ def export_dcp(path: str | os.PathLike, target: str | os.PathLike, *,
     ``ckpt.ModelOptimizer`` gives ``{"model": ..., "optim": ...}``, as ``get_state_dict``).
 
     The directory is written next to ``target`` under a temporary name and renamed into
-    place. Memory: the whole step, once (on every rank).
+    place. ``force`` replaces an earlier DCP export (or an empty folder, a file, a link) at
+    ``target``, never another folder: one holding anything else (a mistyped ``.``, the
+    root being exported, a folder holding it) is a ``FileExistsError`` and stays as it
+    was. Memory: the whole step, once (on every rank).
     """
     t0 = time.perf_counter()
     out = os.path.abspath(os.fspath(target))
     if os.path.lexists(out) and not force:
         raise FileExistsError(f"{out} exists; pass force=True (--force) to replace it")
+    check_replaceable(out)
     single = is_step_dir(path, storage_options)
     saved = ckpt.api.load(path, step=None if single else step, allow_pickle=allow_pickle,
                           storage_options=storage_options)
@@ -190,6 +195,7 @@ def _write_dcp(saved: dict, out: str) -> None:
             try:
                 if os.path.lexists(out):
                     if os.path.isdir(out) and not os.path.islink(out):
+                        check_replaceable(out)  # again: it may have changed meanwhile
                         shutil.rmtree(out)
                     else:
                         os.unlink(out)
@@ -206,6 +212,26 @@ def _write_dcp(saved: dict, out: str) -> None:
     finally:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# What a DCP export holds: its metadata and one data file per rank and writer.
+_DCP_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
+
+
+def check_replaceable(target: str) -> None:
+    """Raise ``FileExistsError`` unless ``target`` may be replaced by an export: missing, a
+    file or a link (replaced, never followed), an empty folder or an earlier DCP export
+    (its ``.metadata`` and ``__R_W.distcp`` files only), which is deleted first."""
+    if os.path.islink(target) or not os.path.isdir(target):
+        return
+    entries = list(os.scandir(target))
+    odd = [e.name for e in entries if not (_DCP_FILE.match(e.name)
+                                          and e.is_file(follow_symlinks=False))]
+    if entries and (odd or not any(e.name == ".metadata" for e in entries)):
+        shown = ", ".join(sorted(odd)[:3]) + (", ..." if len(odd) > 3 else "")
+        raise FileExistsError(
+            f"{target} is not a DCP export (it holds {shown or 'no .metadata'}): replacing "
+            "it would delete it whole; give a new folder")
 
 
 def _step_number(path: str | os.PathLike, step: int | None, storage_options: dict | None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 
 import verify
 from ckpt.interop import export_dcp, import_dcp, import_hf
@@ -57,30 +56,14 @@ def export_to_dcp(args: argparse.Namespace, step: int) -> int:
     """``ckpt export PATH --to dcp DIR``: consolidated, loadable on any world size."""
     if os.path.lexists(args.file) and not args.force:
         raise verify.UsageError(f"{args.file} exists; pass --force to replace it")
-    if os.path.lexists(args.file):
-        _check_replaceable(args.file)
-    result = export_dcp(args.root, args.file, step=step, item=args.item, force=args.force)
+    try:
+        result = export_dcp(args.root, args.file, step=step, item=args.item,
+                            force=args.force)
+    except FileExistsError as e:  # --force given a folder that is no earlier export
+        raise verify.UsageError(str(e)) from None
     echo(verify.to_json(vars(result)) if args.json else
          f"exported step {result.step} of {result.source} to {result.target} (DCP): "
          f"{result.tensors} tensors, {size(result.bytes)} in {result.seconds:.1f}s")
     return EXIT_OK
 
 
-# What a DCP export holds: its metadata and one data file per rank and writer.
-_DCP_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp)$")
-
-
-def _check_replaceable(target: str) -> None:
-    """``--force`` replaces an earlier DCP export (its folder is deleted first), never
-    another folder: a mistyped DIR (``.``, the checkpoint root being exported, a folder
-    holding it) would otherwise be deleted whole."""
-    if os.path.islink(target) or not os.path.isdir(target):
-        return  # a file or a link: replaced, never followed
-    entries = list(os.scandir(target))
-    odd = [e.name for e in entries if not (_DCP_FILE.match(e.name)
-                                          and e.is_file(follow_symlinks=False))]
-    if entries and (odd or not any(e.name == ".metadata" for e in entries)):
-        shown = ", ".join(sorted(odd)[:3]) + (", ..." if len(odd) > 3 else "")
-        raise verify.UsageError(
-            f"{target} is not a DCP export (it holds {shown or 'no .metadata'}): --force "
-            "replaces only an earlier export, whose folder it deletes; give a new DIR")

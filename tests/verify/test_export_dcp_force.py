@@ -49,3 +49,15 @@ def test_force_refuses_a_folder_that_is_no_dcp_export(tmp_path, capsys, target):
     assert tree(tmp_path) == before
     assert ckpt.inspect.open(root).steps() == [1]
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_the_library_call_refuses_the_same_folders(tmp_path):
+    parent = tmp_path / "work"
+    parent.mkdir()
+    (parent / "notes.txt").write_text("precious")
+    root = root_with_a_step(parent / "run1")
+    before = tree(tmp_path)
+    for folder in (root, parent):
+        with pytest.raises(FileExistsError, match="is not a DCP export"):
+            ckpt.interop.export_dcp(root, folder, force=True)
+    assert tree(tmp_path) == before

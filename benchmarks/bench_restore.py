@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -281,11 +282,13 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
             for t in held.values():
                 t.zero_()
             evict(path)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             with common.Stopwatch() as sw:
                 load()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             held = into["model"].sd if into is live else into["model"]
             assert common.same_values(source, held), f"{name} was not bit-exact"
-            return {"s": sw.seconds, "cpu": sw.cpu_seconds}
+            return {"s": sw.seconds, "cpu": sw.cpu_seconds, "faults": faults}
         return name, run
 
     cases = [
@@ -310,6 +313,10 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
     timings = common.run_interleaved(cases, args.reps, progress=f"cold {shape} {nbytes}")
     reader.close()
     rows = [common.Row(n, t["s"], t["cpu"]) for n, t in timings.items()]
+    # Fresh pages cost more than the copy into them on this VM: how many a case touched
+    # (memory the allocator recycled costs none) tells a slow case from a slow read.
+    faults = "; ".join(f"{n}: {common.median(t['faults']) / 1000:.0f}k" for n, t in
+                       timings.items())
     common.remove(work)
     return (f"\n### cold load of {common.format_size(nbytes)} ({shape}: "
             f"{common.SHAPES[shape]} tensors, {len(paths)} data files); median of "
@@ -317,7 +324,8 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
                 rows, common.state_bytes(source),
                 anchors=["raw read of ckpt's files", "raw read into new tensors", "dcp.load"])
             + "\n\n(x anchor: throughput ratio, > 1 is faster than the anchor; the in-place "
-            "rows load a copy of the same tensors saved from a stateful object)\n")
+            "rows load a copy of the same tensors saved from a stateful object)\n\n"
+            f"minor page faults per load, median: {faults}\n")
 
 
 def main() -> None:

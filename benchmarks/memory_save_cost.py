@@ -1,6 +1,6 @@
 """What a save into the memory tier costs training (``bench_memory_tier.py --save-cost``).
 
-Three ways to keep an in-memory copy of the same state (a GPT-like set of fp32 tensors,
+Four ways to keep an in-memory copy of the same state (a GPT-like set of fp32 tensors,
 ``common.make_state``), each run beside a training-like CPU loop (an MLP's forward, backward
 and AdamW step, a few milliseconds, torch's default intra-op threads):
 
@@ -17,6 +17,10 @@ and AdamW step, a few milliseconds, torch's default intra-op threads):
   interval=1, disk_flush_interval=0)).save(state, step)`` as its docs say, after the optimizer
   step, and ``maybe_wait()`` before the next save; on CPU its capture is a ``copy_`` into its
   own buffers. Its copy dies with the process.
+
+First, without the training loop, where a save's time goes (``bench_save_parts``): each
+method's blocking wall and CPU time and, for the memory tier, the CPU time of its background
+publish, interleaved, three times the repetitions.
 
 Per save: **blocking** (the call's wall time), **training time lost**: the wall time of
 the save plus a fixed window of ``W`` training steps, minus the same ``W`` steps with no save
@@ -246,6 +250,63 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
     ])
 
 
+def bench_save_parts(size: int, reps: int, workdir: str) -> str:
+    """Where a memory-tier save's time goes, without a training loop: the copy floor, the
+    copy + digest floor, and the save's blocking part (wall and CPU) and background part
+    (the process's CPU while the caller waits for it: the writer's), interleaved."""
+    state = common.make_state(size, "many")
+    buffers = common.empty_like_state(state)
+    mgr = _ckpt(workdir)
+    floor_slab, floor_pool = _digest_floor(state)
+    threads = torch.get_num_threads()
+    step = [0]
+
+    def copy(rep: int) -> dict[str, float]:
+        with common.Stopwatch() as sw:
+            for k, t in state.items():
+                buffers[k].copy_(t)
+        return {"wall": sw.seconds, "cpu": sw.cpu_seconds, "background": 0.0}
+
+    def copy_digest(rep: int) -> dict[str, float]:
+        with common.Stopwatch() as sw:
+            floor_slab.fill(state, threads=threads)
+        return {"wall": sw.seconds, "cpu": sw.cpu_seconds, "background": 0.0}
+
+    def memory_tier(rep: int) -> dict[str, float]:
+        step[0] += 1
+        with common.Stopwatch() as sw:
+            handle = mgr.save(step[0], state)
+        with common.Stopwatch() as waited:
+            handle.wait()
+        return {"wall": sw.seconds, "cpu": sw.cpu_seconds, "background": waited.cpu_seconds}
+
+    cases = [(COPY, copy), (DIGEST, copy_digest), (CKPT, memory_tier)]
+    for _ in range(3):  # warm: the slabs made, every page written once
+        for _, fn in cases:
+            fn(0)
+    timings = common.run_interleaved(cases, reps, progress=f"save parts "
+                                     f"{common.format_size(size)}")
+    _close_ckpt(mgr)
+    floor_pool.shutdown()
+    rows, total_copy = [], None
+    for name, _ in cases:
+        t = timings[name]
+        total = common.median([c + b for c, b in zip(t["cpu"], t["background"])])
+        total_copy = total_copy or total
+        rows.append([name, f"{common.median(t['wall']) * 1e3:.1f} ({min(t['wall']) * 1e3:.1f})",
+                     f"{common.median(t['cpu']) * 1e3:.1f} ({min(t['cpu']) * 1e3:.1f})",
+                     f"{common.median(t['background']) * 1e3:.1f}", f"{total * 1e3:.1f}",
+                     f"{total / total_copy:.2f}"])
+    return "\n".join([
+        f"### Where a save's time goes: {common.format_size(common.state_bytes(state))} in "
+        f"{len(state)} tensors, {threads} threads, no training loop, {reps} interleaved "
+        "repetitions, medians (minimum)", "",
+        common.markdown_table(["method", "blocking wall ms", "blocking CPU ms",
+                               "background CPU ms", "CPU in all ms", "/ copy floor"], rows),
+        "",
+    ])
+
+
 # -- resident memory, one fresh process per method --------------------------------------------
 
 def _status_kib() -> dict[str, int]:
@@ -325,6 +386,7 @@ def run(args) -> str:
     parts = []
     try:
         for size in args.sizes:
+            parts.append(bench_save_parts(size, 3 * args.reps, workdir))
             parts.append(bench_save_cost(size, args.reps, workdir))
             parts.append(bench_memory(size, workdir))
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -196,13 +197,30 @@ def _json_line(record: dict[str, Any]) -> str:
     return json.dumps(record, separators=(",", ":")) + "\n"
 
 
+def _open_append(path: Path):
+    """``path`` opened for appending text, never through a symbolic link: a run or audit
+    directory another user can write to (``CKPT_ELASTIC_RUN_DIR`` pointed at a shared
+    folder) could hold a link planted at the name, which would have the records appended
+    to whatever file it names. Created 0644 (records are not secret)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise OSError(e.errno, f"{path} is a symbolic link: records are never appended "
+                               "through one (remove it, and keep the run and audit "
+                               "directories where only this job's user can write)") from None
+    return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+
+
 class JsonLines:
     """An append-only JSON-lines file, flushed per line (survives SIGKILL), thread safe."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._f = open(path, "a", buffering=1, encoding="utf-8")
+        self._f = _open_append(path)
         self._lock = threading.Lock()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -219,8 +237,7 @@ class JsonLines:
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one record to a JSON-lines file (opened and closed for it: rare events)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
+    with _open_append(path) as f:
         f.write(_json_line(record))
 
 

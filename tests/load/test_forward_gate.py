@@ -348,11 +348,13 @@ def test_a_probe_item_damaged_beyond_its_fields_fails_the_step_not_skips_its_che
     restored it with only a note that the check was skipped."""
     import json
 
+    from ckpt._format.sealed import sealed_json
+
     step1 = save_two_steps(tmp_path / "root")
     manifest = tmp_path / "root/step-00000002/manifest.json"
     doc = json.loads(manifest.read_text())
     doc["items"]["__probe__"]["tree"] = damage(doc["items"]["__probe__"]["tree"])
-    manifest.write_text(json.dumps(doc))
+    manifest.write_bytes(sealed_json(doc))  # re-sealed: an edit, not damage
     state = make_state(1)
     with caplog.at_level(logging.WARNING, logger="ckpt"), \
             manager(tmp_path / "root", read_only=True) as mgr:

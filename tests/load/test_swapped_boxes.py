@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt._format.sealed import sealed_json
 from verify.cli import main as cli_main
 
 OPTIONS = ckpt.SaveOptions(chunk_bytes=4096)  # 2048 floats: two chunks of 1024
@@ -33,7 +34,7 @@ def rewrite_chunks(root, step: int, change) -> None:
     a, b = doc["tensors"]["w"]["chunks"]
     assert a["shape"] == b["shape"]
     change(a, b)
-    path.write_text(json.dumps(doc))
+    path.write_bytes(sealed_json(doc))  # re-sealed: an edit, not damage
 
 
 def swap_boxes(a: dict, b: dict) -> None:

@@ -75,6 +75,13 @@ def unseal(doc: Any, sealed: bool) -> Any:
 def sealed_json(doc: dict[str, Any]) -> bytes:
     """``doc`` as a manifest is written: compact JSON, its digest the last member (a digest
     member ``doc`` has, from the manifest it was read from, is replaced). For a tool or test
-    that edits a manifest on purpose."""
+    that edits a manifest on purpose (non-finite floats pass, as ``json.dumps`` lets them)."""
     body = {k: v for k, v in doc.items() if k != DIGEST_MEMBER}
-    return seal(json.dumps(body, separators=(",", ":"), allow_nan=False).encode())
+    return seal(json.dumps(body, separators=(",", ":")).encode())
+
+
+def reseal(raw: bytes) -> bytes:
+    """Manifest bytes edited on purpose (a tool, a test), sealed again: the digest member at
+    their end, if any, replaced by the digest of the edited bytes."""
+    tail = _TAIL.fullmatch(raw, max(len(raw) - _TAIL_BYTES, 0))
+    return seal(raw[:tail.start()] + b"}" if tail else raw)

@@ -140,15 +140,16 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
     except GroupFailed as e:
         log.warning("ckpt.restore: reading the replicated chunks once for all ranks failed "
                     "(%s); every rank reads what it needs from %s instead", e, storage.url)
-    # Plain reads. After a failed exchange they rewrite what it wrote (verified bytes of
-    # this same step), and a failure now says which live tensors it had changed.
+    # Plain reads: after a failed exchange, only of the chunks it did not bring (those it
+    # did are in place and checked); a failure says which live tensors it had changed.
+    plain = reads if shares is None else shares.unsettled(reads)
     try:
         if verify and not in_place:
-            later, staged = _read_before_apply(storage, location, reads, written, scratch, pool)
+            later, staged = _read_before_apply(storage, location, plain, written, scratch, pool)
             _apply_pass(storage, location, manifest, later, scratch, pool, False, written,
                         staged, cached=cached)
         else:
-            _apply_pass(storage, location, manifest, reads, scratch, pool, verify and in_place,
+            _apply_pass(storage, location, manifest, plain, scratch, pool, verify and in_place,
                         written)
     except Exception as e:
         if shares is not None and not isinstance(e, PartialLoadError) and any(

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt._format.sealed import reseal, sealed_json
 from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -509,7 +510,7 @@ def test_gc_refuses_rules_it_cannot_apply(tmp_path, capsys):
     record = root / "step-00000004" / "manifest.json"
     doc = json.loads(record.read_bytes())
     doc["metadata"]["ckpt_retention"] = {"keep_last": 1, "keep_newest": 2}
-    record.write_text(json.dumps(doc))
+    record.write_bytes(sealed_json(doc))
     code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes")
     assert code == 1 and "step 4 records a retention policy ckpt cannot apply" in err, err
     assert committed(root) == [1, 2, 3, 4]
@@ -634,8 +635,9 @@ def test_verify_all_checks_every_step_when_one_cannot_be_read(tmp_path, capsys):
 def test_ls_shows_an_absurd_creation_time_instead_of_crashing(tmp_path, capsys, created):
     root = root_of_steps(tmp_path, steps=(1,))
     manifest = root / "step-00000001/manifest.json"
-    manifest.write_text(manifest.read_text().replace(
-        f'"created":{json.loads(manifest.read_text())["created"]!r}', f'"created":{created}'))
+    manifest.write_bytes(reseal(manifest.read_text().replace(
+        f'"created":{json.loads(manifest.read_text())["created"]!r}', f'"created":{created}'
+    ).encode()))
     assert created in manifest.read_text()
     code, out, err = cli(capsys, "ls", root)
     assert code == 0, err
@@ -700,7 +702,7 @@ def test_diff_checks_sizes_before_sizing_buffers_from_a_hostile_manifest(tmp_pat
         entry["shape"] = chunk["shape"] = [n]
         chunk["length"], chunk["digest"] = 4 * n, digest
         m["files"][chunk["file"]] = chunk["start"] + 4 * n
-        path.write_text(json.dumps(m))
+        path.write_bytes(sealed_json(m))
     code, out, err = cli(capsys, "diff", root, 1, 2, "--json")
     assert code == 1 and "Traceback" not in err
     assert "the manifest recorded 4000000000" in json.loads(out)["error"]
@@ -898,7 +900,7 @@ def test_a_hand_edited_probe_is_a_failed_check_not_a_traceback(tmp_path, capsys,
     manifest = tmp_path / "root/step-00000002/manifest.json"
     doc = json.loads(manifest.read_text())
     doc["items"]["__probe__"]["tree"][field] = value
-    manifest.write_text(json.dumps(doc))
+    manifest.write_bytes(sealed_json(doc))
     code, out, err = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
                          "--trust-recorded")
     assert code == 1, out + err
@@ -1011,7 +1013,7 @@ def test_hostile_names_in_a_manifest_are_printed_escaped_and_a_closed_pipe_is_qu
     doc = json.loads(path.read_text())
     doc["aliases"][HOSTILE_KEY] = "model/mix.weight"
     doc["metadata"][HOSTILE_KEY] = HOSTILE_KEY
-    path.write_text(json.dumps(doc))
+    path.write_bytes(sealed_json(doc))
     # The closed pipes need processes of their own: started first, checked last.
     procs = []
     for args in (["ls", "root"], ["verify", "root", "--all", "--json"]):
@@ -1176,7 +1178,7 @@ def test_forward_level_names_a_bool_loss_and_a_bad_model_option(tmp_path, capsys
     manifest = root / "step-00000002" / "manifest.json"
     doc = json.loads(manifest.read_text())
     doc["items"]["__probe__"]["tree"]["loss"] = True
-    manifest.write_text(json.dumps(doc))
+    manifest.write_bytes(sealed_json(doc))
     code = main(["verify", str(root), "--level", "forward", "--trust-recorded", "--step", "2"])
     out = capsys.readouterr().out
     assert code == 1 and "the probe item is damaged: its recorded loss is a bool" in out, out

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt._format.sealed import sealed_json
 import verify
 from tests.support.verify_workers import Net
 from verify.cli import main as cli_main
@@ -237,7 +238,7 @@ def test_an_edited_manifest_is_rejected_before_any_data_file_is_opened(
     step_dir = tmp_path / "root" / "step-00000001"
     doc = manifest_of(step_dir)
     REJECTED[kind](doc)
-    (step_dir / "manifest.json").write_text(json.dumps(doc))
+    (step_dir / "manifest.json").write_bytes(sealed_json(doc))
     storage_reads.clear()
 
     code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "forward",
@@ -265,7 +266,7 @@ def test_a_manifest_pointing_at_the_wrong_bytes_is_found_by_the_structure_level(
     step_dir = tmp_path / "root" / "step-00000001"
     doc = manifest_of(step_dir)
     edit(doc)
-    (step_dir / "manifest.json").write_text(json.dumps(doc))
+    (step_dir / "manifest.json").write_bytes(sealed_json(doc))
     code, out, _ = cli(capsys, "verify", tmp_path / "root", "--level", "structure")
     assert code == 1, out
     damaged = {c["file"] for c in _chunks(doc)[:2]}
@@ -663,7 +664,7 @@ def test_restore_at_the_forward_level_skips_a_step_whose_probe_item_is_damaged(
     manifest = root / "step-00000002/manifest.json"
     doc = json.loads(manifest.read_text())
     damage(doc["items"]["__probe__"]["tree"])  # a hand-edited manifest
-    manifest.write_text(json.dumps(doc))
+    manifest.write_bytes(sealed_json(doc))
     net = make_net(3)
     with caplog.at_level(logging.WARNING, logger="ckpt"), \
             ckpt.CheckpointManager(root, read_only=True) as mgr:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt._format.sealed import sealed_json
 from tests.support.workers import ForkedWorker, assert_same
 
 APIS = ["oneshot", "manager"]
@@ -210,7 +211,7 @@ def damage_manifest(step_dir: Path, kind: str) -> None:
         return
     doc = json.loads(raw)
     MANIFEST_DAMAGE[kind](doc, step_dir)
-    path.write_text(json.dumps(doc))
+    path.write_bytes(sealed_json(doc))  # sealed again: refused for the edit, not the digest
 
 
 

@@ -18,6 +18,7 @@ from ckpt._format.names import MANIFEST_NAME
 from ckpt._retention.collect import collect
 from ckpt._step.listing import step_dirs
 from ckpt._step.integrity import read_manifest
+from ckpt._format.sealed import reseal
 from storage_backends import PosixStorage
 from tests.support.ranks import forkserver
 
@@ -278,7 +279,7 @@ def test_gc_stops_at_a_kept_step_whose_manifest_names_another_step(tmp_path):
     directory): such a manifest is not trusted for the references that decide what it deletes."""
     save_steps(tmp_path, {1: {"t": torch.ones(4)}, 2: {"t": torch.ones(4) * 2}})
     path = tmp_path / "step-00000002" / MANIFEST_NAME
-    path.write_bytes(path.read_bytes().replace(b'"step":2', b'"step":7'))
+    path.write_bytes(reseal(path.read_bytes().replace(b'"step":2', b'"step":7')))
     with pytest.raises(CheckpointError, match="cannot read the references of kept step 2"):
         collect(PosixStorage(str(tmp_path)), keep={2})
     assert (tmp_path / "step-00000001" / MANIFEST_NAME).exists()

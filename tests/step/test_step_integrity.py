@@ -12,6 +12,7 @@ from ckpt import CheckpointManager, SaveOptions, Schedule
 from ckpt._format.names import MANIFEST_NAME
 from ckpt._step.integrity import check_structure, read_manifest
 from ckpt.errors import CorruptCheckpointError
+from ckpt._format.sealed import reseal
 from storage_backends import PosixStorage
 
 
@@ -29,7 +30,7 @@ def test_a_manifest_that_names_another_step_than_its_directory_is_corrupt(tmp_pa
     though well formed on its own."""
     save_steps(tmp_path, {1: {"t": torch.ones(4)}, 2: {"t": torch.ones(4) * 2}})
     path = tmp_path / "step-00000002" / MANIFEST_NAME
-    path.write_bytes(path.read_bytes().replace(b'"step":2', b'"step":5'))
+    path.write_bytes(reseal(path.read_bytes().replace(b'"step":2', b'"step":5')))
     storage = PosixStorage(str(tmp_path))
     assert read_manifest(storage, "step-00000002").step == 5  # well formed on its own
     with pytest.raises(CorruptCheckpointError, match="manifest says step 5, but lies in "

@@ -22,6 +22,7 @@ import ckpt
 from verify.cli import main as cli
 from ckpt._retention.collect import collect
 from ckpt._format.names import MANIFEST_NAME
+from ckpt._format.sealed import DIGEST_MEMBER, reseal, sealed_json
 from storage_backends import PosixStorage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -273,7 +274,7 @@ def test_an_rng_state_out_of_range_is_refused_as_a_mismatch_not_an_overflow(tmp_
     path = tmp_path / "c" / "manifest.json"
     doc = json.loads(path.read_text())
     doc["items"]["rng"]["per_rank"]["0"]["python"]["__tuple__"][1]["__tuple__"][5] = 2**64
-    path.write_text(json.dumps(doc))
+    path.write_bytes(sealed_json(doc))
     with pytest.raises(ckpt.StateMismatchError, match="'rng'.load_state_dict refused"):
         ckpt.load({"rng": ckpt.RNGState(), "w": torch.zeros(2)}, tmp_path / "c")
 
@@ -495,8 +496,10 @@ def test_malformed_manifest_is_corrupt_restore_falls_back_and_verify_rejects(
     root = tmp_path / "root"
     shutil.copytree(two_steps, root)
     path = root / "step-00000002" / "manifest.json"
-    doc = edit(json.loads(path.read_text()), how)
-    path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    doc = edit({k: v for k, v in json.loads(path.read_text()).items()
+                if k != DIGEST_MEMBER}, how)
+    # Sealed again: the edit, not a digest that no longer matches, is what is refused.
+    path.write_bytes(reseal(doc.encode()) if isinstance(doc, str) else sealed_json(doc))
     with ckpt.CheckpointManager(root, read_only=True) as mgr:
         with pytest.raises(ckpt.CorruptCheckpointError):
             mgr.manifest(2)

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt._format.sealed import sealed_json
 from tests.trainer.test_health import (EVERY, GLOBAL, MICRO, Blobs, event_lines,
                                        make_step_fn, model_fn, no_failure_order, observed,
                                        plain_process)
@@ -278,7 +279,7 @@ def test_a_forged_stop_record_is_named_in_the_log(tmp_path, caplog, forged, resu
     doc = json.loads(manifest.read_text())
     assert "trainer_stop" not in doc["metadata"]
     doc["metadata"]["trainer_stop"] = forged
-    manifest.write_text(json.dumps(doc))
+    manifest.write_bytes(sealed_json(doc))  # an attacker computes the digest as well
     caplog.clear()
     holder.append(verified_trainer(root, tmp_path, step_fn=step_fn))
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping
@@ -18,7 +19,8 @@ from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.inspect import Checkpoints
 
 from ._console import echo, open_path, open_target
-from .lightning_file import FILES_KEY, LightningFile, files_of, folder_of, untrusted_root
+from .lightning_file import (FILES_KEY, LightningFile, claim, claims_in, files_of, folder_of,
+                             untrusted_root)
 from .lightning_file import check as check_file
 from .report import EXIT_FAILED, EXIT_OK, size, table
 
@@ -188,7 +190,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # a Lightning folder's sibling root: its steps' .ckpt files are checked too
     folder = folder_of(cps.url) if lightning is None and cps.is_root and \
         "://" not in cps.url else None
-    for step in _steps(cps, args):
+    # --all of a Lightning folder: its files are checked too, so a folder whose files all
+    # name steps that are gone is reported (below), not refused as holding no step
+    steps = cps.steps() if args.all and folder is not None else _steps(cps, args)
+    for step in steps:
         progress = None
         if args.level != "structure":  # drawn only when stderr is a terminal
             try:
@@ -212,9 +217,40 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 raise
             echo(f"ckpt verify: skipped step {step}, no longer committed: {e}",
                  file=sys.stderr)  # a live writer's retention deleted it after the listing
+    if args.all and folder is not None:
+        reports = sorted(reports + _files_of_gone_steps(cps, folder, args.level),
+                         key=lambda r: r.step)
+    if not reports:
+        _steps(cps, args)  # raises: the root holds no committed step (exit 2)
     report = verify.Report(cps.url, reports)
     echo(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
     return report.exit_code
+
+
+def _files_of_gone_steps(cps: Checkpoints, folder: str, level: str) -> list[verify.StepReport]:
+    """A failed ``file`` check for each step that ``.ckpt`` files of ``folder`` name and the
+    root does not hold: loading such a file falls back to an earlier step."""
+    claimed = claims_in(folder, cps.url)
+    # Listed again after the files: on a live run a step commits just before its file is
+    # renamed into place, so a file seen here has its step in this listing if it has one.
+    committed = set(cps.steps())
+    reports = []
+    for step, files in sorted(claimed.items()):
+        # (a file deleted meanwhile, by Lightning rotating its checkpoints, is not reported)
+        files = [f for f in files if step not in committed and claim(f.path) == step]
+        if not files:
+            continue
+        report = verify.StepReport(step, level, checks=["file"], location=folder,
+                                   files=len(files))
+        for found in files:
+            report.problems.append(verify.Problem("file", (
+                f"{os.path.basename(found.path)} names step {step}, which {cps.url} does not "
+                "hold: loading the file falls back to an earlier step. Its step was removed "
+                "after the file was written (its step folder deleted, the root restored from "
+                "an older copy), or the file was copied here from another folder; delete the "
+                "file, or put its step back"), found.path))
+        reports.append(report)
+    return reports
 
 
 def _check_lightning_file(cps: Checkpoints, found: LightningFile, report: verify.StepReport,

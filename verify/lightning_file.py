@@ -207,6 +207,21 @@ def files_of(folder: str, step: int, root: str) -> list[LightningFile]:
     return found
 
 
+def claims_in(folder: str, root: str) -> dict[int, list[LightningFile]]:
+    """Every regular ``.ckpt`` file of ``folder`` written by CkptCheckpointIO, by the step it
+    claims (links are not followed; a hard link is one file, listed under its first name)."""
+    found: dict[int, list[LightningFile]] = {}
+    seen = set()
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not entry.name.endswith(".ckpt") or not entry.is_file(follow_symlinks=False):
+            continue
+        step = claim(entry.path)
+        if step is not None and entry.inode() not in seen:
+            seen.add(entry.inode())
+            found.setdefault(step, []).append(LightningFile(entry.path, step, root))
+    return found
+
+
 def untrusted_root(found: LightningFile) -> str | None:
     """Why ``found.root`` cannot vouch for the file (a link, not a folder, or owned by
     another user than the file: someone else may have planted its digests); None if it can."""

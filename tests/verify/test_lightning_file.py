@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -143,3 +144,27 @@ def test_a_malformed_record_in_the_step_fails_the_check(tmp_path, capsys):
     _pl_file.publish(tmp, str(folder / "x.ckpt"))
     code, out, _ = cli(capsys, "verify", folder / "x.ckpt")
     assert code == 1 and "malformed" in out
+
+
+def test_verify_all_reports_a_file_whose_step_the_root_does_not_hold(written, capsys):
+    """A ``.ckpt`` of the folder that names a step the sibling root no longer holds (its
+    step folder deleted) cannot be loaded as it is: ``verify --all`` of the folder fails it
+    (exit 1) naming the file and why, also when the root holds no step at all."""
+    shutil.rmtree(written.parent / ".ckpts.ckpt" / "step-00000001")
+    code, out, _ = cli(capsys, "verify", "--all", written)
+    assert code == 1 and "step 2: OK" in out, out
+    assert "step 1: FAILED" in out and "e1.ckpt names step 1, which" in out
+    assert "does not hold" in out and "step folder deleted" in out
+    code, out, _ = cli(capsys, "verify", "--all", written.parent / ".ckpts.ckpt", "--json")
+    doc = json.loads(out)
+    assert code == 1 and [s["status"] for s in doc["steps"]] == ["failed", "ok"]
+    assert doc["steps"][0]["problems"][0]["file"] == str(written / "e1.ckpt")
+
+    os.remove(written / "e1.ckpt")             # the file goes: nothing left to report
+    assert cli(capsys, "verify", "--all", written)[0] == 0
+    _pl_file.publish(*[_pl_file.write({"global_step": 9}, str(written / "e9.ckpt"), 9)[0]],
+                     str(written / "e9.ckpt"))  # a file naming a step never saved here
+    os.remove(written / "e2.ckpt")
+    shutil.rmtree(written.parent / ".ckpts.ckpt" / "step-00000002")  # the root holds none
+    code, out, _ = cli(capsys, "verify", "--all", written)
+    assert code == 1 and out.startswith("step 9: FAILED") and "e9.ckpt names step 9" in out

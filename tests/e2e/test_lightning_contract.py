@@ -192,6 +192,23 @@ def test_a_ckpt_replaced_by_another_file_naming_its_step_is_not_loaded(tmp_path,
     assert not (tmp_path / "pwned").exists()
 
 
+def test_a_ckpt_whose_step_was_removed_falls_back_saying_what_is_known(tmp_path, caplog):
+    """A file's step removed from the root after the file was written (its step folder
+    deleted): the load falls back to the step before with a warning that says the step is
+    not committed and how that comes about, not that the job stopped while writing it (a
+    file is renamed into place only once its step committed)."""
+    io = CkptCheckpointIO()
+    io.save_checkpoint({"global_step": 3, "w": torch.zeros(4)}, tmp_path / "run/a.ckpt")
+    io.save_checkpoint({"global_step": 4, "w": torch.ones(4)}, tmp_path / "run/b.ckpt")
+    shutil.rmtree(tmp_path / ".run.ckpt/step-00000004")
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        loaded = io.load_checkpoint(tmp_path / "run/b.ckpt")
+    assert loaded["global_step"] == 3
+    assert "belongs to step 4, which is not committed under" in caplog.text
+    assert "removed after the file was written" in caplog.text
+    assert "stopped while writing" not in caplog.text
+
+
 def test_save_checkpoint_outside_fit_leaves_no_thread_or_lock(tmp_path):
     """trainer.save_checkpoint() after fit() is not followed by a teardown: the save returns
     with its step committed, no writer thread alive and the folder unlocked, so a second

@@ -119,9 +119,10 @@ def load_newest_good(root: str, step: int | None, *, allow_pickle: bool = False,
                                 schedule=ckpt.Schedule(handle_sigterm=False)) as ro:
         candidates = [s for s in ro.steps() if step is None or s <= step]
     if step is not None and step not in candidates:
-        log.warning("ckpt: step %d (named by a checkpoint under %s) was never committed "
-                    "(the job stopped while writing it); loading the newest step before it",
-                    step, root)
+        # The root keeps no record of retired steps: both causes are named.
+        log.warning("ckpt: step %d (named by a checkpoint under %s) is not committed there: "
+                    "its save never committed (the job stopped while writing it), or the step "
+                    "was removed since; loading the newest step before it", step, root)
     location = map_location if isinstance(map_location, (str, torch.device)) else None
     failures = []
     for s in reversed(candidates):

@@ -246,8 +246,9 @@ class CkptTrainer(Trainer):
                     committed and not os.path.exists(os.path.join(folder, hff.OPTIMIZER_NAME)))
                 if not own:
                     return folder  # a checkpoint of HF's own format: HF loads it
-                failures.append(f"{folder}: its ckpt step was never committed (the job "
-                                "stopped while writing it)")
+                failures.append(f"{folder}: its ckpt step is not committed (its save never "
+                                "finished, the job stopped while writing it; or the step was "
+                                "removed since)")
             else:
                 problem = self._load_step(root, n, folder)
                 if problem is None:

@@ -8,7 +8,7 @@ Every checkpoint Lightning asks for (``ModelCheckpoint``, ``trainer.save_checkpo
 hidden sibling ``.ckpts.ckpt``: ``ckpts`` lists exactly the files Lightning's own IO leaves
 there. A second save of the same step with the same contents (the top-k file, then
 ``last.ckpt``) is a hard link to the first file. Loading checks the file against its step's
-digests; a file whose step is corrupt or was never committed falls back, with a warning, to
+digests; a file whose step is corrupt or not in the root falls back, with a warning, to
 the newest good step before it (its file). A ``.ckpt`` of Lightning's own IO (no claim) is
 loaded with ``torch.load`` as Lightning would, and a pointer of earlier versions through ckpt.
 
@@ -312,9 +312,12 @@ class CkptCheckpointIO(CheckpointIO):
                                     schedule=ckpt.Schedule(handle_sigterm=False)) as ro:
             candidates = [s for s in ro.steps() if s <= step] if os.path.isdir(root) else []
         if step not in candidates:
-            log.warning("ckpt: %s belongs to step %d, which was never committed under %s (the "
-                        "job stopped while writing it); loading the newest step before it",
-                        full, step, root)
+            # The file is renamed into place only once its step committed: the step went
+            # later, or the file came from elsewhere; the root keeps no record of which.
+            log.warning("ckpt: %s belongs to step %d, which is not committed under %s (its "
+                        "step was removed after the file was written: its folder deleted, "
+                        "the root restored from an older copy; or the file was copied from "
+                        "another folder); loading the newest step before it", full, step, root)
         failures = []
         for s in reversed(candidates):
             try:

@@ -218,6 +218,25 @@ class TrainerCheckpointer:
             self.window.saved(restored)
         return restored
 
+    def retire_after(self, step: int) -> list[int]:
+        """After a rollback to ``step``: retire the committed steps after it, the old
+        timeline's (a restore that preferred the verified ``step`` passed over them). Left
+        in the root, the newest of them would pass for the job's newest state: a resume
+        after a preemption of the new timeline would not find its stop checkpoint, and a
+        plain load of the root would return weights the rollback undid. Call on one rank
+        (rank 0: the root has one writer); returns the steps retired. A storage failure is
+        logged and the steps stay (a later save of the same number replaces each one)."""
+        try:
+            newer = [s for s in self.manager.steps() if s > step]
+            if newer:
+                self.manager.retire(newer)
+        except (OSError, ckpt.CheckpointError) as e:
+            log.warning("retiring the steps after step %d (the timeline the rollback left) "
+                        "failed: %s; they stay until saves of the same numbers replace them",
+                        step, e)
+            return []
+        return newer
+
     def stop_step(self, attempt: int) -> int | None:
         """The newest committed step when a resume should take it although it is not
         verified: a stop checkpoint (:data:`STOP_KEY` in its manifest's metadata) that

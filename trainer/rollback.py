@@ -87,7 +87,8 @@ class Rollbacks:
                 rollbacks=len(self.guard.rollbacks), max_rollbacks=self.guard.max_rollbacks))
             raise
         restored = self._restore_good(verdict, batch.offset)
-        self._note(verdict, batch, restored, count, t0)
+        retired = self.checkpointer.retire_after(restored) if self.records.rank == 0 else []
+        self._note(verdict, batch, restored, count, t0, retired)
         return restored
 
     def _restore_good(self, verdict: Verdict, offset: int) -> int:
@@ -107,13 +108,15 @@ class Rollbacks:
         return restored
 
     def _note(self, verdict: Verdict, batch: StepBatch, restored: int, count: int,
-              t0: float) -> None:
-        """The rollback's event, progress record, ``skips.jsonl`` entry (rank 0) and metrics."""
+              t0: float, retired: list[int]) -> None:
+        """The rollback's event, progress record, ``skips.jsonl`` entry (rank 0) and metrics;
+        ``retired``: the old timeline's steps rank 0 retired."""
         assert self.guard is not None
         global_batch_size = len(batch.global_indices)
         fields = {"step": verdict.step, "reason": verdict.reason, "restored_step": restored,
                   "rollbacks": count, "max_rollbacks": self.guard.max_rollbacks,
-                  "skip_offset": batch.offset, "skip_indices": batch.global_indices}
+                  "skip_offset": batch.offset, "skip_indices": batch.global_indices,
+                  "retired_steps": retired}
         events.warning(format_event("train.rollback", rank=self.records.rank, **fields,
                                     seconds=round(time.time() - t0, 3)))
         self.records.record("rollback", **fields, loss=json_float(verdict.loss),

@@ -106,3 +106,25 @@ def test_a_rollback_to_the_newest_step_retires_nothing(tmp_path):
                               / "rank-00000.jsonl"))
     [rollback] = [r for r in records if r["event"] == "rollback"]
     assert (rollback["restored_step"], rollback["retired_steps"]) == (10, [])
+
+
+@pytest.mark.xfail(strict=True, reason="trainer/progress.py takes an attempt's last step as "
+                   "the highest step it finished, not the last one (requested)")
+def test_the_summary_counts_the_steps_of_an_attempt_after_its_rollback():
+    """An attempt that trained to step 11, rolled back to 5 and was preempted after step 7
+    ended at step 7: resumed from 7, it lost no step (the summary said 11 and 4 lost)."""
+    from trainer.progress import _attempt_facts, _recovery
+
+    t = iter(range(100))
+    ended = [{"event": "start", "world": 1, "rank": 0, "process_start": 0.0, "pid": 1,
+              "group_ready": 0.0, "time": next(t)},
+             {"event": "restored", "step": 0, "rank": 0, "time": next(t)},
+             *({"event": "step", "step": s, "rank": 0, "time": next(t)} for s in range(1, 12)),
+             {"event": "rollback", "step": 12, "restored_step": 5, "rank": 0, "time": next(t)},
+             *({"event": "step", "step": s, "rank": 0, "time": next(t)} for s in (6, 7)),
+             {"event": "preempted", "step": 7, "rank": 0, "time": next(t)}]
+    resumed = [{"event": "start", "world": 1, "rank": 0, "process_start": 50.0, "pid": 2,
+                "group_ready": 50.0, "time": 50.0},
+               {"event": "restored", "step": 7, "rank": 0, "time": 51.0}]
+    recovery = _recovery(_attempt_facts(0, ended), _attempt_facts(1, resumed))
+    assert (recovery.last_step, recovery.steps_lost) == (7, 0)

@@ -20,7 +20,7 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -148,6 +148,36 @@ def memory_tier_options(requested: bool | None, *, root: str | os.PathLike, elas
         options = dataclasses.replace(
             options, job=memory_job_id(root, os.environ.get("TORCHELASTIC_RUN_ID")))
     return {"memory_tier": options}
+
+
+def incremental_saves(manager_options: Mapping[str, Any]) -> bool:
+    """Whether ``CheckpointManager`` keywords ask for incremental saves (``options=
+    ckpt.SaveOptions(incremental=True)`` or the ``incremental=True`` shorthand)."""
+    options = manager_options.get("options")
+    return bool(manager_options.get("incremental")
+                or getattr(options, "incremental", False))
+
+
+def manager_keywords(checkpoint: Any, *, root: str | os.PathLike,
+                     elastic: bool) -> dict[str, Any]:
+    """The ``CheckpointManager`` keywords of a ``trainer.CheckpointConfig``: the memory
+    tier's (:func:`memory_tier_options`), then the user's ``manager_options``.
+
+    The tier's default (on under torchrun) gives way to incremental saves that the options
+    ask for: the tier cannot hold them (an incremental step references its base step's
+    files in the root), and a job that runs in a plain process must run under torchrun
+    too. The tier stays off then, and the log says why. (Asking for both is refused when
+    the config is built.)"""
+    requested = checkpoint.memory_tier
+    if requested is None and incremental_saves(checkpoint.manager_options):
+        if elastic:
+            log.info("memory tier off: the checkpoint options ask for incremental saves, "
+                     "which it cannot hold (its default is on under torchrun; drop "
+                     "incremental=True to restore restarted workers from memory)")
+        requested = False
+    return {**memory_tier_options(requested, root=root, elastic=elastic,
+                                  options=checkpoint.memory_options),
+            **checkpoint.manager_options}
 
 
 class TrainerCheckpointer:
@@ -384,5 +414,5 @@ class TrainerCheckpointer:
 
 __all__ = ["DEFAULT_VERIFIED_WINDOW", "RESERVED_ITEMS", "STOP_KEY", "STOP_REASONS",
            "TrainerCheckpointer", "VERIFY_LEVELS",
-           "checkpointed_items", "default_probe_inputs", "make_probe", "memory_job_id",
-           "memory_tier_options"]
+           "checkpointed_items", "default_probe_inputs", "incremental_saves", "make_probe",
+           "manager_keywords", "memory_job_id", "memory_tier_options"]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import ckpt
-from trainer.checkpointing import DEFAULT_VERIFIED_WINDOW, VERIFY_LEVELS
+from trainer.checkpointing import DEFAULT_VERIFIED_WINDOW, VERIFY_LEVELS, incremental_saves
 from trainer.hangs import HangRule
 from trainer.health import HealthGuard
 from trainer.hooks import Hooks
@@ -105,8 +105,10 @@ class CheckpointConfig:
             and a copy in a peer node's, so that a restarted worker restores from RAM and
             survivors of a lost node from the peer copy before reading the root
             (docs/memory-tier.md). None (default): on when torchrun runs the job and
-            /dev/shm exists; True: on, also in a plain process; False: off. The run
-            records say which tier each restore came from.
+            /dev/shm exists, unless ``manager_options`` ask for incremental saves (which
+            the tier cannot hold: it stays off, and the log says why); True: on, also in a
+            plain process (ValueError with incremental saves); False: off. The run records
+            say which tier each restore came from.
         memory_options: how the memory tier works when it is on (``ckpt.MemoryTierOptions``:
             ``persist_every``, only every K-th save also goes to the root, the final and
             preemption checkpoints always do; ``replicas``, copies of each node's shards in
@@ -174,6 +176,11 @@ class CheckpointConfig:
         if self.memory_tier is not None and not isinstance(self.memory_tier, bool):
             raise TypeError(f"memory_tier must be True, False or None, not "
                             f"{self.memory_tier!r}")
+        if self.memory_tier is True and incremental_saves(options):
+            raise ValueError("CheckpointConfig(memory_tier=True) cannot be combined with "
+                             "incremental saves in manager_options (incremental=True): the "
+                             "memory tier holds whole steps, an incremental step references "
+                             "its base step's files in the root; drop one of them")
         if self.memory_options is not None and not isinstance(self.memory_options,
                                                               ckpt.MemoryTierOptions):
             raise TypeError(f"memory_options must be a ckpt.MemoryTierOptions, not "

@@ -23,7 +23,7 @@ except ImportError:  # ckpt.RNGState holds NumPy's state only when NumPy is inst
 
 from trainer.batches import DatasetFeed, GlobalBatches, LoaderFeed
 from trainer.checkpointing import (TrainerCheckpointer, checkpointed_items, make_probe,
-                                   memory_tier_options)
+                                   manager_keywords)
 from trainer.data import ResumableSampler
 from trainer.exits import ExitPolicy
 from trainer.heartbeat import Heartbeat
@@ -113,10 +113,8 @@ def build_parts(trainer: ElasticTrainer, parts: AttemptParts) -> None:
                                  optimizer=optimizer, scheduler=scheduler,
                                  grad_scaler=grad_scaler, fsdp=bool(fsdp), extra=extra),
         collective_timeout=config.failure.collective_timeout,
-        options={**memory_tier_options(checkpoint.memory_tier, root=trainer.checkpoint_root,
-                                       elastic=trainer.elastic,
-                                       options=checkpoint.memory_options),
-                 **checkpoint.manager_options},
+        options=manager_keywords(checkpoint, root=trainer.checkpoint_root,
+                                 elastic=trainer.elastic),
         probe=make_probe(checkpoint.probe, module, lambda: probe_batch(trainer),
                          fsdp=bool(fsdp)),
         verify=checkpoint.verify, verified_window=checkpoint.verified_window,

@@ -16,7 +16,7 @@ import ckpt
 from ckpt import CorruptCheckpointError
 from ckpt._format.digest import digest
 from ckpt._format.manifest import Manifest
-from ckpt._format.sealed import DIGEST_MEMBER, seal, sealed_json
+from ckpt._format.sealed import DIGEST_MEMBER, reseal, seal, sealed_json
 from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 from verify.cli import main
 
@@ -98,6 +98,9 @@ def test_an_edit_resealed_reads_and_reaches_the_validation(saved):
     assert Manifest.from_json(sealed_json(doc), where="m").items["epoch"]["tree"] == 4
     doc["step"] = -1
     assert "invalid manifest" in _refused(sealed_json(doc))
+    edited = reseal(saved.replace(b'"tree":3', b'"tree":5'))
+    assert edited.count(DIGEST_MEMBER.encode()) == 1
+    assert Manifest.from_json(edited, where="m").items["epoch"]["tree"] == 5
     with pytest.raises(ValueError, match="non-empty JSON object"):
         seal(b"{}")
 

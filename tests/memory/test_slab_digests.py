@@ -21,7 +21,8 @@ from ckpt._save import rank_write
 
 def state_of(step: int) -> dict[str, torch.Tensor]:
     """Every byte depends on ``step``: a tensor of several chunks, a parameter (requires
-    grad), odd sizes and dtypes, a non-contiguous view, a lazy conjugate, an empty tensor."""
+    grad), odd sizes and dtypes, a non-contiguous view, a lazy conjugate, views that start
+    inside their storage, an empty tensor."""
     g = torch.Generator().manual_seed(step)
     wide = torch.randn(48, 33, generator=g)
     return {"w": torch.randn(300, 257, generator=g),
@@ -30,6 +31,10 @@ def state_of(step: int) -> dict[str, torch.Tensor]:
             "i": torch.randint(0, 1 << 30, (999,), generator=g),
             "t": wide.t(),
             "c": torch.randn(40, generator=g, dtype=torch.complex64).conj(),
+            # contiguous, but starting inside their storage (the copy reads from the
+            # tensor's own address, not its storage's)
+            "tail": torch.randn(1000, generator=g)[7:],
+            "row": torch.randn(100, 100, generator=g)[42],
             "empty": torch.zeros(0, 5),
             "scalar": torch.tensor(float(step))}
 
@@ -133,7 +138,9 @@ def test_helper_threads_take_only_chunks_of_a_whole_block(tmp_path, monkeypatch)
         mine = [n for here, n in ran.values() if here]
         assert len(helper) > 1 and min(helper) >= 4096  # every other whole-block chunk
         assert [n for n in mine if n < 4096]  # every small one, on the calling thread
-        assert sum(n >= 4096 for n in mine) == 1
+        # At most the one it held (the helper may have taken every whole block before the
+        # calling thread asked for one; then the caller's first chunk is a small one).
+        assert sum(n >= 4096 for n in mine) <= 1
 
         asked.clear()
         small = {k: t for k, t in tensors.items()  # its chunks all under a block

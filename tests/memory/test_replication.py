@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 
 import pytest
@@ -140,16 +141,16 @@ def _sender_and_receiver(tmp_path, keep: int = 2) -> tuple[Replicator, Replicato
     return sending, receiving
 
 
-def _connected(rep: Replicator) -> bool:
-    """Whether a connection to ``rep``'s receiver was accepted and is being handled."""
-    slots = rep.receiver._slots
-    return slots._value < slots._initial_value
+def _handling(rep: Replicator) -> threading.Event:
+    """An event set once ``rep``'s receiver handles a connection (accepted, on its thread)."""
+    entered, receive = threading.Event(), rep.receiver._receive
 
+    def handle(conn, peer) -> None:
+        entered.set()
+        receive(conn, peer)
 
-def _until(condition) -> None:
-    deadline = time.monotonic() + 30
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    rep.receiver._receive = handle
+    return entered
 
 
 def test_a_burst_of_saves_replicates_every_generation_the_segment_keeps(tmp_path):
@@ -161,12 +162,13 @@ def test_a_burst_of_saves_replicates_every_generation_the_segment_keeps(tmp_path
     counted: list[str] = []
     sending, receiving = _sender_and_receiver(tmp_path)
     sending._count = counted.append
+    handling = _handling(receiving)
     segment = tmp_path / "a" / "own"
     try:
         sending.submit(0, _rank_step(segment, 0, origin=1), origin=1)
         # Step 0 is on its way (connected; the receiver waits for its key) while steps 2
         # and 4 are saved, and the segment, which keeps 2 and 4, retires it.
-        _until(lambda: _connected(receiving))
+        assert handling.wait(30)
         for step in (2, 4):
             sending.submit(step, _rank_step(segment, step, origin=1), origin=1)
         (segment / "step-00000000").rename(segment / ".aside")
@@ -191,10 +193,11 @@ def test_waiting_steps_beyond_keep_or_of_a_left_line_are_superseded(tmp_path):
     counted: list[str] = []
     sending, receiving = _sender_and_receiver(tmp_path)
     sending._count = counted.append
+    handling = _handling(receiving)
     segment = tmp_path / "a" / "own"
     try:
         sending.submit(1, _rank_step(segment, 1, origin=1), origin=1)
-        _until(lambda: _connected(receiving))
+        assert handling.wait(30)
         for step in (4, 5, 9, 7):  # 9 pushes 4 out of the newest two; 7 supersedes 9
             sending.submit(step, _rank_step(segment, step, origin=1), origin=1)
         receiving.connect([], "s3cret")

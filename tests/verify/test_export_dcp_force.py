@@ -51,13 +51,40 @@ def test_force_refuses_a_folder_that_is_no_dcp_export(tmp_path, capsys, target):
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
 
 
-def test_the_library_call_refuses_the_same_folders(tmp_path):
+def test_the_library_call_refuses_the_same_folders_before_reading_the_step(tmp_path,
+                                                                           monkeypatch):
     parent = tmp_path / "work"
     parent.mkdir()
     (parent / "notes.txt").write_text("precious")
     root = root_with_a_step(parent / "run1")
     before = tree(tmp_path)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the step was read before the target was checked")
+
+    monkeypatch.setattr(ckpt.api, "load", no_load)
     for folder in (root, parent):
         with pytest.raises(FileExistsError, match="is not a DCP export"):
             ckpt.interop.export_dcp(root, folder, force=True)
     assert tree(tmp_path) == before
+
+
+def test_a_folder_that_stops_being_an_export_during_the_export_is_kept(tmp_path, monkeypatch):
+    """The check runs again just before the old export is deleted: a file put into the
+    folder while the new export was written (the folder is someone's now) keeps it."""
+    import torch.distributed.checkpoint as dcp
+
+    root = root_with_a_step(tmp_path / "run1")
+    out = tmp_path / "export"
+    assert main(["export", str(root), "--to", "dcp", str(out)]) == 0
+    save = dcp.save
+
+    def save_while_a_user_writes(*args, **kwargs):
+        (out / "notes.txt").write_text("precious")
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", save_while_a_user_writes)
+    with pytest.raises(FileExistsError, match="is not a DCP export"):
+        ckpt.interop.export_dcp(root, out, force=True)
+    assert (out / "notes.txt").read_text() == "precious" and (out / ".metadata").exists()
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]

@@ -267,13 +267,16 @@ class TrainerCheckpointer:
             return []
         return newer
 
-    def stop_step(self, attempt: int) -> int | None:
+    def stop_step(self, attempt: int | None) -> int | None:
         """The newest committed step when a resume should take it although it is not
         verified: a stop checkpoint (:data:`STOP_KEY` in its manifest's metadata) that
         the previous attempt (``attempt - 1``) took, so the guard accepted every step up
         to it. Else None: the resume prefers the newest verified step. A stop checkpoint
         an attempt resumed from already (and then crashed inside its window) is not taken
-        again. Reads one manifest (rank 0 calls it and broadcasts the answer)."""
+        again. ``attempt`` None: the attempts are not numbered (no run directory, as for
+        an object-store root by default), so a stop checkpoint is taken whichever attempt
+        took it (one that crashed after resuming from it is not told apart then). Reads
+        one manifest (rank 0 calls it and broadcasts the answer)."""
         if self.window is None:
             return None
         try:
@@ -292,6 +295,12 @@ class TrainerCheckpointer:
             log.warning("step %d carries an invalid %r (%r): not taken as a stop checkpoint; "
                         "resuming from the newest verified step", newest, STOP_KEY, recorded)
             return None
+        if attempt is None:
+            log.info("step %d is a %s stop checkpoint: resuming from it (no run directory "
+                     "numbers the attempts, so whether an attempt resumed from it already "
+                     "and crashed cannot be told; set ObservabilityConfig.run_dir to a "
+                     "directory every node shares for that)", newest, recorded["reason"])
+            return newest
         if recorded["attempt"] != attempt - 1:
             log.info("step %d is the stop checkpoint of attempt %d, not of the previous one "
                      "(%d): resuming from the newest verified step", newest,

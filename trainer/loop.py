@@ -58,7 +58,10 @@ class TrainingLoop:
         t0 = time.time()
         # A stop checkpoint of the previous attempt is resumed from though not verified yet;
         # rank 0 reads it once so that every rank restores the same step.
-        stop = attempt.broadcast(checkpointer.stop_step(attempt.number) if attempt.rank == 0
+        # Without a run directory every attempt is number 0: the stop record cannot say
+        # which attempt took it (trainer.checkpointing.TrainerCheckpointer.stop_step).
+        numbered = attempt.number if trainer.run_dir is not None else None
+        stop = attempt.broadcast(checkpointer.stop_step(numbered) if attempt.rank == 0
                                  else None)
         restored = checkpointer.restore(stop)
         start = restored or 0

@@ -1,0 +1,62 @@
+"""The elastic trainer on an object-store root (S3, moto's server) with its defaults: no run
+directory unless one is given (``ObservabilityConfig.run_dir``: the default is beside a local
+root only), a health guard and a verified window.
+
+A preempted attempt's stop checkpoint must be what the next attempt resumes from there too:
+the attempts must still be told apart without a run directory (the stop record names the
+attempt that took it, and a resume takes it only from the previous attempt).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
+from tests.trainer.test_health import event_lines, make_step_fn, plain_process
+from tests.trainer.test_verified_steps import STEPS, preempting, verified_trainer
+from trainer import CheckpointConfig
+from trainer.elastic import ElasticTrainer
+
+__all__ = ["plain_process"]  # the autouse fixture: no torchrun variables in this process
+
+pytestmark = pytest.mark.s3
+
+AT = 8  # between the saves of 5 and 10; the newest verified step is 0 (5's window ends at 9)
+
+
+def test_a_preempted_run_on_s3_resumes_from_its_stop_checkpoint(s3, tmp_path,  # noqa: F811
+                                                                 caplog):
+    """SIGTERM during step 8: the next attempt resumes from the stop checkpoint of step 8
+    (not from step 0, the newest verified) and ends with the uninterrupted run's weights."""
+    caplog.set_level(logging.INFO, logger="ckpt.trainer")
+    step_fn = make_step_fn(None)
+    root = s3.root("job")
+
+    def trainer(fn) -> ElasticTrainer:
+        t = verified_trainer(root, tmp_path, step_fn=fn, checkpoint=CheckpointConfig(
+            manager_options={"storage_options": s3.storage_options}))
+        assert t.run_dir is None  # the default for an object-store root
+        return t
+
+    holder: list[ElasticTrainer] = []
+    holder.append(trainer(preempting(step_fn, AT, holder)))
+    with pytest.raises(SystemExit):
+        holder[0].fit(STEPS // 2)
+    holder[0].close()
+    caplog.clear()
+    holder.append(trainer(step_fn))
+    try:
+        holder[1].fit(STEPS // 2)
+    finally:
+        holder[1].close()
+    [resume] = event_lines(caplog, "train.resume")
+    assert resume["step"] == str(AT)
+    reference = verified_trainer(tmp_path / "reference", tmp_path / "reference",
+                                 step_fn=step_fn)
+    reference.fit(STEPS // 2)
+    reference.close()
+    for k, v in holder[1].module.state_dict().items():
+        assert torch.equal(v, reference.module.state_dict()[k]), k

@@ -8,28 +8,12 @@ import logging
 import os
 import signal
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
 import ckpt
-from storage_backends import PosixStorage
-
-
-class GatedStorage(PosixStorage):
-    """POSIX storage whose writes wait until ``gate`` is set (then fail when ``fail``)."""
-
-    def __init__(self, root: Path, *, fail: bool = False) -> None:
-        super().__init__(str(root))
-        self.gate = threading.Event()
-        self.fail = fail
-
-    def write(self, path, buffers):
-        assert self.gate.wait(60), "the test never opened the gate"
-        if self.fail:
-            raise OSError(28, "No space left on device (injected)")
-        return super().write(path, buffers)
+from tests.support.gated import GatedStorage
 
 
 class OpenAfter(logging.Handler):

@@ -18,6 +18,7 @@ import torch
 import ckpt
 from tests.support.workers import ForkedWorker, assert_same, preempt_state, zeroed
 from storage_backends import PosixStorage
+from tests.support.gated import GatedStorage
 import ckpt._save.writer
 from ckpt._save.staging import Stager
 
@@ -211,18 +212,6 @@ def test_memory_stays_flat_over_twenty_async_saves(tmp_path):
 
 
 # -------------------------------------------------------------- backpressure
-
-
-class GatedStorage(PosixStorage):
-    """POSIX storage whose writes wait until ``gate`` is set: a save as slow as we like."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(str(root))
-        self.gate = threading.Event()
-
-    def write(self, path, buffers):
-        assert self.gate.wait(30), "the test never opened the gate"
-        return super().write(path, buffers)
 
 
 def test_second_save_waits_for_the_first_and_counts_it(tmp_path):

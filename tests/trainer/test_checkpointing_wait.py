@@ -5,24 +5,11 @@ backpressure wait, counted once though the trainer waits before calling ``save``
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import torch
 
-from storage_backends import PosixStorage
+from tests.support.gated import GatedStorage
 from trainer.checkpointing import TrainerCheckpointer
-
-
-class GatedStorage(PosixStorage):
-    """POSIX storage whose writes wait until ``gate`` is set: a save as slow as we like."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(str(root))
-        self.gate = threading.Event()
-
-    def write(self, path, buffers):
-        assert self.gate.wait(60), "the test never opened the gate"
-        return super().write(path, buffers)
 
 
 def checkpointer(root, every: int = 10) -> TrainerCheckpointer:

@@ -59,20 +59,21 @@ class Manifest:
         doc = {f.name: getattr(self, f.name) for f in fields(self)
                if f.name not in _SHAPED_FIELDS}
         if self.format_version == FORMAT_VERSION:
-            doc["tensors"] = {key: {"dtype": e.dtype, "shape": list(e.shape),
-                                    "chunks": [chunk_doc(c) for c in e.chunks]}
-                              for key, e in self.tensors.items()}
-        else:
-            meshes: dict[Any, int] = {}
-            doc["tensors"] = {key: {"dtype": e.dtype, "shape": list(e.shape),
-                                    "layout": layout_doc(e.layout, meshes)}
-                              for key, e in self.tensors.items()}
-            doc["meshes"] = [{"shape": list(m.shape), "ranks": list(m.ranks)} for m in meshes]
-            doc["tables"] = [list(t) for t in self.tables]
-            refs: dict[str, dict[str, int]] = {}
-            for (step, name), size in sorted(self.refs.items()):
-                refs.setdefault(str(step), {})[name] = size
-            doc["refs"] = refs
+            # Each member encoded on its own, the chunks written out as text: the bytes
+            # json.dumps gives, in about two thirds of its time (no dict per chunk).
+            body = ",".join(f"{_encode(k)}:{_tensors_text(v) if k == 'tensors' else _encode(v)}"
+                            for k, v in doc.items())
+            return seal(b"{%s}" % body.encode())
+        meshes: dict[Any, int] = {}
+        doc["tensors"] = {key: {"dtype": e.dtype, "shape": list(e.shape),
+                                "layout": layout_doc(e.layout, meshes)}
+                          for key, e in self.tensors.items()}
+        doc["meshes"] = [{"shape": list(m.shape), "ranks": list(m.ranks)} for m in meshes]
+        doc["tables"] = [list(t) for t in self.tables]
+        refs: dict[str, dict[str, int]] = {}
+        for (step, name), size in sorted(self.refs.items()):
+            refs.setdefault(str(step), {})[name] = size
+        doc["refs"] = refs
         return seal(json.dumps(doc, separators=(",", ":"), allow_nan=False).encode())
 
     @classmethod
@@ -156,6 +157,31 @@ def chunk_doc(c: Chunk) -> dict[str, Any]:
     if c.step is not None:
         doc["step"] = c.step
     return doc
+
+
+# The encoder of json.dumps(..., separators=(",", ":"), allow_nan=False).
+_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_int = int.__repr__  # an int's JSON text (a float or a numpy integer raises, as json does)
+
+
+def _ints(values: tuple[int, ...]) -> str:
+    return ",".join(map(_int, values))
+
+
+def _chunk_text(c: Chunk) -> str:
+    """``chunk_doc(c)`` as compact JSON."""
+    return ('{"offsets":[%s],"shape":[%s],"file":%s,"start":%s,"length":%s,"digest":%s,'
+            '"codec":%s%s}' % (_ints(c.offsets), _ints(c.shape), _encode(c.file),
+                               _int(c.start), _int(c.length), _encode(c.digest),
+                               _encode(c.codec), "" if c.step is None else
+                               ',"step":' + _int(c.step)))
+
+
+def _tensors_text(tensors: dict[str, TensorEntry]) -> str:
+    """Format 1's ``tensors`` member as compact JSON."""
+    return "{%s}" % ",".join('%s:{"dtype":%s,"shape":[%s],"chunks":[%s]}' % (
+        _encode(key), _encode(e.dtype), _ints(e.shape), ",".join(map(_chunk_text, e.chunks)))
+        for key, e in tensors.items())
 
 
 def layout_doc(layout: Layout, meshes: dict[Any, int]) -> dict[str, Any]:

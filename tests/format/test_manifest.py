@@ -13,7 +13,7 @@ from ckpt._format import bounds, tiling
 from ckpt._format import manifest as fmt
 from ckpt._format.bounds import MAX_DIMS
 from ckpt._format.manifest import Manifest
-from ckpt._format.sealed import sealed_json
+from ckpt._format.sealed import seal, sealed_json
 
 
 DIGEST = "0123456789abcdef"
@@ -279,3 +279,29 @@ def test_a_format2_layout_with_a_float_index_is_refused_as_corrupt(tmp_path, lay
     with pytest.raises(CorruptCheckpointError, match="invalid manifest") as info:
         Manifest.from_json(sealed_json(doc), where="m")
     assert message in str(info.value)
+
+
+def test_format1s_manifest_is_the_json_of_its_documents(tmp_path):
+    """Format 1's chunks are written as text, not as a dict each: the bytes are exactly
+    json.dumps of the documents (chunk_doc), for chunks of earlier steps, compressed ones,
+    0-d tensors, aliases and names outside ASCII."""
+    from dataclasses import fields
+
+    tied = torch.randn(3, 4)
+    state = {"w\u00e9ight": torch.randn(64, 32), "frozen": torch.ones(64, 32), "t": tied,
+             "alias": tied, "scalar": torch.tensor(2.5), "epoch": 3, "lr": 0.25}
+    with CheckpointManager(tmp_path, async_save=False, options=SaveOptions(
+            compression="zstd", chunk_bytes=4096, incremental=True)) as mgr:
+        mgr.save(1, state, force=True)
+        state["w\u00e9ight"] = torch.randn(64, 32)
+        mgr.save(2, state, force=True)
+        manifest = mgr.manifest(2)
+    assert any(c.step == 1 for c in manifest.tensors["frozen"].chunks)
+    assert manifest.aliases and manifest.tensors["scalar"].shape == ()
+    doc = {f.name: getattr(manifest, f.name) for f in fields(manifest)
+           if f.name not in ("tables", "refs", "rank_tables")}
+    doc["tensors"] = {k: {"dtype": e.dtype, "shape": list(e.shape),
+                          "chunks": [fmt.chunk_doc(c) for c in e.chunks]}
+                      for k, e in manifest.tensors.items()}
+    want = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    assert manifest.to_json() == sealed_json(json.loads(want)) == seal(want)

@@ -5,9 +5,10 @@ or to a node_exporter textfile. Names follow Prometheus conventions with a ``ckp
 The HTTP server is a surface of its own: whoever reaches its address and port can read the
 counters (no weights, no paths) and make it render them, nothing else; it serves until
 :meth:`CheckpointMetrics.close` (the manager's ``close()``). It is prometheus_client's WSGI
-application on a server of ours that bounds what a client costs the training process:
-``MAX_CONNECTIONS`` handler threads at most (more connections are closed unread), each for
-at most ``REQUEST_S`` seconds from the accept, however slowly the request trickles. The
+application on :class:`ckpt._shared.bounded_server.BoundedServer`, which bounds what a
+client costs the training process: ``MAX_CONNECTIONS`` handler threads at most (more
+connections are closed unread); a request whole within ``REQUEST_S`` seconds of the accept,
+however slowly it trickles, and its answer taken within ``REQUEST_S`` of its first byte. The
 textfile is written to a fresh temporary name that no one can plant a link at, then renamed.
 docs/observability.md has the threat model. The trainer's exporter uses the same two
 functions (:func:`serve_metrics`, :func:`write_textfile`).
@@ -26,6 +27,7 @@ import time
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
+from ckpt._shared.bounded_server import BoundedServer, DeadlineHandler
 from ckpt.errors import MetricsServerError
 
 log = logging.getLogger("ckpt")
@@ -33,7 +35,8 @@ log = logging.getLogger("ckpt")
 #: Connections the metrics server handles at once: more are closed unread (a scraper needs
 #: one; a flood of connections costs no thread).
 MAX_CONNECTIONS = 8
-#: Seconds a connection has, from its accept, to send its request and take the answer.
+#: Seconds a connection has, from its accept, to send its request; and again, from the
+#: answer's first byte, to take the answer.
 REQUEST_S = 10.0
 
 _BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -221,70 +224,29 @@ class _Collector:
             yield family
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A socket's reads, each limited to what is left until ``deadline`` (monotonic)."""
+class _DebugLines(io.TextIOBase):
+    """wsgiref's error stream (a traceback for each answer cut at its deadline) as debug
+    lines: anyone who reaches the port could otherwise fill the job's stderr."""
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self._sock, self._deadline = sock, deadline
-
-    def readable(self) -> bool:
+    def writable(self) -> bool:
         return True
 
-    def readinto(self, buffer: Any) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request did not arrive in time")
-        self._sock.settimeout(left)  # the answer's writes are bounded by it too
-        return self._sock.recv_into(buffer)
+    def write(self, text: str) -> int:
+        if text.strip():
+            log.debug("metrics server: %s", text.rstrip())
+        return len(text)
 
 
-class _Handler(WSGIRequestHandler):
-    def setup(self) -> None:
-        super().setup()
-        # the whole request within REQUEST_S of the accept, however it trickles
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection,
-                                                       time.monotonic() + REQUEST_S))
-
+class _Handler(DeadlineHandler, WSGIRequestHandler):
     def log_message(self, fmt: str, *args: Any) -> None:  # no line per scrape
         pass
 
+    def get_stderr(self) -> Any:
+        return _DebugLines()
 
-class _BoundedServer(WSGIServer):
-    """A thread per connection, at most ``MAX_CONNECTIONS`` at once (a slot taken at the
-    accept, before any byte is read); more are closed unread."""
 
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], family: int) -> None:
-        self.address_family = family
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().__init__(address, _Handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        try:
-            threading.Thread(target=self._handle, args=(request, client_address),
-                             daemon=True).start()
-        except BaseException:
-            self._slots.release()
-            self.shutdown_request(request)
-            raise
-
-    def _handle(self, request: Any, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
-        finally:
-            self.shutdown_request(request)
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # a client cut at its deadline or gone early: not a traceback on the job's stderr
-        # (anyone who reaches the port could fill it)
-        log.debug("metrics server: a request from %s failed", client_address, exc_info=True)
+class _MetricsServer(BoundedServer, WSGIServer):
+    """prometheus_client's WSGI application on the bounded server."""
 
 
 def serve_metrics(registry: Any, port: int, addr: str) -> Any:
@@ -295,7 +257,9 @@ def serve_metrics(registry: Any, port: int, addr: str) -> Any:
 
     family, _, _, _, address = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
                                                   flags=socket.AI_PASSIVE)[0]
-    server = _BoundedServer(address[:2], family)
+    server = _MetricsServer(address[:2], _Handler, family=family,
+                            max_connections=MAX_CONNECTIONS, request_s=REQUEST_S,
+                            name="ckpt-metrics-server", log=log)
     server.set_app(make_wsgi_app(registry))
     threading.Thread(target=server.serve_forever, name="ckpt-metrics-server",
                      daemon=True).start()

@@ -5,7 +5,8 @@ in use fails the opening with an error naming the port, leaving the root unlocke
 The attacker of this surface is whoever can reach a listening address: a server bound to
 the loopback address is refused to a peer that comes through another interface; someone
 who can reach it makes it spend at most ``MAX_CONNECTIONS`` threads, each for at most
-``REQUEST_S`` seconds. The textfile's attacker is another user who can write in its
+``REQUEST_S`` seconds to receive the request and as long again to answer it (the answer's
+time is its own, whatever the request's reads left). The textfile's attacker is another user who can write in its
 directory: a link planted where the temporary file would go is never written through."""
 
 from __future__ import annotations
@@ -13,31 +14,18 @@ from __future__ import annotations
 import os
 import socket
 import stat
-import threading
 import time
 import urllib.error
-import urllib.request
 
 import pytest
 import torch
 
 import ckpt
 from ckpt.errors import MetricsServerError
-from tests.support.prom import free_port, parse_metrics
+from tests.support.prom import (free_port, listening, parse_metrics, plant_link, scrape,
+                                threads_for_idle_connections, trickle_until_cut)
 
 pytest.importorskip("prometheus_client")
-
-
-def listening_addresses(port: int) -> set[str]:
-    """The IPv4 addresses a socket of this host listens on at ``port`` (from /proc)."""
-    found = set()
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.split(":")
-            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                found.add(socket.inet_ntoa(bytes.fromhex(address)[::-1]))
-    return found
 
 
 def other_address() -> str | None:
@@ -51,18 +39,13 @@ def other_address() -> str | None:
     return None if address.startswith("127.") else address
 
 
-def scrape(address: str, port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{address}:{port}/metrics", timeout=10) as answer:
-        return parse_metrics(answer.read().decode())
-
-
 def test_the_server_listens_on_the_address_given_and_only_there(tmp_path):
     port = free_port()
     with ckpt.CheckpointManager(tmp_path / "root", metrics=ckpt.MetricsOptions(
             port=port, addr="127.0.0.1")) as mgr:
         mgr.save(1, {"w": torch.ones(2)}).wait()
-        assert listening_addresses(port) == {"127.0.0.1"}
-        assert scrape("127.0.0.1", port)["ckpt_saves_total"] == 1
+        assert listening(port) == {"127.0.0.1"}
+        assert scrape(port)["ckpt_saves_total"] == 1
         outside = other_address()
         if outside is not None:  # a peer on the job's network finds nothing to talk to
             with pytest.raises(OSError):
@@ -72,22 +55,22 @@ def test_the_server_listens_on_the_address_given_and_only_there(tmp_path):
 def test_by_default_the_server_listens_on_all_interfaces(tmp_path):
     port = free_port()
     with ckpt.CheckpointManager(tmp_path / "root", metrics=ckpt.MetricsOptions(port=port)):
-        assert listening_addresses(port) == {"0.0.0.0"}
+        assert listening(port) == {"0.0.0.0"}
 
 
 def test_close_stops_the_server(tmp_path):
     port = free_port()
     mgr = ckpt.CheckpointManager(tmp_path / "root", metrics=ckpt.MetricsOptions(
         port=port, addr="127.0.0.1"))
-    assert "ckpt_saves_total" in scrape("127.0.0.1", port)
+    assert "ckpt_saves_total" in scrape(port)
     mgr.close()
-    assert listening_addresses(port) == set()
+    assert listening(port) == set()
     with pytest.raises((urllib.error.URLError, ConnectionError)):
-        scrape("127.0.0.1", port)
+        scrape(port)
     # and the port is free for the next manager
     with ckpt.CheckpointManager(tmp_path / "root", metrics=ckpt.MetricsOptions(
             port=port, addr="127.0.0.1")):
-        assert "ckpt_saves_total" in scrape("127.0.0.1", port)
+        assert "ckpt_saves_total" in scrape(port)
 
 
 def test_a_port_in_use_fails_the_opening_naming_the_port_and_leaves_the_root_unlocked(
@@ -120,17 +103,12 @@ def test_connections_past_the_bound_take_no_thread(monkeypatch):
     port = free_port()
     metrics = m.CheckpointMetrics(port=port, addr="127.0.0.1")
     metrics.serve()
-    before = threading.active_count()
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(20)]
     try:
-        time.sleep(0.5)  # the server accepts them all
-        assert threading.active_count() - before <= 2
-        for s in idle:  # each is cut: closed unread, or at the request's deadline
-            assert s.recv(64) == b""
-        assert scrape("127.0.0.1", port)["ckpt_saves_total"] == 0
+        started, all_cut = threads_for_idle_connections(port)
+        assert started <= 2
+        assert all_cut  # each closed unread, or at its request's deadline
+        assert scrape(port)["ckpt_saves_total"] == 0
     finally:
-        for s in idle:
-            s.close()
         metrics.close()
 
 
@@ -146,27 +124,84 @@ def test_a_trickled_request_is_cut_at_its_deadline(monkeypatch):
     metrics.serve()
     line = b"GET /metrics?" + b"x" * 100 + b" HTTP/1.0\r\n\r\n"
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            sent = 0
-            try:
-                for i in range(len(line)):
-                    s.sendall(line[i:i + 1])
-                    sent += 1
-                    time.sleep(0.2)
-                    s.setblocking(False)
-                    try:
-                        if s.recv(64) == b"":
-                            break  # the server hung up
-                    except BlockingIOError:
-                        pass
-                    finally:
-                        s.setblocking(True)
-            except OSError:
-                pass
-            assert sent < len(line)
-        assert "ckpt_saves_total" in scrape("127.0.0.1", port)
+        assert trickle_until_cut(port, line) < len(line)
+        assert "ckpt_saves_total" in scrape(port)
     finally:
         metrics.close()
+
+
+class _Padded:
+    """A collector whose page is ``size`` bytes: more than the sockets between the server
+    and a client that is not reading yet can hold."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily("ckpt_pad", "x" * self.size, value=1)
+
+
+def test_a_request_that_arrives_near_its_deadline_is_answered_whole(monkeypatch):
+    """A request whose last byte arrives just before ``REQUEST_S`` (its last read left the
+    socket a fraction of a second) is answered whole to a client that starts reading a
+    second later: the answer has ``REQUEST_S`` of its own, not what the request left."""
+    import prometheus_client as pc
+
+    from ckpt._manager import metrics as m
+
+    monkeypatch.setattr(m, "REQUEST_S", 3.0, raising=False)
+    registry = pc.CollectorRegistry()
+    registry.register(_Padded(16 << 20))
+    server = m.serve_metrics(registry, 0, "127.0.0.1")
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_address[1]),
+                                      timeout=10) as s:
+            time.sleep(2.7)
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r")
+            time.sleep(0.1)  # the server's last read waits with ~0.2 s left
+            s.sendall(b"\n")
+            time.sleep(1.0)  # the answer fills the sockets meanwhile
+            received = bytearray()
+            while piece := s.recv(1 << 20):
+                received += piece
+        head, _, body = bytes(received).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        assert len(body) == length > 16 << 20
+        assert parse_metrics(body.decode())["ckpt_pad"] == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_client_that_stops_reading_is_cut_at_the_answers_deadline(monkeypatch, capfd):
+    """A client that asks, then reads nothing, holds its slot until ``REQUEST_S`` after the
+    answer's first byte: then the answer is cut short, and the cut is a debug line, not a
+    traceback on the job's stderr (anyone who reaches the port could fill it)."""
+    import prometheus_client as pc
+
+    from ckpt._manager import metrics as m
+
+    monkeypatch.setattr(m, "REQUEST_S", 1.0, raising=False)
+    registry = pc.CollectorRegistry()
+    registry.register(_Padded(16 << 20))
+    server = m.serve_metrics(registry, 0, "127.0.0.1")
+    try:
+        with socket.create_connection(("127.0.0.1", server.server_address[1]),
+                                      timeout=10) as s:
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            time.sleep(2.5)
+            received = 0
+            while piece := s.recv(1 << 20):
+                received += len(piece)
+        assert received < 16 << 20  # cut short
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_textfile_never_written_through_a_planted_link(tmp_path):
@@ -181,8 +216,7 @@ def test_textfile_never_written_through_a_planted_link(tmp_path):
     directory = tmp_path / "textfiles"
     directory.mkdir()
     path = directory / "ckpt.prom"
-    planted = f"{path}.{os.getpid()}.{threading.current_thread().ident}"
-    os.symlink(victim, planted)
+    planted = plant_link(str(path), str(victim))
     metrics = CheckpointMetrics(textfile=str(path))
     metrics.saved(step=3, blocking=0.1, write=0.2, written=10, reused=0)
     assert victim.read_text() == "precious\n"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import socket
 import warnings
 
 import pytest
@@ -20,7 +19,7 @@ from trainer.checkpointing import memory_job_id, memory_tier_options
 from trainer.config import LEGACY_KEYWORDS, new_spelling
 from trainer.elastic import ElasticTrainer
 
-from tests.support.prom import free_port
+from tests.support.prom import free_port, listening
 
 
 @pytest.fixture(autouse=True)
@@ -165,20 +164,6 @@ def test_the_former_attributes_read_the_config_with_a_deprecation_warning(tmp_pa
         t.heartbeat  # noqa: B018
 
 
-def listening_addresses(port: int) -> set[str]:
-    """The local IPv4 addresses a socket listens on at ``port``, read from /proc/net/tcp
-    (what the kernel bound, whatever the process says)."""
-    found = set()
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            local, state = line.split()[1], line.split()[3]
-            host, hex_port = local.split(":")
-            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                found.add(socket.inet_ntoa(bytes.fromhex(host)[::-1]))
-    return found
-
-
 @pytest.mark.parametrize("addr", [None, "127.0.0.1"])
 def test_the_trainers_metrics_port_listens_on_the_configured_address(tmp_path, addr):
     port = free_port()
@@ -187,10 +172,10 @@ def test_the_trainers_metrics_port_listens_on_the_configured_address(tmp_path, a
         metrics_port=port, log_every=None, **given)))
     try:
         t.fit(2)
-        assert listening_addresses(port) == {addr or "0.0.0.0"}
+        assert listening(port) == {addr or "0.0.0.0"}
     finally:
         t.close()
-    assert listening_addresses(port) == set()  # closed with the trainer
+    assert listening(port) == set()  # closed with the trainer
 
 
 def test_the_metrics_address_must_be_a_host():

@@ -4,8 +4,10 @@ trainer and its framework integrations (trainer/), and a user's own scripts.
 Step names and listings of a root, pointer files (the step a framework's checkpoint path
 stands for), the best step by a saved metric, the retention policy and the collection of a
 root, the collection of memory-tier segments without a live owner, and the bounded metrics
-server and link-safe textfile writer the manager exports its metrics with. Reading a step's
-contents is :mod:`ckpt.inspect`.
+server and link-safe textfile writer the manager exports its metrics with, and small files
+written and opened safely in directories other users may write to (:func:`atomic_write`,
+:func:`create_beside`, :func:`open_regular`). Reading a step's contents is
+:mod:`ckpt.inspect`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 from typing import Any
 
 from storage_backends import Storage, open_storage
+from storage_backends.files import SpecialFileError, atomic_write, create_beside, open_regular
 
 from ckpt._format.names import step_dir
 from ckpt._manager.metrics import default_labels, serve_metrics, write_textfile
@@ -31,11 +34,15 @@ __all__ = [
     "KeepBest",
     "POINTER_NAME",
     "RetentionPolicy",
+    "SpecialFileError",
+    "atomic_write",
     "best_step",
     "collect_root",
     "committed_steps",
+    "create_beside",
     "default_labels",
     "gc_segments",
+    "open_regular",
     "read_pointer",
     "recorded_policy",
     "serve_metrics",

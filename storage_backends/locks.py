@@ -19,6 +19,7 @@ import time
 import weakref
 
 from .base import LockHeldError
+from .files import atomic_write
 
 LOCK_NAME = ".lock"
 OWNER_NAME = ".lock.owner"
@@ -87,22 +88,9 @@ class FlockWriterLock:
             raise
 
     def _write_owner(self, owner: dict) -> None:
-        tmp = f"{self._owner_path}.{os.getpid()}"
-        try:
-            os.unlink(tmp)  # a leftover (or a planted link): unlink never follows
-        except FileNotFoundError:
-            pass
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
-            with open(fd, "w") as f:
-                json.dump(owner, f)
-            os.replace(tmp, self._owner_path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        # A new file of a random name renamed over the record: a link planted at either
+        # name is never written through.
+        atomic_write(self._owner_path, json.dumps(owner), 0o644)
 
     def _read_owner(self) -> dict:
         try:

@@ -78,7 +78,7 @@ def test_every_flipped_bit_in_the_digest_member_is_refused(saved):
             _refused(_flipped(saved, at, bit))
 
 
-def test_a_manifest_without_the_digest_member_reads_as_an_older_ones(saved):
+def test_a_manifest_without_the_digest_member_reads_as_an_older_one_does(saved):
     """Written before manifests carried a digest: read as it is (documented in
     docs/format.md); the digest detects damage, not a deliberate edit."""
     body = saved[:saved.rindex(b',"manifest_digest":')] + b"}"

@@ -1,7 +1,7 @@
 """A flipped bit in a step's manifest where it holds a plain value (an epoch, a data position,
-an optimizer's learning rate) must not be restored silently: the tensors' bytes are covered
-by their digests, the manifest's own values by nothing yet. Expected: the step is refused
-as damaged (the restore falls back to the step before it; ``ckpt verify`` exits 1).
+an optimizer's learning rate) is not restored silently: the manifest's own digest covers
+those values as the chunks' digests cover the tensors' bytes, so the step is refused as
+damaged (the restore falls back to the step before it; ``ckpt verify`` exits 1).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from verify.cli import main
 
 
 def flip_bit(path, old: bytes, bit: int) -> None:
-    """Flip one bit of the first byte of ``old`` in the file (once, where it occurs once)."""
+    """Flip one bit of the last byte of ``old`` in the file (``old`` occurs there once)."""
     data = bytearray(path.read_bytes())
     at = data.find(old)
     assert at >= 0 and data.find(old, at + 1) < 0, old

@@ -313,6 +313,32 @@ def test_wildcard_addresses_refused() -> None:
             start_lighthouse(f"{host}:0", 1)
 
 
+@pytest.mark.parametrize("host", ["::ffff:0.0.0.0", "[::ffff:0.0.0.0]", "::ffff:0:0"])
+def test_v4_mapped_wildcards_refused(host: str) -> None:
+    """The IPv4-mapped 0.0.0.0, however spelt, is every IPv4 interface to bind() (a
+    connection to 127.0.0.1 reaches it): refused like 0.0.0.0."""
+    import socket
+
+    from trainer.live.config import LiveConfig, is_wildcard
+    from trainer.live.lighthouse import start_lighthouse
+
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        probe.bind((host.strip("[]"), 0))
+    except OSError:
+        probe = None  # no IPv6 here: only the refusal is checked
+    if probe is not None:
+        with probe:
+            probe.listen()
+            with socket.create_connection(("127.0.0.1", probe.getsockname()[1]), timeout=5):
+                pass
+    assert is_wildcard(host)
+    with pytest.raises(ValueError, match="every interface"):
+        LiveConfig(lighthouse="127.0.0.1:1", host=host)
+    with pytest.raises(ValueError, match="address"):
+        start_lighthouse(f"{host}:0", 1)
+
+
 def test_source_lost_mid_transfer_is_a_connection_error() -> None:
     """A source that hangs up part way (the next group lost) fails the heal with a
     ConnectionError that says so, not as an unsigned answer."""
@@ -371,6 +397,110 @@ def test_trickled_status_and_headers_bounded_by_the_deadline() -> None:
     finally:
         print(f"\ntrickled headers given up after {time.monotonic() - began:.1f}s")
         done.set()
+        t.shutdown()
+        listener.close()
+
+
+def test_a_deadline_passed_while_connecting_sends_no_request(monkeypatch) -> None:
+    """A connect that outlasts the heal's deadline (the watchdog fired with no socket yet
+    to cut) fails the heal with a TimeoutError and sends nothing: the exchange after it
+    would run with no deadline."""
+    import http.client
+    import socket
+
+    from trainer.live.transport import KeyedHTTPTransport
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    got: list[bytes] = []
+
+    def source() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(10)
+            try:
+                got.append(conn.recv(65536))
+            except OSError:
+                got.append(b"")
+
+    threading.Thread(target=source, daemon=True).start()
+    connect = http.client.HTTPConnection.connect
+
+    def slow_connect(self: http.client.HTTPConnection) -> None:
+        time.sleep(1.5)
+        connect(self)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", slow_connect)
+    t = KeyedHTTPTransport("127.0.0.1", KEY, timedelta(seconds=1))
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/checkpoint/"
+        with pytest.raises(TimeoutError, match="longer than"):
+            t.recv_checkpoint(0, url, 3, timedelta(seconds=1))
+        for _ in range(200):
+            if got:
+                break
+            time.sleep(0.05)
+        assert got == [b""]  # connected, then closed: no request sent
+    finally:
+        t.shutdown()
+        listener.close()
+
+
+def test_a_connection_closed_while_the_watchdog_cuts_it_is_no_error(monkeypatch) -> None:
+    """The heal's watchdog may fire as the client closes its connection (conn.close() sets
+    conn.sock to None between any two reads of it): the cut shuts down the socket it
+    found, raises nothing in the watchdog's thread, and the heal fails with a
+    TimeoutError at its deadline. The close is made to land just after the watchdog's
+    first read of conn.sock."""
+    import http.client
+    import socket
+
+    from trainer.live import transport
+
+    class ClosedDuringCut(http.client.HTTPConnection):
+        @property
+        def sock(self) -> socket.socket | None:
+            value = self.__dict__.get("_sock")
+            if value is not None and isinstance(threading.current_thread(), threading.Timer):
+                self.__dict__["_sock"] = None  # closed now, as by the client's finally
+                found.append(value)
+            return value
+
+        @sock.setter
+        def sock(self, value: socket.socket | None) -> None:
+            self.__dict__["_sock"] = value
+
+    found: list[socket.socket] = []
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    monkeypatch.setattr(transport.http.client, "HTTPConnection", ClosedDuringCut)
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def drip() -> None:  # a status line, then a header a byte every 0.2 s, 5 s at most
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            try:
+                conn.sendall(b"HTTP/1.0 200 OK\r\nX-Pad: ")
+                for _ in range(25):
+                    if done.is_set():
+                        return
+                    conn.sendall(b"a")
+                    time.sleep(0.2)
+            except OSError:
+                return
+
+    threading.Thread(target=drip, daemon=True).start()
+    t = transport.KeyedHTTPTransport("127.0.0.1", KEY, timedelta(seconds=1))
+    try:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/checkpoint/"
+        with pytest.raises(TimeoutError, match="longer than"):
+            t.recv_checkpoint(0, url, 3, timedelta(seconds=1))
+        assert errors == [] and len(found) == 1
+    finally:
+        done.set()
+        for sock in found:
+            sock.close()
         t.shutdown()
         listener.close()
 

@@ -161,7 +161,8 @@ class LiveConfig:
 
 def is_wildcard(host: str) -> bool:
     """Whether binding ``host`` listens on every interface: empty, or a numeric address
-    that bind() reads as 0.0.0.0 or :: ('0', '0x0', '::0', '[::]' as well)."""
+    that bind() reads as 0.0.0.0 or :: ('0', '0x0', '::0', '[::]' as well), or as the
+    IPv4-mapped 0.0.0.0 ('::ffff:0.0.0.0', '::ffff:0:0': every IPv4 interface)."""
     literal = host.strip().removeprefix("[").removesuffix("]")
     if not literal:
         return True
@@ -169,7 +170,9 @@ def is_wildcard(host: str) -> bool:
         address = socket.getaddrinfo(literal, None, flags=socket.AI_NUMERICHOST)[0][4][0]
     except (socket.gaierror, UnicodeError):
         return False  # a host name: resolved to this host's address, never a wildcard
-    return ipaddress.ip_address(address.split("%")[0]).is_unspecified
+    parsed = ipaddress.ip_address(address.split("%")[0])
+    mapped = getattr(parsed, "ipv4_mapped", None)
+    return parsed.is_unspecified or (mapped is not None and mapped.is_unspecified)
 
 
 def assignment(group: int, rank: int = 0, store: str | None = None) -> str:

@@ -242,9 +242,11 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
 
         def cut() -> None:  # a source that trickles its status line or headers
             expired.set()
-            if conn.sock is not None:
+            # read once: conn.close() in the finally below may set it to None meanwhile
+            sock = conn.sock
+            if sock is not None:
                 try:
-                    conn.sock.shutdown(socket.SHUT_RDWR)
+                    sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
 

@@ -253,11 +253,14 @@ class TrainerCheckpointer:
         timeline's (a restore that preferred the verified ``step`` passed over them). Left
         in the root, the newest of them would pass for the job's newest state: a resume
         after a preemption of the new timeline would not find its stop checkpoint, and a
-        plain load of the root would return weights the rollback undid. Call on one rank
-        (rank 0: the root has one writer); returns the steps retired. A storage failure is
-        logged and the steps stay (a later save of the same number replaces each one)."""
+        plain load of the root would return weights the rollback undid. A verified step
+        after ``step`` (one the restore skipped: it failed to load, reported, perhaps a
+        storage fault) is never retired here. Call on one rank (rank 0: the root has one
+        writer); returns the steps retired. A storage failure is logged and the steps
+        stay (a later save of the same number replaces each one)."""
         try:
-            newer = [s for s in self.manager.steps() if s > step]
+            verified = set(self.manager.verified_steps())
+            newer = [s for s in self.manager.steps() if s > step and s not in verified]
             if newer:
                 self.manager.retire(newer)
         except (OSError, ckpt.CheckpointError) as e:

@@ -128,3 +128,33 @@ def test_the_summary_counts_the_steps_of_an_attempt_after_its_rollback():
                {"event": "restored", "step": 7, "rank": 0, "time": 51.0}]
     recovery = _recovery(_attempt_facts(0, ended), _attempt_facts(1, resumed))
     assert (recovery.last_step, recovery.steps_lost) == (7, 0)
+
+
+def test_a_verified_step_the_rollback_could_not_load_is_not_retired(tmp_path):
+    """Step 10 is verified (at 14), then a bit of its data flips on disk; the loss of step 17
+    is NaN, inside step 15's window. The rollback skips step 10 (it fails its digests),
+    restores step 5 and retires step 15 only: step 10 stays in the root, as the restore
+    reported it, for whoever looks into the fault."""
+    nan_at_17 = make_step_fn("nan", marked=no_failure_order(17)[-1][-1])
+    root = tmp_path / "ckpt"
+
+    def flip_step_10(model, batch):
+        if t.step + 1 == 16 and not flipped:
+            [data] = (root / "step-00000010").glob("data-*")
+            flipped.append(data)
+            raw = bytearray(data.read_bytes())
+            raw[-1] ^= 0x01
+            data.write_bytes(bytes(raw))
+        return nan_at_17(model, batch)
+
+    flipped: list[Path] = []
+    t = verified_trainer(root, tmp_path, step_fn=flip_step_10)
+    try:
+        t.fit(STEPS)
+    finally:
+        t.close()
+    records = read_jsonl(root / ".elastic" / "attempt-0000" / "rank-00000.jsonl")
+    [rollback] = [r for r in records if r["event"] == "rollback"]
+    assert (rollback["step"], rollback["restored_step"]) == (17, 5)
+    assert rollback["retired_steps"] == [15]
+    assert (root / "step-00000010" / "manifest.json").exists()

@@ -21,11 +21,12 @@ import io
 import logging
 import os
 import socket
-import tempfile
 import threading
 import time
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from storage_backends.files import atomic_write
 
 from ckpt._shared.bounded_server import BoundedServer, DeadlineHandler
 from ckpt.errors import MetricsServerError
@@ -272,19 +273,7 @@ def write_textfile(path: str, registry: Any) -> None:
     for node_exporter, then renamed over ``path``."""
     from prometheus_client import generate_latest
 
-    directory, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
-            f.write(generate_latest(registry))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    atomic_write(path, generate_latest(registry), 0o644)
 
 
 def default_labels() -> dict[str, str]:

@@ -316,6 +316,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
                                     f"{operands[1]!r} {operands[2]!r}") from None
         side_a = side_b = open_path(operands[0])
     elif len(operands) == 2:  # PATH_A PATH_B: two runs or two checkpoint directories
+        if operands[1].isdigit() and not os.path.lexists(operands[1]):
+            raise verify.UsageError(
+                f"{operands[1]} is no path: to compare two steps of {operands[0]} give both "
+                "(ckpt diff ROOT A B), to compare two runs give two paths (ckpt diff PATH_A "
+                "PATH_B)")
         side_a, side_b = open_path(operands[0]), open_path(operands[1])
         a = _step_of(side_a, args.step_a)
         b = _step_of(side_b, args.step_b)

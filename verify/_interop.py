@@ -36,6 +36,11 @@ def add_import_parser(sub: argparse._SubParsersAction, path_help: str) -> None:
 def cmd_import(args: argparse.Namespace) -> int:
     if args.step is not None and args.step < 0:
         raise verify.UsageError(f"--step must be >= 0, not {args.step}")
+    if "://" not in args.source and not os.path.isdir(args.source):
+        what = "does not exist" if not os.path.lexists(args.source) else "is not a folder"
+        raise verify.UsageError(
+            f"SOURCE {args.source} {what}: give the folder to import (a DCP checkpoint "
+            "directory, or with --from hf a folder of safetensors shards)")
     if args.source_format == "hf":
         if args.allow_pickle:
             raise verify.UsageError("--allow-pickle is for --from dcp (safetensors hold no "

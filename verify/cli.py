@@ -46,8 +46,8 @@ exit status:
   0  success: every check passed (verify), or the command did what was asked
   1  a check failed: a damaged or inconsistent checkpoint (the message names the file
      and the check: manifest, structure, header, digest, weights, output, loss,
-     file for a Lightning .ckpt); gc
-     found no step that verifies, so it retired none; diff --exit-code: the steps differ
+     file for a Lightning .ckpt); gc found no step that verifies, so it retired none;
+     diff --exit-code: the steps differ
   2  usage or environment error: a missing root or step, no probe recorded for
      --level forward, a model factory that cannot be imported or does not fit,
      a root locked by a writer (gc --yes), storage that cannot be opened or written
@@ -120,8 +120,9 @@ def _count(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ckpt", description="List, inspect, verify, compare, export and collect "
-        "checkpoints.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="ckpt", description="List, inspect, verify, compare, export, import and "
+        "collect checkpoints.", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     path_help = "a root, a step directory, a ckpt.save directory or a CkptCheckpointIO .ckpt"
 
@@ -183,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=(*verify.FORMATS, "hf", "dcp"), required=True,
                    help="hf: a from_pretrained folder (sharded safetensors, index, config); "
                    "dcp: a PyTorch DCP directory (dcp.load reads it on any world size)")
-    p.add_argument("file", help="the file (the folder, for hf) to write")
+    p.add_argument("file", metavar="FILE", help="the file (the folder, for hf and dcp) to "
+                   "write")
     p.add_argument("--max-shard-size", help="hf: the largest shard (default 5GB)")
     p.add_argument("--item", help="only this item's tensors, named as inside it "
                    "(a module's state_dict names)")
@@ -215,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(args, f"{type(e).__name__}: {e}", EXIT_USAGE)
     except (CheckpointNotFoundError, CheckpointLockedError, StorageError,
             verify.UsageError) as e:
-        return _error(args, e, EXIT_USAGE)
+        return _error(args, f"{e}{_advice(e)}", EXIT_USAGE, path=getattr(e, "path", None))
     except StepOrderError as e:  # ckpt import: a step number the root's order refuses
         first = re.sub(r"^save\(step=\d+\): ", "", str(e).split(". ")[0])
         return _error(args, f"{first}; give a --step after the root's newest step, or "
@@ -239,6 +241,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{os.path.basename(frame.filename)}:{frame.lineno}); rerun with "
                       f"{TRACEBACK_VARIABLE}=1 for the traceback and report it",
                       EXIT_INTERNAL)
+
+
+# botocore's errors for credentials it found nowhere or found in part (by name: botocore is
+# an optional dependency); their message says what is missing, not where to give it.
+_NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError"})
+
+
+def _advice(error: BaseException) -> str:
+    """What to do about an error whose cause's message does not say (the object store's
+    credentials), to append to it; "" for any other."""
+    cause: BaseException | None = error
+    for _ in range(8):  # a chain of causes, not a cycle
+        if cause is None:
+            break
+        if type(cause).__name__ in _NO_CREDENTIALS:
+            return ("; give the object store's credentials as every AWS tool reads them: "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or "
+                    "~/.aws/credentials (and AWS_ENDPOINT_URL for a store other than AWS)")
+        cause = cause.__cause__ or cause.__context__
+    return ""
 
 
 def _stdout_closed() -> bool:

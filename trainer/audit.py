@@ -25,6 +25,17 @@ def open_audit(audit_dir: str | os.PathLike, attempt: int, rank: int) -> JsonLin
     return JsonLines(Path(audit_dir) / f"audit-a{attempt:04d}-r{rank:05d}.jsonl")
 
 
+def next_audit_attempt(audit_dir: str | os.PathLike | None) -> int:
+    """One past the newest attempt with an audit file in ``audit_dir`` (0: none), to number
+    the attempts of a job that has no run directory."""
+    if audit_dir is None:
+        return 0
+    numbers = [int(p.name[len("audit-a"):].split("-")[0])
+               for p in Path(audit_dir).glob("audit-a*-r*.jsonl")
+               if p.name[len("audit-a"):].split("-")[0].isdigit()]
+    return max(numbers, default=-1) + 1
+
+
 def _records(audit_dir: str | os.PathLike) -> Iterator[dict[str, Any]]:
     """Every record of every attempt and rank, file by file."""
     for path in sorted(Path(audit_dir).glob("audit-*.jsonl")):
@@ -62,4 +73,4 @@ def read_skips(audit_dir: str | os.PathLike) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: (r["attempt"], r["step"], r["rank"]))
 
 
-__all__ = ["AUDIT_DIR_ENV", "open_audit", "read_audit", "read_skips"]
+__all__ = ["AUDIT_DIR_ENV", "next_audit_attempt", "open_audit", "read_audit", "read_skips"]

@@ -51,7 +51,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from ckpt.tools import default_labels
-from trainer.audit import AUDIT_DIR_ENV, read_audit, read_skips
+from trainer.audit import AUDIT_DIR_ENV, next_audit_attempt, read_audit, read_skips
 from trainer.config import LEGACY_KEYWORDS, ElasticConfig, config_from_keywords
 from trainer.data import ResumableSampler
 from trainer.exits import EXIT_PEER_LOST, EXIT_PREEMPTED, ExitPolicy
@@ -279,8 +279,11 @@ class ElasticTrainer:
         failure = self.config.failure
         attempt = Attempt.join(self.config.step.device, failure.collective_timeout,
                                self.global_batch_size, self.micro_batch_size)
-        attempt.number = attempt.broadcast(next_attempt(self.run_dir) if attempt.rank == 0
-                                           else None)
+        # Numbered by the run directory; without one (an object-store root's default) by
+        # the audit files, so that each attempt's audit records stay its own.
+        attempt.number = attempt.broadcast(
+            (next_attempt(self.run_dir) if self.run_dir is not None
+             else next_audit_attempt(self.audit_dir)) if attempt.rank == 0 else None)
         records = RunRecords(self.run_dir, self.audit_dir, attempt=attempt.number,
                              rank=attempt.rank, world_size=attempt.world_size)
         exits = ExitPolicy(records, self.metrics, current_step=lambda: self.step,

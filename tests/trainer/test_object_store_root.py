@@ -3,8 +3,8 @@ directory unless one is given (``ObservabilityConfig.run_dir``: the default is b
 root only), a health guard and a verified window.
 
 A preempted attempt's stop checkpoint must be what the next attempt resumes from there too:
-the attempts must still be told apart without a run directory (the stop record names the
-attempt that took it, and a resume takes it only from the previous attempt).
+without a run directory the attempts are numbered by the audit files (when there are any),
+and a resume takes the newest stop checkpoint whichever attempt took it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
 from tests.trainer.test_health import event_lines, make_step_fn, plain_process
 from tests.trainer.test_verified_steps import STEPS, preempting, verified_trainer
 from trainer import CheckpointConfig
-from trainer.elastic import ElasticTrainer
+from trainer.elastic import ElasticTrainer, read_audit
 
 __all__ = ["plain_process"]  # the autouse fixture: no torchrun variables in this process
 
@@ -54,6 +54,11 @@ def test_a_preempted_run_on_s3_resumes_from_its_stop_checkpoint(s3, tmp_path,  #
         holder[1].close()
     [resume] = event_lines(caplog, "train.resume")
     assert resume["step"] == str(AT)
+    # No run directory: the audit files number the attempts, each keeping its own records.
+    assert holder[1].attempt == 1
+    audited = read_audit(tmp_path / "audit")
+    assert {s: r["attempt"] for s, r in audited.items()} == {
+        s: 0 if s <= AT else 1 for s in range(1, STEPS // 2 + 1)}
     reference = verified_trainer(tmp_path / "reference", tmp_path / "reference",
                                  step_fn=step_fn)
     reference.fit(STEPS // 2)

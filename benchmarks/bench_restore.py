@@ -26,7 +26,10 @@ Two parts, each in one run with its methods interleaved, medians and ratios:
   floor of a load into live tensors that checks every byte before the first live one
   changes without staging the state (docs/design.md, "Loading: verify, then apply"); the
   same with the second read on every core (each file cut into contiguous runs, as ckpt's
-  apply pass reads it: a page-cache read is a memory copy, bound by the CPU).
+  apply pass reads it: a page-cache read is a memory copy, bound by the CPU). Beside the
+  table: each case's CPU split into user time (interpreter, planning, digests) and system
+  time (the kernel's copies, page faults), and its minor page faults with the number of reps
+  whose destinations were fresh pages (a cost this VM's allocator hands to any method).
 
 On this machine the "disk" is the host's page cache behind a virtual disk, and 2 cores
 serve every process: a world of 4 ranks shares them, and gloo's loopback transfers cost
@@ -282,13 +285,16 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
             for t in held.values():
                 t.zero_()
             evict(path)
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            before = resource.getrusage(resource.RUSAGE_SELF)
             with common.Stopwatch() as sw:
                 load()
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            after = resource.getrusage(resource.RUSAGE_SELF)
             held = into["model"].sd if into is live else into["model"]
             assert common.same_values(source, held), f"{name} was not bit-exact"
-            return {"s": sw.seconds, "cpu": sw.cpu_seconds, "faults": faults}
+            return {"s": sw.seconds, "cpu": sw.cpu_seconds,
+                    "user": after.ru_utime - before.ru_utime,
+                    "sys": after.ru_stime - before.ru_stime,
+                    "faults": after.ru_minflt - before.ru_minflt}
         return name, run
 
     cases = [
@@ -313,10 +319,20 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
     timings = common.run_interleaved(cases, args.reps, progress=f"cold {shape} {nbytes}")
     reader.close()
     rows = [common.Row(n, t["s"], t["cpu"]) for n, t in timings.items()]
-    # Fresh pages cost more than the copy into them on this VM: how many a case touched
-    # (memory the allocator recycled costs none) tells a slow case from a slow read.
-    faults = "; ".join(f"{n}: {common.median(t['faults']) / 1000:.0f}k" for n, t in
-                       timings.items())
+    # Fresh pages cost more than the copy into them on this VM (its balloon reports freed
+    # pages to the host, which takes them back: the next touch of one is a host fault too).
+    # Whether a rep's destinations are fresh is up to the allocator, not the method: a rep
+    # that faulted in most of the state's pages (memory recycled costs none) is counted, so
+    # a median it moved can be told from a slow method.
+    fresh = common.state_bytes(source) // resource.getpagesize() // 2
+    faults = "; ".join(
+        f"{n}: {common.median(t['faults']) / 1000:.0f}k, "
+        f"{sum(f > fresh for f in t['faults'])} of {len(t['faults'])}"
+        for n, t in timings.items())
+    # user: the interpreter, planning, digests; system: the kernel's copies out of the page
+    # cache and page faults (the part that moves most with the machine's load).
+    split = "; ".join(f"{n}: {common.median(t['user']):.2f} / {common.median(t['sys']):.2f}"
+                      for n, t in timings.items())
     common.remove(work)
     return (f"\n### cold load of {common.format_size(nbytes)} ({shape}: "
             f"{common.SHAPES[shape]} tensors, {len(paths)} data files); median of "
@@ -325,7 +341,9 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
                 anchors=["raw read of ckpt's files", "raw read into new tensors", "dcp.load"])
             + "\n\n(x anchor: throughput ratio, > 1 is faster than the anchor; the in-place "
             "rows load a copy of the same tensors saved from a stateful object)\n\n"
-            f"minor page faults per load, median: {faults}\n")
+            f"minor page faults per load, median, and the reps that faulted in fresh pages "
+            f"for over half the state: {faults}\n\n"
+            f"CPU s per load, user / system, medians: {split}\n")
 
 
 def main() -> None:

@@ -84,9 +84,13 @@ def sibling_of(folder: str) -> str | None:
 def _open_step(path: str, root: str, step: int, relation: str) -> Checkpoints:
     target = os.path.join(root, step_dir(step))
     if not os.path.isdir(target):
+        # A .ckpt is renamed into place only once its step committed; a pointer before.
+        why = ("its step was removed after the file was written, or the file was copied "
+               "from another folder" if relation.startswith("is the .ckpt") else
+               "its save never finished, or it was retired")
         raise CheckpointNotFoundError(
-            f"{path} {relation} {step} of {root}, which is not committed (its save never "
-            f"finished, it was retired, or the folder was moved without {root}); `ckpt ls "
-            f"{root}` lists the steps there", path=path)
+            f"{path} {relation} {step} of {root}, which is not committed ({why}; or the "
+            f"folder was moved without {root}); `ckpt ls {root}` lists the steps there",
+            path=path)
     echo(f"ckpt: {path} {relation} {step}: reading {target}", file=sys.stderr)
     return inspect.open(target)

@@ -155,6 +155,8 @@ def test_verify_all_reports_a_file_whose_step_the_root_does_not_hold(written, ca
     assert code == 1 and "step 2: OK" in out, out
     assert "step 1: FAILED" in out and "e1.ckpt names step 1, which" in out
     assert "does not hold" in out and "step folder deleted" in out
+    code, _, err = cli(capsys, "verify", written / "e1.ckpt")  # the file alone: its step
+    assert code == 2 and "which is not committed (its step was removed after" in err, err
     code, out, _ = cli(capsys, "verify", "--all", written.parent / ".ckpts.ckpt", "--json")
     doc = json.loads(out)
     assert code == 1 and [s["status"] for s in doc["steps"]] == ["failed", "ok"]

@@ -4,7 +4,8 @@ trainer and its framework integrations (trainer/), and a user's own scripts.
 Step names and listings of a root, pointer files (the step a framework's checkpoint path
 stands for), the best step by a saved metric, the retention policy and the collection of a
 root, the collection of memory-tier segments without a live owner, and the bounded metrics
-server and link-safe textfile writer the manager exports its metrics with, and small files
+server and link-safe textfile writer the manager exports its metrics with, the bounded HTTP
+server it and the live heal server are built on (:class:`BoundedServer`, :class:`DeadlineHandler`), and small files
 written and opened safely in directories other users may write to (:func:`atomic_write`,
 :func:`create_beside`, :func:`open_regular`). Reading a step's contents is
 :mod:`ckpt.inspect`.
@@ -25,11 +26,14 @@ from ckpt._retention.apply import recorded_policy
 from ckpt._retention.gc import GcResult, collect_root
 from ckpt._retention.policy import KeepBest, RetentionPolicy
 from ckpt._retention.policy import METRICS_KEY
+from ckpt._shared.bounded_server import BoundedServer, DeadlineHandler
 from ckpt._step.integrity import read_manifest
 from ckpt._step.listing import committed_steps
 from ckpt._step.pointer import POINTER_NAME, read_pointer, write_pointer
 
 __all__ = [
+    "BoundedServer",
+    "DeadlineHandler",
     "GcResult",
     "KeepBest",
     "POINTER_NAME",

@@ -163,8 +163,12 @@ def test_verify_all_reports_a_file_whose_step_the_root_does_not_hold(written, ca
     assert doc["steps"][0]["problems"][0]["file"] == str(written / "e1.ckpt")
 
     os.remove(written / "e1.ckpt")             # the file goes: nothing left to report
+    os.mkfifo(written / "fifo.ckpt")           # planted: neither blocks nor is reported,
+    elsewhere = written.parent / "elsewhere.ckpt"
+    _pl_file.publish(_pl_file.write({"global_step": 7}, str(elsewhere), 7)[0], str(elsewhere))
+    os.symlink(elsewhere, written / "link.ckpt")  # nor a link is followed out of the folder
     assert cli(capsys, "verify", "--all", written)[0] == 0
-    _pl_file.publish(*[_pl_file.write({"global_step": 9}, str(written / "e9.ckpt"), 9)[0]],
+    _pl_file.publish(_pl_file.write({"global_step": 9}, str(written / "e9.ckpt"), 9)[0],
                      str(written / "e9.ckpt"))  # a file naming a step never saved here
     os.remove(written / "e2.ckpt")
     shutil.rmtree(written.parent / ".ckpts.ckpt" / "step-00000002")  # the root holds none

@@ -398,6 +398,10 @@ def _attempt_facts(number: int, records: list[dict[str, Any]]) -> dict[str, Any]
     first = [r["time"] for r in steps if restored_step is not None
              and r["step"] == restored_step + 1]
 
+    # The step each rank finished last (its records are in the order written; the highest
+    # may belong to a timeline a rollback undid). Not by time: ranks' clocks differ.
+    last_of_each_rank = {r["rank"]: r["step"] for r in steps}
+
     def most_of_one_rank(event: str) -> int:  # every rank records rollbacks and skips
         return max(collections.Counter(r["rank"] for r in by.get(event, [])).values(),
                    default=0)
@@ -418,7 +422,7 @@ def _attempt_facts(number: int, records: list[dict[str, Any]]) -> dict[str, Any]
                               if restored and all("bytes_from_storage" in r for r in restored)
                               else None,
         "resumed_at": max(first) if first else None,
-        "last_step": max((r["step"] for r in steps), default=restored_step or 0),
+        "last_step": max(last_of_each_rank.values(), default=restored_step or 0),
         "last_step_times": {r["rank"]: r["time"] for r in steps},
         "failures": by.get("failure", []),
         "silent": sorted({r["rank"] for r in starts} - {r["rank"] for r in records if r["event"]

@@ -108,11 +108,10 @@ def test_a_rollback_to_the_newest_step_retires_nothing(tmp_path):
     assert (rollback["restored_step"], rollback["retired_steps"]) == (10, [])
 
 
-@pytest.mark.xfail(strict=True, reason="trainer/progress.py takes an attempt's last step as "
-                   "the highest step it finished, not the last one (requested)")
 def test_the_summary_counts_the_steps_of_an_attempt_after_its_rollback():
     """An attempt that trained to step 11, rolled back to 5 and was preempted after step 7
-    ended at step 7: resumed from 7, it lost no step (the summary said 11 and 4 lost)."""
+    ended at step 7 (not 11, the highest step, of the timeline the rollback undid): resumed
+    from 7, it lost no step."""
     from trainer.progress import _attempt_facts, _recovery
 
     t = iter(range(100))

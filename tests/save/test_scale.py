@@ -26,6 +26,7 @@ from ckpt._format.digest import digest
 from ckpt._format.layout import Mesh, MeshLayout, mesh_box
 from ckpt.options import SaveOptions
 from ckpt._format.ranktable import MAGIC
+from ckpt._format.sealed import sealed_json
 from ckpt._shared.sharding import intersect, overlapping
 from ckpt._shared.state import item_tree
 from ckpt._step.tables import bind_tables
@@ -208,7 +209,7 @@ def test_a_manifest_with_a_hostile_layout_is_refused():
         bad = json.loads(json.dumps(doc))
         damage(bad)
         with pytest.raises(CorruptCheckpointError, match=why):
-            Manifest.from_json(json.dumps(bad).encode(), where="hostile")
+            Manifest.from_json(sealed_json(bad), where="hostile")
 
 
 def test_a_single_process_save_with_rank_tables_round_trips_and_refuses_a_flipped_bit(tmp_path):
@@ -323,7 +324,7 @@ def test_per_rank_values_live_in_their_ranks_tables_and_old_manifests_still_load
     old_doc = json.loads(old.to_json())
     old_doc["items"]["count"] = {"kind": "stateful",
                                  "per_rank": {str(r): {"n": r} for r in range(4)}}
-    inline = bind_tables(Manifest.from_json(json.dumps(old_doc).encode(), where="old"),
+    inline = bind_tables(Manifest.from_json(sealed_json(old_doc), where="old"),
                          old_files.__getitem__, "old")
     assert item_tree(inline.items["count"], 3) == {"n": 3}
 

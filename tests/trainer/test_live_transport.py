@@ -21,6 +21,8 @@ from typing import Callable
 
 import pytest
 
+from tests.support.prom import trickle_until_cut
+
 pytest.importorskip("torchft")
 
 KEY = b"k" * 32
@@ -509,8 +511,6 @@ def test_a_trickled_request_does_not_keep_its_slot() -> None:
     """Connections that trickle their request line (a byte every 0.2 s, no key needed)
     are cut once the request's deadline (``timeout`` from the accept) passes, before the
     request is whole; the slots they held then serve the key holder again."""
-    import socket
-
     import torch
 
     from trainer.live.transport import KeyedHTTPTransport
@@ -521,22 +521,7 @@ def test_a_trickled_request_does_not_keep_its_slot() -> None:
     cut: list[bool] = []
 
     def trickle() -> None:
-        with socket.create_connection(("127.0.0.1", t.port), timeout=5) as s:
-            try:
-                for i in range(len(line)):
-                    s.sendall(line[i:i + 1])
-                    time.sleep(0.2)
-                    s.setblocking(False)  # has the server hung up on us?
-                    try:
-                        if s.recv(1024) == b"":
-                            cut.append(True)
-                            return
-                    except BlockingIOError:
-                        pass
-                    finally:
-                        s.setblocking(True)
-            except OSError:
-                cut.append(True)
+        cut.append(trickle_until_cut(t.port, line) < len(line))
 
     threads = [threading.Thread(target=trickle, daemon=True) for _ in range(2)]
     try:
@@ -547,6 +532,39 @@ def test_a_trickled_request_does_not_keep_its_slot() -> None:
         assert cut == [True, True]  # both cut before their request was whole
         got = t.recv_checkpoint(0, t.metadata(), 7, T)
         assert torch.equal(got["w"], torch.ones(3))
+    finally:
+        t.shutdown()
+
+
+def test_a_request_that_arrives_near_its_deadline_is_answered_whole() -> None:
+    """A key holder's request whose last byte arrives just before the request's deadline
+    (its last read left the socket a fraction of a second) is answered whole to a reader
+    that starts a second later: the answer has ``timeout`` of its own."""
+    import socket
+
+    import torch
+
+    from trainer.live.transport import KeyedHTTPTransport, request_mac
+
+    t = KeyedHTTPTransport("127.0.0.1", KEY, timedelta(seconds=3))
+    t.send_checkpoint([1], 7, {"w": torch.zeros(4 << 20)}, T)  # 16 MiB
+    proof = request_mac(KEY, f"{t.metadata()}7").encode()
+    try:
+        with socket.create_connection(("127.0.0.1", t.port), timeout=10) as s:
+            time.sleep(2.7)
+            s.sendall(b"GET /checkpoint/7 HTTP/1.0\r\nX-Ckpt-Live-Auth: " + proof
+                      + b"\r\n\r")
+            time.sleep(0.1)  # the server's last read waits with ~0.2 s left
+            s.sendall(b"\n")
+            time.sleep(1.0)  # the answer fills the sockets meanwhile
+            received = bytearray()
+            while piece := s.recv(1 << 20):
+                received += piece
+        head, _, body = bytes(received).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        assert len(body) == length > 16 << 20
     finally:
         t.shutdown()
 

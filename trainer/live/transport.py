@@ -24,7 +24,8 @@ run code in a healing group. This one:
 - the served copy is dropped once the step is voted on (``disallow_checkpoint``); at most
   ``max_requests`` connections are handled at once (more are closed unread), and a
   request must arrive whole within ``timeout`` of its accept (a connection that trickles
-  it is cut then), so no one without the key holds a slot for longer.
+  it is cut then) and its answer be taken within ``timeout`` of its first byte, so no one
+  without the key holds a slot for longer (ckpt.tools.BoundedServer).
 
 It carries no encryption: the state crosses the job's network in the clear, like the
 gradients do; someone who can read that traffic could replay a request for the same
@@ -44,12 +45,14 @@ import threading
 import time
 from urllib.parse import urlsplit
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 from torchft.checkpointing.transport import CheckpointTransport
+
+from ckpt.tools import BoundedServer, DeadlineHandler
 
 log = logging.getLogger("trainer.live")
 
@@ -81,57 +84,6 @@ class HealAuthError(PermissionError):
     """A peer's answer to a heal request did not carry the job's signature."""
 
 
-class _DeadlineReader(io.RawIOBase):
-    """A socket's reads, each limited to what is left until ``deadline`` (monotonic): a
-    peer that trickles a byte at a time cannot stretch a request past it."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self._sock, self._deadline = sock, deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request did not arrive in time")
-        self._sock.settimeout(left)
-        return self._sock.recv_into(buffer)
-
-
-class _Server(ThreadingHTTPServer):
-    """The heal server: at most ``max_requests`` connections handled at once (a slot taken
-    when the connection is accepted, before any byte of it is read)."""
-
-    daemon_threads = True
-
-    def __init__(self, host: str, handler: type, max_requests: int) -> None:
-        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._slots = threading.BoundedSemaphore(max_requests)
-        super().__init__((host, 0), handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # too many at once: closed unread
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # a client that hangs up early: a debug line, not a traceback on the group's
-        # stderr (anyone on the network could fill the log)
-        log.debug("heal server: request from %s failed", client_address, exc_info=True)
-
-
 class KeyedHTTPTransport(CheckpointTransport[Any]):
     """torchft's checkpoint transport, bound to ``host`` and keyed (see the module).
 
@@ -157,22 +109,19 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         self._body = b""
         transport = self
 
-        class Handler(BaseHTTPRequestHandler):
-            timeout = transport._timeout.total_seconds()
-
-            def setup(self) -> None:
-                super().setup()
-                # the whole request within one timeout of its arrival, however it trickles
-                self.rfile = io.BufferedReader(_DeadlineReader(
-                    self.connection, time.monotonic() + self.timeout))
-
+        class Handler(DeadlineHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 transport._answer(self)
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("heal server: " + fmt, *args)
 
-        self._server = _Server(host, Handler, max_requests)
+        # the request within `timeout` of its accept, the answer within `timeout` of its
+        # first byte, `max_requests` connections at once
+        self._server = BoundedServer(
+            (host, 0), Handler, family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+            max_connections=max_requests, request_s=timeout.total_seconds(),
+            name="ckpt-live-heal-server", log=log)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="ckpt-live-heal-server", daemon=True)
         self._thread.start()
@@ -203,7 +152,6 @@ class KeyedHTTPTransport(CheckpointTransport[Any]):
         if served != step:
             request.send_error(409, f"serving step {served}, not {step}")
             return
-        request.connection.settimeout(self._timeout.total_seconds())  # for each write
         request.send_response(200)
         request.send_header("Content-Type", "application/octet-stream")
         request.send_header("Content-Length", str(len(body)))

@@ -330,6 +330,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     result = verify.diff_steps(side_a, a, b, threads=args.threads,
                                other=None if side_b is side_a else side_b,
                                filters=args.filter or ())
+    if result.unmatched:  # else "nothing differs" would answer a typo
+        raise verify.UsageError(
+            f"--filter {' '.join(repr(f) for f in result.unmatched)} matches no tensor, value "
+            "or item of either step; `ckpt inspect` lists their names (model/weight, "
+            "optim/param_groups/0/lr...)")
     echo(verify.to_json(result.to_dict()) if args.json else verify.render_diff(result))
     return EXIT_FAILED if args.exit_code and result.differs else EXIT_OK
 

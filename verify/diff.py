@@ -76,6 +76,7 @@ class StepDiff:
     seconds: float = 0.0
     other: str | None = None
     filters: list[str] = field(default_factory=list)
+    unmatched: list[str] = field(default_factory=list)  # filters that match no name at all
 
     def counts(self) -> dict[str, int]:
         out = {"equal": 0, "changed": 0, "added": 0, "removed": 0}
@@ -165,6 +166,14 @@ def diff_steps(source: Checkpoints | ckpt.CheckpointManager, a: int, b: int, *,
         return not filters or any(t is not None and fnmatch.fnmatchcase(t, f)
                                   for t in texts for f in filters)
 
+    if filters:  # a pattern that names nothing of either step is most likely mistyped
+        every = {*ma.tensors, *mb.tensors, *names.values(), *ma.aliases, *mb.aliases,
+                 *ma.items, *mb.items, *user_metadata(ma), *user_metadata(mb)}
+        for m in (ma, mb):
+            for name, item in m.items.items():
+                every.update(item_values(name, item))
+        result.unmatched = [f for f in filters
+                            if not any(fnmatch.fnmatchcase(n, f) for n in every if n)]
     reader = _Reader(side_a, a, ma, side_b, b, mb, threads)
     for key in sorted(set(ma.tensors) | set(mb.tensors)):
         if wanted(key, names.get(key)):

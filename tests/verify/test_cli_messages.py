@@ -68,3 +68,21 @@ def test_import_of_a_source_that_is_not_there_says_so(tmp_path, capsys):
                     "import")
     assert "notes.txt is not a folder" in line, line
     assert not (tmp_path / "root").exists()
+
+
+def test_a_diff_filter_that_names_nothing_is_refused_not_answered_with_no_difference(
+        tmp_path, capsys):
+    """``--filter`` mistyped (``model.weight`` for ``model/weight``) would compare nothing
+    and report no difference, ``--exit-code`` 0: it is a usage error naming the pattern.
+    A pattern that matches a name whose values are equal is no error."""
+    with ckpt.CheckpointManager(str(tmp_path / "run"), async_save=False) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(2, 2), "epoch": 1})
+        mgr.save(2, {"model": torch.nn.Linear(2, 2), "epoch": 1})
+    root = tmp_path / "run"
+    line = one_line(*cli(capsys, "diff", root, 1, 2, "--filter", "model.weight",
+                         "--filter", "model/*", "--exit-code")[::2], "diff")
+    assert "--filter 'model.weight' matches no tensor" in line and "model/*" not in line
+    code, out, _ = cli(capsys, "diff", root, 1, 2, "--filter", "epoch", "--exit-code")
+    assert code == 0 and "0 values differ" in out
+    code, out, _ = cli(capsys, "diff", root, 1, 2, "--filter", "model/w*", "--exit-code")
+    assert code == 1 and "model/weight" in out

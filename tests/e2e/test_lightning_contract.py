@@ -196,7 +196,8 @@ def test_a_ckpt_whose_step_was_removed_falls_back_saying_what_is_known(tmp_path,
     """A file's step removed from the root after the file was written (its step folder
     deleted): the load falls back to the step before with a warning that says the step is
     not committed and how that comes about, not that the job stopped while writing it (a
-    file is renamed into place only once its step committed)."""
+    file is renamed into place only once its step committed). A folder moved without its
+    sibling root is named as such."""
     io = CkptCheckpointIO()
     io.save_checkpoint({"global_step": 3, "w": torch.zeros(4)}, tmp_path / "run/a.ckpt")
     io.save_checkpoint({"global_step": 4, "w": torch.ones(4)}, tmp_path / "run/b.ckpt")
@@ -207,6 +208,10 @@ def test_a_ckpt_whose_step_was_removed_falls_back_saying_what_is_known(tmp_path,
     assert "belongs to step 4, which is not committed under" in caplog.text
     assert "removed after the file was written" in caplog.text
     assert "stopped while writing" not in caplog.text
+
+    shutil.move(tmp_path / "run", tmp_path / "moved")  # without its sibling root
+    with pytest.raises(FileNotFoundError, match="moved or copied without its hidden sibling"):
+        io.load_checkpoint(tmp_path / "moved/a.ckpt")
 
 
 def test_save_checkpoint_outside_fit_leaves_no_thread_or_lock(tmp_path):

@@ -308,9 +308,14 @@ class CkptCheckpointIO(CheckpointIO):
             return TorchCheckpointIO().load_checkpoint(full, map_location, weights_only)
         folder = os.path.dirname(full)
         root = root_for(folder)
+        if not os.path.isdir(root):
+            raise FileNotFoundError(
+                f"{full} belongs to step {step} of {root}, which does not exist: the folder was "
+                f"moved or copied without its hidden sibling {os.path.basename(root)} (move "
+                "that along with it), or the root was deleted")
         with ckpt.CheckpointManager(root, read_only=True, metrics=False,  # no collectives
                                     schedule=ckpt.Schedule(handle_sigterm=False)) as ro:
-            candidates = [s for s in ro.steps() if s <= step] if os.path.isdir(root) else []
+            candidates = [s for s in ro.steps() if s <= step]
         if step not in candidates:
             # The file is renamed into place only once its step committed: the step went
             # later, or the file came from elsewhere; the root keeps no record of which.

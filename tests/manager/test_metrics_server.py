@@ -224,3 +224,18 @@ def test_textfile_never_written_through_a_planted_link(tmp_path):
     assert not path.is_symlink() and path.stat().st_mode & stat.S_IROTH
     assert sorted(p.name for p in directory.iterdir()) == sorted(["ckpt.prom",
                                                                  os.path.basename(planted)])
+
+
+def test_the_bounded_server_refuses_a_handler_without_the_deadlines():
+    """The server's deadlines are kept by its handler's reads and writes: a plain
+    BaseHTTPRequestHandler (no deadline: a trickled request would hold its thread for
+    ever) is refused when the server is made, before it listens."""
+    import logging
+    from http.server import BaseHTTPRequestHandler
+
+    from ckpt._shared.bounded_server import BoundedServer
+
+    with pytest.raises(TypeError, match="DeadlineHandler"):
+        BoundedServer(("127.0.0.1", 0), BaseHTTPRequestHandler, family=socket.AF_INET,
+                      max_connections=1, request_s=1.0, name="test",
+                      log=logging.getLogger("test"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -20,6 +19,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+# The file helpers directly, not through ckpt.tools: the live supervisor imports this module
+# and starts without torch (setup.cfg's public-face contract names this one exception).
+from storage_backends.files import SpecialFileError, atomic_write, open_regular
 
 from trainer.stragglers import describe as describe_stragglers
 from trainer.stragglers import summarize as summarize_stragglers
@@ -198,20 +201,19 @@ def _json_line(record: dict[str, Any]) -> str:
 
 
 def _open_append(path: Path):
-    """``path`` opened for appending text, never through a symbolic link: a run or audit
+    """``path`` opened for appending text, only if it is a regular file: a run or audit
     directory another user can write to (``CKPT_ELASTIC_RUN_DIR`` pointed at a shared
     folder) could hold a link planted at the name, which would have the records appended
-    to whatever file it names. Created 0644 (records are not secret)."""
+    to whatever file it names, or a FIFO, which would block the open for ever. Created 0644
+    (records are not secret)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-                     | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        raise OSError(e.errno, f"{path} is a symbolic link: records are never appended "
-                               "through one (remove it, and keep the run and audit "
-                               "directories where only this job's user can write)") from None
+        fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except SpecialFileError as e:
+        raise OSError(e.errno, f"{path} is {e.kind}: records are appended only to a regular "
+                               "file, never through a link (remove it, and keep the run and "
+                               "audit directories where only this job's user can write)") \
+            from None
     return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
 
 
@@ -306,10 +308,9 @@ def recorded_skips(run_dir: Path | None, global_batch_size: int) -> list[int]:
 
 
 def write_summary(run_dir: Path, summary: ElasticSummary) -> None:
-    """``summary.json`` in the run directory (a temporary file, then a rename)."""
-    tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary.to_dict(), indent=1))
-    os.replace(tmp, run_dir / "summary.json")
+    """``summary.json`` in the run directory, replaced at once and never written through a
+    link or a file planted in the directory (``ckpt.tools.atomic_write``)."""
+    atomic_write(run_dir / "summary.json", json.dumps(summary.to_dict(), indent=1))
 
 
 # ------------------------------------------------------------------------------- the summary

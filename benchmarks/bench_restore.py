@@ -330,9 +330,11 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
         f"{sum(f > fresh for f in t['faults'])} of {len(t['faults'])}"
         for n, t in timings.items())
     # user: the interpreter, planning, digests; system: the kernel's copies out of the page
-    # cache and page faults (the part that moves most with the machine's load).
+    # cache and page faults. The system time of the same cold read moves 2-3x from rep to
+    # rep under load, whatever the method, so a median can flip with a few slow reps; the
+    # minimum is the cost with the least interference.
     split = "; ".join(f"{n}: {common.median(t['user']):.2f} / {common.median(t['sys']):.2f}"
-                      for n, t in timings.items())
+                      f" (min {min(t['cpu']):.2f})" for n, t in timings.items())
     common.remove(work)
     return (f"\n### cold load of {common.format_size(nbytes)} ({shape}: "
             f"{common.SHAPES[shape]} tensors, {len(paths)} data files); median of "
@@ -343,7 +345,7 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
             "rows load a copy of the same tensors saved from a stateful object)\n\n"
             f"minor page faults per load, median, and the reps that faulted in fresh pages "
             f"for over half the state: {faults}\n\n"
-            f"CPU s per load, user / system, medians: {split}\n")
+            f"CPU s per load, user / system, medians (the least CPU of a rep): {split}\n")
 
 
 def main() -> None:

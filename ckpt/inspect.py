@@ -119,8 +119,9 @@ class Checkpoints:
         steps = self.steps()
         if step not in steps:
             have = steps if len(steps) <= 8 else [*steps[:3], "...", *steps[-3:]]
+            held = f"it has {have}" if steps else "it holds no committed step"
             raise CheckpointNotFoundError(
-                f"{self.url} has no committed step {step}; it has {have} (see `ckpt ls`)",
+                f"{self.url} has no committed step {step}; {held} (see `ckpt ls`)",
                 path=self.url)
 
     def location(self, step: int) -> str:

@@ -133,16 +133,22 @@ def digest_check(cps: Checkpoints, threads: int) -> Callable[[int], str | None]:
     return check
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 step``, ``2 steps``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def render_gc(result: GcResult, kept: list[int]) -> str:
     verb = "would remove" if result.dry_run else "removed"
     lines = [f"step {s} does not verify: {why}" for s, why in result.failed.items()]
     if result.note:
         lines.append(result.note)
     lines.append(f"{'would keep' if result.dry_run else 'kept'}: {kept}")
-    lines.append(f"{verb}: {len(result.retired_steps)} steps {result.retired_steps}, "
-                 f"{len(result.deleted_files)} files ({size(result.freed_bytes)}), "
-                 f"{len(result.uncommitted)} uncommitted leftovers; kept "
-                 f"{len(result.kept_files)} files that kept steps still use")
+    lines.append(f"{verb}: {_count(len(result.retired_steps), 'step')} "
+                 f"{result.retired_steps}, {_count(len(result.deleted_files), 'file')} "
+                 f"({size(result.freed_bytes)}), "
+                 f"{_count(len(result.uncommitted), 'uncommitted leftover')}; kept "
+                 f"{_count(len(result.kept_files), 'file')} that kept steps still use")
     if result.dry_run:
         lines.append("dry run: nothing was deleted; add --yes to delete")
     return "\n".join(lines)

@@ -119,7 +119,7 @@ def test_gc_api_and_cli_never_follow_planted_links(tmp_path, victim, capsys, bac
     assert report.retired_steps == [1]
     assert not any("planted" in f or "step-00000099" in f for f in report.deleted_files)
     assert cli(["gc", url, "--keep-last", "1", "--yes"]) == 0
-    assert "removed: 1 steps" in capsys.readouterr().out
+    assert "removed: 1 step [" in capsys.readouterr().out
     state = fresh()
     assert ckpt.CheckpointManager(url, read_only=True).restore(state) == 2
     assert_equal(state, state_of(2))

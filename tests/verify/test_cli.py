@@ -595,7 +595,7 @@ def test_gc_on_a_read_only_root_is_one_line_and_exit_2(tmp_path, capsys):
             code, out, err = cli(capsys, "gc", root, "--keep-last", "1", "--yes")
             dry = cli(capsys, "gc", root, "--keep-last", "1")
         one_line_exit_2(code, err, "gc", "needs write access")
-        assert dry[0] == 0 and "would remove: 1 steps [1]" in dry[1]  # reading is fine
+        assert dry[0] == 0 and "would remove: 1 step [1]" in dry[1]  # reading is fine
         assert committed(root) == [1, 2]
     finally:
         root.chmod(0o755)

@@ -13,6 +13,7 @@ once (as the standard file ``from_pretrained`` reads) and the folder listings ar
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -21,6 +22,8 @@ from typing import Any, Callable
 import torch
 import xxhash
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ckpt.tools import atomic_write
 
 
 OPTIMIZER_NAME = "optimizer.pt"
@@ -151,12 +154,13 @@ def replaced(folder: str, recorded: dict[str, Any]) -> bool:
 def write_marker(folder: str, step: int) -> None:
     """``optimizer.pt``: a small torch file (loads with ``weights_only=True``) saying that the
     optimizer's state is ckpt's step ``step``; written after that step is committed."""
-    tmp = os.path.join(folder, f".{OPTIMIZER_NAME}.part")
+    data = io.BytesIO()
     torch.save({"format": MARKER_FORMAT, "step": step,
                 "note": "the optimizer state is in ckpt's step of this number, in the root "
                         "next to the output folder (.<output_dir>.ckpt); resume with "
-                        "trainer.integrations.hf.CkptTrainer"}, tmp)
-    os.replace(tmp, os.path.join(folder, OPTIMIZER_NAME))
+                        "trainer.integrations.hf.CkptTrainer"}, data)
+    # A fresh temporary beside it, never a fixed name a planted link could stand at.
+    atomic_write(os.path.join(folder, OPTIMIZER_NAME), data.getvalue())
 
 
 def is_marker(folder: str) -> bool:

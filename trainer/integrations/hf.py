@@ -277,10 +277,7 @@ class CkptTrainer(Trainer):
     @staticmethod
     def _write_state(folder: str, text: str) -> None:
         """HF reads the trainer state from the folder: write the verified copy there."""
-        tmp = os.path.join(folder, f".{TRAINER_STATE_NAME}.part")
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(folder, TRAINER_STATE_NAME))
+        ckpt.tools.atomic_write(os.path.join(folder, TRAINER_STATE_NAME), text.encode())
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:

@@ -65,7 +65,11 @@ class UnsupportedValueError(CheckpointError, TypeError):
 
 class StepOrderError(CheckpointError, ValueError):
     """A save's step number is not after the root's newest step: lower (a restore would
-    resume from the newer one), or the same one without ``overwrite=True``."""
+    resume from the newer one), or the same one without ``overwrite=True``. ``step`` is
+    the step refused and ``newest`` the root's newest step (None where not known)."""
+
+    step: int | None = None
+    newest: int | None = None
 
 
 class StorageError(CheckpointError, OSError):

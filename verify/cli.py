@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import select
 import signal
 import sys
@@ -219,7 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             verify.UsageError) as e:
         return _error(args, f"{e}{_advice(e)}", EXIT_USAGE, path=getattr(e, "path", None))
     except StepOrderError as e:  # ckpt import: a step number the root's order refuses
-        first = re.sub(r"^save\(step=\d+\): ", "", str(e).split(". ")[0])
+        if e.step is None or e.newest is None:
+            first = str(e)
+        elif e.step == e.newest:
+            first = f"step {e.step} is already saved in {e.path}"
+        else:
+            first = f"a newer step, {e.newest}, is saved in {e.path}"
         return _error(args, f"{first}; give a --step after the root's newest step, or "
                       "import into another ROOT", EXIT_USAGE, path=getattr(e, "path", None))
     except CheckpointError as e:  # damage: say where the good steps are

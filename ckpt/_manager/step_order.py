@@ -56,19 +56,23 @@ class StepOrder:
             return
         newest = max(known)
         if step == newest:
-            raise StepOrderError(
+            error = StepOrderError(
                 f"save(step={step}): step {step} is already saved in {self.root}; saving it "
                 "again would replace it. Pass overwrite=True to replace it on purpose, or "
                 "save under the next step number (docs/guide.md, 'Step numbers')",
                 path=self.root)
-        raise StepOrderError(
-            f"save(step={step}): a newer step, {newest}, is saved in {self.root}"
-            f"{' (in its memory tier)' if newest in self._in_memory else ''}, and a restore "
-            f"picks the newest, so it would resume from step {newest}, not from this save. If the "
-            "step counter restarted (a new run, an epoch's batch index), keep counting up or "
-            "save under another root; to go on from an older step on purpose, retire the "
-            f"newer ones first: mgr.retire(s for s in mgr.steps() if s >= {step}), or pass "
-            "overwrite=True (docs/guide.md, 'Step numbers')", path=self.root)
+        else:
+            error = StepOrderError(
+                f"save(step={step}): a newer step, {newest}, is saved in {self.root}"
+                f"{' (in its memory tier)' if newest in self._in_memory else ''}, and a "
+                f"restore picks the newest, so it would resume from step {newest}, not from "
+                "this save. If the step counter restarted (a new run, an epoch's batch "
+                "index), keep counting up or save under another root; to go on from an older "
+                f"step on purpose, retire the newer ones first: mgr.retire(s for s in "
+                f"mgr.steps() if s >= {step}), or pass overwrite=True (docs/guide.md, 'Step "
+                "numbers')", path=self.root)
+        error.step, error.newest = step, newest
+        raise error
 
     @staticmethod
     def _allowed(step: int, overwrite: bool, known: set[int]) -> bool:

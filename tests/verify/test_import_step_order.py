@@ -11,9 +11,12 @@ import ckpt
 from verify.cli import main
 
 
-@pytest.mark.parametrize("step", ["3", "2"])
-def test_an_import_onto_a_saved_or_older_step_is_a_usage_error(tmp_path, capsys, step):
-    root = tmp_path / "run1"
+@pytest.mark.parametrize("step,says", [("3", "step 3 is already saved in "),
+                                       ("2", "a newer step, 3, is saved in ")])
+@pytest.mark.parametrize("name", ["run1", "run. two"])  # a sentence's end inside the path
+def test_an_import_onto_a_saved_or_older_step_is_a_usage_error(tmp_path, capsys, step, says,
+                                                               name):
+    root = tmp_path / name
     with ckpt.CheckpointManager(root, async_save=False) as mgr:
         for s in (1, 2, 3):
             mgr.save(s, {"m": {"w": torch.full((4,), float(s))}}, force=True)
@@ -22,5 +25,6 @@ def test_an_import_onto_a_saved_or_older_step_is_a_usage_error(tmp_path, capsys,
     assert main(["import", str(tmp_path / "d"), str(root), "--step", step]) == 2
     err = capsys.readouterr().err
     assert "--step" in err and "overwrite=True" not in err and "Traceback" not in err
+    assert f"{says}{root}; give a --step after the root's newest step" in err
     assert ckpt.inspect.open(root).steps() == [1, 2, 3]
     assert main(["import", str(tmp_path / "d"), str(root), "--step", "4"]) == 0

@@ -291,6 +291,9 @@ def main() -> None:
              f"at commit {commit}; each table's heading names the commit it ran on.",
              f"Machine: {common.machine_description()}. Disk and CPUs are shared and noisy:",
              "compare ratios measured side by side in one run, not numbers across sections.", ""]
+    if args.quick:
+        parts[-1:-1] = ["A quick run (`--quick`): fewer sizes and repetitions than a full run, "
+                        "so wider spreads."]
     parts += READING
     parts += [f"![{p}]({p})" for p in plots] + [""]
     for name, text in outputs.items():

@@ -24,7 +24,7 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel,  # 
 
 from tests.support import hf_job  # noqa: E402
 from tests.support.other_user import planted_sibling_roots  # noqa: E402
-from tests.support.ranks import forkserver  # noqa: E402
+from tests.support.ranks import run_forked  # noqa: E402
 from trainer.integrations.hf import CkptTrainer  # noqa: E402
 
 # The files HF's own checkpoint tests look for in a checkpoint folder
@@ -94,14 +94,9 @@ def test_sigterm_after_a_save_writes_hfs_jit_checkpoint_and_returns(tmp_path):
     handler of its own (which would exit 143 with no checkpoint)."""
     # A process of its own (it SIGTERMs itself), forked from the suite's fork server, which
     # has imported torch and transformers already.
-    proc = forkserver().Process(target=hf_job.jit_forked, args=(str(tmp_path),), daemon=True)
-    proc.start()
-    proc.join(600)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
+    exitcode = run_forked(hf_job.jit_forked, str(tmp_path), timeout=600)
     log = (tmp_path / "jit.log").read_text(errors="replace")[-3000:]
-    assert proc.exitcode == 0, f"exited {proc.exitcode}\n{log}"
+    assert exitcode == 0, f"exited {exitcode}\n{log}"
     result = json.loads((tmp_path / "out/jit.json").read_text())
     for name in ("hf", "ckpt"):
         assert result[name]["stopped_at"] > 2 and result[name]["handler_restored"]

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import TrainerCallback  # noqa: E402
 
 from tests.e2e.test_hf_contract import arguments, data, tiny_model  # noqa: E402
-from tests.support.ranks import forkserver  # noqa: E402
+from tests.support.ranks import run_forked  # noqa: E402
 from trainer.integrations.hf import CkptTrainer  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
@@ -68,14 +68,8 @@ def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one_to_resume
     only written checkpoints, also when step 2's write is slow) and the resume starts
     from it."""
     out = tmp_path / "out"
-    proc = forkserver().Process(target=_train_killed_while_step_4_is_written,
-                                args=(str(out),), daemon=True)
-    proc.start()
-    proc.join(300)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    assert proc.exitcode == -signal.SIGKILL, f"the job exited {proc.exitcode}, not SIGKILL"
+    exitcode = run_forked(_train_killed_while_step_4_is_written, str(out))
+    assert exitcode == -signal.SIGKILL, f"the job exited {exitcode}, not SIGKILL"
     assert ckpt.inspect.open(tmp_path / ".out.ckpt").steps() == [2]  # step 4 never committed
     assert (out / "checkpoint-2").is_dir(), sorted(p.name for p in out.iterdir())
 

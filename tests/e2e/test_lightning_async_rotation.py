@@ -17,7 +17,7 @@ import ckpt
 L = pytest.importorskip("lightning")
 
 from tests.e2e.test_lightning_contract import Net, data, trainer  # noqa: E402
-from tests.support.ranks import forkserver  # noqa: E402
+from tests.support.ranks import run_forked  # noqa: E402
 from trainer.integrations import _pl_file as plf  # noqa: E402
 from trainer.integrations.lightning import CkptCheckpointIO  # noqa: E402
 
@@ -51,14 +51,8 @@ def test_sigkill_while_the_replacing_checkpoint_is_written_keeps_the_dropped_fil
     handed over; killed while step 4 is written, the folder still holds step 2's file,
     which loads (checked against its step) and resumes the fit."""
     folder = tmp_path / "ckpts"
-    proc = forkserver().Process(target=_fit_killed_while_step_4_is_written,
-                                args=(str(folder),), daemon=True)
-    proc.start()
-    proc.join(300)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    assert proc.exitcode == -signal.SIGKILL, f"the fit exited {proc.exitcode}, not SIGKILL"
+    exitcode = run_forked(_fit_killed_while_step_4_is_written, str(folder))
+    assert exitcode == -signal.SIGKILL, f"the fit exited {exitcode}, not SIGKILL"
     assert ckpt.inspect.open(tmp_path / ".ckpts.ckpt").steps() == [2]
     kept = folder / "epoch=0-step=2.ckpt"
     assert kept.is_file(), sorted(p.name for p in folder.iterdir())
@@ -93,14 +87,8 @@ def _fit_killed_before_step_4_is_renamed(folder: str) -> None:
 
 def test_the_temporary_file_of_a_killed_write_is_removed_by_the_next_save(tmp_path):
     folder = tmp_path / "ckpts"
-    proc = forkserver().Process(target=_fit_killed_before_step_4_is_renamed,
-                                args=(str(folder),), daemon=True)
-    proc.start()
-    proc.join(300)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    assert proc.exitcode == -signal.SIGKILL, f"the fit exited {proc.exitcode}, not SIGKILL"
+    exitcode = run_forked(_fit_killed_before_step_4_is_renamed, str(folder))
+    assert exitcode == -signal.SIGKILL, f"the fit exited {exitcode}, not SIGKILL"
     left = [p.name for p in folder.iterdir() if p.name.endswith(".part")]
     assert len(left) == 1, sorted(p.name for p in folder.iterdir())
 

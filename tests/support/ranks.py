@@ -53,6 +53,19 @@ def forkserver() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def run_forked(target: Callable, *args: Any, timeout: float = 300) -> int | None:
+    """Run ``target(*args)`` in a process forked from :func:`forkserver`; wait ``timeout``
+    seconds for it (then kill it) and return its exit code (``-signal.SIGKILL`` for a
+    process that killed itself, or that was killed here for running too long)."""
+    proc = forkserver().Process(target=target, args=args, daemon=True)
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return proc.exitcode
+
+
 def _entry(rank: int, world: int, store_path: str, fn: Callable, args: tuple, queue,
            environ: dict[str, str]) -> None:
     # The fork server's environment is the one it started with: use the caller's.

@@ -76,15 +76,20 @@ def open_regular(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
-def create_beside(path: str | os.PathLike, mode: int = 0o644) -> tuple[int, str]:
+def create_beside(path: str | os.PathLike, mode: int = 0o644, *,
+                  umask: bool = False) -> tuple[int, str]:
     """A new empty file beside ``path``, to be renamed over it: ``.<name>.<16 hex>.part``,
     created exclusively (``O_EXCL``: nothing already there, a link or a hard link, is ever
-    written through), opened read-write, with ``mode`` exactly (the umask does not apply).
-    Returns its descriptor and path; the caller renames it or removes it."""
+    written through), opened read-write, with ``mode`` exactly (the umask does not apply),
+    or with ``umask``, ``mode`` less the process's umask (as ``open`` creates files: a
+    checkpoint stays private under ``umask 077``). Returns its descriptor and path; the
+    caller renames it or removes it."""
     directory, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.part")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
+                 mode if umask else 0o600)
+    if umask:
+        return fd, tmp
     try:
         os.fchmod(fd, mode)  # exactly: a metrics textfile must be readable by node_exporter
     except BaseException:
@@ -95,18 +100,19 @@ def create_beside(path: str | os.PathLike, mode: int = 0o644) -> tuple[int, str]
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str, mode: int = 0o644, *,
-                 durable: bool = False) -> None:
+                 durable: bool = False, umask: bool = False) -> None:
     """Replace ``path`` with ``data`` (str: UTF-8) at once: a reader sees the old file or the
     new one, never a part. The bytes go into :func:`create_beside`'s new file (never through
     a link or into a file planted beforehand), which is then renamed over ``path`` (a link at
-    ``path`` is replaced, not followed). The file gets ``mode`` exactly.
+    ``path`` is replaced, not followed). The file gets ``mode`` exactly, or with ``umask``
+    ``mode`` less the process's umask (:func:`create_beside`).
 
     ``durable``: the file is fsynced before the rename and the directory after it, so that
     a power loss leaves the old file or the new one, not an empty one.
     """
     if isinstance(data, str):
         data = data.encode("utf-8")
-    fd, tmp = create_beside(path, mode)
+    fd, tmp = create_beside(path, mode, umask=umask)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -180,3 +180,16 @@ def test_the_refusal_pickles_with_its_kind_and_path(shared):
     again = pickle.loads(pickle.dumps(error))
     assert (type(again), again.kind, again.filename, again.errno) == \
         (SpecialFileError, "a FIFO", str(shared / "x"), error.errno)
+
+
+def test_atomic_write_under_the_umask_keeps_a_file_private_as_open_would(shared):
+    """``umask=True``: the mode less the process's umask (a framework's checkpoint files, which
+    its own writes create under the umask, stay private under ``umask 077``)."""
+    path = shared / "trainer_state.json"
+    old_umask = os.umask(0o077)
+    try:
+        atomic_write(path, "{}", 0o644, umask=True)
+    finally:
+        os.umask(old_umask)
+    assert path.read_text() == "{}" and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert leftovers(shared) == []

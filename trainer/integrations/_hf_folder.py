@@ -160,7 +160,7 @@ def write_marker(folder: str, step: int) -> None:
                         "next to the output folder (.<output_dir>.ckpt); resume with "
                         "trainer.integrations.hf.CkptTrainer"}, data)
     # A fresh temporary beside it, never a fixed name a planted link could stand at.
-    atomic_write(os.path.join(folder, OPTIMIZER_NAME), data.getvalue())
+    atomic_write(os.path.join(folder, OPTIMIZER_NAME), data.getvalue(), umask=True)
 
 
 def is_marker(folder: str) -> bool:

@@ -24,6 +24,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ckpt.tools import create_beside
+
 # The read side (claims, records, checks) is shared with `ckpt verify FILE.ckpt`.
 from verify.lightning_file import (EOCD, EOCD_SIZE, CLAIM_FORMAT, FILES_KEY, claim,
                                    digests, problem)
@@ -36,10 +38,9 @@ def write(checkpoint: Any, path: str, step: int) -> tuple[str, dict[str, Any]]:
     """``torch.save(checkpoint)`` into a hidden temporary file beside ``path``, claiming
     ``step``, flushed to disk. Returns the temporary path (``publish`` renames it) and the
     file's record for the step's manifest."""
-    directory, name = os.path.split(path)
+    name = os.path.basename(path)
     # An unguessable name, created exclusively and never through a link.
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.part")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd, tmp = create_beside(path, 0o644, umask=True)
     try:
         with os.fdopen(fd, "w+b") as f:
             torch.save(checkpoint, f)

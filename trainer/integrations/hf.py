@@ -277,7 +277,8 @@ class CkptTrainer(Trainer):
     @staticmethod
     def _write_state(folder: str, text: str) -> None:
         """HF reads the trainer state from the folder: write the verified copy there."""
-        ckpt.tools.atomic_write(os.path.join(folder, TRAINER_STATE_NAME), text.encode())
+        ckpt.tools.atomic_write(os.path.join(folder, TRAINER_STATE_NAME), text.encode(),
+                                umask=True)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:

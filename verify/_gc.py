@@ -16,13 +16,8 @@ from ckpt.tools import (GcResult, KeepBest, RetentionPolicy, collect_root, commi
                         recorded_policy)
 
 from ._console import echo, open_path, sibling_of
-from .lightning_file import FILES_KEY
+from .integration_keys import FRAMEWORK_STEPS
 from .report import EXIT_FAILED, EXIT_OK, size
-
-# Manifest metadata that marks a step of a framework integration (trainer/integrations):
-# key -> (the framework, the setting that decides its retention).
-_FRAMEWORK_STEPS = {FILES_KEY: ("Lightning", "ModelCheckpoint's save_top_k"),
-                    "hf_model_files": ("the Hugging Face Trainer", "save_total_limit")}
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -69,7 +64,7 @@ def _refuse_rules_on_framework_root(cps: Checkpoints, args: argparse.Namespace) 
             metadata = cps.manifest(step).metadata
         except (ValueError, OSError):  # CorruptCheckpointError, unreadable or gone
             continue  # the one before says whose root this is
-        for key, (framework, rule) in _FRAMEWORK_STEPS.items():
+        for key, (framework, rule) in FRAMEWORK_STEPS.items():
             if key in metadata:
                 raise verify.UsageError(
                     f"{cps.url} holds the steps of {framework}'s checkpoints, whose "

@@ -18,7 +18,7 @@ from ckpt import inspect
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.inspect import Checkpoints
 
-from ._console import echo, open_path, open_target
+from ._console import FileStepGoneError, echo, gone_step, open_path, open_target
 from .lightning_file import (FILES_KEY, LightningFile, claim, claims_in, files_of, folder_of,
                              untrusted_root)
 from .lightning_file import check as check_file
@@ -186,7 +186,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise verify.UsageError("--model, --loss, --rtol, --atol and --trust-recorded are for "
                                 "--level forward")
     reports = []
-    cps, lightning = open_target(args.root)
+    try:
+        cps, lightning = open_target(args.root)
+    except FileStepGoneError as e:  # the file is there, its state is not: damage, as --all
+        if e.found is None:
+            raise
+        report = verify.Report(e.found.root, [_gone_step_report(e.found, args.level)])
+        echo(verify.to_json(report.to_dict()) if args.json else verify.render_verify(report))
+        return report.exit_code
     # a Lightning folder's sibling root: its steps' .ckpt files are checked too
     folder = folder_of(cps.url) if lightning is None and cps.is_root and \
         "://" not in cps.url else None
@@ -242,15 +249,19 @@ def _files_of_gone_steps(cps: Checkpoints, folder: str, level: str) -> list[veri
             continue
         report = verify.StepReport(step, level, checks=["file"], location=folder,
                                    files=len(files))
-        for found in files:
-            report.problems.append(verify.Problem("file", (
-                f"{os.path.basename(found.path)} names step {step}, which {cps.url} does not "
-                "hold: loading the file falls back to an earlier step. Its step was removed "
-                "after the file was written (its step folder deleted, the root restored from "
-                "an older copy), or the file was copied here from another folder; delete the "
-                "file, or put its step back"), found.path))
+        report.problems += [verify.Problem("file", gone_step(found, cps.url), found.path)
+                            for found in files]
         reports.append(report)
     return reports
+
+
+def _gone_step_report(found: LightningFile, level: str) -> verify.StepReport:
+    """``ckpt verify FILE.ckpt`` of a file whose step its sibling root does not hold: the
+    failed ``file`` check that ``--all`` of its folder reports for it."""
+    return verify.StepReport(
+        found.step, level, checks=["file"], location=f"{found.path} (step {found.step} of "
+        f"{found.root})", files=1, problems=[verify.Problem("file", gone_step(found, found.root),
+                                                              found.path)])
 
 
 def _check_lightning_file(cps: Checkpoints, found: LightningFile, report: verify.StepReport,

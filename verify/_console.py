@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from ckpt import inspect
-from ckpt.errors import CheckpointNotFoundError
+from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckpt.inspect import Checkpoints
 from ckpt.tools import POINTER_NAME, read_pointer, step_dir
 
@@ -22,6 +22,17 @@ from .report import UsageError
 # nor make the output encoder raise.
 _UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e"
                           "\u2066-\u2069\ufeff\ud800-\udfff]")
+
+
+class FileStepGoneError(CorruptCheckpointError):
+    """A Lightning ``.ckpt`` names a step that its sibling root, which exists, does not
+    hold: the file is there but its state is gone, which is damage (status 1), as ``verify
+    --all`` reports it. (A missing root is an environment error, status 2.)"""
+
+    def __init__(self, message: str, *, path: str | None = None,
+                 found: LightningFile | None = None) -> None:
+        super().__init__(message, path=path)
+        self.found = found
 
 
 def echo(text: str, file: Any = None) -> None:
@@ -53,6 +64,9 @@ def open_target(path: str, *, files: bool = True) -> tuple[Checkpoints, Lightnin
             return inspect.open(sibling), None
     found = locate(path) if files and not os.path.isdir(path) else None
     if found is not None:
+        if os.path.isdir(found.root) and not os.path.isdir(
+                os.path.join(found.root, step_dir(found.step))):
+            raise FileStepGoneError(gone_step(found, found.root), path=found.path, found=found)
         return _open_step(path, found.root, found.step, "is the .ckpt file of step"), found
     step = read_pointer(os.path.join(path, POINTER_NAME) if os.path.isdir(path) else path)
     if step is None:
@@ -64,6 +78,15 @@ def open_target(path: str, *, files: bool = True) -> tuple[Checkpoints, Lightnin
     if not os.path.isdir(os.path.join(root, step_dir(step))) and os.path.isdir(sibling):
         root = sibling  # Lightning's plugin keeps the folder's steps in its hidden sibling
     return _open_step(path, root, step, "points to step"), None
+
+
+def gone_step(found: LightningFile, root: str) -> str:
+    """Why the ``.ckpt`` ``found``, whose step ``root`` does not hold, fails its check."""
+    return (f"{os.path.basename(found.path)} names step {found.step}, which {root} does not "
+            "hold: loading the file falls back to an earlier step. Its step was removed after "
+            "the file was written (its step folder deleted, the root restored from an older "
+            "copy), or the file was copied here from another folder; delete the file, or put "
+            "its step back")
 
 
 def sibling_of(folder: str) -> str | None:
@@ -83,14 +106,14 @@ def sibling_of(folder: str) -> str | None:
 
 def _open_step(path: str, root: str, step: int, relation: str) -> Checkpoints:
     target = os.path.join(root, step_dir(step))
-    if not os.path.isdir(target):
-        # A .ckpt is renamed into place only once its step committed; a pointer before.
-        why = ("its step was removed after the file was written, or the file was copied "
-               "from another folder" if relation.startswith("is the .ckpt") else
-               "its save never finished, or it was retired")
+    if not os.path.isdir(root):  # an environment error (status 2): the root is elsewhere
         raise CheckpointNotFoundError(
-            f"{path} {relation} {step} of {root}, which is not committed ({why}; or the "
-            f"folder was moved without {root}); `ckpt ls {root}` lists the steps there",
-            path=path)
+            f"{path} {relation} {step} of {root}, which does not exist (the folder was moved "
+            f"or copied without it, or it was deleted)", path=path)
+    if not os.path.isdir(target):
+        # A pointer is written before its step commits (a .ckpt only after: open_target).
+        raise CheckpointNotFoundError(
+            f"{path} {relation} {step} of {root}, which is not committed (its save never "
+            f"finished, or it was retired); `ckpt ls {root}` lists the steps there", path=path)
     echo(f"ckpt: {path} {relation} {step}: reading {target}", file=sys.stderr)
     return inspect.open(target)

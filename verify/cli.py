@@ -45,14 +45,15 @@ exit status:
   0  success: every check passed (verify), or the command did what was asked
   1  a check failed: a damaged or inconsistent checkpoint (the message names the file
      and the check: manifest, structure, header, digest, weights, output, loss,
-     file for a Lightning .ckpt); gc found no step that verifies, so it retired none;
+     file for a Lightning .ckpt, also one whose step its root no longer holds); gc
+     found no step that verifies, so it retired none;
      diff --exit-code: the steps differ
   2  usage or environment error: a missing root or step, no probe recorded for
      --level forward, a model factory that cannot be imported or does not fit,
      a root locked by a writer (gc --yes), storage that cannot be opened or written
      (a file, a read-only root, an unknown protocol, a missing backend library, an
      unreachable endpoint), bad arguments, a file ckpt cannot check (a .ckpt of
-     Lightning's own IO), a Lightning .ckpt whose step is gone
+     Lightning's own IO), a Lightning .ckpt whose sibling root is missing
   3    an internal error, a bug in ckpt (one line; CKPT_TRACEBACK=1 shows the traceback)
   130  interrupted (Ctrl-C)
   141  stdout closed by its reader (ckpt ls ROOT | head -1): quiet, as after SIGPIPE

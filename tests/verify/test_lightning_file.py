@@ -1,7 +1,9 @@
 """``ckpt verify FILE.ckpt`` on a Lightning file written by ``CkptCheckpointIO``: the file is
 checked against the step in its hidden sibling root (size; xxh3 of the whole file and of
 each zip record) and reported like a step; ``ls`` and ``inspect`` show that step. A file
-ckpt did not write, or whose step is gone, is a one-line usage error (exit 2).
+ckpt did not write, or whose sibling root is missing, is a one-line usage error (exit 2); a
+file whose step its root no longer holds fails the ``file`` check (exit 1), as ``verify
+--all`` of its folder reports it.
 
 Threat model: whoever can write the folder can put any file there (a FIFO, a link, another
 tool's pickle, a file claiming any step) and, if the sibling root is theirs, any digests.
@@ -127,8 +129,10 @@ def test_files_ckpt_did_not_write_or_cannot_check_are_one_line_usage_errors(
     os.chown(root, os.getuid(), os.getgid())
 
     os.rename(root, tmp_path / "elsewhere")      # ckpts/ moved without its sibling root
-    code, _, err = cli(capsys, "verify", written / "e2.ckpt")
-    assert code == 2 and "is the .ckpt file of step 2" in err and "not committed" in err
+    for command in ("verify", "ls", "inspect"):  # a missing root: the environment's error
+        code, out, err = cli(capsys, command, written / "e2.ckpt", "--json")
+        assert code == 2 and json.loads(out)["exit_code"] == 2, (command, out)
+        assert "is the .ckpt file of step 2" in err and "which does not exist" in err, err
 
 
 def test_a_malformed_record_in_the_step_fails_the_check(tmp_path, capsys):
@@ -155,12 +159,21 @@ def test_verify_all_reports_a_file_whose_step_the_root_does_not_hold(written, ca
     assert code == 1 and "step 2: OK" in out, out
     assert "step 1: FAILED" in out and "e1.ckpt names step 1, which" in out
     assert "does not hold" in out and "step folder deleted" in out
-    code, _, err = cli(capsys, "verify", written / "e1.ckpt")  # the file alone: its step
-    assert code == 2 and "which is not committed (its step was removed after" in err, err
     code, out, _ = cli(capsys, "verify", "--all", written.parent / ".ckpts.ckpt", "--json")
     doc = json.loads(out)
     assert code == 1 and [s["status"] for s in doc["steps"]] == ["failed", "ok"]
     assert doc["steps"][0]["problems"][0]["file"] == str(written / "e1.ckpt")
+    # The file alone fails the same check with the same status (its state is gone, its
+    # root is there: damage), in text and in JSON; ls and inspect refuse it as damaged.
+    code, out, _ = cli(capsys, "verify", written / "e1.ckpt")
+    assert code == 1 and out.startswith("step 1: FAILED") and "e1.ckpt names step 1" in out
+    code, out, _ = cli(capsys, "verify", written / "e1.ckpt", "--json")
+    alone = json.loads(out)
+    assert code == 1 and alone["exit_code"] == 1 and alone["ok"] is False
+    assert alone["steps"][0]["problems"] == doc["steps"][0]["problems"]
+    for command in ("ls", "inspect"):
+        code, out, err = cli(capsys, command, written / "e1.ckpt", "--json")
+        assert code == 1 and json.loads(out)["exit_code"] == 1 and "names step 1" in err
 
     os.remove(written / "e1.ckpt")             # the file goes: nothing left to report
     os.mkfifo(written / "fifo.ckpt")           # planted: neither blocks nor is reported,

@@ -22,7 +22,7 @@ from ._console import FileStepGoneError, echo, gone_step, open_path, open_target
 from .lightning_file import (FILES_KEY, LightningFile, claim, claims_in, files_of, folder_of,
                              untrusted_root)
 from .lightning_file import check as check_file
-from .report import EXIT_FAILED, EXIT_OK, size, table
+from .report import EXIT_FAILED, EXIT_OK, size, table, with_status
 
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
 
@@ -44,7 +44,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          "tensors": None, "world_size": None, "status": f"bad: {e}",
                          "verified": None})
     if args.json:
-        echo(verify.to_json({"root": cps.url, "steps": rows}))
+        echo(verify.to_json(with_status({"root": cps.url, "steps": rows}, EXIT_OK)))
         return EXIT_OK
     if not rows:
         echo(f"{cps.url}: no committed steps")
@@ -110,12 +110,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     values = {k: inspect.item_tree(v) for k, v in m.items.items() if v.get("kind") == "value"}
     saved = saved_values(m)
     if args.json:
-        echo(verify.to_json({
+        echo(verify.to_json(with_status({
             "path": cps.step_url(step), "step": m.step, "world_size": m.world_size,
             "created": m.created, "tensors": tensors, "aliases": m.aliases,
             "items": {k: v.get("kind") for k, v in m.items.items()}, "values": values,
             "state": saved, "parameter_names": inspect.parameter_names(m),
-            "metadata": m.metadata}))
+            "metadata": m.metadata}, EXIT_OK)))
         return EXIT_OK
     echo(f"{cps.step_url(step)}  step {m.step}  world size {m.world_size}  "
          f"{len(tensors)} tensors  {size(sum(t['bytes'] for t in tensors))}")
@@ -346,8 +346,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
             f"--filter {' '.join(repr(f) for f in result.unmatched)} matches no tensor, value "
             "or item of either step; `ckpt inspect` lists their names (model/weight, "
             "optim/param_groups/0/lr...)")
-    echo(verify.to_json(result.to_dict()) if args.json else verify.render_diff(result))
-    return EXIT_FAILED if args.exit_code and result.differs else EXIT_OK
+    code = EXIT_FAILED if args.exit_code and result.differs else EXIT_OK
+    echo(verify.to_json(with_status(result.to_dict(), code)) if args.json else
+         verify.render_diff(result))
+    return code
 
 
 def _step_of(cps: Checkpoints, step: int | None) -> int:
@@ -368,7 +370,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         return export_to_dcp(args, step)
     result = verify.export_step(cps, step, args.to, args.file, item=args.item,
                                 force=args.force, threads=args.threads)
-    echo(verify.to_json(vars(result)) if args.json else verify.render_export(result))
+    echo(verify.to_json(with_status(vars(result), EXIT_OK)) if args.json else
+         verify.render_export(result))
     return EXIT_OK
 
 
@@ -379,5 +382,6 @@ def _export_hf(args: argparse.Namespace) -> int:
     cps = open_path(args.root)
     result = export_hf(cps, _steps(cps, args)[0], args.file, item=args.item,
                        force=args.force, max_shard_bytes=shard, threads=args.threads)
-    echo(verify.to_json(vars(result)) if args.json else render_hf_export(result))
+    echo(verify.to_json(with_status(vars(result), EXIT_OK)) if args.json else
+         render_hf_export(result))
     return EXIT_OK

@@ -17,7 +17,7 @@ from ckpt.tools import (GcResult, KeepBest, RetentionPolicy, collect_root, commi
 
 from ._console import echo, open_path, sibling_of
 from .integration_keys import FRAMEWORK_STEPS
-from .report import EXIT_FAILED, EXIT_OK, size
+from .report import EXIT_FAILED, EXIT_OK, size, with_status
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -44,9 +44,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     kept = sorted(set(before) - set(result.retired_steps))
     code = EXIT_OK if result.ok else EXIT_FAILED
     if args.json:
-        echo(verify.to_json({**dataclasses.asdict(result), "kept_steps": kept,
-                             "policy": {**policy.to_record(), "source": source},
-                             "ok": result.ok, "exit_code": code}))
+        echo(verify.to_json(with_status({**dataclasses.asdict(result), "kept_steps": kept,
+                                         "policy": {**policy.to_record(), "source": source}},
+                                        code)))
     else:
         echo(f"policy: {policy.describe()} ({source})\n{render_gc(result, kept)}")
     return code
@@ -154,7 +154,8 @@ def _gc_memory(args: argparse.Namespace) -> int:
 
     paths = gc_segments(job=args.job, dry_run=not args.yes)
     if getattr(args, "json", False):
-        echo(verify.to_json({"ok": True, "dry_run": not args.yes, "segments": paths}))
+        echo(verify.to_json(with_status({"dry_run": not args.yes, "segments": paths},
+                                        EXIT_OK)))
     else:
         verb = "removed" if args.yes else "would remove (pass --yes)"
         echo(f"{verb} {len(paths)} memory segment(s)" + "".join(f"\n  {p}" for p in paths))

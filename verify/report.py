@@ -128,6 +128,12 @@ def number(x: float | None, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+def with_status(doc: dict[str, Any], code: int) -> dict[str, Any]:
+    """A command's JSON document with the two keys every one carries, errors included:
+    ``ok`` (the status is 0) and ``exit_code`` (the status)."""
+    return {"ok": code == EXIT_OK, "exit_code": code, **doc}
+
+
 def to_json(doc: Any) -> str:
     """Strict JSON (parses anywhere): NaN and infinities become the strings "nan", "inf"."""
     return json.dumps(_jsonable(doc), indent=2, allow_nan=False)

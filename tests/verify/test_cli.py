@@ -401,6 +401,28 @@ def root_of_steps(tmp_path: Path, steps=(1, 2, 3, 4)) -> Path:
     return root
 
 
+def test_every_json_document_says_ok_and_its_exit_code(tmp_path, capsys):
+    """Every subcommand's one JSON document carries ``ok`` (status 0) and ``exit_code`` (the
+    status), whatever the command did, so a script reads one shape."""
+    root = root_of_steps(tmp_path, steps=(1, 2))
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(3, {"w": torch.full((64,), 9.0), "step": 3})  # differs from step 2
+    commands = [["ls", root], ["inspect", root], ["verify", root, "--all"],
+                ["diff", root, 1, 2], ["diff", root, 2, 3, "--exit-code"],
+                ["export", root, "--to", "safetensors", tmp_path / "w.safetensors"],
+                ["export", root, "--to", "dcp", tmp_path / "dcp"],
+                ["import", tmp_path / "dcp", tmp_path / "imported"],
+                ["gc", root, "--keep-last", "1"], ["gc", "--memory", "--job", "nojob"],
+                ["ls", tmp_path / "nowhere"]]
+    seen = set()
+    for args in commands:
+        code, out, err = cli(capsys, *args, "--json")
+        doc = json.loads(out)
+        assert doc["exit_code"] == code and doc["ok"] is (code == 0), (args, out, err)
+        seen.add(code)
+    assert seen == {0, 1, 2}
+
+
 def committed(root: Path) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in root.glob("step-*/manifest.json"))
 

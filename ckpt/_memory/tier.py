@@ -45,13 +45,15 @@ import secrets
 import shutil
 import socket
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from storage_backends.faults import fault_point
 from storage_backends.posix import PosixStorage
 
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt._format.bounds import Invalid
 from ckpt._format.names import MANIFEST_NAME, STEP_DIR, step_dir
+from ckpt._format.sealed import DIGEST_MEMBER, is_sealed, seal
 from ckpt._memory.auth import sign, sign_doc, verify, verify_doc
 from ckpt._memory.private import (DEAD_FILE, OWNER_FILE, SHM_DIR, STAGING, UnsafeSegmentError,
                                   check_dir, gc_segments, open_checked, own_segment,
@@ -267,7 +269,7 @@ class MemoryTier:
                    "items": payload.items, "aliases": payload.aliases,
                    "metadata": payload.metadata or {}, "table": table.to_json()}
             write_private(os.path.join(self.path, staging, RANK_DOC),
-                          json.dumps(sign_doc(self.key, doc)).encode())
+                          rank_doc_bytes(self.key, doc))
             fault_point("memory_commit")
             final = os.path.join(self.path, payload.name)
             commit_dir(os.path.join(self.path, staging), final,
@@ -321,6 +323,18 @@ class MemoryTier:
         for s, committed in step_dirs(self.storage).items():
             if committed and s not in kept:
                 self.slabs.reclaim(os.path.join(self.path, step_dir(s)))
+
+    def drop(self, steps: Iterable[int]) -> list[int]:
+        """Remove ``steps`` from the segment now (the job went back past them, or retired
+        them), their slabs kept for the next saves; returns those that were there."""
+        held = set(self.steps() if self.ranked else
+                   (s for s, committed in step_dirs(self.storage).items() if committed))
+        gone = sorted(held & set(steps))
+        for s in gone:
+            self.slabs.reclaim(os.path.join(self.path, step_dir(s)))
+        if gone and not self.ranked:
+            self.prune_tags()
+        return gone
 
     def kept_steps(self, newest: int | None = None) -> set[int]:
         """The generations to keep: the newest ``keep`` committed steps, signed or not (the
@@ -384,13 +398,18 @@ def write_tag(segment: str, name: str, tag: str) -> None:
 def authenticate_manifest(segment: str, location: str, key: bytes | None,
                           fd: int | None = None) -> None:
     """Raise CorruptCheckpointError unless the manifest of step directory ``location`` in a
-    single process's segment (read from ``fd`` when given) carries its tag under ``key``."""
+    single process's segment (read from ``fd`` when given) carries its tag under ``key``.
+    Its own digest is checked first, so that damage is reported as damage."""
     where = os.path.join(segment, location, MANIFEST_NAME)
     if fd is None:
         manifest = read_checked(where)
     else:
         size = os.fstat(fd).st_size
         manifest = os.pread(fd, size, 0)
+    try:
+        is_sealed(manifest)
+    except Invalid as e:
+        raise CorruptCheckpointError(damaged(where, str(e)), path=where) from None
     try:
         tag = read_checked(os.path.join(segment, f"{TAG_PREFIX}{location}")).decode("ascii")
     except FileNotFoundError:
@@ -399,9 +418,32 @@ def authenticate_manifest(segment: str, location: str, key: bytes | None,
         raise CorruptCheckpointError(f"{where}: its tag is unreadable ({e})", path=where) from e
     if key is None or not verify(key, manifest, tag):
         raise CorruptCheckpointError(
-            f"{where}: {'no tag' if tag is None else 'a tag that does not match'} under this "
-            "job's memory key (written by another job, or under a key since replaced): not "
-            "restored from memory", path=where)
+            not_this_jobs(where, "no tag" if tag is None else "a tag that does not match"),
+            path=where)
+
+
+def damaged(where: str, why: str) -> str:
+    """The message for a step whose document fails its own digest in memory."""
+    return (f"{where}: damaged in memory ({why}; a bit flipped in RAM, or the file was "
+            "changed): not restored from memory. The restore tries the "
+            "step's other copies (a peer's replica, the root), then older steps; nothing to "
+            "do unless it recurs, then check this node's memory (ECC errors in dmesg)")
+
+
+def not_this_jobs(where: str, what: str) -> str:
+    """The message for a step whose tag does not check out under the job's memory key (its
+    own digest did)."""
+    return (f"{where}: {what} under this job's memory key, so it is not this job's step "
+            "(another job with the same memory job id wrote it, or the root's memory key "
+            "was replaced since), or its tag was damaged: not restored from memory. Give "
+            "each job its own id (MemoryTierOptions(job=), the trainer's memory_job=)")
+
+
+def rank_doc_bytes(key: bytes, doc: dict) -> bytes:
+    """A rank step's ``rank.json``: ``doc`` with its tag under ``key``, then sealed with
+    its own digest as its last member (``ckpt/_format/sealed.py``), so that a damaged
+    document is told apart from one signed under another key."""
+    return seal(json.dumps(sign_doc(key, doc), separators=(",", ":")).encode())
 
 
 def rank_steps(path: str) -> list[int]:
@@ -479,13 +521,23 @@ def read_rank_doc(path: str, step: int, key: bytes | None) -> dict:
     try:
         check_dir(os.path.join(path, step_dir(step)))
         with open_plain(where) as f:
-            doc = json.loads(f.read())
-    except (OSError, ValueError) as e:
+            raw = f.read()
+    except OSError as e:
         raise CorruptCheckpointError(f"{where}: unreadable rank step: {e}", path=where) from e
+    try:
+        # Its own digest first: damage is named as such, not as another job's tag. (One
+        # written without a digest is still authenticated by its tag below.)
+        sealed = is_sealed(raw)
+        doc = json.loads(raw)
+        if isinstance(doc, dict) and DIGEST_MEMBER in doc:
+            if not sealed:
+                raise Invalid(f"its {DIGEST_MEMBER!r} is not its last member or not 16 hex "
+                              "digits")
+            del doc[DIGEST_MEMBER]
+    except (Invalid, ValueError) as e:
+        raise CorruptCheckpointError(damaged(where, str(e)), path=where) from None
     if key is None or not verify_doc(key, doc):
-        raise CorruptCheckpointError(
-            f"{where}: not signed with this job's memory key (written by another job, or "
-            "under a key since replaced): not restored from memory", path=where)
+        raise CorruptCheckpointError(not_this_jobs(where, "not signed"), path=where)
     ok = (isinstance(doc, dict) and doc.get("format") == RANK_FORMAT
           and doc.get("step") == step and all(
               isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool)

@@ -1,0 +1,71 @@
+"""A bit flipped in a step's manifest or rank document in the memory tier is reported as
+damage (with what happens next and what to do), not as a step another job wrote: the
+document's own digest (``ckpt/_format/sealed.py``) is checked before its tag."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import ckpt
+from ckpt._memory.auth import KEY_NAME
+from ckpt._memory.discovery import local_holdings
+from ckpt._memory.tier import RANK_DOC, private_path
+from tests.support import memory_auth_workers
+from tests.support.ranks import run_ranks
+
+
+def flip(path: str) -> None:
+    """Flip one bit in the middle of ``path``."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x04]))
+
+
+def test_a_flipped_bit_in_a_steps_manifest_in_memory_is_reported_as_damage(tmp_path,
+                                                                           caplog):
+    """A single process's step whose manifest in memory has a flipped bit: the restore takes
+    the step from the root, and the warning says the memory copy was damaged (not that
+    another job wrote it)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    tier = ckpt.MemoryTierOptions(shm_dir=str(shm), node="n0", job="j")
+    with ckpt.CheckpointManager(tmp_path / "root", memory_tier=tier) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((8,), float(step))})
+        mgr.wait()
+        manifest = os.path.join(mgr._publisher.tier.path, "step-00000002", "manifest.json")
+        flip(manifest)
+        state = {"w": torch.zeros(8)}
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            assert mgr.restore(state) == 2
+        assert mgr.last_restore.tier == "storage"
+    assert torch.equal(state["w"], torch.full((8,), 2.0))
+    [warning] = [r.getMessage() for r in caplog.records if manifest in r.getMessage()]
+    assert "damaged in memory" in warning and "digest" in warning
+    assert "not this job's" not in warning
+
+
+@pytest.mark.multiproc
+def test_a_flipped_bit_in_a_rank_steps_document_is_reported_as_damage(tmp_path, caplog):
+    """Two ranks' rank steps in memory; one bit flipped in rank 0's newest ``rank.json``:
+    discovery skips that step with a warning that says it was damaged, not another job's,
+    and still lists the others."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    root = tmp_path / "root"
+    run_ranks(2, memory_auth_workers.save, str(root), str(shm), ["n0", "n0"], [1, 2], 1000)
+    segment = os.path.join(private_path(str(shm)), "ckpt-shared-n0-r0")
+    doc = os.path.join(segment, "step-00000002", RANK_DOC)
+    flip(doc)
+    key = (root / KEY_NAME).read_bytes()
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        held = local_holdings(private_path(str(shm)), "shared", "n0", key=key)
+    assert sorted((h.origin, h.step) for h in held) == [(0, 1), (1, 1), (1, 2)]
+    [warning] = [r.getMessage() for r in caplog.records if doc in r.getMessage()]
+    assert "damaged in memory" in warning and "not this job's" not in warning

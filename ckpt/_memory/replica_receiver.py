@@ -9,11 +9,14 @@ is parsed: the header's length, the header (at most ``HEADER_MAX``) and its JSON
 after the handshake, and no directory exists for a peer before then.
 
 An authenticated peer is one of the job's ranks; still, what it sends is bounded: one
-transfer at a time per origin rank, each checked before a byte is stored against the origin's
-budget (its replica segment's bytes plus the step's announced size, at most ``budget``) and
-against the free space of ``shm_dir`` less what the transfers in flight have reserved; each
-1 MiB block must arrive within ``timeout`` seconds; a replica is published by renaming its
-staging directory (whole or absent); only the newest ``keep`` generations per origin are kept.
+transfer at a time per origin rank (the next one waits up to ``RESERVE_WAIT`` seconds for it
+to end, then is refused: a peer that holds a transfer open delays it no longer, and a waiting
+connection holds only its handler thread), each checked before a byte is stored against the
+origin's budget (its replica segment's bytes plus the step's announced size, at most
+``budget``) and against the free space of ``shm_dir`` less what the transfers in flight have
+reserved; each 1 MiB block must arrive within ``timeout`` seconds; a replica is published by
+renaming its staging directory (whole or absent); only the newest ``keep`` generations per
+origin are kept.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from ckpt._memory.tier import (RANK_DOC, STAGING, commit_dir, own_segment, plain
 log = logging.getLogger("ckpt")
 
 _BLOCK = 1 << 20
+#: Seconds an origin's step waits for the end of its previous one before it is refused.
+RESERVE_WAIT = 5.0
 # A replica's files: new (a duplicate name in a header fails), never through a link, 0600.
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -81,6 +86,9 @@ class ReplicaReceiver:
         self._conns: set[socket.socket] = set()  # authenticated connections (close ends them)
         self._owners: dict[int, Any] = {}
         self._reserved: dict[int, int] = {}  # origin -> bytes of its transfer in flight
+        # How long an origin's step waits for its previous one to end (_reserve), and how
+        # many connections wait so (a test seam).
+        self.reserve_wait, self.waiting = RESERVE_WAIT, 0
         self._closed = False
         self._refused = 0  # connections refused before they authenticated
         self._thread = threading.Thread(target=self._accept, name="ckpt-replica-recv",
@@ -173,15 +181,28 @@ class ReplicaReceiver:
         finally:
             with self._lock:
                 self._reserved.pop(origin, None)
+                self._lock.notify_all()  # the origin's next step may be waiting (_reserve)
 
     def _reserve(self, segment: str, origin: int, step: int, need: int) -> None:
         """Book ``need`` bytes for ``origin``'s step, or raise (OSError) when one of its steps
-        is arriving already, or it would pass its budget or the room left in ``shm_dir``."""
+        is still arriving after ``reserve_wait`` seconds, or it would pass its budget or the
+        room left in ``shm_dir``. (The wait covers a transfer that failed on the sender's
+        side while its end here is still being cleaned up: the sender's next step must not
+        be refused for it. It is short, so a peer that keeps a transfer open only delays the
+        origin's next step by that much before it is refused, as before.)"""
         with self._lock:
+            if origin in self._reserved and not self._closed:
+                self.waiting += 1
+                try:
+                    self._lock.wait_for(lambda: origin not in self._reserved or self._closed,
+                                        self.reserve_wait)
+                finally:
+                    self.waiting -= 1
             if self._closed:
                 raise OSError("closed")
             if origin in self._reserved:
-                raise OSError(f"a step of rank {origin} is arriving already")
+                raise OSError(f"a step of rank {origin} is arriving already (waited "
+                              f"{self.reserve_wait:g} s)")
             if self.budget is not None:
                 held = tree_bytes(segment)
                 if held + need > self.budget:
@@ -218,6 +239,26 @@ class ReplicaReceiver:
         retire_rank_steps(segment, self.keep, step)  # the new line's, not those it left
         log.info("ckpt._memory.replication stored step=%d of rank=%d in %s", step, origin, segment)
 
+    def drop_above(self, step: int) -> list[str]:
+        """Remove the replicated steps above ``step`` (a line of training the job went back
+        from) from the replica segments this receiver holds; returns their paths."""
+        with self._lock:
+            segments = [os.path.dirname(owner.name) for owner in self._owners.values()]
+        gone = []
+        for segment in segments:
+            for s in rank_steps(segment):
+                if s > step:
+                    path = os.path.join(segment, step_dir(s))
+                    aside = os.path.join(segment, f"{STAGING}gone-{step_dir(s)}-"
+                                                  f"{secrets.token_hex(6)}")
+                    try:  # the step stops existing in one rename
+                        os.rename(path, aside)
+                    except FileNotFoundError:
+                        continue
+                    shutil.rmtree(aside, ignore_errors=True)
+                    gone.append(path)
+        return gone
+
     def close(self, remove_upto: int | None = None, wait: float = 0.0) -> None:
         """Stop listening; let the steps arriving finish for up to ``wait`` seconds, then end
         their connections; release the replica segments, removing those whose newest step
@@ -225,6 +266,7 @@ class ReplicaReceiver:
         it (it would fail on its vanished staging directory)."""
         with self._lock:
             self._closed = True
+            self._lock.notify_all()  # a step waiting for its origin's previous one: refused
         try:
             self._server.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone may not)
         except OSError:

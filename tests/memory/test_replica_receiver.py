@@ -194,13 +194,14 @@ def test_a_peer_without_the_key_stores_nothing_and_is_sent_nothing(receiver, tmp
 
 
 def test_one_step_of_an_origin_arrives_at_a_time(tmp_path):
-    """An origin rank's second step, sent while its first is arriving, is refused before a
-    byte of it is stored (its budget is booked per origin, not per step); the first one
-    arrives whole."""
+    """An origin rank's second step, sent while its first is arriving (and still arriving
+    once the second has waited its bound), is refused before a byte of it is stored (its
+    budget is booked per origin, not per step); the first one arrives whole."""
     counted: list[str] = []
     rep = Replicator(shm_dir=str(tmp_path), job="j", node="n", keep=2, timeout=10,
                      host="127.0.0.1", count=counted.append)
     rep.connect([], "s3cret")
+    rep.receiver.reserve_wait = 0.5  # how long the second waits for the first to end
     rep.hold.clear()  # authenticated steps wait before they are stored
     doc = json.dumps({"step": 3, "rank": 1}).encode()
     header = {"origin": 1, "step": 3, "files": [["data-0", 4]], "doc": len(doc)}
@@ -221,6 +222,43 @@ def test_one_step_of_an_origin_arrives_at_a_time(tmp_path):
         assert first == [b"OK"]
         segment = tmp_path / replica_name("j", "n", 1)
         assert sorted(p.name for p in segment.glob("step-*")) == ["step-00000003"]
+    finally:
+        rep.hold.set()
+        rep.close()
+
+
+def test_a_step_that_arrives_while_a_failed_one_is_cleaned_up_is_stored(tmp_path):
+    """The sender's transfer of step 3 fails mid-way (it hangs up) and its next step, 4,
+    connects before the receiver has cleaned up after 3: step 4 waits for that cleanup
+    instead of being refused, and is stored."""
+    counted: list[str] = []
+    rep = Replicator(shm_dir=str(tmp_path), job="j", node="n", keep=2, timeout=10,
+                     host="127.0.0.1", count=counted.append)
+    rep.connect([], "s3cret")
+    rep.receiver.reserve_wait = 60.0  # a bound the test never reaches
+    rep.hold.clear()  # step 3's end here (its failure, its cleanup) waits
+    doc = json.dumps({"step": 3, "rank": 1}).encode()
+    header = {"origin": 1, "step": 3, "files": [["data-0", 4]], "doc": len(doc)}
+    doc4 = json.dumps({"step": 4, "rank": 1}).encode()
+    second: list[bytes] = []
+    try:
+        # Step 3: the header, two of its four bytes, and the sender is gone.
+        assert send_replica(rep.address, "s3cret", "j", header, b"ab", close_early=True) == b""
+        deadline = time.monotonic() + 30
+        while not rep.receiver._reserved and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t = threading.Thread(target=lambda: second.append(send_replica(
+            rep.address, "s3cret", "j", {**header, "step": 4, "doc": len(doc4)},
+            b"wxyz" + doc4)), daemon=True)
+        t.start()
+        while rep.receiver.waiting == 0 and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)  # step 4 is waiting for step 3's end (or was refused)
+        rep.hold.set()  # step 3 fails now and is cleaned up
+        t.join(30)
+        assert second == [b"OK"] and counted == ["failed"]
+        segment = tmp_path / replica_name("j", "n", 1)
+        assert sorted(p.name for p in segment.glob("step-*")) == ["step-00000004"]
+        assert (segment / "step-00000004" / "data-0").read_bytes() == b"wxyz"
     finally:
         rep.hold.set()
         rep.close()

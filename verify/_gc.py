@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,9 +21,28 @@ from .integration_keys import FRAMEWORK_STEPS
 from .report import EXIT_FAILED, EXIT_OK, size, with_status
 
 
+class _RetentionNotes(logging.Filter):
+    """Drops the retention's log records (``ckpt.retention ...``: a manifest it could not
+    read for the policy or the metrics) while gc runs: gc reports those steps itself, in
+    its own lines, so the library's line would only say it twice. Other records of the
+    ``ckpt`` logger (a planted link ignored) and the storage's (retries) still print."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("ckpt.retention")
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     if args.memory:
         return _gc_memory(args)
+    notes, logger = _RetentionNotes(), logging.getLogger("ckpt")
+    logger.addFilter(notes)
+    try:
+        return _gc_root(args)
+    finally:
+        logger.removeFilter(notes)
+
+
+def _gc_root(args: argparse.Namespace) -> int:
     if args.root is None:
         raise verify.UsageError("gc needs ROOT (or --memory for shared-memory segments)")
     cps = open_path(args.root, files=False)  # a root: never a file

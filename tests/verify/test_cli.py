@@ -423,6 +423,21 @@ def test_every_json_document_says_ok_and_its_exit_code(tmp_path, capsys):
     assert seen == {0, 1, 2}
 
 
+def test_gc_on_a_root_whose_newest_manifest_is_broken_prints_its_own_line_only(tmp_path):
+    """gc reports a step whose manifest it cannot read itself: the library's log line about
+    the policy record it could not read there is not printed before gc's one-line error
+    (nor in a dry run that goes on, where gc lists the step as failing)."""
+    root = root_of_steps(tmp_path, steps=(1, 2, 3))
+    (root / "step-00000003/manifest.json").write_text("garbage")
+    stopped, listed = run_all(tmp_path, ["gc", "root"],
+                              ["gc", "root", "--keep-best", "1", "--best-metric", "loss"])
+    assert stopped.code == 1 and stopped.out == "", stopped
+    assert stopped.err.startswith("ckpt gc: ") and len(stopped.err.splitlines()) == 1, stopped
+    assert "manifest is not valid JSON" in stopped.err
+    assert listed.code == 0 and listed.err == "", listed
+    assert "step 3 does not verify: manifest:" in listed.out
+
+
 def committed(root: Path) -> list[int]:
     return sorted(int(p.parent.name.split("-")[1]) for p in root.glob("step-*/manifest.json"))
 

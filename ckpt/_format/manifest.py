@@ -162,25 +162,35 @@ def chunk_doc(c: Chunk) -> dict[str, Any]:
 # The encoder of json.dumps(..., separators=(",", ":"), allow_nan=False).
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 _int = int.__repr__  # an int's JSON text (a float or a numpy integer raises, as json does)
+# A string's JSON text, as _encode gives it (json's own C function; anything but a str
+# raises TypeError, where _encode would write another JSON type).
+_quote = json.encoder.encode_basestring_ascii
 
 
 def _ints(values: tuple[int, ...]) -> str:
     return ",".join(map(_int, values))
 
 
-def _chunk_text(c: Chunk) -> str:
-    """``chunk_doc(c)`` as compact JSON."""
+def _chunk_text(c: Chunk, quoted: dict[str, str]) -> str:
+    """``chunk_doc(c)`` as compact JSON. ``quoted``: the JSON text of strings already seen
+    (a step's chunks name a few files and one codec many times)."""
+    file, codec = quoted.get(c.file), quoted.get(c.codec)
+    if file is None:
+        file = quoted[c.file] = _quote(c.file)
+    if codec is None:
+        codec = quoted[c.codec] = _quote(c.codec)
     return ('{"offsets":[%s],"shape":[%s],"file":%s,"start":%s,"length":%s,"digest":%s,'
-            '"codec":%s%s}' % (_ints(c.offsets), _ints(c.shape), _encode(c.file),
-                               _int(c.start), _int(c.length), _encode(c.digest),
-                               _encode(c.codec), "" if c.step is None else
-                               ',"step":' + _int(c.step)))
+            '"codec":%s%s}' % (_ints(c.offsets), _ints(c.shape), file, _int(c.start),
+                               _int(c.length), _quote(c.digest), codec,
+                               "" if c.step is None else ',"step":' + _int(c.step)))
 
 
 def _tensors_text(tensors: dict[str, TensorEntry]) -> str:
     """Format 1's ``tensors`` member as compact JSON."""
+    quoted: dict[str, str] = {}
     return "{%s}" % ",".join('%s:{"dtype":%s,"shape":[%s],"chunks":[%s]}' % (
-        _encode(key), _encode(e.dtype), _ints(e.shape), ",".join(map(_chunk_text, e.chunks)))
+        _quote(key), _quote(e.dtype), _ints(e.shape),
+        ",".join([_chunk_text(c, quoted) for c in e.chunks]))
         for key, e in tensors.items())
 
 

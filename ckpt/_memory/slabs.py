@@ -158,6 +158,7 @@ class Slab:
         self.bytes = memoryview(mapping)  # the same, sliced for the digests
         self.address = self.pages.ctypes.data
         self.digests: dict[tuple[str, int], str] = {}
+        self._chunk_index: dict[str, dict[tuple[int, int], int]] | None = None
         self.workers: Callable[[int], cf.Executor | None] = lambda n: None
 
     def fill(self, tensors: Mapping[str, torch.Tensor], threads: int = 1) -> None:
@@ -197,6 +198,15 @@ class Slab:
             h.update(pages[at:at + n])
         self.digests[(key, index)] = h.hexdigest()
 
+    def chunk_index(self) -> dict[str, dict[tuple[int, int], int]]:
+        """key -> (byte start in the box, byte length) -> chunk index, for every box of the
+        layout (made once per slab: a layout does not change)."""
+        if self._chunk_index is None:
+            self._chunk_index = {
+                key: {(c.byte_start, c.byte_length): i for i, c in enumerate(p.chunks)}
+                for key, p in self.placements.items()}
+        return self._chunk_index
+
     def known_digests(self) -> "ChunkDigests":
         """The digests :meth:`fill` took, by byte range of each box (what the root's writer
         looks chunks up by): a live view, so chunks filled later (a CUDA tensor's, on the
@@ -227,8 +237,7 @@ class ChunkDigests:
 
     def __init__(self, slab: Slab) -> None:
         self.digests = slab.digests  # this save's (the next save of the slab gets a new one)
-        self.index = {key: {(c.byte_start, c.byte_length): i for i, c in enumerate(p.chunks)}
-                      for key, p in slab.placements.items()}
+        self.index = slab.chunk_index()
 
     def get(self, chunk: tuple[str, int, int]) -> str | None:
         key, start, length = chunk

@@ -70,6 +70,8 @@ class PieceSpec:
 
 def assign_writers(specs_by_rank: list[list[PieceSpec]]) -> dict[tuple[str, tuple[int, ...]], int]:
     """(key, offsets) -> the rank that writes that box; deterministic on every rank."""
+    if len(specs_by_rank) == 1:  # a single process writes everything it holds
+        return {(s.key, s.offsets): 0 for s in specs_by_rank[0]}
     holders: dict[tuple[str, tuple[int, ...]], tuple[PieceSpec, list[int]]] = {}
     for rank, specs in enumerate(specs_by_rank):
         for s in specs:

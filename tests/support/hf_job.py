@@ -52,17 +52,22 @@ class Stop(Exception):
 
 
 class At(TrainerCallback):
-    """At the end of step ``at``: wait for ``committed`` (if any) and SIGKILL this process,
-    or raise Stop (HF's own checkpoints are written synchronously)."""
+    """At the end of step ``at``: wait for ``committed`` to exist and ``rotated`` to be gone
+    (if given) and SIGKILL this process, or raise Stop (HF's own checkpoints are written
+    synchronously)."""
 
-    def __init__(self, at: int, committed: Path | None = None) -> None:
-        self.at, self.committed = at, committed
+    def __init__(self, at: int, committed: Path | None = None,
+                 rotated: Path | None = None) -> None:
+        self.at, self.committed, self.rotated = at, committed, rotated
 
     def on_step_end(self, args, state, control, **kw):
         if state.global_step == self.at:
             if self.committed is None:
                 raise Stop
-            while not self.committed.exists():  # the background commit (an event)
+            # The background write commits, then rotates HF's folders: a kill between the
+            # two would leave the oldest folder too (the next save's rotation removes it).
+            while not self.committed.exists() or (self.rotated is not None
+                                                  and self.rotated.exists()):
                 time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -160,7 +165,8 @@ def main() -> None:
     mode, work = sys.argv[1], Path(sys.argv[2])
 
     def killed_run() -> None:
-        run(work / "hf", CkptTrainer, [At(7, work / ".hf.ckpt/step-00000006/manifest.json")])
+        run(work / "hf", CkptTrainer, [At(7, work / ".hf.ckpt/step-00000006/manifest.json",
+                                             work / "hf/checkpoint-2")])
 
     if mode == "jit":
         jit(work)

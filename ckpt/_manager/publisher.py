@@ -205,16 +205,51 @@ class MemoryPublisher:
         """Wait until the peers acknowledged the newest step's replicas (True without any)."""
         return self.replicator is None or self.replicator.drain(timeout)
 
-    def close(self, persisted: int | None) -> None:
-        """Remove the segment when its newest step is persisted (``persisted``: the root's
-        newest step), as the job is done with it; keep it otherwise, so a restarted worker
-        finds the newest step."""
+    def went_back(self, step: int) -> None:
+        """A restore that looked for the newest step went back to ``step`` (a rollback to a
+        verified step, newer steps that failed): the steps above it belong to the line of
+        training the job left, and go now, from this rank's segment and from the replicas
+        this rank holds, not at the next save (a restart before it would resume from them).
+        Collective under a process group (every rank restores): every rank first stops
+        sending those steps and waits for what it is sending, so that none arrives after the
+        replicas are cleared."""
+        if self.replicator is not None:
+            self.replicator.went_back(step)
+            import torch.distributed as dist
+
+            dist.barrier(group=self.pg)
+            self.replicator.receiver.drop_above(step)
+        gone = self.tier.drop(s for s in self.tier.steps() if s > step)
+        if gone:
+            log.info("ckpt._memory.tier went back to step %d: removed steps %s from %s", step,
+                     gone, self.tier.path)
+
+    def retire(self, steps: set[int]) -> None:
+        """``steps`` were retired from the root (``CheckpointManager.retire``): they go from
+        this rank's segment too, so that no restart resumes from them. Not collective: the
+        replicas that other ranks hold of a retired rank step go with their next save."""
+        gone = self.tier.drop(steps)
+        if gone:
+            log.info("ckpt._memory.tier retired steps %s from %s", gone, self.tier.path)
+
+    def close(self, persisted: int | None, *, finished: bool = True) -> None:
+        """Let go of the segment. At the end of training (``finished``) it is removed when its
+        newest step is persisted (``persisted``: the root's newest step), as the job is done
+        with it, and kept otherwise, so a restarted worker finds the newest step. Closing
+        before the end (``finished`` False: SIGTERM, a preemption, an error) keeps it
+        whatever was persisted: the restart that follows restores from memory, not from the
+        root. A kept segment whose owner does not come back is collected once the owner has
+        been dead for ``AUTO_GC_AGE`` (``ckpt/_memory/tier.py``)."""
         mem = self.tier.steps()
         if self.replicator is not None:
             # The newest step's replica is worth a short wait; a dead peer is not.
-            self.replicator.close(drain=10.0, remove_upto=persisted)
-        if not mem or (persisted is not None and persisted >= mem[-1]):
+            self.replicator.close(drain=10.0, remove_upto=persisted if finished else None)
+        if not mem or (finished and persisted is not None and persisted >= mem[-1]):
             self.tier.remove()
+        elif not finished:
+            log.info("ckpt._memory.tier kept %s (step %d) for the restart: closed before the "
+                     "end of training", self.tier.path, mem[-1])
+            self.tier.close()
         else:
             log.warning("ckpt._memory.tier kept %s: step %d is in memory only", self.tier.path,
                         mem[-1])

@@ -22,7 +22,7 @@ from ._console import FileStepGoneError, echo, gone_step, open_path, open_target
 from .lightning_file import (FILES_KEY, LightningFile, claim, claims_in, files_of, folder_of,
                              untrusted_root)
 from .lightning_file import check as check_file
-from .report import EXIT_FAILED, EXIT_OK, size, table, with_status
+from .report import EXIT_FAILED, EXIT_OK, count, size, table, with_status
 
 MAX_VALUE_LINES = 200  # saved values listed by `ckpt inspect` before "... (see --json)"
 
@@ -118,7 +118,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "metadata": m.metadata}, EXIT_OK)))
         return EXIT_OK
     echo(f"{cps.step_url(step)}  step {m.step}  world size {m.world_size}  "
-         f"{len(tensors)} tensors  {size(sum(t['bytes'] for t in tensors))}")
+         f"{count(len(tensors), 'tensor')}  {size(sum(t['bytes'] for t in tensors))}")
     echo(table(["TENSOR", "DTYPE", "SHAPE", "CHUNKS", "SIZE"],
                [[t["key"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar",
                  t["chunks"], size(t["bytes"])] for t in tensors]))

@@ -18,7 +18,7 @@ from ckpt.tools import (GcResult, KeepBest, RetentionPolicy, collect_root, commi
 
 from ._console import echo, open_path, sibling_of
 from .integration_keys import FRAMEWORK_STEPS
-from .report import EXIT_FAILED, EXIT_OK, size, with_status
+from .report import EXIT_FAILED, EXIT_OK, count, size, with_status
 
 
 class _RetentionNotes(logging.Filter):
@@ -148,22 +148,17 @@ def digest_check(cps: Checkpoints, threads: int) -> Callable[[int], str | None]:
     return check
 
 
-def _count(n: int, noun: str) -> str:
-    """``1 step``, ``2 steps``."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 def render_gc(result: GcResult, kept: list[int]) -> str:
     verb = "would remove" if result.dry_run else "removed"
     lines = [f"step {s} does not verify: {why}" for s, why in result.failed.items()]
     if result.note:
         lines.append(result.note)
     lines.append(f"{'would keep' if result.dry_run else 'kept'}: {kept}")
-    lines.append(f"{verb}: {_count(len(result.retired_steps), 'step')} "
-                 f"{result.retired_steps}, {_count(len(result.deleted_files), 'file')} "
+    lines.append(f"{verb}: {count(len(result.retired_steps), 'step')} "
+                 f"{result.retired_steps}, {count(len(result.deleted_files), 'file')} "
                  f"({size(result.freed_bytes)}), "
-                 f"{_count(len(result.uncommitted), 'uncommitted leftover')}; kept "
-                 f"{_count(len(result.kept_files), 'file')} that kept steps still use")
+                 f"{count(len(result.uncommitted), 'uncommitted leftover')}; kept "
+                 f"{count(len(result.kept_files), 'file')} that kept steps still use")
     if result.dry_run:
         lines.append("dry run: nothing was deleted; add --yes to delete")
     return "\n".join(lines)
@@ -178,7 +173,8 @@ def _gc_memory(args: argparse.Namespace) -> int:
                                         EXIT_OK)))
     else:
         verb = "removed" if args.yes else "would remove (pass --yes)"
-        echo(f"{verb} {len(paths)} memory segment(s)" + "".join(f"\n  {p}" for p in paths))
+        echo(f"{verb} {count(len(paths), 'memory segment')}" + "".join(f"\n  {p}"
+                                                                      for p in paths))
     return EXIT_OK
 
 

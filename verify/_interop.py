@@ -11,7 +11,7 @@ import verify
 from ckpt.interop import export_dcp, import_dcp, import_hf
 
 from ._console import echo
-from .report import EXIT_OK, size, with_status
+from .report import EXIT_OK, count, size, with_status
 
 
 def add_import_parser(sub: argparse._SubParsersAction, path_help: str) -> None:
@@ -52,7 +52,7 @@ def cmd_import(args: argparse.Namespace) -> int:
                             allow_pickle=args.allow_pickle)
     echo(verify.to_json(with_status(vars(result), EXIT_OK)) if args.json else
          f"imported {result.source} as step {result.step} of {result.target}: "
-         f"{result.tensors} tensors, {size(result.bytes)} in {result.seconds:.1f}s "
+         f"{count(result.tensors, 'tensor')}, {size(result.bytes)} in {result.seconds:.1f}s "
          f"(`ckpt verify {result.target} --step {result.step}` checks it)")
     return EXIT_OK
 
@@ -68,7 +68,7 @@ def export_to_dcp(args: argparse.Namespace, step: int) -> int:
         raise verify.UsageError(str(e)) from None
     echo(verify.to_json(with_status(vars(result), EXIT_OK)) if args.json else
          f"exported step {result.step} of {result.source} to {result.target} (DCP): "
-         f"{result.tensors} tensors, {size(result.bytes)} in {result.seconds:.1f}s")
+         f"{count(result.tensors, 'tensor')}, {size(result.bytes)} in {result.seconds:.1f}s")
     return EXIT_OK
 
 

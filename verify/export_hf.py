@@ -27,7 +27,7 @@ import ckpt.inspect
 from ckpt.inspect import Checkpoints, Manifest, item_tree, tensor_leaves
 
 from .export import _write_safetensors, cannot_write, check_safetensors, plan, select
-from .report import UsageError, size
+from .report import UsageError, count, size
 
 CONFIG_KEY = "hf_config"
 INDEX_NAME = "model.safetensors.index.json"
@@ -70,7 +70,8 @@ def _model_item(manifest: Manifest, item: str | None) -> str:
         return modules[0]
     with_tensors = sorted(n for n, it in manifest.items.items() if "per_rank" not in it
                           and tensor_leaves(item_tree(it)))
-    raise UsageError(f"step {manifest.step} has no item 'model' and {len(modules)} modules "
+    raise UsageError(f"step {manifest.step} has no item 'model' and "
+                     f"{count(len(modules), 'module')} "
                      f"({modules}); name the model with --item (items holding tensors: "
                      f"{', '.join(with_tensors) or 'none'}; a Lightning step keeps the "
                      "LightningModule's weights in 'state_dict')")
@@ -169,11 +170,13 @@ def _publish(tmp: str, path: str) -> None:
 def render_hf_export(e: HfExportResult) -> str:
     """``ckpt export --to hf`` for a terminal."""
     text = (f"wrote {e.path}: step {e.step} ('{e.item}') as a Hugging Face folder, "
-            f"{e.tensors} tensors in {len(e.shards)} shards ({size(e.bytes)}) + {INDEX_NAME}"
+            f"{count(e.tensors, 'tensor')} in {count(len(e.shards), 'shard')} ({size(e.bytes)}) "
+            f"+ {INDEX_NAME}"
             + (" + config.json" if e.config else
                "; no config.json was saved with this step: copy the model's config.json there")
             + f", in {e.seconds:.2f}s")
     if e.tied:
-        text += f"\n{len(e.tied)} tied weights written once (from_pretrained ties them): " + \
+        text += f"\n{count(len(e.tied), 'tied weight')} written once (from_pretrained ties " \
+            "them): " + \
             ", ".join(f"{k} -> {v}" for k, v in sorted(e.tied.items()))
     return text

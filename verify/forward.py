@@ -37,7 +37,7 @@ from ckpt.inspect import (PROBE_ITEM, TOLERANCES, Checkpoints, Manifest,  # noqa
                           compared_outputs, damaged_probe, item_tree, run_forward,
                           sums_outside, tensor_leaves, tolerance_for)
 
-from .report import Problem, UsageError, number
+from .report import Problem, UsageError, count, number
 
 _SPEC = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
 NO_PROBE_HINT = (
@@ -230,7 +230,7 @@ def nonfinite_weights(cps: Checkpoints, step: int, net: torch.nn.Module, manifes
         names = " = ".join(names_of[key])
         problems.append(Problem(
             "weights", f"{files[0] if files else where}: weight {key} ({names}) has {nan} NaN "
-            f"and {total - nan} Inf of {value.numel()} values (first at index {first})"
+            f"and {total - nan} Inf of {count(value.numel(), 'value')} (first at index {first})"
             + (f"; also in {', '.join(files[1:])}" if len(files) > 1 else ""),
             files[0] if files else where))
     return problems
@@ -267,7 +267,8 @@ def compare_output(output: torch.Tensor, recorded: torch.Tensor, rtol: float, at
     bad = ~torch.isfinite(whole) if whole.is_floating_point() or whole.is_complex() else None
     if bad is not None and bool(bad.any()):
         problems.append(Problem("output", f"{where}: the forward output on the probe's inputs "
-                                f"has {int(bad.sum())} NaN/Inf of {whole.numel()} values",
+                                f"has {int(bad.sum())} NaN/Inf of "
+                                f"{count(whole.numel(), 'value')}",
                                 where))
     new = output.to(torch.complex128 if output.is_complex() else torch.float64)
     old = recorded.to(new.dtype)
@@ -291,7 +292,7 @@ def compare_output(output: torch.Tensor, recorded: torch.Tensor, rtol: float, at
         index = [int(i) for i in torch.nonzero(outside)[0]] if outside.dim() else []
         problems.append(Problem(
             "output", f"{where}: the forward output differs from the one recorded at save "
-            f"time in {int(outside.sum())} of {output.numel()} values: max |diff| "
+            f"time in {int(outside.sum())} of {count(output.numel(), 'value')}: max |diff| "
             f"{number(figures['max_abs_diff'])} (first outside at index {index}), tolerance "
             f"rtol={rtol:g} atol={atol:g} for {figures['output_dtype']}", where))
     return problems

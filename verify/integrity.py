@@ -28,7 +28,7 @@ import torch
 import ckpt
 from ckpt.inspect import Checkpoints, Chunk, Manifest, header_disagreement
 
-from .report import Problem, StepReport, UsageError
+from .report import Problem, StepReport, UsageError, count
 
 LEVELS = ("structure", "digest", "forward")
 
@@ -48,15 +48,15 @@ def check_structure(cps: Checkpoints, step: int, manifest: Manifest) -> list[Pro
             continue
         expected = own.get(path)
         if expected is not None and actual != expected:
-            problems.append(Problem("structure", f"{url} is {actual} bytes, the manifest "
+            problems.append(Problem("structure", f"{url} is {count(actual, 'byte')}, the manifest "
                                     f"recorded {expected}: the file was truncated or changed",
                                     url))
             continue
         end = max((c.start + c.length for _, c in chunks), default=0)
         if end > actual:
             key = next(k for k, c in chunks if c.start + c.length == end)
-            problems.append(Problem("structure", f"{url} is {actual} bytes, but {key} needs "
-                                    f"bytes up to {end}: the file is truncated", url))
+            problems.append(Problem("structure", f"{url} is {count(actual, 'byte')}, but {key} "
+                                    f"needs bytes up to {end}: the file is truncated", url))
             continue
         problems += check_header(cps, path, actual, chunks, dtypes, exact=path in own)
     return problems

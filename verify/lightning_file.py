@@ -27,6 +27,8 @@ from typing import Any, BinaryIO
 
 import xxhash
 
+from .report import count
+
 CLAIM_FORMAT = "ckpt-lightning/1"
 FILES_KEY = "lightning_files"  # manifest metadata: [record, ...] of the step's .ckpt files
 EOCD = b"PK\x05\x06"  # end of central directory: 22 bytes, then the comment
@@ -136,7 +138,7 @@ def problem(f: BinaryIO, records: Any, name: str) -> str | None:
     if any(r["bytes"] == size and r["xxh3"] == whole for r in records):
         return None
     if size != mine["bytes"]:
-        return (f"{name} fails its digest (xxh3-64): it has {size} bytes, its step "
+        return (f"{name} fails its digest (xxh3-64): it has {count(size, 'byte')}, its step "
                 f"recorded {mine['bytes']}")
     bad = [k for k, v in mine["records"].items() if parts.get(k) != v[2]]
     where = f"record {', '.join(sorted(bad)[:3])}" if bad else "the zip headers"
@@ -259,7 +261,7 @@ def check(found: LightningFile, records: Any, *, digest: bool) -> tuple[str | No
         if any(r["bytes"] == st.st_size for r in records):
             return None, st.st_size
         mine = next((r for r in records if r["name"] == name), records[0])
-        return (f"{name} has {st.st_size} bytes, its step recorded {mine['bytes']}",
+        return (f"{name} has {count(st.st_size, 'byte')}, its step recorded {mine['bytes']}",
                 st.st_size)
 
 

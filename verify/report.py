@@ -119,6 +119,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """A count and its noun, singular for one: ``1 file``, ``0 files``, ``2 aliases``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
+
+
 def number(x: float | None, digits: int = 3) -> str:
     """A float for a table: ``-`` for None, ``nan``/``inf`` spelled out."""
     if x is None:
@@ -182,7 +187,8 @@ def render_verify(report: Report) -> str:
     for r in report.steps:
         status = "OK" if r.ok else "FAILED" if r.problems else "NOT VERIFIED"
         lines.append(f"step {r.step}: {status} ({r.level}: {', '.join(r.checks) or 'nothing'} "
-                     f"checked; {r.tensors} tensors in {r.files} files, {size(r.bytes)}, "
+                     f"checked; {count(r.tensors, 'tensor')} in {count(r.files, 'file')}, "
+                     f"{size(r.bytes)}, "
                      f"{r.seconds:.2f}s)")
         if r.forward:
             lines.append(f"  forward: {_forward_line(r.forward)}")
@@ -235,8 +241,9 @@ def render_diff(d: Any) -> str:
         lines.append("values:")
         lines += [f"  {v.path}: {_short(v.a)} -> {_short(v.b)}" for v in d.values]
     c = d.counts()
-    lines.append(f"{len(d.tensors)} tensors: {c['equal']} equal, {c['changed']} changed, "
-                 f"{c['added']} added, {c['removed']} removed; {len(d.values)} values differ "
+    lines.append(f"{count(len(d.tensors), 'tensor')}: {c['equal']} equal, {c['changed']} "
+                 f"changed, {c['added']} added, {c['removed']} removed; "
+                 f"{count(len(d.values), 'value differs', 'values differ')} "
                  f"({size(d.bytes_read)} read, {d.seconds:.2f}s)")
     return "\n".join(lines)
 
@@ -256,11 +263,11 @@ def _short(value: Any, limit: int = 80) -> str:
 
 def render_export(e: Any) -> str:
     """``ckpt export`` for a terminal (``e`` is a :class:`verify.export.ExportResult`)."""
-    text = (f"wrote {e.path}: step {e.step} as {e.format}, {e.tensors} tensors, "
+    text = (f"wrote {e.path}: step {e.step} as {e.format}, {count(e.tensors, 'tensor')}, "
             f"{size(e.bytes)} in {e.seconds:.2f}s")
     if e.aliases:
         kept = "stored once, recorded in the metadata as ckpt_aliases" if (
             e.format == "safetensors") else "sharing their storage"
-        text += f"\n{len(e.aliases)} aliases ({kept}): " + ", ".join(
+        text += f"\n{count(len(e.aliases), 'alias', 'aliases')} ({kept}): " + ", ".join(
             f"{k} -> {v}" for k, v in sorted(e.aliases.items()))
     return text

@@ -86,3 +86,25 @@ def test_a_diff_filter_that_names_nothing_is_refused_not_answered_with_no_differ
     assert code == 0 and "0 values differ" in out
     code, out, _ = cli(capsys, "diff", root, 1, 2, "--filter", "model/w*", "--exit-code")
     assert code == 1 and "model/weight" in out
+
+
+def test_counts_are_printed_with_the_noun_in_the_singular_for_one(tmp_path, capsys):
+    """Every count the command prints agrees with its noun: ``1 tensor in 1 file``, ``1
+    value differs``, ``1 alias``, ``2 tensors``."""
+    tied = torch.nn.Linear(2, 2, bias=False)
+    with ckpt.CheckpointManager(str(tmp_path / "run"), async_save=False) as mgr:
+        mgr.save(1, {"w": torch.zeros(3), "epoch": 1})
+        mgr.save(2, {"w": torch.zeros(3), "epoch": 2})
+        mgr.save(3, {"model": {"a": tied.weight, "b": tied.weight}})
+    root = tmp_path / "run"
+    code, out, _ = cli(capsys, "verify", root, "--step", "1")
+    assert code == 0 and "; 1 tensor in 1 file, " in out, out
+    code, out, _ = cli(capsys, "inspect", root, "--step", "1")
+    assert code == 0 and "  1 tensor  " in out.splitlines()[0], out
+    code, out, _ = cli(capsys, "diff", root, 1, 2)
+    assert code == 0 and "1 tensor: 1 equal, 0 changed, 0 added, 0 removed; 1 value differs (" \
+        in out, out
+    code, out, _ = cli(capsys, "export", root, "--to", "torch", tmp_path / "m.pt")
+    assert code == 0 and ", 2 tensors, " in out and "\n1 alias (sharing their storage)" in out, out
+    code, out, _ = cli(capsys, "gc", root, "--keep-last", "2")
+    assert code == 0 and "would remove: 1 step [1], 1 file (" in out, out

@@ -62,7 +62,7 @@ def test_export_to_hf_without_config_says_so_and_refuses_an_existing_folder(tmp_
     out = tmp_path / "hf"
     assert cli.main(["export", str(tmp_path / "root"), "--to", "hf", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "3 tensors in 1 shards" in printed and "no config.json" in printed
+    assert "3 tensors in 1 shard (" in printed and "no config.json" in printed
     assert not (out / "config.json").exists()
     assert cli.main(["export", str(tmp_path / "root"), "--to", "hf", str(out)]) == 2
     assert "--force" in capsys.readouterr().err

@@ -94,7 +94,7 @@ def test_verify_all_of_the_folder_or_its_root_checks_every_file(written, capsys)
     os.link(written / "e2.ckpt", written / "last.ckpt")  # save_last: the same bytes, once
     for path in (written, written.parent / ".ckpts.ckpt"):
         code, out, err = cli(capsys, "verify", "--all", path)
-        assert code == 0 and out.count("file checked; 0 tensors in 1 files") == 2, out
+        assert code == 0 and out.count("file checked; 0 tensors in 1 file,") == 2, out
         assert ("reading its steps in" in err) == (path == written)
     flip(written / "e2.ckpt", 1000)
     os.remove(written / "e1.ckpt")

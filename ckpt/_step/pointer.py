@@ -9,13 +9,11 @@ write pointers; ``ckpt``'s command line follows them. It lives here, not in ``tr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import secrets
 import stat
 
-from storage_backends import posix
+from storage_backends.files import atomic_write
 
 POINTER_FORMAT = "ckpt-pointer"
 POINTER_NAME = "ckpt-step.json"  # the pointer inside an HF or Accelerate checkpoint folder
@@ -24,24 +22,13 @@ MAX_POINTER_BYTES = 4096
 
 def write_pointer(path: str, step: int) -> None:
     """Atomically and durably (temp file, fsync, rename, fsync of the folder) write a
-    pointer to ``step`` at ``path``."""
-    directory, name = os.path.split(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    # An unguessable name, created exclusively and never through a link: a file or link
-    # planted in a shared folder under the temp name cannot redirect the write elsewhere.
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.part")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"format": POINTER_FORMAT, "step": step}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    posix.fsync_dir(directory)  # else a power loss may bring back the previous pointer
+    pointer to ``step`` at ``path``, readable as the umask allows (as ``open`` creates
+    files). The temp file has an unguessable name and is created exclusively, never through
+    a link (:func:`storage_backends.files.atomic_write`): an entry planted in a shared
+    folder cannot redirect the write."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write(path, json.dumps({"format": POINTER_FORMAT, "step": step}), durable=True,
+                 umask=True)
 
 
 def read_pointer(path: str) -> int | None:

@@ -56,18 +56,32 @@ def test_a_pointer_names_a_whole_non_negative_step(tmp_path):
 
 def test_a_written_pointer_is_durable_after_its_rename(tmp_path, monkeypatch):
     """The rename that publishes a pointer is made durable by an fsync of its folder,
-    after the rename (else a power loss can bring back the previous step's pointer)."""
-    from storage_backends import posix
+    after the rename (else a power loss can bring back the previous step's pointer): the
+    pointer is written by the shared ``atomic_write(durable=True)``."""
+    from storage_backends import files
 
     events = []
-    real_replace, real_fsync_dir = os.replace, posix.fsync_dir
+    real_replace, real_fsync_dir = os.replace, files.fsync_dir
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"),
                                                      real_replace(a, b))[1])
-    monkeypatch.setattr(posix, "fsync_dir", lambda d: (events.append(("fsync_dir", d)),
+    monkeypatch.setattr(files, "fsync_dir", lambda d: (events.append(("fsync_dir", d)),
                                                        real_fsync_dir(d))[1])
     write_pointer(str(tmp_path / "last.ckpt"), 7)
     assert events == ["replace", ("fsync_dir", str(tmp_path))]
     assert read_pointer(str(tmp_path / "last.ckpt")) == 7
+
+
+def test_a_pointer_is_created_under_the_umask(tmp_path):
+    """A pointer is readable as the process's umask allows, as ``open`` creates files: under
+    ``umask 077`` it stays private."""
+    old = os.umask(0o077)
+    try:
+        write_pointer(str(tmp_path / "private.ckpt"), 1)
+    finally:
+        os.umask(old)
+    write_pointer(str(tmp_path / "shared.ckpt"), 1)
+    assert (tmp_path / "private.ckpt").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "shared.ckpt").stat().st_mode & 0o777 == 0o644 & ~old
 
 
 def test_a_link_planted_at_a_temp_name_redirects_no_write(tmp_path):

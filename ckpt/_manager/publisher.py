@@ -206,10 +206,11 @@ class MemoryPublisher:
         return self.replicator is None or self.replicator.drain(timeout)
 
     def went_back(self, step: int) -> None:
-        """A restore that looked for the newest step went back to ``step`` (a rollback to a
-        verified step, newer steps that failed): the steps above it belong to the line of
-        training the job left, and go now, from this rank's segment and from the replicas
-        this rank holds, not at the next save (a restart before it would resume from them).
+        """A restore that preferred the verified steps went back to ``step`` (a rollback):
+        the steps above it belong to the line of training the job undid, and go now, from
+        this rank's segment and from the replicas this rank holds, not at the next save (a
+        restart before it would resume from them). (A restore that fell back past steps that
+        failed to load keeps them: another copy of them may serve a later restart.)
         Collective under a process group (every rank restores): every rank first stops
         sending those steps and waits for what it is sending, so that none arrives after the
         replicas are cleared."""

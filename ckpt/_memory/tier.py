@@ -525,19 +525,21 @@ def read_rank_doc(path: str, step: int, key: bytes | None) -> dict:
     except OSError as e:
         raise CorruptCheckpointError(f"{where}: unreadable rank step: {e}", path=where) from e
     try:
-        # Its own digest first: damage is named as such, not as another job's tag. (One
-        # written without a digest is still authenticated by its tag below.)
+        # Its own digest first: damage is named as such, not as another job's tag. (The tag
+        # is what authenticates: a document without the digest is taken when it checks out.)
         sealed = is_sealed(raw)
         doc = json.loads(raw)
-        if isinstance(doc, dict) and DIGEST_MEMBER in doc:
-            if not sealed:
-                raise Invalid(f"its {DIGEST_MEMBER!r} is not its last member or not 16 hex "
-                              "digits")
-            del doc[DIGEST_MEMBER]
     except (Invalid, ValueError) as e:
         raise CorruptCheckpointError(damaged(where, str(e)), path=where) from None
+    if sealed:
+        del doc[DIGEST_MEMBER]
     if key is None or not verify_doc(key, doc):
+        if isinstance(doc, dict) and DIGEST_MEMBER in doc:  # its digest member is damaged
+            raise CorruptCheckpointError(damaged(
+                where, f"its {DIGEST_MEMBER!r} is not its last member or not 16 hex digits"),
+                path=where)
         raise CorruptCheckpointError(not_this_jobs(where, "not signed"), path=where)
+    doc.pop(DIGEST_MEMBER, None)
     ok = (isinstance(doc, dict) and doc.get("format") == RANK_FORMAT
           and doc.get("step") == step and all(
               isinstance(doc.get(k), int) and not isinstance(doc.get(k), bool)

@@ -13,11 +13,18 @@ The torch format holds both names, sharing one tensor (``torch.save`` keeps the 
 The safetensors file is written tensor by tensor (memory: the largest tensor); the torch
 format goes through ``torch.save`` of a plain dict, so the whole step is in memory once.
 Both are written to a temporary file next to the target and renamed into place.
+
+Threat model: another local user who can write the target's folder (a shared output
+folder) plants an entry where the temporary file will be, to block the export or to have
+it write through a link. The temporary file gets an unguessable name and is created
+exclusively, never through a link (:func:`ckpt.tools.create_beside`); the rename replaces
+a link at the target, never follows it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import stat
@@ -30,6 +37,7 @@ import torch
 import ckpt
 from ckpt.inspect import (SAFETENSORS_DTYPES, Checkpoints, Manifest, byte_view, item_tree,
                           tensor_leaves)
+from ckpt.tools import create_beside
 
 from .report import UsageError
 
@@ -122,14 +130,13 @@ def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: st
     stored, aliases = plan(manifest, select(manifest, item))
     if fmt == "safetensors":
         check_safetensors(manifest, stored, "; use --to torch")
-    tmp = f"{path}.tmp-{os.getpid()}"
     nbytes = sum(manifest.tensors[k].nbytes for k in stored.values())
-    try:
-        out = open(tmp, "xb")
+    try:  # mode 0o666 less the umask, as open() creates a file
+        fd, tmp = create_beside(path, 0o666, umask=True)
     except OSError as e:
         raise cannot_write(path, e) from e
     try:
-        with out as f, cf.ThreadPoolExecutor(threads) as pool:
+        with os.fdopen(fd, "wb") as f, cf.ThreadPoolExecutor(threads) as pool:
             def read(key: str) -> torch.Tensor:
                 return cps.read_tensor(step, key, manifest, pool)
 
@@ -144,9 +151,10 @@ def export_step(source: Checkpoints | ckpt.CheckpointManager, step: int, fmt: st
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        raise
     return ExportResult(path, fmt, step, len(stored) + len(aliases), nbytes, aliases, item,
                         time.perf_counter() - t0)
 

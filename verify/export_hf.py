@@ -13,9 +13,11 @@ against its digest. The folder is written next to the target and renamed into pl
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -107,7 +109,10 @@ def export_hf(source: Checkpoints | ckpt.CheckpointManager, step: int, path: str
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     total = sum(manifest.tensors[k].nbytes for k in stored.values())
     config = manifest.metadata.get(CONFIG_KEY)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    # An unguessable name, and mkdir creates it or fails (a planted link included): no
+    # other user of the folder can block the export or have it write through a link.
+    tmp = os.path.join(os.path.dirname(path),
+                       f".{os.path.basename(path)}.{secrets.token_hex(8)}.part")
     try:
         os.mkdir(tmp)
     except OSError as e:
@@ -128,9 +133,11 @@ def export_hf(source: Checkpoints | ckpt.CheckpointManager, step: int, path: str
         if isinstance(config, dict):
             _write_json(os.path.join(tmp, "config.json"), config)
         _publish(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    with contextlib.suppress(OSError):
+        os.rmdir(tmp)  # --force: the folder its files were moved out of
     return HfExportResult(path, step, item, len(stored), total, names, isinstance(config, dict),
                           tied, seconds=time.perf_counter() - t0)
 

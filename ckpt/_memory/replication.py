@@ -157,20 +157,21 @@ class Replicator:
         with self._lock:
             return self._lock.wait_for(lambda: not self._pending and not self._busy, timeout)
 
-    def went_back(self, step: int) -> None:
+    def went_back(self, step: int, wait: float = 10.0) -> None:
         """The job went back to ``step``: the steps above it waiting to be sent are
-        superseded, and the one being sent is waited for (up to ``timeout``), so that no step
-        of the line the job left arrives at a peer after this returns."""
+        superseded, and the one being sent is waited for (up to ``wait`` seconds: a dead
+        peer is not worth more), so that no step of the line the job left arrives at a peer
+        after this returns."""
         with self._lock:
             for job in [job for job in self._pending if job[0] > step]:
                 self._pending.remove(job)
                 self._count("superseded")
                 log.info("ckpt._memory.replication step=%d superseded: the job went back to "
                          "step %d", job[0], step)
-        if not self.drain(self.timeout):
+        if not self.drain(wait):
             log.warning("ckpt._memory.replication went back to step %d while a step was still "
                         "being sent after %.0f s; a peer may keep it until the next save",
-                        step, self.timeout)
+                        step, wait)
 
     def _send_loop(self) -> None:
         while True:

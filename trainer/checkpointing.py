@@ -419,9 +419,11 @@ class TrainerCheckpointer:
         self.manager.wait()
         self._mark_confirmed()
 
-    def close(self) -> None:
-        """Finish the save in flight and release the root."""
-        self.manager.close()
+    def close(self, *, finished: bool = True) -> None:
+        """Finish the save in flight and release the root. ``finished``: training ended
+        (False after a preemption or an error: the memory tier keeps its segment for the
+        restart)."""
+        self.manager.close(finished=finished)
 
 
 __all__ = ["DEFAULT_VERIFIED_WINDOW", "RESERVED_ITEMS", "STOP_KEY", "STOP_REASONS",

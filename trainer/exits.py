@@ -198,7 +198,7 @@ class ExitPolicy:
         flight, releasing the root's lock) and the record files; errors are ignored."""
         if self.checkpointer is not None:
             with contextlib.suppress(Exception):
-                self.checkpointer.close()
+                self.checkpointer.close(finished=False)
         self.records.close()
         with contextlib.suppress(Exception):
             self.metrics.write_textfile()
@@ -234,7 +234,7 @@ class ExitPolicy:
         while self.elastic and not self.sigterm and time.time() < deadline:
             time.sleep(0.05)
         with contextlib.suppress(Exception):
-            checkpointer.close()
+            checkpointer.close(finished=False)
         flush_streams()
         if self.hard_exit:
             os._exit(EXIT_PREEMPTED)

@@ -347,6 +347,8 @@ class CheckpointManager:
         self.wait()
         steps = set(steps)
         report = collect(self.storage, set(self.steps()) - steps)
+        if self._publisher is not None:  # no restart may resume from them in memory either
+            self._publisher.retire(steps)
         self._order.retired(steps)
         log.info("ckpt.retire retired=%s freed_bytes=%d", report.retired_steps,
                  report.freed_bytes)
@@ -393,7 +395,10 @@ class CheckpointManager:
         ``prefer="verified"`` tries the verified steps (:meth:`mark_verified`) first, newest
         first, then the others as usual; without any verified step it restores as
         ``"newest"`` does. The steps after the verified one it restores may be saved again
-        (a new timeline) without ``overwrite``.
+        (a new timeline) without ``overwrite``. A restore that goes back past newer steps
+        (not verified, or failing everywhere) drops them from the memory tier (every rank's
+        segment and the replicas), so that a restart before the next save resumes from the
+        step restored; the root's stay until :meth:`retire` or saves of the same numbers.
 
         A step that fails validation is skipped with a warning and the one before it is
         tried (recorded in ``mgr.skipped``); with ``strict`` (or an explicit ``step``) the
@@ -426,6 +431,10 @@ class CheckpointManager:
         self._order.restored(None if restored is None else restored.step, step is None)
         if restored is None:
             return None
+        if step is None and self._publisher is not None:
+            # Gone back past newer steps (damaged, or not verified): they leave the memory
+            # tier now, so that a restart before the next save does not resume from them.
+            self._publisher.went_back(restored.step)
         self._last_restore = restored.info
         if self._saver is not None:
             self._saver.base = restored.manifest
@@ -471,8 +480,14 @@ class CheckpointManager:
         except CheckpointError:
             log.exception("the save in flight at SIGTERM failed")
 
-    def close(self) -> None:
-        """Finish the save in flight, release the lock; raises the save's error if any."""
+    def close(self, *, finished: bool | None = None) -> None:
+        """Finish the save in flight, release the lock; raises the save's error if any.
+
+        ``finished``: whether training has ended. At the end the memory tier's segment is
+        removed once its newest step is in the root; before it (False: a preemption, an
+        error) it is kept, so that the restart restores from memory. None (the default):
+        ended, unless SIGTERM reached the manager's handler; a ``with`` block left by an
+        exception closes with False."""
         if self._closed:
             return
         self._closed = True
@@ -481,7 +496,9 @@ class CheckpointManager:
                 with self._progress_of_inflight():
                     self._saver.close()
                 if self._publisher is not None:
-                    self._publisher.close(persisted=self.latest_step())
+                    if finished is None:
+                        finished = self._schedule.preempted_by is None
+                    self._publisher.close(persisted=self.latest_step(), finished=finished)
         finally:
             self._root.release()
             self._schedule.uninstall_sigterm()
@@ -491,8 +508,8 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(finished=False if exc_type is not None else None)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True) and getattr(self, "_root", None) is not None:

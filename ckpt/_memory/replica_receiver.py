@@ -35,9 +35,10 @@ from typing import Any, Callable
 from ckpt.errors import CheckpointError
 from ckpt._format.names import step_dir
 from ckpt._memory import replica_wire as wire
-from ckpt._memory.tier import (RANK_DOC, STAGING, commit_dir, own_segment, plain_name,
-                               rank_steps, replica_name, retire_rank_steps, tree_bytes,
-                               write_private)
+from ckpt._memory.private import segment_names
+from ckpt._memory.tier import (RANK_DOC, STAGING, commit_dir, node_prefix, own_segment,
+                               plain_name, rank_steps, replica_name, retire_rank_steps,
+                               tree_bytes, write_private)
 
 log = logging.getLogger("ckpt")
 
@@ -241,22 +242,37 @@ class ReplicaReceiver:
 
     def drop_above(self, step: int) -> list[str]:
         """Remove the replicated steps above ``step`` (a line of training the job went back
-        from) from the replica segments this receiver holds; returns their paths."""
+        from) from this node's replica segments: those this receiver holds, and those no live
+        process holds (left by an earlier attempt of the job: a restart would find them; each
+        is held only while its steps are renamed aside). Returns the steps' paths."""
         with self._lock:
-            segments = [os.path.dirname(owner.name) for owner in self._owners.values()]
-        gone = []
-        for segment in segments:
-            for s in rank_steps(segment):
-                if s > step:
-                    path = os.path.join(segment, step_dir(s))
-                    aside = os.path.join(segment, f"{STAGING}gone-{step_dir(s)}-"
-                                                  f"{secrets.token_hex(6)}")
-                    try:  # the step stops existing in one rename
-                        os.rename(path, aside)
-                    except FileNotFoundError:
-                        continue
-                    shutil.rmtree(aside, ignore_errors=True)
-                    gone.append(path)
+            mine = {os.path.dirname(owner.name) for owner in self._owners.values()}
+        gone, asides = [], []
+        for name in segment_names(self.shm_dir, f"{node_prefix(self.job, self.node)}replica-"):
+            segment = os.path.join(self.shm_dir, name)
+            owner = None
+            if segment not in mine:
+                try:
+                    owner = own_segment(segment, wait=0.0)
+                except (CheckpointError, OSError):  # another rank's receiver holds it
+                    continue
+            try:
+                for s in rank_steps(segment):
+                    if s > step:
+                        path = os.path.join(segment, step_dir(s))
+                        aside = os.path.join(segment, f"{STAGING}gone-{step_dir(s)}-"
+                                                      f"{secrets.token_hex(6)}")
+                        try:  # the step stops existing in one rename
+                            os.rename(path, aside)
+                        except FileNotFoundError:
+                            continue
+                        gone.append(path)
+                        asides.append(aside)
+            finally:
+                if owner is not None:
+                    owner.close()
+        for aside in asides:
+            shutil.rmtree(aside, ignore_errors=True)
         return gone
 
     def close(self, remove_upto: int | None = None, wait: float = 0.0) -> None:

@@ -223,8 +223,13 @@ class MemoryTier:
                 if committed and self._signed(s)]
 
     def _signed(self, step: int) -> bool:
+        """Whether ``step`` is listed as restorable: its tag checks out, or its manifest is
+        damaged (then the restore's attempt fails it, naming the damage in ``skipped``, and
+        takes the step from the root; the reader authenticates before it loads anything)."""
         try:
             authenticate_manifest(self.path, step_dir(step), self.key)
+            return True
+        except ManifestDamaged:
             return True
         except (OSError, CorruptCheckpointError) as e:
             if step not in self._unsigned:
@@ -409,7 +414,7 @@ def authenticate_manifest(segment: str, location: str, key: bytes | None,
     try:
         is_sealed(manifest)
     except Invalid as e:
-        raise CorruptCheckpointError(damaged(where, str(e)), path=where) from None
+        raise ManifestDamaged(damaged(where, str(e)), path=where) from None
     try:
         tag = read_checked(os.path.join(segment, f"{TAG_PREFIX}{location}")).decode("ascii")
     except FileNotFoundError:
@@ -420,6 +425,10 @@ def authenticate_manifest(segment: str, location: str, key: bytes | None,
         raise CorruptCheckpointError(
             not_this_jobs(where, "no tag" if tag is None else "a tag that does not match"),
             path=where)
+
+
+class ManifestDamaged(CorruptCheckpointError):
+    """A single process's manifest in memory fails its own digest (before its tag is read)."""
 
 
 def damaged(where: str, why: str) -> str:

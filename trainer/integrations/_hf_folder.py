@@ -24,11 +24,12 @@ import xxhash
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckpt.tools import atomic_write
+# The manifest metadata key of the folder's weight files: {name: {"bytes": n, "xxh3": hex}}.
+from verify.integration_keys import HF_MODEL_FILES_KEY as MODEL_FILES_KEY
 
 
 OPTIMIZER_NAME = "optimizer.pt"
 MARKER_FORMAT = "ckpt-hf-optimizer/1"
-MODEL_FILES_KEY = "hf_model_files"  # manifest metadata: {name: {"bytes": n, "xxh3": hex}}
 MAX_MARKER_BYTES = 64 << 10
 # The files HF's save_pretrained / _save write for the weights (single file or shards + index).
 _WEIGHTS = re.compile(r"^(model|pytorch_model|adapter_model)([-.].*)?\.(safetensors|bin|json)$")

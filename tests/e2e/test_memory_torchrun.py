@@ -125,7 +125,7 @@ def three_nodes(tmp_path_factory):
     memjob = f"mt{uuid.uuid4().hex[:10]}"
     args = job_args(tmp, memjob, "--hold-at", ",".join(map(str, HOLDS)), "--hold-until-world",
                     "3")
-    c = memory_job.Cluster(tmp, args, memjob, nnodes="2:3")
+    c = memory_job.Cluster(tmp, args, memjob, nnodes="2:3", forked=True)
     facts: dict = {"tmp": tmp, "memjob": memjob}
     try:
         nodes = [c.add_node() for _ in range(3)]

@@ -432,7 +432,8 @@ class LocalCluster:
                  max_restarts: int = 3, last_call_timeout: int = 3, keep_alive_interval: int = 1,
                  keep_alive_max_attempt: int = 4, monitor_interval: float = 0.5,
                  restart_grace: float | None = None,
-                 extra_env: dict[str, str] | None = None, warm: bool = False) -> None:
+                 extra_env: dict[str, str] | None = None, warm: bool = False,
+                 forked: bool = False) -> None:
         import torch.distributed as dist
 
         self.workdir = Path(workdir)
@@ -467,26 +468,47 @@ class LocalCluster:
         self.warm = warm
         if warm:
             self.env["CKPT_WARM_DIR"] = str(self.workdir / "warm")
+        # forked: each agent is forked from the suite's fork server (tests/support/ranks.py,
+        # torch imported once) instead of a fresh interpreter importing torch: the same
+        # torchrun code in a process of its own (see run_agent). Not for a straggler drop:
+        # trainer.straggler_drop finds its agent by the command line, here the fork server's.
+        self.forked = forked
         self.nodes: list[Node] = []
 
     def add_node(self, nproc: int = 1) -> Node:
         """Start one more agent, with ``nproc`` workers."""
         name = f"node{len(self.nodes)}"
         log_path = self.workdir / f"{name}.log"
-        launcher = (["-m", "torch.distributed.run"] if self.restart_grace is None
-                    else [TORCHRUN, str(self.restart_grace)])
-        cmd = [sys.executable, *launcher, f"--nnodes={self.nnodes}",
-               f"--nproc-per-node={nproc}", f"--max-restarts={self.max_restarts}",
-               f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=elastic-test",
-               f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1",
-               *(["-m", "trainer.warm"] if self.warm else []), SCRIPT, *self.job_args]
-        with open(log_path, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        node = Node(name, proc, log_path, time.time())
+        args = [f"--nnodes={self.nnodes}",
+                f"--nproc-per-node={nproc}", f"--max-restarts={self.max_restarts}",
+                f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=elastic-test",
+                f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1",
+                *(["-m", "trainer.warm"] if self.warm else []), SCRIPT, *self.job_args]
+        node = Node(name, self.start_agent(args, self.env, log_path), log_path, time.time())
         self.nodes.append(node)
         return node
+
+    def start_agent(self, args: list[str], env: dict[str, str], log_path: Path,
+                    wrapper: list[str] | tuple = ()):
+        """One torchrun agent with the arguments ``args``, in a session of its own, its
+        output to ``log_path``: a Popen, or with ``forked`` (and no ``wrapper`` command to
+        run it under) a process forked from the fork server with Popen's pid, poll, wait
+        and returncode."""
+        if self.forked and not wrapper:
+            from tests.support.ranks import forkserver
+            from tests.support.workers import ForkedProcess
+
+            process = forkserver().Process(target=run_agent, args=(
+                args, env, str(log_path), self.restart_grace))
+            process.start()
+            return ForkedProcess(process)
+        launcher = (["-m", "torch.distributed.run"] if self.restart_grace is None
+                    else [TORCHRUN, str(self.restart_grace)])
+        with open(log_path, "w") as out:
+            return subprocess.Popen([*wrapper, sys.executable, *launcher, *args], cwd=REPO,
+                                    env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
 
     def node_of(self, pid: int) -> Node:
         for n in self.nodes:
@@ -516,6 +538,40 @@ class LocalCluster:
 
     def logs(self) -> str:
         return "\n".join(f"===== {n.name} =====\n{n.log()}" for n in self.nodes)
+
+
+def run_agent(args: list[str], environ: dict[str, str], log: str,
+              restart_grace: float | None) -> None:
+    """``torchrun ARGS`` in a process forked from the fork server (LocalCluster's
+    ``forked``): a session of its own, the repository as working directory, ``environ`` as
+    its environment, its output to ``log``; the restart grace of tests/support/torchrun.py."""
+    import logging
+
+    os.setsid()
+    os.chdir(REPO)
+    os.environ.clear()
+    os.environ.update(environ)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)  # PYTHONUNBUFFERED is read at start-up
+    # torchrun's loggers take their level from LOGLEVEL when created: any the fork server
+    # created took its environment's
+    from torch.distributed.elastic.utils.logging import get_log_level
+
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if (name.startswith(("torch.distributed.elastic", "torch.distributed.launcher",
+                             "torch.distributed.run")) and isinstance(logger, logging.Logger)):
+            logger.setLevel(environ.get("LOGLEVEL", get_log_level()))
+    if restart_grace is not None:
+        from tests.support.torchrun import shorten_restart_grace
+
+        shorten_restart_grace(restart_grace)
+    from torch.distributed.run import main
+
+    sys.argv = ["torchrun", *args]
+    main(args)
 
 
 def progress(run_dir: Path) -> dict[int, dict]:

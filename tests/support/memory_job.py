@@ -181,9 +181,7 @@ if __name__ == "__main__":
 
 # ------------------------------------------------------------------ harness for tests/benchmarks
 
-import subprocess  # noqa: E402
-
-from tests.support.elastic_job import REPO, LocalCluster, Node  # noqa: E402
+from tests.support.elastic_job import LocalCluster, Node  # noqa: E402
 
 
 class Cluster(LocalCluster):
@@ -218,17 +216,14 @@ class Cluster(LocalCluster):
     def add_node(self) -> Node:
         name = f"node{len(self.nodes)}"
         log_path = self.workdir / f"{name}.log"
-        cmd = [*self.wrapper, sys.executable, "-m", "torch.distributed.run",
-               f"--nnodes={self.nnodes}",
-               "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
-               f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
-               f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1",
-               *(["-m", "trainer.warm"] if self.warm else []), SCRIPT, *self.job_args]
+        args = [f"--nnodes={self.nnodes}",
+                "--nproc-per-node=1", f"--max-restarts={self.max_restarts}",
+                f"--monitor-interval={self.monitor_interval}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
+                f"--rdzv-conf={self.rdzv_conf}", "--local-addr=127.0.0.1",
+                *(["-m", "trainer.warm"] if self.warm else []), SCRIPT, *self.job_args]
         env = self.node_env(len(self.nodes))
-        with open(log_path, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+        proc = self.start_agent(args, env, log_path, self.wrapper)
         node = Node(name, proc, log_path, time.time())
         self.nodes.append(node)
         return node

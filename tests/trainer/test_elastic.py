@@ -377,7 +377,7 @@ def run_kills_and_a_join(tmp: Path) -> dict:
             "--pause-at", str(PAUSE_AT), "--pause-at-world", "3")
     # max_restarts: the two node losses use up one each (the join none), and a loaded
     # machine may add one (see check_join_used_no_restart)
-    c = job.LocalCluster(tmp, job_args(tmp, hold=hold), max_restarts=4)
+    c = job.LocalCluster(tmp, job_args(tmp, hold=hold), max_restarts=4, forked=True)
     facts: dict = {"tmp": tmp}
     try:
         nodes = [c.add_node() for _ in range(3)]
@@ -592,7 +592,7 @@ def run_loader(tmp_path: Path) -> Path:
         args[args.index(flag) + 1] = str(value)
     args += ["--hold-until-world", "2", "--loader-workers", "2", "--hooks-log",
              str(tmp_path / "hooks"), "--eval-every", str(EVAL_EVERY)]
-    c = job.LocalCluster(tmp_path, args, nnodes="1:2")
+    c = job.LocalCluster(tmp_path, args, nnodes="1:2", forked=True)
     try:
         nodes = [c.add_node() for _ in range(2)]
         attempt, info = job.wait_for(at_step(tmp_path / "run", 2, LOADER_KILL_AT),

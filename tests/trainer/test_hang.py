@@ -232,7 +232,8 @@ def attempt_records(run_dir: Path, attempt: int) -> list[dict]:
 def run_cluster(tmp: Path, args: list[str], act=None) -> tuple[job.LocalCluster, ElasticSummary]:
     """Three torchrun agents (restart grace 2 s, warm restarts: a worker is forked from its
     node's zygote instead of importing torch again) run the job; ``act(cluster)`` meanwhile."""
-    c = job.LocalCluster(tmp, args, restart_grace=2.0, max_restarts=6, warm=True)
+    c = job.LocalCluster(tmp, args, restart_grace=2.0, max_restarts=6, warm=True,
+                         forked=True)
     try:
         nodes = [c.add_node() for _ in range(3)]
         if act is not None:

@@ -335,7 +335,7 @@ def test_worker_sigkilled_under_torchrun_restarts_from_the_zygote_from_memory(tm
             "--digests", str(tmp_path / "digests"), "--steps", "15", "--every", "5",
             "--persist-every", "6", "--memory-job", memjob, "--memory", "on",
             "--hold-at", "12", "--collective-timeout", "30"]
-    c = memory_job.Cluster(tmp_path, args, memjob, nnodes="1:1", warm=True)
+    c = memory_job.Cluster(tmp_path, args, memjob, nnodes="1:1", warm=True, forked=True)
     try:
         node = c.add_node()
         marker = tmp_path / "digests" / "holding-s12-r0.json"

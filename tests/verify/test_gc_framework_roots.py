@@ -66,3 +66,22 @@ def test_gc_on_the_framework_folder_works_on_its_sibling_root(tmp_path, capsys):
     assert str(root) in out.err and not leftover.exists()
     assert sorted(os.listdir(folder)) == ["epoch=0-step=3.ckpt"]
     assert ckpt.inspect.open(root).steps() == [1, 2, 3]
+
+
+def test_each_framework_key_is_defined_in_one_module():
+    """The metadata key that marks a framework's steps is assigned once, in
+    verify/integration_keys.py or the module it takes it from, and the integration that
+    writes it and the gc that reads it both import that name: a key renamed on one side
+    cannot leave gc blind to the framework's steps (and retiring them by count)."""
+    import ast
+
+    from verify.integration_keys import FRAMEWORK_STEPS
+
+    repo = Path(__file__).resolve().parents[2]
+    defined: dict[str, list[str]] = {key: [] for key in FRAMEWORK_STEPS}
+    for package in ("ckpt", "storage_backends", "trainer", "verify"):
+        for path in sorted((repo / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and node.value in defined:
+                    defined[node.value].append(str(path.relative_to(repo)))
+    assert all(len(places) == 1 for places in defined.values()), defined

@@ -18,7 +18,7 @@ from ckpt._format.names import step_dir
 from ckpt._load.as_saved import MapLocation
 from ckpt._manager.metrics import CheckpointMetrics, default_labels
 from ckpt._manager.publisher import MemoryPublisher
-from ckpt._manager.restorer import PREFERENCES, RestoreInfo, Restorer
+from ckpt._manager.restorer import PREFERENCES, VERIFIED, RestoreInfo, Restorer
 from ckpt._manager.root import RootOwner
 from ckpt._manager.saver import REPORT_EVERY, Saver
 from ckpt._manager.schedule import SaveSchedule
@@ -395,10 +395,11 @@ class CheckpointManager:
         ``prefer="verified"`` tries the verified steps (:meth:`mark_verified`) first, newest
         first, then the others as usual; without any verified step it restores as
         ``"newest"`` does. The steps after the verified one it restores may be saved again
-        (a new timeline) without ``overwrite``. A restore that goes back past newer steps
-        (not verified, or failing everywhere) drops them from the memory tier (every rank's
-        segment and the replicas), so that a restart before the next save resumes from the
-        step restored; the root's stay until :meth:`retire` or saves of the same numbers.
+        (a new timeline) without ``overwrite``; the steps after it leave the memory tier (every
+        rank's segment and the replicas), so that a restart before the next save resumes
+        from the step restored (the root's stay until :meth:`retire` or saves of the same
+        numbers). A restore that fell back past steps that failed to load keeps their
+        memory copies (another copy may serve a later restore).
 
         A step that fails validation is skipped with a warning and the one before it is
         tried (recorded in ``mgr.skipped``); with ``strict`` (or an explicit ``step``) the
@@ -431,9 +432,10 @@ class CheckpointManager:
         self._order.restored(None if restored is None else restored.step, step is None)
         if restored is None:
             return None
-        if step is None and self._publisher is not None:
-            # Gone back past newer steps (damaged, or not verified): they leave the memory
-            # tier now, so that a restart before the next save does not resume from them.
+        if step is None and prefer == VERIFIED and self._publisher is not None:
+            # A rollback: the steps after the verified one leave the memory tier now, so that
+            # a restart before the next save does not resume from them. (A restore that fell
+            # back past steps that failed to load keeps their copies: another may serve.)
             self._publisher.went_back(restored.step)
         self._last_restore = restored.info
         if self._saver is not None:

@@ -215,7 +215,7 @@ def test_a_memory_only_save_is_never_verified_and_a_verified_restore_passes_it_o
         target = state(-1)
         assert mgr.restore(target, prefer="verified") == 2
         assert mgr.last_restore.tier == "memory" and target["w"][0].item() == 2.0
-        # The timeline it went back from leaves memory: a restart resumes from step 2.
+        # The memory-only 4 went with the verified restore (a rollback): a restart resumes 2.
         assert mgr.restore(state(-1)) == 2 and mgr.last_restore.tier == "memory"
 
 

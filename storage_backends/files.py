@@ -17,7 +17,7 @@ import os
 import secrets
 import stat
 
-__all__ = ["SpecialFileError", "atomic_write", "create_beside", "open_regular"]
+__all__ = ["SpecialFileError", "atomic_write", "create_beside", "fsync_dir", "open_regular"]
 
 
 class SpecialFileError(OSError):
@@ -127,12 +127,12 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, mode: int = 0o644, 
             pass
         raise
     if durable:
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _fsync_dir(directory: str) -> None:
-    # (posix.fsync_dir's twin: posix imports the lock module, which imports this one)
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` (a rename, a new or removed file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:

@@ -24,6 +24,7 @@ import uuid
 from typing import Iterator, Sequence
 
 from .base import Buffer, Entry, NotAFileError, Storage, WriterLock
+from .files import fsync_dir  # here too: the storage's durability step, as callers know it
 from .locks import FlockWriterLock
 
 STAGING_PREFIX = ".tmp-"
@@ -45,15 +46,6 @@ class SymlinkRefusedError(FileNotFoundError):
 
     def __reduce__(self):
         return (type(self), (self.filename,))
-
-
-def fsync_dir(path: str) -> None:
-    """Make the entries of directory ``path`` (a rename, a new or removed file) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class PosixStorage(Storage):

@@ -186,12 +186,21 @@ class RecordingShutil:
 def recording(root: str, tag: object = 0) -> Iterator[Trace]:
     """Record what ``storage_backends.posix`` does under ``root`` inside the block."""
     trace = Trace(root, tag)
-    saved = _posix.os, _posix.shutil
-    _posix.os, _posix.shutil = RecordingOS(trace), RecordingShutil(trace)
+    saved = _posix.os, _posix.shutil, _posix.fsync_dir
+    recorder = RecordingOS(trace)
+
+    def fsync_dir(path: str) -> None:  # the storage's (from storage_backends.files), recorded
+        fd = recorder.open(path, _os.O_RDONLY | _os.O_DIRECTORY | _os.O_CLOEXEC)
+        try:
+            recorder.fsync(fd)
+        finally:
+            recorder.close(fd)
+
+    _posix.os, _posix.shutil, _posix.fsync_dir = recorder, RecordingShutil(trace), fsync_dir
     try:
         yield trace
     finally:
-        _posix.os, _posix.shutil = saved
+        _posix.os, _posix.shutil, _posix.fsync_dir = saved
 
 
 def merge(traces: list[Trace]) -> list[tuple]:

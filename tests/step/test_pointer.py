@@ -61,11 +61,11 @@ def test_a_written_pointer_is_durable_after_its_rename(tmp_path, monkeypatch):
     from storage_backends import files
 
     events = []
-    real_replace, real_fsync_dir = os.replace, files._fsync_dir
+    real_replace, real_fsync_dir = os.replace, files.fsync_dir
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"),
                                                      real_replace(a, b))[1])
-    monkeypatch.setattr(files, "_fsync_dir", lambda d: (events.append(("fsync_dir", d)),
-                                                        real_fsync_dir(d))[1])
+    monkeypatch.setattr(files, "fsync_dir", lambda d: (events.append(("fsync_dir", d)),
+                                                       real_fsync_dir(d))[1])
     write_pointer(str(tmp_path / "last.ckpt"), 7)
     assert events == ["replace", ("fsync_dir", str(tmp_path))]
     assert read_pointer(str(tmp_path / "last.ckpt")) == 7

@@ -193,3 +193,12 @@ def test_atomic_write_under_the_umask_keeps_a_file_private_as_open_would(shared)
         os.umask(old_umask)
     assert path.read_text() == "{}" and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert leftovers(shared) == []
+
+
+def test_fsync_dir_is_one_function_shared_with_the_posix_storage():
+    """The durability step of a directory is written once: the POSIX storage uses the file
+    helpers' ``fsync_dir`` (the helpers import nothing of the package, so no cycle)."""
+    from storage_backends import files, posix
+
+    assert posix.fsync_dir is files.fsync_dir
+    assert "fsync_dir" in files.__all__

@@ -4,7 +4,7 @@ heartbeat timeout, not a restart; a replacement heals from a peer to the job's s
 Real processes: the supervisor, the lighthouse and three replica groups (gloo, CPU) in a
 network namespace of their own (torchft's manager server listens on every interface),
 faults injected with SIGKILL and SIGSTOP (tests/support/live_job.py). One job (heartbeat
-timeout 1 s, one warm spare) runs the faults in turn, and the tests read its records:
+timeout 1 s, three warm spares) runs the faults in turn, and the tests read its records:
 
 - one group SIGKILLed in the middle of a step, later another while its peers wait inside
   the gradient all-reduce: the survivors go on without a restart (the time from the kill
@@ -86,7 +86,7 @@ def _held(run_dir: Path) -> int:
 
 @pytest.fixture(scope="module")
 def live_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One job (one warm spare), its faults in turn:
+    """One job, its faults in turn:
 
     1. group 2 SIGKILLed mid-step from step 4, then group 1 at the gradient all-reduce of
        the first step from 6 on with the whole quorum; each replaced (live recovery);
@@ -97,7 +97,7 @@ def live_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
        let go at once: they ask a dead lighthouse, the supervisor restarts it, their
        quorum retries reach it.
 
-    The lighthouse goes last, in processes started after the restart: torchft 0.2.0's
+    The lighthouse goes last, in groups formed after the restart: torchft 0.2.0's
     lighthouse numbers its quorums afresh when restarted, and a process whose store
     already hosted a quorum of that number rendezvouses gloo on stale keys (docs/elastic.md,
     "Live recovery", limitations).
@@ -109,9 +109,12 @@ def live_job(tmp_path_factory: pytest.TempPathFactory) -> dict:
     # a replacement 3 s after a loss (a node's replacement time): longer than the heartbeat
     # timeout, so the survivors commit without the victim first and the replacement,
     # whose own checkpoint is behind them by then, heals from a peer
+    # three warm spares (imports paid while the job trains): the second kill does not wait
+    # for the first replacement's spare to import torch, and the majority's restart starts
+    # all three groups warm instead of importing torch in two of them (tens of seconds)
     proc = start_job(tmp, steps=100000, kill="2:4:forward,1:6:allreduce", timeout=8.0,
                      quorum_timeout=10.0, respawn_delay=3.0, step_pause=0.1,
-                     extra=["--spares", "1"])
+                     extra=["--spares", "3"])
     out: dict = {"run": run_dir}
     try:
         wait_for(lambda: committed_at_least(run_dir, 2), 900, "the first commits")

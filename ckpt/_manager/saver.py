@@ -20,7 +20,7 @@ from ckpt._retention.policy import RetentionPolicy
 from ckpt._save.handle import SaveHandle
 from ckpt._save.snapshot import snapshot
 from ckpt._save.staging import Stager
-from ckpt._save.writer import BackgroundWriter
+from ckpt._save.writer import BackgroundWriter, CallerThread
 from ckpt._shared.distributed import Group
 from ckpt._step.incremental import chain_length
 from ckpt._step.integrity import read_manifest
@@ -85,7 +85,17 @@ class Saver:
         blocking = time.perf_counter() - t0
         handle = None
         if self.memory is not None:  # published first; the same writer thread, in order
-            handle = self.memory.publish(payload, blocking, self.writer, self.options)
+            # A save to memory alone of host-staged state (no device copy to wait for) is
+            # published here: what is left after the copy is a few milliseconds of Python
+            # (chunk table, manifest, renames), which on the niced writer thread holds the
+            # GIL that training's thread then waits for behind the threads the scheduler
+            # runs first, and takes a core training uses: it cost training more there.
+            inline = not to_root and payload.ready is None
+            handle = self.memory.publish(payload, blocking,
+                                         CallerThread() if inline else self.writer,
+                                         self.options)
+            if inline:
+                blocking = handle.blocking_seconds = time.perf_counter() - t0
         if handle is None or to_root:
             handle = self.writer.submit(self.storage, payload, blocking, self._after_commit)
             handle.add_done_callback(self._record)

@@ -152,3 +152,18 @@ class BackgroundWriter:
         self._thread.shutdown(wait=True)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class CallerThread:
+    """Runs a call the writer would run (:meth:`BackgroundWriter.submit_call`) on the
+    calling thread, at once; its handle is done on return, carrying the call's error as the
+    writer's would."""
+
+    def submit_call(self, step: int, blocking_seconds: float,
+                    fn: Callable[[cf.ThreadPoolExecutor | None], SaveResult]) -> SaveHandle:
+        future: cf.Future = cf.Future()
+        try:
+            future.set_result(fn(None))
+        except Exception as e:
+            future.set_exception(e)
+        return SaveHandle(step, future, blocking_seconds)

@@ -1,0 +1,53 @@
+"""A save to the memory tier alone, of state in host memory, is in memory when save() returns."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+
+import pytest
+import torch
+
+import ckpt
+from tests.support.ranks import run_forked
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+
+
+def _tier(job: str) -> ckpt.MemoryTierOptions:
+    return ckpt.MemoryTierOptions(persist_every=1000, job=job)  # the root: 1 save in 1000
+
+
+def _weights(step: int) -> torch.Tensor:
+    return torch.full((256, 64), float(step))
+
+
+def _save_then_die(root: str, job: str) -> None:
+    """Save steps 1..3 (to memory only), the third with the writer thread held busy, as a
+    writer the scheduler has not run yet is; SIGKILL the process the moment save(3)
+    returns."""
+    mgr = ckpt.CheckpointManager(root, memory_tier=_tier(job), async_save=True)
+    for step in (1, 2):
+        mgr.save(step, {"w": _weights(step)}).wait()
+    never = threading.Event()
+    mgr._saver.writer.submit_call(0, 0.0, lambda pool: never.wait())  # the writer is busy
+    mgr.save(3, {"w": _weights(3)})
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_process_killed_as_a_memory_only_save_returns_restarts_from_that_step(tmp_path):
+    job = f"inline{os.getpid()}"
+    root = str(tmp_path / "root")
+    assert run_forked(_save_then_die, root, job, timeout=120) == -signal.SIGKILL
+    state = {"w": torch.zeros(256, 64)}
+    mgr = ckpt.CheckpointManager(root, memory_tier=_tier(job))
+    try:
+        assert mgr.restore(state) == 3
+        assert mgr.last_restore.tier == "memory" and torch.equal(state["w"], _weights(3))
+        assert 3 not in mgr.steps()  # memory alone held it
+    finally:
+        segment = mgr._publisher.tier.path
+        mgr.close()
+        shutil.rmtree(segment, ignore_errors=True)

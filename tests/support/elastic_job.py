@@ -541,20 +541,21 @@ class LocalCluster:
 
 
 def run_agent(args: list[str], environ: dict[str, str], log: str,
-              restart_grace: float | None) -> None:
+              restart_grace: float | None, err: str | None = None) -> None:
     """``torchrun ARGS`` in a process forked from the fork server (LocalCluster's
-    ``forked``): a session of its own, the repository as working directory, ``environ`` as
-    its environment, its output to ``log``; the restart grace of tests/support/torchrun.py."""
+    ``forked``, :func:`torchrun_forked`): a session of its own, the repository as working
+    directory, ``environ`` as its environment, its output to ``log`` (its stderr to ``err``
+    when given); the restart grace of tests/support/torchrun.py."""
     import logging
 
     os.setsid()
     os.chdir(REPO)
     os.environ.clear()
     os.environ.update(environ)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for target in (1, 2):
+    for target, path in ((1, log), (2, err or log)):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, target)
-    os.close(fd)
+        os.close(fd)
     sys.stdout.reconfigure(line_buffering=True)  # PYTHONUNBUFFERED is read at start-up
     # torchrun's loggers take their level from LOGLEVEL when created: any the fork server
     # created took its environment's
@@ -572,6 +573,34 @@ def run_agent(args: list[str], environ: dict[str, str], log: str,
 
     sys.argv = ["torchrun", *args]
     main(args)
+
+
+def torchrun_forked(args: list[str], env: dict[str, str], out_dir: Path,
+                    timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, -m, torch.distributed.run, *args], env=env,
+    capture_output=True, text=True, timeout=timeout)`` with the agent forked from the fork
+    server (see :func:`run_agent`); its stdout and stderr pass through files in
+    ``out_dir``. On the timeout, the agent and its workers are SIGKILLed and
+    subprocess.TimeoutExpired raised."""
+    from tests.support.ranks import forkserver
+
+    out, err = Path(out_dir) / "torchrun.stdout", Path(out_dir) / "torchrun.stderr"
+    for path in (out, err):
+        path.write_text("")
+    process = forkserver().Process(target=run_agent, args=(args, env, str(out), None, str(err)))
+    process.start()
+    process.join(timeout)
+    if process.exitcode is None:
+        for pid in [process.pid, *descendants(process.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        process.join()
+        raise subprocess.TimeoutExpired(["torchrun", *args], timeout)
+    return subprocess.CompletedProcess(["torchrun", *args], process.exitcode,
+                                       out.read_text(errors="replace"),
+                                       err.read_text(errors="replace"))
 
 
 def progress(run_dir: Path) -> dict[int, dict]:

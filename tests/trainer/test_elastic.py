@@ -28,7 +28,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -513,10 +512,9 @@ def run_fsdp2(tmp_path: Path) -> Path:
     args[args.index("--collective-timeout") + 1] = "30"
     args[args.index("--every") + 1] = "4"
     args[args.index("--steps") + 1] = "8"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--log-dir={tmp_path / 'torchelastic'}", "--nproc-per-node=3", job.SCRIPT, *args]
-    proc = subprocess.run(cmd, env=plain_env(), capture_output=True, text=True,
-                          timeout=JOB_TIMEOUT)
+    proc = job.torchrun_forked(["--standalone", f"--log-dir={tmp_path / 'torchelastic'}",
+                                "--nproc-per-node=3", job.SCRIPT, *args], plain_env(),
+                               tmp_path, JOB_TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
     args[args.index("--steps") + 1] = "12"
     run_plain(args, tmp_path / "plain.log")  # the same job, on as one plain process

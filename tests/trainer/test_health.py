@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 import ckpt
 
+from tests.support.elastic_job import torchrun_forked
 from tests.support.prom import free_port, parse_metrics
 from trainer import (CheckpointConfig, DataConfig, ElasticConfig, FailureConfig,
                      ObservabilityConfig, ResumableSampler, StepConfig)
@@ -727,11 +728,11 @@ def run_torchrun(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
         restarts = ["--max-restarts=1"]
     for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--log-dir={tmp_path / 'torchelastic'}",  # not a /tmp/torchelastic_* left behind
-           "--nproc-per-node=2", *restarts, __file__, str(tmp_path), mode]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240,
-                          check=False)
+    args = ["--standalone",
+            f"--log-dir={tmp_path / 'torchelastic'}",  # not a /tmp/torchelastic_* left behind
+            "--nproc-per-node=2", *restarts, __file__, str(tmp_path), mode]
+    # the agent forked from the suite's fork server: no second import of torch for it
+    return torchrun_forked(args, env, tmp_path, timeout=240)
 
 
 class Jobs:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import time
 import warnings
@@ -179,11 +180,24 @@ def _write_dcp(saved: dict, out: str) -> None:
 
     group = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if group else 0
-    tmp = f"{out}.tmp-export" if group else f"{out}.tmp-{os.getpid()}"
+    tmp, failed = None, None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if group:
-        dist.barrier()
+        # An unguessable name, and mkdir creates it or fails (a planted link included): no
+        # other user of the folder can block the export or have DCP write through a link.
+        tmp = os.path.join(os.path.dirname(os.path.abspath(out)),
+                           f".{os.path.basename(out)}.{secrets.token_hex(8)}.part")
+        try:
+            os.mkdir(tmp)
+        except OSError as e:
+            if not group:
+                raise
+            tmp, failed = None, f"{type(e).__name__}: {e}"
+    if group:  # every rank writes its files into rank 0's folder, or learns it failed
+        shared = [tmp, failed]
+        dist.broadcast_object_list(shared, src=0)
+        tmp, failed = shared
+        if tmp is None:
+            raise OSError(f"rank 0 could not make the export's folder beside {out}: {failed}")
     error: BaseException | None = None
     try:
         with warnings.catch_warnings():  # one process is the intent, not a guess

@@ -48,7 +48,7 @@ def test_force_refuses_a_folder_that_is_no_dcp_export(tmp_path, capsys, target):
     assert "not a DCP export" in err and "Traceback" not in err
     assert tree(tmp_path) == before
     assert ckpt.inspect.open(root).steps() == [1]
-    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".part")]
 
 
 def test_the_library_call_refuses_the_same_folders_before_reading_the_step(tmp_path,
@@ -87,4 +87,28 @@ def test_a_folder_that_stops_being_an_export_during_the_export_is_kept(tmp_path,
     with pytest.raises(FileExistsError, match="is not a DCP export"):
         ckpt.interop.export_dcp(root, out, force=True)
     assert (out / "notes.txt").read_text() == "precious" and (out / ".metadata").exists()
-    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".part")]
+
+
+@pytest.mark.parametrize("planted", ["a link to a folder", "a folder"])
+def test_names_another_user_plants_beside_the_export_neither_block_it_nor_are_written(
+        tmp_path, planted):
+    """Another local user who can write the export's parent folder plants, at every
+    temporary name an export could predict, a link into a folder of theirs (DCP would write
+    the model there) or a folder (the export would fail): the export takes a name of its
+    own, and what was planted is left as it was."""
+    root = root_with_a_step(tmp_path / "run1")
+    out = tmp_path / "export"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for name in (f"{out}.tmp-{os.getpid()}", f"{out}.tmp-export"):
+        if planted == "a folder":
+            os.mkdir(name)
+        else:
+            os.symlink(theirs, name)
+    assert main(["export", str(root), "--to", "dcp", str(out)]) == 0
+    assert not out.is_symlink() and ".metadata" in tree(out)
+    assert tree(theirs) == []
+    assert {p for p in os.listdir(tmp_path) if ".tmp-" in p} == {
+        "export.tmp-export", f"export.tmp-{os.getpid()}"}
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".part")]

@@ -1,5 +1,6 @@
 """Named fault points for crash tests: ``CKPT_FAULT=kill:<point>[:<nth>]`` SIGKILLs the process
-the nth time (default first) it reaches ``<point>``; ``raise:<point>[:<nth>]`` raises OSError.
+the nth time (default first) it reaches ``<point>``; ``term:<point>[:<nth>]`` sends it SIGTERM
+(its handler runs at once, on the main thread); ``raise:<point>[:<nth>]`` raises OSError.
 
 Read once at import; a process without the variable pays one dict lookup per point.
 """
@@ -25,5 +26,7 @@ def fault_point(name: str) -> None:
         return
     if _action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif _action == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
     elif _action == "raise":
         raise OSError(errno.EIO, f"injected fault at {name}")

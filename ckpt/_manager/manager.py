@@ -18,7 +18,7 @@ from ckpt._format.names import step_dir
 from ckpt._load.as_saved import MapLocation
 from ckpt._manager.metrics import CheckpointMetrics, default_labels
 from ckpt._manager.publisher import MemoryPublisher
-from ckpt._manager.restorer import PREFERENCES, VERIFIED, RestoreInfo, Restorer
+from ckpt._manager.restorer import PREFERENCES, RestoreInfo, Restorer
 from ckpt._manager.root import RootOwner
 from ckpt._manager.saver import REPORT_EVERY, Saver
 from ckpt._manager.schedule import SaveSchedule
@@ -273,8 +273,9 @@ class CheckpointManager:
             metadata = {**(metadata or {}), "metrics": _checked_metrics(metrics)}
         metadata = self._retention.record_in(metadata)  # what `ckpt gc` applies later
         to_root = self._publisher is None or preempted or self._schedule.persist_due(step, persist)
-        handle = self._saver.save(step, state, metadata, to_root=to_root)
-        self._order.saved(step, to_root)
+        with self._schedule.exit_deferred():  # SIGTERM meanwhile: this save first, then exit
+            handle = self._saver.save(step, state, metadata, to_root=to_root)
+            self._order.saved(step, to_root)
         if not self._saver.copy or preempted:
             with self._progress(f"ckpt: saving step {step}", handle):
                 handle.wait()
@@ -432,10 +433,10 @@ class CheckpointManager:
         self._order.restored(None if restored is None else restored.step, step is None)
         if restored is None:
             return None
-        if step is None and prefer == VERIFIED and self._publisher is not None:
-            # A rollback: the steps after the verified one leave the memory tier now, so that
-            # a restart before the next save does not resume from them. (A restore that fell
-            # back past steps that failed to load keeps their copies: another may serve.)
+        if self._restorer.restored_verified and self._publisher is not None:
+            # A rollback to a verified step: the steps after it leave the memory tier now, so
+            # that a restart before the next save does not resume from them. (A restore that
+            # fell back past steps that failed to load keeps their copies: another may serve.)
             self._publisher.went_back(restored.step)
         self._last_restore = restored.info
         if self._saver is not None:
@@ -489,7 +490,7 @@ class CheckpointManager:
         removed once its newest step is in the root; before it (False: a preemption, an
         error) it is kept, so that the restart restores from memory. None (the default):
         ended, unless SIGTERM reached the manager's handler; a ``with`` block left by an
-        exception closes with False."""
+        exception (other than ``sys.exit(0)``) closes with False."""
         if self._closed:
             return
         self._closed = True
@@ -510,8 +511,10 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(finished=False if exc_type is not None else None)
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # An exception ends the block before the end of training; sys.exit(0) does not.
+        clean = exc_type is None or (isinstance(exc, SystemExit) and exc.code in (0, None))
+        self.close(finished=None if clean else False)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True) and getattr(self, "_root", None) is not None:

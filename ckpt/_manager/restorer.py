@@ -109,6 +109,7 @@ class Restorer:
         self.skipped: list[tuple[int, str]] = []
         # Committed steps newer than the verified step a restore preferred: passed over.
         self.passed_over: frozenset[int] = frozenset()
+        self.restored_verified = False  # the last restore took a verified step it preferred
 
     def _candidates(self, step: int | None, prefer: str) -> tuple[list[int], frozenset[int]]:
         """The steps to try (``step`` alone, else every committed step, newest first) and
@@ -130,7 +131,7 @@ class Restorer:
         one_pass = step is None and not strict and gate.level == "digest"
         dirty: frozenset[str] = frozenset()  # live tensors that failed steps left changed
         candidates, verified = self._candidates(step, prefer)
-        self.passed_over = frozenset()
+        self.passed_over, self.restored_verified = frozenset(), False
         partial: dict[int, str] = {}  # steps the live nodes hold in memory only in part
         root, order = restore_order(self.storage, self.memory, self.group, candidates, step,
                                     preferred=verified, partial=partial)
@@ -153,6 +154,7 @@ class Restorer:
                     dirty |= error.changed if isinstance(error, PartialLoadError) else wrote
                 if not agreed.bad:
                     self.passed_over = _newer(candidates, s) if verified else frozenset()
+                    self.restored_verified = s in verified
                     # Newer saves the memory tier could not offer whole were passed over
                     # too: say so beside the failed attempts, newest first.
                     lost = [(p, Tier.MEMORY, _one_line(why)) for p, why in partial.items()

@@ -3,11 +3,12 @@ when a memory tier holds every save, and what SIGTERM does."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ckpt._shared.distributed import Group
 from ckpt.options import Schedule
@@ -51,6 +52,9 @@ class SaveSchedule:
         self.last_save_time = self.clock()
         self.preempted_by: int | None = None  # the signal number, once SIGTERM arrived
         self._previous_handler: Any = None
+        self._on_exit: Callable[[], None] | None = None
+        self._deferring = False  # the main thread is in a save: an exit waits for its end
+        self._deferred: int | None = None  # the signal whose exit waits
 
     def due(self, step: int, force: bool) -> bool:
         """Whether ``save(step)`` writes (collective with ``every_seconds``: every rank calls
@@ -100,10 +104,33 @@ class SaveSchedule:
                 return
             if self.save_on_preemption:
                 return  # the training loop's next save() call saves this step and exits
+            if self._deferring:
+                self._deferred = signum  # exit_deferred exits once the save is published
+                return
             on_exit()
             raise SystemExit(128 + signum)
 
+        self._on_exit = on_exit
         self._previous_handler = signal.signal(signal.SIGTERM, handler)
+
+    @contextlib.contextmanager
+    def exit_deferred(self) -> Iterator[None]:
+        """Around a save on the main thread: SIGTERM's exit (without ``save_on_preemption``)
+        waits until the save is staged and published, then runs as the handler would have.
+        The handler runs on the main thread, which may be the one publishing the step (a
+        save to memory alone): exiting there would cut the step off halfway and lose it."""
+        if self._deferring or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            signum, self._deferred = self._deferred, None
+            if signum is not None and self._on_exit is not None:
+                self._on_exit()
+                raise SystemExit(128 + signum)
 
     def uninstall_sigterm(self) -> None:
         """Put back the SIGTERM handler that was there before."""

@@ -1,10 +1,14 @@
-"""A save to the memory tier alone, of state in host memory, is in memory when save() returns."""
+"""A save to the memory tier alone, of state in host memory, is in memory when save() returns,
+also when SIGTERM arrives while it is published."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -47,6 +51,35 @@ def test_a_process_killed_as_a_memory_only_save_returns_restarts_from_that_step(
         assert mgr.restore(state) == 3
         assert mgr.last_restore.tier == "memory" and torch.equal(state["w"], _weights(3))
         assert 3 not in mgr.steps()  # memory alone held it
+    finally:
+        segment = mgr._publisher.tier.path
+        mgr.close()
+        shutil.rmtree(segment, ignore_errors=True)
+
+
+def test_sigterm_while_a_memory_only_save_is_published_exits_after_it(tmp_path):
+    """SIGTERM reaches the manager's handler (on the main thread, the one publishing) midway
+    through the publish of a memory-only save: the save is published first, then the
+    process exits with 143, and the restart restores that step from memory."""
+    job = f"term{os.getpid()}"
+    root = str(tmp_path / "root")
+    child = textwrap.dedent(f"""
+        import torch, ckpt
+        mgr = ckpt.CheckpointManager({root!r}, memory_tier=ckpt.MemoryTierOptions(
+            persist_every=1000, job={job!r}))
+        for step in (1, 2, 3):
+            mgr.save(step, {{"w": torch.full((256, 64), float(step))}})
+        raise SystemExit("not terminated")
+    """)
+    env = {**os.environ, "CKPT_FAULT": "term:memory_commit:3"}  # in step 3's publish
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    state = {"w": torch.zeros(256, 64)}
+    mgr = ckpt.CheckpointManager(root, memory_tier=_tier(job))
+    try:
+        assert mgr.restore(state) == 3
+        assert mgr.last_restore.tier == "memory" and torch.equal(state["w"], _weights(3))
     finally:
         segment = mgr._publisher.tier.path
         mgr.close()

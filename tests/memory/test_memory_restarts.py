@@ -156,6 +156,22 @@ def test_a_segment_kept_at_sigterm_is_collected_once_its_owner_stays_dead(tmp_pa
     assert not os.path.exists(segment)
 
 
+@pytest.mark.parametrize("leaving", ["sys.exit(0)", "sys.exit(None)", "an error"])
+def test_a_with_block_left_by_an_error_keeps_the_segment_and_one_left_by_exit_0_does_not(
+        tmp_path, job, leaving):
+    """A ``with`` block left by an exception closes before the end of training (the segment
+    stays for the restart); ``sys.exit(0)`` after the final save is a clean end."""
+    tier = ckpt.MemoryTierOptions(job=job)  # every save to the root too
+    with pytest.raises((SystemExit, RuntimeError)):
+        with ckpt.CheckpointManager(tmp_path / "root", memory_tier=tier,
+                                    async_save=False) as mgr:
+            mgr.save(1, {"w": torch.ones(8)})
+            if leaving == "an error":
+                raise RuntimeError("the training loop failed")
+            raise SystemExit(0 if leaving == "sys.exit(0)" else None)
+    assert bool(segments(job)) == (leaving == "an error")
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("how", ["back-verified", "back-retire", "memory-only"])
 def test_a_restart_after_a_rollback_resumes_from_the_rollback_step(tmp_path, job, how):

@@ -343,6 +343,10 @@ class CheckpointManager:
         Example (after ``restore(state, step=100)``, make the new timeline win)::
 
             mgr.retire(s for s in mgr.steps() if s > 100)
+
+        With a memory tier, the steps also leave this rank's segment; under a process group
+        the other ranks' shares and their replicas stay until the next save (a restore with
+        ``prefer="verified"`` on every rank clears them everywhere; docs/memory-tier.md).
         """
         self._check_writable()
         self.wait()

@@ -499,12 +499,17 @@ class CheckpointManager:
             return
         self._closed = True
         try:
-            if self._saver is not None:
-                with self._progress_of_inflight():
-                    self._saver.close()
-                if self._publisher is not None:
-                    if finished is None:
-                        finished = self._schedule.preempted_by is None
+            if finished is None:
+                finished = self._schedule.preempted_by is None
+            try:
+                if self._saver is not None:
+                    with self._progress_of_inflight():
+                        self._saver.close()
+            except BaseException:
+                finished = False  # the last save failed: what memory holds may be newest
+                raise
+            finally:
+                if self._publisher is not None:  # its lock and threads go whatever happened
                     self._publisher.close(persisted=self.latest_step(), finished=finished)
         finally:
             self._root.release()

@@ -84,3 +84,33 @@ def test_sigterm_while_a_memory_only_save_is_published_exits_after_it(tmp_path):
         segment = mgr._publisher.tier.path
         mgr.close()
         shutil.rmtree(segment, ignore_errors=True)
+
+
+def test_a_failed_publish_raised_at_close_still_lets_the_segment_go(tmp_path, monkeypatch):
+    """The publish of a memory-only save fails; close() raises its error and still lets go of
+    the segment (its owner lock and threads), which the next manager then owns."""
+    import ckpt._memory.tier as tier_module
+
+    job = f"fail{os.getpid()}"
+    root = str(tmp_path / "root")
+    mgr = ckpt.CheckpointManager(root, memory_tier=_tier(job))
+    mgr.save(1, {"w": _weights(1)}).wait()
+
+    def failing(name: str) -> None:
+        if name == "memory_commit":
+            raise OSError(5, "injected: the publish failed")
+
+    monkeypatch.setattr(tier_module, "fault_point", failing)
+    mgr.save(2, {"w": _weights(2)})
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="injected"):
+        mgr.close()
+    state = {"w": torch.zeros(256, 64)}
+    again = ckpt.CheckpointManager(root, memory_tier=_tier(job))
+    try:
+        assert again.restore(state) == 1 and again.last_restore.tier == "memory"
+        again.save(2, {"w": _weights(2)}).wait()
+    finally:
+        segment = again._publisher.tier.path
+        again.close()
+        shutil.rmtree(segment, ignore_errors=True)

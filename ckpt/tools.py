@@ -17,7 +17,8 @@ import os
 from typing import Any
 
 from storage_backends import Storage, open_storage
-from storage_backends.files import SpecialFileError, atomic_write, create_beside, open_regular
+from storage_backends.files import (SpecialFileError, atomic_write, create_beside, fsync_dir,
+                                    open_regular)
 
 from ckpt._format.names import step_dir
 from ckpt._manager.metrics import default_labels, serve_metrics, write_textfile
@@ -45,6 +46,7 @@ __all__ = [
     "committed_steps",
     "create_beside",
     "default_labels",
+    "fsync_dir",
     "gc_segments",
     "open_regular",
     "read_pointer",

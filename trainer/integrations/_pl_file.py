@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from ckpt.tools import create_beside
+from ckpt.tools import create_beside, fsync_dir
 
 # The read side (claims, records, checks) is shared with `ckpt verify FILE.ckpt`.
 from verify.lightning_file import (EOCD, EOCD_SIZE, CLAIM_FORMAT, FILES_KEY, claim,
@@ -105,7 +105,7 @@ def remove_leftovers(directory: str) -> list[str]:
 def publish(tmp: str, path: str) -> None:
     """Rename the written file into place, durably."""
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
 
 
 def link(source: str, path: str) -> None:
@@ -120,13 +120,4 @@ def link(source: str, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    """A rename is durable once its folder is flushed (else a power loss may undo it)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(directory)

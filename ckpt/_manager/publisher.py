@@ -163,12 +163,20 @@ class MemoryPublisher:
         slab, self._staged = self._staged, None
         if slab is None:
             raise CheckpointError(f"step {payload.step} was not staged into the memory tier")
-        if self.tier.ranked:
-            handle = writer.submit_call(payload.step, blocking,
-                                        lambda pool: self._publish_rank(payload, slab))
-        else:
-            handle = writer.submit_call(payload.step, blocking,
-                                        lambda pool: self._publish_step(payload, slab))
+        publish = self._publish_rank if self.tier.ranked else self._publish_step
+
+        def run(pool: Any) -> SaveResult:
+            try:
+                return publish(payload, slab)
+            except CheckpointError:
+                raise
+            except Exception as e:  # named as the save's error, as the root writer's are
+                raise CheckpointError(
+                    f"publishing step {payload.step} into the memory tier ({self.tier.path}) "
+                    f"failed: {e}; the steps it held before are intact, and the next save "
+                    "publishes again", path=self.tier.path) from e
+
+        handle = writer.submit_call(payload.step, blocking, run)
         handle.add_done_callback(_log_failure)
         return handle
 

@@ -14,17 +14,9 @@ import ckpt
 from ckpt._memory.auth import KEY_NAME
 from ckpt._memory.discovery import local_holdings
 from ckpt._memory.tier import RANK_DOC, private_path
+from tests.memory.test_memory_tier import flip  # one bit in the middle of a file
 from tests.support import memory_auth_workers
 from tests.support.ranks import run_ranks
-
-
-def flip(path: str) -> None:
-    """Flip one bit in the middle of ``path``."""
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 0x04]))
 
 
 def test_a_flipped_bit_in_a_steps_manifest_in_memory_is_reported_as_damage(tmp_path):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of ckpt in one run, for a device machine lent for minutes (issue 16).
+# The GPU checks of ckpt in one run, for a device machine lent for minutes.
 #
 # Run from the repository root, on the device machine:
 #     CKPT_COMMIT=<commit> bash benchmarks/device_check.sh

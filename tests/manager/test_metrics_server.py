@@ -22,7 +22,8 @@ import torch
 
 import ckpt
 from ckpt.errors import MetricsServerError
-from tests.support.prom import (free_port, listening, parse_metrics, plant_link, scrape,
+from tests.support.prom import (ask_at_the_deadline, free_port, listening, parse_metrics,
+                                plant_link, scrape,
                                 threads_for_idle_connections, trickle_until_cut)
 
 pytest.importorskip("prometheus_client")
@@ -156,20 +157,9 @@ def test_a_request_that_arrives_near_its_deadline_is_answered_whole(monkeypatch)
     registry.register(_Padded(16 << 20))
     server = m.serve_metrics(registry, 0, "127.0.0.1")
     try:
-        with socket.create_connection(("127.0.0.1", server.server_address[1]),
-                                      timeout=10) as s:
-            time.sleep(2.7)
-            s.sendall(b"GET /metrics HTTP/1.0\r\n\r")
-            time.sleep(0.1)  # the server's last read waits with ~0.2 s left
-            s.sendall(b"\n")
-            time.sleep(1.0)  # the answer fills the sockets meanwhile
-            received = bytearray()
-            while piece := s.recv(1 << 20):
-                received += piece
-        head, _, body = bytes(received).partition(b"\r\n\r\n")
+        head, body, length = ask_at_the_deadline(server.server_address[1],
+                                                 b"GET /metrics HTTP/1.0\r\n\r\n")
         assert head.startswith(b"HTTP/1.0 200")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")))
         assert len(body) == length > 16 << 20
         assert parse_metrics(body.decode())["ckpt_pad"] == 1
     finally:

@@ -85,6 +85,51 @@ def trickle_until_cut(port: int, message: bytes, every: float = 0.2) -> int:
     return sent
 
 
+def ask_at_the_deadline(port: int, request: bytes) -> tuple[bytes, bytes, int]:
+    """Send ``request`` (a whole HTTP/1.0 request) to 127.0.0.1:``port`` the way a slow key
+    holder would: all but its last byte after 2.7 s, the last 0.1 s later (the server's
+    last read then waits with about 0.2 s left of a 3 s deadline), and read the answer only
+    a second after that. Returns (head, body, the head's content-length)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        time.sleep(2.7)
+        s.sendall(request[:-1])
+        time.sleep(0.1)  # the server's last read waits with ~0.2 s left
+        s.sendall(request[-1:])
+        time.sleep(1.0)  # the answer fills the sockets meanwhile
+        received = bytearray()
+        while piece := s.recv(1 << 20):
+            received += piece
+    head, _, body = bytes(received).partition(b"\r\n\r\n")
+    length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), b"-1"))
+    return head, body, length
+
+
+def dripping_server(bytes_at_most: int) -> tuple[socket.socket, threading.Event]:
+    """A listener on 127.0.0.1 whose one connection gets a status line, then a header a
+    byte every 0.2 s (``bytes_at_most`` of them), until the returned event is set or the
+    client hangs up: a peer that answers too slowly to ever finish. Close the listener."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def drip() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            try:
+                conn.sendall(b"HTTP/1.0 200 OK\r\nX-Pad: ")
+                for _ in range(bytes_at_most):
+                    if done.is_set():
+                        return
+                    conn.sendall(b"a")
+                    time.sleep(0.2)
+            except OSError:
+                return
+
+    threading.Thread(target=drip, daemon=True).start()
+    return listener, done
+
+
 def plant_link(path: str, victim: str) -> str:
     """A link to ``victim`` planted where prometheus_client would put the temporary file
     of ``path`` from this thread (``<path>.<pid>.<thread id>``): its path."""

@@ -21,7 +21,7 @@ from typing import Callable
 
 import pytest
 
-from tests.support.prom import trickle_until_cut
+from tests.support.prom import ask_at_the_deadline, dripping_server, trickle_until_cut
 
 pytest.importorskip("torchft")
 
@@ -368,28 +368,9 @@ def test_trickled_status_and_headers_bounded_by_the_deadline() -> None:
     """A fake source that answers with a status line, then trickles an endless header (a
     byte every 0.2 s, for 30 s at most): the heal fails with a TimeoutError once the
     transfer's deadline passes, though every single byte arrives in time."""
-    import socket
-
     from trainer.live.transport import KeyedHTTPTransport
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    done = threading.Event()
-
-    def drip() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            try:
-                conn.sendall(b"HTTP/1.0 200 OK\r\nX-Pad: ")
-                for _ in range(150):
-                    if done.is_set():
-                        return
-                    conn.sendall(b"a")
-                    time.sleep(0.2)
-            except OSError:
-                return
-
-    threading.Thread(target=drip, daemon=True).start()
+    listener, done = dripping_server(150)  # a header byte every 0.2 s, 30 s at most
     t = KeyedHTTPTransport("127.0.0.1", KEY, timedelta(seconds=1))
     began = time.monotonic()
     try:
@@ -475,24 +456,7 @@ def test_a_connection_closed_while_the_watchdog_cuts_it_is_no_error(monkeypatch)
     errors: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
     monkeypatch.setattr(transport.http.client, "HTTPConnection", ClosedDuringCut)
-    listener = socket.create_server(("127.0.0.1", 0))
-    done = threading.Event()
-
-    def drip() -> None:  # a status line, then a header a byte every 0.2 s, 5 s at most
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            try:
-                conn.sendall(b"HTTP/1.0 200 OK\r\nX-Pad: ")
-                for _ in range(25):
-                    if done.is_set():
-                        return
-                    conn.sendall(b"a")
-                    time.sleep(0.2)
-            except OSError:
-                return
-
-    threading.Thread(target=drip, daemon=True).start()
+    listener, done = dripping_server(25)  # a header byte every 0.2 s, 5 s at most
     t = transport.KeyedHTTPTransport("127.0.0.1", KEY, timedelta(seconds=1))
     try:
         url = f"http://127.0.0.1:{listener.getsockname()[1]}/checkpoint/"
@@ -540,8 +504,6 @@ def test_a_request_that_arrives_near_its_deadline_is_answered_whole() -> None:
     """A key holder's request whose last byte arrives just before the request's deadline
     (its last read left the socket a fraction of a second) is answered whole to a reader
     that starts a second later: the answer has ``timeout`` of its own."""
-    import socket
-
     import torch
 
     from trainer.live.transport import KeyedHTTPTransport, request_mac
@@ -550,20 +512,9 @@ def test_a_request_that_arrives_near_its_deadline_is_answered_whole() -> None:
     t.send_checkpoint([1], 7, {"w": torch.zeros(4 << 20)}, T)  # 16 MiB
     proof = request_mac(KEY, f"{t.metadata()}7").encode()
     try:
-        with socket.create_connection(("127.0.0.1", t.port), timeout=10) as s:
-            time.sleep(2.7)
-            s.sendall(b"GET /checkpoint/7 HTTP/1.0\r\nX-Ckpt-Live-Auth: " + proof
-                      + b"\r\n\r")
-            time.sleep(0.1)  # the server's last read waits with ~0.2 s left
-            s.sendall(b"\n")
-            time.sleep(1.0)  # the answer fills the sockets meanwhile
-            received = bytearray()
-            while piece := s.recv(1 << 20):
-                received += piece
-        head, _, body = bytes(received).partition(b"\r\n\r\n")
+        head, body, length = ask_at_the_deadline(
+            t.port, b"GET /checkpoint/7 HTTP/1.0\r\nX-Ckpt-Live-Auth: " + proof + b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.0 200")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")))
         assert len(body) == length > 16 << 20
     finally:
         t.shutdown()

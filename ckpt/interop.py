@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import shutil
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
+
+from storage_backends.files import mkdir_beside
 
 import ckpt.api
 from ckpt._interop.detect import is_dcp, is_step_dir
@@ -184,14 +185,12 @@ def _write_dcp(saved: dict, out: str) -> None:
     if rank == 0:
         # An unguessable name, and mkdir creates it or fails (a planted link included): no
         # other user of the folder can block the export or have DCP write through a link.
-        tmp = os.path.join(os.path.dirname(os.path.abspath(out)),
-                           f".{os.path.basename(out)}.{secrets.token_hex(8)}.part")
         try:
-            os.mkdir(tmp)
+            tmp = mkdir_beside(out)
         except OSError as e:
             if not group:
                 raise
-            tmp, failed = None, f"{type(e).__name__}: {e}"
+            failed = f"{type(e).__name__}: {e}"
     if group:  # every rank writes its files into rank 0's folder, or learns it failed
         shared = [tmp, failed]
         dist.broadcast_object_list(shared, src=0)

@@ -18,7 +18,7 @@ from typing import Any
 
 from storage_backends import Storage, open_storage
 from storage_backends.files import (SpecialFileError, atomic_write, create_beside, fsync_dir,
-                                    open_regular)
+                                    mkdir_beside, name_beside, open_regular)
 
 from ckpt._format.names import step_dir
 from ckpt._manager.metrics import default_labels, serve_metrics, write_textfile
@@ -48,6 +48,8 @@ __all__ = [
     "default_labels",
     "fsync_dir",
     "gc_segments",
+    "mkdir_beside",
+    "name_beside",
     "open_regular",
     "read_pointer",
     "recorded_policy",

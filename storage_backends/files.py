@@ -17,7 +17,8 @@ import os
 import secrets
 import stat
 
-__all__ = ["SpecialFileError", "atomic_write", "create_beside", "fsync_dir", "open_regular"]
+__all__ = ["SpecialFileError", "atomic_write", "create_beside", "fsync_dir", "mkdir_beside",
+           "name_beside", "open_regular"]
 
 
 class SpecialFileError(OSError):
@@ -76,6 +77,23 @@ def open_regular(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
+def name_beside(path: str | os.PathLike) -> str:
+    """An unguessable name in ``path``'s folder for something that will be renamed over
+    ``path``: ``.<name>.<16 hex>.part``. Create it exclusively (``O_EXCL``, ``mkdir``,
+    ``link``): another user of the folder can then neither block it nor redirect it."""
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.{secrets.token_hex(8)}.part")
+
+
+def mkdir_beside(path: str | os.PathLike) -> str:
+    """A new empty folder beside ``path``, to be renamed over it (:func:`name_beside`),
+    made by ``mkdir``, which fails rather than reuse or follow anything planted there.
+    Returns its path; the caller renames it or removes it."""
+    tmp = name_beside(path)
+    os.mkdir(tmp)
+    return tmp
+
+
 def create_beside(path: str | os.PathLike, mode: int = 0o644, *,
                   umask: bool = False) -> tuple[int, str]:
     """A new empty file beside ``path``, to be renamed over it: ``.<name>.<16 hex>.part``,
@@ -84,8 +102,7 @@ def create_beside(path: str | os.PathLike, mode: int = 0o644, *,
     or with ``umask``, ``mode`` less the process's umask (as ``open`` creates files: a
     checkpoint stays private under ``umask 077``). Returns its descriptor and path; the
     caller renames it or removes it."""
-    directory, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.part")
+    tmp = name_beside(path)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  mode if umask else 0o600)
     if umask:

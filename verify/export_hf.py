@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import torch
 import ckpt
 import ckpt.inspect
 from ckpt.inspect import Checkpoints, Manifest, item_tree, tensor_leaves
+from ckpt.tools import mkdir_beside
 
 from .export import _write_safetensors, cannot_write, check_safetensors, plan, select
 from .report import UsageError, count, size
@@ -111,10 +111,8 @@ def export_hf(source: Checkpoints | ckpt.CheckpointManager, step: int, path: str
     config = manifest.metadata.get(CONFIG_KEY)
     # An unguessable name, and mkdir creates it or fails (a planted link included): no
     # other user of the folder can block the export or have it write through a link.
-    tmp = os.path.join(os.path.dirname(path),
-                       f".{os.path.basename(path)}.{secrets.token_hex(8)}.part")
     try:
-        os.mkdir(tmp)
+        tmp = mkdir_beside(path)
     except OSError as e:
         raise cannot_write(path, e) from e
     try:

@@ -17,14 +17,13 @@ import contextlib
 import json
 import os
 import re
-import secrets
 import struct
 import zipfile
 from typing import Any, BinaryIO
 
 import torch
 
-from ckpt.tools import create_beside, fsync_dir
+from ckpt.tools import create_beside, fsync_dir, name_beside
 
 # The read side (claims, records, checks) is shared with `ckpt verify FILE.ckpt`.
 from verify.lightning_file import (EOCD, EOCD_SIZE, CLAIM_FORMAT, FILES_KEY, claim,
@@ -111,8 +110,7 @@ def publish(tmp: str, path: str) -> None:
 def link(source: str, path: str) -> None:
     """``path`` becomes a second name of ``source`` (a hard link: the same bytes, once on
     disk), replacing what was at ``path`` atomically."""
-    directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.part")
+    tmp = name_beside(path)
     os.link(source, tmp)
     try:
         os.replace(tmp, path)
@@ -120,4 +118,4 @@ def link(source: str, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_dir(directory)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -6,9 +6,9 @@ and AdamW step, a few milliseconds, torch's default intra-op threads):
 
 - **copy floor**: ``copy_`` of every tensor into preallocated host buffers; nothing after.
 - **copy + digest floor**: the memory tier's own copy with its digests and nothing else
-  (``Slab.fill``: each 512 KiB block copied, then digested while it is in the core's cache,
-  on torch's thread count) into an anonymous mapping laid out as a slab: no segment, no
-  planning, no publish. What a save that digests every chunk cannot avoid.
+  (``Slab.fill``: each 512 KiB block digested, then copied from the cache with non-temporal
+  stores, on torch's thread count) into an anonymous mapping laid out as a slab: no segment,
+  no planning, no publish. What a save that digests every chunk cannot avoid.
 - **ckpt memory tier**: ``CheckpointManager(memory_tier=MemoryTierOptions(persist_every=
   10**6), async_save=True).save()``: memory only (the root is never written), so the save is
   the copy into ``/dev/shm`` plus what the background writer does to publish it there. The

@@ -6,13 +6,17 @@ safetensors layout the loader reads (``ckpt/_format/datafile.py``), kept mapped 
 process (``MAP_SHARED``) from its creation on. A save's blocking copy writes every CPU tensor
 of the state straight into the mapped pages (``Stager.stage(into=...)``, :meth:`Slab.fill`),
 where the root's writer reads them too. Each chunk is digested as it is copied: a block of
-:data:`BLOCK` bytes is copied, then digested from the shared pages while it is still in the
-core's cache (a separate pass would read the whole state back from memory, in the
-background, where on a busy machine it costs training more than the copy's own threads
-do). The chunks of a block or more are shared by as many threads as torch computes with, as
-torch's own copy does (each block is one ``memmove`` from the tensor's address and one digest
-call, both outside the GIL); smaller chunks, whose cost is mostly Python, are the calling
-thread's alone.
+:data:`BLOCK` bytes of the tensor is digested (which brings it into the core's cache), then
+copied from the cache into the shared pages with non-temporal stores
+(``ckpt/_shared/streaming_copy.py``), which write the destination's lines without reading
+them first: the save moves the state's bytes over the memory bus twice (read, write), where a
+plain copy then a digest would move them three or four times. The copy is exact, so the
+digest is that of the bytes written (a tensor changed by another thread during the copy,
+which a save forbids, gives a step that fails its digests at restore, never one restored
+wrong). The chunks of a
+block or more are shared by as many threads as torch computes with, as torch's own copy
+does (each block is one digest call and one copy, both outside the GIL); smaller chunks,
+whose cost is mostly Python, are the calling thread's alone.
 The memory publish that follows writes the step's small documents and commits (a rename);
 the root's writer takes the same digests (``StepPayload.digests``) instead of computing
 them again. A slab is created in this user's private segment (0600,
@@ -39,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import ctypes
 import dataclasses
 import errno
 import math
@@ -62,23 +65,17 @@ from ckpt._format.entries import Chunk
 from ckpt._memory.private import STAGING
 from ckpt._save.chunking import ChunkPlan, chunk_tensor
 from ckpt._save.payload import RankTable
+from ckpt._shared.streaming_copy import copy, read_view
 from ckpt.errors import CheckpointError
 
 SPARE = f"{STAGING}slab-"  # a spare slab's name in the segment: removed after a crash
 ASIDE = f"{STAGING}retired-"  # a retired step's directory while its slab is taken back
-# Bytes copied, then digested, at a time: a block's source and destination about fill one
-# core's L2 cache (512 KiB here), so the digest reads the block back from the cache, not from
-# memory. Measured on this machine (256 MiB, one thread): on a quiet machine, blocks of
-# 512 KiB copied then digested took 1.15x the same blocks only copied, 1.25-1.35x for other
-# sizes; under load (CPU time, +-5 ms) torch's copy 43-52 ms, that copy then a digest pass
-# over the pages 66, fused in blocks of 128 KiB 59-63, 256 KiB 54-61, 512 KiB 50-65,
-# 1 MiB 51-58.
+# Bytes digested, then copied, at a time: a block must stay in one core's L2 cache (1 MiB
+# here) between its digest and its copy. Measured on this machine (256 MiB in 256 tensors,
+# two threads, 21 interleaved repetitions, a quiet machine; wall time against torch's copy_
+# into warm buffers): blocks of 128 KiB 1.28x, 256 KiB 1.06x, 512 KiB 1.00x, 1 MiB 1.01x.
 BLOCK = 512 << 10
 MAX_THREADS = 8  # copying threads at most: more only contend for the memory bus
-# memmove(destination address, source address, bytes): a foreign call of ctypes, which
-# releases the GIL while it copies (numpy's copy does too, after a few microseconds more of
-# Python per call: a flat byte view of each tensor, a slice per block).
-_memmove = ctypes.memmove
 # Slab mappings are not inherited by a forked child (MADV_DONTFORK: a DataLoader worker would
 # keep a deleted slab's pages allocated in /dev/shm while it lives; its inherited descriptors
 # are let go of too, ckpt/_memory/private.py). The child's copies of the mmap objects are kept
@@ -162,8 +159,8 @@ class Slab:
         self.workers: Callable[[int], cf.Executor | None] = lambda n: None
 
     def fill(self, tensors: Mapping[str, torch.Tensor], threads: int = 1) -> None:
-        """Copy each tensor into its view, and digest each chunk right after its bytes were
-        written, block by block (:data:`BLOCK`), the chunks of a block or more on ``threads``
+        """Copy each tensor into its view, digesting each chunk as it goes, block by block
+        (:data:`BLOCK`: digested from the tensor, then copied from the cache), the chunks of a block or more on ``threads``
         threads (this one and the pool's, at training's priority on purpose: this is the
         blocking copy, which training waits for, unlike the writer's niced threads), smaller
         ones on this thread alone. A tensor whose bytes cannot be read as they are (not
@@ -184,18 +181,19 @@ class Slab:
 
     def _fill_chunk(self, job: tuple) -> None:
         key, index, start, length, source = job
-        pages, base = self.bytes, self.address
-        if length <= BLOCK:  # one block: no running state to keep
-            if source is not None:
-                _memmove(base + start, source, length)
-            self.digests[(key, index)] = digest(pages[start:start + length])
+        base = self.address
+        if source is None:  # copied by torch already: digested from the pages
+            self.digests[(key, index)] = digest(self.bytes[start:start + length])
             return
-        h, end = Digest(), start + length
+        if length <= BLOCK:  # one block: no running state to keep
+            self.digests[(key, index)] = digest(read_view(source, length))
+            copy(base + start, source, length)
+            return
+        h, end, read = Digest(), start + length, read_view(source, length)
         for at in range(start, end, BLOCK):
             n = min(BLOCK, end - at)
-            if source is not None:
-                _memmove(base + at, source + (at - start), n)
-            h.update(pages[at:at + n])
+            h.update(read[at - start:at - start + n])
+            copy(base + at, source + (at - start), n)
         self.digests[(key, index)] = h.hexdigest()
 
     def chunk_index(self) -> dict[str, dict[tuple[int, int], int]]:

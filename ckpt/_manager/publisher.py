@@ -20,13 +20,15 @@ from storage_backends import Storage
 
 from ckpt._manager.metrics import CheckpointMetrics
 from ckpt._memory.auth import job_key
+from ckpt._memory.discovery import local_holdings
+from ckpt._memory.retired import RetiredSaves, exchange, record_retired
 from ckpt._memory.replication import Replicator, ring_targets
 from ckpt._memory.tier import MemoryTier, UnsafeSegmentError
 from ckpt._retention.collect import collect
 from ckpt._save.handle import SaveHandle, SaveResult
 from ckpt._save.writer import BackgroundWriter
 from ckpt._shared.distributed import Group
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, StorageError
 from ckpt.options import MemoryTierOptions, SaveOptions
 
 log = logging.getLogger("ckpt")
@@ -53,7 +55,7 @@ class MemoryPublisher:
 
     def __init__(self, storage: Storage, group: Group, options: MemoryTierOptions,
                  metrics: CheckpointMetrics | None) -> None:
-        self.group, self.metrics = group, metrics
+        self.storage, self.group, self.metrics = storage, group, metrics
         self._staged: Any = None  # the slab of the save being staged
         self.replicator: Replicator | None = None
         self.pg: Any = None  # the gloo group of a multi-rank memory tier
@@ -235,11 +237,51 @@ class MemoryPublisher:
 
     def retire(self, steps: set[int]) -> None:
         """``steps`` were retired from the root (``CheckpointManager.retire``): they go from
-        this rank's segment too, so that no restart resumes from them. Not collective: the
-        replicas that other ranks hold of a retired rank step go with their next save."""
-        gone = self.tier.drop(steps)
-        if gone:
-            log.info("ckpt._memory.tier retired steps %s from %s", gone, self.tier.path)
+        this rank's segment too, so that no restart resumes from them. Not collective: under
+        a process group the other ranks' shares and the replicas of them stay in memory until
+        those ranks save again, so every save of ``steps`` this node holds is first recorded
+        as retired in the root (``ckpt/_memory/retired.py``), and every rank's restore passes
+        over them.
+
+        Raises:
+            StorageError: the record could not be written (the steps still leave this
+                rank's segment; another rank's copy may serve a restart: retire again).
+        """
+        try:
+            if self.tier.ranked:
+                self._record_retired(steps)
+        finally:
+            gone = self.tier.drop(steps)
+            if gone:
+                log.info("ckpt._memory.tier retired steps %s from %s", gone, self.tier.path)
+
+    def _record_retired(self, steps: set[int]) -> None:
+        """Record the saves of ``steps`` held on this node (this rank's shares and the
+        replicas it holds: one save's shares all carry its token) as retired in the root."""
+        saves = {(h.step, h.token) for h in local_holdings(
+            self.tier.shm_dir, self.tier.job, self.tier.node, key=self.tier.key)
+            if h.step in steps}
+        if not saves:
+            return  # none in this node's memory (older than the tier keeps, or never there)
+        held = [s for s in self.tier.steps() if s not in steps]
+        try:
+            record_retired(self.storage, saves, min(held, default=None))
+        except OSError as e:
+            raise StorageError(
+                f"recording the retired steps {sorted({s for s, _ in saves})} in "
+                f"{self.storage.url} failed: {e}; the other ranks' memory may still hold them "
+                "and a restart before their next save restore them: call retire() again",
+                path=self.storage.url) from e
+        log.info("ckpt._memory.tier recorded as retired in %s: %s", self.storage.url,
+                 ", ".join(f"step {s} (save {t})" for s, t in sorted(saves)))
+
+    def retired_saves(self) -> RetiredSaves:
+        """The saves retired from memory, as the root records them (read by rank 0, the same
+        on every rank). Collective under a process group; a single process's retire drops
+        its steps from its one segment at once, so it has nothing to read."""
+        if not self.tier.ranked:
+            return RetiredSaves()
+        return exchange(self.storage, self.pg, self.group.is_coordinator)
 
     def close(self, persisted: int | None, *, finished: bool = True) -> None:
         """Let go of the segment. At the end of training (``finished``) it is removed when its

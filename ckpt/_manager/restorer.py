@@ -135,6 +135,9 @@ class Restorer:
         partial: dict[int, str] = {}  # steps the live nodes hold in memory only in part
         root, order = restore_order(self.storage, self.memory, self.group, candidates, step,
                                     preferred=verified, partial=partial)
+        retired: dict[int, str] = {}  # memory steps passed over as retired
+        if self.memory is not None:
+            order = self._without_retired(order, retired)
         tried = Fallback(self.group, self.root, self.skipped, "restore")
         in_memory_only: list[str] = []  # memory tiers' failures (the root may hold the step)
         failed: list[tuple[int, Tier, str]] = []  # every failed attempt, for last_restore
@@ -156,9 +159,11 @@ class Restorer:
                     self.passed_over = _newer(candidates, s) if verified else frozenset()
                     self.restored_verified = s in verified
                     # Newer saves the memory tier could not offer whole were passed over
-                    # too: say so beside the failed attempts, newest first.
+                    # too, and memory copies retired (of this step too): say so beside the
+                    # failed attempts, newest first.
                     lost = [(p, Tier.MEMORY, _one_line(why)) for p, why in partial.items()
-                            if p > s]
+                            if p > s] + [(p, Tier.MEMORY, why) for p, why in retired.items()
+                                         if p >= s]
                     skipped = sorted(lost + failed, key=lambda f: -f[0])
                     return self._restored(s, manifest, storage, tier.tier, root.reads, tried,
                                           Attempts(nbytes, time.perf_counter() - started,
@@ -187,6 +192,24 @@ class Restorer:
                     changed=dirty)
             raise CorruptCheckpointError(message, path=self.root)
         return None
+
+    def _without_retired(self, order: list[tuple[int, RestoreTier]],
+                         passed: dict[int, str]) -> list[tuple[int, RestoreTier]]:
+        """``order`` without the memory steps whose save was retired (``mgr.retire`` on
+        any rank; ``ckpt/_memory/retired.py``), each put in ``passed`` with the reason. The
+        same on every rank (collective under a process group's memory tier)."""
+        assert self.memory is not None
+        retired = self.memory.retired_saves()
+        kept = []
+        for s, tier in order:
+            plan = getattr(tier, "plans", {}).get(s)  # a process group's agreed save
+            why = None if plan is None else retired.why(s, plan.token)
+            if why is None:
+                kept.append((s, tier))
+            elif s not in passed:  # (its peer copies: the same save)
+                passed[s] = _one_line(why)
+                log.info("ckpt.restore passing over step %d in memory: %s", s, why)
+        return kept
 
     def _verified(self, candidates: list[int]) -> frozenset[int]:
         """The verified steps among ``candidates``, read by rank 0 and the same on every rank

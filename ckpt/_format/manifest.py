@@ -171,27 +171,54 @@ def _ints(values: tuple[int, ...]) -> str:
     return ",".join(map(_int, values))
 
 
-def _chunk_text(c: Chunk, quoted: dict[str, str]) -> str:
-    """``chunk_doc(c)`` as compact JSON. ``quoted``: the JSON text of strings already seen
-    (a step's chunks name a few files and one codec many times)."""
-    file, codec = quoted.get(c.file), quoted.get(c.codec)
-    if file is None:
-        file = quoted[c.file] = _quote(c.file)
-    if codec is None:
-        codec = quoted[c.codec] = _quote(c.codec)
-    return ('{"offsets":[%s],"shape":[%s],"file":%s,"start":%s,"length":%s,"digest":%s,'
-            '"codec":%s%s}' % (_ints(c.offsets), _ints(c.shape), file, _int(c.start),
-                               _int(c.length), _quote(c.digest), codec,
+def _chunk_template(c: Chunk) -> str:
+    """``chunk_doc(c)`` as compact JSON, a %-format with a hole for its file's and one for
+    its digest's JSON text (every other ``%`` doubled)."""
+    return ('{"offsets":[%s],"shape":[%s],"file":%%s,"start":%s,"length":%s,"digest":%%s,'
+            '"codec":%s%s}' % (_ints(c.offsets), _ints(c.shape), _int(c.start),
+                               _int(c.length), _quote(c.codec).replace("%", "%%"),
                                "" if c.step is None else ',"step":' + _int(c.step)))
+
+
+def _template(tensors: dict[str, TensorEntry]) -> str:
+    """Format 1's ``tensors`` member as a %-format whose holes are each chunk's file and
+    digest, in order."""
+    return "{%s}" % ",".join('%s:{"dtype":%s,"shape":[%s],"chunks":[%s]}' % (
+        _quote(key).replace("%", "%%"), _quote(e.dtype).replace("%", "%%"), _ints(e.shape),
+        ",".join([_chunk_template(c) for c in e.chunks]))
+        for key, e in tensors.items())
+
+
+# The template of the last format-1 ``tensors`` member written, with its geometry: a job
+# saves the same tensors, cut the same way, at every step, and only the chunks' files and
+# digests change; filling the holes takes a tenth of writing the text out again. Kept for
+# documents of at most this many chunks (the template is about 150 bytes a chunk).
+_TEMPLATE_MAX_CHUNKS = 1 << 16
+_last_template: tuple[list, str] | None = None
 
 
 def _tensors_text(tensors: dict[str, TensorEntry]) -> str:
     """Format 1's ``tensors`` member as compact JSON."""
-    quoted: dict[str, str] = {}
-    return "{%s}" % ",".join('%s:{"dtype":%s,"shape":[%s],"chunks":[%s]}' % (
-        _quote(key), _quote(e.dtype), _ints(e.shape),
-        ",".join([_chunk_text(c, quoted) for c in e.chunks]))
-        for key, e in tensors.items())
+    global _last_template
+    geometry: list = []
+    holes: list[str] = []
+    quoted: dict[str, str] = {}  # a step's chunks name a few files many times
+    for key, e in tensors.items():
+        geometry += (key, e.dtype, e.shape, len(e.chunks))
+        for c in e.chunks:
+            geometry.append((c.offsets, c.shape, c.start, c.length, c.codec, c.step))
+            file = quoted.get(c.file)
+            if file is None:
+                file = quoted[c.file] = _quote(c.file)
+            holes += (file, _quote(c.digest))
+    cached = _last_template  # one read: another thread may replace it meanwhile
+    if cached is not None and cached[0] == geometry:
+        template = cached[1]
+    else:
+        template = _template(tensors)
+        if len(holes) <= 2 * _TEMPLATE_MAX_CHUNKS:
+            _last_template = (geometry, template)
+    return template % tuple(holes)
 
 
 def layout_doc(layout: Layout, meshes: dict[Any, int]) -> dict[str, Any]:

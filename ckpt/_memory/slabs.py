@@ -156,6 +156,7 @@ class Slab:
         self.address = self.pages.ctypes.data
         self.digests: dict[tuple[str, int], str] = {}
         self._chunk_index: dict[str, dict[tuple[int, int], int]] | None = None
+        self._chunk_places: list | None = None
         self.workers: Callable[[int], cf.Executor | None] = lambda n: None
 
     def fill(self, tensors: Mapping[str, torch.Tensor], threads: int = 1) -> None:
@@ -205,6 +206,15 @@ class Slab:
                 for key, p in self.placements.items()}
         return self._chunk_index
 
+    def chunk_places(self) -> list[tuple[str, int, tuple, tuple, int, int]]:
+        """(key, chunk index, offsets, shape, byte start in the file, byte length) of every
+        chunk of the layout, in order (made once per slab: a layout does not change)."""
+        if self._chunk_places is None:
+            self._chunk_places = [
+                (key, i, c.offsets, c.shape, p.start + c.byte_start, c.byte_length)
+                for key, p in self.placements.items() for i, c in enumerate(p.chunks)]
+        return self._chunk_places
+
     def known_digests(self) -> "ChunkDigests":
         """The digests :meth:`fill` took, by byte range of each box (what the root's writer
         looks chunks up by): a live view, so chunks filled later (a CUDA tensor's, on the
@@ -216,14 +226,12 @@ class Slab:
         digest that of the shared pages (what a restore will check them against): taken as
         :meth:`fill` wrote them, else read from the pages now."""
         table = RankTable()
-        for key, p in self.placements.items():
-            for i, c in enumerate(p.chunks):
-                begin = p.start + c.byte_start
-                d = self.digests.get((key, i))
-                if d is None:
-                    d = digest(self.pages[begin:begin + c.byte_length])
-                table.chunks.append((key, Chunk(c.offsets, c.shape, file, begin,
-                                                c.byte_length, d, "raw")))
+        digests, append = self.digests, table.chunks.append
+        for key, i, offsets, shape, begin, length in self.chunk_places():
+            d = digests.get((key, i))
+            if d is None:
+                d = digest(self.pages[begin:begin + length])
+            append((key, Chunk(offsets, shape, file, begin, length, d, "raw")))
         table.files[file] = self.size
         table.bytes_written = self.size
         return table

@@ -31,11 +31,16 @@ def build_manifest(payload: StepPayload, tables: list[RankTable]) -> Manifest:
         files.update(table.files)
         for key, chunk in table.chunks:
             chunks[key].append(chunk)
-    tensors = {key: TensorEntry(dtype, shape, tuple(sorted(chunks[key], key=lambda c: c.offsets)))
+    tensors = {key: TensorEntry(dtype, shape, _in_order(chunks[key]))
                for key, (dtype, shape) in payload.tensors.items()}
     return Manifest(step=payload.step, world_size=payload.world_size, created=time.time(),
                     tensors=tensors, aliases=payload.aliases, items=payload.items, files=files,
                     metadata=_metadata(payload))
+
+
+def _in_order(chunks: list[Chunk]) -> tuple[Chunk, ...]:
+    """A tensor's chunks by their offsets (most tensors are one chunk: nothing to sort)."""
+    return tuple(chunks) if len(chunks) < 2 else tuple(sorted(chunks, key=lambda c: c.offsets))
 
 
 def _metadata(payload: StepPayload) -> dict:

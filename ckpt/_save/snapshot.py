@@ -172,8 +172,10 @@ def _stage(state: Mapping[str, Any], specs: list[PieceSpec], locals_: dict,
     the chunk digests taken while copying, or {})."""
     writes = set(mine)
     held = [s.key for s in specs if hold_all and s.key not in writes]
-    guards = optimizers_in(state) if options.overlap_device_copy else []
     keys = [*mine, *held]
+    # The optimizers only order device-to-host copies: looked for only when there are some.
+    guards = optimizers_in(state) if options.overlap_device_copy and any(
+        locals_[k][1].is_cuda for k in keys) else []
     into = destinations([(k, *locals_[k]) for k in keys]) if destinations else None
     staged, ready = stager.stage({k: locals_[k][1] for k in keys}, copy=copy, guards=guards,
                                  into=into)

@@ -305,3 +305,52 @@ def test_format1s_manifest_is_the_json_of_its_documents(tmp_path):
                       for k, e in manifest.tensors.items()}
     want = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
     assert manifest.to_json() == sealed_json(json.loads(want)) == seal(want)
+
+
+def _tensors_json(tensors: dict) -> str:
+    return json.dumps({k: {"dtype": e.dtype, "shape": list(e.shape),
+                           "chunks": [fmt.chunk_doc(c) for c in e.chunks]}
+                       for k, e in tensors.items()}, separators=(",", ":"), allow_nan=False)
+
+
+def test_format1s_tensors_text_follows_each_documents_files_digests_and_geometry():
+    """A save of the same geometry as the last writes its files and digests into the last
+    text's template; any change of geometry (a box, a byte range, a codec, a step, a key,
+    a dtype) writes a new one; keys with % and JSON escapes stay exact."""
+    import random
+    from dataclasses import replace
+
+    from ckpt._format import manifest as manifest_module
+    from ckpt._format.entries import Chunk, TensorEntry
+
+    rnd = random.Random(7)
+    pieces = ['"', "\\", "%", "%s", "%%", "%(a)s", "\u00e9", "\n", "a", "\U0001f600"]
+
+    def text() -> str:
+        return "".join(rnd.choice(pieces) for _ in range(rnd.randint(0, 5)))
+
+    def renamed(tensors: dict) -> dict:
+        """The same geometry with new files and digests (the next save of a job)."""
+        return {k: TensorEntry(e.dtype, e.shape, tuple(replace(c, file=text(), digest=text())
+                                                       for c in e.chunks))
+                for k, e in tensors.items()}
+
+    def changed(tensors: dict) -> dict:
+        key = rnd.choice(list(tensors))
+        e = tensors[key]
+        c = e.chunks[0]
+        c = rnd.choice([replace(c, start=c.start + 64), replace(c, length=c.length + 1),
+                        replace(c, codec="zstd"), replace(c, step=(c.step or 0) + 1),
+                        replace(c, offsets=(c.offsets[0] + 1,))])
+        return {**tensors, key: TensorEntry(e.dtype, e.shape, (c, *e.chunks[1:]))}
+
+    tensors = {f"{text()}{k}": TensorEntry("float32", (8,), tuple(
+        Chunk((4 * i,), (4,), text(), 16 * i, 16, text(), "raw") for i in range(2)))
+        for k in range(3)}
+    manifest_module._last_template = None
+    for _ in range(300):
+        tensors = rnd.choice([renamed, renamed, changed])(tensors)
+        assert manifest_module._tensors_text(tensors) == _tensors_json(tensors)
+    assert manifest_module._last_template is not None  # the template was kept and reused
+    other = {"k%s": TensorEntry("bfloat16", (8,), tensors[next(iter(tensors))].chunks)}
+    assert manifest_module._tensors_text(other) == _tensors_json(other)

@@ -182,7 +182,8 @@ def test_recording_replaces_a_planted_link_and_a_damaged_record(tmp_path, caplog
 
 
 @pytest.mark.parametrize("raw", [
-    b"[" * 100000, b"{" + b" " * MAX_BYTES + b"}", b'{"format": "other", "retired": []}',
+    b"[" * 100000, b'{"format": "ckpt-memory-retired/1", "retired": []' + b" " * MAX_BYTES + b"}",
+    b'{"format": "other", "retired": []}',
     json.dumps({"format": RETIRED_FORMAT, "retired": [{"step": True, "token": "a"}]}).encode(),
     json.dumps({"format": RETIRED_FORMAT, "retired": [{"step": 1, "token": "a" * 65}]}).encode(),
     json.dumps({"format": RETIRED_FORMAT,

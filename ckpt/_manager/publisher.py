@@ -263,9 +263,10 @@ class MemoryPublisher:
             if h.step in steps}
         if not saves:
             return  # none in this node's memory (older than the tier keeps, or never there)
-        held = [s for s in self.tier.steps() if s not in steps]
+        # Entries below the oldest step this segment holds before the retire go: every
+        # segment of the job holds the same newest steps, none of them any more.
         try:
-            record_retired(self.storage, saves, min(held, default=None))
+            record_retired(self.storage, saves, min(self.tier.steps(), default=None))
         except OSError as e:
             raise StorageError(
                 f"recording the retired steps {sorted({s for s, _ in saves})} in "

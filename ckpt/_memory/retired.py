@@ -14,9 +14,10 @@ other ranks, and passes over each memory step recorded there, saying why
 
 Written atomically: on POSIX a new file renamed over the old one (a link planted at its name
 is replaced, never followed), on an object store a plain overwrite (a whole object or none).
-Entries for steps below the oldest step the retiring rank still holds in memory are pruned
-when it is written: every rank keeps the same newest ``keep`` steps of one line of training,
-so no live segment holds such a step any more; at most :data:`MAX_ENTRIES` are kept.
+Entries for steps below the oldest step the retiring rank held in memory (before this
+retire) are pruned when it is written: every rank keeps the same newest ``keep`` steps of one
+line of training, so no live segment holds such a step any more; at most :data:`MAX_ENTRIES`
+are kept, the newest steps'.
 
 Threat model: the document is input from the root, trusted no more than the root's other
 files. It is read through the storage (on POSIX refusing a link or anything but a regular
@@ -121,8 +122,9 @@ def parse(raw: bytes) -> list[tuple[int, str]]:
 def record_retired(storage: Storage, saves: Iterable[tuple[int, str]],
                    oldest_held: int | None) -> None:
     """Add ``saves`` (step, token) to the root's retired-saves document, dropping the entries
-    for steps below ``oldest_held`` (the oldest step the caller still holds in memory; None:
-    it holds none, nothing is dropped). A damaged document is replaced, with a warning.
+    for steps below ``oldest_held`` (the oldest step the caller's segment held before the
+    retire; None: it held none, nothing is dropped). A damaged document is replaced, with a
+    warning.
 
     Raises:
         OSError: the storage failed (nothing is recorded).

@@ -37,10 +37,11 @@ def _w(step: int, line: int = 0) -> torch.Tensor:
 
 
 def save_and_retire(rank: int, world: int, root: str, shm: str, who: str, persist_every: int,
-                    again: bool) -> None:
-    """Save 1..5 (3 always to the root), wait for the replicas, retire step 5 (and 4 when
-    they are in memory only) on rank 0, every rank or none (``who``); with ``again``, save
-    step 5 again on every rank, the new line's. Then stop without closing."""
+                    again: bool) -> list[int]:
+    """Save 1..5 (3 always to the root), wait for the replicas, retire steps 1 and 5 (4
+    and 5 when they are in memory only) on rank 0, every rank or none (``who``); with
+    ``again``, save step 5 again on every rank, the new line's. Then stop without closing.
+    Returns the steps the root's record names."""
     import torch.distributed as dist
 
     mgr = ckpt.CheckpointManager(root, memory_tier=_tier(shm, rank, persist_every),
@@ -51,12 +52,13 @@ def save_and_retire(rank: int, world: int, root: str, shm: str, who: str, persis
     dist.barrier()
     for turn in range(world):  # (every rank in turn: the root's collector is not shared)
         if turn == rank and (who == "every" or who == "rank0" == f"rank{rank}"):
-            mgr.retire([5] if persist_every == 1 else [4, 5])
+            mgr.retire([1, 5] if persist_every == 1 else [4, 5])
         dist.barrier()
     if again:
         mgr.save(5, {"w": _w(5, line=1)}, force=True)
         assert mgr.wait_replicated(60)
         dist.barrier()
+    return sorted(s for s, _ in read_retired(PosixStorage(root)).saves)
 
 
 def restore(rank: int, world: int, root: str, shm: str, persist_every: int) -> dict:
@@ -86,13 +88,15 @@ def restore(rank: int, world: int, root: str, shm: str, persist_every: int) -> d
 @pytest.mark.parametrize("who,persist_every", [("rank0", 1), ("every", 1), ("rank0", 1000)],
                          ids=["one-rank", "every-rank", "memory-only"])
 def test_a_retired_step_is_restored_from_memory_on_no_rank(tmp_path, who, persist_every):
-    """Rank 0 (or every rank) retires step 5 (steps 4 and 5, held in memory only), the job
-    crashes: the restart restores the step before on every rank, from memory, bit-exact,
-    and names each retired step among those it passed over."""
+    """Rank 0 (or every rank) retires steps 1 and 5 (4 and 5, held in memory only), the
+    job crashes: the restart restores the step before on every rank, from memory, bit-exact,
+    and names each retired step after it among those it passed over. The record names
+    every retired step (the oldest too: the other segments still hold it)."""
     shm = tmp_path / "shm"
     shm.mkdir()
     root = str(tmp_path / "root")
-    run_ranks(2, save_and_retire, root, str(shm), who, persist_every, False)
+    recorded = run_ranks(2, save_and_retire, root, str(shm), who, persist_every, False)
+    assert recorded == [[1, 5] if persist_every == 1 else [4, 5]] * 2
     out = run_ranks(2, restore, root, str(shm), persist_every)
     before = 4 if persist_every == 1 else 3
     for o in out:

@@ -271,7 +271,8 @@ class MemoryPublisher:
             raise StorageError(
                 f"recording the retired steps {sorted({s for s, _ in saves})} in "
                 f"{self.storage.url} failed: {e}; the other ranks' memory may still hold them "
-                "and a restart before their next save restore them: call retire() again",
+                "and a restart before their next save may resume from them: call retire() "
+                "again",
                 path=self.storage.url) from e
         log.info("ckpt._memory.tier recorded as retired in %s: %s", self.storage.url,
                  ", ".join(f"step {s} (save {t})" for s, t in sorted(saves)))

@@ -176,18 +176,22 @@ class PosixStorage(Storage):
         if stat.S_ISDIR(_lmode(target)):
             # Rename first so a crash mid-delete never leaves a half-deleted visible step.
             trash = self.local_path(f"{TRASH_PREFIX}{uuid.uuid4().hex}")
-            os.rename(target, trash)
+            try:
+                os.rename(target, trash)
+            except FileNotFoundError:
+                return  # another process deleted it first (ranks collecting one root)
             # Durable before its files go: else a crash could keep the name, lose the files.
             fsync_dir(os.path.dirname(target))
             shutil.rmtree(trash, ignore_errors=True)  # rmtree unlinks links, never follows
         else:
             try:
                 os.unlink(target)
+                # A retired step's manifest must be gone for good before its files are
+                # deleted: otherwise a crash can leave a torn step visible
+                # (tests/e2e/test_crash_states.py).
+                fsync_dir(os.path.dirname(target))
             except FileNotFoundError:
-                return
-            # A retired step's manifest must be gone for good before its files are deleted:
-            # otherwise a crash can leave a torn step visible (tests/e2e/test_crash_states.py).
-            fsync_dir(os.path.dirname(target))
+                return  # gone already, or its directory too (deleted by another process)
 
     def begin(self, name: str, token: str) -> str:
         staging = f"{STAGING_PREFIX}{name}-{token}"

@@ -221,7 +221,10 @@ class TensorstoreStorage(ConditionalStorage):
                 self.kv.write(path, None).result()
             self.kv.delete_range(_range(path)).result()
 
-        self._call("deleting", path, rm)
+        try:
+            self._call("deleting", path, rm)
+        except FileNotFoundError:  # the file driver, when another process removed the
+            pass  # directory meanwhile (ranks collecting one root): deleted, as asked
         if local is not None and path and os.path.isdir(local):
             # The file driver leaves the emptied directories behind: remove those (only).
             for d, _, _ in sorted(os.walk(local), key=lambda w: -len(w[0])):

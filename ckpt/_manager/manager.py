@@ -344,16 +344,21 @@ class CheckpointManager:
 
             mgr.retire(s for s in mgr.steps() if s > 100)
 
-        With a memory tier, the steps also leave this rank's segment; under a process group
-        the other ranks' shares and their replicas stay until the next save (a restore with
-        ``prefer="verified"`` on every rank clears them everywhere; docs/memory-tier.md).
+        With a memory tier, the steps also leave this rank's segment. Under a process group,
+        every save of them that this node holds is recorded as retired in the root
+        (``.ckpt-memory-retired.json``) and every rank's restore passes over them
+        (``last_restore.skipped``: "retired"), although the other ranks' segments and the
+        replicas keep them until their next save (docs/memory-tier.md). A later save of the
+        same step number is restored as usual. Call it on one rank (the trainer's rank 0).
         """
         self._check_writable()
         self.wait()
         steps = set(steps)
-        report = collect(self.storage, set(self.steps()) - steps)
-        if self._publisher is not None:  # no restart may resume from them in memory either
+        # Memory first: a crash between the two leaves the steps in the root, as if retire
+        # had not run, never gone from the root yet restorable from another rank's memory.
+        if self._publisher is not None:
             self._publisher.retire(steps)
+        report = collect(self.storage, set(self.steps()) - steps)
         self._order.retired(steps)
         log.info("ckpt.retire retired=%s freed_bytes=%d", report.retired_steps,
                  report.freed_bytes)

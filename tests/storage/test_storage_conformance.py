@@ -168,6 +168,37 @@ def test_delete_file_and_directory(storage):
     storage.delete("never/was")
 
 
+def test_processes_deleting_the_same_steps_at_once_all_succeed(storage):
+    """Every rank's retention may collect one root at the same time: a step's manifest, then
+    its directory, deleted by several deleters at once, each finding some gone already."""
+    if storage.url.startswith("tensorstore+file"):
+        pytest.skip("tensorstore's file driver makes a file's directory again to lock it "
+                    "while another deleter removes it; collect such a root from one process")
+    steps = [f"step-{n:08d}" for n in range(1, 25)]
+    for name in steps:
+        committed(storage, name, {"a": b"1", "b": b"2"})
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def collect() -> None:
+        start.wait()
+        try:
+            for name in steps:
+                storage.delete(f"{name}/{MANIFEST}")
+                storage.delete(f"{name}/a")
+                storage.delete(name)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=collect) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert not any(storage.exists(name) for name in steps)
+
+
 # ---------------------------------------------------------------------------- save protocol
 
 

@@ -13,10 +13,10 @@ them first: the save moves the state's bytes over the memory bus twice (read, wr
 plain copy then a digest would move them three or four times. The copy is exact, so the
 digest is that of the bytes written (a tensor changed by another thread during the copy,
 which a save forbids, gives a step that fails its digests at restore, never one restored
-wrong). The chunks of a
-block or more are shared by as many threads as torch computes with, as torch's own copy
-does (each block is one digest call and one copy, both outside the GIL); smaller chunks,
-whose cost is mostly Python, are the calling thread's alone.
+wrong). The chunks of a few hundred KiB or more are shared by as many threads as torch
+computes with, as torch's own copy does (each block is one digest call and one copy, both
+outside the GIL); smaller chunks, whose cost is mostly Python, are the calling thread's
+alone.
 The memory publish that follows writes the step's small documents and commits (a rename);
 the root's writer takes the same digests (``StepPayload.digests``) instead of computing
 them again. A slab is created in this user's private segment (0600,
@@ -70,11 +70,17 @@ from ckpt.errors import CheckpointError
 
 SPARE = f"{STAGING}slab-"  # a spare slab's name in the segment: removed after a crash
 ASIDE = f"{STAGING}retired-"  # a retired step's directory while its slab is taken back
-# Bytes digested, then copied, at a time: a block must stay in one core's L2 cache (1 MiB
-# here) between its digest and its copy. Measured on this machine (256 MiB in 256 tensors,
-# two threads, 21 interleaved repetitions, a quiet machine; wall time against torch's copy_
-# into warm buffers): blocks of 128 KiB 1.28x, 256 KiB 1.06x, 512 KiB 1.00x, 1 MiB 1.01x.
-BLOCK = 512 << 10
+# Bytes digested, then copied, at a time: the block must still be in the core's caches when
+# it is copied, and each block costs two calls that take the GIL again (the threads hand it
+# to each other; on a VM whose cores idled, each handoff may wait for a core to wake). Measured
+# on this machine (256 MiB, two threads, 11-15 interleaved repetitions, wall time against
+# torch's copy_ into warm buffers), right after training steps / after 0.3 s idle:
+# 256 tensors of 1 MiB: blocks of 512 KiB 1.04x / 1.51x, 1 MiB 0.98x / 1.17x; 4 tensors in
+# chunks of 8 MiB: 512 KiB 1.13x / 1.28x, 1 MiB 1.09x / 1.20x, 2 MiB 1.10x / 1.19x.
+BLOCK = 1 << 20
+# Chunks of at least this many bytes are shared by the threads; smaller ones cost mostly
+# Python, which holds the GIL, and are the calling thread's alone.
+PARALLEL = 256 << 10
 MAX_THREADS = 8  # copying threads at most: more only contend for the memory bus
 # Slab mappings are not inherited by a forked child (MADV_DONTFORK: a DataLoader worker would
 # keep a deleted slab's pages allocated in /dev/shm while it lives; its inherited descriptors
@@ -161,9 +167,10 @@ class Slab:
 
     def fill(self, tensors: Mapping[str, torch.Tensor], threads: int = 1) -> None:
         """Copy each tensor into its view, digesting each chunk as it goes, block by block
-        (:data:`BLOCK`: digested from the tensor, then copied from the cache), the chunks of a block or more on ``threads``
-        threads (this one and the pool's, at training's priority on purpose: this is the
-        blocking copy, which training waits for, unlike the writer's niced threads), smaller
+        (:data:`BLOCK`: digested from the tensor, then copied from the cache), the chunks of
+        :data:`PARALLEL` bytes or more on ``threads`` threads (this one and the pool's, at
+        training's priority on purpose: this is the blocking copy, which training waits
+        for, unlike the writer's niced threads), smaller
         ones on this thread alone. A tensor whose bytes cannot be read as they are (not
         contiguous, a lazy conjugate) is copied by torch first, its chunks then digested from
         the pages."""
@@ -174,7 +181,7 @@ class Slab:
             if source is None and p.nbytes:
                 self.views[key].copy_(t)
             for i, c in enumerate(p.chunks):
-                (large if c.byte_length >= BLOCK else small).append(
+                (large if c.byte_length >= PARALLEL else small).append(
                     (key, i, p.start + c.byte_start, c.byte_length,
                      None if source is None else source + c.byte_start))
         _run(large, small, self._fill_chunk, min(threads, MAX_THREADS, len(large)),

@@ -91,11 +91,11 @@ def test_fill_digests_each_chunk_as_the_file_holds_it(tmp_path, monkeypatch):
         pool.close()
 
 
-def test_helper_threads_take_only_chunks_of_a_whole_block(tmp_path, monkeypatch):
-    """The fill's helper threads copy and digest the chunks of at least a block (the copy
-    and the digest release the GIL); smaller chunks, mostly Python, stay on the calling
-    thread, and a fill of small chunks only starts no helper."""
-    monkeypatch.setattr(slabs, "BLOCK", 4096)
+def test_helper_threads_take_only_chunks_of_parallel_size(tmp_path, monkeypatch):
+    """The fill's helper threads copy and digest the chunks of at least ``PARALLEL`` bytes
+    (the copy and the digest release the GIL); smaller chunks, mostly Python, stay on the
+    calling thread, and a fill of small chunks only starts no helper."""
+    monkeypatch.setattr(slabs, "PARALLEL", 4096)
     tensors = state_of(1)
     pool = slabs.SlabPool(str(tmp_path), 3)
     try:
@@ -136,14 +136,14 @@ def test_helper_threads_take_only_chunks_of_a_whole_block(tmp_path, monkeypatch)
         assert asked == [1] and len(ran) == len(slab.digests)
         helper = [n for here, n in ran.values() if not here]
         mine = [n for here, n in ran.values() if here]
-        assert len(helper) > 1 and min(helper) >= 4096  # every other whole-block chunk
+        assert len(helper) > 1 and min(helper) >= 4096  # every other chunk of PARALLEL or more
         assert [n for n in mine if n < 4096]  # every small one, on the calling thread
-        # At most the one it held (the helper may have taken every whole block before the
+        # At most the one it held (the helper may have taken every large chunk before the
         # calling thread asked for one; then the caller's first chunk is a small one).
         assert sum(n >= 4096 for n in mine) <= 1
 
         asked.clear()
-        small = {k: t for k, t in tensors.items()  # its chunks all under a block
+        small = {k: t for k, t in tensors.items()  # its chunks all under PARALLEL
                  if all(c.byte_length < 4096 for c in slab.placements[k].chunks)}
         assert len(small) > 2
         slab.fill(small, threads=2)

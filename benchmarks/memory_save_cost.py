@@ -18,13 +18,15 @@ and AdamW step, a few milliseconds, torch's default intra-op threads):
   step, and ``maybe_wait()`` before the next save; on CPU its capture is a ``copy_`` into its
   own buffers. Its copy dies with the process.
 
-First, without the training loop, where a save's time goes (``bench_save_parts``): each
-method's blocking wall and CPU time and, for the memory tier, the CPU time of its background
-publish, interleaved, three times the repetitions.
+First, without timing the training loop, where a save's time goes (``bench_save_parts``):
+each method's blocking wall and CPU time and, for the memory tier, the CPU time of its
+background publish, interleaved, three times the repetitions. Every case of both tables
+starts after ``LEAD_IN`` untimed training steps, as a save in a training loop does.
 
 Per save: **blocking** (the call's wall time), **training time lost**: the wall time of
-the save plus a fixed window of ``W`` training steps, minus the same ``W`` steps with no save
-(the "idle" case of the same repetition), paired by repetition, and **CPU added**: the same
+the save plus a window of ``W`` training steps, minus the ``W`` steps run just before the
+save (paired within the case: drifts of the machine between cases cancel; the "idle" case,
+with no save between its windows, shows the noise left), and **CPU added**: the same
 difference in the process's CPU time (every thread's), which other processes on a loaded
 machine disturb less than the wall time; ``W`` is three times the memory tier's background
 work, at most 150 steps or 10 s (the table says how often a method's background work still
@@ -53,6 +55,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import Callable
 
 import common
 import torch
@@ -63,6 +66,11 @@ COPY, CKPT, GEMINI, IDLE = "copy floor", "ckpt memory tier", "GEMINI capture", "
 DIGEST = "copy + digest floor"
 METHODS = (COPY, DIGEST, CKPT, GEMINI)
 GOAL = 1.2  # training time lost by a memory-tier save, at most this times the copy floor's
+# Untimed training steps before each timed case: a save is called between training steps,
+# not on a machine that idled (the quiet gate's wait). After an idle spell a VM's cores wake
+# slowly, which costs threads that hand the GIL to each other (the memory tier's fill) more
+# than OpenMP's threads (torch's copy_): docs/memory-tier.md, "How fast".
+LEAD_IN = 3
 
 
 class Training:
@@ -166,48 +174,50 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
           f"{background * 1e3:.0f} ms: window {window} steps", file=sys.stderr, flush=True)
     outlasted = {CKPT: 0, GEMINI: 0}
 
-    def idle(rep: int) -> dict[str, float]:
-        with common.Stopwatch() as sw:
+    def paired(save: Callable[[], float]) -> dict[str, float]:
+        """``W`` training steps, then the save and ``W`` steps: the second window's wall
+        and CPU time minus the first's, and the save's blocking time."""
+        training.steps(LEAD_IN)
+        with common.Stopwatch() as before:
             training.steps(window)
-        return {"wall": sw.seconds, "block": 0.0, "cpu": sw.cpu_seconds}
+        with common.Stopwatch() as sw:
+            block = save()
+            training.steps(window)
+        return {"lost": sw.seconds - before.seconds, "block": block,
+                "cpu": sw.cpu_seconds - before.cpu_seconds}
+
+    def timed(fn: Callable[[], None]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def idle(rep: int) -> dict[str, float]:
+        return paired(lambda: 0.0)
 
     def copy(rep: int) -> dict[str, float]:
-        with common.Stopwatch() as sw:
-            t0 = time.perf_counter()
+        def save() -> None:
             for k, t in state.items():
                 buffers[k].copy_(t)
-            block = time.perf_counter() - t0
-            training.steps(window)
-        return {"wall": sw.seconds, "block": block, "cpu": sw.cpu_seconds}
+        return paired(lambda: timed(save))
 
     def copy_digest(rep: int) -> dict[str, float]:
-        with common.Stopwatch() as sw:
-            t0 = time.perf_counter()
-            floor_slab.fill(state, threads=torch.get_num_threads())
-            block = time.perf_counter() - t0
-            training.steps(window)
-        return {"wall": sw.seconds, "block": block, "cpu": sw.cpu_seconds}
+        return paired(lambda: timed(lambda: floor_slab.fill(
+            state, threads=torch.get_num_threads())))
 
     def memory_tier(rep: int) -> dict[str, float]:
         handles[-1].wait()
-        with common.Stopwatch() as sw:
-            block = save_ckpt()
-            training.steps(window)
+        out = paired(save_ckpt)
         outlasted[CKPT] += not handles[-1].done()
         handles[-1].wait()
-        return {"wall": sw.seconds, "block": block, "cpu": sw.cpu_seconds}
+        return out
 
     def gemini(rep: int) -> dict[str, float]:
         step[0] += 1
-        with common.Stopwatch() as sw:
-            t0 = time.perf_counter()
-            gem.save(state, step[0])
-            block = time.perf_counter() - t0
-            training.steps(window)
+        out = paired(lambda: timed(lambda: gem.save(state, step[0])))
         thread = getattr(gem, "_completion_thread", None)
         outlasted[GEMINI] += bool(thread is not None and thread.is_alive())
         gem.maybe_wait()
-        return {"wall": sw.seconds, "block": block, "cpu": sw.cpu_seconds}
+        return out
 
     label = f"save cost {common.format_size(size)}"
     timings = common.run_interleaved([(IDLE, idle), (COPY, copy), (DIGEST, copy_digest),
@@ -216,11 +226,9 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
     _close_ckpt(mgr)
     gem.close()
     floor_pool.shutdown()
-    idle_wall, idle_cpu = timings[IDLE]["wall"], timings[IDLE]["cpu"]
-    lost = {name: common.median([w - i for w, i in zip(timings[name]["wall"], idle_wall)])
-            for name in METHODS}
-    cpu = {name: common.median([c - i for c, i in zip(timings[name]["cpu"], idle_cpu)])
-           for name in METHODS}
+    lost = {name: common.median(timings[name]["lost"]) for name in METHODS}
+    cpu = {name: common.median(timings[name]["cpu"]) for name in METHODS}
+    noise = sorted(abs(x) for x in timings[IDLE]["lost"])
     block = {name: common.median(timings[name]["block"]) for name in METHODS}
     rows = []
     for name in METHODS:
@@ -236,7 +244,9 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
         f"tensors, {reps} interleaved repetitions, medians", "",
         f"Training loop: {step_s * 1e3:.1f} ms per step idle, {torch.get_num_threads()} "
         f"intra-op threads; window {window} steps (the memory tier's background work took "
-        f"{background * 1e3:.0f} ms in the sizing run).", "",
+        f"{background * 1e3:.0f} ms in the sizing run). The windows with no save between "
+        f"them (idle) differ by {common.median(noise) * 1e3:.0f} ms in the median, "
+        f"{noise[-1] * 1e3:.0f} ms at most: the training-lost column's noise.", "",
         common.markdown_table(["method", "blocking ms", "/ copy floor", "training lost ms",
                                "/ copy floor", "CPU added ms", "/ copy floor",
                                "background outlasted the window"], rows), "",
@@ -251,7 +261,7 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
 
 
 def bench_save_parts(size: int, reps: int, workdir: str) -> str:
-    """Where a memory-tier save's time goes, without a training loop: the copy floor, the
+    """Where a memory-tier save's time goes, the training loop untimed: the copy floor, the
     copy + digest floor, and the save's blocking part (wall and CPU) and background part
     (the process's CPU while the caller waits for it: the writer's), interleaved."""
     state = common.make_state(size, "many")
@@ -259,21 +269,25 @@ def bench_save_parts(size: int, reps: int, workdir: str) -> str:
     mgr = _ckpt(workdir)
     floor_slab, floor_pool = _digest_floor(state)
     threads = torch.get_num_threads()
+    training = Training()
     step = [0]
 
     def copy(rep: int) -> dict[str, float]:
+        training.steps(LEAD_IN)
         with common.Stopwatch() as sw:
             for k, t in state.items():
                 buffers[k].copy_(t)
         return {"wall": sw.seconds, "cpu": sw.cpu_seconds, "background": 0.0}
 
     def copy_digest(rep: int) -> dict[str, float]:
+        training.steps(LEAD_IN)
         with common.Stopwatch() as sw:
             floor_slab.fill(state, threads=threads)
         return {"wall": sw.seconds, "cpu": sw.cpu_seconds, "background": 0.0}
 
     def memory_tier(rep: int) -> dict[str, float]:
         step[0] += 1
+        training.steps(LEAD_IN)
         with common.Stopwatch() as sw:
             handle = mgr.save(step[0], state)
         with common.Stopwatch() as waited:
@@ -299,8 +313,8 @@ def bench_save_parts(size: int, reps: int, workdir: str) -> str:
                      f"{total / total_copy:.2f}"])
     return "\n".join([
         f"### Where a save's time goes: {common.format_size(common.state_bytes(state))} in "
-        f"{len(state)} tensors, {threads} threads, no training loop, {reps} interleaved "
-        "repetitions, medians (minimum)", "",
+        f"{len(state)} tensors, {threads} threads, {LEAD_IN} untimed training steps before "
+        f"each, {reps} interleaved repetitions, medians (minimum)", "",
         common.markdown_table(["method", "blocking wall ms", "blocking CPU ms",
                                "background CPU ms", "CPU in all ms", "/ copy floor"], rows),
         "",

@@ -236,8 +236,12 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
                      f"{lost[name] * 1e3:.0f}", f"{lost[name] / lost[COPY]:.2f}",
                      f"{cpu[name] * 1e3:.0f}", f"{cpu[name] / cpu[COPY]:.2f}",
                      f"{outlasted.get(name, 0)}/{reps}"])
+    # Judged on the larger of the two ratios: the blocking time is steady but misses what a
+    # save leaves running after it returns; the training time lost counts that, within the
+    # noise the idle case shows.
     ratio = lost[CKPT] / lost[COPY] if lost[COPY] > 0 else float("nan")
-    verdict = ("met" if ratio <= GOAL else "NOT met") if ratio == ratio else \
+    judged = max(ratio, block[CKPT] / block[COPY])
+    verdict = ("met" if judged <= GOAL else "NOT met") if ratio == ratio else \
         "not resolved (the copy floor's loss is within the noise)"
     return "\n".join([
         f"### Save cost: {common.format_size(common.state_bytes(state))} in {len(state)} "
@@ -250,9 +254,10 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
         common.markdown_table(["method", "blocking ms", "/ copy floor", "training lost ms",
                                "/ copy floor", "CPU added ms", "/ copy floor",
                                "background outlasted the window"], rows), "",
-        f"Goal: the memory tier's training time lost <= {GOAL}x the copy floor's: {verdict} "
-        f"({ratio:.2f}x; in CPU time added, which other processes on a loaded machine "
-        f"disturb less, {cpu[CKPT] / cpu[COPY]:.2f}x). Against the copy + digest floor "
+        f"Goal: the memory tier's training time lost <= {GOAL}x the copy floor's, judged on "
+        f"the larger of that ratio ({ratio:.2f}x) and the blocking time's "
+        f"({block[CKPT] / block[COPY]:.2f}x): {verdict} (in CPU time added, which other "
+        f"processes on a loaded machine disturb less, {cpu[CKPT] / cpu[COPY]:.2f}x). Against the copy + digest floor "
         f"(what keeping every chunk's digest costs): training time lost "
         f"{lost[CKPT] / lost[DIGEST]:.2f}x, CPU added {cpu[CKPT] / cpu[DIGEST]:.2f}x; the "
         f"floor itself {lost[DIGEST] / lost[COPY]:.2f}x and {cpu[DIGEST] / cpu[COPY]:.2f}x "

@@ -42,7 +42,6 @@ step; anything else is deleted, and a new slab made when the next save needs one
 from __future__ import annotations
 
 import collections
-import concurrent.futures as cf
 import dataclasses
 import errno
 import math
@@ -51,7 +50,6 @@ import os
 import secrets
 import shutil
 import stat
-import threading
 import time
 import weakref
 from typing import Any, Callable, Mapping
@@ -65,6 +63,8 @@ from ckpt._format.entries import Chunk
 from ckpt._memory.private import STAGING
 from ckpt._save.chunking import ChunkPlan, chunk_tensor
 from ckpt._save.payload import RankTable
+from ckpt._shared.buffers import plain_address
+from ckpt._shared.copy_threads import HelperThreads, Workers, run_jobs
 from ckpt._shared.streaming_copy import copy, read_view
 from ckpt.errors import CheckpointError
 
@@ -81,7 +81,6 @@ BLOCK = 1 << 20
 # Chunks of at least this many bytes are shared by the threads; smaller ones cost mostly
 # Python, which holds the GIL, and are the calling thread's alone.
 PARALLEL = 256 << 10
-MAX_THREADS = 8  # copying threads at most: more only contend for the memory bus
 # Slab mappings are not inherited by a forked child (MADV_DONTFORK: a DataLoader worker would
 # keep a deleted slab's pages allocated in /dev/shm while it lives; its inherited descriptors
 # are let go of too, ckpt/_memory/private.py). The child's copies of the mmap objects are kept
@@ -163,7 +162,7 @@ class Slab:
         self.digests: dict[tuple[str, int], str] = {}
         self._chunk_index: dict[str, dict[tuple[int, int], int]] | None = None
         self._chunk_places: list | None = None
-        self.workers: Callable[[int], cf.Executor | None] = lambda n: None
+        self.workers: Workers = lambda n: None
 
     def fill(self, tensors: Mapping[str, torch.Tensor], threads: int = 1) -> None:
         """Copy each tensor into its view, digesting each chunk as it goes, block by block
@@ -177,15 +176,14 @@ class Slab:
         large, small = [], []
         for key, t in tensors.items():
             p = self.placements[key]
-            source = _address(t, p.nbytes)
+            source = plain_address(t, p.nbytes)
             if source is None and p.nbytes:
                 self.views[key].copy_(t)
             for i, c in enumerate(p.chunks):
                 (large if c.byte_length >= PARALLEL else small).append(
                     (key, i, p.start + c.byte_start, c.byte_length,
                      None if source is None else source + c.byte_start))
-        _run(large, small, self._fill_chunk, min(threads, MAX_THREADS, len(large)),
-             self.workers)
+        run_jobs(large, small, self._fill_chunk, threads, self.workers)
 
     def _fill_chunk(self, job: tuple) -> None:
         key, index, start, length, source = job
@@ -258,45 +256,6 @@ class ChunkDigests:
         return None if i is None else self.digests.get((key, i))
 
 
-def _address(t: torch.Tensor, nbytes: int) -> int | None:
-    """Where the ``nbytes`` bytes of a contiguous CPU tensor start in memory, or None when
-    they cannot be read as they are (torch copies such a tensor)."""
-    if (not t.is_cpu or t.layout != torch.strided or not t.is_contiguous() or t.is_conj()
-            or t.is_neg() or t.is_quantized or t.numel() * t.element_size() != nbytes):
-        return None
-    try:
-        return t.data_ptr()
-    except RuntimeError:  # a tensor without storage of its own (a wrapper subclass)
-        return None
-
-
-def _run(jobs: list, small: list, do: Callable[[Any], None], threads: int,
-         workers: Callable[[int], cf.Executor | None]) -> None:
-    """``do(job)`` for every job of ``jobs``, on this thread and ``threads - 1`` of a pool,
-    each taking the next job as it finishes one (the copy and xxhash release the GIL), then
-    for every job of ``small`` on this thread only: a small chunk's work is mostly Python,
-    which holds the GIL, and threads taking turns at it are slower than one thread alone."""
-    lock, it = threading.Lock(), iter(jobs)
-
-    def drain() -> None:
-        while True:
-            with lock:
-                job = next(it, None)
-            if job is None:
-                return
-            do(job)
-
-    pool = workers(threads - 1) if threads > 1 else None
-    helpers = [pool.submit(drain) for _ in range(threads - 1)] if pool is not None else []
-    try:
-        drain()
-        for job in small:
-            do(job)
-    finally:
-        for f in helpers:
-            f.result()
-
-
 def _view(mapping: mmap.mmap, p: Placement) -> torch.Tensor:
     """The box ``p`` as a tensor over the shared pages (no copy)."""
     if p.nbytes == 0:
@@ -322,8 +281,7 @@ class SlabPool:
         self.segment, self.slabs, self.reading = segment, slabs, reading
         self.spare: Slab | None = None
         self.placed: collections.OrderedDict[tuple[int, int], Slab] = collections.OrderedDict()
-        self._pool: cf.ThreadPoolExecutor | None = None  # fill's helper threads
-        self._pool_size, self._pid = 0, os.getpid()  # its size, the process it runs in
+        self._workers = HelperThreads("ckpt-fill")  # the fill's helper threads
 
     def acquire(self, boxes: list[tuple[str, tuple[int, ...], torch.Tensor]],
                 chunk_bytes: int, check_space: Callable[[int], None]) -> Slab:
@@ -350,16 +308,6 @@ class SlabPool:
         slab = self._create(header, placements, size)
         slab.signature = signature
         return slab
-
-    def _workers(self, n: int) -> cf.Executor:
-        """A pool of at least ``n`` threads for :meth:`Slab.fill` (kept between saves)."""
-        # (a forked child has none of its parent's threads: it makes its own pool)
-        if self._pool is None or self._pool_size < n or self._pid != os.getpid():
-            if self._pool is not None and self._pid == os.getpid():
-                self._pool.shutdown(wait=False)
-            self._pool = cf.ThreadPoolExecutor(n, thread_name_prefix="ckpt-fill")
-            self._pool_size, self._pid = n, os.getpid()
-        return self._pool
 
     def _create(self, header: bytes, placements: dict[str, Placement], size: int) -> Slab:
         path = self._spare_path()
@@ -468,9 +416,7 @@ class SlabPool:
             _unlink(self.spare.path)
         self.spare = None
         self.placed.clear()
-        if self._pool is not None and self._pid == os.getpid():
-            self._pool.shutdown(wait=False)
-        self._pool = None
+        self._workers.close()
 
 
 def _unlink(path: str) -> None:

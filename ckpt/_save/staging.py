@@ -12,7 +12,15 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from ckpt._shared.buffers import register_copier
+from ckpt._shared.buffers import plain_address, register_copier
+from ckpt._shared.copy_threads import HelperThreads, run_jobs
+from ckpt._shared.streaming_copy import copy as stream_copy
+
+# A CPU tensor's copy into its buffer is cut into pieces of this many bytes, shared by the
+# threads; pieces under PARALLEL bytes (small tensors), mostly Python, are the calling
+# thread's alone.
+PIECE = 4 << 20
+PARALLEL = 256 << 10
 
 
 class Destination(Protocol):
@@ -87,11 +95,13 @@ class Stager:
         # per device: the event the guarded optimizers' next step waits for
         self._pending: dict[torch.device, Any] = {}
         self._hooked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._workers = HelperThreads("ckpt-stage")  # the host copies' helper threads
         register_copier(self)  # a load into these tensors waits for the copies first
 
     def release_buffers(self) -> None:
-        """Let the host buffers go (no save may be in flight)."""
+        """Let the host buffers go (no save may be in flight), and the helper threads."""
         self._buffers.clear()
+        self._workers.close()
 
     def stage(self, tensors: dict[str, torch.Tensor], copy: bool,
               guards: Sequence[torch.optim.Optimizer] = (),
@@ -109,6 +119,7 @@ class Stager:
         """
         staged: dict[str, torch.Tensor] = {}
         cuda_sources: list = []
+        host: list = []  # (buffer, CPU tensor) to copy
         guarded = _optimizer_storages(guards) if guards else set()
         deferred: list = []
         views = into.views if into is not None else {}
@@ -135,12 +146,32 @@ class Stager:
                 later = t.numel() and _storage_ptr(t) in guarded
                 (deferred if later else cuda_sources).append((buf, t))
             else:
-                buf.copy_(t)
+                host.append((buf, t))
             staged[key] = buf
+        self._copy_on_host(host)
         for key in list(self._buffers):
             if key not in tensors:
                 del self._buffers[key]
         return staged, self._copy_from_cuda(cuda_sources, deferred, guards)
+
+    def _copy_on_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each CPU tensor into its buffer: with non-temporal stores
+        (``ckpt/_shared/streaming_copy.py``: the buffers are read again only by the writer,
+        later) in pieces of :data:`PIECE` bytes shared by as many threads as torch computes
+        with, as its own copy does; a tensor whose bytes cannot be read as they are (not
+        contiguous, a lazy conjugate) by torch."""
+        jobs, small = [], []
+        for buf, t in pairs:
+            nbytes = buf.numel() * buf.element_size()
+            source = plain_address(t, nbytes)
+            if source is None:
+                buf.copy_(t)
+                continue
+            target = buf.data_ptr()
+            for at in range(0, nbytes, PIECE):
+                n = min(PIECE, nbytes - at)
+                (jobs if n >= PARALLEL else small).append((target + at, source + at, n))
+        run_jobs(jobs, small, _copy_job, torch.get_num_threads(), self._workers)
 
     def _copy_from_cuda(self, first: list, deferred: list,
                         guards: Sequence[torch.optim.Optimizer]) -> _Ready | None:
@@ -193,3 +224,8 @@ class Stager:
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _copy_job(job: tuple[int, int, int]) -> None:
+    stream_copy(*job)
+

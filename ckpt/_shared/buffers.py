@@ -1,4 +1,5 @@
-"""Byte views of host tensors, and the fence that holds writes behind saves' device copies."""
+"""Byte views and addresses of host tensors, and the fence that holds writes behind saves'
+device copies."""
 
 from __future__ import annotations
 
@@ -35,3 +36,16 @@ def await_device_copies() -> None:
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def plain_address(t: torch.Tensor, nbytes: int) -> int | None:
+    """Where the ``nbytes`` bytes of a contiguous CPU tensor start in memory, or None when
+    they cannot be read as they are (not contiguous, a lazy conjugate or negative, another
+    size: torch has to copy such a tensor)."""
+    if (not t.is_cpu or t.layout != torch.strided or not t.is_contiguous() or t.is_conj()
+            or t.is_neg() or t.is_quantized or t.numel() * t.element_size() != nbytes):
+        return None
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # a tensor without storage of its own (a wrapper subclass)
+        return None

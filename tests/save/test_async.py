@@ -358,3 +358,46 @@ def test_a_second_async_save_waits_until_the_first_has_written_its_staged_bytes(
     second.join(timeout=60)
     assert torch.equal(ckpt.load(tmp_path / "one")["t"], torch.zeros(1024))
     assert torch.equal(ckpt.load(tmp_path / "two")["t"], torch.ones(1024))
+
+
+def test_the_host_copies_of_an_async_save_are_exact_and_shared_by_the_threads(monkeypatch):
+    """An asynchronous save copies CPU tensors into its buffers in pieces on several threads
+    (non-temporal stores where they can be had): every byte lands for odd sizes and dtypes,
+    tensors that start inside their storage, an empty one; those whose bytes cannot be read
+    as they are (a transposed view, a lazy conjugate) go through torch; the pieces of a
+    large tensor reach the helper threads, small tensors stay on the calling thread."""
+    import ckpt._save.staging as staging
+
+    monkeypatch.setattr(staging, "PIECE", 64 << 10)
+    monkeypatch.setattr(staging, "PARALLEL", 16 << 10)
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(700, 333, generator=g),  # many pieces, an odd tail
+             "bf16": torch.randn(77, 130, generator=g).to(torch.bfloat16),
+             "inside": torch.randn(100_001, generator=g)[13:],
+             "t": torch.randn(64, 48, generator=g).t(),
+             "c": torch.randn(50, generator=g, dtype=torch.complex64).conj(),
+             "small": torch.arange(7), "empty": torch.zeros(0, 3)}
+    callers: list[str] = []
+    real = staging.stream_copy
+    helped = threading.Event()
+
+    def spying(*job):
+        name = threading.current_thread().name
+        if name.startswith("ckpt-stage"):
+            helped.set()
+        elif not callers:  # the calling thread's first piece waits for a helper's
+            assert helped.wait(60)
+        callers.append(name)
+        real(*job)
+
+    monkeypatch.setattr(staging, "stream_copy", spying)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    stager = Stager()
+    staged, ready = stager.stage(state, copy=True)
+    assert ready is None
+    for key, t in state.items():
+        assert staged[key] is not t
+        assert torch.equal(staged[key].resolve_conj(), t.resolve_conj()), key
+    assert any(name.startswith("ckpt-stage") for name in callers)
+    assert len(callers) > 20  # "big" alone is 14 pieces
+    stager.release_buffers()

@@ -7,7 +7,7 @@ limit. Non-temporal stores write whole lines straight to memory: 2N. glibc's ``m
 uses them only for one copy larger than a threshold sized from the shared cache (192 MiB on
 a 32 MiB-L3 machine), which a copy in cache-sized blocks (the digest reads each block back
 while it is in the core's cache) never reaches, and neither torch, numpy nor ctypes offers
-one. So this module holds the loop itself: 56 bytes of x86-64 code (SSE2, present on every
+one. So this module holds the loop itself: 60 bytes of x86-64 code (SSE2, present on every
 x86-64 processor), put in a page of its own that is made executable only after it is
 written and never writable again (W^X), and called through ctypes, which releases the GIL
 for the call like ``ctypes.memmove``.
@@ -35,12 +35,15 @@ log = logging.getLogger(__name__)
 
 # The routine, for the System V AMD64 calling convention (rdi: destination, rsi: source,
 # rdx: bytes, a positive multiple of 64; the destination 16-byte aligned):
+#         endbr64                                     a landing pad for an indirect call
+#                                                     (a no-op without branch tracking)
 #   loop: movdqu xmm0..xmm3, [rsi + 0/16/32/48]     four unaligned 16-byte loads
 #         movntdq [rdi + 0/16/32/48], xmm0..xmm3    four non-temporal 16-byte stores
 #         add rsi, 64 ; add rdi, 64 ; sub rdx, 64 ; jnz loop
 #         sfence                                      the stores are visible before return
 #         ret
 _CODE = bytes.fromhex(
+    "f30f1efa"
     "f30f6f06" "f30f6f4e10" "f30f6f5620" "f30f6f5e30"
     "660fe707" "660fe74f10" "660fe75720" "660fe75f30"
     "4883c640" "4883c740" "4883ea40" "75cc"
@@ -57,9 +60,21 @@ _routine: Callable[[int, int, int], None] | None = None
 _loaded = False
 
 
+def _new_lock() -> None:
+    """In a forked child: a lock of its own (another thread of the parent may have held
+    the parent's while it forked, and would never release the child's copy)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock)
+
+
 def _supported() -> bool:
     return (sys.platform.startswith("linux")
             and platform.machine().lower() in ("x86_64", "amd64")
+            and ctypes.sizeof(ctypes.c_void_p) == 8  # not a 32-bit Python on that kernel
             and os.environ.get("CKPT_STREAMING_COPY", "1") != "0")
 
 
@@ -130,7 +145,8 @@ def copy(destination: int, source: int, nbytes: int) -> None:
     if head:
         _memmove(destination, source, head)
     body = (nbytes - head) // LINE * LINE
-    routine(destination + head, source + head, body)
+    if body:  # (the loop runs at least once: never with 0)
+        routine(destination + head, source + head, body)
     done = head + body
     if done < nbytes:
         _memmove(destination + done, source + done, nbytes - done)

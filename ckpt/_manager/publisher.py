@@ -21,13 +21,14 @@ from storage_backends import Storage
 from ckpt._manager.metrics import CheckpointMetrics
 from ckpt._memory.auth import job_key
 from ckpt._memory.discovery import local_holdings
-from ckpt._memory.retired import RetiredSaves, exchange, record_retired
+from ckpt._memory.retired import RetiredSaves, exchange, record_retired, root_saves
 from ckpt._memory.replication import Replicator, ring_targets
 from ckpt._memory.tier import MemoryTier, UnsafeSegmentError
 from ckpt._retention.collect import collect
 from ckpt._save.handle import SaveHandle, SaveResult
 from ckpt._save.writer import BackgroundWriter
 from ckpt._shared.distributed import Group
+from ckpt._step.listing import step_dirs
 from ckpt.errors import CheckpointError, StorageError
 from ckpt.options import MemoryTierOptions, SaveOptions
 
@@ -61,6 +62,9 @@ class MemoryPublisher:
         self.pg: Any = None  # the gloo group of a multi-rank memory tier
         self.tier: MemoryTier = None  # type: ignore[assignment]  # set below unless disabled
         self.enabled = True
+        # The whole saves (step, token) the last restore found in the live nodes' memory:
+        # what a retire records when this node lost its copies (_record_retired).
+        self.found: frozenset[tuple[int, str]] = frozenset()
         root = storage.url
         if not group.enabled:
             try:
@@ -239,9 +243,9 @@ class MemoryPublisher:
         """``steps`` were retired from the root (``CheckpointManager.retire``): they go from
         this rank's segment too, so that no restart resumes from them. Not collective: under
         a process group the other ranks' shares and the replicas of them stay in memory until
-        those ranks save again, so every save of ``steps`` this node holds is first recorded
-        as retired in the root (``ckpt/_memory/retired.py``), and every rank's restore passes
-        over them.
+        those ranks save again, so every save of ``steps`` is first recorded as retired in
+        the root (``ckpt/_memory/retired.py``: those this node holds, those the last restore
+        found in memory, the root's), and every rank's restore passes over them.
 
         Raises:
             StorageError: the record could not be written (the steps still leave this
@@ -256,17 +260,29 @@ class MemoryPublisher:
                 log.info("ckpt._memory.tier retired steps %s from %s", gone, self.tier.path)
 
     def _record_retired(self, steps: set[int]) -> None:
-        """Record the saves of ``steps`` held on this node (this rank's shares and the
-        replicas it holds: one save's shares all carry its token) as retired in the root."""
-        saves = {(h.step, h.token) for h in local_holdings(
-            self.tier.shm_dir, self.tier.job, self.tier.node, key=self.tier.key)
-            if h.step in steps}
+        """Record every save of ``steps`` as retired in the root: those held on this node
+        (this rank's shares and the replicas it holds: one save's shares all carry its
+        token), those the last restore found in the live nodes' memory, and, for a step
+        still without one, the root's (``ckpt/_memory/retired.py``)."""
+        held = local_holdings(self.tier.shm_dir, self.tier.job, self.tier.node,
+                              key=self.tier.key)
+        saves = {(h.step, h.token) for h in held if h.step in steps}
+        saves |= {(s, t) for s, t in self.found if s in steps}
+        unknown = self._from_root(steps - {s for s, _ in saves}, saves)
+        if unknown:
+            log.warning(
+                "ckpt._memory.tier retired steps %s are neither in this node's memory nor in "
+                "the root, and no restore of this manager found them: if other nodes hold "
+                "them in memory (memory-only steps of a node this one replaced), they are not "
+                "recorded as retired, and a restart before those ranks save again may resume "
+                "from them. Restore first (on every rank), then retire them again; or save a "
+                "step on every rank before the job may restart", sorted(unknown))
         if not saves:
-            return  # none in this node's memory (older than the tier keeps, or never there)
-        # Entries below the oldest step this segment holds before the retire go: every
+            return  # none in memory (older than the tier keeps, or never there)
+        # Earlier entries below the oldest step this node holds before the retire go: every
         # segment of the job holds the same newest steps, none of them any more.
         try:
-            record_retired(self.storage, saves, min(self.tier.steps(), default=None))
+            record_retired(self.storage, saves, min((h.step for h in held), default=None))
         except OSError as e:
             raise StorageError(
                 f"recording the retired steps {sorted({s for s, _ in saves})} in "
@@ -276,6 +292,25 @@ class MemoryPublisher:
                 path=self.storage.url) from e
         log.info("ckpt._memory.tier recorded as retired in %s: %s", self.storage.url,
                  ", ".join(f"step {s} (save {t})" for s, t in sorted(saves)))
+
+    def _from_root(self, missing: set[int], saves: set[tuple[int, str]]) -> set[int]:
+        """Add to ``saves`` the root's saves of the ``missing`` steps that may still be in
+        memory; returns the steps of those without one (a memory-only step on other nodes
+        only, or a step no one saved)."""
+        if not missing:
+            return set()
+        try:
+            committed = sorted(s for s, done in step_dirs(self.storage).items() if done)
+        except OSError as e:
+            raise StorageError(f"listing the steps of {self.storage.url} failed: {e}; the "
+                               "retired steps were not recorded: call retire() again",
+                               path=self.storage.url) from e
+        # Every save goes through memory, which keeps the newest `keep`: a step below the
+        # root's newest `keep` is in no segment any more (not worth a manifest read).
+        if len(committed) >= self.tier.keep:
+            missing = {s for s in missing if s >= committed[-self.tier.keep]}
+        saves |= root_saves(self.storage, sorted(missing & set(committed)))
+        return missing - {s for s, _ in saves}
 
     def retired_saves(self) -> RetiredSaves:
         """The saves retired from memory, as the root records them (read by rank 0, the same

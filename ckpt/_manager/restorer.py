@@ -200,15 +200,19 @@ class Restorer:
         same on every rank (collective under a process group's memory tier)."""
         assert self.memory is not None
         retired = self.memory.retired_saves()
-        kept = []
+        kept, found = [], set()
         for s, tier in order:
             plan = getattr(tier, "plans", {}).get(s)  # a process group's agreed save
+            if plan is not None:
+                found.add((s, plan.token))
             why = None if plan is None else retired.why(s, plan.token)
             if why is None:
                 kept.append((s, tier))
             elif s not in passed:  # (its peer copies: the same save)
                 passed[s] = _one_line(why)
                 log.info("ckpt.restore passing over step %d in memory: %s", s, why)
+        # What a later retire records when this node's own copies were lost (a replaced node).
+        self.memory.found = frozenset(found)
         return kept
 
     def _verified(self, candidates: list[int]) -> frozenset[int]:

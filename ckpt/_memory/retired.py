@@ -12,12 +12,27 @@ a process group reads the document once (rank 0, one small read of the root), se
 other ranks, and passes over each memory step recorded there, saying why
 (``last_restore.skipped``: "retired").
 
+The caller's node may not hold every retired save: its memory was lost (a replaced node)
+and the job restored from the replicas other nodes hold. The token of such a save is then
+taken from what the manager saw or from the root: the saves its last restore found in
+the live nodes' memory (the group agrees on each whole save's token before it
+restores); then, for a step still without one among the root's newest steps (only those can
+still be in memory), the root's manifest (:func:`root_saves`: a save's token is in the names
+of the files it wrote, and its memory copies carry the same token). A retired step that none
+of them knows (a memory-only step held on other nodes only, retired by a manager that has
+not restored) is not recorded, and a warning names it and says what to do. No entry by time
+("saved before the retire") is written for it: a holding's ``created`` is stamped by the
+clock of the node that saved it, the retire's time by the caller's, so any margin for clock
+skew either passes over the new line's save of the same step number made just after a
+rollback (the next step the job saves) or misses the retired one made just before it.
+
 Written atomically: on POSIX a new file renamed over the old one (a link planted at its name
 is replaced, never followed), on an object store a plain overwrite (a whole object or none).
-Entries for steps below the oldest step the retiring rank held in memory (before this
-retire) are pruned when it is written: every rank keeps the same newest ``keep`` steps of one
-line of training, so no live segment holds such a step any more; at most :data:`MAX_ENTRIES`
-are kept, the newest steps'.
+Earlier entries for steps below the oldest step the retiring rank's node held in memory
+(before this retire) are pruned when it is written: every rank keeps the same newest
+``keep`` steps of one line of training, so no live segment holds such a step any more; the
+entries being added are always kept (a node that lost its memory holds fewer steps than the
+others); at most :data:`MAX_ENTRIES` are kept, the newest steps'.
 
 Threat model: the document is input from the root, trusted no more than the root's other
 files. It is read through the storage (on POSIX refusing a link or anything but a regular
@@ -28,7 +43,10 @@ fails (damaged, hand-edited, too large, unreadable) cannot say which saves were 
 restore takes no step from memory (the root's steps are restored) and a warning names the
 file; the next ``retire`` replaces it. It is not signed: whoever can write the root can
 already remove or replace its checkpoints (and removing this file lets retired steps in
-memory be restored again); what it can do besides is make restores read the root.
+memory be restored again); what it can do besides is make restores read the root. The
+tokens read from a step's manifest in the root (:func:`root_saves`, validated as a restore
+validates it, each name matched exactly) are trusted as that: they only add entries for the
+steps being retired, whose every save is passed over anyway.
 """
 
 from __future__ import annotations
@@ -36,11 +54,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from typing import Any, Iterable
 
 from storage_backends import Storage
 from storage_backends.files import atomic_write
 from storage_backends.posix import SymlinkRefusedError
+
+from ckpt._format.names import step_dir
+from ckpt._format.ranktable import table_name
+from ckpt._save.chunking import data_file_name
+from ckpt._step.integrity import read_manifest
+from ckpt.errors import CheckpointError, CheckpointNotFoundError
 
 log = logging.getLogger("ckpt")
 
@@ -121,18 +146,19 @@ def parse(raw: bytes) -> list[tuple[int, str]]:
 
 def record_retired(storage: Storage, saves: Iterable[tuple[int, str]],
                    oldest_held: int | None) -> None:
-    """Add ``saves`` (step, token) to the root's retired-saves document, dropping the entries
-    for steps below ``oldest_held`` (the oldest step the caller's segment held before the
-    retire; None: it held none, nothing is dropped). A damaged document is replaced, with a
+    """Add ``saves`` (step, token) to the root's retired-saves document, dropping the earlier
+    entries for steps below ``oldest_held`` (the oldest step the caller's node held before
+    the retire; None: it held none, nothing is dropped). A damaged document is replaced, with a
     warning.
 
     Raises:
         OSError: the storage failed (nothing is recorded).
     """
     current = read_retired(storage)  # (a damaged one has warned already)
-    merged = set(current.saves) | set(saves)
+    merged = set(current.saves)
     if oldest_held is not None:
         merged = {(s, t) for s, t in merged if s >= oldest_held}
+    merged |= set(saves)
     if merged == set(current.saves) and current.problem is None:
         return  # every rank retiring the same steps: the first one wrote them
     kept = sorted(merged, key=lambda e: (-e[0], e[1]))[:MAX_ENTRIES]  # the newest steps
@@ -144,6 +170,47 @@ def record_retired(storage: Storage, saves: Iterable[tuple[int, str]],
                      durable=True, umask=True)  # (as the root's other files are created)
     else:  # an object store: one PUT replaces the whole object
         storage.write(RETIRED_NAME, [data])
+
+
+# The files a save writes carry its token: data-<rank mod 256>-<token>-r<rank>-<index>
+# (ckpt/_save/chunking.py) and, format 2, table-<rank mod 256>-<token>-r<rank> (ranktable.py).
+_SAVE_FILE = re.compile(r"(data|table)-[0-9a-f]{2}-([0-9a-f]{1,%d})-r([0-9]{5,9})"
+                        r"(?:-([0-9]{3,9}))?\.(?:safetensors|ckt)" % MAX_TOKEN)
+
+
+def root_saves(storage: Storage, steps: Iterable[int]) -> set[tuple[int, str]]:
+    """The saves (step, token) of ``steps`` committed in ``storage`` (the root), read from
+    each step's manifest (validated; a format-2 manifest's rank tables are not read): the
+    token in the names of the files the save wrote. A step the root does not hold is left
+    out; one whose manifest cannot be read, or names no file of its save (a format-1 step
+    that wrote no data file), too, with a warning for the first."""
+    out: set[tuple[int, str]] = set()
+    for step in steps:
+        try:
+            manifest = read_manifest(storage, step_dir(step), step)
+        except CheckpointNotFoundError:
+            continue
+        except (CheckpointError, OSError) as e:
+            log.warning("ckpt._memory.retired cannot read step %d's save token from the root: "
+                        "%s", step, e)
+            continue
+        names = [t[0] for t in manifest.tables] + list(manifest.files)
+        out |= {(step, t) for t in map(_token_of, names) if t is not None}
+    return out
+
+
+def _token_of(name: str) -> str | None:
+    """The save token in a data or table file's name; None for any other name (the name
+    must be exactly what the save's naming function makes of it)."""
+    m = _SAVE_FILE.fullmatch(name)
+    if m is None:
+        return None
+    kind, token, rank, index = m.groups()
+    if kind == "table":
+        made = table_name(token, int(rank)) if index is None else None
+    else:
+        made = None if index is None else data_file_name(token, int(rank), int(index))
+    return token if made == name else None
 
 
 def exchange(storage: Storage, pg: Any, is_coordinator: bool) -> RetiredSaves:

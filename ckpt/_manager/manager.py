@@ -345,11 +345,13 @@ class CheckpointManager:
             mgr.retire(s for s in mgr.steps() if s > 100)
 
         With a memory tier, the steps also leave this rank's segment. Under a process group,
-        every save of them that this node holds is recorded as retired in the root
+        their saves (those this node holds, those the last restore found on the other nodes,
+        and those the root lists) are recorded as retired in the root
         (``.ckpt-memory-retired.json``) and every rank's restore passes over them
         (``last_restore.skipped``: "retired"), although the other ranks' segments and the
-        replicas keep them until their next save (docs/memory-tier.md). A later save of the
-        same step number is restored as usual. Call it on one rank (the trainer's rank 0).
+        replicas keep them until their next save; a step none of those names is logged as a
+        warning (docs/memory-tier.md, "Limits"). A later save of the same step number is
+        restored as usual. Call it on one rank (the trainer's rank 0).
         """
         self._check_writable()
         self.wait()

@@ -168,13 +168,14 @@ def test_delete_file_and_directory(storage):
     storage.delete("never/was")
 
 
-def test_processes_deleting_the_same_steps_at_once_all_succeed(storage):
+def test_processes_deleting_the_same_steps_at_once_all_succeed(kind, storage):
     """Every rank's retention may collect one root at the same time: a step's manifest, then
-    its directory, deleted by several deleters at once, each finding some gone already."""
+    its directory, deleted by several deleters at once, each finding some gone already (a
+    file system's race: object stores get a few steps, to check their deletes too)."""
     if storage.url.startswith("tensorstore+file"):
         pytest.skip("tensorstore's file driver makes a file's directory again to lock it "
                     "while another deleter removes it; collect such a root from one process")
-    steps = [f"step-{n:08d}" for n in range(1, 25)]
+    steps = [f"step-{n:08d}" for n in range(1, 25 if kind == "posix" else 4)]
     for name in steps:
         committed(storage, name, {"a": b"1", "b": b"2"})
     errors: list[BaseException] = []

@@ -11,6 +11,7 @@ that says why and what to do, and saves go on to the root only."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -26,7 +27,7 @@ from ckpt._memory.replication import Replicator, ring_targets
 from ckpt._memory.tier import MemoryTier, UnsafeSegmentError
 from ckpt._retention.collect import collect
 from ckpt._save.handle import SaveHandle, SaveResult
-from ckpt._save.writer import BackgroundWriter
+from ckpt._save.writer import BackgroundWriter, CallerThread
 from ckpt._shared.distributed import Group
 from ckpt._step.listing import step_dirs
 from ckpt.errors import CheckpointError, StorageError
@@ -170,10 +171,14 @@ class MemoryPublisher:
         if slab is None:
             raise CheckpointError(f"step {payload.step} was not staged into the memory tier")
         publish = self._publish_rank if self.tier.ranked else self._publish_step
+        # Published on the caller's thread (CallerThread), the publish is blocking too.
+        inline, queued = isinstance(writer, CallerThread), time.perf_counter()
 
         def run(pool: Any) -> SaveResult:
             try:
-                return publish(payload, slab)
+                result = publish(payload, slab)
+                spent = time.perf_counter() - queued if inline else 0.0
+                return dataclasses.replace(result, blocking_seconds=blocking + spent)
             except CheckpointError:
                 raise
             except Exception as e:  # named as the save's error, as the root writer's are

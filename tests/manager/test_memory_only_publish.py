@@ -114,3 +114,20 @@ def test_a_failed_publish_raised_at_close_still_lets_the_segment_go(tmp_path, mo
         segment = again._publisher.tier.path
         again.close()
         shutil.rmtree(segment, ignore_errors=True)
+
+
+def test_a_memory_only_saves_result_counts_its_publish_as_blocking(tmp_path):
+    """Published on the caller's thread, a memory-only save blocks for its copy and its
+    publish: its result says so, as its handle does (metrics and logs read the result)."""
+    mgr = ckpt.CheckpointManager(tmp_path / "root", memory_tier=_tier(f"blk{os.getpid()}"),
+                                 async_save=True)
+    try:
+        for step in (1, 2, 3):
+            handle = mgr.save(step, {"w": _weights(step)})
+            result = handle.wait()
+            assert handle.done() and 0 < result.blocking_seconds <= handle.blocking_seconds
+            assert result.blocking_seconds >= result.write_seconds  # the publish is in it
+    finally:
+        segment = mgr._publisher.tier.path
+        mgr.close()
+        shutil.rmtree(segment, ignore_errors=True)

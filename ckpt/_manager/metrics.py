@@ -66,6 +66,7 @@ class CheckpointMetrics:
             "last_save_blocking_seconds": 0, "last_save_write_seconds": 0,
             "last_committed_step": -1, "replications_total": 0,
             "replication_failures_total": 0, "replications_superseded_total": 0,
+            "memory_saves_total": 0, "last_memory_step": -1,
         }
         self.textfile = textfile
         self._labels = labels or {}
@@ -120,6 +121,16 @@ class CheckpointMetrics:
                   last_save_write_seconds=write, last_committed_step=step)
         if self._prom is not None:
             self._prom.observe(blocking, write)
+            if self.textfile:
+                self._prom.write_textfile(self.textfile)
+
+    def saved_to_memory(self, *, step: int, blocking: float) -> None:
+        """A save published into the memory tier alone (no commit to the root: the commit
+        series stay as they are; the blocking time is a save's like any other)."""
+        self._add(memory_saves_total=1)
+        self._set(last_save_blocking_seconds=blocking, last_memory_step=step)
+        if self._prom is not None:
+            self._prom.blocking.observe(blocking)
             if self.textfile:
                 self._prom.write_textfile(self.textfile)
 
@@ -199,11 +210,13 @@ class _Collector:
         "replications_total": "Memory-tier steps replicated to a peer node",
         "replication_failures_total": "Memory-tier replications that failed (sent or received)",
         "replications_superseded_total": "Queued replications replaced by a newer step",
+        "memory_saves_total": "Saves published into the memory tier alone (not to the root)",
     }
     GAUGES = {
         "last_commit_timestamp_seconds": "Unix time of the newest commit",
         "newest_commit_age_seconds": "Seconds since the newest commit",
         "last_committed_step": "Step of the newest commit",
+        "last_memory_step": "Step of the newest save into the memory tier alone",
     }
 
     def __init__(self, metrics: CheckpointMetrics, names: list[str], values: list[str]) -> None:

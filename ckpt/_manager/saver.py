@@ -99,6 +99,8 @@ class Saver:
         if handle is None or to_root:
             handle = self.writer.submit(self.storage, payload, blocking, self._after_commit)
             handle.add_done_callback(self._record)
+        else:  # to memory alone
+            handle.add_done_callback(self._record_memory)
         log.info("ckpt.save step=%d blocking_s=%.4f async=%s incremental=%s", step, blocking,
                  self.copy, base is not None)
         self.inflight = handle
@@ -199,6 +201,19 @@ class Saver:
         if self.metrics:
             self.metrics.saved(step=r.step, blocking=r.blocking_seconds, write=r.write_seconds,
                                written=r.bytes_written, reused=r.bytes_reused)
+
+    def _record_memory(self, handle: SaveHandle) -> None:
+        """Metrics and a log line for a save published into the memory tier alone."""
+        error = handle.exception()
+        if error is not None:  # (the publisher logs the error itself)
+            if self.metrics:
+                self.metrics.failed()
+            return
+        r = handle.wait()
+        log.info("ckpt.saved_to_memory step=%d bytes=%d publish_s=%.3f blocking_s=%.4f",
+                 r.step, r.bytes_written, r.write_seconds, r.blocking_seconds)
+        if self.metrics:
+            self.metrics.saved_to_memory(step=r.step, blocking=r.blocking_seconds)
 
     def _after_commit(self, manifest: Manifest | None) -> None:
         """On the writer thread after the commit: the new base, then the retention."""

@@ -61,3 +61,40 @@ def test_failures_and_restores_are_counted_and_logged(tmp_path, caplog):
     mgr.close()
     assert mgr.metrics.snapshot()["save_failures_total"] == 1
     assert any("ckpt.save_failed step=1" in r.getMessage() for r in caplog.records)
+
+
+def test_saves_to_memory_alone_are_counted_apart_from_commits(tmp_path):
+    """With a memory tier, a save that goes to memory alone is a save whose blocking time
+    counts, but not a commit: the commit series (saves, newest committed step, its age) are
+    the root's; a failed publish into memory is a failed save."""
+    import os
+    import shutil
+
+    tier = ckpt.MemoryTierOptions(persist_every=3, job=f"metrics{os.getpid()}")
+    textfile = tmp_path / "ckpt.prom"
+    mgr = ckpt.CheckpointManager(tmp_path / "root", memory_tier=tier, async_save=True,
+                                 metrics=ckpt.MetricsOptions(textfile=str(textfile)))
+    segment = mgr._publisher.tier.path
+    try:
+        state = {"w": torch.zeros(64, 64)}
+        for step in range(1, 6):  # the root gets step 3 (every third save), memory the rest
+            mgr.save(step, state, force=False).wait()
+        snap = mgr.metrics.snapshot()
+        assert mgr.steps() == [3]
+        assert snap["saves_total"] == 1 and snap["last_committed_step"] == 3
+        assert snap["memory_saves_total"] == 4 and snap["last_memory_step"] == 5
+        scraped = parse_metrics(textfile.read_text())
+        assert scraped["ckpt_memory_saves_total"] == 4
+        assert scraped["ckpt_save_blocking_seconds_count"] == 5
+        assert scraped["ckpt_saves_total"] == 1
+
+        def broken(*args, **kwargs):
+            raise OSError(5, "injected")
+        mgr._publisher.tier.publish_step = broken
+        with pytest.raises(ckpt.CheckpointError):
+            mgr.save(7, state).wait()
+        assert mgr.metrics.snapshot()["save_failures_total"] == 1
+        assert mgr.metrics.snapshot()["memory_saves_total"] == 4
+    finally:
+        mgr.close()
+        shutil.rmtree(segment, ignore_errors=True)

@@ -63,9 +63,9 @@ from ckpt._format.entries import Chunk
 from ckpt._memory.private import STAGING
 from ckpt._save.chunking import ChunkPlan, chunk_tensor
 from ckpt._save.payload import RankTable
-from ckpt._shared.buffers import plain_address
+from ckpt._shared.buffers import plain_address, read_view
 from ckpt._shared.copy_threads import HelperThreads, Workers, run_jobs
-from ckpt._shared.streaming_copy import copy, read_view
+from ckpt._shared.streaming_copy import copy
 from ckpt.errors import CheckpointError
 
 SPARE = f"{STAGING}slab-"  # a spare slab's name in the segment: removed after a crash
@@ -169,10 +169,9 @@ class Slab:
         (:data:`BLOCK`: digested from the tensor, then copied from the cache), the chunks of
         :data:`PARALLEL` bytes or more on ``threads`` threads (this one and the pool's, at
         training's priority on purpose: this is the blocking copy, which training waits
-        for, unlike the writer's niced threads), smaller
-        ones on this thread alone. A tensor whose bytes cannot be read as they are (not
-        contiguous, a lazy conjugate) is copied by torch first, its chunks then digested from
-        the pages."""
+        for, unlike the writer's niced threads), smaller ones on this thread alone. A tensor
+        whose bytes cannot be read as they are (not contiguous, a lazy conjugate) is copied
+        by torch first, its chunks then digested from the pages."""
         large, small = [], []
         for key, t in tensors.items():
             p = self.placements[key]

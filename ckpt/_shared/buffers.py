@@ -3,6 +3,7 @@ device copies."""
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from typing import Protocol
 
@@ -49,3 +50,15 @@ def plain_address(t: torch.Tensor, nbytes: int) -> int | None:
         return t.data_ptr()
     except RuntimeError:  # a tensor without storage of its own (a wrapper subclass)
         return None
+
+
+_memory_at = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_at.restype = ctypes.py_object
+_memory_at.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_READ = 0x100  # PyBUF_READ
+
+
+def read_view(address: int, nbytes: int) -> memoryview:
+    """A read-only view of ``nbytes`` bytes of this process's memory at ``address`` (no copy;
+    it does not keep what owns them alive: use it while the owner lives)."""
+    return _memory_at(address, nbytes, _READ)

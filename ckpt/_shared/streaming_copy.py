@@ -150,15 +150,3 @@ def copy(destination: int, source: int, nbytes: int) -> None:
     done = head + body
     if done < nbytes:
         _memmove(destination + done, source + done, nbytes - done)
-
-
-_memory_at = ctypes.pythonapi.PyMemoryView_FromMemory
-_memory_at.restype = ctypes.py_object
-_memory_at.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
-_READ = 0x100  # PyBUF_READ
-
-
-def read_view(address: int, nbytes: int) -> memoryview:
-    """A read-only view of ``nbytes`` bytes of this process's memory at ``address`` (no copy;
-    it does not keep what owns them alive: use it while the owner lives)."""
-    return _memory_at(address, nbytes, _READ)

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from ckpt._shared import streaming_copy
+from ckpt._shared.buffers import read_view
 
 X86_LINUX = sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64")
 GUARD = 256  # bytes before and after the destination that must stay as they were
@@ -96,6 +97,6 @@ def test_switched_off_by_the_environment_copies_with_memmove():
 
 def test_read_view_is_the_memory_at_the_address():
     buf = (ctypes.c_ubyte * 100)(*range(100))
-    view = streaming_copy.read_view(ctypes.addressof(buf) + 10, 20)
+    view = read_view(ctypes.addressof(buf) + 10, 20)
     assert bytes(view) == bytes(range(10, 30))
     assert view.readonly

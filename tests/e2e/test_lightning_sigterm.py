@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 
@@ -72,3 +73,33 @@ def test_sigterm_waits_for_the_ckpt_in_flight_then_exits_143(tmp_path, capsys):
     assert f"SIGTERM during the save of step 4, {sync}" in out
     assert ckpt_cli(["verify", str(sync / "ckpts" / "epoch=0-step=4.ckpt")]) == 0
     capsys.readouterr()
+
+
+def test_sigterm_as_the_background_write_starts_waits_for_it(tmp_path, monkeypatch):
+    """A SIGTERM that lands the moment the plugin's writer thread has begun (before
+    ``save_checkpoint`` returns) is ckpt's: the write is waited for and committed, the
+    process exits 143; Lightning's handler, in place between writes, never sees it."""
+    import ckpt
+    from trainer.integrations import lightning as pl_io
+
+    submit = pl_io.FolderWriter.submit
+
+    def submit_then_sigterm(writer, job):
+        submit(writer, job)
+        signal.raise_signal(signal.SIGTERM)  # its handler runs in this thread, now
+
+    monkeypatch.setattr(pl_io.FolderWriter, "submit", submit_then_sigterm)
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        io = pl_io.CkptCheckpointIO(schedule=ckpt.Schedule(handle_sigterm=True),
+                                    async_save=True)
+        path = tmp_path / "ckpts" / "epoch=0-step=2.ckpt"
+        with pytest.raises(SystemExit) as exited:
+            io.save_checkpoint({"global_step": 2, "w": torch.ones(3)}, path)
+        assert exited.value.code == 143
+        assert seen == []  # the handler in place between writes was not the one called
+        assert ckpt_cli(["verify", str(path)]) == 0  # committed before the exit
+        io.teardown()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -62,6 +62,16 @@ class SigtermGuard:
         self._previous = signal.signal(signal.SIGTERM, self._handler)
         self._armed = True
 
+    def hand_off(self, settle: Settle) -> None:
+        """The write armed in this thread (``settle`` None) now runs in the background:
+        ``settle`` waits for it. A SIGTERM that came while it was being handed off is acted
+        on now (armed before the write starts, no signal finds Lightning's handler in place
+        of this one)."""
+        self._settle = settle
+        signum, self._signum = self._signum, None
+        if signum is not None:
+            self._wait_then_exit(signum, settle)
+
     def disarm(self) -> None:
         """The write is over: Lightning's handler is back; a SIGTERM that came during a write
         in this thread exits now (SystemExit)."""
@@ -82,6 +92,9 @@ class SigtermGuard:
                         self._what)
             self._signum = signum
             return
+        self._wait_then_exit(signum, settle)
+
+    def _wait_then_exit(self, signum: int, settle: Settle) -> None:
         log.warning("ckpt: SIGTERM: waiting up to %g s for the checkpoint in flight (%s) "
                     "to commit", self.timeout, self._what)
         started = time.monotonic()

@@ -205,9 +205,12 @@ class CkptCheckpointIO(CheckpointIO):
                         self._sigterm.disarm()  # exits if SIGTERM came meanwhile
             return
         self._store, self._writer = store, FolderWriter()
+        # Armed before the write starts: a SIGTERM as soon as it has begun is ours to handle.
+        if self._sigterm is not None:
+            self._sigterm.arm(what or root, None)
         self._writer.submit(lambda: job(store))
         if self._sigterm is not None:
-            self._sigterm.arm(what or root, self._writer.settle)
+            self._sigterm.hand_off(self._writer.settle)
 
     def _queue(self, root: str, job: Callable[[StepStore], None]) -> None:
         """``job`` after the write in flight under ``root`` (without waiting), or now."""

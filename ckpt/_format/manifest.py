@@ -49,11 +49,13 @@ class Manifest:
     # Format 2: the rank tables, once attached (see attach).
     rank_tables: RankTables | None = field(default=None, init=False, repr=False, compare=False)
 
-    def to_json(self) -> bytes:
+    def to_json(self, tensors_text: str | None = None) -> bytes:
+        """The sealed document. ``tensors_text``: format 1's ``tensors`` member, written
+        already (from a :class:`TensorsTemplate`); ``self.tensors`` is then not read."""
         with paused_gc():  # a document of many small objects (see paused_gc)
-            return self._to_json()
+            return self._to_json(tensors_text)
 
-    def _to_json(self) -> bytes:
+    def _to_json(self, tensors_text: str | None = None) -> bytes:
         # Built by hand: dataclasses.asdict deep-copies every field of millions of chunks,
         # which would be the slowest part of a large job's commit (benchmarks/bench_scale.py).
         doc = {f.name: getattr(self, f.name) for f in fields(self)
@@ -61,9 +63,13 @@ class Manifest:
         if self.format_version == FORMAT_VERSION:
             # Each member encoded on its own, the chunks written out as text: the bytes
             # json.dumps gives, in about two thirds of its time (no dict per chunk).
-            body = ",".join(f"{_encode(k)}:{_tensors_text(v) if k == 'tensors' else _encode(v)}"
+            if tensors_text is None:
+                tensors_text = _tensors_text(self.tensors)
+            body = ",".join(f"{_encode(k)}:{tensors_text if k == 'tensors' else _encode(v)}"
                             for k, v in doc.items())
             return seal(b"{%s}" % body.encode())
+        if tensors_text is not None:
+            raise ValueError("tensors_text is format 1's member; this manifest is format 2")
         meshes: dict[Any, int] = {}
         doc["tensors"] = {key: {"dtype": e.dtype, "shape": list(e.shape),
                                 "layout": layout_doc(e.layout, meshes)}
@@ -187,6 +193,28 @@ def _template(tensors: dict[str, TensorEntry]) -> str:
         _quote(key).replace("%", "%%"), _quote(e.dtype).replace("%", "%%"), _ints(e.shape),
         ",".join([_chunk_template(c) for c in e.chunks]))
         for key, e in tensors.items())
+
+
+class TensorsTemplate:
+    """Format 1's ``tensors`` member for one layout, each chunk's file and digest left as
+    holes: a memory-tier slab keeps one for its layout (``ckpt/_memory/slabs.py``), and a
+    step's member is then its holes filled in, without a chunk object made or compared."""
+
+    def __init__(self, tensors: dict[str, TensorEntry]) -> None:
+        """``tensors`` as the manifest holds them (their chunks' files and digests unused)."""
+        self._text = _template(tensors)
+        self.chunks = sum(len(e.chunks) for e in tensors.values())
+
+    def render(self, file: str, digests: list[str]) -> str:
+        """The member with every chunk in ``file`` and ``digests[i]`` the digest of the i-th
+        chunk, in the manifest's order (the tensors', each tensor's chunks by offsets)."""
+        if len(digests) != self.chunks:
+            raise ValueError(f"{len(digests)} digests for {self.chunks} chunks")
+        name = _quote(file)
+        holes: list[str] = []
+        for d in digests:
+            holes += (name, _quote(d))
+        return self._text % tuple(holes)
 
 
 # The template of the last format-1 ``tensors`` member written, with its geometry: a job

@@ -198,14 +198,15 @@ class MemoryPublisher:
         t0 = time.perf_counter()
         resaved = os.path.lexists(os.path.join(self.tier.path, payload.name))
         self.tier.publish_step(payload, slab)
-        self.tier.retire(payload.step)
-        kept = self.tier.kept_steps(payload.step)
+        kept, dirs = self.tier.retire(payload.step)
         # The collector reads every kept step's manifest (a third of a publish's work):
         # only when something besides the kept steps is left, or a step number was saved
         # again over its directory (the old save's files stay there until collected).
-        if resaved or self.tier.strays(kept):
+        if resaved or self.tier.strays(kept, dirs):
             collect(self.tier.storage, kept)
-        self.tier.prune_tags()
+            self.tier.prune_tags()
+        else:  # what is left is the kept steps
+            self.tier.prune_tags(kept)
         return SaveResult(payload.step, f"{self.tier.path}/{payload.name}", slab.size, 0, 1,
                           0.0, time.perf_counter() - t0)
 

@@ -65,7 +65,7 @@ from ckpt._save.chunking import ChunkPlan, chunk_tensor
 from ckpt._save.payload import RankTable
 from ckpt._shared.buffers import plain_address, read_view
 from ckpt._shared.copy_threads import HelperThreads, Workers, run_jobs
-from ckpt._shared.streaming_copy import copy
+from ckpt._shared.streaming_copy import SMALL, copy
 from ckpt.errors import CheckpointError
 
 SPARE = f"{STAGING}slab-"  # a spare slab's name in the segment: removed after a crash
@@ -162,32 +162,53 @@ class Slab:
         self.digests: dict[tuple[str, int], str] = {}
         self._chunk_index: dict[str, dict[tuple[int, int], int]] | None = None
         self._chunk_places: list | None = None
+        self._fill_plan: dict | None = None
         self.workers: Workers = lambda n: None
+        # The memory tier's template of a step's tensors member for this layout, with what
+        # it was made for (ckpt/_memory/tier.py).
+        self.manifest_template: Any = None
 
     def fill(self, tensors: Mapping[str, torch.Tensor], threads: int = 1) -> None:
         """Copy each tensor into its view, digesting each chunk as it goes, block by block
-        (:data:`BLOCK`: digested from the tensor, then copied from the cache), the chunks of
+        (:data:`BLOCK`: digested from the tensor, then copied from the cache; a chunk under
+        ``streaming_copy.SMALL`` bytes, which is copied through the cache, is digested from
+        the pages it was copied to, which costs less than a view of the tensor), the chunks of
         :data:`PARALLEL` bytes or more on ``threads`` threads (this one and the pool's, at
         training's priority on purpose: this is the blocking copy, which training waits
         for, unlike the writer's niced threads), smaller ones on this thread alone. A tensor
         whose bytes cannot be read as they are (not contiguous, a lazy conjugate) is copied
         by torch first, its chunks then digested from the pages."""
         large, small = [], []
+        fill_plan = self.fill_plan()
         for key, t in tensors.items():
-            p = self.placements[key]
-            source = plain_address(t, p.nbytes)
-            if source is None and p.nbytes:
+            nbytes, chunks = fill_plan[key]
+            source = plain_address(t, nbytes)
+            if source is None and nbytes:
                 self.views[key].copy_(t)
-            for i, c in enumerate(p.chunks):
-                (large if c.byte_length >= PARALLEL else small).append(
-                    (key, i, p.start + c.byte_start, c.byte_length,
-                     None if source is None else source + c.byte_start))
+            for i, start, offset, length, is_large in chunks:
+                (large if is_large else small).append(
+                    (key, i, start, length, None if source is None else source + offset))
         run_jobs(large, small, self._fill_chunk, threads, self.workers)
+
+    def fill_plan(self) -> dict[str, tuple[int, list[tuple[int, int, int, int, bool]]]]:
+        """key -> (its box's bytes, for each chunk (index, byte start in the file, byte
+        start in the box, byte length, whether it is copied on the helper threads too))
+        (made once per slab: a layout does not change)."""
+        if self._fill_plan is None:
+            self._fill_plan = {
+                key: (p.nbytes, [(i, p.start + c.byte_start, c.byte_start, c.byte_length,
+                                  c.byte_length >= PARALLEL) for i, c in enumerate(p.chunks)])
+                for key, p in self.placements.items()}
+        return self._fill_plan
 
     def _fill_chunk(self, job: tuple) -> None:
         key, index, start, length, source = job
         base = self.address
         if source is None:  # copied by torch already: digested from the pages
+            self.digests[(key, index)] = digest(self.bytes[start:start + length])
+            return
+        if length < SMALL:  # copied through the cache: digested from the pages it wrote
+            copy(base + start, source, length)
             self.digests[(key, index)] = digest(self.bytes[start:start + length])
             return
         if length <= BLOCK:  # one block: no running state to keep
@@ -230,15 +251,22 @@ class Slab:
         digest that of the shared pages (what a restore will check them against): taken as
         :meth:`fill` wrote them, else read from the pages now."""
         table = RankTable()
-        digests, append = self.digests, table.chunks.append
-        for key, i, offsets, shape, begin, length in self.chunk_places():
-            d = digests.get((key, i))
-            if d is None:
-                d = digest(self.pages[begin:begin + length])
+        append = table.chunks.append
+        for (key, i, offsets, shape, begin, length), d in zip(self.chunk_places(),
+                                                              self.chunk_digests()):
             append((key, Chunk(offsets, shape, file, begin, length, d, "raw")))
         table.files[file] = self.size
         table.bytes_written = self.size
         return table
+
+    def chunk_digests(self) -> list[str]:
+        """The digest of every chunk, in :meth:`chunk_places` order: taken as :meth:`fill`
+        wrote it, else read from the pages now."""
+        digests, out = self.digests, []
+        for key, i, _, _, begin, length in self.chunk_places():
+            d = digests.get((key, i))
+            out.append(digest(self.pages[begin:begin + length]) if d is None else d)
+        return out
 
 
 class ChunkDigests:

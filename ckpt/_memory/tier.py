@@ -266,7 +266,7 @@ class MemoryTier:
         payload = dataclasses.replace(payload, pieces={**payload.pieces, **payload.held})
         staging = self.storage.begin(payload.name, payload.token)
         try:
-            table = self._fill(payload, slab, staging)
+            table = slab.table(self._fill(payload, slab, staging))
             doc = {"format": RANK_FORMAT, "step": payload.step, "rank": payload.rank,
                    "world_size": payload.world_size, "token": payload.token,
                    "created": time.time(), "node": self.node,
@@ -286,30 +286,48 @@ class MemoryTier:
         retire_rank_steps(self.path, self.keep, payload.step, self.slabs.reclaim)
         return table
 
-    def publish_step(self, payload: Any, slab: Any) -> Any:
+    def publish_step(self, payload: Any, slab: Any) -> None:
         """Publish a single process's save, staged in ``slab``, as a step of the segment's
-        ckpt root (its manifest's tag written before the commit); returns the manifest. The
-        caller retires the older generations (:meth:`retire`)."""
-        from ckpt._save.commit import commit_step  # imports torch; this module stays light
+        ckpt root (its manifest's tag written before the commit). The caller retires the
+        older generations (:meth:`retire`)."""
+        from ckpt._save.commit import commit_rendered, commit_step  # (import torch)
         from ckpt._save.rank_write import write_table
 
         staging = self.storage.begin(payload.name, payload.token)
         try:
-            table = self._fill(payload, slab, staging)
+            name = self._fill(payload, slab, staging)
             fault_point("memory_commit")
             if payload.layouts is not None:
-                report = write_table(self.storage, staging, payload, table)
-                return commit_step(self.storage, staging, payload, reports=[report])
-            return commit_step(self.storage, staging, payload, [table])
+                report = write_table(self.storage, staging, payload, slab.table(name))
+                commit_step(self.storage, staging, payload, reports=[report])
+            else:
+                commit_rendered(self.storage, staging, payload, {name: slab.size},
+                                self._tensors_text(payload, slab, name))
         except BaseException:
             self.slabs.release(slab)
             shutil.rmtree(os.path.join(self.path, staging), ignore_errors=True)
             raise
 
-    def _fill(self, payload: Any, slab: Any, staging: str) -> Any:
+    @staticmethod
+    def _tensors_text(payload: Any, slab: Any, file: str) -> str:
+        """The step's format-1 ``tensors`` member: the slab's template for the payload's
+        tensors (made at the first save of this layout, as ``build_manifest`` writes the
+        member), filled in with ``file`` and this save's digests."""
+        from ckpt._save.commit import tensors_template
+
+        described = list(payload.tensors.items())
+        cached = slab.manifest_template
+        if cached is None or cached[0] != described:
+            template, order = tensors_template(payload.tensors, slab.table(file))
+            cached = slab.manifest_template = (described, template, order)
+        digests = slab.chunk_digests()
+        return cached[1].render(file, [digests[i] for i in cached[2]])
+
+    def _fill(self, payload: Any, slab: Any, staging: str) -> str:
         """Complete ``slab`` (the boxes staged elsewhere, CUDA's, copied in and digested once
-        they have landed), move it into the step's ``staging`` directory and return its
-        chunk table, every digest that of the shared pages (taken as they were copied)."""
+        they have landed), move it into the step's ``staging`` directory and return the name
+        of its data file there, every digest that of the shared pages (taken as they were
+        copied)."""
         from ckpt._memory.slabs import staged_elsewhere
         from ckpt._save.chunking import data_file_name
 
@@ -319,15 +337,20 @@ class MemoryTier:
         name = data_file_name(payload.token, payload.rank, 0)
         self.slabs.place(slab, os.path.join(self.path, staging), name)
         fault_point("memory_placed")
-        return slab.table(name)
+        return name
 
-    def retire(self, newest: int) -> None:
+    def retire(self, newest: int) -> tuple[set[int], dict[int, bool]]:
         """After a single process's publish of ``newest``: the steps beyond the tier's keep
-        (and those above ``newest``) stop existing, their slabs kept for the next saves."""
-        kept = self.kept_steps(newest)
-        for s, committed in step_dirs(self.storage).items():
+        (and those above ``newest``) stop existing, their slabs kept for the next saves.
+        Returns the steps kept and the step directories left (one listing of the segment
+        serves the whole retirement)."""
+        dirs = step_dirs(self.storage)
+        kept = self.kept_steps(newest, dirs)
+        for s, committed in list(dirs.items()):
             if committed and s not in kept:
                 self.slabs.reclaim(os.path.join(self.path, step_dir(s)))
+                del dirs[s]
+        return kept, dirs
 
     def drop(self, steps: Iterable[int]) -> list[int]:
         """Remove ``steps`` from the segment now (the job went back past them, or retired
@@ -341,26 +364,32 @@ class MemoryTier:
             self.prune_tags()
         return gone
 
-    def kept_steps(self, newest: int | None = None) -> set[int]:
+    def kept_steps(self, newest: int | None = None,
+                   dirs: dict[int, bool] | None = None) -> set[int]:
         """The generations to keep: the newest ``keep`` committed steps, signed or not (the
         publisher retires the others with the collector after each publish; a step another
         job of this user wrote here under the same job id ages out like any other), none
-        above ``newest``, the step just published (:func:`current_line`)."""
+        above ``newest``, the step just published (:func:`current_line`). ``dirs``: a single
+        process's step directories as just listed (``step_dirs``)."""
         if self.ranked:
             steps = rank_steps(self.path)
         else:
-            steps = sorted(s for s, c in step_dirs(self.storage).items() if c)
+            listed = step_dirs(self.storage) if dirs is None else dirs
+            steps = sorted(s for s, c in listed.items() if c)
         return set(current_line(steps, newest)[-self.keep:])
 
-    def strays(self, kept: set[int]) -> bool:
+    def strays(self, kept: set[int], dirs: dict[int, bool] | None = None) -> bool:
         """Whether a single process's segment holds a step directory other than the
-        committed steps in ``kept`` (for the collector)."""
-        return any(not committed or s not in kept
-                   for s, committed in step_dirs(self.storage).items())
+        committed steps in ``kept`` (for the collector); ``dirs`` as in :meth:`kept_steps`."""
+        listed = step_dirs(self.storage) if dirs is None else dirs
+        return any(not committed or s not in kept for s, committed in listed.items())
 
-    def prune_tags(self) -> None:
-        """Remove the tags of steps no longer in a single process's segment."""
-        committed = {step_dir(s) for s, c in step_dirs(self.storage).items() if c}
+    def prune_tags(self, committed_steps: Iterable[int] | None = None) -> None:
+        """Remove the tags of steps no longer in a single process's segment (``committed_steps``:
+        those it holds, when the caller just listed them)."""
+        if committed_steps is None:
+            committed_steps = (s for s, c in step_dirs(self.storage).items() if c)
+        committed = {step_dir(s) for s in committed_steps}
         for name in os.listdir(self.path):
             if name.startswith(TAG_PREFIX) and name[len(TAG_PREFIX):] not in committed:
                 try:

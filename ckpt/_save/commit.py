@@ -14,7 +14,7 @@ from storage_backends import Storage
 from storage_backends.faults import fault_point
 
 from ckpt._format.entries import Chunk, TensorEntry
-from ckpt._format.manifest import Manifest
+from ckpt._format.manifest import Manifest, TensorsTemplate
 from ckpt._format.names import FORMAT_VERSION_TABLES, MANIFEST_NAME, PER_RANK_IN_TABLES
 from ckpt._save.payload import RankTable, StepPayload
 from ckpt._step.incremental import CHAIN_KEY, chain_length
@@ -33,9 +33,33 @@ def build_manifest(payload: StepPayload, tables: list[RankTable]) -> Manifest:
             chunks[key].append(chunk)
     tensors = {key: TensorEntry(dtype, shape, _in_order(chunks[key]))
                for key, (dtype, shape) in payload.tensors.items()}
+    return _manifest(payload, tensors, files)
+
+
+def _manifest(payload: StepPayload, tensors: dict[str, TensorEntry],
+              files: dict[str, int]) -> Manifest:
     return Manifest(step=payload.step, world_size=payload.world_size, created=time.time(),
                     tensors=tensors, aliases=payload.aliases, items=payload.items, files=files,
                     metadata=_metadata(payload))
+
+
+def tensors_template(tensors: dict[str, tuple[str, tuple[int, ...]]], table: RankTable
+                     ) -> tuple[TensorsTemplate, list[int]]:
+    """For a step whose chunks are all in ``table`` (a memory-tier slab's), with ``tensors``
+    as ``StepPayload.tensors``: the template of its format-1 ``tensors`` member, as
+    :func:`build_manifest` orders it, and for each of its holes in order the index of the
+    chunk in ``table.chunks`` (whose file and digest fill it)."""
+    chunks: dict[str, list[Chunk]] = {k: [] for k in tensors}
+    index: dict[int, int] = {}
+    for i, (key, chunk) in enumerate(table.chunks):
+        chunks[key].append(chunk)
+        index[id(chunk)] = i
+    entries, order = {}, []
+    for key, (dtype, shape) in tensors.items():
+        ordered = _in_order(chunks[key])
+        entries[key] = TensorEntry(dtype, shape, ordered)
+        order += (index[id(c)] for c in ordered)
+    return TensorsTemplate(entries), order
 
 
 def _in_order(chunks: list[Chunk]) -> tuple[Chunk, ...]:
@@ -78,15 +102,27 @@ def commit_step(storage: Storage, staging: str, payload: StepPayload,
         manifest = build_top_manifest(payload, reports)
     else:
         manifest = build_manifest(payload, tables or [])
+    _publish(storage, staging, payload, manifest.to_json())
+    # The step's rank tables now lie in its directory: later incremental saves read them.
+    return bind_tables(manifest, lambda name: storage.read(f"{payload.name}/{name}"),
+                       f"{storage.url}/{payload.name}")
+
+
+def commit_rendered(storage: Storage, staging: str, payload: StepPayload,
+                    files: dict[str, int], tensors_text: str) -> None:
+    """:func:`commit_step` for a single process's format-1 step whose ``tensors`` member is
+    written already (:func:`tensors_template`, filled in by the memory tier)."""
+    document = _manifest(payload, {}, files).to_json(tensors_text=tensors_text)
+    _publish(storage, staging, payload, document)
+
+
+def _publish(storage: Storage, staging: str, payload: StepPayload, document: bytes) -> None:
     fault_point("before_commit")
     # The commit point. Only now, once every rank's files are durable (each write returned,
     # every rank voted ok), does the step become visible: a crash on either side of this
     # call leaves the earlier steps and either no step or a whole one, never a torn one.
-    storage.commit(staging, payload.name, manifest.to_json(), MANIFEST_NAME)
+    storage.commit(staging, payload.name, document, MANIFEST_NAME)
     fault_point("after_commit")
-    # The step's rank tables now lie in its directory: later incremental saves read them.
-    return bind_tables(manifest, lambda name: storage.read(f"{payload.name}/{name}"),
-                       f"{storage.url}/{payload.name}")
 
 
 def abort(storage: Storage, staging: str) -> None:

@@ -17,7 +17,7 @@ from ckpt._save.payload import StepPayload
 from ckpt._save.staging import Stager
 from ckpt._shared.distributed import Group
 from ckpt._shared.sharding import (PieceSpec, assign_writers, balance_plain, boxes_layouts,
-                                   local_piece, mesh_layout)
+                                   dtensor_type, local_piece, mesh_layout)
 from ckpt._shared.state import FlatState, flatten, tensor_keys
 from ckpt.errors import CheckpointError
 from ckpt.options import SaveOptions
@@ -38,6 +38,13 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
     ``staging.Destination``) or None; the chunk digests it takes while copying go into
     ``payload.digests``, for the root's writer."""
     flat = flatten(state, allow_pickle=options.allow_pickle, rank=group.rank)
+    token = uuid.uuid4().hex[:12]
+    tables = options.rank_tables if options.rank_tables is not None else group.enabled
+    if not tables and not group.enabled:
+        return _snapshot_alone(state, flat, token, step=step, name=name, group=group,
+                               stager=stager, options=options, copy=copy, metadata=metadata,
+                               previous=previous, hold_all=hold_all,
+                               destinations=destinations)
     locals_: dict[str, tuple[tuple[int, ...], Any]] = {}
     specs = []
     for key, t in flat.tensors.items():
@@ -45,8 +52,6 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
         locals_[key] = (offsets, local)
         specs.append(PieceSpec(key, dtype_name(t.dtype), global_shape, offsets,
                                tuple(local.shape), math.prod(local.shape) * t.element_size()))
-    token = uuid.uuid4().hex[:12]
-    tables = options.rank_tables if options.rank_tables is not None else group.enabled
     if tables:
         return _snapshot_tables(state, flat, specs, locals_, token, step=step, name=name,
                                 group=group, stager=stager, options=options, copy=copy,
@@ -57,7 +62,8 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
     _check_same_items([_item_names(g["items"]) for g in gathered])
     writers = assign_writers([g["specs"] for g in gathered])
     mine = [s.key for s in specs if writers[(s.key, s.offsets)] == group.rank]
-    pieces, held, ready, digests = _stage(state, specs, locals_, mine, stager=stager,
+    pieces, held, ready, digests = _stage(state, [s.key for s in specs], locals_, mine,
+                                          stager=stager,
                                           options=options, copy=copy, hold_all=hold_all,
                                           destinations=destinations)
     tensors = {s.key: (s.dtype, s.global_shape) for g in gathered for s in g["specs"]}
@@ -66,6 +72,34 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
         items=_merge_items([g["items"] for g in gathered]), aliases=gathered[0]["aliases"],
         ready=ready, metadata=metadata, previous=previous, rank=group.rank,
         world_size=group.world_size, token=gathered[0]["token"], digests=digests)
+
+
+def _snapshot_alone(state: Mapping[str, Any], flat: FlatState, token: str, *, step: int,
+                    name: str, group: Group, stager: Stager, options: SaveOptions, copy: bool,
+                    metadata: dict | None, previous: Manifest | None, hold_all: bool,
+                    destinations: Destinations | None) -> StepPayload:
+    """Format 1 in a single process: it writes every box it holds, nothing to agree on.
+    (Most of a small save's time is spent per tensor: this loop does only what it needs.)"""
+    locals_: dict[str, tuple[tuple[int, ...], Any]] = {}
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    dtensor = dtensor_type()
+    for key, t in flat.tensors.items():
+        if dtensor is not None and isinstance(t, dtensor):
+            global_shape, offsets, local = local_piece(t)
+        else:
+            global_shape = tuple(t.shape)
+            offsets, local = (0,) * len(global_shape), t
+        locals_[key] = (offsets, local)
+        tensors[key] = (dtype_name(t.dtype), global_shape)
+    keys = list(tensors)
+    pieces, held, ready, digests = _stage(state, keys, locals_, keys, stager=stager,
+                                          options=options, copy=copy, hold_all=hold_all,
+                                          destinations=destinations)
+    return StepPayload(
+        step=step, name=name, pieces=pieces, held=held, tensors=tensors,
+        items=dict(flat.items), aliases=flat.aliases, ready=ready, metadata=metadata,
+        previous=previous, rank=group.rank, world_size=group.world_size, token=token,
+        digests=digests)
 
 
 def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[PieceSpec],
@@ -131,7 +165,8 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         layouts = boxes_layouts(all_specs)
         tensors = {s.key: (s.dtype, s.global_shape) for r in all_specs for s in r}
     pieces, held, ready, digests = _stage(
-        state, specs, locals_, written_here(specs, layouts, group.rank), stager=stager,
+        state, [s.key for s in specs], locals_, written_here(specs, layouts, group.rank),
+        stager=stager,
         options=options, copy=copy, hold_all=hold_all, destinations=destinations)
     # Per-rank items carry this rank's tree only: it goes into this rank's table (and rank
     # step); the manifest marks them "in the tables".
@@ -163,15 +198,15 @@ def _check_same_items(by_rank: list[dict[str, list[str]]]) -> None:
                 "rank (a value only some ranks have: wrap it in ckpt.PerRank on every rank)")
 
 
-def _stage(state: Mapping[str, Any], specs: list[PieceSpec], locals_: dict,
+def _stage(state: Mapping[str, Any], order: list[str], locals_: dict,
            mine: list[str], *, stager: Stager, options: SaveOptions, copy: bool,
            hold_all: bool, destinations: Destinations | None = None
            ) -> tuple[dict, dict, Any, Any]:
-    """Copy to host the boxes this rank writes (``mine``, in the order of ``specs``) and,
-    with ``hold_all``, the others it holds (for the memory tier): (pieces, held, ready,
-    the chunk digests taken while copying, or {})."""
+    """Copy to host the boxes this rank writes (``mine``, in the order of the keys of its
+    boxes, ``order``) and, with ``hold_all``, the others it holds (for the memory tier):
+    (pieces, held, ready, the chunk digests taken while copying, or {})."""
     writes = set(mine)
-    held = [s.key for s in specs if hold_all and s.key not in writes]
+    held = [key for key in order if key not in writes] if hold_all else []
     keys = [*mine, *held]
     # The optimizers only order device-to-host copies: looked for only when there are some.
     guards = optimizers_in(state) if options.overlap_device_copy and any(

@@ -123,8 +123,7 @@ class Stager:
         guarded = _optimizer_storages(guards) if guards else set()
         deferred: list = []
         views = into.views if into is not None else {}
-        shared = {key: t for key, t in tensors.items()
-                  if key in views and t.device.type == "cpu"}
+        shared = {key: t for key, t in tensors.items() if key in views and t.is_cpu}
         if shared:
             into.fill(shared, threads=torch.get_num_threads())
         for key, t in tensors.items():

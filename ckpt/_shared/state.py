@@ -117,10 +117,11 @@ class _Flattener:
         dtensor = self._dtensor
         local = t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
         shape = tuple(local.shape)
+        # (the first byte's address: its storage's plus the offset; no two empty tensors
+        # are one)
         identity = (shape if local is t else tuple(t.shape), local.device, local.dtype,
-                    t.is_conj(), t.is_neg(),
-                    local.untyped_storage().data_ptr() if local.numel() else id(t),
-                    local.storage_offset(), shape, tuple(local.stride()))
+                    t.is_conj(), t.is_neg(), local.data_ptr() if 0 not in shape else id(t),
+                    shape, local.stride())
         if identity in self._seen:
             flat.aliases[key] = self._seen[identity]
         else:

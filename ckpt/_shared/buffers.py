@@ -44,7 +44,7 @@ def plain_address(t: torch.Tensor, nbytes: int) -> int | None:
     they cannot be read as they are (not contiguous, a lazy conjugate or negative, another
     size: torch has to copy such a tensor)."""
     if (not t.is_cpu or t.layout != torch.strided or not t.is_contiguous() or t.is_conj()
-            or t.is_neg() or t.is_quantized or t.numel() * t.element_size() != nbytes):
+            or t.is_neg() or t.is_quantized or t.nbytes != nbytes):
         return None
     try:
         return t.data_ptr()

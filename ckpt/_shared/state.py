@@ -20,7 +20,8 @@ import math
 import pickle
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.utils.data

@@ -126,6 +126,9 @@ class Stager:
         shared = {key: t for key, t in tensors.items() if key in views and t.is_cpu}
         if shared:
             into.fill(shared, threads=torch.get_num_threads())
+            if len(shared) == len(tensors):  # all in shared memory (the memory tier's CPU state)
+                self._buffers.clear()
+                return {key: views[key] for key in tensors}, self._copy_from_cuda([], [], ())
         for key, t in tensors.items():
             if key in shared:
                 self._buffers.pop(key, None)

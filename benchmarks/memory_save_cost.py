@@ -302,11 +302,7 @@ def bench_save_parts(size: int, reps: int, workdir: str) -> str:
         return {"wall": sw.seconds, "cpu": sw.cpu_seconds, "background": waited.cpu_seconds}
 
     cases = [(COPY, copy), (DIGEST, copy_digest), (CKPT, memory_tier)]
-    for _ in range(3):  # warm: the slabs made, every page written once
-        for _, fn in cases:
-            fn(0)
-    timings = common.run_interleaved(cases, reps, progress=f"save parts "
-                                     f"{common.format_size(size)}")
+    timings = _warm_then_interleaved(cases, reps, f"save parts {common.format_size(size)}")
     _close_ckpt(mgr)
     floor_pool.shutdown()
     rows, total_copy = [], None
@@ -326,6 +322,15 @@ def bench_save_parts(size: int, reps: int, workdir: str) -> str:
                                "background CPU ms", "CPU in all ms", "/ copy floor"], rows),
         "",
     ])
+
+
+def _warm_then_interleaved(cases: list, reps: int, progress: str) -> common.Timings:
+    """Each case three times untimed (the slabs made, every page written once), then
+    ``reps`` interleaved repetitions."""
+    for _ in range(3):
+        for _, fn in cases:
+            fn(0)
+    return common.run_interleaved(cases, reps, progress=progress)
 
 
 def _model_and_optimizer(size: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -378,11 +383,7 @@ def bench_model_parts(size: int, reps: int, workdir: str) -> str:
         return {"wall": sw.seconds, "cpu": sw.cpu_seconds}
 
     cases = [(COPY, copy), (CKPT, memory_tier)]
-    for _ in range(3):  # warm: the slabs made, every page written once
-        for _, fn in cases:
-            fn(0)
-    timings = common.run_interleaved(cases, reps, progress=f"model parts "
-                                     f"{common.format_size(size)}")
+    timings = _warm_then_interleaved(cases, reps, f"model parts {common.format_size(size)}")
     _close_ckpt(mgr)
     wall = {name: common.median(timings[name]["wall"]) for name, _ in cases}
     cpu = {name: common.median(timings[name]["cpu"]) for name, _ in cases}

@@ -364,25 +364,20 @@ class MemoryTier:
             self.prune_tags()
         return gone
 
-    def kept_steps(self, newest: int | None = None,
-                   dirs: dict[int, bool] | None = None) -> set[int]:
-        """The generations to keep: the newest ``keep`` committed steps, signed or not (the
-        publisher retires the others with the collector after each publish; a step another
-        job of this user wrote here under the same job id ages out like any other), none
-        above ``newest``, the step just published (:func:`current_line`). ``dirs``: a single
-        process's step directories as just listed (``step_dirs``)."""
-        if self.ranked:
-            steps = rank_steps(self.path)
-        else:
-            listed = step_dirs(self.storage) if dirs is None else dirs
-            steps = sorted(s for s, c in listed.items() if c)
+    def kept_steps(self, newest: int, dirs: dict[int, bool]) -> set[int]:
+        """The generations of a single process's segment to keep, its step directories
+        ``dirs`` as just listed (``step_dirs``): the newest ``keep`` committed steps, signed
+        or not (the publisher retires the others with the collector after each publish; a
+        step another job of this user wrote here under the same job id ages out like any
+        other), none above ``newest``, the step just published (:func:`current_line`)."""
+        steps = sorted(s for s, c in dirs.items() if c)
         return set(current_line(steps, newest)[-self.keep:])
 
-    def strays(self, kept: set[int], dirs: dict[int, bool] | None = None) -> bool:
-        """Whether a single process's segment holds a step directory other than the
-        committed steps in ``kept`` (for the collector); ``dirs`` as in :meth:`kept_steps`."""
-        listed = step_dirs(self.storage) if dirs is None else dirs
-        return any(not committed or s not in kept for s, committed in listed.items())
+    @staticmethod
+    def strays(kept: set[int], dirs: dict[int, bool]) -> bool:
+        """Whether a single process's step directories ``dirs`` (as :meth:`retire` left
+        them) hold one other than the committed steps in ``kept`` (for the collector)."""
+        return any(not committed or s not in kept for s, committed in dirs.items())
 
     def prune_tags(self, committed_steps: Iterable[int] | None = None) -> None:
         """Remove the tags of steps no longer in a single process's segment (``committed_steps``:

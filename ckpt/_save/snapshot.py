@@ -63,9 +63,8 @@ def snapshot(state: Mapping[str, Any], *, step: int, name: str, group: Group, st
     writers = assign_writers([g["specs"] for g in gathered])
     mine = [s.key for s in specs if writers[(s.key, s.offsets)] == group.rank]
     pieces, held, ready, digests = _stage(state, [s.key for s in specs], locals_, mine,
-                                          stager=stager,
-                                          options=options, copy=copy, hold_all=hold_all,
-                                          destinations=destinations)
+                                          stager=stager, options=options, copy=copy,
+                                          hold_all=hold_all, destinations=destinations)
     tensors = {s.key: (s.dtype, s.global_shape) for g in gathered for s in g["specs"]}
     return StepPayload(
         step=step, name=name, pieces=pieces, held=held, tensors=tensors,
@@ -166,8 +165,8 @@ def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[Piec
         tensors = {s.key: (s.dtype, s.global_shape) for r in all_specs for s in r}
     pieces, held, ready, digests = _stage(
         state, [s.key for s in specs], locals_, written_here(specs, layouts, group.rank),
-        stager=stager,
-        options=options, copy=copy, hold_all=hold_all, destinations=destinations)
+        stager=stager, options=options, copy=copy, hold_all=hold_all,
+        destinations=destinations)
     # Per-rank items carry this rank's tree only: it goes into this rank's table (and rank
     # step); the manifest marks them "in the tables".
     return StepPayload(

@@ -25,15 +25,22 @@ log = logging.getLogger("ckpt")
 
 def build_manifest(payload: StepPayload, tables: list[RankTable]) -> Manifest:
     """The coordinator's merge of every rank's table into the step's manifest (format 1)."""
-    chunks: dict[str, list[Chunk]] = {k: [] for k in payload.tensors}
     files: dict[str, int] = {}
     for table in tables:
         files.update(table.files)
+    return _manifest(payload, _entries(payload.tensors, tables), files)
+
+
+def _entries(tensors: dict[str, tuple[str, tuple[int, ...]]],
+             tables: list[RankTable]) -> dict[str, TensorEntry]:
+    """Each tensor of ``tensors`` (``StepPayload.tensors``) with its chunks from ``tables``,
+    in the manifest's order (the tensors', each tensor's chunks by offsets)."""
+    chunks: dict[str, list[Chunk]] = {k: [] for k in tensors}
+    for table in tables:
         for key, chunk in table.chunks:
             chunks[key].append(chunk)
-    tensors = {key: TensorEntry(dtype, shape, _in_order(chunks[key]))
-               for key, (dtype, shape) in payload.tensors.items()}
-    return _manifest(payload, tensors, files)
+    return {key: TensorEntry(dtype, shape, _in_order(chunks[key]))
+            for key, (dtype, shape) in tensors.items()}
 
 
 def _manifest(payload: StepPayload, tensors: dict[str, TensorEntry],
@@ -46,19 +53,12 @@ def _manifest(payload: StepPayload, tensors: dict[str, TensorEntry],
 def tensors_template(tensors: dict[str, tuple[str, tuple[int, ...]]], table: RankTable
                      ) -> tuple[TensorsTemplate, list[int]]:
     """For a step whose chunks are all in ``table`` (a memory-tier slab's), with ``tensors``
-    as ``StepPayload.tensors``: the template of its format-1 ``tensors`` member, as
+    as ``StepPayload.tensors``: the template of its format-1 ``tensors`` member, ordered as
     :func:`build_manifest` orders it, and for each of its holes in order the index of the
     chunk in ``table.chunks`` (whose file and digest fill it)."""
-    chunks: dict[str, list[Chunk]] = {k: [] for k in tensors}
-    index: dict[int, int] = {}
-    for i, (key, chunk) in enumerate(table.chunks):
-        chunks[key].append(chunk)
-        index[id(chunk)] = i
-    entries, order = {}, []
-    for key, (dtype, shape) in tensors.items():
-        ordered = _in_order(chunks[key])
-        entries[key] = TensorEntry(dtype, shape, ordered)
-        order += (index[id(c)] for c in ordered)
+    entries = _entries(tensors, [table])
+    index = {id(chunk): i for i, (_, chunk) in enumerate(table.chunks)}
+    order = [index[id(c)] for e in entries.values() for c in e.chunks]
     return TensorsTemplate(entries), order
 
 

@@ -81,6 +81,13 @@ BLOCK = 1 << 20
 # Chunks of at least this many bytes are shared by the threads; smaller ones cost mostly
 # Python, which holds the GIL, and are the calling thread's alone.
 PARALLEL = 256 << 10
+# A chunk's size class in a slab's fill plan (Slab.fill_plan).
+LARGE, TINY, MEDIUM = "large", "tiny", "medium"
+
+
+def _size_class(nbytes: int) -> str:
+    return LARGE if nbytes >= PARALLEL else TINY if nbytes < SMALL else MEDIUM
+
 # Slab mappings are not inherited by a forked child (MADV_DONTFORK: a DataLoader worker would
 # keep a deleted slab's pages allocated in /dev/shm while it lives; its inherited descriptors
 # are let go of too, ckpt/_memory/private.py). The child's copies of the mmap objects are kept
@@ -170,56 +177,62 @@ class Slab:
 
     def fill(self, tensors: Mapping[str, torch.Tensor], threads: int = 1) -> None:
         """Copy each tensor into its view, digesting each chunk as it goes, block by block
-        (:data:`BLOCK`: digested from the tensor, then copied from the cache; a chunk under
-        ``streaming_copy.SMALL`` bytes, which is copied through the cache, is digested from
-        the pages it was copied to, which costs less than a view of the tensor), the chunks of
+        (:data:`BLOCK`: digested from the tensor, then copied from the cache), the chunks of
         :data:`PARALLEL` bytes or more on ``threads`` threads (this one and the pool's, at
         training's priority on purpose: this is the blocking copy, which training waits
-        for, unlike the writer's niced threads), smaller ones on this thread alone. A tensor
-        whose bytes cannot be read as they are (not contiguous, a lazy conjugate) is copied
-        by torch first, its chunks then digested from the pages."""
-        large, small = [], []
-        fill_plan = self.fill_plan()
+        for, unlike the writer's niced threads), smaller ones on this thread alone. A chunk
+        under ``streaming_copy.SMALL`` bytes is copied through the cache and digested from
+        the pages it was copied to, which costs less than a view of the tensor; those are
+        copied, then digested, in two plain loops (an optimizer's thousands of small
+        tensors: the work per chunk is a call or two). A tensor whose bytes cannot be read
+        as they are (not contiguous, a lazy conjugate) is copied by torch first, its chunks
+        then digested from the pages."""
+        large, small, tiny, from_pages = [], [], [], []
+        fill_plan, base = self.fill_plan(), self.address
         for key, t in tensors.items():
             nbytes, chunks = fill_plan[key]
             source = plain_address(t, nbytes)
-            if source is None and nbytes:
-                self.views[key].copy_(t)
-            for i, start, offset, length, is_large in chunks:
-                (large if is_large else small).append(
-                    (key, i, start, length, None if source is None else source + offset))
+            if source is None:
+                if nbytes:
+                    self.views[key].copy_(t)
+                from_pages.extend(((key, i), start, length) for i, start, _, length, _ in chunks)
+                continue
+            for i, start, offset, length, size in chunks:
+                if size is TINY:
+                    tiny.append((base + start, source + offset, length))
+                    from_pages.append(((key, i), start, length))
+                else:
+                    (large if size is LARGE else small).append(
+                        (key, i, start, length, source + offset))
         run_jobs(large, small, self._fill_chunk, threads, self.workers)
+        for target, source, length in tiny:
+            copy(target, source, length)
+        pages = self.bytes
+        self.digests.update([(name, digest(pages[start:start + length]))
+                             for name, start, length in from_pages])
 
-    def fill_plan(self) -> dict[str, tuple[int, list[tuple[int, int, int, int, bool]]]]:
+    def fill_plan(self) -> dict[str, tuple[int, list[tuple[int, int, int, int, str]]]]:
         """key -> (its box's bytes, for each chunk (index, byte start in the file, byte
-        start in the box, byte length, whether it is copied on the helper threads too))
-        (made once per slab: a layout does not change)."""
+        start in the box, byte length, its size class: :data:`LARGE`, :data:`TINY` or
+        neither)) (made once per slab: a layout does not change)."""
         if self._fill_plan is None:
             self._fill_plan = {
                 key: (p.nbytes, [(i, p.start + c.byte_start, c.byte_start, c.byte_length,
-                                  c.byte_length >= PARALLEL) for i, c in enumerate(p.chunks)])
+                                  _size_class(c.byte_length)) for i, c in enumerate(p.chunks)])
                 for key, p in self.placements.items()}
         return self._fill_plan
 
     def _fill_chunk(self, job: tuple) -> None:
         key, index, start, length, source = job
-        base = self.address
-        if source is None:  # copied by torch already: digested from the pages
-            self.digests[(key, index)] = digest(self.bytes[start:start + length])
-            return
-        if length < SMALL:  # copied through the cache: digested from the pages it wrote
-            copy(base + start, source, length)
-            self.digests[(key, index)] = digest(self.bytes[start:start + length])
-            return
         if length <= BLOCK:  # one block: no running state to keep
             self.digests[(key, index)] = digest(read_view(source, length))
-            copy(base + start, source, length)
+            copy(self.address + start, source, length)
             return
         h, end, read = Digest(), start + length, read_view(source, length)
         for at in range(start, end, BLOCK):
             n = min(BLOCK, end - at)
             h.update(read[at - start:at - start + n])
-            copy(base + at, source + (at - start), n)
+            copy(self.address + at, source + (at - start), n)
         self.digests[(key, index)] = h.hexdigest()
 
     def chunk_index(self) -> dict[str, dict[tuple[int, int], int]]:

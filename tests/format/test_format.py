@@ -103,6 +103,22 @@ def test_flatten_detaches_only_what_autograd_tracks():
     assert flat.tensors["t"] is plain  # nothing to detach: the tensor itself
 
 
+def test_flatten_stores_tensors_that_share_their_first_byte_once_only_when_seen_alike():
+    """Tensors starting at the same byte are one (an alias) only when they also have the
+    same shape, strides, dtype and lazy conjugation: tied weights are; a row of a matrix, a
+    reinterpretation of its bytes, its conjugate view, and empty tensors are not."""
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    tied = base.view(3, 4)  # another tensor object over the same bytes, seen alike
+    c = torch.randn(3, dtype=torch.complex64)
+    state = {"base": base, "row": base[0], "flat": base.view(12), "ints": base.view(torch.int32),
+             "tied": tied, "again": base.view(3, 4), "c": c, "cc": c.conj(),
+             "e1": torch.empty(0), "e2": torch.empty(0), "e3": torch.empty(2, 0)}
+    flat = flatten(state)
+    assert flat.aliases == {"tied": "base", "again": "base"}
+    assert set(flat.tensors) == {"base", "row", "flat", "ints", "c", "cc", "e1", "e2", "e3"}
+    assert flat.tensors["row"].shape == (4,) and flat.tensors["cc"].is_conj()
+
+
 class _Recorder:
     def __init__(self) -> None:
         self.gc_enabled: list[bool] = []

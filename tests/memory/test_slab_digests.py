@@ -17,6 +17,7 @@ import ckpt.inspect
 from ckpt._format.digest import digest
 from ckpt._memory import slabs
 from ckpt._save import rank_write
+from ckpt._shared.buffers import plain_address
 
 
 def state_of(step: int) -> dict[str, torch.Tensor]:
@@ -94,8 +95,10 @@ def test_fill_digests_each_chunk_as_the_file_holds_it(tmp_path, monkeypatch):
 def test_helper_threads_take_only_chunks_of_parallel_size(tmp_path, monkeypatch):
     """The fill's helper threads copy and digest the chunks of at least ``PARALLEL`` bytes
     (the copy and the digest release the GIL); smaller chunks, mostly Python, stay on the
-    calling thread, and a fill of small chunks only starts no helper."""
+    calling thread, and a fill of small chunks only starts no helper. (Chunks under
+    ``SMALL`` bytes never become jobs: the calling thread copies them, then digests them.)"""
     monkeypatch.setattr(slabs, "PARALLEL", 4096)
+    monkeypatch.setattr(slabs, "SMALL", 256)
     tensors = state_of(1)
     pool = slabs.SlabPool(str(tmp_path), 3)
     try:
@@ -133,7 +136,12 @@ def test_helper_threads_take_only_chunks_of_parallel_size(tmp_path, monkeypatch)
         slab._fill_chunk = fill_chunk
         slab.fill(tensors, threads=2)
         assert exact({k: slab.views[k] for k in tensors}, tensors)
-        assert asked == [1] and len(ran) == len(slab.digests)
+        # (a tensor torch copies, not contiguous or a lazy conjugate, is digested from the
+        # pages: no jobs either)
+        jobs = [(k, i) for k, p in slab.placements.items() for i, c in enumerate(p.chunks)
+                if c.byte_length >= 256 and plain_address(tensors[k], p.nbytes) is not None]
+        assert asked == [1] and sorted(ran) == sorted(jobs)
+        assert len(slab.digests) == sum(len(p.chunks) for p in slab.placements.values())
         helper = [n for here, n in ran.values() if not here]
         mine = [n for here, n in ran.values() if here]
         assert len(helper) > 1 and min(helper) >= 4096  # every other chunk of PARALLEL or more

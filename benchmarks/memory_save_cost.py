@@ -6,8 +6,8 @@ and AdamW step, a few milliseconds, torch's default intra-op threads):
 
 - **copy floor**: ``copy_`` of every tensor into preallocated host buffers; nothing after.
 - **copy + digest floor**: the memory tier's own copy with its digests and nothing else
-  (``Slab.fill``: each 1 MiB block digested, then copied from the cache with non-temporal
-  stores, on torch's thread count) into an anonymous mapping laid out as a slab: no segment,
+  (``Slab.fill``: each 1 MiB block copied with non-temporal stores, then digested from the
+  source while it is still in the caches, on torch's thread count) into an anonymous mapping laid out as a slab: no segment,
   no planning, no publish. What a save that digests every chunk cannot avoid.
 - **ckpt memory tier**: ``CheckpointManager(memory_tier=MemoryTierOptions(persist_every=
   10**6), async_save=True).save()``: memory only (the root is never written), so the save is

@@ -334,8 +334,8 @@ class SlabPool:
         (after ``check_space(bytes)`` says it fits). Runs on the caller's thread, before the
         copy. The spare's layout is planned again only when the boxes' keys, offsets, shapes
         or dtypes (or the chunk size) changed since it was planned."""
-        signature = (chunk_bytes, tuple((key, tuple(offsets), tuple(t.shape), t.dtype)
-                                        for key, offsets, t in boxes))
+        signature = (chunk_bytes, tuple([(key, offsets, t.shape, t.dtype)
+                                         for key, offsets, t in boxes]))
         slab, self.spare = self.spare, None
         planned = None
         if slab is not None and slab.signature != signature:

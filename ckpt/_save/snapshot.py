@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 from ckpt._format.digest import digest
 from ckpt._format.layout import BoxLayout, Layout, written_by
 from ckpt._format.manifest import Manifest
-from ckpt._format.names import dtype_name
+from ckpt._format.names import DTYPE_NAMES, dtype_name
 from ckpt._save.payload import StepPayload
 from ckpt._save.staging import Stager
 from ckpt._shared.distributed import Group
@@ -81,15 +81,16 @@ def _snapshot_alone(state: Mapping[str, Any], flat: FlatState, token: str, *, st
     (Most of a small save's time is spent per tensor: this loop does only what it needs.)"""
     locals_: dict[str, tuple[tuple[int, ...], Any]] = {}
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
-    dtensor = dtensor_type()
+    dtensor, names, origins = dtensor_type(), DTYPE_NAMES, _ORIGINS
     for key, t in flat.tensors.items():
         if dtensor is not None and isinstance(t, dtensor):
             global_shape, offsets, local = local_piece(t)
         else:
             global_shape = tuple(t.shape)
-            offsets, local = (0,) * len(global_shape), t
+            offsets, local = origins[len(global_shape)], t
         locals_[key] = (offsets, local)
-        tensors[key] = (dtype_name(t.dtype), global_shape)
+        dtype = t.dtype
+        tensors[key] = (names.get(dtype) or dtype_name(dtype), global_shape)
     keys = list(tensors)
     pieces, held, ready, digests = _stage(state, keys, locals_, keys, stager=stager,
                                           options=options, copy=copy, hold_all=hold_all,
@@ -99,6 +100,10 @@ def _snapshot_alone(state: Mapping[str, Any], flat: FlatState, token: str, *, st
         items=dict(flat.items), aliases=flat.aliases, ready=ready, metadata=metadata,
         previous=previous, rank=group.rank, world_size=group.world_size, token=token,
         digests=digests)
+
+
+# The offsets of a whole tensor, by its number of dimensions (torch allows at most 64).
+_ORIGINS = tuple((0,) * n for n in range(65))
 
 
 def _snapshot_tables(state: Mapping[str, Any], flat: FlatState, specs: list[PieceSpec],

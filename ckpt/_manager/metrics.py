@@ -179,6 +179,9 @@ class _Prometheus:
         self.write = self._histogram("ckpt_save_write_seconds",
                                      "Background write+commit time of a save", labels)
         self.registry.register(_Collector(metrics, names, values))
+        # Saves to memory alone record on the training thread, commits on the writer's:
+        # a file rendered earlier must not be renamed over one rendered later.
+        self._textfile_lock = threading.Lock()
 
     def _histogram(self, name: str, doc: str, labels: dict[str, str]) -> Any:
         h = self.pc.Histogram(name, doc, list(labels), registry=self.registry, buckets=_BUCKETS)
@@ -193,7 +196,8 @@ class _Prometheus:
         return serve_metrics(self.registry, port, addr)
 
     def write_textfile(self, path: str) -> None:
-        write_textfile(path, self.registry)
+        with self._textfile_lock:
+            write_textfile(path, self.registry)
 
 
 class _Collector:

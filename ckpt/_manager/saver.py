@@ -194,7 +194,7 @@ class Saver:
             if self.metrics:
                 self.metrics.failed()
             return
-        r = handle.wait()
+        r = handle.outcome()
         log.info("ckpt.saved step=%d bytes_written=%d bytes_reused=%d write_s=%.3f "
                  "blocking_s=%.4f", r.step, r.bytes_written, r.bytes_reused, r.write_seconds,
                  r.blocking_seconds)
@@ -209,7 +209,7 @@ class Saver:
             if self.metrics:
                 self.metrics.failed()
             return
-        r = handle.wait()
+        r = handle.outcome()
         log.info("ckpt.saved_to_memory step=%d bytes=%d publish_s=%.3f blocking_s=%.4f",
                  r.step, r.bytes_written, r.write_seconds, r.blocking_seconds)
         if self.metrics:

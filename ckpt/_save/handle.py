@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,7 +28,8 @@ class SaveHandle:
     """A save in flight: ``done()``, ``wait(timeout)`` and ``result(timeout)``.
 
     ``wait`` and ``result`` return the :class:`SaveResult`, or raise the writer's error
-    (a :class:`CheckpointError` with the original chained as ``__cause__``).
+    (a :class:`CheckpointError` with the original chained as ``__cause__``), once the done
+    callbacks (metrics, logs) have run too: what a caller reads after ``wait`` is current.
     """
 
     def __init__(self, step: int, future: cf.Future, blocking_seconds: float,
@@ -36,13 +39,16 @@ class SaveHandle:
         self.progress = progress  # bytes written so far, for a terminal's progress line
         self._future = future
         self.error_reported = False
+        self._callbacks_left = 0
+        self._callbacks_ran = threading.Condition()
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> SaveResult:
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return self._future.result(timeout)
+            result = self._future.result(timeout)
         except cf.TimeoutError as e:
             # cf.TimeoutError is the builtin TimeoutError, which an OSError with errno
             # ETIMEDOUT also is (a store that stopped answering): the writer's own error
@@ -52,10 +58,14 @@ class SaveHandle:
             if self._future.exception() is not e:  # it finished just after the wait ran out
                 return self.wait()
             self.error_reported = True
+            self._await_callbacks(deadline)
             raise
         except BaseException:
             self.error_reported = True
+            self._await_callbacks(deadline)
             raise
+        self._await_callbacks(deadline)
+        return result
 
     result = wait
 
@@ -66,6 +76,29 @@ class SaveHandle:
         """The writer's error once done (None while running or on success); not raising."""
         return self._future.exception() if self._future.done() else None
 
+    def outcome(self) -> SaveResult:
+        """The result of a finished save, for a done callback (which ``wait`` would wait on)."""
+        return self._future.result(0)
+
     def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
-        """Call ``fn(handle)`` when the save finishes (on the writer thread)."""
-        self._future.add_done_callback(lambda _: fn(self))
+        """Call ``fn(handle)`` when the save finishes (on the writer thread); ``wait``
+        returns after it ran."""
+        with self._callbacks_ran:
+            self._callbacks_left += 1
+
+        def run(_: cf.Future) -> None:
+            try:
+                fn(self)
+            finally:
+                with self._callbacks_ran:
+                    self._callbacks_left -= 1
+                    self._callbacks_ran.notify_all()
+        self._future.add_done_callback(run)
+
+    def _await_callbacks(self, deadline: float | None) -> None:
+        # A future wakes its waiters before it runs its callbacks: without this, a caller
+        # could read the metrics of a save it waited for before they were recorded.
+        with self._callbacks_ran:
+            self._callbacks_ran.wait_for(
+                lambda: self._callbacks_left == 0,
+                None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import urllib.request
 
 import pytest
@@ -98,3 +100,55 @@ def test_saves_to_memory_alone_are_counted_apart_from_commits(tmp_path):
     finally:
         mgr.close()
         shutil.rmtree(segment, ignore_errors=True)
+
+
+def test_a_saves_metrics_are_recorded_when_its_wait_returns(tmp_path, monkeypatch):
+    """The writer records a finished save's metrics after it wakes the save's waiters: wait()
+    returns only once they are recorded, or a caller reads the count of the save before."""
+    mgr = ckpt.CheckpointManager(tmp_path, async_save=True)
+    saved = mgr.metrics.saved
+
+    def slow_saved(**kwargs):
+        time.sleep(0.5)
+        saved(**kwargs)
+    monkeypatch.setattr(mgr.metrics, "saved", slow_saved)
+    try:
+        mgr.save(1, {"w": torch.zeros(8)}).wait()
+        assert mgr.metrics.snapshot()["saves_total"] == 1
+        assert mgr.metrics.snapshot()["last_committed_step"] == 1
+    finally:
+        mgr.close()
+
+
+def test_the_textfile_holds_the_newest_values_when_two_threads_record_at_once(tmp_path,
+                                                                            monkeypatch):
+    """Saves to memory alone record on the training thread while a commit records on the
+    writer's: the file rendered first must not be renamed over the one rendered after."""
+    import ckpt._manager.metrics as metrics_module
+
+    textfile = tmp_path / "ckpt.prom"
+    metrics = metrics_module.CheckpointMetrics(textfile=str(textfile))
+    rendered_first, release_first = threading.Event(), threading.Event()
+    write = metrics_module.atomic_write
+
+    def held_first_write(*args, **kwargs):
+        if not rendered_first.is_set():  # the first writer: rendered, now held
+            rendered_first.set()
+            release_first.wait(5)
+        write(*args, **kwargs)
+    monkeypatch.setattr(metrics_module, "atomic_write", held_first_write)
+
+    first = threading.Thread(target=metrics.saved_to_memory,
+                             kwargs={"step": 1, "blocking": 0.01})
+    first.start()
+    assert rendered_first.wait(5)
+    second = threading.Thread(target=metrics.saved_to_memory,
+                              kwargs={"step": 2, "blocking": 0.01})
+    second.start()
+    second.join(0.5)  # left time to render and write, if nothing stops it
+    release_first.set()
+    first.join(5)
+    second.join(5)
+    scraped = parse_metrics(textfile.read_text())
+    assert scraped["ckpt_memory_saves_total"] == 2
+    assert scraped["ckpt_save_blocking_seconds_count"] == 2

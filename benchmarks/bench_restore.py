@@ -11,6 +11,10 @@ Two parts, each in one run with its methods interleaved, medians and ratios:
   ``last_restore.ranks`` counts them, against the checkpoint's size. Before each repetition
   the checkpoint's pages are evicted from the page cache (``POSIX_FADV_DONTNEED``: no root
   needed), so the root is read cold.
+* ``ddp-s3``: the same with the root on S3 (moto's server on loopback, started here): an
+  object store has no page cache shared by the ranks, each read is a request, and N ranks
+  reading the whole state make N times the requests and bytes. There the cooperative restore
+  is what ``restore()`` does by default.
 * ``cold``: one process. ``ckpt.load`` into a state whose item is a dict of tensors (the
   load reads each chunk once into new tensors, digested as it lands, and hands them over
   only once every chunk passed), ``ckpt.load`` in place into the live tensors of a stateful
@@ -39,7 +43,7 @@ state cost N times the bytes.
 
 Run from the repository root::
 
-    python benchmarks/bench_restore.py [--parts ddp,cold] [--sizes 256M] [--reps 5]
+    python benchmarks/bench_restore.py [--parts ddp,ddp-s3,cold] [--sizes 256M] [--reps 5]
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import ckpt  # noqa: E402
+import ckpt.inspect  # noqa: E402
 
 warnings.filterwarnings("ignore", "torch.distributed is disabled")
 
@@ -96,26 +101,26 @@ def set_cooperative(on: bool) -> None:
 # -- part ddp: world N gloo ranks -------------------------------------------------------------
 
 def _ddp_rank(rank: int, world: int, store: str, root: str, nbytes: int, shape: str,
-              reps: int, out: str) -> None:
+              reps: int, out: str, options: dict | None = None) -> None:
+    """One rank of part ddp; ``root`` a directory, or an object store's URL with its
+    ``options`` (nothing to evict there: every read is a request)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)
     source = common.make_state(nbytes, shape)
-    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+    with ckpt.CheckpointManager(root, async_save=False, storage_options=options) as mgr:
         mgr.save(1, {"model": source}, force=True)
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, names in
-               os.walk(os.path.join(root, "step-00000001")) for f in names
-               if f != "manifest.json")
+    size = sum(ckpt.inspect.open(root, storage_options=options).manifest(1).files.values())
     alone = dist.new_group([0])
     dest = {"model": common.empty_like_state(source)}
-    mgr = ckpt.CheckpointManager(root, read_only=True)
-    solo = ckpt.CheckpointManager(root, read_only=True, process_group=alone) if rank == 0 \
-        else None
+    mgr = ckpt.CheckpointManager(root, read_only=True, storage_options=options)
+    solo = ckpt.CheckpointManager(root, read_only=True, process_group=alone,
+                                  storage_options=options) if rank == 0 else None
 
     def restore(case: str) -> tuple[float, int]:
         for t in dest["model"].values():
             t.zero_()
-        if rank == 0:
+        if rank == 0 and options is None:
             evict(root)
         dist.barrier()
         if case == "world 1 (rank 0 alone)":
@@ -155,12 +160,27 @@ def _ddp_rank(rank: int, world: int, store: str, root: str, nbytes: int, shape: 
     dist.destroy_process_group()
 
 
-def part_ddp(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> str:
-    work = common.fresh_dir(os.path.join(base, f"ddp-{shape}-{nbytes}"))
+def part_ddp(args: argparse.Namespace, base: str, nbytes: int, shape: str,
+             s3: bool = False) -> str:
+    """World ``--world`` against world 1; ``s3``: the root on S3 (moto's server)."""
+    work = common.fresh_dir(os.path.join(base, f"ddp-{shape}-{nbytes}-{int(s3)}"))
     out = os.path.join(work, "results.pt")
     store = os.path.join(work, "store")
-    mp.spawn(_ddp_rank, args=(args.world, store, os.path.join(work, "root"), nbytes, shape,
-                              args.reps, out), nprocs=args.world, join=True)
+    server, root, options = None, os.path.join(work, "root"), None
+    if s3:
+        from bench_storage import start_moto
+
+        try:
+            server, endpoint, bucket = start_moto()
+        except ImportError as e:  # moto and boto3 come with the test extra
+            return f"\n(part ddp-s3 skipped: {e}; pip install -e '.[test]')\n"
+        root, options = f"s3://{bucket}/ddp", {"client_kwargs": {"endpoint_url": endpoint}}
+    try:
+        mp.spawn(_ddp_rank, args=(args.world, store, root, nbytes, shape, args.reps, out,
+                                  options), nprocs=args.world, join=True)
+    finally:
+        if server is not None:
+            server.stop()
     data = torch.load(out)
     size = data["size"]
     rows = []
@@ -172,8 +192,10 @@ def part_ddp(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> st
                      f"{max(t for t, _ in runs):.3f}", f"{nread / size:.2f}",
                      f"{took / anchor:.2f}"])
     common.remove(work)
+    where = ("the root on S3 (moto's server on loopback: one Python process, every read a "
+             "request)" if s3 else "root read cold")
     return (f"\n### world {args.world} (gloo), DDP restore of {common.format_size(nbytes)} "
-            f"({shape}: {common.SHAPES[shape]} tensors), root read cold; median of "
+            f"({shape}: {common.SHAPES[shape]} tensors), {where}; median of "
             f"{args.reps}, interleaved\n\n" + common.markdown_table(
                 ["method", "median s (slowest rank)", "min..max s",
                  "bytes from the root, all ranks / checkpoint", "time / world 1"], rows) + "\n")
@@ -350,7 +372,7 @@ def part_cold(args: argparse.Namespace, base: str, nbytes: int, shape: str) -> s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="ddp,cold")
+    parser.add_argument("--parts", default="ddp,ddp-s3,cold")
     parser.add_argument("--sizes", default="256M")
     parser.add_argument("--shapes", default="many")
     parser.add_argument("--world", type=int, default=4)
@@ -369,7 +391,8 @@ def main() -> None:
         for part in args.parts.split(","):
             for nbytes in sizes:
                 for shape in shapes:
-                    fn = {"ddp": part_ddp, "cold": part_cold}[part]
+                    fn = {"ddp": part_ddp, "cold": part_cold,
+                          "ddp-s3": lambda *a: part_ddp(*a, s3=True)}[part]
                     print(fn(args, base, nbytes, shape), flush=True)
     finally:
         common.remove(base)

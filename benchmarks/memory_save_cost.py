@@ -7,8 +7,9 @@ and AdamW step, a few milliseconds, torch's default intra-op threads):
 - **copy floor**: ``copy_`` of every tensor into preallocated host buffers; nothing after.
 - **copy + digest floor**: the memory tier's own copy with its digests and nothing else
   (``Slab.fill``: each 1 MiB block copied with non-temporal stores, then digested from the
-  source while it is still in the caches, on torch's thread count) into an anonymous mapping laid out as a slab: no segment,
-  no planning, no publish. What a save that digests every chunk cannot avoid.
+  source while it is still in the caches, on torch's thread count) into an anonymous
+  mapping laid out as a slab: no segment, no planning, no publish. What a save that
+  digests every chunk cannot avoid.
 - **ckpt memory tier**: ``CheckpointManager(memory_tier=MemoryTierOptions(persist_every=
   10**6), async_save=True).save()``: memory only (the root is never written), so the save is
   the copy into ``/dev/shm`` plus what the background writer does to publish it there. The
@@ -22,8 +23,9 @@ First, without timing the training loop, where a save's time goes (``bench_save_
 each method's blocking wall and CPU time and, for the memory tier, the CPU time of its
 background publish, interleaved, three times the repetitions; then the same for a model
 and its AdamW state saved as items (``bench_model_parts``: 1024 tensors of several sizes,
-the copy floor taking both ``state_dict()``\ s too), where the save's work per tensor shows. Every case of both tables
-starts after ``LEAD_IN`` untimed training steps, as a save in a training loop does.
+the copy floor taking both ``state_dict()``\ s too), where the save's work per tensor
+shows. Every case of both tables starts after ``LEAD_IN`` untimed training steps, as a
+save in a training loop does.
 
 Per save: **blocking** (the call's wall time), **training time lost**: the wall time of
 the save plus a window of ``W`` training steps, minus the ``W`` steps run just before the
@@ -259,8 +261,8 @@ def bench_save_cost(size: int, reps: int, workdir: str) -> str:
         f"Goal: the memory tier's training time lost <= {GOAL}x the copy floor's, judged on "
         f"the larger of that ratio ({ratio:.2f}x) and the blocking time's "
         f"({block[CKPT] / block[COPY]:.2f}x): {verdict} (in CPU time added, which other "
-        f"processes on a loaded machine disturb less, {cpu[CKPT] / cpu[COPY]:.2f}x). Against the copy + digest floor "
-        f"(what keeping every chunk's digest costs): training time lost "
+        f"processes on a loaded machine disturb less, {cpu[CKPT] / cpu[COPY]:.2f}x). Against "
+        f"the copy + digest floor (what keeping every chunk's digest costs): training time lost "
         f"{lost[CKPT] / lost[DIGEST]:.2f}x, CPU added {cpu[CKPT] / cpu[DIGEST]:.2f}x; the "
         f"floor itself {lost[DIGEST] / lost[COPY]:.2f}x and {cpu[DIGEST] / cpu[COPY]:.2f}x "
         "the copy floor's.", "",

@@ -185,13 +185,12 @@ class Slab:
         the caches), the chunks of :data:`PARALLEL` bytes or more on ``threads`` threads
         (this one and the pool's, at training's priority on purpose: this is the blocking
         copy, which training waits for, unlike the writer's niced threads), smaller ones on
-        this thread alone. A chunk
-        under ``streaming_copy.SMALL`` bytes is copied through the cache and digested from
-        the pages it was copied to, which costs less than a view of the tensor; those are
-        copied, then digested, in two plain loops (an optimizer's thousands of small
-        tensors: the work per chunk is a call or two). A tensor whose bytes cannot be read
-        as they are (not contiguous, a lazy conjugate) is copied by torch first, its chunks
-        then digested from the pages."""
+        this thread alone. A chunk under ``streaming_copy.SMALL`` bytes is copied through
+        the cache and digested from the pages it was copied to, which costs less than a view
+        of the tensor; those are copied, then digested, in two plain loops (an optimizer's
+        thousands of small tensors: the work per chunk is a call or two). A tensor whose
+        bytes cannot be read as they are (not contiguous, a lazy conjugate) is copied by
+        torch first, its chunks then digested from the pages."""
         large, small, tiny, from_pages = [], [], [], []
         fill_plan, base = self.fill_plan(), self.address
         for key, t in tensors.items():

@@ -7,7 +7,8 @@ root, the collection of memory-tier segments without a live owner, and the bound
 server and link-safe textfile writer the manager exports its metrics with, the bounded HTTP
 server it and the live heal server are built on (:class:`BoundedServer`, :class:`DeadlineHandler`), and small files
 written and opened safely in directories other users may write to (:func:`atomic_write`,
-:func:`create_beside`, :func:`open_regular`). Reading a step's contents is
+:func:`create_beside`, :func:`open_regular`), and the exit from a signal handler that a
+finalizer cannot swallow (:func:`exit_now`). Reading a step's contents is
 :mod:`ckpt.inspect`.
 """
 
@@ -28,6 +29,7 @@ from ckpt._retention.gc import GcResult, collect_root
 from ckpt._retention.policy import KeepBest, RetentionPolicy
 from ckpt._retention.policy import METRICS_KEY
 from ckpt._shared.bounded_server import BoundedServer, DeadlineHandler
+from ckpt._shared.signals import exit_now
 from ckpt._step.integrity import read_manifest
 from ckpt._step.listing import committed_steps
 from ckpt._step.pointer import POINTER_NAME, read_pointer, write_pointer
@@ -46,6 +48,7 @@ __all__ = [
     "committed_steps",
     "create_beside",
     "default_labels",
+    "exit_now",
     "fsync_dir",
     "gc_segments",
     "mkdir_beside",

@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from ckpt._shared.distributed import Group
+from ckpt._shared.signals import exit_now
 from ckpt.options import Schedule
 
 log = logging.getLogger("ckpt")
@@ -108,7 +109,7 @@ class SaveSchedule:
                 self._deferred = signum  # exit_deferred exits once the save is published
                 return
             on_exit()
-            raise SystemExit(128 + signum)
+            exit_now(signum, 128 + signum)  # raised again should a finalizer ignore it
 
         self._on_exit = on_exit
         self._previous_handler = signal.signal(signal.SIGTERM, handler)

@@ -14,7 +14,8 @@ flight (Lightning's handler is back between writes):
   and the interpreter would otherwise join the writer thread before exiting;
 * a write in the training thread: it goes on; the process exits once it is committed.
 
-Every step is logged (``ckpt: SIGTERM ...``).
+Every step is logged (``ckpt: SIGTERM ...``). The exit leaves from wherever the handler ran,
+also from a finalizer, which would ignore it (``ckpt/_shared/signals.py`` raises it again).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import sys
 import threading
 import time
 from typing import Any, Callable
+
+from ckpt.tools import exit_now
 
 log = logging.getLogger("ckpt")
 
@@ -106,7 +109,7 @@ class SigtermGuard:
             else:
                 log.error("ckpt: SIGTERM: the save of %s failed (%s: %s); exiting with %d",
                           self._what, type(error).__name__, error, 128 + signum)
-            raise SystemExit(128 + signum)
+            exit_now(signum, 128 + signum)
         log.error("ckpt: SIGTERM: %s not committed after %g s (sigterm_timeout); exiting "
                   "without it: the previous checkpoint stays (a hidden .part file of this "
                   "one may be left in its folder)", self._what, self.timeout)

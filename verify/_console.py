@@ -13,7 +13,8 @@ from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckpt.inspect import Checkpoints
 from ckpt.tools import POINTER_NAME, read_pointer, step_dir
 
-from .lightning_file import LightningFile, describe_foreign, locate, sibling_root
+from .lightning_file import (LightningFile, describe_foreign, is_reservation, locate,
+                             sibling_root)
 from .report import UsageError
 
 # Control characters (but newline and tab), lone surrogates, zero-width characters and
@@ -82,6 +83,11 @@ def open_target(path: str, *, files: bool = True) -> tuple[Checkpoints, Lightnin
 
 def gone_step(found: LightningFile, root: str) -> str:
     """Why the ``.ckpt`` ``found``, whose step ``root`` does not hold, fails its check."""
+    if is_reservation(found.path):
+        return (f"{os.path.basename(found.path)} holds the place of step {found.step}'s "
+                "file, whose write in the background did not finish (the run was stopped "
+                "during it): loading it falls back to an earlier step, and the next save "
+                "into this folder removes it")
     return (f"{os.path.basename(found.path)} names step {found.step}, which {root} does not "
             "hold: loading the file falls back to an earlier step. Its step was removed after "
             "the file was written (its step folder deleted, the root restored from an older "

@@ -64,6 +64,30 @@ def claim(path: str) -> int | None:
     return None
 
 
+def reservation(step: int) -> bytes:
+    """The file that holds the place of step ``step``'s file while it is written in the
+    background: an empty zip archive whose claim names the step and says so. A link made to
+    it at once (Lightning's ``save_last="link"``) names a file that exists; loading it falls
+    back to an earlier step, as for any file whose step is not committed."""
+    comment = json.dumps({"format": CLAIM_FORMAT, "step": step, "reserved": True}).encode()
+    return EOCD + b"\0" * 16 + struct.pack("<H", len(comment)) + comment
+
+
+def is_reservation(path: str) -> bool:
+    """Whether ``path`` is a :func:`reservation` (read without following a link)."""
+    step = claim(path)
+    if step is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return os.pread(fd, EOCD_SIZE + _MAX_CLAIM + 1, 0) == reservation(step)
+    finally:
+        os.close(fd)
+
+
 def _parse(comment: bytes) -> int | None:
     try:
         doc = json.loads(comment)

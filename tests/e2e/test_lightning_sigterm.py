@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ import torch
 
 pytest.importorskip("lightning")
 
+from trainer.integrations.lightning import CkptCheckpointIO  # noqa: E402
 from verify.cli import main as ckpt_cli  # noqa: E402
+from verify.lightning_file import is_reservation  # noqa: E402
 
 JOB = Path(__file__).resolve().parents[1] / "support" / "pl_sigterm_job.py"
 
@@ -64,9 +67,13 @@ def test_sigterm_waits_for_the_ckpt_in_flight_then_exits_143(tmp_path, capsys):
     assert (gives_up / "rc").read_text() == "143", out
     assert f"step 4, {gives_up}/ckpts/epoch=0-step=4.ckpt not committed after 1 s " \
         "(sigterm_timeout)" in out
+    # (step 4's name holds the place of its file: loading it falls back to step 2)
     files = sorted(f for f in os.listdir(gives_up / "ckpts") if not f.startswith("."))
-    assert files == ["epoch=0-step=2.ckpt"], files
+    assert files == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"], files
     assert ckpt_cli(["verify", str(gives_up / "ckpts" / files[0])]) == 0
+    assert is_reservation(str(gives_up / "ckpts" / files[1]))
+    held = CkptCheckpointIO().load_checkpoint(gives_up / "ckpts" / files[1])
+    assert held["global_step"] == 2
     # a synchronous save in the training thread: it finishes, then the process exits
     sync = tmp_path / "sync"
     assert (sync / "rc").read_text() == "143", out
@@ -101,5 +108,39 @@ def test_sigterm_as_the_background_write_starts_waits_for_it(tmp_path, monkeypat
         assert seen == []  # the handler in place between writes was not the one called
         assert ckpt_cli(["verify", str(path)]) == 0  # committed before the exit
         io.teardown()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_exit_a_finalizer_ignores_is_raised_again_where_it_propagates():
+    """The handler runs wherever the main thread is, also inside a weakref callback (a
+    collection the training loop set off), where Python prints an exception as ignored and
+    goes on: the fit would train on. The guard sends the signal again, and the exit
+    propagates."""
+    from trainer.integrations._pl_sigterm import SigtermGuard
+
+    previous = signal.getsignal(signal.SIGTERM)
+    guard = SigtermGuard(5)
+    guard.arm("step 4", None)
+    guard.hand_off(lambda timeout: (True, None))  # the write in flight has committed
+
+    class Held:
+        pass
+
+    def callback(_):
+        signal.raise_signal(signal.SIGTERM)
+        for _ in range(1000):  # the handler runs here, inside the callback
+            pass
+
+    held = Held()
+    ref = weakref.ref(held, callback)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            del held
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert exited.value.code == 143
+        assert ref() is None
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -187,3 +187,16 @@ def test_verify_all_reports_a_file_whose_step_the_root_does_not_hold(written, ca
     shutil.rmtree(written.parent / ".ckpts.ckpt" / "step-00000002")  # the root holds none
     code, out, _ = cli(capsys, "verify", "--all", written)
     assert code == 1 and out.startswith("step 9: FAILED") and "e9.ckpt names step 9" in out
+
+
+def test_the_place_held_for_a_write_that_died_is_reported_as_such(written, capsys):
+    """A killed background write leaves the place it held for its file (an empty archive
+    claiming the step): verify names it as that, not as a file whose step was removed, and
+    never reads it as a pickle."""
+    _pl_file.reserve(str(written / "e3.ckpt"), 3)
+    for args in (("verify", written / "e3.ckpt"), ("verify", "--all", written)):
+        code, out, err = cli(capsys, *args)
+        assert code == 1, out + err
+        assert "e3.ckpt holds the place of step 3's file" in out + err
+        assert "names step 3" not in out + err
+    assert cli(capsys, "verify", written / "e2.ckpt")[0] == 0

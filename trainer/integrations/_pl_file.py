@@ -19,7 +19,7 @@ import os
 import re
 import struct
 import zipfile
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import torch
 
@@ -27,10 +27,10 @@ from ckpt.tools import create_beside, fsync_dir, name_beside
 
 # The read side (claims, records, checks) is shared with `ckpt verify FILE.ckpt`.
 from verify.lightning_file import (EOCD, EOCD_SIZE, CLAIM_FORMAT, FILES_KEY, claim,
-                                   digests, problem)
+                                   digests, is_reservation, problem, reservation)
 
-__all__ = ["CLAIM_FORMAT", "FILES_KEY", "claim", "link", "problem", "publish",
-           "remove_leftovers", "write"]
+__all__ = ["CLAIM_FORMAT", "FILES_KEY", "claim", "is_reservation", "link", "problem",
+           "publish", "remove_leftovers", "remove_reservations", "reserve", "write"]
 
 
 def write(checkpoint: Any, path: str, step: int) -> tuple[str, dict[str, Any]]:
@@ -52,6 +52,20 @@ def write(checkpoint: Any, path: str, step: int) -> tuple[str, dict[str, Any]]:
             os.unlink(tmp)
         raise
     return tmp, record
+
+
+def reserve(path: str, step: int) -> None:
+    """Hold ``path``'s place for step ``step``'s file written in the background, when nothing
+    is there (an older file of that name stays until the new one is renamed over it):
+    Lightning links ``last.ckpt`` to the file as soon as the save returns, and a link to no
+    file is no last checkpoint to Lightning, which would then start from step 0."""
+    try:  # created exclusively, never through a link
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "wb") as f:
+        f.write(reservation(step))
 
 
 def _append_claim(f: BinaryIO, step: int) -> None:
@@ -92,9 +106,22 @@ def remove_leftovers(directory: str) -> list[str]:
     SIGTERM past its bound, in the middle of a write: each leaves a file as large as a
     checkpoint). The caller holds the folder's root lock, so no live write owns one.
     Returns the names removed."""
+    return _remove(directory, lambda entry: _PART.match(entry.name) is not None)
+
+
+def remove_reservations(directory: str, keep: str) -> list[str]:
+    """Delete the places (:func:`reserve`) that writes which died held in ``directory``, but
+    ``keep``, the file just written: after its write, so a link Lightning moved to it (from
+    a place held before) never dangles in between. The caller holds the folder's root lock.
+    Returns the names removed."""
+    return _remove(directory, lambda entry: entry.name.endswith(".ckpt")
+                   and entry.path != keep and is_reservation(entry.path))
+
+
+def _remove(directory: str, chosen: Callable[[os.DirEntry], bool]) -> list[str]:
     removed = []
     for entry in os.scandir(directory):
-        if _PART.match(entry.name) and entry.is_file(follow_symlinks=False):
+        if entry.is_file(follow_symlinks=False) and chosen(entry):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
                 removed.append(entry.name)

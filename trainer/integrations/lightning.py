@@ -260,6 +260,7 @@ class CkptCheckpointIO(CheckpointIO):
         if self.manager_options["async_save"]:
             self._finish()  # one write in flight: its host buffers are reused now
             checkpoint = self._host.copy(checkpoint)
+            plf.reserve(full, step)
         self._last = None
         self._run(root, lambda store: self._write(store, checkpoint, saved),
                   f"step {step}, {full}")
@@ -284,6 +285,9 @@ class CkptCheckpointIO(CheckpointIO):
             if os.path.exists(tmp):
                 os.remove(tmp)
             raise
+        for name in plf.remove_reservations(folder, keep=saved.path):
+            log.info("ckpt: removed %s, the place held for the file of a write that died",
+                     name)
         store.retire(set(store.mgr.steps()) - _named_steps(folder) - {saved.step})
 
     @staticmethod
@@ -319,7 +323,11 @@ class CkptCheckpointIO(CheckpointIO):
         with ckpt.CheckpointManager(root, read_only=True, metrics=False,  # no collectives
                                     schedule=ckpt.Schedule(handle_sigterm=False)) as ro:
             candidates = [s for s in ro.steps() if s <= step]
-        if step not in candidates:
+        if step not in candidates and plf.is_reservation(full):
+            log.warning("ckpt: %s holds the place of step %d's file, whose write in the "
+                        "background did not finish (the run was stopped during it); loading "
+                        "the newest step before it", full, step)
+        elif step not in candidates:
             # The file is renamed into place only once its step committed: the step went
             # later, or the file came from elsewhere; the root keeps no record of which.
             log.warning("ckpt: %s belongs to step %d, which is not committed under %s (its "

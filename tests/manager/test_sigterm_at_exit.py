@@ -26,12 +26,17 @@ print("main done", flush=True)
 """
 
 
-def test_sigterm_during_atexit_prints_no_ignored_exception(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
-    root = tmp_path / "root"
+def run_job(tmp_path: Path, source: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """``source`` run as a script with a root under ``tmp_path``: its outcome, the root."""
+    script, root = tmp_path / "job.py", tmp_path / "root"
+    script.write_text(source)
     done = subprocess.run([sys.executable, str(script), str(root)], capture_output=True,
                           text=True, timeout=120, cwd=str(Path(__file__).parents[2]))
+    return done, root
+
+
+def test_sigterm_during_atexit_prints_no_ignored_exception(tmp_path):
+    done, root = run_job(tmp_path, SCRIPT)
     assert "main done" in done.stdout, done.stderr
     assert "Exception ignored" not in done.stderr and "SystemExit" not in done.stderr, \
         done.stderr
@@ -64,11 +69,7 @@ print("trained on", flush=True)
 
 
 def test_sigterm_whose_exit_a_weakref_callback_ignores_still_exits_143(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(IN_A_FINALIZER)
-    root = tmp_path / "root"
-    done = subprocess.run([sys.executable, str(script), str(root)], capture_output=True,
-                          text=True, timeout=120, cwd=str(Path(__file__).parents[2]))
+    done, root = run_job(tmp_path, IN_A_FINALIZER)
     assert "trained on" not in done.stdout, done.stderr
     assert done.returncode == 143, done.stderr
     assert "signalling again" in done.stderr

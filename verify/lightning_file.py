@@ -74,18 +74,22 @@ def reservation(step: int) -> bytes:
 
 
 def is_reservation(path: str) -> bool:
-    """Whether ``path`` is a :func:`reservation` (read without following a link)."""
-    step = claim(path)
-    if step is None:
-        return False
+    """Whether ``path`` is a :func:`reservation` (opened once, without following a link or
+    blocking; anything but a regular file is not one)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:
-        return os.pread(fd, EOCD_SIZE + _MAX_CLAIM + 1, 0) == reservation(step)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        raw = os.pread(fd, EOCD_SIZE + _MAX_CLAIM + 1, 0)
+    except OSError:
+        return False
     finally:
         os.close(fd)
+    step = _parse(raw[EOCD_SIZE:])
+    return step is not None and raw == reservation(step)
 
 
 def _parse(comment: bytes) -> int | None:

@@ -11,10 +11,11 @@ plots, and draws with matplotlib (a benchmark-only dependency, the ``bench`` ext
 * the recovery timeline of the elastic kill test, from bench_elastic.
 
 Only committed code is measured: it refuses to run while ckpt/, storage_backends/,
-benchmarks/, trainer/ or verify/ differ from the last commit, every table's heading names
-the commit it ran on, ``--reuse`` takes only results recorded at the current commit, and
-paths of the machine it ran on (the repository, temporary directories, home) are replaced
-by placeholders.
+benchmarks/, trainer/ or verify/ differ from the last commit, every section's and table's
+heading names the commit it ran on (and says so when it was a quick run), and paths of the
+machine it ran on (the repository, temporary directories, home) are replaced by
+placeholders. ``--only`` re-runs some scripts: the other sections are kept as the document
+has them, each still naming its own commit. ``--reuse`` re-renders every saved result.
 
 Run from the repository root::
 
@@ -86,6 +87,7 @@ TITLES = {
     "restore": "Restore under a process group (replicated bytes read once) and the cold load",
 }
 COMMIT_TAG = "<!-- measured at commit {} -->"
+QUICK_TAG = "<!-- quick run -->"  # the line after COMMIT_TAG in a --quick result
 # How to read the tables; the same for every run, so written here rather than measured.
 READING = [
     "How to read them: methods run interleaved (A B C A B C ...) and the tables give medians",
@@ -115,7 +117,8 @@ def run(name: str, quick: bool) -> str:
     if out.returncode != 0:
         text += f"\n\n(exited {out.returncode}; stderr tail)\n\n```\n{out.stderr[-3000:]}\n```\n"
     os.makedirs(RESULTS, exist_ok=True)
-    tagged = COMMIT_TAG.format(common.code_version()) + "\n" + text
+    tagged = COMMIT_TAG.format(common.code_version()) + "\n" + (
+        QUICK_TAG + "\n" if quick else "") + text
     with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write(tagged)
     print(f"  {name}: {time.time() - t0:.0f} s", file=sys.stderr)
@@ -139,6 +142,32 @@ def tag_tables(text: str, commit: str) -> str:
 def recorded_commit(text: str) -> str | None:
     m = re.match(re.escape(COMMIT_TAG).replace(r"\{\}", "(.*)"), text)
     return m.group(1) if m else None
+
+
+def section(name: str, result: str) -> str:
+    """The document's section for a saved result (its tag lines first): a heading naming
+    the commit it ran on, and whether it was a quick run, then the script's output."""
+    commit = recorded_commit(result) or "unknown"
+    body = result.split("\n", 1)[1] if recorded_commit(result) else result
+    quick = body.startswith(QUICK_TAG + "\n")
+    if quick:
+        body = body[len(QUICK_TAG) + 1:]
+    note = ", quick run" if quick else ""
+    return f"## {TITLES[name]} (commit {commit}{note})\n\n" + scrub(
+        tag_tables(body, commit)).strip() + "\n"
+
+
+def kept_sections(doc: str) -> dict[str, str]:
+    """The sections of an existing document, by script name: each from its heading (a
+    title of :data:`TITLES` followed by its commit) up to the next such heading. Script
+    output has headings of its own, so only these titles split the document."""
+    starts = []
+    for m in re.finditer(r"^## (.+) \(commit [^\n]*\)$", doc, flags=re.M):
+        name = next((n for n, t in TITLES.items() if t == m.group(1)), None)
+        if name is not None:
+            starts.append((m.start(), name))
+    ends = [s for s, _ in starts[1:]] + [len(doc)]
+    return {name: doc[start:end].strip() + "\n" for (start, name), end in zip(starts, ends)}
 
 
 def tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -254,52 +283,65 @@ def _save(fig, name: str) -> str:
 
 
 def main() -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
     parser.add_argument("--reuse", action="store_true",
                         help="re-render from bench-out/results/ without running")
-    parser.add_argument("--only", default="", help="comma-separated subset of scripts to run")
+    parser.add_argument("--only", default="",
+                        help=f"comma-separated subset of scripts to run, among {', '.join(SCRIPTS)}"
+                             " (the other sections stay as the document has them)")
     args = parser.parse_args()
-    commit = common.code_version()
-    if "+" in commit or commit.startswith("unknown"):
-        sys.exit(f"report.py measures committed code only: commit first ({commit})")
     only = [n for n in args.only.split(",") if n] or list(SCRIPTS)
-    outputs = {}
+    unknown = [n for n in only if n not in SCRIPTS]
+    if unknown:
+        sys.exit(f"report.py: no benchmark named {', '.join(unknown)}; --only takes names "
+                 f"among {', '.join(SCRIPTS)}")
+    commit = common.code_version()
+    if not args.reuse and ("+" in commit or commit.startswith("unknown")):
+        sys.exit(f"report.py measures committed code only: commit first ({commit})")
+    kept = {}
+    if os.path.exists(DOC):
+        with open(DOC) as f:
+            kept = kept_sections(f.read())
+    sections, ran = {}, []
     for name in SCRIPTS:
         saved = os.path.join(RESULTS, f"{name}.md")
         if name in only and not args.reuse:
-            text = run(name, args.quick)
-        elif os.path.exists(saved):
+            sections[name] = section(name, run(name, args.quick))
+            ran.append(name)
+        elif args.reuse and os.path.exists(saved):
             with open(saved) as f:
-                text = f.read()
-            if recorded_commit(text) != commit:
-                print(f"  {name}: skipped, its saved result was measured at "
-                      f"{recorded_commit(text)}, not {commit}", file=sys.stderr)
-                continue
-        else:
-            continue
-        outputs[name] = scrub(tag_tables(text.split("\n", 1)[1], commit))
+                sections[name] = section(name, f.read())
+            ran.append(name)
+        elif name in kept:
+            sections[name] = kept[name]
+    import matplotlib  # after the arguments are checked: a mistyped name needs no plotting
+
+    matplotlib.use("Agg")
     plots = [p for p in (
-        plot_blocking(outputs.get("async", ""), outputs.get("save_load", "")),
-        plot_incremental(outputs.get("incremental", "")),
-        plot_recovery(outputs.get("elastic", ""))) if p]
+        plot_blocking(sections.get("async", ""), sections.get("save_load", "")),
+        plot_incremental(sections.get("incremental", "")),
+        plot_recovery(sections.get("elastic", ""))) if p]
+    what = ("every script" if len(ran) == len(SCRIPTS) else
+            f"{', '.join(ran)} (the other sections are kept from earlier runs)")
+    if args.reuse:
+        last = "Last re-rendered from the saved results of earlier runs."
+    else:
+        how = ("a quick run (`--quick`: fewer sizes and repetitions, so wider spreads)"
+               if args.quick else "a full run")
+        last = f"Last run at commit {commit}, {how}, for {what}."
     parts = ["# Benchmarks", "",
-             "Written by `python benchmarks/report.py` (which runs every `benchmarks/bench_*.py`)",
-             f"at commit {commit}; each table's heading names the commit it ran on.",
+             "Written by `python benchmarks/report.py`, which runs every `benchmarks/bench_*.py`.",
+             last,
+             "Each section's and each table's heading names the commit it ran on, and a",
+             "section from a quick run says so.",
              f"Machine: {common.machine_description()}. Disk and CPUs are shared and noisy:",
              "compare ratios measured side by side in one run, not numbers across sections.", ""]
-    if args.quick:
-        parts[-1:-1] = ["A quick run (`--quick`): fewer sizes and repetitions than a full run, "
-                        "so wider spreads."]
     parts += READING
     parts += [f"![{p}]({p})" for p in plots] + [""]
-    for name, text in outputs.items():
-        parts += [f"## {TITLES[name]} (commit {commit})", "", text.strip(), ""]
+    parts += [sections[name] for name in SCRIPTS if name in sections]
     with open(DOC, "w") as f:
-        f.write("\n".join(parts) + "\n")
+        f.write("\n".join(parts))
     print(f"wrote {DOC} with {len(plots)} plots", file=sys.stderr)
 
 

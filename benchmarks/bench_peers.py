@@ -7,10 +7,10 @@ goes on training until the save is durable. The checkpointers, each used the way
 documentation shows:
 
 * **ckpt**: ``CheckpointManager(async_save=True).save(step, {"model": m, "optim": o})``
-  with its default options (writer threads and their priority chosen per save:
+  with its default options (writer threads chosen per save, below training's priority:
   docs/guide.md, "Writer threads"), and rows with explicit
   ``SaveOptions(write_threads=N, writer_nice=K)`` (``--ckpt-variants``; by default two
-  threads at training's priority, and one thread 10 below it);
+  threads and one thread, both at training's priority);
 * **torch_checkpointing** 0.1.1: ``CheckpointManager`` with the async saver, the CPU-only
   stager of its troubleshooting page (no pinned memory, no non-blocking copy) and
   ``LocalFileSystemStorageConfig(use_direct_io=False)`` (its default O_DIRECT fails on
@@ -38,7 +38,7 @@ per method, which starts the peers' subprocesses):
 
 Run from the repository root (needs the ``bench`` extra: torch_checkpointing)::
 
-    python benchmarks/bench_peers.py [--sizes 256M,1G] [--reps 5] [--ckpt-variants 2:0,1:10]
+    python benchmarks/bench_peers.py [--sizes 256M,1G] [--reps 5] [--ckpt-variants 2:0,1:0]
 """
 
 from __future__ import annotations
@@ -373,10 +373,10 @@ def parse_variant(text: str) -> dict[str, int]:
 
 
 def add_options(parser) -> None:
-    parser.add_argument("--ckpt-variants", default="2:0,1:10",
+    parser.add_argument("--ckpt-variants", default="2:0,1:0",
                         help="also ckpt rows with explicit options, THREADS[:NICE] each "
-                             "(default: 2:0,1:10: two threads at training's priority, "
-                             "one thread 10 below it)")
+                             "(default: 2:0,1:0: two threads, one thread, both at "
+                             "training's priority)")
     parser.add_argument("--peers", default=",".join(PEERS),
                         help=f"peers to run among {','.join(PEERS)} (default: all)")
 

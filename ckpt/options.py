@@ -19,11 +19,10 @@ def default_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-class _Chosen(int):
-    """A ``SaveOptions`` number the caller did not set (``write_threads``, ``writer_nice``):
-    the number itself (what a restore's readers use, the most writer threads, the most a
-    writer is niced), marked so that a background save may adapt it (ckpt._save.concurrency).
-    An int passed by the caller is not marked."""
+class _ChosenThreads(int):
+    """``SaveOptions.write_threads`` when the caller did not set it: the number itself
+    (what a restore's readers use, the most writer threads), marked so that a background
+    save may use fewer (ckpt._save.concurrency). An int passed by the caller is not marked."""
 
     def __repr__(self) -> str:  # in SaveOptions' repr; str() and format() give the number
         return f"{int(self)} (chosen per save)"
@@ -31,9 +30,9 @@ class _Chosen(int):
     __str__ = int.__repr__
 
 
-def chosen(value: int) -> bool:
-    """Whether an option is its default, which a save may adapt, not the caller's."""
-    return isinstance(value, _Chosen)
+def chosen_threads(value: int) -> bool:
+    """Whether ``write_threads`` is the default, which a save may adapt, not the caller's."""
+    return isinstance(value, _ChosenThreads)
 
 
 @dataclass(frozen=True)
@@ -50,14 +49,8 @@ class SaveOptions:
             to an object store gets one per core, at most 4. An explicit
             ``write_threads=N`` is used as given.
         writer_nice: how far below training's the writer threads' scheduling priority is
-            (a nice increment, Linux; 0: the same priority). Default: chosen per save
-            (docs/guide.md, "Writer threads"): threads that write beside training (on the
-            cores it leaves free, beside a GPU's training loop, or waiting on an object
-            store) run 10 below it, so that where they meet training on a core, training
-            runs first; a save written by one thread on the cores training uses runs at
-            training's priority, because there a lower one only stretches the write, and
-            the training time it costs with it. An explicit ``writer_nice=K`` sets every
-            writer thread K below training.
+            (a nice increment, Linux; 0: the same priority). On a contended core training's
+            threads run first, and the write takes the time they leave.
         allow_pickle: store values that are neither tensors nor JSON by pickling them.
         compression: None, or "zstd" (floating-point chunks byte-grouped first).
         compression_level: the zstd level; 1 is as small as 3 on weights and much faster.
@@ -84,7 +77,7 @@ class SaveOptions:
     """
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    write_threads: int = _Chosen(default_threads())
+    write_threads: int = _ChosenThreads(default_threads())
     allow_pickle: bool = False
     compression: str | None = None
     compression_level: int = 1
@@ -95,15 +88,13 @@ class SaveOptions:
     full_every: int = 10
     commit_timeout: float = 600.0
     probe: Any = None  # a ckpt.Probe; not imported here, the save wing sits below it
-    writer_nice: int = _Chosen(10)
-    # Whether write_threads and writer_nice are the defaults a save may adapt: options that
-    # save differently are not equal, though an explicit number equals the default's.
+    writer_nice: int = 10
+    # Whether write_threads is the default a save may adapt: options that save differently
+    # are not equal, though an explicit count equals the default's number.
     _threads_chosen: bool = field(init=False, repr=False, default=False)
-    _nice_chosen: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_threads_chosen", chosen(self.write_threads))
-        object.__setattr__(self, "_nice_chosen", chosen(self.writer_nice))
+        object.__setattr__(self, "_threads_chosen", chosen_threads(self.write_threads))
         _positive_int("full_every", self.full_every)
         _positive_number("commit_timeout", self.commit_timeout)
         if self.chunk_bytes < 4096:

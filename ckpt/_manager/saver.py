@@ -87,10 +87,9 @@ class Saver:
         if self.memory is not None:  # published first; the same writer thread, in order
             # A save to memory alone of host-staged state (no device copy to wait for) is
             # published here: what is left after the copy is a few milliseconds of Python
-            # (chunk table, manifest, renames), which on another thread takes a core training
-            # uses, and on a niced one (an explicit writer_nice) holds the GIL that training's
-            # thread then waits for behind the threads the scheduler runs first: it cost
-            # training more there.
+            # (chunk table, manifest, renames), which on the niced writer thread holds the
+            # GIL that training's thread then waits for behind the threads the scheduler
+            # runs first, and takes a core training uses: it cost training more there.
             inline = not to_root and payload.ready is None
             handle = self.memory.publish(payload, blocking,
                                          CallerThread() if inline else self.writer,

@@ -184,7 +184,7 @@ class Slab:
         (:data:`BLOCK`: copied, then digested from the tensor while the block is still in
         the caches), the chunks of :data:`PARALLEL` bytes or more on ``threads`` threads
         (this one and the pool's, at training's priority on purpose: this is the blocking
-        copy, which training waits for, unlike the writer's pool, niced), smaller ones on
+        copy, which training waits for, unlike the writer's niced threads), smaller ones on
         this thread alone. A chunk under ``streaming_copy.SMALL`` bytes is copied through
         the cache and digested from the pages it was copied to, which costs less than a view
         of the tensor; those are copied, then digested, in two plain loops (an optimizer's

@@ -7,16 +7,9 @@ of CPU tensors gets one writer thread per core that training leaves free (the co
 process may run on, minus torch's intra-op threads), at least one; a save staged from a GPU
 (training runs on the device, the cores are free) or written to an object store (the threads
 wait on requests more than they compute) gets them all. An explicit
-``write_threads=N`` is used as given.
-
-Priority (``SaveOptions.writer_nice``): the threads that write beside training (on cores it
-leaves free, beside a GPU's training loop, waiting on an object store: the pool's) run 10
-below it, so that where they meet training on a core, training's threads run first. A save
-written by one thread (no core left free) is written by the writer thread itself, which
-keeps training's priority: there it shares training's cores whatever its priority, and a
-lower one only stretches the write, and the training time it costs with it (measured:
-benchmarks/bench_peers.py, docs/guide.md "Writer threads"). An explicit ``writer_nice=K``
-puts every writer thread K below training.
+``write_threads=N`` is used as given. Writer threads also run at a lower scheduling priority
+(``SaveOptions.writer_nice``) so that, on a contended core, training's threads run first and
+the write takes the time they leave.
 
 Who reaches this: only the program, through ``SaveOptions`` (validated when made). It reads
 the process's own affinity mask and torch's thread count, and only ever raises the nice value
@@ -32,7 +25,7 @@ import threading
 
 import torch
 
-from ckpt.options import SaveOptions, chosen
+from ckpt.options import SaveOptions, chosen_threads
 
 log = logging.getLogger("ckpt")
 
@@ -121,7 +114,7 @@ def writer_threads(options: SaveOptions, *, from_gpu: bool, requests: bool = Fal
     an object store (``requests``: every write a request, and threads overlap their
     latency rather than compete for cores)."""
     most = options.write_threads
-    if not chosen(most) or requests:
+    if not chosen_threads(most) or requests:
         return most
     if from_gpu:  # every core the process may use (the default counts the machine's)
         return max(1, min(most, cores_available()))

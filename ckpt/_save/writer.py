@@ -26,7 +26,7 @@ from ckpt._save.rank_write import write_rank, write_table
 from ckpt._shared.distributed import Group
 from ckpt._shared.progress import ByteCounter
 from ckpt.errors import CheckpointError, CheckpointLockedError, StorageError
-from ckpt.options import SaveOptions, chosen
+from ckpt.options import SaveOptions
 
 
 class BackgroundWriter:
@@ -38,11 +38,8 @@ class BackgroundWriter:
         self.group = group or Group()
         self.commit_timeout = commit_timeout
         # Each thread lowers its own priority as it starts (threads it starts inherit it).
-        # The writer thread itself writes a save that one thread writes, on training's cores:
-        # it keeps training's priority unless the caller set one (ckpt._save.concurrency).
         below = {"initializer": lower_priority, "initargs": (niced(options.writer_nice),)}
-        self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer",
-                                             **({} if chosen(options.writer_nice) else below))
+        self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="ckpt-writer", **below)
         self._pool = (cf.ThreadPoolExecutor(options.write_threads, thread_name_prefix="ckpt-io",
                                             **below)
                       if options.write_threads > 1 else None)

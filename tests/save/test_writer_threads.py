@@ -89,16 +89,16 @@ def test_the_default_survives_replacing_another_field_and_pickling():
     import dataclasses
     import pickle
 
-    from ckpt.options import chosen
+    from ckpt.options import chosen_threads
 
     default = ckpt.SaveOptions()
-    assert chosen(default.write_threads)
-    assert chosen(dataclasses.replace(default, incremental=True).write_threads)
-    assert chosen(pickle.loads(pickle.dumps(default)).write_threads)
+    assert chosen_threads(default.write_threads)
+    assert chosen_threads(dataclasses.replace(default, incremental=True).write_threads)
+    assert chosen_threads(pickle.loads(pickle.dumps(default)).write_threads)
     number = str(int(default.write_threads))
     assert str(default.write_threads) == f"{default.write_threads}" == number
     default = int(ckpt.SaveOptions().write_threads)
-    assert not chosen(ckpt.SaveOptions(write_threads=default).write_threads)
+    assert not chosen_threads(ckpt.SaveOptions(write_threads=default).write_threads)
 
 
 def test_a_busy_machine_writes_one_file_and_an_explicit_count_its_own(
@@ -174,15 +174,14 @@ def test_the_bytes_saved_are_the_same_whatever_the_thread_count(tmp_path):
 # -------------------------------------------------------------- priority
 
 
-def nice_of_writes(monkeypatch, data_only: bool = False) -> list[tuple[int, int]]:
-    """(thread id, nice) of each storage write (or of data files' only), as it happens."""
+def nice_of_writes(monkeypatch) -> list[tuple[int, int]]:
+    """(thread id, nice) of each storage write, as it happens."""
     seen: list[tuple[int, int]] = []
     original = PosixStorage.write
 
     def write(self, path, buffers):
         tid = threading.get_native_id()
-        if not data_only or path.endswith(".safetensors"):
-            seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
         return original(self, path, buffers)
 
     monkeypatch.setattr(PosixStorage, "write", write)
@@ -217,37 +216,3 @@ def test_writer_nice_zero_leaves_the_priority_alone(tmp_path, monkeypatch):
 def test_bad_thread_options_are_refused_with_the_field_named(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         ckpt.SaveOptions(**bad)
-
-
-@pytest.mark.skipif(not os.sys.platform.startswith("linux"), reason="per-thread nice: Linux")
-def test_by_default_one_writer_on_trainings_cores_keeps_its_priority_and_extra_ones_run_below(
-        tmp_path, monkeypatch, torch_threads):
-    """The default priority is chosen per save: a save written by one thread because
-    training uses every core is written at training's priority (a lower one there only
-    stretches the write); threads that write beside training on free cores run below it."""
-    seen = nice_of_writes(monkeypatch, data_only=True)
-    me = threading.get_native_id()
-    mine = os.getpriority(os.PRIO_PROCESS, me)
-    monkeypatch.setattr(concurrency, "cores_available", lambda: 2)
-    torch_threads(2)  # training uses both cores: one writer thread
-    save_once(tmp_path / "busy", ckpt.SaveOptions(chunk_bytes=CHUNK), state())
-    assert seen and all(tid != me for tid, _ in seen)
-    assert {nice for _, nice in seen} == {mine}
-    most = int(ckpt.SaveOptions().write_threads)
-    if most < 2:
-        pytest.skip("one CPU: the default has no second writer thread")
-    seen.clear()
-    monkeypatch.setattr(concurrency, "cores_available", lambda: 2 + most)  # `most` cores free
-    save_once(tmp_path / "free", ckpt.SaveOptions(chunk_bytes=CHUNK), state())
-    assert len(seen) == most and {nice for _, nice in seen} == {min(19, mine + 10)}
-
-
-def test_the_default_priority_is_told_apart_from_the_same_number_given_explicitly():
-    from ckpt.options import chosen
-
-    default = ckpt.SaveOptions()
-    assert chosen(default.writer_nice) and int(default.writer_nice) == 10
-    explicit = ckpt.SaveOptions(writer_nice=10)
-    assert not chosen(explicit.writer_nice)
-    assert explicit != default  # they save differently: a writer reused for one is not the other's
-    assert "writer_nice=10 (chosen per save)" in repr(default)

@@ -305,7 +305,9 @@ GATE = QuietGate(max_wait=0)  # parse_args sets it from --quiet-wait
 def run_interleaved(cases: Sequence[tuple[str, Callable[[int], dict[str, float]]]],
                     reps: int, progress: str = "") -> Timings:
     """Run every case once per repetition, interleaved; repetition ``r`` starts with case
-    ``r % len(cases)`` so no case always runs first (or always right after another).
+    ``r % len(cases)``, and every other repetition runs the cases in reverse order, so that
+    no case always runs first, nor always right after the same case (whose after-effects,
+    such as the page cache it left dirty, would then always fall on it).
 
     A case is ``fn(rep) -> {metric: seconds}``: it times its own region, so setup and
     cleanup (dropping caches, removing files) stay outside the timed part. Each case starts
@@ -314,6 +316,8 @@ def run_interleaved(cases: Sequence[tuple[str, Callable[[int], dict[str, float]]
     out: Timings = {name: {} for name, _ in cases}
     for rep in range(reps):
         order = [cases[(rep + i) % len(cases)] for i in range(len(cases))]
+        if rep % 2:
+            order.reverse()
         for name, fn in order:
             if progress:
                 print(f"  [{progress}] rep {rep + 1}/{reps}: {name}", file=sys.stderr, flush=True)

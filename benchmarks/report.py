@@ -147,8 +147,9 @@ def recorded_commit(text: str) -> str | None:
 def section(name: str, result: str) -> str:
     """The document's section for a saved result (its tag lines first): a heading naming
     the commit it ran on, and whether it was a quick run, then the script's output."""
-    commit = recorded_commit(result) or "unknown"
-    body = result.split("\n", 1)[1] if recorded_commit(result) else result
+    commit = recorded_commit(result)
+    body = result.split("\n", 1)[1] if commit else result
+    commit = commit or "unknown"
     quick = body.startswith(QUICK_TAG + "\n")
     if quick:
         body = body[len(QUICK_TAG) + 1:]

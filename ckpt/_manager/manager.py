@@ -279,6 +279,7 @@ class CheckpointManager:
         if not self._saver.copy or preempted:
             with self._progress(f"ckpt: saving step {step}", handle):
                 handle.wait()
+            self._saver.settle()  # a synchronous save returns with the retention applied
         if preempted:
             log.warning("ckpt.preempted step=%d saved; exiting", step)
             self.close()
@@ -373,7 +374,8 @@ class CheckpointManager:
             raise CheckpointError("this CheckpointManager is closed")
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for the save in flight; raise its error if it failed."""
+        """Wait for the save in flight and the retention after it; raise the save's error
+        if it failed. (The save's own handle is done as soon as its step is committed.)"""
         if self._saver is not None:
             with self._progress_of_inflight():
                 self._saver.wait(timeout)

@@ -3,6 +3,7 @@ the incremental base, the memory tier first, the root's commit and the retention
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import time
 from typing import Any, Callable, MutableMapping
@@ -56,6 +57,9 @@ class Saver:
         self.writer = BackgroundWriter(options, group, options.commit_timeout)
         self.base: Manifest | None = None  # the newest step known good, for incremental saves
         self.inflight: SaveHandle | None = None
+        # The retention after the newest commit: on the writer thread once that save's
+        # handle is done (the step is durable then; retiring older ones is housekeeping).
+        self._retiring: cf.Future | None = None
         self.backpressure_waits = 0
         self.report_every: float | None = REPORT_EVERY  # save's wait for the one before it
 
@@ -143,6 +147,7 @@ class Saver:
         h = self.inflight
         if h is None or h.done():
             self.raise_failed()
+            self.settle()  # one save's retention never overlaps the next save
             return 0.0
         self.backpressure_waits += 1
         if self.metrics:
@@ -160,6 +165,7 @@ class Saver:
                             "before it is still being written (the storage is slower than "
                             "the save interval: save less often or to faster storage)",
                             step, h.step, time.monotonic() - t)
+        self.settle()
         waited = time.monotonic() - t
         log.info("ckpt.backpressure step=%d waited_s=%.3f", step, waited)
         return waited
@@ -171,10 +177,23 @@ class Saver:
             h.wait()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for the save in flight; raise its error if it failed."""
+        """Wait for the save in flight and the retention after it; raise the save's error
+        if it failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         h = self.inflight
         if h is not None and (not h.failed() or not h.error_reported):
             h.wait(timeout)
+        self.settle(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait for the retention after the newest commit (it logs its own failures)."""
+        retiring = self._retiring
+        if retiring is not None:
+            try:
+                retiring.result(timeout)
+            except cf.TimeoutError:
+                raise TimeoutError(f"the retention after the newest commit did not finish "
+                                   f"within {timeout} s") from None
 
     def writing(self, step: int) -> bool:
         """Whether ``step`` is being written in the background now."""
@@ -226,17 +245,22 @@ class Saver:
         self.base = manifest
         log.info("ckpt.commit step=%d root=%s", manifest.step, self.storage.url)
         if not self.retention.keeps_all:
-            # The step is committed: a storage failure while retiring older steps is not
-            # this save's failure. The files stay; the next save's retention retires them.
-            try:
-                keep = steps_to_keep(self.storage, self.retention, self.steps(),
-                                     newest=manifest.step)
-                report = collect(self.storage, keep)
-            except OSError as e:
-                log.warning("ckpt.retention failed after step %d was committed (%s): the "
-                            "older steps stay until the next save's retention retires them",
-                            manifest.step, e)
-                return
-            if report.retired_steps:
-                log.info("ckpt.retention retired=%s freed_bytes=%d kept_files=%d",
-                         report.retired_steps, report.freed_bytes, len(report.kept_files))
+            # Queued behind this save on the writer thread, so that its handle is done when
+            # the step is durable, not once the older steps are deleted too (half a second
+            # per GiB on ext4). The next save waits for it (``settle``).
+            self._retiring = self.writer.defer(self._retire, manifest.step)
+
+    def _retire(self, newest: int) -> None:
+        """Apply the retention after ``newest`` was committed (on the writer thread). The
+        step is committed: a failure while retiring older steps is not its save's failure.
+        The files stay, and the next save's retention retires them."""
+        try:
+            keep = steps_to_keep(self.storage, self.retention, self.steps(), newest=newest)
+            report = collect(self.storage, keep)
+        except Exception as e:  # logged: nothing waits on this task to raise it
+            log.warning("ckpt.retention failed after step %d was committed (%s): the older "
+                        "steps stay until the next save's retention retires them", newest, e)
+            return
+        if report.retired_steps:
+            log.info("ckpt.retention retired=%s freed_bytes=%d kept_files=%d",
+                     report.retired_steps, report.freed_bytes, len(report.kept_files))

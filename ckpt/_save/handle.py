@@ -30,6 +30,8 @@ class SaveHandle:
     ``wait`` and ``result`` return the :class:`SaveResult`, or raise the writer's error
     (a :class:`CheckpointError` with the original chained as ``__cause__``), once the done
     callbacks (metrics, logs) have run too: what a caller reads after ``wait`` is current.
+    A save to a root is done when its step is committed; the retention that follows runs
+    after (``CheckpointManager.wait`` waits for both).
     """
 
     def __init__(self, step: int, future: cf.Future, blocking_seconds: float,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from storage_backends import LockHeldError, Storage
 
@@ -147,6 +147,11 @@ class BackgroundWriter:
         """Run ``fn(pool)`` on the writer thread after the saves queued before it (the memory
         tier's per-rank publish, which needs no commit vote)."""
         return SaveHandle(step, self._thread.submit(fn, self._pool), blocking_seconds)
+
+    def defer(self, fn: Callable[..., None], *args: Any) -> cf.Future:
+        """Run ``fn(*args)`` on the writer thread after everything queued so far (called from
+        a save's own job: after that save, before any save submitted later)."""
+        return self._thread.submit(fn, *args)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

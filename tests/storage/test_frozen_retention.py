@@ -1,7 +1,7 @@
 """An S3 endpoint that stops answering (a moto server process frozen with SIGSTOP) just after
 a step is committed, while the retention that follows deletes an older step: the save
 succeeds (its step is committed; the retention's failure is a warning, never "the save is
-still running" nor the save's error), and once the endpoint answers again the next save
+still running" nor the save's error, and ``wait()`` returns), and once the endpoint answers again the next save
 commits and the retention catches up. (A store's ETIMEDOUT is an ``OSError`` that Python
 makes a ``TimeoutError``, the very class a wait that ran out raises.)
 """
@@ -46,13 +46,18 @@ def test_a_store_frozen_during_retention_leaves_the_manager_usable(moto_bucket, 
     try:
         for step in (1, 2):
             mgr.save(step, state(step), force=True).wait()
+            mgr.wait()  # and the retention after it
         armed.append(True)
-        mgr.save(3, state(3), force=True).wait()  # committed: the retention's failure is not its
+        handle = mgr.save(3, state(3), force=True)
+        handle.wait()  # committed: its handle does not wait for the retention
+        mgr.wait()  # which fails, and says so, but is not the save's failure
+        assert handle.exception() is None
         assert not armed, "the retention never deleted anything"
         assert any(r.getMessage().startswith("ckpt.retention failed after step 3 was committed")
                    for r in caplog.records)
         endpoint.thaw()
         mgr.save(4, state(4), force=True).wait()  # not wedged behind step 3's handle
+        mgr.wait()
         assert mgr.steps() == [4]
     finally:
         endpoint.thaw()

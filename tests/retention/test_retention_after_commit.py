@@ -1,0 +1,117 @@
+"""When retention runs: after a save's step is committed and its handle is done (the step is
+durable then; retiring older ones is housekeeping), on the writer thread, before the next
+save starts; ``wait()`` and a synchronous save return with it applied."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import ckpt
+from ckpt._manager import saver as saver_module
+
+
+@pytest.fixture
+def held_retention(monkeypatch):
+    """Every retention waits for ``release`` before it deletes anything; ``started`` is set
+    when one is waiting."""
+    started, release = threading.Event(), threading.Event()
+    original = saver_module.collect
+
+    def collect(storage, keep, *args, **kwargs):
+        started.set()
+        assert release.wait(30), "the test never released the retention"
+        return original(storage, keep, *args, **kwargs)
+
+    monkeypatch.setattr(saver_module, "collect", collect)
+    yield started, release
+    release.set()
+
+
+def state(step: int) -> dict:
+    return {"w": torch.full((1024,), float(step))}
+
+
+def test_a_saves_handle_is_done_when_its_step_is_committed_not_after_the_retention(
+        tmp_path, held_retention):
+    started, release = held_retention
+    with ckpt.CheckpointManager(tmp_path, async_save=True, keep_last=1) as mgr:
+        mgr.save(1, state(1)).wait(30)
+        assert started.wait(30)  # the retention after step 1 (nothing to retire) is held
+        release.set()
+        mgr.wait(30)
+        started.clear()
+        release.clear()
+        handle = mgr.save(2, state(2))
+        handle.wait(10)  # does not wait for the retention that is held
+        assert handle.done() and started.wait(30)
+        assert mgr.steps() == [1, 2]  # step 2 is committed; step 1 is not retired yet
+        release.set()
+        mgr.wait(30)  # waits for the retention too
+        assert mgr.steps() == [2]
+
+
+def test_the_next_save_starts_only_once_the_retention_before_it_is_done(tmp_path,
+                                                                        held_retention):
+    started, release = held_retention
+    with ckpt.CheckpointManager(tmp_path, async_save=True, keep_last=1) as mgr:
+        release.set()
+        mgr.save(1, state(1)).wait(30)
+        mgr.wait(30)
+        release.clear()
+        started.clear()
+        mgr.save(2, state(2)).wait(30)
+        assert started.wait(30)
+        saving = threading.Thread(target=lambda: mgr.save(3, state(3)))
+        saving.start()
+        saving.join(0.5)
+        # save(3) itself waits, before it copies anything: one retention never runs beside
+        # the next save (an object store's save retires a step it replaces before it
+        # starts, from the same listing)
+        assert saving.is_alive() and mgr.steps() == [1, 2]
+        release.set()
+        saving.join(30)
+        assert not saving.is_alive()
+        mgr.wait(30)
+        assert mgr.steps() == [3]
+
+
+def test_a_synchronous_save_returns_with_the_retention_applied(tmp_path, monkeypatch):
+    original = saver_module.collect
+
+    def slow_collect(storage, keep, *args, **kwargs):
+        time.sleep(0.3)  # a large step's files take a while to delete
+        return original(storage, keep, *args, **kwargs)
+
+    monkeypatch.setattr(saver_module, "collect", slow_collect)
+    with ckpt.CheckpointManager(tmp_path, async_save=False, keep_last=1) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+            assert mgr.steps() == [step]
+
+
+def test_a_retention_that_fails_leaves_the_committed_step_and_the_next_save_retires(
+        tmp_path, monkeypatch, caplog):
+    original = saver_module.collect
+    calls = []
+
+    def collect(storage, keep, *args, **kwargs):
+        calls.append(set(keep))
+        if len(calls) == 2:
+            raise ValueError("an unreadable old manifest")
+        return original(storage, keep, *args, **kwargs)
+
+    monkeypatch.setattr(saver_module, "collect", collect)
+    with ckpt.CheckpointManager(tmp_path, async_save=True, keep_last=1) as mgr:
+        for step in (1, 2):
+            handle = mgr.save(step, state(step))
+            handle.wait(30)
+            mgr.wait(30)
+        assert handle.exception() is None  # the save committed: its retention's error is not its
+        assert mgr.steps() == [1, 2] and "retention failed after step 2" in caplog.text
+        mgr.save(3, state(3))
+        mgr.wait(30)
+        assert mgr.steps() == [3]

@@ -184,7 +184,8 @@ class CheckpointManager:
         it is stored in the step's marker (docs/format.md, "Verified steps") with the time.
         The marker is written once (create-only) by rank 0, the root's writer; on other
         ranks this checks ``evidence`` and returns None (no collective). Marking a verified
-        step again keeps its first marker.
+        step again keeps its first marker. It waits for the retention after the newest
+        commit, if that is still running (it sweeps the step directories).
 
         Returns:
             The step's :class:`~ckpt._step.verified.Verification` (rank 0), else None.
@@ -205,6 +206,8 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"step {step} is still being written in the background: mark it verified "
                 "once mgr.wait() returns (or its save handle is done)", path=self.root)
+        if self._saver is not None:
+            self._saver.settle()  # the retention in flight sweeps the step directories
         try:
             verification = write_marker(self.storage, step, evidence)
         except (FileNotFoundError, NotADirectoryError):

@@ -150,8 +150,17 @@ class BackgroundWriter:
 
     def defer(self, fn: Callable[..., None], *args: Any) -> cf.Future:
         """Run ``fn(*args)`` on the writer thread after everything queued so far (called from
-        a save's own job: after that save, before any save submitted later)."""
-        return self._thread.submit(fn, *args)
+        a save's own job: after that save, before any save submitted later). While the
+        writer closes, which waits for the job calling this, it runs here and now."""
+        try:
+            return self._thread.submit(fn, *args)
+        except RuntimeError:  # shut down: nothing queues after this job any more
+            done: cf.Future = cf.Future()
+            try:
+                done.set_result(fn(*args))
+            except Exception as e:
+                done.set_exception(e)
+            return done
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

@@ -115,3 +115,19 @@ def test_a_retention_that_fails_leaves_the_committed_step_and_the_next_save_reti
         mgr.save(3, state(3))
         mgr.wait(30)
         assert mgr.steps() == [3]
+
+
+def test_marking_a_step_verified_waits_for_the_retention_in_flight(tmp_path, held_retention):
+    """The retention sweeps the step directories, so a marker written beside it could be
+    swept as a stray file: marking waits for it."""
+    started, release = held_retention
+    with ckpt.CheckpointManager(tmp_path, async_save=True, keep_last=2) as mgr:
+        mgr.save(1, state(1)).wait(30)
+        assert started.wait(30)
+        marking = threading.Thread(target=lambda: mgr.mark_verified(1, {"window": 1}))
+        marking.start()
+        marking.join(0.5)
+        assert marking.is_alive() and mgr.verified_steps() == []
+        release.set()
+        marking.join(30)
+        assert not marking.is_alive() and mgr.verified_steps() == [1]

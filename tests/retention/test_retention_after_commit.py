@@ -131,3 +131,26 @@ def test_marking_a_step_verified_waits_for_the_retention_in_flight(tmp_path, hel
         release.set()
         marking.join(30)
         assert not marking.is_alive() and mgr.verified_steps() == [1]
+
+
+def test_a_save_still_writing_when_the_manager_closes_commits_and_is_retained(
+        tmp_path, monkeypatch):
+    """close() stops the writer while the save is written: its retention, queued once the
+    step is committed, runs all the same, and the save does not fail."""
+    from storage_backends.posix import PosixStorage
+
+    original = PosixStorage.write
+
+    def slow_write(self, path, buffers):
+        time.sleep(0.3)  # still writing when close() begins
+        return original(self, path, buffers)
+
+    mgr = ckpt.CheckpointManager(tmp_path, async_save=True, keep_last=1)
+    mgr.save(1, state(1)).wait(30)
+    mgr.wait(30)
+    monkeypatch.setattr(PosixStorage, "write", slow_write)
+    handle = mgr.save(2, state(2))
+    mgr.close()  # raises the save's error, if it failed
+    assert handle.exception() is None
+    with ckpt.CheckpointManager(tmp_path, read_only=True) as ro:
+        assert ro.steps() == [2]

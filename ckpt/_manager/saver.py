@@ -141,19 +141,19 @@ class Saver:
             self.memory.discard_staged()
 
     def wait_for_previous(self, step: int, *, report_every: float | None) -> float:
-        """Before saving ``step``: wait for the save in flight (one at a time), counted as
+        """Before saving ``step``: wait for the save in flight and the retention after it
+        (one at a time: a retention never runs beside the next save), counted as
         backpressure once; a ``ckpt.save_slow`` warning every ``report_every`` seconds while
         it lasts. Raises the previous save's error. Returns the seconds waited."""
-        h = self.inflight
-        if h is None or h.done():
+        h, retiring = self.inflight, self._retiring
+        if (h is None or h.done()) and (retiring is None or retiring.done()):
             self.raise_failed()
-            self.settle()  # one save's retention never overlaps the next save
             return 0.0
         self.backpressure_waits += 1
         if self.metrics:
             self.metrics.backpressure()
         t = time.monotonic()
-        while True:
+        while h is not None:
             try:
                 h.wait(report_every)
                 break
@@ -165,7 +165,15 @@ class Saver:
                             "before it is still being written (the storage is slower than "
                             "the save interval: save less often or to faster storage)",
                             step, h.step, time.monotonic() - t)
-        self.settle()
+        while True:
+            try:
+                self.settle(report_every)
+                break
+            except TimeoutError:
+                log.warning("ckpt.save_slow step=%d waiting_for=retention waited_s=%.1f: the "
+                            "retention after the newest commit is still deleting older steps "
+                            "(the storage is slow to delete: keep more steps, or save less "
+                            "often)", step, time.monotonic() - t)
         waited = time.monotonic() - t
         log.info("ckpt.backpressure step=%d waited_s=%.3f", step, waited)
         return waited

@@ -154,3 +154,17 @@ def test_a_save_still_writing_when_the_manager_closes_commits_and_is_retained(
     assert handle.exception() is None
     with ckpt.CheckpointManager(tmp_path, read_only=True) as ro:
         assert ro.steps() == [2]
+
+
+def test_a_next_save_kept_waiting_by_a_slow_retention_says_so(tmp_path, held_retention,
+                                                              caplog):
+    started, release = held_retention
+    with ckpt.CheckpointManager(tmp_path, async_save=True, keep_last=1) as mgr:
+        mgr.save(1, state(1)).wait(30)
+        assert started.wait(30)
+        mgr._saver.report_every = 0.05  # (10 s by default)
+        threading.Timer(0.5, release.set).start()
+        with caplog.at_level("WARNING", logger="ckpt"):
+            mgr.save(2, state(2))
+        assert mgr.backpressure_waits == 1
+        assert "ckpt.save_slow step=2 waiting_for=retention" in caplog.text

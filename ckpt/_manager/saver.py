@@ -146,8 +146,10 @@ class Saver:
         backpressure once; a ``ckpt.save_slow`` warning every ``report_every`` seconds while
         it lasts. Raises the previous save's error. Returns the seconds waited."""
         h, retiring = self.inflight, self._retiring
-        if (h is None or h.done()) and (retiring is None or retiring.done()):
-            self.raise_failed()
+        if h is not None and h.done():
+            self.raise_failed()  # once: an error already raised is not raised again
+            h = None
+        if h is None and (retiring is None or retiring.done()):
             return 0.0
         self.backpressure_waits += 1
         if self.metrics:

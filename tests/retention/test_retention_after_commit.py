@@ -168,3 +168,26 @@ def test_a_next_save_kept_waiting_by_a_slow_retention_says_so(tmp_path, held_ret
             mgr.save(2, state(2))
         assert mgr.backpressure_waits == 1
         assert "ckpt.save_slow step=2 waiting_for=retention" in caplog.text
+
+
+def test_a_save_error_already_raised_is_not_raised_again_while_the_next_save_waits(
+        tmp_path, held_retention):
+    """A failed save whose error the caller already got (a save to memory alone published
+    on the caller's thread) while the retention of an earlier commit still runs: the next
+    save waits for the retention and does not raise that error a second time."""
+    import concurrent.futures as cf
+
+    from ckpt._save.handle import SaveHandle
+
+    started, release = held_retention
+    with ckpt.CheckpointManager(tmp_path, async_save=True, keep_last=1) as mgr:
+        mgr.save(1, state(1)).wait(30)
+        assert started.wait(30)
+        failed: cf.Future = cf.Future()
+        failed.set_exception(OSError("the segment could not be written"))
+        handle = SaveHandle(2, failed, 0.0)
+        handle.error_reported = True
+        mgr._saver.inflight = handle
+        threading.Timer(0.3, release.set).start()
+        assert mgr._saver.wait_for_previous(3, report_every=None) > 0  # waited, raised nothing
+        assert mgr._saver.backpressure_waits == 1

@@ -1,8 +1,8 @@
 """An S3 endpoint that stops answering (a moto server process frozen with SIGSTOP) just after
 a step is committed, while the retention that follows deletes an older step: the save
 succeeds (its step is committed; the retention's failure is a warning, never "the save is
-still running" nor the save's error, and ``wait()`` returns), and once the endpoint answers again the next save
-commits and the retention catches up. (A store's ETIMEDOUT is an ``OSError`` that Python
+still running" nor the save's error, and ``wait()`` returns), and once the endpoint answers
+again the next save commits and the retention catches up. (A store's ETIMEDOUT is an ``OSError`` that Python
 makes a ``TimeoutError``, the very class a wait that ran out raises.)
 """
 

@@ -20,7 +20,7 @@ from trainer.metrics import format_event
 from trainer.parts import AttemptParts
 from trainer.progress import (ElasticSummary, build_summary, json_float, recorded_skips,
                               write_summary)
-from trainer.rollback import Rollbacks
+from trainer.rollback import BAD_BATCHES_KEY, Rollbacks, carried_bad_batches
 
 if TYPE_CHECKING:
     from trainer.elastic import ElasticTrainer
@@ -43,10 +43,12 @@ class TrainingLoop:
 
     def _meta(self, step: int, loss: float | None) -> dict[str, Any]:
         rollbacks = self.parts.rollbacks
-        skipped = rollbacks.skipped_batches if rollbacks else 0
-        return {"step": step, "attempt": self.parts.attempt.number,
+        meta = {"step": step, "attempt": self.parts.attempt.number,
                 "world": self.parts.attempt.world_size, "loss": loss,
-                "skipped_batches": skipped}
+                "skipped_batches": rollbacks.skipped_batches if rollbacks else 0}
+        if rollbacks is not None and rollbacks.bad:
+            meta[BAD_BATCHES_KEY] = rollbacks.carried(self.trainer.global_batch_size)
+        return meta
 
     def restore(self) -> int:
         """Load the newest checkpoint (a fresh run with a health guard saves step 0 instead)
@@ -65,9 +67,10 @@ class TrainingLoop:
                                  else None)
         restored = checkpointer.restore(stop)
         start = restored or 0
-        skipped = 0
+        skipped, carried = 0, []
         if restored is not None:
             meta = checkpointer.meta
+            carried = carried_bad_batches(meta, trainer.global_batch_size)
             skipped = int(meta.get("skipped_batches", 0))
             if batches.offset() != (start + skipped) * trainer.global_batch_size:
                 log.warning("rank %d: checkpoint step %d has %d samples consumed, expected "
@@ -80,8 +83,11 @@ class TrainingLoop:
         elif trainer.health is not None:
             # A rollback before the first scheduled checkpoint needs a step to go back to.
             checkpointer.save(0, self._meta(0, None), force=True)
-        known = (recorded_skips(trainer.run_dir, trainer.global_batch_size)
-                 if attempt.rank == 0 else None)
+        # The batches marked bad: those in the run directory's record, and those the restored
+        # checkpoint carries (all a restart without the run directory has: the rollbacks
+        # before that checkpoint's save).
+        known = (sorted({*recorded_skips(trainer.run_dir, trainer.global_batch_size),
+                         *carried}) if attempt.rank == 0 else None)
         parts.rollbacks = Rollbacks(trainer.health, steps=parts.steps,
                                     checkpointer=checkpointer, records=parts.records,
                                     metrics=trainer.metrics,

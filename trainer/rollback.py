@@ -4,9 +4,11 @@ Every rank judges a step from the same agreed loss and gradient norm
 (:class:`trainer.health.HealthGuard`), so on a bad step all of them roll back to the newest
 good checkpoint together: the newest *verified* one (a checkpoint whose following steps
 were healthy; ``CheckpointConfig.verified_window``, on by default), else the newest good
-one. The step's global batch is then marked bad (by its data offset, in the run
-directory's ``skips.jsonl``) and passed over from then on, in this attempt and the ones
-after it. :class:`Rollbacks` does this for :class:`trainer.elastic.ElasticTrainer`.
+one. The step's global batch is then marked bad (by its data offset) and passed over from
+then on, in this attempt and the ones after it: the run directory's ``skips.jsonl`` and the
+metadata of every checkpoint saved after the rollback (:data:`BAD_BATCHES_KEY`, so that a
+restart without the run directory, as on an object-store root by default, knows them too)
+carry the marks. :class:`Rollbacks` does this for :class:`trainer.elastic.ElasticTrainer`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from trainer.batches import GlobalBatches, StepBatch
 from trainer.checkpointing import TrainerCheckpointer
@@ -25,6 +28,33 @@ from trainer.records import RunRecords
 from trainer.step import StepRunner
 
 events = logging.getLogger("ckpt.trainer")
+log = logging.getLogger("trainer.elastic")
+
+#: The checkpoint metadata's item of the batches marked bad: ``{"global_batch": samples
+#: per step, "offsets": [data offsets]}`` (offsets only mean a batch at that global batch
+#: size).
+BAD_BATCHES_KEY = "bad_batches"
+
+
+def carried_bad_batches(meta: dict[str, Any], global_batch_size: int) -> list[int]:
+    """The data offsets of the batches marked bad that a restored checkpoint's ``meta``
+    carries, for this global batch size (another size cuts other batches: none then).
+    An item that is not well formed (a hand-edited checkpoint) is logged and ignored."""
+    carried = meta.get(BAD_BATCHES_KEY)
+    if carried is None:
+        return []
+    offsets = carried.get("offsets") if isinstance(carried, dict) else None
+    size = carried.get("global_batch") if isinstance(carried, dict) else None
+    if (type(size) is not int or size <= 0 or not isinstance(offsets, list)
+            or not all(type(o) is int and o >= 0 for o in offsets)):
+        log.warning("the checkpoint's %r item is not well formed (%r): its batches are not "
+                    "passed over", BAD_BATCHES_KEY, carried)
+        return []
+    if size != global_batch_size:
+        log.info("the checkpoint marks %d batches bad at a global batch size of %d, not %d: "
+                 "they are not passed over", len(offsets), size, global_batch_size)
+        return []
+    return sorted(set(offsets))
 
 
 class Rollbacks:
@@ -130,6 +160,10 @@ class Rollbacks:
                          "reason": verdict.reason, "indices": batch.global_indices})
         self.metrics.write_textfile()
 
+    def carried(self, global_batch_size: int) -> dict[str, Any]:
+        """The metadata item (:data:`BAD_BATCHES_KEY`) of the batches marked bad so far."""
+        return {"global_batch": global_batch_size, "offsets": sorted(self.bad)}
+
     def pass_known_bad(self, step: int, batches: GlobalBatches) -> None:
         """Pass over the global batches marked bad (by a rollback of this or an earlier
         attempt) that are next in the data order; ``step`` then trains the next one."""
@@ -148,4 +182,4 @@ class Rollbacks:
                                skipped=True)
 
 
-__all__ = ["Rollbacks"]
+__all__ = ["BAD_BATCHES_KEY", "Rollbacks", "carried_bad_batches"]

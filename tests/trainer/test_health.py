@@ -9,9 +9,9 @@ poison its batch:
 - spike: the marked sample's inputs are scaled by 1e3 and its label changed (a corrupted
   sample: a huge but finite loss).
 
-Expected: the guard sees step 13 go bad, every rank (here the one) rolls back to step 10,
-the batch of step 13 is skipped, steps 11-12 are trained again on the same data, and the
-job reaches step 40 on the no-failure data order minus that one batch; the rollback is in
+Expected: the guard sees step 13 go bad, every rank (here the one) rolls back to the newest
+verified checkpoint (step 5: the window of step 10, steps 11-14, fails at 13), the batch of
+step 13 is skipped, steps 6-12 are trained again on the same data, and the job reaches step 40 on the no-failure data order minus that one batch; the rollback is in
 the logs, in the metrics (scraped over HTTP or read from the textfile) and in the audit log.
 """
 
@@ -42,6 +42,7 @@ from trainer.elastic import ElasticTrainer, read_audit, read_jsonl, read_skips
 from trainer.health import (LOSS_SPIKE, NONFINITE_GRAD_NORM, NONFINITE_LOSS, OK, HealthGuard,
                             TrainingHealthError)
 from trainer.metrics import format_event, metric_names, parse_event
+from trainer.rollback import BAD_BATCHES_KEY, carried_bad_batches
 
 N, GLOBAL, MICRO, EVERY, STEPS, SEED = 400, 8, 4, 5, 40, 0
 BAD_STEP = 13
@@ -361,6 +362,70 @@ def test_a_restart_skips_the_batches_earlier_rollbacks_skipped(tmp_path, caplog)
     assert [s["step"] for s in event_lines(caplog, "train.skip")] == [str(BAD_STEP)]
     assert second.metrics.snapshot()["skipped_batches_total"] == 1
     check_trained_order(tmp_path, skipped_steps=[BAD_STEP])
+
+
+def crash_once_at(step: int, step_fn, holder: list):
+    """``step_fn`` that fails the first trainer in ``holder`` during ``step`` (after the
+    rollback of ``BAD_STEP``: the trainer reaches ``step`` only on the new timeline)."""
+    def fn(model, batch):
+        if len(holder) == 1 and holder[0].step == step - 1:
+            raise ValueError("the node went away")
+        return step_fn(model, batch)
+    return fn
+
+
+def test_a_restart_without_the_run_directory_passes_over_the_batches_its_checkpoint_marks(
+        tmp_path, caplog):
+    """The restart runs on a run directory of its own (one not shared between the nodes),
+    so ``skips.jsonl`` cannot tell it of the rollback. The crash at step 18 comes after
+    the new timeline's step 10 was verified (window 11-14) and before step 15's window
+    ended: the restart resumes from step 10, saved after the rollback, whose metadata
+    marks the batch of step 13 bad; it passes over it without a second rollback."""
+    caplog.set_level(logging.INFO, logger="ckpt.trainer")
+    holder: list[ElasticTrainer] = []
+    nan_step = make_step_fn("nan")
+    first = trainer(tmp_path, crash_once_at(18, nan_step, holder),
+                    observability=observed(tmp_path, run_dir=tmp_path / "node-a"))
+    holder.append(first)
+    with pytest.raises(ValueError, match="went away"):
+        first.fit(STEPS)
+    assert first.metrics.snapshot()["rollbacks_total"] == 1
+    first.close()
+    caplog.clear()
+    second = trainer(tmp_path, nan_step,
+                     observability=observed(tmp_path, run_dir=tmp_path / "node-b"))
+    holder.append(second)
+    try:
+        summary = second.fit(STEPS)
+    finally:
+        second.close()
+    assert summary.final_step == STEPS
+    [resume] = event_lines(caplog, "train.resume")
+    assert (resume["step"], resume["known_bad_batches"]) == ("10", "1")
+    assert not event_lines(caplog, "train.rollback")
+    assert [s["step"] for s in event_lines(caplog, "train.skip")] == [str(BAD_STEP)]
+    check_trained_order(tmp_path, skipped_steps=[BAD_STEP])
+
+
+@pytest.mark.parametrize("item", [
+    [104], {"global_batch": 8}, {"global_batch": "8", "offsets": [104]},
+    {"global_batch": 8, "offsets": [-8]}, {"global_batch": 8, "offsets": [104.0]},
+    {"global_batch": 0, "offsets": [104]}])
+def test_a_malformed_bad_batches_item_is_ignored_with_a_warning(item, caplog):
+    caplog.set_level(logging.INFO, logger="trainer.elastic")
+    assert carried_bad_batches({BAD_BATCHES_KEY: item}, 8) == []
+    assert "not well formed" in caplog.text
+
+
+def test_bad_batches_carried_at_another_global_batch_size_are_not_passed_over(caplog):
+    """Offset 104 starts a batch at 8 samples per step and at 4 alike, but not the same
+    batch: a checkpoint's marks hold only for the size they were made at."""
+    caplog.set_level(logging.INFO, logger="trainer.elastic")
+    meta = {BAD_BATCHES_KEY: {"global_batch": 8, "offsets": [104, 96, 104]}}
+    assert carried_bad_batches(meta, 8) == [96, 104]
+    assert carried_bad_batches(meta, 4) == []
+    assert "not passed over" in caplog.text
+    assert carried_bad_batches({}, 8) == []
 
 
 def test_grad_scaler_gradients_are_unscaled_before_clipping(tmp_path):

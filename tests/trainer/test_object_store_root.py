@@ -4,7 +4,9 @@ root only), a health guard and a verified window.
 
 A preempted attempt's stop checkpoint must be what the next attempt resumes from there too:
 without a run directory the attempts are numbered by the audit files (when there are any),
-and a resume takes the newest stop checkpoint whichever attempt took it.
+and a resume takes the newest stop checkpoint whichever attempt took it. Without a run
+directory the checkpoints' metadata is what tells a restart of the batches a rollback
+marked bad.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import pytest
 import torch
 
 from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
-from tests.trainer.test_health import event_lines, make_step_fn, plain_process
+from tests.trainer.test_health import (BAD_STEP, check_trained_order, crash_once_at,
+                                       event_lines, make_step_fn, plain_process)
+from tests.trainer.test_health import STEPS as EPOCH
 from tests.trainer.test_verified_steps import STEPS, preempting, verified_trainer
 from trainer import CheckpointConfig
 from trainer.elastic import ElasticTrainer, read_audit
@@ -65,3 +69,34 @@ def test_a_preempted_run_on_s3_resumes_from_its_stop_checkpoint(s3, tmp_path,  #
     reference.close()
     for k, v in holder[1].module.state_dict().items():
         assert torch.equal(v, reference.module.state_dict()[k]), k
+
+
+def test_a_restart_on_s3_passes_over_the_batch_a_rollback_marked_bad(s3, tmp_path,  # noqa: F811
+                                                                    caplog):
+    """A NaN at step 13 rolls back to the verified step 5; the crash at step 18 comes once
+    the new timeline's step 10 is verified. The restart resumes from step 10, whose
+    metadata marks the batch of step 13 bad (the only record of it: no run directory), and
+    passes over it without a second rollback."""
+    caplog.set_level(logging.INFO, logger="ckpt.trainer")
+    nan_step = make_step_fn("nan")
+    root = s3.root("job")
+    checkpoint = CheckpointConfig(manager_options={"storage_options": s3.storage_options})
+    holder: list[ElasticTrainer] = []
+    holder.append(verified_trainer(root, tmp_path, step_fn=crash_once_at(18, nan_step, holder),
+                                   checkpoint=checkpoint))
+    assert holder[0].run_dir is None
+    with pytest.raises(ValueError, match="went away"):
+        holder[0].fit(EPOCH)
+    assert holder[0].metrics.snapshot()["rollbacks_total"] == 1
+    holder[0].close()
+    caplog.clear()
+    holder.append(verified_trainer(root, tmp_path, step_fn=nan_step, checkpoint=checkpoint))
+    try:
+        assert holder[1].fit(EPOCH).final_step == EPOCH
+    finally:
+        holder[1].close()
+    [resume] = event_lines(caplog, "train.resume")
+    assert (resume["step"], resume["known_bad_batches"]) == ("10", "1")
+    assert not event_lines(caplog, "train.rollback")
+    assert [s["step"] for s in event_lines(caplog, "train.skip")] == [str(BAD_STEP)]
+    check_trained_order(tmp_path, skipped_steps=[BAD_STEP])

@@ -147,10 +147,11 @@ def run_reads(jobs: list[ReadJob], pool: cf.ThreadPoolExecutor | None,
     """Run reads file by file, each file's in offset order (sequential reads, which the
     kernel's readahead serves best), files in parallel on ``pool``.
 
-    ``cached``: the bytes are in the page cache (the apply pass after the verify pass read
-    them), so a read is a memory copy, bound by the CPU rather than the disk: where there are
-    more cores than files, each file's reads are cut into as many runs (contiguous, each in
-    offset order) as there are cores per file, read in parallel.
+    ``cached``: the bytes are in memory (the page cache, after the verify pass read them, or
+    the memory tier's shared memory), so a read is a memory copy, bound by the CPU rather
+    than the disk: where there are more cores than files, each file's reads are cut into as
+    many runs (contiguous, each in offset order) as there are cores per file, read in
+    parallel.
 
     After a failure no further read starts, and the error is raised only once every read
     already running has returned, so nothing changes behind the caller's back.

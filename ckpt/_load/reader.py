@@ -150,7 +150,7 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
                         staged, cached=cached)
         else:
             _apply_pass(storage, location, manifest, plain, scratch, pool, verify and in_place,
-                        written)
+                        written, cached=getattr(storage, "reads_from_memory", False))
     except Exception as e:
         if shares is not None and not isinstance(e, PartialLoadError) and any(
                 k in shares.started for k in written):
@@ -275,8 +275,9 @@ def _apply_pass(storage: Storage, location: str, manifest: Manifest, reads: list
                 written: list[str], staged: dict[int, torch.Tensor] | None = None,
                 cached: bool = False) -> None:
     """Read every chunk into its destination (a staged one is copied from memory); on
-    failure, say which live tensors changed. ``cached``: the verify pass has just read the
-    files through the page cache (see :func:`run_reads`)."""
+    failure, say which live tensors changed. ``cached``: the bytes are in memory (the verify
+    pass has just read the files through the page cache, or the storage is this node's
+    memory tier): a file's reads are spread over the cores (see :func:`run_reads`)."""
     # A save's copies of parameters may still be waiting for the next optimizer step: the
     # writes below (and load_state_dict's) must come after them on the GPU.
     await_device_copies()

@@ -32,6 +32,9 @@ class ShmReader:
     """
 
     stream_block = 512 << 10
+    # Every read is a copy out of this node's memory, bound by the CPU rather than a disk:
+    # the loader spreads each file's reads over the cores (``run_reads``' ``cached``).
+    reads_from_memory = True
 
     def __init__(self, url: str, where: Callable[[str], str | None],
                  check: Callable[[str, int], None] | None = None) -> None:

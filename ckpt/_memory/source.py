@@ -50,6 +50,9 @@ class MemorySource(ShmReader):
         self.cooperation = cooperation
         if peers.holders:  # the loader's block: a round's piece (fewer waits for a peer)
             self.stream_block = peers.piece
+            # A holder sends the ranges a reader planned in the order planned, one file's
+            # on one thread: not spread over the cores.
+            self.reads_from_memory = False
 
     @property
     def server(self) -> PeerServer | None:

@@ -119,7 +119,9 @@ class Applier:
 def verify_jobs(storage: Storage, location: str, reads: list[ChunkRead],
                 scratch: Scratch) -> list[ReadJob]:
     """The verify pass's reads: one per run of adjacent stored-raw chunks of a file where the
-    storage streams (see :mod:`ckpt._load.reader`), one per chunk otherwise."""
+    storage streams (see :mod:`ckpt._load.reader`), one per chunk otherwise. Where the
+    storage reads from memory (``reads_from_memory``) each run is cut in one per core, for
+    :func:`run_reads` to read them in parallel (``cached``)."""
     jobs: list[ReadJob] = []
     runs: dict[str, list[list[ChunkRead]]] = {}
     block = getattr(storage, "stream_block", None)  # duck-typed sources may lack it
@@ -135,6 +137,9 @@ def verify_jobs(storage: Storage, location: str, reads: list[ChunkRead],
             file_runs[-1].append(r)
         else:
             file_runs.append([r])
+    if getattr(storage, "reads_from_memory", False):
+        runs = {path: [part for run in file_runs for part in _cut(run, _cores())]
+                for path, file_runs in runs.items()}
     for path, file_runs in runs.items():
         jobs += [(path, run[0].chunk.start,
                   lambda path=path, run=run: verify_run(storage, path, run, scratch.block(block)))
@@ -192,7 +197,7 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _cut(run: list[ReadJob], parts: int) -> list[list[ReadJob]]:
+def _cut(run: list, parts: int) -> list[list]:
     """``run`` (one file's reads in offset order) cut into at most ``parts`` contiguous runs
     of about as many reads each."""
     parts = max(1, min(parts, len(run)))

@@ -264,7 +264,7 @@ def _read_before_apply(storage: Storage, location: str, reads: list[ChunkRead],
              for r in staged]
     jobs += verify_jobs(storage, location, twice, scratch)
     try:
-        run_reads(jobs, pool)
+        run_reads(jobs, pool, cached=getattr(storage, "reads_from_memory", False))
     finally:
         files.close()
     return twice + staged, stage.buffers

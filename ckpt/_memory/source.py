@@ -50,8 +50,8 @@ class MemorySource(ShmReader):
         self.cooperation = cooperation
         if peers.holders:  # the loader's block: a round's piece (fewer waits for a peer)
             self.stream_block = peers.piece
-            # A holder sends the ranges a reader planned in the order planned, one file's
-            # on one thread: not spread over the cores.
+            # A peer's bytes come over one connection per holder, as the holder sends them:
+            # not a copy out of this node's memory that more reading threads would speed.
             self.reads_from_memory = False
 
     @property

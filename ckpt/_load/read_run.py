@@ -120,8 +120,8 @@ def verify_jobs(storage: Storage, location: str, reads: list[ChunkRead],
                 scratch: Scratch) -> list[ReadJob]:
     """The verify pass's reads: one per run of adjacent stored-raw chunks of a file where the
     storage streams (see :mod:`ckpt._load.reader`), one per chunk otherwise. Where the
-    storage reads from memory (``reads_from_memory``) each run is cut in one per core, for
-    :func:`run_reads` to read them in parallel (``cached``)."""
+    storage reads from memory (``reads_from_memory``) each run is cut into one piece per core,
+    for :func:`run_reads` to read in parallel (``cached``)."""
     jobs: list[ReadJob] = []
     runs: dict[str, list[list[ChunkRead]]] = {}
     block = getattr(storage, "stream_block", None)  # duck-typed sources may lack it

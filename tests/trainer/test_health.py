@@ -333,6 +333,16 @@ def test_persistent_failure_gives_up_after_max_rollbacks(tmp_path, caplog):
     assert [f["reason"] for f in failures] == ["unhealthy"]
 
 
+def crash_once_at(step: int, step_fn, holder: list):
+    """``step_fn`` that fails the first trainer in ``holder`` during ``step`` (after the
+    rollback of ``BAD_STEP``: the trainer reaches ``step`` only on the new timeline)."""
+    def fn(model, batch):
+        if len(holder) == 1 and holder[0].step == step - 1:
+            raise ValueError("the node went away")
+        return step_fn(model, batch)
+    return fn
+
+
 def test_a_restart_skips_the_batches_earlier_rollbacks_skipped(tmp_path, caplog):
     """A crash after the rollback, before the next checkpoint: the next run resumes from the
     checkpoint before the bad batch and passes over it without a new rollback. The crash
@@ -342,12 +352,7 @@ def test_a_restart_skips_the_batches_earlier_rollbacks_skipped(tmp_path, caplog)
     holder: list[ElasticTrainer] = []
     nan_step = make_step_fn("nan")
 
-    def crash_at_14(model, batch):
-        if holder and holder[0].step == BAD_STEP:
-            raise ValueError("the node went away")
-        return nan_step(model, batch)
-
-    first = trainer(tmp_path, crash_at_14)
+    first = trainer(tmp_path, crash_once_at(BAD_STEP + 1, nan_step, holder))
     holder.append(first)
     with pytest.raises(ValueError, match="went away"):
         first.fit(STEPS)
@@ -362,16 +367,6 @@ def test_a_restart_skips_the_batches_earlier_rollbacks_skipped(tmp_path, caplog)
     assert [s["step"] for s in event_lines(caplog, "train.skip")] == [str(BAD_STEP)]
     assert second.metrics.snapshot()["skipped_batches_total"] == 1
     check_trained_order(tmp_path, skipped_steps=[BAD_STEP])
-
-
-def crash_once_at(step: int, step_fn, holder: list):
-    """``step_fn`` that fails the first trainer in ``holder`` during ``step`` (after the
-    rollback of ``BAD_STEP``: the trainer reaches ``step`` only on the new timeline)."""
-    def fn(model, batch):
-        if len(holder) == 1 and holder[0].step == step - 1:
-            raise ValueError("the node went away")
-        return step_fn(model, batch)
-    return fn
 
 
 def test_a_restart_without_the_run_directory_passes_over_the_batches_its_checkpoint_marks(

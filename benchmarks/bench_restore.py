@@ -14,7 +14,9 @@ Two parts, each in one run with its methods interleaved, medians and ratios:
 * ``ddp-s3``: the same with the root on S3 (moto's server on loopback, started here): an
   object store has no page cache shared by the ranks, each read is a request, and N ranks
   reading the whole state make N times the requests and bytes. There the cooperative restore
-  is what ``restore()`` does by default.
+  is what ``restore()`` does by default. One more column there: the bytes the store's
+  responses carried, summed over the ranks (``last_restore`` counts what the load asked
+  for; the storage's read cache fetches whole 8 MiB blocks around small reads).
 * ``cold``: one process. ``ckpt.load`` into a state whose item is a dict of tensors (the
   load reads each chunk once into new tensors, digested as it lands, and hands them over
   only once every chunk passed), ``ckpt.load`` in place into the live tensors of a stateful
@@ -100,6 +102,29 @@ def set_cooperative(on: bool) -> None:
 
 # -- part ddp: world N gloo ranks -------------------------------------------------------------
 
+def count_fetched() -> list[int]:
+    """Count, in this process, the bytes an object store's requests return (what crossed
+    the network, whole blocks of the storage's read cache included; ``last_restore``
+    counts the bytes the load asked for): a one-item list the counts add to."""
+    from storage_backends.fsspec_store import FsspecStorage
+
+    fetched = [0]
+    real_range, real_ranges = FsspecStorage._range, FsspecStorage._cat_ranges
+
+    def counted_range(self, *args):
+        data = real_range(self, *args)
+        fetched[0] += len(data)
+        return data
+
+    def counted_ranges(self, *args):
+        pieces = real_ranges(self, *args)
+        fetched[0] += sum(len(p) for p in pieces)
+        return pieces
+
+    FsspecStorage._range, FsspecStorage._cat_ranges = counted_range, counted_ranges
+    return fetched
+
+
 def _ddp_rank(rank: int, world: int, store: str, root: str, nbytes: int, shape: str,
               reps: int, out: str, options: dict | None = None) -> None:
     """One rank of part ddp; ``root`` a directory, or an object store's URL with its
@@ -107,6 +132,7 @@ def _ddp_rank(rank: int, world: int, store: str, root: str, nbytes: int, shape: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world)
+    fetched = count_fetched() if options is not None else [0]
     source = common.make_state(nbytes, shape)
     with ckpt.CheckpointManager(root, async_save=False, storage_options=options) as mgr:
         mgr.save(1, {"model": source}, force=True)
@@ -118,6 +144,7 @@ def _ddp_rank(rank: int, world: int, store: str, root: str, nbytes: int, shape: 
                                   storage_options=options) if rank == 0 else None
 
     def restore(case: str) -> tuple[float, int]:
+        fetched[0] = 0
         for t in dest["model"].values():
             t.zero_()
         if rank == 0 and options is None:
@@ -149,8 +176,9 @@ def _ddp_rank(rank: int, world: int, store: str, root: str, nbytes: int, shape: 
         for c in [cases[(rep + i) % len(cases)] for i in range(len(cases))]:
             took, nread = restore(c)
             everyone = [None] * world
-            dist.all_gather_object(everyone, took)
-            results[c].append((max(everyone), nread))
+            dist.all_gather_object(everyone, (took, fetched[0]))
+            results[c].append((max(t for t, _ in everyone), nread,
+                               sum(f for _, f in everyone)))
     mgr.close()
     if solo is not None:
         solo.close()
@@ -184,13 +212,14 @@ def part_ddp(args: argparse.Namespace, base: str, nbytes: int, shape: str,
     data = torch.load(out)
     size = data["size"]
     rows = []
-    anchor = common.median([t for t, _ in data["results"]["world 1 (rank 0 alone)"]])
+    anchor = common.median([t for t, _, _ in data["results"]["world 1 (rank 0 alone)"]])
     for name, runs in data["results"].items():
-        took = common.median([t for t, _ in runs])
-        nread = common.median([n for _, n in runs])
-        rows.append([name, f"{took:.3f}", f"{min(t for t, _ in runs):.3f}.."
-                     f"{max(t for t, _ in runs):.3f}", f"{nread / size:.2f}",
-                     f"{took / anchor:.2f}"])
+        took = common.median([t for t, _, _ in runs])
+        nread = common.median([n for _, n, _ in runs])
+        sent = common.median([f for _, _, f in runs])
+        rows.append([name, f"{took:.3f}", f"{min(t for t, _, _ in runs):.3f}.."
+                     f"{max(t for t, _, _ in runs):.3f}", f"{nread / size:.2f}"]
+                    + ([f"{sent / size:.2f}"] if s3 else []) + [f"{took / anchor:.2f}"])
     common.remove(work)
     where = ("the root on S3 (moto's server on loopback: one Python process, every read a "
              "request)" if s3 else "root read cold")
@@ -198,7 +227,9 @@ def part_ddp(args: argparse.Namespace, base: str, nbytes: int, shape: str,
             f"({shape}: {common.SHAPES[shape]} tensors), {where}; median of "
             f"{args.reps}, interleaved\n\n" + common.markdown_table(
                 ["method", "median s (slowest rank)", "min..max s",
-                 "bytes from the root, all ranks / checkpoint", "time / world 1"], rows) + "\n")
+                 "bytes from the root, all ranks / checkpoint"]
+                + (["bytes the store sent, all ranks / checkpoint"] if s3 else [])
+                + ["time / world 1"], rows) + "\n")
 
 
 # -- part cold: one process -------------------------------------------------------------------

@@ -111,6 +111,11 @@ class Storage(abc.ABC):
     def read_into(self, path: str, start: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``path`` from ``start``; raises EOFError when short."""
 
+    def read_range_into(self, path: str, start: int, out: memoryview) -> None:
+        """:meth:`read_into` for a reader that wants exactly these bytes: a storage that
+        reads ahead or caches whole blocks (an object store) fetches this range alone."""
+        self.read_into(path, start, out)
+
     # Bytes per read when a reader streams through a file to check it (``read_blocks``):
     # small enough to stay in the CPU cache where a file system's page cache serves the
     # reads; None where every read is a request of its own (object stores): read whole chunks.

@@ -310,21 +310,34 @@ class FsspecStorage(ConditionalStorage):
         if n == 0:
             return
         full = self._abs(path)
-        if n < READ_BLOCK:
-            got = self._read_cached(path, full, start, view)
-        else:
-            # Ranged GETs of one block each, concurrent on an async file system (S3).
-            starts = list(range(start, start + n, READ_BLOCK))
-            ends = [min(s + READ_BLOCK, start + n) for s in starts]
-            got = 0
-            for piece in self._call("reading", path, self._cat_ranges, full, starts, ends):
-                view[got:got + len(piece)] = piece
-                got += len(piece)
-                if got < n and len(piece) < READ_BLOCK:
-                    break
+        if n >= READ_BLOCK:
+            self.read_range_into(path, start, view)
+            return
+        got = self._read_cached(path, full, start, view)
         if got < n:
-            raise EOFError(f"{self.url}/{path} ends before byte {start + n} (wanted bytes "
-                           f"{start}..{start + n})")
+            raise self._short(path, start, n)
+
+    def read_range_into(self, path: str, start: int, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        n = view.nbytes
+        if n == 0:
+            return
+        # Ranged GETs of one block each, concurrent on an async file system (S3).
+        starts = list(range(start, start + n, READ_BLOCK))
+        ends = [min(s + READ_BLOCK, start + n) for s in starts]
+        got = 0
+        for piece in self._call("reading", path, self._cat_ranges, self._abs(path), starts,
+                                ends):
+            view[got:got + len(piece)] = piece
+            got += len(piece)
+            if got < n and len(piece) < READ_BLOCK:
+                break
+        if got < n:
+            raise self._short(path, start, n)
+
+    def _short(self, path: str, start: int, n: int) -> EOFError:
+        return EOFError(f"{self.url}/{path} ends before byte {start + n} (wanted bytes "
+                        f"{start}..{start + n})")
 
     def _read_cached(self, path: str, full: str, start: int, view: memoryview) -> int:
         got, n = 0, view.nbytes

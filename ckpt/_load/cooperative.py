@@ -7,11 +7,12 @@ the root (Lustre, S3) are the state times the replica count. Here:
 
 1. Entry (collective, once per attempt): the ranks compare what they need (a digest of
    their chunk lists; the lists themselves only when they differ). A chunk needed by
-   several ranks gets one owner among them: largest chunks first, each to the rank with
-   the fewest bytes so far, the chunks a rank alone needs counted first (the same on every
-   rank, no further exchange).
-2. In batches of at most :data:`BATCH_BYTES`, each owner reads its chunks of the batch
-   (digested as they land when the load reads in one pass), the ranks exchange their
+   several ranks gets one owner among them: the chunks the same ranks need are cut, in
+   file order, into one contiguous run of about equal bytes per rank, so that each owner
+   reads its share front to back (:func:`assign_owners`; the same on every rank, no
+   further exchange).
+2. In batches of at most about :data:`BATCH_BYTES` (each a piece of every owner's run),
+   each owner reads its chunks of the batch (digested as they land when the load reads in one pass), the ranks exchange their
    outcomes (a small all_gather), and only then does each owner send the bytes to the
    ranks that need them (send/recv; chunks of :data:`DIRECT_BYTES` or more straight from
    the owner's destination into the receiver's, smaller ones packed per pair of ranks).
@@ -53,7 +54,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
-import heapq
 import logging
 import socket
 import threading
@@ -68,7 +68,7 @@ from storage_backends import Storage
 from ckpt._format.digest import digest
 from ckpt._format.manifest import Manifest
 from ckpt._format.names import step_dir
-from ckpt._load.chunk_read import OpenFiles, mismatch, read_chunk_into
+from ckpt._load.chunk_read import OpenFiles, mismatch, read_chunk_into, unreadable
 from ckpt._load.read_plan import ChunkRead
 from ckpt._load.read_run import Scratch, run_reads, verify_jobs
 from ckpt._shared.buffers import byte_view
@@ -278,7 +278,7 @@ class Shares:
         received_error: str | None = None
         broken: str | None = None  # the group failed to carry this rank's chunks: agreed next
         try:
-            for batch in _batches(self.table):
+            for batch in _batches(self.table, self.owner, self.group.world_size):
                 error = None
                 try:
                     data = self._read_own(storage, location, batch, files, pool, landing)
@@ -314,8 +314,43 @@ class Shares:
             with self._lock:
                 self.settled.add(cid)
 
-        jobs = [(cid[0], cid[1], lambda cid=cid, size=size: read(cid, size))
-                for cid, size in batch if self.owner[cid] == self.me]
+        def read_run(run: list[ChunkId]) -> None:
+            """Adjacent raw chunks of one file in one exact ranged read: an object store
+            read chunk by chunk fetches whole blocks (its read cache), which would carry
+            the neighbouring chunks other ranks read."""
+            first, last = self.mine[run[0]][0].chunk, self.mine[run[-1]][0].chunk
+            buf = byte_view(torch.empty(last.start + last.length - first.start,
+                                        dtype=torch.uint8))
+            for cid in run:
+                self._start(self.mine[cid])
+            try:
+                storage.read_range_into(run[0][0], first.start, buf)
+            except (EOFError, FileNotFoundError, ValueError) as e:
+                r = self.mine[run[0]][0]
+                raise unreadable(storage, run[0][0], r.key, r.chunk, e) from e
+            for cid in run:
+                reads = self.mine[cid]
+                chunk = reads[0].chunk
+                part = buf[chunk.start - first.start:chunk.start - first.start + chunk.length]
+                if landing and digest(part) != chunk.digest:
+                    raise mismatch(storage, cid[0], reads[0].key, chunk)
+                for r in reads:
+                    _place(r, part)
+                into = next((r.into for r in reads if r.into is not None), None)
+                data[cid] = part if into is None else into  # (the run's buffer let go)
+                with self._lock:
+                    self.settled.add(cid)
+
+        owned = [cid for cid, _ in batch if self.owner[cid] == self.me]
+        jobs = []
+        if getattr(storage, "stream_block", None) is None and hasattr(storage,
+                                                                     "read_range_into"):
+            raw = [cid for cid in owned if self.mine[cid][0].chunk.codec == "raw"]
+            for run in _adjacent(raw, lambda cid: self.mine[cid][0].chunk):
+                jobs.append((run[0][0], run[0][1], lambda run=run: read_run(run)))
+            owned = [cid for cid in owned if self.mine[cid][0].chunk.codec != "raw"]
+        sizes = dict(batch)
+        jobs += [(cid[0], cid[1], lambda cid=cid: read(cid, sizes[cid])) for cid in owned]
         run_reads(jobs, pool)
         return data
 
@@ -450,42 +485,108 @@ def owners_of(manifest: Manifest, world: int) -> dict[ChunkId, int]:
 
 
 def assign_owners(table: list[tuple[ChunkId, int]], needers: dict[ChunkId, list[int]] | None,
-            world: int) -> dict[ChunkId, int]:
-    """The rank that reads each chunk: largest first, each to the rank needing it that has
-    the fewest bytes so far (ties: the lowest rank); a chunk one rank alone needs is its own,
-    counted first."""
-    load = [0] * world
+                  world: int) -> dict[ChunkId, int]:
+    """The rank that reads each chunk. A chunk one rank alone needs is its own. The chunks
+    that the same ranks need (every rank's, under DDP) are cut, in file order, into one
+    contiguous run per rank (the first to the lowest), cut where the most loaded rank ends
+    lowest; the groups with the largest chunks first, so that those of finer chunks even
+    out what they left. Each rank then reads its share of a file front to back, as a
+    disk's or a parallel file system's readahead serves best: a rank reading every Nth
+    chunk would have the kernel read ahead into the chunks between, which others read.
+    """
     owner: dict[ChunkId, int] = {}
-    if needers is not None:
-        for cid, size in table:
-            if len(needers[cid]) == 1:
-                owner[cid] = needers[cid][0]
-                load[owner[cid]] += size
-    largest = sorted(((cid, size) for cid, size in table if cid not in owner),
-                     key=lambda p: (-p[1], p[0]))
-    if needers is None:  # every rank holds every chunk: a heap of (bytes, rank)
-        heap = [(0, r) for r in range(world)]
-        for cid, size in largest:
-            bytes_so_far, rank = heapq.heappop(heap)
-            owner[cid] = rank
-            heapq.heappush(heap, (bytes_so_far + size, rank))
-        return owner
-    for cid, size in largest:
-        rank = min(needers[cid], key=lambda r: (load[r], r))
-        owner[cid] = rank
-        load[rank] += size
+    load = [0] * world
+    groups: dict[tuple[int, ...], list[tuple[ChunkId, int]]] = {}
+    if needers is None:  # (a tuple of every rank, hashed per chunk, costs seconds at 4,096)
+        groups[tuple(range(world))] = sorted(table)
+    else:
+        for cid, size in sorted(table):  # file order
+            ranks = tuple(sorted(needers[cid]))
+            if len(ranks) == 1:
+                owner[cid] = ranks[0]
+                load[ranks[0]] += size
+            else:
+                groups.setdefault(ranks, []).append((cid, size))
+    for ranks in sorted(groups, key=lambda g: (-max(size for _, size in groups[g]), g)):
+        chunks = groups[ranks]
+        for (cid, size), i in zip(chunks, _runs([size for _, size in chunks],
+                                                [load[r] for r in ranks])):
+            owner[cid] = ranks[i]
+            load[ranks[i]] += size
     return owner
 
 
-def _batches(table: list[tuple[ChunkId, int]]) -> list[list[tuple[ChunkId, int]]]:
-    """The chunks in file order, cut into batches of at most :data:`BATCH_BYTES` (a larger
-    chunk alone)."""
+def _runs(sizes: list[int], loads: list[int]) -> list[int]:
+    """Chunks of ``sizes`` (in file order) cut into one contiguous run per rank, ranks of
+    ``loads`` bytes so far in order: each chunk's rank (an index into ``loads``), the cut
+    that leaves the most loaded rank within 1/64 of a chunk of the lowest it can."""
+    total = sum(sizes)
+    order = sorted(loads)
+    level, below = float(total), 0  # the common level the least loaded would fill up to
+    for k, have in enumerate(order):
+        below += have
+        level = (total + below) / (k + 1)
+        if k + 1 == len(order) or level <= order[k + 1]:
+            break
+    low, high = level, level + max(sizes, default=0) + 1  # `high` always fits (filled up)
+    while high - low > max(1.0, max(sizes, default=0) / 64):
+        middle = (low + high) / 2
+        if _fill(sizes, loads, middle) is None:
+            low = middle
+        else:
+            high = middle
+    cut = _fill(sizes, loads, high)
+    assert cut is not None
+    return cut
+
+
+def _fill(sizes: list[int], loads: list[int], cap: float) -> list[int] | None:
+    """Each chunk to the first rank still under ``cap`` with it, in order; None when the
+    chunks do not fit."""
+    cut, i, have = [], 0, loads[0]
+    for size in sizes:
+        while have + size > cap:
+            i += 1
+            if i == len(loads):
+                return None
+            have = loads[i]
+        cut.append(i)
+        have += size
+    return cut
+
+
+def _adjacent(cids: list[ChunkId], chunk_of: Any) -> list[list[ChunkId]]:
+    """``cids`` (in file order) in runs of chunks that follow each other in one file."""
+    runs: list[list[ChunkId]] = []
+    for cid in cids:
+        if runs and runs[-1][-1][0] == cid[0]:
+            before = chunk_of(runs[-1][-1])
+            if before.start + before.length == cid[1]:
+                runs[-1].append(cid)
+                continue
+        runs.append([cid])
+    return runs
+
+
+def _batches(table: list[tuple[ChunkId, int]], owner: dict[ChunkId, int],
+             world: int) -> list[list[tuple[ChunkId, int]]]:
+    """The exchange's batches, each of at most about :data:`BATCH_BYTES`: each owner's
+    chunks, in file order, cut into pieces of an equal part of it (a larger chunk alone);
+    batch k holds every owner's k-th piece, so that every owner reads in every batch (its
+    chunks are contiguous: cut in plain file order, the first batches would all be rank
+    0's)."""
+    budget = BATCH_BYTES // max(1, world)
     batches: list[list[tuple[ChunkId, int]]] = [[]]
-    filled = 0
-    for cid, size in table:
-        if batches[-1] and filled + size > BATCH_BYTES:
-            batches.append([])
-            filled = 0
-        batches[-1].append((cid, size))
-        filled += size
+    piece: dict[int, int] = {}  # owner -> the batch its chunks go to now
+    filled: dict[int, int] = {}  # owner -> its bytes in that batch
+    for cid, size in sorted(table):  # each batch in file order too
+        rank = owner[cid]
+        k = piece.setdefault(rank, 0)
+        if filled.get(rank, 0) and filled[rank] + size > budget:
+            k = piece[rank] = k + 1
+            filled[rank] = 0
+            if k == len(batches):
+                batches.append([])
+        batches[k].append((cid, size))
+        filled[rank] = filled.get(rank, 0) + size
     return batches

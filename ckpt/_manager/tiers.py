@@ -144,6 +144,10 @@ class CountedReads:
         self._storage.read_into(path, start, out)
         self._count(memoryview(out).nbytes)
 
+    def read_range_into(self, path: str, start: int, out: memoryview) -> None:
+        getattr(self._storage, "read_range_into", self._storage.read_into)(path, start, out)
+        self._count(memoryview(out).nbytes)
+
     def open_reader(self, path: str) -> Any:
         return _CountedReader(self._storage.open_reader(path), self._count)
 

@@ -148,14 +148,34 @@ def test_ranks_on_one_host_read_a_file_system_root_themselves_by_default(tmp_pat
 
 def test_ranks_read_an_object_store_root_together_by_default(s3):
     """No page cache between an object store and its readers: by default the ranks share
-    the reading even on one host; the requests' bytes sum to the checkpoint once."""
+    the reading even on one host; the bytes the store sent (counted per request, whole
+    blocks of a read cache included) sum to the checkpoint once, and each rank asks for its
+    share of the one data file in one ranged read, not one per chunk (42 chunks)."""
     results = run_ranks(2, workers.object_store_by_default, s3.root("coop"),
                         s3.storage_options, timeout=90)
     total = results[0]["checkpoint"]
+    assert results[0]["files"] == 1
     for r in results:
         assert r["step"] == 1 and r["exact"], r
         assert max(r["ranks"]) < 0.75 * total, (r["ranks"], total)
+        assert r["fetched"] < 0.75 * total, (r["fetched"], total)
+        assert r["ranges"] == 1, r
     assert total <= sum(results[0]["ranks"]) < 1.1 * total
+    assert total <= sum(r["fetched"] for r in results) < 1.1 * total
+
+
+def test_a_corrupt_chunk_in_a_share_read_from_an_object_store_fails_the_step_everywhere(s3):
+    """On an object store each rank reads its share of a file in one ranged read, and checks
+    every chunk of it before sending: a bit flipped in the last rank's share makes every
+    rank fall back to step 1, bit-exact, with that rank's reason."""
+    results = run_ranks(2, workers.object_store_corrupt_share, s3.root("corrupt"),
+                        s3.storage_options, timeout=90)
+    for r in results:
+        assert r["step"] == 1 and r["exact"], r
+        assert [s for s, _ in r["skipped"]] == [2], r
+        why = r["skipped"][0][1]
+        assert "digest mismatch" in why and why.startswith("rank 1"), r
+        assert "as received from" not in why, r  # found by the reader, not a receiver
 
 
 def test_a_strict_restore_whose_exchange_fails_part_way_ends_bit_exact(tmp_path):

@@ -113,22 +113,26 @@ def test_write_read_size_exists(storage):
         storage.read("step-00000001/missing")
 
 
-def test_read_into_byte_ranges(storage):
+@pytest.mark.parametrize("method", ["read_into", "read_range_into"])
+def test_read_into_byte_ranges(storage, method):
+    """``read_range_into`` (exactly the bytes asked for, past any read cache) reads as
+    ``read_into`` does."""
     data = os.urandom(12 << 20)  # several multipart parts on S3 (5 MiB blocks)
     committed(storage, "step-00000001", {"big.bin": [data[:100], memoryview(data)[100:]]})
     path = "step-00000001/big.bin"
+    read = getattr(storage, method)
     assert storage.size(path) == len(data)
     for start, n in [(0, 10), (7, 5 << 20), ((5 << 20) - 3, 6), (3 << 20, 8 << 20),
-                     (len(data) - 4, 4)]:
+                     (len(data) - 4, 4), (9 << 20, 0)]:
         out = bytearray(n)
-        storage.read_into(path, start, memoryview(out))
+        read(path, start, memoryview(out))
         assert out == data[start:start + n], (start, n)
     with pytest.raises(EOFError):
-        storage.read_into(path, len(data) - 2, memoryview(bytearray(5)))
+        read(path, len(data) - 2, memoryview(bytearray(5)))
     with pytest.raises(EOFError):
-        storage.read_into(path, len(data) + 100, memoryview(bytearray(5)))
+        read(path, len(data) + 100, memoryview(bytearray(5)))
     with pytest.raises(FileNotFoundError):
-        storage.read_into("step-00000001/nope.bin", 0, memoryview(bytearray(5)))
+        read("step-00000001/nope.bin", 0, memoryview(bytearray(5)))
 
 
 def test_read_blocks_streams_byte_ranges(storage):

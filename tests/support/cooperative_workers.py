@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import ckpt
+import ckpt.inspect
 from ckpt._format.names import step_dir
 from ckpt._step.integrity import chunk_path, read_manifest
 from storage_backends import PosixStorage
@@ -196,14 +197,79 @@ def one_host_by_default(rank: int, world: int, root: str) -> dict:
             "mine": info.bytes_from_storage, "checkpoint": data_bytes(root, 2)}
 
 
-def object_store_by_default(rank: int, world: int, root: str, options: dict) -> dict:
-    """The default with an object-store root (no page cache): the ranks read together."""
-    state = {"model": zeroed(replicated(1))}
-    with ckpt.CheckpointManager(root, async_save=False, storage_options=options) as mgr:
-        mgr.save(1, {"model": replicated(1)})
+def save_alone_in_one_file(rank: int, root: str, options: dict | None,
+                           steps: tuple[int, ...] = (1,)) -> None:
+    """Rank 0 alone saves ``steps`` of the replicated state, each in one data file (the
+    other ranks wait)."""
+    alone = dist.new_group([0])
+    if rank == 0:
+        with ckpt.CheckpointManager(root, async_save=False, storage_options=options,
+                                    process_group=alone,
+                                    options=ckpt.SaveOptions(write_threads=1)) as mgr:
+            for step in steps:
+                mgr.save(step, {"model": replicated(step)})
+    dist.barrier()
+
+
+def object_store_corrupt_share(rank: int, world: int, root: str, options: dict) -> dict:
+    """A bit flipped in the last chunk of step 2's one data file on S3 (in the last rank's
+    share): restore the newest step on every rank."""
+    import fsspec
+
+    save_alone_in_one_file(rank, root, options, steps=(1, 2))
+    if rank == 0:
+        storage = ckpt.inspect.open(root, storage_options=options)
+        manifest = storage.manifest(2)
+        last = max((c for e in manifest.tensors.values() for c in e.chunks),
+                   key=lambda c: c.start)
+        fs = fsspec.filesystem("s3", **options)
+        url = f"{root}/{chunk_path(step_dir(2), last)}"
+        data = bytearray(fs.cat_file(url))
+        data[last.start + last.length // 2] ^= 0x10
+        fs.pipe_file(url, bytes(data))
+    dist.barrier()
+    state = {"model": zeroed(replicated(2))}
+    with ckpt.CheckpointManager(root, read_only=True, storage_options=options) as mgr:
         restored = mgr.restore(state)
+        skipped = [(s, why) for s, _, why in mgr.last_restore.skipped]
+    return {"step": restored, "exact": same(state["model"], replicated(1)),
+            "skipped": skipped}
+
+
+def object_store_by_default(rank: int, world: int, root: str, options: dict) -> dict:
+    """The default with an object-store root (no page cache): the ranks read together.
+    Step 1 is saved by rank 0 alone, in one data file smaller than the store's read block,
+    so that each rank's share of it is part of a block. ``fetched``: the bytes the
+    restore's requests to the store returned on this rank (what crossed the network, whole
+    blocks of its read cache included); ``ranges``: the ranged reads of data it asked for
+    beyond its read cache."""
+    from storage_backends.fsspec_store import FsspecStorage
+
+    save_alone_in_one_file(rank, root, options)
+    fetched, ranges = [0], [0]
+    real_range, real_ranges = FsspecStorage._range, FsspecStorage._cat_ranges
+
+    def counted_range(self, *args):
+        data = real_range(self, *args)
+        fetched[0] += len(data)
+        return data
+
+    def counted_ranges(self, full, starts, ends):
+        pieces = real_ranges(self, full, starts, ends)
+        fetched[0] += sum(len(p) for p in pieces)
+        ranges[0] += len(starts)
+        return pieces
+
+    state = {"model": zeroed(replicated(1))}
+    with ckpt.CheckpointManager(root, read_only=True, storage_options=options) as mgr:
+        FsspecStorage._range, FsspecStorage._cat_ranges = counted_range, counted_ranges
+        try:
+            restored = mgr.restore(state)
+        finally:
+            FsspecStorage._range, FsspecStorage._cat_ranges = real_range, real_ranges
         manifest = mgr.manifest(1)
         info = mgr.last_restore
     return {"step": restored, "exact": same(state["model"], replicated(1)),
-            "ranks": [b for _, b in info.ranks],
+            "ranks": [b for _, b in info.ranks], "fetched": fetched[0], "ranges": ranges[0],
+            "files": len(manifest.files),
             "checkpoint": sum(c.length for e in manifest.tensors.values() for c in e.chunks)}

@@ -163,6 +163,10 @@ class FsspecStorage(ConditionalStorage):
         self._left = threading.local()  # the time left to the operation on this thread
         self._checked = False
         self._cache = _BlockCache(READ_CACHE_BYTES)
+        # The bytes the responses to ranged reads carried (whole blocks of the read cache
+        # around small reads): what crossed the network, as a restore reports it.
+        self.bytes_fetched = 0
+        self._fetched_lock = threading.Lock()
         if create:
             self._call("opening", "", self._create_root)
 
@@ -292,11 +296,17 @@ class FsspecStorage(ConditionalStorage):
 
     def _range(self, full: str, start: int, end: int | None) -> bytes:
         try:
-            return self.fs.cat_file(full, start=start or None, end=end, **self.time_left())
+            data = self.fs.cat_file(full, start=start or None, end=end, **self.time_left())
         except OSError as e:
             if http_status(e.__cause__ or e) == 416:  # starts past the end: like a file
                 return b""
             raise
+        self._fetched(len(data))
+        return data
+
+    def _fetched(self, n: int) -> None:
+        with self._fetched_lock:
+            self.bytes_fetched += n
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         if length == 0:
@@ -355,6 +365,7 @@ class FsspecStorage(ConditionalStorage):
     def _cat_ranges(self, full: str, starts: list[int], ends: list[int]) -> list[bytes]:
         out = self.fs.cat_ranges([full] * len(starts), starts, ends, on_error="return",
                                  **self.time_left())
+        self._fetched(sum(len(p) for p in out if isinstance(p, bytes)))
         for item in out:
             if isinstance(item, BaseException):
                 if http_status(item.__cause__ or item) == 416:

@@ -42,7 +42,8 @@ class RestoreInfo:
     node's memory) or "storage" (the persistent root). ``bytes_from_storage`` (this rank): the
     bytes this restore read from the root, every attempt and pass counted (0 from memory; a
     two-pass load of a step reads its data twice; under a process group a chunk several
-    ranks need is read by one of them, ``ckpt._load.cooperative``). ``ranks``: (tier,
+    ranks need is read by one of them, ``ckpt._load.cooperative``; from an object store,
+    what its responses carried: whole blocks of its read cache around small reads). ``ranks``: (tier,
     bytes_from_storage) of every rank, by rank, the same on all ranks (every rank restores
     the same step, but each from its own tier). ``bytes`` (this rank): the bytes read for the step restored, from
     its tier. ``seconds``: the restore's time on this rank, the steps it skipped and the

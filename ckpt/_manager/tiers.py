@@ -121,19 +121,30 @@ def restore_order(root: Storage, memory: MemoryPublisher | None, group: Group,
 
 
 class CountedReads:
-    """A storage whose reads are counted (``bytes_read``); everything else is passed on."""
+    """A storage whose reads are counted (``bytes_read``); everything else is passed on.
+
+    A storage that counts what its responses carried (``bytes_fetched``: an object store,
+    whose read cache fetches whole blocks around small reads) is counted by that instead:
+    the bytes that crossed the network, not the bytes the load asked for."""
 
     def __init__(self, storage: Storage) -> None:
         self._storage = storage
         self._lock = threading.Lock()
-        self.bytes_read = 0
+        self._asked = 0
+        self._fetched_before = getattr(storage, "bytes_fetched", None)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._storage, name)
 
+    @property
+    def bytes_read(self) -> int:
+        if self._fetched_before is not None:
+            return self._storage.bytes_fetched - self._fetched_before
+        return self._asked
+
     def _count(self, n: int) -> None:
         with self._lock:
-            self.bytes_read += n
+            self._asked += n
 
     def read(self, path: str, start: int = 0, length: int | None = None) -> bytes:
         data = self._storage.read(path, start, length)

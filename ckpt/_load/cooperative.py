@@ -58,7 +58,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -260,20 +260,26 @@ class Shares:
         return [self.mine[cid][0] for cid, _ in self.table if self.owner[cid] == self.me]
 
     def verify(self, storage: Storage, location: str, scratch: Scratch,
-               pool: cf.ThreadPoolExecutor | None) -> None:
-        """Two-pass loads: every owner verifies its share; raises on every rank when any
-        chunk failed (nothing live changed)."""
+               pool: cf.ThreadPoolExecutor | None,
+               before: Callable[[], None] | None = None) -> None:
+        """Two-pass loads: every owner verifies its share (after ``before``, the checks of
+        the files it reads); raises on every rank when any chunk failed (nothing live
+        changed)."""
         error = None
         try:
+            if before is not None:
+                before()
             run_reads(verify_jobs(storage, location, self.owned_reads(), scratch), pool)
         except Exception as e:
             error = e
         self._agree(error, None, storage.url, location)
 
     def exchange(self, storage: Storage, location: str, pool: cf.ThreadPoolExecutor | None,
-                 *, landing: bool, check: bool) -> None:
+                 *, landing: bool, check: bool,
+                 before: Callable[[], None] | None = None) -> None:
         """Fill every destination: each owner reads its chunks (``landing``: digested as
-        they land), then sends them; each receiver checks what it got (``check``)."""
+        they land; ``before`` the first, the checks of the files it reads, agreed with the
+        first batch), then sends them; each receiver checks what it got (``check``)."""
         files = OpenFiles(storage)
         received_error: str | None = None
         broken: str | None = None  # the group failed to carry this rank's chunks: agreed next
@@ -281,6 +287,9 @@ class Shares:
             for batch in _batches(self.table, self.owner, self.group.world_size):
                 error = None
                 try:
+                    if before is not None:
+                        before, first = None, before
+                        first()
                     data = self._read_own(storage, location, batch, files, pool, landing)
                 except Exception as e:
                     error, data = e, {}

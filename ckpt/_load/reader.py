@@ -144,6 +144,7 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
     # did are in place and checked); a failure says which live tensors it had changed.
     plain = reads if shares is None else shares.unsettled(reads)
     try:
+        _check_files(storage, location, manifest, plain)
         if verify and not in_place:
             later, staged = _read_before_apply(storage, location, plain, written, scratch, pool)
             _apply_pass(storage, location, manifest, later, scratch, pool, False, written,
@@ -177,8 +178,6 @@ def _plan(storage: Storage, location: str, manifest: Manifest, state: MutableMap
     pending, loaded, written = _destinations(manifest, live, needed)
     prefetch(manifest, [(key, box) for key, _, box in pending])  # format 2: tables at once
     reads = [r for key, dest, box in pending for r in reads_for(manifest, key, dest, box)]
-    check_structure(storage, location, manifest, [r.chunk for r in reads])  # only these files
-    check_headers(storage, location, manifest, [(r.key, r.chunk) for r in reads])
     for alias, target in manifest.aliases.items():
         if target in loaded:
             loaded[alias] = loaded[target]
@@ -191,17 +190,32 @@ def _plan(storage: Storage, location: str, manifest: Manifest, state: MutableMap
     return reads, values, written
 
 
+def _check_files(storage: Storage, location: str, manifest: Manifest,
+                 reads: list[ChunkRead]) -> None:
+    """The files ``reads`` read (only these: under a process group each rank checks
+    what it reads from the root, not N ranks every file) hold their chunks: sizes and
+    headers agree with the manifest."""
+    check_structure(storage, location, manifest, [r.chunk for r in reads])
+    check_headers(storage, location, manifest, [(r.key, r.chunk) for r in reads])
+
+
 def _read_shared(storage: Storage, location: str, manifest: Manifest, reads: list[ChunkRead],
                  shares: Shares, scratch: Scratch, pool: cf.ThreadPoolExecutor | None,
                  verify: bool, in_place: bool, written: list[str]) -> None:
     """The passes of a cooperative load: two-pass loads verify each rank's share first
     (raising on every rank, nothing changed, when a chunk fails), then the exchange fills
-    every destination; a failure there says which live tensors changed."""
+    every destination; a failure there says which live tensors changed. The files this
+    rank reads are checked first, the outcome agreed with the first batch's."""
+    def check() -> None:
+        _check_files(storage, location, manifest, shares.owned_reads())
+
     if verify and not in_place:
-        shares.verify(storage, location, scratch, pool)
+        shares.verify(storage, location, scratch, pool, before=check)
+        check = None
     await_device_copies()  # (as in _apply_pass)
     try:
-        shares.exchange(storage, location, pool, landing=verify and in_place, check=verify)
+        shares.exchange(storage, location, pool, landing=verify and in_place, check=verify,
+                        before=check)
     except GroupFailed:
         raise
     except Exception as e:

@@ -35,6 +35,24 @@ def test_each_rank_reads_only_its_share_and_every_rank_ends_bit_exact(tmp_path):
     assert total <= summed < 1.1 * total, (summed, total)  # (+ each rank's file headers)
 
 
+def test_each_rank_checks_only_the_files_it_reads_and_a_bad_header_fails_the_step_everywhere(
+        tmp_path):
+    """Sizes and headers are checked by the ranks that read a file, not by every rank (N
+    ranks checking N files is N^2 requests to an object store); a damaged header in a file
+    one rank alone reads fails the step on every rank, with that rank's reason."""
+    results = run_ranks(4, workers.headers_checked_then_one_corrupt, str(tmp_path / "root"),
+                        timeout=90)
+    files = results[0]["files"]
+    assert files >= 4, files
+    assert sum(len(r["checked"]) for r in results) < 2 * files, results  # not 4 x files
+    for r in results:
+        assert r["first"] == 2, r
+        assert set(r["owned"]) <= set(r["checked"]), r
+        assert r["second"] == 1 and r["exact"], r
+        assert [s for s, _ in r["skipped"]] == [2], r
+        assert r["skipped"][0][1].startswith(f"rank {r['damaged_reader']},"), r
+
+
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     """World 4, one job: rank 1 damages what it sends, then a chunk rank 2 reads for all is

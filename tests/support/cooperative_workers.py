@@ -273,3 +273,45 @@ def object_store_by_default(rank: int, world: int, root: str, options: dict) -> 
             "ranks": [b for _, b in info.ranks], "fetched": fetched[0], "ranges": ranges[0],
             "files": len(manifest.files),
             "checkpoint": sum(c.length for e in manifest.tensors.values() for c in e.chunks)}
+
+
+def headers_checked_then_one_corrupt(rank: int, world: int, root: str) -> dict:
+    """Restore the newest step, recording the data files whose headers this rank checks;
+    then the header of a step-2 file that one rank other than 0 alone reads from is damaged
+    (``damaged_reader``), and the newest step is restored again."""
+    from ckpt._load import cooperative, reader
+
+    cooperate_on_one_host()
+    save_two_steps(root)
+    checked: set[str] = set()
+    real = reader.check_headers
+
+    def recording(storage, location, manifest, reads):
+        reads = list(reads)
+        checked.update(chunk_path(location, c) for _, c in reads)
+        return real(storage, location, manifest, reads)
+
+    reader.check_headers = recording
+    manifest = read_manifest(PosixStorage(root, create=False), step_dir(2), 2)
+    owners = cooperative.owners_of(manifest, world)
+    state = {"model": zeroed(replicated(2))}
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        first = mgr.restore(state)
+    out = {"first": first, "checked": sorted(checked),
+           "owned": sorted({path for (path, _), r in owners.items() if r == rank}),
+           "files": len(manifest.files)}
+    readers: dict[str, set[int]] = {}
+    for (path, _), r in owners.items():
+        readers.setdefault(path, set()).add(r)
+    path, (reader_rank,) = max((p, rs) for p, rs in readers.items() if rs != {0} and len(rs) == 1)
+    out["damaged_reader"] = reader_rank
+    if rank == 0:
+        with open(os.path.join(root, path), "r+b") as f:
+            f.write((1 << 40).to_bytes(8, "little"))  # a header length past the file's end
+    dist.barrier()
+    state = {"model": zeroed(replicated(2))}
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        out["second"] = mgr.restore(state)
+        out["skipped"] = [(s, why) for s, _, why in mgr.last_restore.skipped]
+    out["exact"] = same(state["model"], replicated(1))
+    return out

@@ -15,6 +15,7 @@ import torch
 import ckpt
 import verify.cli
 from tests.support.s3_fixture import _moto, s3, s3_restartable  # noqa: F401  (fixtures)
+from tests.support.s3_fixture import store_responses
 
 pytestmark = pytest.mark.s3
 
@@ -273,12 +274,10 @@ def test_gc_deletes_only_under_its_own_prefix_whatever_keys_hold(s3, monkeypatch
     assert_same_state(make_state(3), fresh)
 
 
-def test_a_restore_reports_the_bytes_the_store_sent_not_those_it_asked_for(s3, monkeypatch):
+def test_a_restore_reports_the_bytes_the_store_sent_not_those_it_asked_for(s3):
     """Restoring one item of two reads part of a data file; the store's read cache fetches
     whole blocks around it. ``last_restore.bytes_from_storage`` is what the responses
     carried (counted here at the requests too), more than the item's chunks."""
-    from storage_backends.fsspec_store import FsspecStorage
-
     root = s3.root("counted")
     torch.manual_seed(0)
     saved = {"a": {f"t{i}": torch.randn(64, 64) for i in range(8)},
@@ -286,28 +285,14 @@ def test_a_restore_reports_the_bytes_the_store_sent_not_those_it_asked_for(s3, m
     with ckpt.CheckpointManager(root, async_save=False, storage_options=s3.storage_options,
                                 options=ckpt.SaveOptions(write_threads=1)) as mgr:
         mgr.save(1, saved)
-    sent = [0]
-    real_range, real_ranges = FsspecStorage._range, FsspecStorage._cat_ranges
-
-    def counted_range(self, *args):
-        data = real_range(self, *args)
-        sent[0] += len(data)
-        return data
-
-    def counted_ranges(self, *args):
-        pieces = real_ranges(self, *args)
-        sent[0] += sum(len(p) for p in pieces)
-        return pieces
-
     state = {"a": {k: torch.zeros_like(v) for k, v in saved["a"].items()}}
     with ckpt.CheckpointManager(root, read_only=True,
                                 storage_options=s3.storage_options) as mgr:
-        monkeypatch.setattr(FsspecStorage, "_range", counted_range)
-        monkeypatch.setattr(FsspecStorage, "_cat_ranges", counted_ranges)
-        assert mgr.restore(state) == 1
+        with store_responses() as sent:
+            assert mgr.restore(state) == 1
         info = mgr.last_restore
         asked = sum(c.length for key, e in mgr.manifest(1).tensors.items()
                     if key.startswith("a/") for c in e.chunks)
     assert all(torch.equal(state["a"][k], v) for k, v in saved["a"].items())
     # the other item's chunks came too (the restore's own manifest reads come before it counts)
-    assert 1.5 * asked < info.bytes_from_storage <= sent[0], (info, sent[0], asked)
+    assert 1.5 * asked < info.bytes_from_storage <= sent["bytes"], (info, sent, asked)

@@ -243,35 +243,18 @@ def object_store_by_default(rank: int, world: int, root: str, options: dict) -> 
     restore's requests to the store returned on this rank (what crossed the network, whole
     blocks of its read cache included); ``ranges``: the ranged reads of data it asked for
     beyond its read cache."""
-    from storage_backends.fsspec_store import FsspecStorage
+    from tests.support.s3_fixture import store_responses
 
     save_alone_in_one_file(rank, root, options)
-    fetched, ranges = [0], [0]
-    real_range, real_ranges = FsspecStorage._range, FsspecStorage._cat_ranges
-
-    def counted_range(self, *args):
-        data = real_range(self, *args)
-        fetched[0] += len(data)
-        return data
-
-    def counted_ranges(self, full, starts, ends):
-        pieces = real_ranges(self, full, starts, ends)
-        fetched[0] += sum(len(p) for p in pieces)
-        ranges[0] += len(starts)
-        return pieces
-
     state = {"model": zeroed(replicated(1))}
     with ckpt.CheckpointManager(root, read_only=True, storage_options=options) as mgr:
-        FsspecStorage._range, FsspecStorage._cat_ranges = counted_range, counted_ranges
-        try:
+        with store_responses() as sent:
             restored = mgr.restore(state)
-        finally:
-            FsspecStorage._range, FsspecStorage._cat_ranges = real_range, real_ranges
         manifest = mgr.manifest(1)
         info = mgr.last_restore
     return {"step": restored, "exact": same(state["model"], replicated(1)),
-            "ranks": [b for _, b in info.ranks], "fetched": fetched[0], "ranges": ranges[0],
-            "files": len(manifest.files),
+            "ranks": [b for _, b in info.ranks], "fetched": sent["bytes"],
+            "ranges": sent["ranges"], "files": len(manifest.files),
             "checkpoint": sum(c.length for e in manifest.tensors.values() for c in e.chunks)}
 
 

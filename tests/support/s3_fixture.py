@@ -12,11 +12,13 @@ Import the fixtures into a test module (``from tests.s3_fixture import s3``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
 import uuid
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import pytest
 
@@ -207,3 +209,31 @@ def s3_restartable(_moto) -> S3Endpoint:
             endpoint.drop_bucket()
         finally:
             endpoint.stop()
+
+
+@contextlib.contextmanager
+def store_responses() -> Iterator[dict[str, int]]:
+    """Count, in this process, what the object store's responses to ranged reads carried
+    (``bytes``: whole blocks of the storage's read cache included) and the ranges read
+    past that cache (``ranges``), independently of the storage's own count."""
+    from storage_backends.fsspec_store import FsspecStorage
+
+    counts = {"bytes": 0, "ranges": 0}
+    real_range, real_ranges = FsspecStorage._range, FsspecStorage._cat_ranges
+
+    def counted_range(self, *args):
+        data = real_range(self, *args)
+        counts["bytes"] += len(data)
+        return data
+
+    def counted_ranges(self, full, starts, ends):
+        pieces = real_ranges(self, full, starts, ends)
+        counts["bytes"] += sum(len(p) for p in pieces)
+        counts["ranges"] += len(starts)
+        return pieces
+
+    FsspecStorage._range, FsspecStorage._cat_ranges = counted_range, counted_ranges
+    try:
+        yield counts
+    finally:
+        FsspecStorage._range, FsspecStorage._cat_ranges = real_range, real_ranges

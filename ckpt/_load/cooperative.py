@@ -12,10 +12,12 @@ the root (Lustre, S3) are the state times the replica count. Here:
    reads its share front to back (:func:`assign_owners`; the same on every rank, no
    further exchange).
 2. In batches of at most about :data:`BATCH_BYTES` (each a piece of every owner's run),
-   each owner reads its chunks of the batch (digested as they land when the load reads in one pass), the ranks exchange their
-   outcomes (a small all_gather), and only then does each owner send the bytes to the
-   ranks that need them (send/recv; chunks of :data:`DIRECT_BYTES` or more straight from
-   the owner's destination into the receiver's, smaller ones packed per pair of ranks).
+   each owner reads its chunks of the batch (digested as they land when the load reads in
+   one pass; on an object store each run of adjacent chunks in one exact ranged read, past
+   the read cache), the ranks exchange their outcomes (a small all_gather), and only then
+   does each owner send the bytes to the ranks that need them (send/recv; chunks of
+   :data:`DIRECT_BYTES` or more straight from the owner's destination into the
+   receiver's, smaller ones packed per pair of ranks).
    Every receiver checks each chunk it received against the digest in its own manifest.
 3. A chunk that fails on its owner fails the attempt on every rank with the owner's reason
    (the restore then falls back to an older step on every rank alike).

@@ -206,16 +206,17 @@ def _read_shared(storage: Storage, location: str, manifest: Manifest, reads: lis
     (raising on every rank, nothing changed, when a chunk fails), then the exchange fills
     every destination; a failure there says which live tensors changed. The files this
     rank reads are checked first, the outcome agreed with the first batch's."""
-    def check() -> None:
+    def check_own_files() -> None:
         _check_files(storage, location, manifest, shares.owned_reads())
 
+    first_pass = check_own_files
     if verify and not in_place:
-        shares.verify(storage, location, scratch, pool, before=check)
-        check = None
+        shares.verify(storage, location, scratch, pool, before=check_own_files)
+        first_pass = None
     await_device_copies()  # (as in _apply_pass)
     try:
         shares.exchange(storage, location, pool, landing=verify and in_place, check=verify,
-                        before=check)
+                        before=first_pass)
     except GroupFailed:
         raise
     except Exception as e:

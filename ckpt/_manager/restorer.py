@@ -43,9 +43,9 @@ class RestoreInfo:
     bytes this restore read from the root, every attempt and pass counted (0 from memory; a
     two-pass load of a step reads its data twice; under a process group a chunk several
     ranks need is read by one of them, ``ckpt._load.cooperative``; from an object store,
-    what its responses carried: whole blocks of its read cache around small reads). ``ranks``: (tier,
-    bytes_from_storage) of every rank, by rank, the same on all ranks (every rank restores
-    the same step, but each from its own tier). ``bytes`` (this rank): the bytes read for the step restored, from
+    what its responses carried: whole blocks of its read cache around small reads).
+    ``ranks``: (tier, bytes_from_storage) of every rank, by rank, the same on all ranks
+    (every rank restores the same step, but each from its own tier). ``bytes`` (this rank): the bytes read for the step restored, from
     its tier. ``seconds``: the restore's time on this rank, the steps it skipped and the
     discovery of what memory holds included. ``skipped``: (step, tier, why) of each attempt
     that failed before the one that loaded, newest first, the same on every rank (a step

@@ -72,7 +72,7 @@ from ckpt._format.manifest import Manifest
 from ckpt._format.names import step_dir
 from ckpt._load.chunk_read import OpenFiles, mismatch, read_chunk_into, unreadable
 from ckpt._load.read_plan import ChunkRead
-from ckpt._load.read_run import Scratch, run_reads, verify_jobs
+from ckpt._load.read_run import Scratch, adjacent_runs, run_reads, verify_jobs
 from ckpt._shared.buffers import byte_view
 from ckpt._shared.distributed import Group
 from ckpt._shared.sharding import sub_slices
@@ -357,7 +357,7 @@ class Shares:
         if getattr(storage, "stream_block", None) is None and hasattr(storage,
                                                                      "read_range_into"):
             raw = [cid for cid in owned if self.mine[cid][0].chunk.codec == "raw"]
-            for run in _adjacent(raw, lambda cid: self.mine[cid][0].chunk):
+            for run in adjacent_runs(raw, lambda cid: cid[0], lambda cid: self.mine[cid][0].chunk):
                 jobs.append((run[0][0], run[0][1], lambda run=run: read_run(run)))
             owned = [cid for cid in owned if self.mine[cid][0].chunk.codec != "raw"]
         sizes = dict(batch)
@@ -531,7 +531,7 @@ def _runs(sizes: list[int], loads: list[int]) -> list[int]:
     """Chunks of ``sizes`` (in file order) cut into one contiguous run per rank, ranks of
     ``loads`` bytes so far in order: each chunk's rank (an index into ``loads``), the cut
     that leaves the most loaded rank within 1/64 of a chunk of the lowest it can."""
-    total = sum(sizes)
+    total, largest = sum(sizes), max(sizes, default=0)
     order = sorted(loads)
     level, below = float(total), 0  # the common level the least loaded would fill up to
     for k, have in enumerate(order):
@@ -539,8 +539,8 @@ def _runs(sizes: list[int], loads: list[int]) -> list[int]:
         level = (total + below) / (k + 1)
         if k + 1 == len(order) or level <= order[k + 1]:
             break
-    low, high = level, level + max(sizes, default=0) + 1  # `high` always fits (filled up)
-    while high - low > max(1.0, max(sizes, default=0) / 64):
+    low, high = level, level + largest + 1  # `high` always fits (filled up)
+    while high - low > max(1.0, largest / 64):
         middle = (low + high) / 2
         if _fill(sizes, loads, middle) is None:
             low = middle
@@ -564,19 +564,6 @@ def _fill(sizes: list[int], loads: list[int], cap: float) -> list[int] | None:
         cut.append(i)
         have += size
     return cut
-
-
-def _adjacent(cids: list[ChunkId], chunk_of: Any) -> list[list[ChunkId]]:
-    """``cids`` (in file order) in runs of chunks that follow each other in one file."""
-    runs: list[list[ChunkId]] = []
-    for cid in cids:
-        if runs and runs[-1][-1][0] == cid[0]:
-            before = chunk_of(runs[-1][-1])
-            if before.start + before.length == cid[1]:
-                runs[-1].append(cid)
-                continue
-        runs.append([cid])
-    return runs
 
 
 def _batches(table: list[tuple[ChunkId, int]], owner: dict[ChunkId, int],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -123,28 +123,37 @@ def verify_jobs(storage: Storage, location: str, reads: list[ChunkRead],
     storage reads from memory (``reads_from_memory``) each run is cut into one piece per core,
     for :func:`run_reads` to read in parallel (``cached``)."""
     jobs: list[ReadJob] = []
-    runs: dict[str, list[list[ChunkRead]]] = {}
+    streamed: list[ChunkRead] = []
     block = getattr(storage, "stream_block", None)  # duck-typed sources may lack it
     for r in sorted(reads, key=lambda r: (chunk_path(location, r.chunk), r.chunk.start)):
-        path = chunk_path(location, r.chunk)
         if block is None or r.chunk.codec != "raw":
-            jobs.append((path, r.chunk.start, lambda r=r: read_chunk(
+            jobs.append((chunk_path(location, r.chunk), r.chunk.start, lambda r=r: read_chunk(
                 storage, location, r.key, r.chunk, scratch.take(r.chunk, r.dest.dtype))))
-            continue
-        file_runs = runs.setdefault(path, [])
-        last = file_runs[-1][-1].chunk if file_runs else None
-        if last is not None and last.start + last.length == r.chunk.start:
-            file_runs[-1].append(r)
         else:
-            file_runs.append([r])
+            streamed.append(r)
+    runs = adjacent_runs(streamed, lambda r: chunk_path(location, r.chunk), lambda r: r.chunk)
     if getattr(storage, "reads_from_memory", False):
-        runs = {path: [part for run in file_runs for part in _cut(run, _cores())]
-                for path, file_runs in runs.items()}
-    for path, file_runs in runs.items():
-        jobs += [(path, run[0].chunk.start,
-                  lambda path=path, run=run: verify_run(storage, path, run, scratch.block(block)))
-                 for run in file_runs]
+        runs = [part for run in runs for part in _cut(run, _cores())]
+    for run in runs:
+        path = chunk_path(location, run[0].chunk)
+        jobs.append((path, run[0].chunk.start,
+                     lambda path=path, run=run: verify_run(storage, path, run,
+                                                           scratch.block(block))))
     return jobs
+
+
+def adjacent_runs(items: list[Any], path_of: Callable[[Any], str],
+                  chunk_of: Callable[[Any], Chunk]) -> list[list[Any]]:
+    """``items`` (in file order) in runs whose chunks follow each other in one file."""
+    runs: list[list[Any]] = []
+    for item in items:
+        if runs and path_of(runs[-1][-1]) == path_of(item):
+            before = chunk_of(runs[-1][-1])
+            if before.start + before.length == chunk_of(item).start:
+                runs[-1].append(item)
+                continue
+        runs.append([item])
+    return runs
 
 
 def run_reads(jobs: list[ReadJob], pool: cf.ThreadPoolExecutor | None,

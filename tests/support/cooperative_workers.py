@@ -298,3 +298,48 @@ def headers_checked_then_one_corrupt(rank: int, world: int, root: str) -> dict:
         out["skipped"] = [(s, why) for s, _, why in mgr.last_restore.skipped]
     out["exact"] = same(state["model"], replicated(1))
     return out
+
+
+def resharded_rows(step: int) -> dict[str, torch.Tensor]:
+    """The full tensors of ``resharded_*``: ``rows`` changes at every step, ``rep`` only at
+    step 1 (its later steps refer to step 1's chunks)."""
+    g = torch.Generator().manual_seed(5)
+    rows, rep = torch.rand(1500, 1024, generator=g), torch.rand(2048, 256, generator=g)
+    return {"rows": rows + step, "rep": rep}
+
+
+def resharded_save(rank: int, world: int, root: str) -> None:
+    """Steps 1-3 saved incrementally and compressed, ``rows`` sharded by rows over this
+    world, ``rep`` replicated."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    options = ckpt.SaveOptions(incremental=True, compression="zstd")
+    with ckpt.CheckpointManager(root, async_save=False, options=options) as mgr:
+        for step in (1, 2, 3):
+            full = resharded_rows(step)
+            mgr.save(step, {"rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+                            "rep": distribute_tensor(full["rep"], mesh, [Replicate()])})
+
+
+def resharded_restore(rank: int, world: int, root: str) -> dict:
+    """Restore the newest step into zeroed tensors sharded over this (another) world: a
+    rank's rows span chunks that other ranks' rows share."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    cooperate_on_one_host()
+    mesh = init_device_mesh("cpu", (world,))
+    full = resharded_rows(3)
+    state = {"rows": distribute_tensor(torch.zeros_like(full["rows"]), mesh, [Shard(0)]),
+             "rep": distribute_tensor(torch.zeros_like(full["rep"]), mesh, [Replicate()])}
+    with ckpt.CheckpointManager(root, read_only=True) as mgr:
+        restored = mgr.restore(state)
+        info = mgr.last_restore
+    manifest = read_manifest(PosixStorage(root, create=False), step_dir(3), 3)
+    return {"step": restored,
+            "exact": all(torch.equal(state[k].full_tensor(), full[k]) for k in full),
+            "ranks": [b for _, b in info.ranks],
+            "steps": sorted({c.step or 3 for e in manifest.tensors.values() for c in e.chunks}),
+            "checkpoint": sum(c.length for e in manifest.tensors.values() for c in e.chunks)}

@@ -187,6 +187,8 @@ class Cooperation:
                 and all(e[3] for e in everyone):
             return None  # one host, one page cache: the disk is read once anyway
         if self.sharing is None and all(e[0] == signature for e in everyone):
+            if not table:
+                return None  # no chunk to read at all (plain values alone)
             return Shares(self.group, table, None, mine)  # DDP: every rank needs every chunk
         try:
             tables = self.group.all_gather(table)
@@ -280,8 +282,16 @@ class Shares:
                  *, landing: bool, check: bool,
                  before: Callable[[], None] | None = None) -> None:
         """Fill every destination: each owner reads its chunks (``landing``: digested as
-        they land; ``before`` the first, the checks of the files it reads, agreed with the
-        first batch), then sends them; each receiver checks what it got (``check``)."""
+        they land; ``before`` any rank reads, the checks of the files it reads, agreed:
+        a read may land in live tensors, which a file another rank found bad must leave
+        as they were), then sends them; each receiver checks what it got (``check``)."""
+        if before is not None:
+            error = None
+            try:
+                before()
+            except Exception as e:
+                error = e
+            self._agree(error, None, storage.url, location)
         files = OpenFiles(storage)
         received_error: str | None = None
         broken: str | None = None  # the group failed to carry this rank's chunks: agreed next
@@ -289,9 +299,6 @@ class Shares:
             for batch in _batches(self.table, self.owner, self.group.world_size):
                 error = None
                 try:
-                    if before is not None:
-                        before, first = None, before
-                        first()
                     data = self._read_own(storage, location, batch, files, pool, landing)
                 except Exception as e:
                     error, data = e, {}
@@ -508,7 +515,7 @@ def assign_owners(table: list[tuple[ChunkId, int]], needers: dict[ChunkId, list[
     owner: dict[ChunkId, int] = {}
     load = [0] * world
     groups: dict[tuple[int, ...], list[tuple[ChunkId, int]]] = {}
-    if needers is None:  # (a tuple of every rank, hashed per chunk, costs seconds at 4,096)
+    if needers is None and table:  # (a tuple of every rank per chunk: seconds at 4,096)
         groups[tuple(range(world))] = sorted(table)
     else:
         for cid, size in sorted(table):  # file order

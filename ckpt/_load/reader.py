@@ -205,7 +205,7 @@ def _read_shared(storage: Storage, location: str, manifest: Manifest, reads: lis
     """The passes of a cooperative load: two-pass loads verify each rank's share first
     (raising on every rank, nothing changed, when a chunk fails), then the exchange fills
     every destination; a failure there says which live tensors changed. The files this
-    rank reads are checked first, the outcome agreed with the first batch's."""
+    rank reads are checked first, the outcome agreed before any rank reads."""
     def check_own_files() -> None:
         _check_files(storage, location, manifest, shares.owned_reads())
 

@@ -54,6 +54,31 @@ def test_each_rank_checks_only_the_files_it_reads_and_a_bad_header_fails_the_ste
 
 
 @pytest.fixture(scope="module")
+def one_step(tmp_path_factory):
+    """World 3, roots of one step each: plain values alone; a damaged header."""
+    return run_ranks(3, workers.one_step_roots, str(tmp_path_factory.mktemp("one")), timeout=90)
+
+
+def test_a_state_of_plain_values_alone_restores_with_nothing_to_share(one_step):
+    """No chunk to read on any rank: the restore reads plainly, on every rank."""
+    for r in one_step:
+        assert r["values"] == {"step": 1, "meta": {"epoch": 3, "seen": [7, 8]}}, r
+
+
+def test_a_bad_header_one_rank_finds_leaves_every_ranks_live_tensors_unchanged(one_step):
+    """The only step (one pass, nothing to fall back to) has a damaged header in a file the
+    last rank alone reads: every rank raises the same CorruptCheckpointError, with that
+    rank's reason, before any rank's read lands in a live tensor."""
+    errors = {r["header"]["error"] for r in one_step}
+    assert len(errors) == 1, errors
+    ((kind, text),) = errors
+    assert kind == "CorruptCheckpointError", text
+    assert f"rank {one_step[0]['header']['reader']}" in text, text
+    for r in one_step:
+        assert r["header"]["changed"] == [], r
+
+
+@pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     """World 4, one job: rank 1 damages what it sends, then a chunk rank 2 reads for all is
     corrupt in the root."""
@@ -119,8 +144,8 @@ def test_when_the_group_cannot_carry_the_chunks_every_rank_reads_them_itself(tmp
 def exchange_breaks_after(rank: int, world: int, root: str, batches: int,
                           strict: bool = False) -> dict:
     """Every chunk its own batch of the exchange; its sends and receives fail from batch
-    ``batches + 1`` on. Returns the bytes this rank read from the root, the chunks' bytes, and the bytes it
-    received whole in the batches before."""
+    ``batches + 1`` on. Returns the bytes this rank read from the root, the chunks' bytes,
+    and the bytes it received whole in the batches before."""
     from ckpt._load import cooperative
 
     workers.cooperate_on_one_host()

@@ -343,3 +343,54 @@ def resharded_restore(rank: int, world: int, root: str) -> dict:
             "ranks": [b for _, b in info.ranks],
             "steps": sorted({c.step or 3 for e in manifest.tensors.values() for c in e.chunks}),
             "checkpoint": sum(c.length for e in manifest.tensors.values() for c in e.chunks)}
+
+
+def one_step_roots(rank: int, world: int, root: str) -> dict:
+    """Two roots of one step each: plain values alone (``values_only``), and the replicated
+    state with the header of a file one rank alone reads damaged (``only_step_bad_header``)."""
+    return {"values": values_only(rank, world, os.path.join(root, "values")),
+            "header": only_step_bad_header(rank, world, os.path.join(root, "header"))}
+
+
+def values_only(rank: int, world: int, root: str) -> dict:
+    """Save and restore a state of plain values: no chunk to read, nothing to share."""
+    cooperate_on_one_host()
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"meta": {"epoch": 3, "seen": [7, 8]}})
+    dist.barrier()
+    state: dict = {"meta": {}}
+    try:
+        with ckpt.CheckpointManager(root, read_only=True) as mgr:
+            restored = mgr.restore(state)
+    except Exception as e:  # reported to the test, the other case still runs
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"step": restored, "meta": state["meta"]}
+
+
+def only_step_bad_header(rank: int, world: int, root: str) -> dict:
+    """The newest (and only) step's file that the last rank alone reads has a damaged
+    header: restore the newest step (one pass, no step to fall back to). ``error``: the
+    exception's type and text; ``changed``: the live tensors it changed."""
+    from ckpt._load import cooperative
+
+    cooperate_on_one_host()
+    with ckpt.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, replicated(1))  # each tensor an item: restored into the live tensors
+    manifest = read_manifest(PosixStorage(root, create=False), step_dir(1), 1)
+    readers: dict[str, set[int]] = {}
+    for (path, _), r in cooperative.owners_of(manifest, world).items():
+        readers.setdefault(path, set()).add(r)
+    path = max(p for p, rs in readers.items() if rs == {world - 1})
+    if rank == 0:
+        with open(os.path.join(root, path), "r+b") as f:
+            f.write((1 << 40).to_bytes(8, "little"))  # a header length past the file's end
+    dist.barrier()
+    state = zeroed(replicated(1))
+    try:
+        with ckpt.CheckpointManager(root, read_only=True) as mgr:
+            mgr.restore(state)
+        error = None
+    except ckpt.CheckpointError as e:
+        error = (type(e).__name__, str(e))
+    return {"error": error, "reader": world - 1,
+            "changed": [k for k, t in state.items() if bool(t.any())]}

@@ -23,10 +23,13 @@ from storage_backends import Storage
 from ckpt._format.datafile import SAFETENSORS_DTYPES
 from ckpt._format.entries import Chunk
 from ckpt._format.manifest import Manifest
-from ckpt._step.integrity import chunk_path
+from ckpt._step.integrity import chunk_path, each_file
 from ckpt.errors import CorruptCheckpointError
 
 MAX_HEADER_BYTES = 100 << 20  # what the safetensors library itself accepts
+#: The bytes an object store's first read of a file's header asks for: the length and,
+#: in one request, the header of up to about a thousand tensors.
+HEADER_PREFIX = 64 << 10
 PROBLEMS_LISTED = 5  # disagreeing entries named before "and N more"
 
 
@@ -103,10 +106,11 @@ def check_headers(storage: Storage, location: str, manifest: Manifest,
         by_path.setdefault(chunk_path(location, chunk), []).append((key, chunk))
     dtypes = {key: manifest.tensors[key].torch_dtype for key in
               {key for pairs in by_path.values() for key, _ in pairs}}
-    for path, pairs in sorted(by_path.items()):
+
+    def check(path: str) -> None:
         read, close = _bytes_of(storage, path)
         try:
-            why = header_disagreement(read, None, pairs, dtypes, exact=False)
+            why = header_disagreement(read, None, by_path[path], dtypes, exact=False)
         finally:
             close()
         if why is not None:
@@ -114,15 +118,29 @@ def check_headers(storage: Storage, location: str, manifest: Manifest,
             raise CorruptCheckpointError(
                 f"{where}: safetensors header {why}; the step's manifest does not describe "
                 "this file's data, so the step is not loaded", path=where)
+    each_file(storage, by_path, check)
 
 
 def _bytes_of(storage: Storage, path: str
               ) -> tuple[Callable[[int, int], bytes], Callable[[], None]]:
     """``read(start, n)`` of one file (fewer bytes, none, past its end) and its ``close``:
     through one open file where the storage keeps files open (a file system: one open per
-    file, not per read), as exact ranged reads elsewhere (an object store)."""
+    file, not per read), as exact ranged reads elsewhere (an object store: the first
+    asks for :data:`HEADER_PREFIX` bytes, which usually hold the whole header, so that
+    the length and the header cost one request, not two)."""
     if getattr(storage, "stream_block", None) is None:
-        return (lambda start, n: storage.read(path, start, n)), (lambda: None)
+        prefix: list[tuple[bytes, int]] = []  # (the bytes, how many were asked for)
+
+        def ranged(start: int, n: int) -> bytes:
+            if not prefix:
+                asked = max(HEADER_PREFIX, start + n)
+                prefix.append((storage.read(path, 0, asked), asked))
+            held, asked = prefix[0]
+            if start + n <= len(held) or len(held) < asked:  # there, or the file ends there
+                return held[start:start + n]
+            return storage.read(path, start, n)
+
+        return ranged, (lambda: None)
     reader = storage.open_reader(path)
 
     def read(start: int, n: int) -> bytes:

@@ -101,6 +101,7 @@ def test_write_read_size_exists(storage):
     assert storage.size("step-00000001/f.bin") == len(expected)
     assert storage.read("step-00000001/f.bin", 4, 5) == b"-mid-"
     assert storage.read("step-00000001/f.bin", len(expected) - 3) == expected[-3:]
+    assert storage.read("step-00000001/f.bin", len(expected) - 3, 10) == expected[-3:]
     assert storage.read("step-00000001/f.bin", len(expected) + 10) == b""
     assert storage.exists("step-00000001/f.bin") and storage.exists("step-00000001")
     assert not storage.exists("step-00000002") and not storage.exists("step-00000001/g")

@@ -1,0 +1,106 @@
+"""Before a restore reads data from an object store, each file it reads is checked: its size
+and its safetensors header. Every check there is a request, so the files are checked at
+once, not one round trip after another, and a header costs one request, not two (its
+length, then the header)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ckpt
+from ckpt._format.names import step_dir
+from ckpt._step import headers
+from ckpt._step.headers import check_headers
+from ckpt._step.integrity import check_structure, read_manifest
+from storage_backends import open_storage
+from tests.support.s3_fixture import _moto, s3  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.s3
+pytest.importorskip("s3fs", reason="the S3 extra (s3fs, botocore) is not installed")
+
+FILES = 4
+
+
+@pytest.fixture
+def step(s3):
+    """A step saved on S3 in four data files: (its storage, its manifest, its chunks as
+    (key, chunk))."""
+    root = s3.root("checks")
+    with ckpt.CheckpointManager(root, async_save=False, storage_options=s3.storage_options,
+                                options=ckpt.SaveOptions(write_threads=FILES)) as mgr:
+        mgr.save(1, {f"t{i}": torch.rand(64, 1024) for i in range(8)})
+    storage = open_storage(root, create=False, storage_options=s3.storage_options)
+    manifest = read_manifest(storage, step_dir(1), 1)
+    assert len(manifest.files) == FILES
+    reads = [(key, c) for key, e in manifest.tensors.items() for c in e.chunks]
+    return storage, manifest, reads
+
+
+def meeting(storage, method: str, parties: int = 2) -> threading.Barrier:
+    """Make each call of ``storage.method`` wait until ``parties`` calls are in flight:
+    checks made one after another fail with BrokenBarrierError after 5 s."""
+    barrier = threading.Barrier(parties, timeout=5)
+    real = getattr(storage, method)
+
+    def waiting(*args, **kwargs):
+        barrier.wait()
+        return real(*args, **kwargs)
+
+    setattr(storage, method, waiting)
+    return barrier
+
+
+def counted(storage, method: str) -> list:
+    """Record the calls of ``storage.method``."""
+    calls: list = []
+    real = getattr(storage, method)
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    setattr(storage, method, counting)
+    return calls
+
+
+def test_the_sizes_of_an_object_stores_files_are_asked_for_at_once(step):
+    storage, manifest, reads = step
+    meeting(storage, "size", parties=FILES)
+    check_structure(storage, step_dir(1), manifest, [c for _, c in reads])
+
+
+def test_the_headers_of_an_object_stores_files_are_read_at_once(step):
+    storage, manifest, reads = step
+    meeting(storage, "read", parties=FILES)
+    check_headers(storage, step_dir(1), manifest, reads)
+
+
+def test_a_header_costs_one_request_and_a_larger_one_two(step, monkeypatch):
+    """The first request asks for a prefix that holds the length and the header; a header
+    longer than the prefix is read with a second request, and agrees all the same."""
+    storage, manifest, reads = step
+    calls = counted(storage, "read")
+    check_headers(storage, step_dir(1), manifest, reads)
+    assert len(calls) == FILES, calls
+    monkeypatch.setattr(headers, "HEADER_PREFIX", 64)  # (each header here: ~1 KiB)
+    calls.clear()
+    check_headers(storage, step_dir(1), manifest, reads)
+    assert len(calls) == 2 * FILES, calls
+
+
+def test_a_damaged_header_among_files_checked_at_once_names_its_file(step, s3):
+    """Of two damaged headers, the error names the first file in path order, whichever
+    check ends first."""
+    storage, manifest, reads = step
+    paths = sorted(f"{step_dir(1)}/{name}" for name in manifest.files)
+    for path in (paths[1], paths[3]):
+        data = bytearray(s3.client().get_object(Bucket=s3.bucket,
+                                                Key=f"checks/{path}")["Body"].read())
+        data[:8] = (1 << 40).to_bytes(8, "little")  # a header length past the file's end
+        s3.client().put_object(Bucket=s3.bucket, Key=f"checks/{path}", Body=bytes(data))
+    with pytest.raises(ckpt.CorruptCheckpointError, match="does not fit the file") as info:
+        check_headers(storage, step_dir(1), manifest, reads)
+    assert info.value.path.endswith(paths[1]), info.value.path

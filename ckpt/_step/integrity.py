@@ -78,9 +78,12 @@ def check_structure(storage: Storage, location: str, manifest: Manifest,
         _check_files(storage, location, manifest, chunks)
         return
     sizes: dict[str, int] = {}
-    for name, expected in manifest.own_files().items():
+    own = manifest.own_files()
+
+    def size_of(name: str) -> None:
         path = f"{location}/{name}"
-        sizes[path] = _size_or_raise(storage, path, expected)
+        sizes[path] = _size_or_raise(storage, path, own[name])
+    each_file(storage, own, size_of)
     if manifest.tables:
         # Format 2: each chunk is checked against these sizes when its rank table is read.
         for (step, name), needed in manifest.refs.items():

@@ -1,7 +1,7 @@
 """Before a restore reads data from an object store, each file it reads is checked: its size
-and its safetensors header. Every check there is a request, so the files are checked at
-once, not one round trip after another, and a header costs one request, not two (its
-length, then the header)."""
+and its safetensors header (``ckpt verify`` sizes every file of a step). Every check there
+is a request, so the files are checked at once, not one round trip after another, and a
+header costs one request, not two (its length, then the header)."""
 
 from __future__ import annotations
 
@@ -70,6 +70,13 @@ def test_the_sizes_of_an_object_stores_files_are_asked_for_at_once(step):
     storage, manifest, reads = step
     meeting(storage, "size", parties=FILES)
     check_structure(storage, step_dir(1), manifest, [c for _, c in reads])
+
+
+def test_the_full_structure_check_sizes_an_object_stores_files_at_once(step):
+    """``ckpt verify``'s check of every file of the step."""
+    storage, manifest, _ = step
+    meeting(storage, "size", parties=FILES)
+    check_structure(storage, step_dir(1), manifest)
 
 
 def test_the_headers_of_an_object_stores_files_are_read_at_once(step):

@@ -6,12 +6,14 @@ header costs one request, not two (its length, then the header)."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import ckpt
 from ckpt._format.names import step_dir
+from ckpt._load import reader
 from ckpt._step import headers
 from ckpt._step.headers import check_headers
 from ckpt._step.integrity import check_structure, read_manifest
@@ -85,6 +87,23 @@ def test_the_headers_of_an_object_stores_files_are_read_at_once(step):
     check_headers(storage, step_dir(1), manifest, reads)
 
 
+def test_a_restore_reads_the_headers_while_it_asks_for_the_sizes(step):
+    """All of a restore's checks of the four files are in flight at once: four sizes and
+    four headers."""
+    storage, manifest, reads = step
+    barrier = threading.Barrier(2 * FILES, timeout=5)
+    for method in ("size", "read"):
+        real = getattr(storage, method)
+
+        def waiting(*args, real=real, **kwargs):
+            barrier.wait()
+            return real(*args, **kwargs)
+
+        setattr(storage, method, waiting)
+    reader._check_files(storage, step_dir(1), manifest,
+                        [SimpleNamespace(key=key, chunk=c) for key, c in reads])
+
+
 def test_a_header_costs_one_request_and_a_larger_one_two(step, monkeypatch):
     """The first request asks for a prefix that holds the length and the header; a header
     longer than the prefix is read with a second request, and agrees all the same."""
@@ -111,3 +130,15 @@ def test_a_damaged_header_among_files_checked_at_once_names_its_file(step, s3):
     with pytest.raises(ckpt.CorruptCheckpointError, match="does not fit the file") as info:
         check_headers(storage, step_dir(1), manifest, reads)
     assert info.value.path.endswith(paths[1]), info.value.path
+
+
+def test_a_missing_file_is_named_missing_though_its_header_was_read_at_once(step, s3):
+    """The header's read of a deleted file fails too, at the same time: the size check's
+    error, which says the file is missing, is the one raised."""
+    storage, manifest, reads = step
+    path = sorted(f"{step_dir(1)}/{name}" for name in manifest.files)[2]
+    s3.client().delete_object(Bucket=s3.bucket, Key=f"checks/{path}")
+    with pytest.raises(ckpt.CorruptCheckpointError, match="is missing") as info:
+        reader._check_files(storage, step_dir(1), manifest,
+                            [SimpleNamespace(key=key, chunk=c) for key, c in reads])
+    assert info.value.path.endswith(path), info.value.path

@@ -166,6 +166,13 @@ class Storage(abc.ABC):
         """Take the root's writer lock now or raise :class:`LockHeldError`."""
 
 
+def reads_are_requests(storage: Any) -> bool:
+    """Whether every read of ``storage`` is a request of its own, with no page cache to
+    stream through (an object store: no :attr:`Storage.stream_block`). ``storage`` may be
+    a duck-typed source without the attribute."""
+    return getattr(storage, "stream_block", None) is None
+
+
 class PathReader:
     """The default :class:`Reader`: every read is a ``storage.read_into(path, ...)`` of its
     own (also for read-only sources that keep their descriptors themselves)."""

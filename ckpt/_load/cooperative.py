@@ -65,7 +65,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from storage_backends import Storage
+from storage_backends import Storage, reads_are_requests
 
 from ckpt._format.digest import digest
 from ckpt._format.manifest import Manifest
@@ -361,8 +361,7 @@ class Shares:
 
         owned = [cid for cid, _ in batch if self.owner[cid] == self.me]
         jobs = []
-        if getattr(storage, "stream_block", None) is None and hasattr(storage,
-                                                                     "read_range_into"):
+        if reads_are_requests(storage) and hasattr(storage, "read_range_into"):
             raw = [cid for cid in owned if self.mine[cid][0].chunk.codec == "raw"]
             for run in adjacent_runs(raw, lambda cid: cid[0], lambda cid: self.mine[cid][0].chunk):
                 jobs.append((run[0][0], run[0][1], lambda run=run: read_run(run)))

@@ -46,7 +46,7 @@ from typing import Any, MutableMapping
 
 import torch
 
-from storage_backends import Storage
+from storage_backends import Storage, reads_are_requests
 
 from ckpt._format.gcpause import paused_gc
 from ckpt._format.manifest import Manifest
@@ -129,7 +129,7 @@ def _load_step(storage: Storage, location: str, manifest: Manifest,
     shares = None
     try:
         # A file system's root is read through the host's page cache, shared by its ranks.
-        cached = getattr(storage, "stream_block", None) is not None
+        cached = not reads_are_requests(storage)
         shares = coop.enter(storage.url, location, manifest, reads,
                             cached=cached) if coop else None
         if shares is not None:
@@ -197,7 +197,7 @@ def _check_files(storage: Storage, location: str, manifest: Manifest,
     headers agree with the manifest. On an object store, where each is a request, the
     headers are read while the sizes are asked for (a size's error, the plainer, wins)."""
     chunks, pairs = [r.chunk for r in reads], [(r.key, r.chunk) for r in reads]
-    if getattr(storage, "stream_block", None) is not None:  # a file system: no round trips
+    if not reads_are_requests(storage):  # a file system: no round trips
         check_structure(storage, location, manifest, chunks)
         check_headers(storage, location, manifest, pairs)
         return
@@ -353,7 +353,7 @@ TINY_CHUNK_BYTES = 64 << 10
 def _tiny(storage: Storage, reads: list[ChunkRead]) -> bool:
     """Whether ``reads`` are too small for threads to pay off (object stores excepted: each
     read there is a request, and threads overlap the requests' latency)."""
-    return (getattr(storage, "stream_block", None) is not None
+    return (not reads_are_requests(storage)
             and sum(r.chunk.length for r in reads) < TINY_CHUNK_BYTES * len(reads))
 
 

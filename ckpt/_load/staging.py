@@ -29,7 +29,7 @@ import threading
 
 import torch
 
-from storage_backends import Storage
+from storage_backends import Storage, reads_are_requests
 
 from ckpt._load.chunk_read import OpenFiles, read_chunk
 from ckpt._load.read_plan import ChunkRead
@@ -74,7 +74,7 @@ def plan_staging(storage: Storage, live: list[ChunkRead]
     """Split the reads into live tensors into (read once into staging, verified then read
     again); logs when the budget sends them to two passes."""
     cpu = [r for r in live if r.dest.device.type == "cpu"]
-    cached = getattr(storage, "stream_block", None) is not None
+    cached = not reads_are_requests(storage)
     if not cpu or (cached and not STAGE_FILE_SYSTEMS):
         return [], live
     need, budget = staged_bytes(cpu), staging_budget()

@@ -15,7 +15,7 @@ import concurrent.futures as cf
 import time
 from typing import Any, Callable
 
-from storage_backends import LockHeldError, Storage
+from storage_backends import LockHeldError, Storage, reads_are_requests
 
 from ckpt._format.manifest import Manifest
 from ckpt._save.commit import abort, commit_step
@@ -59,7 +59,7 @@ class BackgroundWriter:
         """The policy's thread count for this save (staged from a GPU: ``ready`` is set; an
         object store streams no blocks: each read and write is a request)."""
         return writer_threads(self.options, from_gpu=payload.ready is not None,
-                              requests=getattr(storage, "stream_block", None) is None)
+                              requests=reads_are_requests(storage))
 
     def _run_alone(self, storage: Storage, staging: str, payload: StepPayload,
                    progress: ByteCounter) -> tuple[Manifest, RankTable]:

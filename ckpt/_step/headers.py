@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from storage_backends import Storage
+from storage_backends import Storage, reads_are_requests
 
 from ckpt._format.datafile import SAFETENSORS_DTYPES
 from ckpt._format.entries import Chunk
@@ -128,7 +128,7 @@ def _bytes_of(storage: Storage, path: str
     file, not per read), as exact ranged reads elsewhere (an object store: the first
     asks for :data:`HEADER_PREFIX` bytes, which usually hold the whole header, so that
     the length and the header cost one request, not two)."""
-    if getattr(storage, "stream_block", None) is None:
+    if reads_are_requests(storage):
         prefix: list[tuple[bytes, int]] = []  # (the bytes, how many were asked for)
 
         def ranged(start: int, n: int) -> bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 from collections.abc import Callable, Iterable
 
-from storage_backends import NotAFileError, Storage
+from storage_backends import NotAFileError, Storage, reads_are_requests
 
 from ckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckpt._format.entries import Chunk
@@ -26,7 +26,7 @@ def each_file(storage: Storage, paths: Iterable[str], check: Callable[[str], Non
     """``check(path)`` for every path: at once on a root without a page cache, in turn on
     a file system (no round trips to save). The first failure in path order is raised."""
     ordered = sorted(paths)
-    if len(ordered) < 2 or getattr(storage, "stream_block", None) is not None:
+    if len(ordered) < 2 or not reads_are_requests(storage):
         for path in ordered:
             check(path)
         return

@@ -41,18 +41,19 @@ def step(s3):
     return storage, manifest, reads
 
 
-def meeting(storage, method: str, parties: int = 2) -> threading.Barrier:
-    """Make each call of ``storage.method`` wait until ``parties`` calls are in flight:
-    checks made one after another fail with BrokenBarrierError after 5 s."""
+def meeting(storage, *methods: str, parties: int) -> None:
+    """Make each call of the ``methods`` of ``storage`` wait until ``parties`` calls of
+    them are in flight: checks made one after another fail with BrokenBarrierError after
+    5 s."""
     barrier = threading.Barrier(parties, timeout=5)
-    real = getattr(storage, method)
+    for method in methods:
+        real = getattr(storage, method)
 
-    def waiting(*args, **kwargs):
-        barrier.wait()
-        return real(*args, **kwargs)
+        def waiting(*args, real=real, **kwargs):
+            barrier.wait()
+            return real(*args, **kwargs)
 
-    setattr(storage, method, waiting)
-    return barrier
+        setattr(storage, method, waiting)
 
 
 def counted(storage, method: str) -> list:
@@ -91,15 +92,7 @@ def test_a_restore_reads_the_headers_while_it_asks_for_the_sizes(step):
     """All of a restore's checks of the four files are in flight at once: four sizes and
     four headers."""
     storage, manifest, reads = step
-    barrier = threading.Barrier(2 * FILES, timeout=5)
-    for method in ("size", "read"):
-        real = getattr(storage, method)
-
-        def waiting(*args, real=real, **kwargs):
-            barrier.wait()
-            return real(*args, **kwargs)
-
-        setattr(storage, method, waiting)
+    meeting(storage, "size", "read", parties=2 * FILES)
     reader._check_files(storage, step_dir(1), manifest,
                         [SimpleNamespace(key=key, chunk=c) for key, c in reads])
 

@@ -258,6 +258,25 @@ def object_store_by_default(rank: int, world: int, root: str, options: dict) -> 
             "checkpoint": sum(c.length for e in manifest.tensors.values() for c in e.chunks)}
 
 
+def files_one_rank_reads(manifest, world: int) -> dict[str, int]:
+    """The data files of ``manifest`` that one rank alone reads when ``world`` ranks
+    restore all of it together, each with that rank."""
+    from ckpt._load import cooperative
+
+    readers: dict[str, set[int]] = {}
+    for (path, _), r in cooperative.owners_of(manifest, world).items():
+        readers.setdefault(path, set()).add(r)
+    return {path: min(ranks) for path, ranks in readers.items() if len(ranks) == 1}
+
+
+def damage_header(rank: int, root: str, path: str) -> None:
+    """Rank 0 gives the file at ``path`` a header length past its end; every rank waits."""
+    if rank == 0:
+        with open(os.path.join(root, path), "r+b") as f:
+            f.write((1 << 40).to_bytes(8, "little"))
+    dist.barrier()
+
+
 def headers_checked_then_one_corrupt(rank: int, world: int, root: str) -> dict:
     """Restore the newest step, recording the data files whose headers this rank checks;
     then the header of a step-2 file that one rank other than 0 alone reads from is damaged
@@ -283,15 +302,10 @@ def headers_checked_then_one_corrupt(rank: int, world: int, root: str) -> dict:
     out = {"first": first, "checked": sorted(checked),
            "owned": sorted({path for (path, _), r in owners.items() if r == rank}),
            "files": len(manifest.files)}
-    readers: dict[str, set[int]] = {}
-    for (path, _), r in owners.items():
-        readers.setdefault(path, set()).add(r)
-    path, (reader_rank,) = max((p, rs) for p, rs in readers.items() if rs != {0} and len(rs) == 1)
+    path, reader_rank = max((p, r) for p, r in files_one_rank_reads(manifest, world).items()
+                            if r != 0)
     out["damaged_reader"] = reader_rank
-    if rank == 0:
-        with open(os.path.join(root, path), "r+b") as f:
-            f.write((1 << 40).to_bytes(8, "little"))  # a header length past the file's end
-    dist.barrier()
+    damage_header(rank, root, path)
     state = {"model": zeroed(replicated(2))}
     with ckpt.CheckpointManager(root, read_only=True) as mgr:
         out["second"] = mgr.restore(state)
@@ -371,20 +385,12 @@ def only_step_bad_header(rank: int, world: int, root: str) -> dict:
     """The newest (and only) step's file that the last rank alone reads has a damaged
     header: restore the newest step (one pass, no step to fall back to). ``error``: the
     exception's type and text; ``changed``: the live tensors it changed."""
-    from ckpt._load import cooperative
-
     cooperate_on_one_host()
     with ckpt.CheckpointManager(root, async_save=False) as mgr:
         mgr.save(1, replicated(1))  # each tensor an item: restored into the live tensors
     manifest = read_manifest(PosixStorage(root, create=False), step_dir(1), 1)
-    readers: dict[str, set[int]] = {}
-    for (path, _), r in cooperative.owners_of(manifest, world).items():
-        readers.setdefault(path, set()).add(r)
-    path = max(p for p, rs in readers.items() if rs == {world - 1})
-    if rank == 0:
-        with open(os.path.join(root, path), "r+b") as f:
-            f.write((1 << 40).to_bytes(8, "little"))  # a header length past the file's end
-    dist.barrier()
+    damage_header(rank, root, max(p for p, r in files_one_rank_reads(manifest, world).items()
+                                  if r == world - 1))
     state = zeroed(replicated(1))
     try:
         with ckpt.CheckpointManager(root, read_only=True) as mgr:
